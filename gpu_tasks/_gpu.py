@@ -1,0 +1,57 @@
+"""The one guarded place where GPU libraries are imported.
+
+Importing :mod:`gpu_tasks` never imports cuDF, dask-cuda, rmm or pynvml. Callers
+ask this module for a library; it imports it lazily, caches the outcome, and
+records *why* a library is unavailable so logs and the CLI can say so.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+
+class GpuLibraryUnavailable(ImportError):
+    """A GPU library could not be imported; ``reason`` says why."""
+
+    def __init__(self, name: str, reason: str) -> None:
+        super().__init__(f"{name} is not available: {reason}")
+        self.library = name
+        self.reason = reason
+
+
+@functools.cache
+def _try_import(name: str) -> ModuleType | str:
+    try:
+        return importlib.import_module(name)
+    except Exception as exc:  # ImportError, but also CUDA errors raised at import
+        hint = (
+            "install the GPU extra: pip install 'gpu-tasks[gpu]'"
+            if isinstance(exc, ModuleNotFoundError)
+            else f"{type(exc).__name__}: {exc}"
+        )
+        return hint
+
+
+def load(name: str) -> ModuleType:
+    """Import a GPU library (``cudf``, ``dask_cuda``, ``dask_cudf``, ``rmm``, ``pynvml``).
+
+    Raises:
+        GpuLibraryUnavailable: with the reason the import failed.
+    """
+    outcome = _try_import(name)
+    if isinstance(outcome, str):
+        raise GpuLibraryUnavailable(name, outcome)
+    return outcome
+
+
+def available(name: str) -> bool:
+    """Whether ``name`` imports on this machine (the result is cached)."""
+    return not isinstance(_try_import(name), str)
+
+
+def why_unavailable(name: str) -> str | None:
+    """The reason ``name`` does not import, or ``None`` when it does."""
+    outcome = _try_import(name)
+    return outcome if isinstance(outcome, str) else None

@@ -1,0 +1,38 @@
+"""Exceptions raised by gpu-tasks.
+
+Every error names the thing at fault (profile, field, file, device) and the fix.
+Foreign errors are translated with ``raise ... from exc`` so the cause is kept.
+"""
+
+from __future__ import annotations
+
+
+class GpuTasksError(Exception):
+    """Base class for every error gpu-tasks raises on purpose."""
+
+
+class ProfileError(GpuTasksError, ValueError):
+    """A resource profile (or its TOML file) is invalid."""
+
+
+class UnknownProfileError(GpuTasksError, KeyError):
+    """A task names a profile the runner does not know."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class UnsatisfiableProfileError(GpuTasksError, RuntimeError):
+    """The device inventory can never satisfy a profile's request."""
+
+
+class DeviceDiscoveryError(GpuTasksError, RuntimeError):
+    """Devices could not be discovered (bad emulation spec, failing discovery command)."""
+
+
+class ClusterError(GpuTasksError, RuntimeError):
+    """A profile's Dask cluster could not be provisioned or used."""
+
+
+class PipelineInputError(GpuTasksError, ValueError):
+    """Input data for a pipeline stage is missing, corrupt or has the wrong schema."""
