@@ -1,0 +1,325 @@
+"""One profile's Dask cluster: start, grow, account for, close.
+
+The decisions (how many workers, which devices, when to close) come from
+:mod:`gpu_tasks.policy`; this module only acts on them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_tasks import _gpu
+from gpu_tasks.devices import Device, Inventory
+from gpu_tasks.errors import ClusterError
+from gpu_tasks.policy import WorkerSpec, device_groups, matching_devices, max_worker_count, worker_spec
+from gpu_tasks.profiles import ResourceProfile
+
+logger = logging.getLogger(__name__)
+
+LOCALHOST = "127.0.0.1"
+
+
+@dataclass
+class LedgerRow:
+    """One cluster lifetime, for the resource ledger."""
+
+    profile: str
+    workers: int
+    devices: tuple[str, ...]
+    emulated: bool
+    provisioned_at: float
+    closed_at: float
+    held_seconds: float
+    busy_seconds: float
+    tasks: int
+    reason: str
+
+    @property
+    def utilization(self) -> float:
+        """Busy over held (1.0 is the physical limit)."""
+        return self.busy_seconds / self.held_seconds if self.held_seconds > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        """Plain dict for artifacts and JSON."""
+        return {
+            "profile": self.profile, "workers": self.workers, "devices": ",".join(self.devices) or "-",
+            "emulated": self.emulated, "provisioned_at": self.provisioned_at, "closed_at": self.closed_at,
+            "held_s": round(self.held_seconds, 3), "busy_s": round(self.busy_seconds, 3),
+            "utilization": round(self.utilization, 3), "tasks": self.tasks, "reason": self.reason,
+        }
+
+
+def worker_key(devices: Any) -> str:
+    """Key that ties a task's timing to its worker: its devices, or ``"cpu"``."""
+    return ",".join(devices) or "cpu"
+
+
+def _union_seconds(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if e <= end:
+            continue
+        total += e - max(s, end)
+        end = e
+    return total
+
+
+class ProfileCluster:
+    """The live Dask cluster of one profile within one flow run."""
+
+    def __init__(
+        self,
+        profile: ResourceProfile,
+        inventory: Inventory,
+        worker_env: dict[str, str],
+        provision_timeout: float,
+        dashboard: bool = False,
+    ) -> None:
+        self.profile = profile
+        self.inventory = inventory
+        self.worker_env = worker_env
+        self.provision_timeout = provision_timeout
+        self.dashboard = dashboard
+        self.groups: list[tuple[Device, ...]] = (
+            device_groups(profile, matching_devices(profile, inventory)) if profile.is_gpu else []
+        )
+        self.limit = max_worker_count(profile, len(self.groups))
+        self.specs: list[WorkerSpec] = []
+        self.cluster: Any = None
+        self.client: Any = None
+        self.provisioned_at: float | None = None
+        self._worker_started: dict[str, float] = {}
+        self._busy: dict[str, list[tuple[float, float]]] = {}
+        self._tasks = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------ properties
+    @property
+    def running(self) -> bool:
+        """Whether the cluster is up."""
+        return self.cluster is not None
+
+    @property
+    def worker_count(self) -> int:
+        """Workers started so far."""
+        return len(self.specs)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        """Device addresses the cluster holds now."""
+        return tuple(d.address for spec in self.specs for d in spec.devices)
+
+    @property
+    def dashboard_link(self) -> str | None:
+        """The Dask dashboard URL, when dashboards are on."""
+        if not (self.dashboard and self.client is not None):
+            return None
+        return self.client.dashboard_link
+
+    # ------------------------------------------------------------ lifecycle
+    def start(self, n_workers: int) -> None:
+        """Start the cluster with ``n_workers`` workers and wait until they are up.
+
+        Raises:
+            ClusterError: naming the profile and devices when workers do not start.
+        """
+        from distributed import Client
+
+        n_workers = max(1, min(n_workers, self.limit))
+        specs = [self._spec(i) for i in range(n_workers)]
+        t0 = time.monotonic()
+        try:
+            self.cluster = self._make_cluster(specs)
+            self.client = Client(self.cluster, set_as_default=False, timeout=self.provision_timeout)
+            self.client.wait_for_workers(n_workers, timeout=self.provision_timeout)
+        except Exception as exc:
+            self._teardown()
+            devices = ",".join(d.address for s in specs for d in s.devices) or "none"
+            raise ClusterError(
+                f"profile {self.profile.name!r}: could not start {n_workers} worker(s) "
+                f"(devices: {devices}) within {self.provision_timeout:g}s: {type(exc).__name__}: {exc}"
+            ) from exc
+        now = time.time()
+        self.specs = specs
+        self.provisioned_at = now
+        for s in specs:
+            self._worker_started[s.name] = now
+        logger.info(
+            "profile %r: provisioned %d worker(s) on %s in %.2fs",
+            self.profile.name, n_workers, self._where(), time.monotonic() - t0,
+        )
+
+    def scale_to(self, n_workers: int) -> int:
+        """Grow to ``n_workers`` (never shrinks while running); returns the new count."""
+        n_workers = min(n_workers, self.limit)
+        if not self.running or n_workers <= len(self.specs):
+            return len(self.specs)
+        new = [self._spec(i) for i in range(len(self.specs), n_workers)]
+        if self._is_cuda():
+            self.cluster.scale(n_workers)
+        else:
+            for s in new:
+                self.cluster.worker_spec[s.name] = self._dask_spec(s)
+            self.cluster.sync(self.cluster._correct_state)
+        try:
+            self.client.wait_for_workers(n_workers, timeout=self.provision_timeout)
+        except Exception as exc:
+            raise ClusterError(
+                f"profile {self.profile.name!r}: could not grow to {n_workers} workers within "
+                f"{self.provision_timeout:g}s: {exc}"
+            ) from exc
+        now = time.time()
+        self.specs.extend(new)
+        for s in new:
+            self._worker_started[s.name] = now
+        logger.info(
+            "profile %r: scaled up to %d worker(s) (%s) because tasks were waiting",
+            self.profile.name, n_workers, self._where(),
+        )
+        return n_workers
+
+    def record(self, worker: str, start: float, end: float) -> None:
+        """Record that a task ran on ``worker`` (see :func:`worker_key`) from ``start`` to ``end``."""
+        with self._lock:
+            self._busy.setdefault(worker, []).append((start, end))
+            self._tasks += 1
+
+    def close(self, reason: str) -> LedgerRow | None:
+        """Close the cluster and return its ledger row (``None`` if it was not running)."""
+        if not self.running:
+            return None
+        closed = time.time()
+        row = self._ledger(closed, reason)
+        self._teardown()
+        logger.info(
+            "profile %r: closed cluster (%s); held %.1f device-s, busy %.1f device-s",
+            self.profile.name, reason, row.held_seconds, row.busy_seconds,
+        )
+        self.specs = []
+        self._worker_started.clear()
+        self._busy.clear()
+        self._tasks = 0
+        self.provisioned_at = None
+        return row
+
+    # ------------------------------------------------------------ internals
+    def _where(self) -> str:
+        if not self.profile.is_gpu:
+            mode = "processes" if self.profile.uses_processes else "threads in the flow process"
+            return f"CPU ({mode})"
+        kind = "emulated devices" if self.inventory.emulated else "devices"
+        return f"{kind} {','.join(d.address for s in self.specs or [] for d in s.devices) or '?'}"
+
+    def _spec(self, index: int) -> WorkerSpec:
+        devices = self.groups[index] if self.profile.is_gpu else ()
+        return worker_spec(self.profile, index, devices, self.inventory.emulated, extra_env=self.worker_env)
+
+    def _is_cuda(self) -> bool:
+        return self.profile.is_gpu and not self.inventory.emulated and self.profile.devices_per_worker == 1
+
+    def _dask_spec(self, spec: WorkerSpec) -> dict[str, Any]:
+        from distributed import Nanny
+
+        return {
+            "cls": Nanny,
+            "options": {
+                "nthreads": spec.nthreads,
+                "resources": spec.resources or None,
+                "env": spec.env,
+                "host": LOCALHOST,
+                "memory_limit": spec.memory_limit or "auto",
+                "dashboard_address": f"{LOCALHOST}:0",
+                "silence_logs": logging.WARNING,
+                "name": spec.name,
+            },
+        }
+
+    def _make_cluster(self, specs: list[WorkerSpec]) -> Any:
+        from distributed import LocalCluster, Scheduler, SpecCluster
+
+        dash = f"{LOCALHOST}:0"
+        if not self.profile.uses_processes:
+            spec = specs[0]
+            return LocalCluster(
+                n_workers=1, threads_per_worker=spec.nthreads, processes=False,
+                dashboard_address=dash, worker_dashboard_address=dash,
+                scheduler_kwargs={"dashboard": self.dashboard}, memory_limit=spec.memory_limit or "auto",
+                name=f"gpu-tasks:{self.profile.name}", silence_logs=logging.WARNING,
+            )
+        if self._is_cuda():
+            return self._cuda_cluster(specs)
+        scheduler = {
+            "cls": Scheduler,
+            "options": {"host": LOCALHOST, "dashboard": self.dashboard, "dashboard_address": dash},
+        }
+        workers = {s.name: self._dask_spec(s) for s in specs}
+        return SpecCluster(
+            workers=workers, scheduler=scheduler, name=f"gpu-tasks:{self.profile.name}",
+            silence_logs=logging.WARNING,
+        )
+
+    def _cuda_cluster(self, specs: list[WorkerSpec]) -> Any:
+        """dask-cuda's LocalCUDACluster, each worker seeing only its own device."""
+        try:
+            dask_cuda = _gpu.load("dask_cuda")
+        except _gpu.GpuLibraryUnavailable as exc:
+            raise ClusterError(
+                f"profile {self.profile.name!r} needs dask-cuda on real GPUs: {exc.reason}"
+            ) from exc
+        by_address = {spec.devices[0].address: spec for spec in (self._spec(i) for i in range(self.limit))}
+        cuda = self.profile.cuda
+
+        class OwnDeviceCUDACluster(dask_cuda.LocalCUDACluster):  # type: ignore[misc,name-defined]
+            """dask-cuda shows each worker every device (its own first); gpu-tasks shows only its own."""
+
+            def new_worker_spec(self) -> dict[str, Any]:
+                spec = super().new_worker_spec()
+                for worker in spec.values():
+                    own = worker["options"]["env"]["CUDA_VISIBLE_DEVICES"].split(",")[0]
+                    worker["options"]["env"] = dict(by_address[own].env)
+                    worker["options"]["resources"] = dict(by_address[own].resources)
+                return spec
+
+        return OwnDeviceCUDACluster(
+            CUDA_VISIBLE_DEVICES=list(by_address),
+            n_workers=len(specs),
+            threads_per_worker=specs[0].nthreads,
+            host=LOCALHOST,
+            dashboard_address=f"{LOCALHOST}:0" if self.dashboard else None,
+            memory_limit=specs[0].memory_limit or "auto",
+            rmm_pool_size=cuda.rmm_pool_size,
+            rmm_async=cuda.rmm_async,
+            enable_cudf_spill=cuda.enable_cudf_spill,
+            protocol=cuda.protocol,
+            silence_logs=logging.WARNING,
+        )
+
+    def _ledger(self, closed: float, reason: str) -> LedgerRow:
+        held = busy = 0.0
+        for i, spec in enumerate(self.specs):
+            weight = max(1, len(spec.devices))
+            held += (closed - self._worker_started.get(spec.name, closed)) * weight
+            if not spec.devices and i > 0:
+                continue  # CPU workers share one "cpu" timeline
+            busy += _union_seconds(self._busy.get(worker_key(d.address for d in spec.devices), [])) * weight
+        return LedgerRow(
+            profile=self.profile.name, workers=len(self.specs), devices=self.devices,
+            emulated=self.inventory.emulated and self.profile.is_gpu,
+            provisioned_at=self.provisioned_at or closed, closed_at=closed,
+            held_seconds=held, busy_seconds=min(busy, held), tasks=self._tasks, reason=reason,
+        )
+
+    def _teardown(self) -> None:
+        client, cluster = self.client, self.cluster
+        self.client = self.cluster = None
+        for thing in (client, cluster):
+            if thing is None:
+                continue
+            try:
+                thing.close()
+            except Exception:
+                logger.warning("profile %r: error while closing %r", self.profile.name, thing, exc_info=True)

@@ -1,0 +1,248 @@
+"""Device discovery: emulated, a Spark-style discovery command, or NVML.
+
+Precedence: ``GPU_TASKS_EMULATED_GPUS`` (when set), then
+``GPU_TASKS_DISCOVERY_COMMAND`` (when set), then NVML through ``pynvml``
+(the ``nvidia-ml-py`` distribution), else no devices. The inventory always says
+which source it came from, and emulated devices are always marked as such.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+import subprocess
+from typing import Literal
+
+from dask.utils import format_bytes, parse_bytes
+from pydantic import BaseModel, ConfigDict
+
+from gpu_tasks import _gpu
+from gpu_tasks.errors import DeviceDiscoveryError
+from gpu_tasks.settings import GpuTasksSettings, get_settings
+
+logger = logging.getLogger(__name__)
+
+Source = Literal["emulated", "command", "nvml", "none"]
+DEFAULT_EMULATED_MODEL = "EMU"
+DEFAULT_EMULATED_MEMORY = 16 * 2**30
+
+
+class Device(BaseModel):
+    """One GPU (or MIG instance) that a worker can own.
+
+    ``address`` is what goes into ``CUDA_VISIBLE_DEVICES`` (an index, or a MIG UUID).
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    address: str
+    index: int
+    name: str
+    uuid: str | None = None
+    memory_total: int | None = None
+    memory_free: int | None = None
+    compute_capability: str | None = None
+    mig: bool = False
+    emulated: bool = False
+
+    def describe(self) -> str:
+        """``0: H100 80.00 GiB`` style line."""
+        mem = format_bytes(self.memory_total) if self.memory_total else "memory unknown"
+        return f"{self.address}: {self.name} ({mem})"
+
+
+class Inventory(BaseModel):
+    """The devices of this host and where that knowledge came from."""
+
+    model_config = ConfigDict(frozen=True)
+
+    devices: tuple[Device, ...] = ()
+    source: Source = "none"
+    detail: str = ""
+
+    @property
+    def emulated(self) -> bool:
+        """Whether these devices are emulated (pandas instead of cuDF, XGBoost on CPU)."""
+        return self.source == "emulated"
+
+    def describe(self) -> str:
+        """One line for error messages: ``2 emulated devices: 0: H100 (80 GiB), 1: ...``."""
+        if not self.devices:
+            return f"no GPUs ({self.detail or self.source})"
+        kind = "emulated " if self.emulated else ""
+        items = ", ".join(d.describe() for d in self.devices)
+        return f"{len(self.devices)} {kind}device(s) from {self.source}: {items}"
+
+
+_ITEM_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9 _.\-]*?)\s*(?::\s*([0-9.]+\s*[A-Za-z]*))?\s*$")
+
+
+def parse_emulated(spec: str) -> tuple[Device, ...]:
+    """Parse ``"4"`` or ``"H100:80GiB,H100:80GiB,L4:24GiB"`` into emulated devices.
+
+    Raises:
+        DeviceDiscoveryError: naming GPU_TASKS_EMULATED_GPUS and the expected format.
+    """
+    hint = (
+        'GPU_TASKS_EMULATED_GPUS must be a count such as "4" or a list of NAME:MEMORY items such as '
+        '"H100:80GiB,L4:24GiB"'
+    )
+    text = spec.strip()
+    if not text:
+        raise DeviceDiscoveryError(f"{hint}; got an empty value")
+    if text.isdigit():
+        count = int(text)
+        if not 0 <= count <= 64:
+            raise DeviceDiscoveryError(f"{hint}; a count must be between 0 and 64, got {count}")
+        return tuple(
+            Device(
+                address=str(i), index=i, name=f"{DEFAULT_EMULATED_MODEL} (emulated)",
+                uuid=f"EMU-{i}", memory_total=DEFAULT_EMULATED_MEMORY,
+                memory_free=DEFAULT_EMULATED_MEMORY, emulated=True,
+            )
+            for i in range(count)
+        )
+    devices = []
+    for i, item in enumerate(text.split(",")):
+        match = _ITEM_RE.match(item)
+        if not match:
+            raise DeviceDiscoveryError(f"{hint}; item {i + 1} ({item.strip()!r}) is not NAME or NAME:MEMORY")
+        name, mem = match.group(1), match.group(2)
+        try:
+            memory = int(parse_bytes(mem)) if mem else DEFAULT_EMULATED_MEMORY
+        except ValueError as exc:
+            raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a bad memory size {mem!r}") from exc
+        if memory <= 0:
+            raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a memory size of zero")
+        devices.append(
+            Device(
+                address=str(i), index=i, name=f"{name} (emulated)", uuid=f"EMU-{i}",
+                memory_total=memory, memory_free=memory, emulated=True,
+            )
+        )
+    if len(devices) > 64:
+        raise DeviceDiscoveryError(f"{hint}; at most 64 devices, got {len(devices)}")
+    return tuple(devices)
+
+
+def run_discovery_command(command: str, timeout: float = 30.0) -> tuple[Device, ...]:
+    """Run a Spark-style discovery command and parse its JSON.
+
+    The command prints ``{"name": "gpu", "addresses": ["0", "1"]}``.
+
+    Raises:
+        DeviceDiscoveryError: the command fails, times out, or prints something else.
+    """
+    where = f"discovery command {command!r} (GPU_TASKS_DISCOVERY_COMMAND)"
+    try:
+        proc = subprocess.run(
+            shlex.split(command), capture_output=True, text=True, timeout=timeout, check=False
+        )
+    except (OSError, ValueError) as exc:
+        raise DeviceDiscoveryError(f"{where} could not start: {exc}") from exc
+    except subprocess.TimeoutExpired as exc:
+        raise DeviceDiscoveryError(f"{where} did not finish within {timeout:.0f}s") from exc
+    if proc.returncode != 0:
+        raise DeviceDiscoveryError(
+            f"{where} exited with {proc.returncode}: {proc.stderr.strip()[:500] or 'no output on stderr'}"
+        )
+    try:
+        data = json.loads(proc.stdout)
+    except json.JSONDecodeError as exc:
+        raise DeviceDiscoveryError(
+            f'{where} must print JSON like {{"name": "gpu", "addresses": ["0"]}}; got {proc.stdout.strip()[:200]!r}'
+        ) from exc
+    addresses = data.get("addresses") if isinstance(data, dict) else None
+    if not isinstance(addresses, list) or not all(isinstance(a, (str, int)) for a in addresses):
+        raise DeviceDiscoveryError(f'{where} must print {{"name": "gpu", "addresses": [...]}}; got {data!r}')
+    if isinstance(data, dict) and data.get("name", "gpu") != "gpu":
+        raise DeviceDiscoveryError(f"{where} reported resource {data.get('name')!r}; only 'gpu' is supported")
+    if len(set(map(str, addresses))) != len(addresses):
+        raise DeviceDiscoveryError(f"{where} reported duplicate addresses {addresses}")
+    return tuple(
+        Device(address=str(a), index=i, name="GPU (from discovery command)")
+        for i, a in enumerate(addresses)
+    )
+
+
+def _decode(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def nvml_devices() -> tuple[tuple[Device, ...], str]:
+    """Devices from NVML (and their MIG instances), with a note on why none were found."""
+    try:
+        nvml = _gpu.load("pynvml")
+    except _gpu.GpuLibraryUnavailable as exc:
+        return (), f"NVML not available ({exc.reason})"
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return (), f"no NVIDIA driver ({type(exc).__name__})"
+    try:
+        devices: list[Device] = []
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
+            name = _decode(nvml.nvmlDeviceGetName(handle))
+            uuid = _decode(nvml.nvmlDeviceGetUUID(handle))
+            migs = _mig_instances(nvml, handle, i, name, f"{major}.{minor}")
+            if migs:
+                devices.extend(migs)
+                continue
+            devices.append(
+                Device(
+                    address=str(i), index=i, name=name, uuid=uuid, memory_total=int(mem.total),
+                    memory_free=int(mem.free), compute_capability=f"{major}.{minor}",
+                )
+            )
+        return tuple(devices), f"{len(devices)} device(s) from NVML"
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:  # pragma: no cover - shutdown failure is harmless
+            logger.warning("nvmlShutdown failed", exc_info=True)
+
+
+def _mig_instances(nvml, handle, index: int, name: str, cc: str) -> list[Device]:  # type: ignore[no-untyped-def]
+    """MIG instances of a device as devices of their own (empty when MIG is off)."""
+    try:
+        current, _pending = nvml.nvmlDeviceGetMigMode(handle)
+    except Exception:
+        return []
+    if current != getattr(nvml, "NVML_DEVICE_MIG_ENABLE", 1):
+        return []
+    out = []
+    for j in range(nvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
+        try:
+            mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
+        except Exception:
+            continue
+        uuid = _decode(nvml.nvmlDeviceGetUUID(mig))
+        mem = nvml.nvmlDeviceGetMemoryInfo(mig)
+        out.append(
+            Device(
+                address=uuid, index=index, name=f"{name} MIG {j}", uuid=uuid,
+                memory_total=int(mem.total), memory_free=int(mem.free), compute_capability=cc, mig=True,
+            )
+        )
+    return out
+
+
+def discover(settings: GpuTasksSettings | None = None) -> Inventory:
+    """Discover this host's devices (see the module docstring for precedence)."""
+    settings = settings or get_settings()
+    if settings.emulated_gpus is not None:
+        devices = parse_emulated(settings.emulated_gpus)
+        return Inventory(
+            devices=devices, source="emulated",
+            detail=f"GPU_TASKS_EMULATED_GPUS={settings.emulated_gpus!r}: pandas instead of cuDF, XGBoost on CPU",
+        )
+    if settings.discovery_command:
+        devices = run_discovery_command(settings.discovery_command)
+        return Inventory(devices=devices, source="command", detail=settings.discovery_command)
+    devices, note = nvml_devices()
+    return Inventory(devices=devices, source="nvml" if devices else "none", detail=note)

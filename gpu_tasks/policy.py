@@ -1,0 +1,186 @@
+"""Pure scheduling decisions: which devices, how many workers, when to close.
+
+No I/O, no clusters: :mod:`gpu_tasks.clusters` and :mod:`gpu_tasks.runner` act on
+what these functions decide, and tests exercise them without starting anything.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+
+from gpu_tasks.allocation import WORKER_ENV_DEVICES, WORKER_ENV_EMULATED, WORKER_ENV_PROFILE
+from gpu_tasks.devices import Device, Inventory
+from gpu_tasks.profiles import ResourceProfile
+
+GPU_RESOURCE = "GPU"
+
+
+def matching_devices(profile: ResourceProfile, inventory: Inventory) -> list[Device]:
+    """Devices whose name contains ``gpu_model`` and whose memory is at least ``gpu_memory``."""
+    out = []
+    for dev in inventory.devices:
+        if profile.gpu_model and profile.gpu_model.lower() not in dev.name.lower():
+            continue
+        if profile.gpu_memory and (dev.memory_total is None or dev.memory_total < profile.gpu_memory):
+            continue
+        out.append(dev)
+    return out
+
+
+def unsatisfiable_reason(profile: ResourceProfile, inventory: Inventory) -> str | None:
+    """Why ``profile`` can never run on ``inventory``, or ``None`` when it can."""
+    if not profile.is_gpu:
+        return None
+    wanted = _describe_request(profile)
+    if not inventory.devices:
+        return f"profile {profile.name!r} asks for {wanted}, but this host has {inventory.describe()}"
+    matching = matching_devices(profile, inventory)
+    if not matching:
+        return (
+            f"profile {profile.name!r} asks for {wanted}, but no device matches; inventory: "
+            f"{inventory.describe()}"
+        )
+    if profile.devices_per_worker > len(matching):
+        return (
+            f"profile {profile.name!r} asks for {wanted} per task, but only {len(matching)} matching "
+            f"device(s) exist; inventory: {inventory.describe()}"
+        )
+    return None
+
+
+def _describe_request(profile: ResourceProfile) -> str:
+    parts = [f"gpus={profile.gpus:g}"]
+    if profile.gpu_model:
+        parts.append(f"gpu_model={profile.gpu_model!r}")
+    if profile.gpu_memory:
+        parts.append(f"gpu_memory>={profile.gpu_memory / 2**30:.1f}GiB")
+    return "(" + ", ".join(parts) + ")"
+
+
+def device_groups(profile: ResourceProfile, devices: list[Device]) -> list[tuple[Device, ...]]:
+    """Split devices into per-worker groups (n devices for n-GPU tasks), capped by max_workers."""
+    per = profile.devices_per_worker
+    if per == 0:
+        return []
+    groups = [tuple(devices[i : i + per]) for i in range(0, len(devices) - per + 1, per)]
+    if profile.max_workers is not None:
+        groups = groups[: profile.max_workers]
+    return groups
+
+
+def cpu_count() -> int:
+    """Cores this process may use."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
+def slots_per_worker(profile: ResourceProfile, cores: int | None = None) -> int:
+    """How many tasks of ``profile`` one worker runs at once.
+
+    GPU: k for ``gpus=1/k`` (tasks share the device), else 1. CPU: the worker's
+    cores divided by ``cpus`` per task (at least 1).
+    """
+    if profile.is_gpu:
+        return int(1 / profile.share) if profile.share < 1 else 1
+    cores = cores or cpu_count()
+    return max(1, math.floor(cores / profile.cpus + 1e-9))
+
+
+def max_worker_count(profile: ResourceProfile, groups: int) -> int:
+    """The most workers ``profile`` may have: its device groups (GPU) or max_workers (CPU)."""
+    if profile.is_gpu:
+        return groups
+    return profile.max_workers or 1
+
+
+def desired_workers(profile: ResourceProfile, outstanding: int, current: int, limit: int) -> int:
+    """Workers to have now: enough slots for the outstanding tasks, never fewer than now.
+
+    Fractional profiles fill a device before using the next (``ceil(n / k)``); a gang
+    always asks for all of its workers.
+    """
+    if limit <= 0:
+        return 0
+    if profile.gang:
+        return limit
+    if not profile.is_gpu:
+        return max(current, min(limit, 1 if outstanding else current))
+    need = math.ceil(outstanding / slots_per_worker(profile))
+    return max(current, min(limit, need))
+
+
+@dataclass(frozen=True)
+class IdleView:
+    """What the idle policy needs to know about one profile's cluster."""
+
+    running: bool
+    outstanding: int
+    idle_since: float | None
+    idle_timeout: float
+
+
+def close_reason(view: IdleView, now: float) -> str | None:
+    """Why the cluster should close now, or ``None`` to keep it.
+
+    A cluster with running or queued work is never closed.
+    """
+    if not view.running or view.outstanding > 0 or view.idle_since is None:
+        return None
+    idle_for = now - view.idle_since
+    if idle_for + 1e-9 >= view.idle_timeout:
+        return f"idle for {idle_for:.1f}s (idle_timeout={view.idle_timeout:g}s), nothing running or queued"
+    return None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker of a profile's cluster: what it owns and how it is started."""
+
+    name: str
+    devices: tuple[Device, ...]
+    nthreads: int
+    resources: dict[str, float]
+    env: dict[str, str] = field(default_factory=dict)
+    memory_limit: int | None = None
+
+
+def task_resources(profile: ResourceProfile) -> dict[str, float] | None:
+    """The Dask resources one task of ``profile`` asks for.
+
+    CPU profiles need none: their cluster is their own and its thread count
+    (``slots_per_worker``) already bounds how many tasks run at once.
+    """
+    if profile.is_gpu:
+        return {GPU_RESOURCE: float(profile.gpus)}
+    return None
+
+
+def worker_spec(
+    profile: ResourceProfile,
+    index: int,
+    devices: tuple[Device, ...],
+    emulated: bool,
+    cores: int | None = None,
+    extra_env: dict[str, str] | None = None,
+) -> WorkerSpec:
+    """Turn a profile and the devices of one worker into that worker's spec."""
+    slots = slots_per_worker(profile, cores)
+    env = dict(extra_env or {})
+    env[WORKER_ENV_PROFILE] = profile.name
+    if profile.is_gpu:
+        resources = {GPU_RESOURCE: float(len(devices))}
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(d.address for d in devices)
+        env[WORKER_ENV_DEVICES] = "|".join(d.name for d in devices)
+        env[WORKER_ENV_EMULATED] = "1" if emulated else "0"
+        name = f"{profile.name}-gpu{'-'.join(d.address for d in devices)}"
+    else:
+        resources = {}
+        name = f"{profile.name}-{index}"
+    return WorkerSpec(
+        name=name, devices=devices, nthreads=slots, resources=resources, env=env,
+        memory_limit=profile.memory,
+    )

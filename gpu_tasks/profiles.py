@@ -1,0 +1,316 @@
+"""Resource profiles: what a task needs, validated when the profile is built.
+
+A profile is data. :func:`gpu_tasks.policy.worker_layout` turns it (and the devices
+it may use) into worker specs; nothing here starts a process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import tomllib
+from collections.abc import Iterable, Iterator, Mapping
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Literal
+
+from dask.utils import parse_bytes
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from gpu_tasks.errors import ProfileError
+
+TAG_PREFIX = "profile:"
+MAX_SHARE = 64
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+
+
+def _parse_size(value: Any, field: str) -> int | None:
+    """Parse ``"16GiB"``, ``"500 MB"`` or a byte count into bytes."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError("must be a size such as '16GiB' or a number of bytes")
+    if isinstance(value, (int, float)):
+        size = int(value)
+    elif isinstance(value, str):
+        try:
+            size = int(parse_bytes(value))
+        except (ValueError, TypeError) as exc:
+            raise ValueError("must be a size such as '16GiB' or a number of bytes") from exc
+    else:
+        raise ValueError("must be a size such as '16GiB' or a number of bytes")
+    if size <= 0:
+        raise ValueError("must be a positive size")
+    return size
+
+
+class CudaOptions(BaseModel):
+    """dask-cuda options passed to ``LocalCUDACluster`` on real GPUs (ignored when emulated)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    rmm_pool_size: int | None = Field(default=None, description="RMM pool per device, e.g. '24GiB'.")
+    rmm_async: bool = False
+    enable_cudf_spill: bool = False
+    protocol: Literal["tcp", "ucx", "ucxx"] = "tcp"
+
+    @field_validator("rmm_pool_size", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> int | None:
+        return _parse_size(value, "rmm_pool_size")
+
+
+class ResourceProfile(BaseModel):
+    """What each task of a stage needs, and how its cluster behaves.
+
+    Args:
+        name: Profile name; tasks select it with the tag ``profile:<name>``.
+        cpus: CPU cores per task (may be fractional, e.g. 0.5).
+        gpus: 0 for CPU-only; ``1/k`` (0.5, 0.25, ...) to share one device among k
+            tasks; a whole number n for n whole devices per task.
+        memory: Memory limit per worker (``"16GiB"`` or bytes); ``None`` lets Dask decide.
+        gpu_memory: Minimum total memory of a device this profile may use.
+        gpu_model: Case-insensitive substring of the device name (``"H100"``).
+        max_workers: Cap on workers (devices, or device groups) the profile may hold.
+        idle_timeout: Seconds without running or queued tasks before the cluster is
+            closed; ``None`` takes ``GPU_TASKS_IDLE_TIMEOUT``.
+        fallback: ``"error"`` (fail at submit) or ``"cpu"`` (run on the runner's CPU
+            profile, logged) when no device can ever satisfy the profile.
+        processes: Run workers as processes. GPU profiles always do (each worker owns
+            its devices through ``CUDA_VISIBLE_DEVICES``); CPU profiles default to
+            threads in the flow process, which costs far less per task.
+        gang: Start all ``max_workers`` workers before the first task runs (for
+            data-parallel training); provisioning fails as a whole if one cannot start.
+        priority: Higher goes first when profiles wait for devices.
+        cuda: dask-cuda options (RMM pool, cuDF spilling, protocol), validated here.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    cpus: float = Field(default=1.0)
+    gpus: float = Field(default=0.0)
+    memory: int | None = None
+    gpu_memory: int | None = None
+    gpu_model: str | None = None
+    max_workers: int | None = None
+    idle_timeout: float | None = None
+    fallback: Literal["error", "cpu"] = "error"
+    processes: bool | None = None
+    gang: bool = False
+    priority: int = 0
+    cuda: CudaOptions = Field(default_factory=CudaOptions)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ProfileError(_describe(exc, data.get("name"))) from None
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not _NAME_RE.match(value):
+            raise ValueError(
+                "must start with a letter or digit and use only letters, digits, '_', '.', '-' "
+                "(at most 63 characters)"
+            )
+        return value
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus(cls, value: float) -> float:
+        if not math.isfinite(value) or value <= 0:
+            raise ValueError("must be a positive number of cores, e.g. 1 or 0.5")
+        return value
+
+    @field_validator("gpus")
+    @classmethod
+    def _gpus(cls, value: float) -> float:
+        if not math.isfinite(value) or value < 0:
+            raise ValueError("must be 0, a whole number of devices, or 1/k for k in 1..64")
+        if value == 0 or (value >= 1 and float(value).is_integer()):
+            return float(value)
+        if 0 < value < 1:
+            k = round(1 / value)
+            if 2 <= k <= MAX_SHARE and math.isclose(1 / k, value, rel_tol=1e-9, abs_tol=1e-12):
+                return 1 / k
+        raise ValueError(
+            "must be a whole number or 1/k for k in 1..64 (e.g. 1, 2, 0.5, 0.25)"
+        )
+
+    @field_validator("memory", "gpu_memory", mode="before")
+    @classmethod
+    def _sizes(cls, value: Any, info: Any) -> int | None:
+        return _parse_size(value, info.field_name)
+
+    @field_validator("gpu_model")
+    @classmethod
+    def _model(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip():
+            raise ValueError("must be a non-empty part of a device name, e.g. 'H100', or left unset")
+        return value.strip() if value is not None else None
+
+    @field_validator("max_workers")
+    @classmethod
+    def _max_workers(cls, value: int | None) -> int | None:
+        if value is not None and value < 1:
+            raise ValueError("must be at least 1, or left unset for no cap")
+        return value
+
+    @field_validator("idle_timeout")
+    @classmethod
+    def _idle(cls, value: float | None) -> float | None:
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise ValueError("must be a number of seconds >= 0, or left unset for GPU_TASKS_IDLE_TIMEOUT")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ResourceProfile:
+        if self.gpus == 0:
+            for field in ("gpu_memory", "gpu_model"):
+                if getattr(self, field) is not None:
+                    raise ValueError(f"{field} needs gpus > 0; set gpus or remove {field}")
+            if self.gang:
+                raise ValueError("gang needs gpus > 0 (gangs start GPU workers together)")
+        elif self.processes is False:
+            raise ValueError("processes=False is not possible with gpus > 0: each GPU worker is a process")
+        if self.gang and self.max_workers is None:
+            raise ValueError("gang needs max_workers: the number of workers to start together")
+        return self
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def is_gpu(self) -> bool:
+        """Whether tasks of this profile need devices."""
+        return self.gpus > 0
+
+    @property
+    def tag(self) -> str:
+        """The task tag that selects this profile."""
+        return profile(self.name)
+
+    @property
+    def share(self) -> Fraction:
+        """The fraction of one device a task holds (0 for CPU, 1 for whole devices)."""
+        if self.gpus == 0:
+            return Fraction(0)
+        if self.gpus < 1:
+            return Fraction(1, round(1 / self.gpus))
+        return Fraction(1)
+
+    @property
+    def devices_per_worker(self) -> int:
+        """Devices each worker owns: n for n-GPU tasks, else 1 (0 for CPU)."""
+        if self.gpus == 0:
+            return 0
+        return int(self.gpus) if self.gpus >= 1 else 1
+
+    @property
+    def uses_processes(self) -> bool:
+        """Whether workers run as separate processes."""
+        return True if self.is_gpu else bool(self.processes)
+
+
+def _describe(exc: ValidationError, name: Any) -> str:
+    """Turn pydantic errors into ``profile 'x': field must ...; got v`` lines."""
+    who = f"profile {name!r}" if isinstance(name, str) and name else "profile"
+    lines = []
+    for err in exc.errors():
+        field = ".".join(str(p) for p in err["loc"]) or "profile"
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            model = CudaOptions if err["loc"][0] == "cuda" else ResourceProfile
+            known = ", ".join(sorted(model.model_fields))
+            msg = f"is not a profile field (known fields: {known})"
+        if err["type"] == "missing":
+            lines.append(f"{who}: {field} is required")
+            continue
+        if not err["loc"]:  # a rule across fields
+            lines.append(f"{who}: {msg}")
+            continue
+        lines.append(f"{who}: {field} {msg}; got {err.get('input')!r}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------- tags
+def profile(name: str) -> str:
+    """The tag that sends a task to profile ``name``: ``profile("gpu") == "profile:gpu"``."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ProfileError(f"profile name {name!r} is not valid: use letters, digits, '_', '.', '-'")
+    return f"{TAG_PREFIX}{name}"
+
+
+def profile_from_tags(tags: Iterable[str]) -> str | None:
+    """The profile named by ``profile:<name>`` tags, or ``None``.
+
+    Raises:
+        ProfileError: when the tags name two different profiles.
+    """
+    names = {t[len(TAG_PREFIX):] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)}
+    if len(names) > 1:
+        raise ProfileError(
+            f"a task carries tags for several profiles ({', '.join(sorted(names))}); keep exactly one "
+            "profile:<name> tag"
+        )
+    return next(iter(names), None)
+
+
+@contextlib.contextmanager
+def use_profile(name: str) -> Iterator[None]:
+    """Send every task submitted inside the block to profile ``name`` (a ``prefect.tags`` block)."""
+    from prefect import tags
+
+    with tags(profile(name)):
+        yield
+
+
+# --------------------------------------------------------------------- TOML
+def profiles_from_mapping(data: Mapping[str, Any], source: str = "profiles") -> dict[str, ResourceProfile]:
+    """Build profiles from ``{"profiles": {name: {field: value}}}``.
+
+    Raises:
+        ProfileError: naming ``source`` and the profile at fault.
+    """
+    tables = data.get("profiles")
+    if not isinstance(tables, Mapping) or not tables:
+        raise ProfileError(f"{source}: expected [profiles.<name>] tables, e.g. [profiles.gpu] with gpus = 1")
+    unknown_top = set(data) - {"profiles", "default"}
+    if unknown_top:
+        raise ProfileError(f"{source}: unknown top-level keys {sorted(unknown_top)}; use [profiles.<name>] and default")
+    out: dict[str, ResourceProfile] = {}
+    for name, fields in tables.items():
+        if not isinstance(fields, Mapping):
+            raise ProfileError(f"{source}: [profiles.{name}] must be a table of fields")
+        if "name" in fields and fields["name"] != name:
+            raise ProfileError(f"{source}: [profiles.{name}] sets name = {fields['name']!r}; drop it or make it match")
+        try:
+            out[name] = ResourceProfile(**{**fields, "name": name})
+        except ProfileError as exc:
+            raise ProfileError(f"{source}: {exc}") from None
+    return out
+
+
+def load_profiles_file(path: str | Path) -> tuple[dict[str, ResourceProfile], str | None]:
+    """Load profiles (and an optional ``default``) from a TOML file.
+
+    Raises:
+        ProfileError: the file is missing, is not TOML, or holds a bad profile.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise ProfileError(
+            f"profiles file {str(path)!r} (GPU_TASKS_PROFILES_FILE) cannot be read: {exc.strerror}; "
+            "point GPU_TASKS_PROFILES_FILE at an existing TOML file"
+        ) from exc
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"profiles file {str(path)!r} is not valid TOML: {exc}") from exc
+    default = data.get("default")
+    if default is not None and not isinstance(default, str):
+        raise ProfileError(f"profiles file {str(path)!r}: default must be a profile name string")
+    return profiles_from_mapping(data, source=f"profiles file {str(path)!r}"), default

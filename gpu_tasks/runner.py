@@ -1,0 +1,596 @@
+"""ProfileTaskRunner: a Prefect task runner with one Dask cluster per resource profile.
+
+Data flow of one task: ``submit`` reads the profile tag -> waits (without blocking
+the flow) for upstream futures of any profile -> finds or provisions that profile's
+cluster -> submits the Prefect task engine to it with the profile's Dask resources
+-> pulls the final state back into the flow process when it finishes, so closing an
+idle cluster loses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import concurrent.futures
+import contextvars
+import logging
+import threading
+import time
+import uuid
+import weakref
+from collections.abc import Iterable
+from contextlib import ExitStack
+from functools import partial
+from typing import Any
+
+from prefect.futures import PrefectConcurrentFuture, PrefectFuture, PrefectFutureList
+from prefect.task_runners import TaskRunner
+from prefect.utilities.collections import visit_collection
+
+from gpu_tasks.allocation import Allocation, allocated, worker_allocation
+from gpu_tasks.clusters import LedgerRow, ProfileCluster, worker_key
+from gpu_tasks.devices import Inventory, discover
+from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiableProfileError
+from gpu_tasks.policy import IdleView, close_reason, desired_workers, task_resources, unsatisfiable_reason
+from gpu_tasks.profiles import ResourceProfile, load_profiles_file, profile, profile_from_tags
+from gpu_tasks.settings import get_settings
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PROFILE = "cpu"
+FALLBACK_TAG = "gpu-tasks:fallback"
+
+
+class ProfileFuture(PrefectConcurrentFuture[Any]):
+    """A Prefect future for a task run on a profile's cluster.
+
+    It wraps a ``concurrent.futures.Future`` that resolves to the task's final
+    Prefect state once that state is back in the flow process.
+    """
+
+    def __init__(self, task_run_id: uuid.UUID, wrapped_future: concurrent.futures.Future[Any], profile: str):
+        super().__init__(task_run_id=task_run_id, wrapped_future=wrapped_future)
+        self.profile = profile
+
+
+# ---------------------------------------------------------------- worker side
+# In-process (thread) workers live in the flow process: Dask carries only a token,
+# and the worker thread picks the task, its parameters and the flow's context
+# (which cannot be pickled) from here. Nothing is serialized, nothing re-hydrated.
+_IN_PROCESS: dict[str, tuple[contextvars.Context, Allocation, Any, dict[str, Any]]] = {}
+
+
+def _run_in_process(token: str) -> tuple[Any, float, float, str]:
+    """Run the Prefect task engine in a worker thread of the flow process."""
+    ctx, alloc, task, kwargs = _IN_PROCESS.pop(token)
+    return ctx.run(_run_engine, alloc, task, kwargs)
+
+
+def _run_on_worker(profile_name: str, fraction: float, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
+    """Run the Prefect task engine in a worker process (context travels serialized)."""
+    from distributed import get_worker
+
+    try:
+        address = get_worker().address
+    except ValueError:  # pragma: no cover - not on a worker
+        address = None
+    return _run_engine(worker_allocation(profile_name, fraction, address), task, kwargs)
+
+
+def _run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
+    from prefect.task_engine import run_task_async, run_task_sync
+
+    start = time.time()
+    with allocated(alloc):
+        if task.isasync:
+            state = asyncio.run(run_task_async(task=task, **kwargs))
+        else:
+            state = run_task_sync(task=task, **kwargs)
+    return state, start, time.time(), worker_key(alloc.devices)
+
+
+# ---------------------------------------------------------------- live state
+class _ProfileState:
+    """Book-keeping for one profile within one entered runner."""
+
+    def __init__(self, cluster: ProfileCluster, idle_timeout: float):
+        self.cluster = cluster
+        self.idle_timeout = idle_timeout
+        self.lock = threading.RLock()
+        self.outstanding = 0  # submitted, not finished (waiting on upstream, queued or running)
+        self.dispatched = 0  # handed to the cluster, not finished
+        self.idle_since: float | None = None
+        self.ever_provisioned = False
+
+
+class _Live:
+    """Everything an entered runner owns; closed as a whole on exit."""
+
+    def __init__(self, runner: ProfileTaskRunner):
+        self.profiles, self.default = runner.resolve_profiles()
+        self.settings = get_settings()
+        self.idle_timeout = runner.idle_timeout
+        self._inventory: Inventory | None = None
+        self.states: dict[str, _ProfileState] = {}
+        self.ledger: list[LedgerRow] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpu-tasks-dispatch")
+        self.monitor: threading.Thread | None = None
+        self.worker_env: dict[str, str] | None = None
+
+    @property
+    def inventory(self) -> Inventory:
+        if self._inventory is None:
+            self._inventory = discover(self.settings)
+            logger.info("gpu-tasks devices: %s", self._inventory.describe())
+            if self._inventory.emulated:
+                logger.warning(
+                    "gpu-tasks is EMULATING devices (%s): tasks get CUDA_VISIBLE_DEVICES and Dask GPU "
+                    "resources as on real hardware, but compute runs on the CPU",
+                    self._inventory.detail,
+                )
+        return self._inventory
+
+    def state(self, prof: ResourceProfile) -> _ProfileState:
+        with self.lock:
+            st = self.states.get(prof.name)
+            if st is None:
+                if self.worker_env is None:
+                    self.worker_env = _worker_env()
+                timeout = prof.idle_timeout if prof.idle_timeout is not None else self.idle_timeout
+                cluster = ProfileCluster(
+                    prof, self.inventory if prof.is_gpu else Inventory(), self.worker_env,
+                    self.settings.provision_timeout, dashboard=self.settings.dashboard,
+                )
+                st = self.states[prof.name] = _ProfileState(cluster, timeout)
+                self._start_monitor()
+            return st
+
+    def _start_monitor(self) -> None:
+        if self.monitor is None:
+            self.monitor = threading.Thread(target=self._watch, name="gpu-tasks-idle", daemon=True)
+            self.monitor.start()
+
+    def _watch(self) -> None:
+        while not self.stop.wait(self._interval()):
+            for st in list(self.states.values()):
+                with st.lock:
+                    reason = close_reason(
+                        IdleView(st.cluster.running, st.outstanding, st.idle_since, st.idle_timeout), time.monotonic()
+                    )
+                    if reason:
+                        self._close(st, f"scaled down: {reason}")
+
+    def _interval(self) -> float:
+        timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
+        return min(0.25, max(0.02, min(timeouts) / 5))
+
+    def _close(self, st: _ProfileState, reason: str) -> None:
+        row = st.cluster.close(reason)
+        if row is not None:
+            self.ledger.append(row)
+
+    def close(self, reason: str) -> None:
+        self.stop.set()
+        if self.monitor is not None:
+            self.monitor.join(timeout=5)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for st in list(self.states.values()):
+            with st.lock:
+                self._close(st, reason)
+
+
+def _worker_env() -> dict[str, str]:
+    """Environment for worker processes: the API URL of this flow run's server, no telemetry."""
+    from prefect.settings import get_current_settings
+
+    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    settings = get_current_settings()
+    url = settings.api.url
+    if url:
+        env["PREFECT_API_URL"] = str(url)
+    if settings.api.key:
+        env["PREFECT_API_KEY"] = settings.api.key.get_secret_value()
+    return env
+
+
+_LIVE_RUNNERS: weakref.WeakSet[ProfileTaskRunner] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_leftovers() -> None:  # pragma: no cover - interpreter exit
+    for runner in list(_LIVE_RUNNERS):
+        try:
+            runner._shutdown("interpreter exit")
+        except Exception:
+            logger.warning("gpu-tasks: error closing clusters at exit", exc_info=True)
+
+
+# ---------------------------------------------------------------- the runner
+class ProfileTaskRunner(TaskRunner[ProfileFuture]):
+    """Runs each task on the Dask cluster of its resource profile.
+
+    Args:
+        profiles: The profiles tasks may name with ``profile:<name>`` tags. Profiles
+            from ``GPU_TASKS_PROFILES_FILE`` are added and override same-named ones, so a
+            deployment can change hardware without a code change.
+        default: Profile of untagged tasks (default ``"cpu"``; a plain CPU profile is
+            added when no profile of that name exists).
+        idle_timeout: Seconds a cluster may sit idle before it is closed, for profiles
+            that do not set their own; ``None`` takes ``GPU_TASKS_IDLE_TIMEOUT``.
+
+    Clusters start when a profile's first task is submitted, never in ``__enter__``
+    (Prefect enters a copy of the runner on workers while hydrating context).
+    """
+
+    def __init__(
+        self,
+        profiles: Iterable[ResourceProfile] | None = None,
+        default: str | None = None,
+        idle_timeout: float | None = None,
+    ) -> None:
+        super().__init__()
+        self._profiles_arg: tuple[ResourceProfile, ...] = tuple(profiles or ())
+        for p in self._profiles_arg:
+            if not isinstance(p, ResourceProfile):
+                raise ProfileError(f"profiles must be ResourceProfile objects; got {p!r}")
+        names = [p.name for p in self._profiles_arg]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ProfileError(f"profiles must have distinct names; {', '.join(dupes)} given more than once")
+        self._default_arg = default
+        if idle_timeout is not None and idle_timeout < 0:
+            raise ProfileError(f"idle_timeout must be >= 0 seconds; got {idle_timeout}")
+        self._idle_timeout_arg = idle_timeout
+        self._live: _Live | None = None
+        self._exit_stack = ExitStack()
+
+    # ------------------------------------------------------------ configuration
+    @property
+    def idle_timeout(self) -> float:
+        """The runner-wide idle timeout (argument, else GPU_TASKS_IDLE_TIMEOUT)."""
+        if self._idle_timeout_arg is not None:
+            return self._idle_timeout_arg
+        return get_settings().idle_timeout
+
+    def resolve_profiles(self) -> tuple[dict[str, ResourceProfile], str]:
+        """The profiles in force (code, then GPU_TASKS_PROFILES_FILE) and the default name."""
+        profiles = {p.name: p for p in self._profiles_arg}
+        file_default = None
+        path = get_settings().profiles_file
+        if path is not None:
+            loaded, file_default = load_profiles_file(path)
+            profiles.update(loaded)
+        default = self._default_arg or file_default or DEFAULT_PROFILE
+        if default not in profiles:
+            if default != DEFAULT_PROFILE:
+                raise UnknownProfileError(
+                    f"default profile {default!r} is not defined; known profiles: {', '.join(sorted(profiles)) or 'none'}"
+                )
+            profiles[DEFAULT_PROFILE] = ResourceProfile(name=DEFAULT_PROFILE)
+        if profiles[default].is_gpu:
+            raise ProfileError(f"default profile {default!r} must be a CPU profile (gpus=0); untagged tasks run there")
+        return profiles, default
+
+    def duplicate(self) -> ProfileTaskRunner:
+        return type(self)(profiles=self._profiles_arg, default=self._default_arg, idle_timeout=self._idle_timeout_arg)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, ProfileTaskRunner)
+            and self._profiles_arg == other._profiles_arg
+            and self._default_arg == other._default_arg
+            and self._idle_timeout_arg == other._idle_timeout_arg
+        )
+
+    __hash__ = object.__hash__
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Prefect pickles the flow (and so this runner) into every remote task's context.
+        return {
+            "_profiles_arg": self._profiles_arg, "_default_arg": self._default_arg,
+            "_idle_timeout_arg": self._idle_timeout_arg,
+        }
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(  # type: ignore[misc]
+            profiles=state["_profiles_arg"], default=state["_default_arg"], idle_timeout=state["_idle_timeout_arg"]
+        )
+
+    # ------------------------------------------------------------ lifetime
+    def __enter__(self) -> ProfileTaskRunner:
+        super().__enter__()
+        self._exit_stack = ExitStack()
+        return self
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        try:
+            reason = "flow run ended" if exc_type is None else f"flow run ended with {exc_type.__name__}"
+            self._shutdown(reason)
+            self._exit_stack.close()
+        finally:
+            super().__exit__(exc_type, exc_value, traceback)
+
+    def _shutdown(self, reason: str) -> None:
+        live, self._live = self._live, None
+        _LIVE_RUNNERS.discard(self)
+        if live is not None:
+            live.close(reason)
+            self._last_ledger = list(live.ledger)
+
+    def _ensure_live(self) -> _Live:
+        if not self._started:
+            raise RuntimeError("The task runner must be started before submitting work.")
+        if self._live is None:
+            self._live = _Live(self)
+            _LIVE_RUNNERS.add(self)
+        return self._live
+
+    # ------------------------------------------------------------ routing
+    def profile_for(self, task: Any) -> ResourceProfile:
+        """The profile a task submitted now would run on (after fallback).
+
+        Raises:
+            UnknownProfileError: the tag names no known profile.
+            UnsatisfiableProfileError: no device can ever satisfy it and fallback is "error".
+        """
+        from prefect.context import TagsContext
+
+        live = self._ensure_live()
+        tags_ctx = TagsContext.get()
+        tags = set(task.tags) | set(tags_ctx.current_tags if tags_ctx else ())
+        name = profile_from_tags(tags) or live.default
+        prof = live.profiles.get(name)
+        if prof is None:
+            raise UnknownProfileError(
+                f"task {task.name!r} asks for profile {name!r}, which this runner does not know; known profiles: "
+                f"{', '.join(sorted(live.profiles))}. Add a ResourceProfile(name={name!r}, ...) to "
+                "ProfileTaskRunner(profiles=[...]) or to GPU_TASKS_PROFILES_FILE"
+            )
+        reason = unsatisfiable_reason(prof, live.inventory) if prof.is_gpu else None
+        if reason is None:
+            return prof
+        if prof.fallback == "cpu":
+            return live.profiles[live.default]
+        raise UnsatisfiableProfileError(
+            f"task {task.name!r} cannot run: {reason}. Lower the request, fix gpu_model/gpu_memory, "
+            "or set fallback='cpu' on the profile"
+        )
+
+    # ------------------------------------------------------------ submit
+    def submit(  # type: ignore[override]
+        self,
+        task: Any,
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None = None,
+        dependencies: dict[str, set[Any]] | None = None,
+    ) -> ProfileFuture:
+        """Submit a task to its profile's cluster; returns at once with a future."""
+        live = self._ensure_live()
+        prof = self.profile_for(task)
+        requested = profile_from_tags(set(task.tags)) or prof.name
+        extra_tags = [profile(prof.name)]
+        if prof.name != requested and requested in live.profiles:
+            extra_tags.append(FALLBACK_TAG)
+            _flow_logger().warning(
+                "Task %r asks for profile %r, which cannot be satisfied (%s); running it on CPU profile %r "
+                "because the profile sets fallback='cpu'",
+                task.name, requested, unsatisfiable_reason(live.profiles[requested], live.inventory), prof.name,
+            )
+        st = live.state(prof)
+        with st.lock:
+            st.outstanding += 1
+            st.idle_since = None
+        task_run_id = uuid.uuid4()
+        cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future = ProfileFuture(task_run_id, cf, profile=prof.name)
+        ctx = contextvars.copy_context()
+        job = partial(
+            self._dispatch, live, st, ctx, extra_tags, task, task_run_id, parameters, wait_for, dependencies, cf
+        )
+        upstream = _pending_futures((parameters, list(wait_for or ())))
+        if not upstream:
+            job()
+        else:
+            _when_all_done(upstream, lambda: live.executor.submit(job))
+        return future
+
+    def map(self, task: Any, parameters: dict[str, Any], wait_for: Iterable[PrefectFuture[Any]] | None = None) -> PrefectFutureList[ProfileFuture]:  # type: ignore[override]
+        return super().map(task, parameters, wait_for)
+
+    def _dispatch(
+        self,
+        live: _Live,
+        st: _ProfileState,
+        ctx: contextvars.Context,
+        extra_tags: list[str],
+        task: Any,
+        task_run_id: uuid.UUID,
+        parameters: dict[str, Any],
+        wait_for: Iterable[PrefectFuture[Any]] | None,
+        dependencies: dict[str, set[Any]] | None,
+        cf: concurrent.futures.Future[Any],
+    ) -> None:
+        try:
+            ctx.run(self._dispatch_in_context, live, st, extra_tags, task, task_run_id, parameters, wait_for, dependencies, cf)
+        except BaseException as exc:
+            self._finish(st, cf, exc=exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _dispatch_in_context(
+        self, live: _Live, st: _ProfileState, extra_tags: list[str], task: Any, task_run_id: uuid.UUID,
+        parameters: dict[str, Any], wait_for: Any, dependencies: Any, cf: concurrent.futures.Future[Any],
+    ) -> None:
+        from prefect import tags
+        from prefect.context import serialize_context
+
+        prof = st.cluster.profile
+        parameters = _futures_to_states(parameters)
+        wait_for = _futures_to_states(list(wait_for)) if wait_for else None
+        with st.lock:
+            if live.stop.is_set():
+                raise RuntimeError("the task runner is shutting down")
+            cluster = st.cluster
+            want = desired_workers(prof, st.dispatched + 1, cluster.worker_count, cluster.limit)
+            if not cluster.running:
+                cluster.start(want)
+                st.ever_provisioned = True
+            elif want > cluster.worker_count:
+                cluster.scale_to(want)
+            st.dispatched += 1
+            client = cluster.client
+        kwargs: dict[str, Any] = dict(
+            task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
+            dependencies=dependencies, return_type="state",
+        )
+        key = f"{task.name}-{task_run_id.hex}"
+        with tags(*extra_tags):
+            if prof.uses_processes:
+                kwargs["context"] = serialize_context(
+                    asset_ctx_kwargs={
+                        "task": task, "task_run_id": task_run_id,
+                        "task_inputs": dependencies or {}, "copy_to_child_ctx": True,
+                    }
+                )
+                fraction = float(prof.share)
+                dfut = client.submit(
+                    _run_on_worker, prof.name, fraction, task, kwargs, key=key, pure=False,
+                    resources=task_resources(prof),
+                )
+            else:
+                alloc = Allocation(profile=prof.name, worker="in-process")
+                _IN_PROCESS[key] = (contextvars.copy_context(), alloc, task, kwargs)
+                try:
+                    dfut = client.submit(
+                        _run_in_process, key, key=key, pure=False, resources=task_resources(prof)
+                    )
+                except BaseException:
+                    _IN_PROCESS.pop(key, None)
+                    raise
+        dfut.add_done_callback(partial(self._on_done, st, cf))
+
+    def _on_done(self, st: _ProfileState, cf: concurrent.futures.Future[Any], dfut: Any) -> None:
+        try:
+            state, start, end, wkey = dfut.result()
+        except BaseException as exc:
+            self._finish(st, cf, exc=exc, dispatched=True)
+            return
+        st.cluster.record(wkey, start, end)
+        self._finish(st, cf, result=state, dispatched=True)
+
+    @staticmethod
+    def _finish(
+        st: _ProfileState, cf: concurrent.futures.Future[Any], result: Any = None,
+        exc: BaseException | None = None, dispatched: bool = False,
+    ) -> None:
+        with st.lock:
+            st.outstanding -= 1
+            if dispatched:
+                st.dispatched -= 1
+            if st.outstanding == 0:
+                st.idle_since = time.monotonic()
+        if cf.done():
+            return
+        if exc is not None:
+            cf.set_exception(exc)
+        else:
+            cf.set_result(result)
+
+    # ------------------------------------------------------------ inspection
+    def status(self) -> dict[str, dict[str, Any]]:
+        """Each profile's state (``absent``, ``running``, ``closed``), workers and devices."""
+        live = self._live
+        if live is None:
+            profiles, _ = self.resolve_profiles()
+            return {name: _status_row("absent", p, None, 0) for name, p in profiles.items()}
+        out = {}
+        for name, prof in live.profiles.items():
+            st = live.states.get(name)
+            if st is None or not st.ever_provisioned:
+                out[name] = _status_row("absent", prof, None, st.outstanding if st else 0)
+            elif st.cluster.running:
+                out[name] = _status_row("running", prof, st.cluster, st.outstanding)
+            else:
+                out[name] = _status_row("closed", prof, None, st.outstanding)
+        return out
+
+    @property
+    def ledger(self) -> list[LedgerRow]:
+        """Closed cluster lifetimes so far (the ledger of the last run after exit)."""
+        if self._live is not None:
+            return list(self._live.ledger)
+        return list(getattr(self, "_last_ledger", []))
+
+    @property
+    def inventory(self) -> Inventory:
+        """The device inventory this runner schedules on."""
+        return self._ensure_live().inventory
+
+
+def _status_row(state: str, prof: ResourceProfile, cluster: ProfileCluster | None, outstanding: int) -> dict[str, Any]:
+    return {
+        "state": state,
+        "gpus": prof.gpus,
+        "workers": cluster.worker_count if cluster else 0,
+        "devices": list(cluster.devices) if cluster else [],
+        "emulated": bool(cluster and cluster.inventory.emulated and prof.is_gpu),
+        "outstanding": outstanding,
+        "dashboard": cluster.dashboard_link if cluster else None,
+    }
+
+
+def _flow_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except Exception:
+        return logger
+
+
+def _pending_futures(expr: Any) -> list[PrefectFuture[Any]]:
+    found: list[PrefectFuture[Any]] = []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, PrefectFuture):
+            found.append(x)
+        return x
+
+    visit_collection(expr, visit_fn=visit, return_data=False)
+    return [f for f in found if not _is_done(f)]
+
+
+def _is_done(f: PrefectFuture[Any]) -> bool:
+    wrapped = getattr(f, "wrapped_future", None)
+    if isinstance(wrapped, concurrent.futures.Future):
+        return wrapped.done()
+    return f.state.is_final()
+
+
+def _when_all_done(futures: list[PrefectFuture[Any]], then: Any) -> None:
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            then()
+
+    for f in futures:
+        f.add_done_callback(one_done)
+
+
+def _futures_to_states(expr: Any) -> Any:
+    """Replace Prefect futures by their final states, which travel to any cluster."""
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, PrefectFuture):
+            x.wait()
+            return x.state
+        return x
+
+    return visit_collection(expr, visit_fn=visit, return_data=True)

@@ -1,0 +1,51 @@
+"""Settings, read from ``GPU_TASKS_*`` environment variables (pydantic-settings).
+
+Arguments across gpu-tasks default to ``None`` and are resolved here: the explicit
+argument, then the setting, then the built-in default (:func:`resolve`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GpuTasksSettings(BaseSettings):
+    """Process-wide settings. Every field maps to ``GPU_TASKS_<FIELD>``."""
+
+    model_config = SettingsConfigDict(env_prefix="GPU_TASKS_", extra="ignore")
+
+    profiles_file: Path | None = Field(
+        default=None, description="TOML file with [profiles.<name>] tables."
+    )
+    idle_timeout: float = Field(
+        default=60.0, ge=0, description="Seconds a profile's cluster may sit idle before it is closed."
+    )
+    emulated_gpus: str | None = Field(
+        default=None,
+        description='Emulate devices: a count ("4") or "NAME:MEMORY,..." ("H100:80GiB,L4:24GiB").',
+    )
+    discovery_command: str | None = Field(
+        default=None,
+        description='Spark-style discovery command printing {"name": "gpu", "addresses": [...]}.',
+    )
+    data_dir: Path = Field(default=Path("gpu-tasks-data"), description="Where pipeline data is written.")
+    provision_timeout: float = Field(
+        default=120.0, gt=0, description="Seconds to wait for a profile's workers to start."
+    )
+    dashboard: bool = Field(default=False, description="Start a Dask dashboard (127.0.0.1) per cluster.")
+
+
+def get_settings() -> GpuTasksSettings:
+    """Read the settings from the environment now (cheap; not cached so tests can change env)."""
+    return GpuTasksSettings()
+
+
+def resolve(value: Any, field: str, settings: GpuTasksSettings | None = None) -> Any:
+    """Return ``value`` unless it is ``None``, else the setting ``field``."""
+    if value is not None:
+        return value
+    return getattr(settings or get_settings(), field)
