@@ -6,6 +6,7 @@ The decisions (how many workers, which devices, when to close) come from
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 import time
@@ -116,7 +117,7 @@ class ProfileCluster:
     @property
     def dashboard_link(self) -> str | None:
         """The Dask dashboard URL, when dashboards are on."""
-        if not (self.dashboard and self.client is not None):
+        if not (self.dashboard and self.client is not None):  # no dashboard for thread workers
             return None
         return self.client.dashboard_link
 
@@ -127,15 +128,23 @@ class ProfileCluster:
         Raises:
             ClusterError: naming the profile and devices when workers do not start.
         """
-        from distributed import Client
-
         n_workers = max(1, min(n_workers, self.limit))
         specs = [self._spec(i) for i in range(n_workers)]
         t0 = time.monotonic()
         try:
-            self.cluster = self._make_cluster(specs)
-            self.client = Client(self.cluster, set_as_default=False, timeout=self.provision_timeout)
-            self.client.wait_for_workers(n_workers, timeout=self.provision_timeout)
+            if self.profile.uses_processes:
+                from distributed import Client
+
+                self.cluster = self._make_cluster(specs)
+                self.client = Client(self.cluster, set_as_default=False, timeout=self.provision_timeout)
+                self.client.wait_for_workers(n_workers, timeout=self.provision_timeout)
+            else:
+                # Threads in the flow process: a Dask scheduler round trip costs about as
+                # much as Prefect's whole task engine (bench/overhead.py), so a plain
+                # executor sized by the profile runs these tasks.
+                self.cluster = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=specs[0].nthreads, thread_name_prefix=f"gpu-tasks-{self.profile.name}"
+                )
         except Exception as exc:
             self._teardown()
             devices = ",".join(d.address for s in specs for d in s.devices) or "none"
@@ -181,6 +190,12 @@ class ProfileCluster:
             self.profile.name, n_workers, self._where(),
         )
         return n_workers
+
+    def submit(self, fn: Any, *args: Any, key: str, resources: dict[str, float] | None) -> Any:
+        """Submit ``fn(*args)``; returns a future with ``add_done_callback`` and ``result``."""
+        if self.client is not None:
+            return self.client.submit(fn, *args, key=key, pure=False, resources=resources)
+        return self.cluster.submit(fn, *args)
 
     def record(self, worker: str, start: float, end: float) -> None:
         """Record that a task ran on ``worker`` (see :func:`worker_key`) from ``start`` to ``end``."""
@@ -239,17 +254,9 @@ class ProfileCluster:
         }
 
     def _make_cluster(self, specs: list[WorkerSpec]) -> Any:
-        from distributed import LocalCluster, Scheduler, SpecCluster
+        from distributed import Scheduler, SpecCluster
 
         dash = f"{LOCALHOST}:0"
-        if not self.profile.uses_processes:
-            spec = specs[0]
-            return LocalCluster(
-                n_workers=1, threads_per_worker=spec.nthreads, processes=False,
-                dashboard_address=dash, worker_dashboard_address=dash,
-                scheduler_kwargs={"dashboard": self.dashboard}, memory_limit=spec.memory_limit or "auto",
-                name=f"gpu-tasks:{self.profile.name}", silence_logs=logging.WARNING,
-            )
         if self._is_cuda():
             return self._cuda_cluster(specs)
         scheduler = {
@@ -320,6 +327,9 @@ class ProfileCluster:
             if thing is None:
                 continue
             try:
-                thing.close()
+                if isinstance(thing, concurrent.futures.Executor):
+                    thing.shutdown(wait=True, cancel_futures=True)
+                else:
+                    thing.close()
             except Exception:
                 logger.warning("profile %r: error while closing %r", self.profile.name, thing, exc_info=True)

@@ -54,18 +54,6 @@ class ProfileFuture(PrefectConcurrentFuture[Any]):
 
 
 # ---------------------------------------------------------------- worker side
-# In-process (thread) workers live in the flow process: Dask carries only a token,
-# and the worker thread picks the task, its parameters and the flow's context
-# (which cannot be pickled) from here. Nothing is serialized, nothing re-hydrated.
-_IN_PROCESS: dict[str, tuple[contextvars.Context, Allocation, Any, dict[str, Any]]] = {}
-
-
-def _run_in_process(token: str) -> tuple[Any, float, float, str]:
-    """Run the Prefect task engine in a worker thread of the flow process."""
-    ctx, alloc, task, kwargs = _IN_PROCESS.pop(token)
-    return ctx.run(_run_engine, alloc, task, kwargs)
-
-
 def _run_on_worker(profile_name: str, fraction: float, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
     """Run the Prefect task engine in a worker process (context travels serialized)."""
     from distributed import get_worker
@@ -153,14 +141,30 @@ class _Live:
             self.monitor.start()
 
     def _watch(self) -> None:
+        closing: dict[str, threading.Thread] = {}
         while not self.stop.wait(self._interval()):
-            for st in list(self.states.values()):
-                with st.lock:
-                    reason = close_reason(
-                        IdleView(st.cluster.running, st.outstanding, st.idle_since, st.idle_timeout), time.monotonic()
+            for name, st in list(self.states.items()):
+                if name in closing and closing[name].is_alive():
+                    continue
+                if self._idle_reason(st):
+                    # close off the monitor thread so one slow close never delays another profile's
+                    closing[name] = threading.Thread(
+                        target=self._close_if_idle, args=(st,), name=f"gpu-tasks-close-{name}", daemon=True
                     )
-                    if reason:
-                        self._close(st, f"scaled down: {reason}")
+                    closing[name].start()
+        for thread in closing.values():
+            thread.join(timeout=30)
+
+    @staticmethod
+    def _idle_reason(st: _ProfileState) -> str | None:
+        view = IdleView(st.cluster.running, st.outstanding, st.idle_since, st.idle_timeout)
+        return close_reason(view, time.monotonic())
+
+    def _close_if_idle(self, st: _ProfileState) -> None:
+        with st.lock:  # re-check under the lock: a task may have arrived meanwhile
+            reason = self._idle_reason(st)
+            if reason and not self.stop.is_set():
+                self._close(st, f"scaled down: {reason}")
 
     def _interval(self) -> float:
         timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
@@ -440,35 +444,28 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             elif want > cluster.worker_count:
                 cluster.scale_to(want)
             st.dispatched += 1
-            client = cluster.client
         kwargs: dict[str, Any] = dict(
             task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
             dependencies=dependencies, return_type="state",
         )
         key = f"{task.name}-{task_run_id.hex}"
         with tags(*extra_tags):
-            if prof.uses_processes:
+            if not prof.uses_processes:
+                alloc = Allocation(profile=prof.name, worker="in-process")
+                dfut = cluster.submit(
+                    contextvars.copy_context().run, _run_engine, alloc, task, kwargs, key=key, resources=None
+                )
+            else:
                 kwargs["context"] = serialize_context(
                     asset_ctx_kwargs={
                         "task": task, "task_run_id": task_run_id,
                         "task_inputs": dependencies or {}, "copy_to_child_ctx": True,
                     }
                 )
-                fraction = float(prof.share)
-                dfut = client.submit(
-                    _run_on_worker, prof.name, fraction, task, kwargs, key=key, pure=False,
+                dfut = cluster.submit(
+                    _run_on_worker, prof.name, float(prof.share), task, kwargs, key=key,
                     resources=task_resources(prof),
                 )
-            else:
-                alloc = Allocation(profile=prof.name, worker="in-process")
-                _IN_PROCESS[key] = (contextvars.copy_context(), alloc, task, kwargs)
-                try:
-                    dfut = client.submit(
-                        _run_in_process, key, key=key, pure=False, resources=task_resources(prof)
-                    )
-                except BaseException:
-                    _IN_PROCESS.pop(key, None)
-                    raise
         dfut.add_done_callback(partial(self._on_done, st, cf))
 
     def _on_done(self, st: _ProfileState, cf: concurrent.futures.Future[Any], dfut: Any) -> None:
@@ -513,7 +510,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             elif st.cluster.running:
                 out[name] = _status_row("running", prof, st.cluster, st.outstanding)
             else:
-                out[name] = _status_row("closed", prof, None, st.outstanding)
+                row = _status_row("closed", prof, None, st.outstanding)
+                row["emulated"] = bool(prof.is_gpu and st.cluster.inventory.emulated)
+                out[name] = row
         return out
 
     @property

@@ -292,6 +292,9 @@ def _train_dask(
     backend = "cudf" if _is_gpu(device) and _gpu.available("dask_cudf") else "pandas"
     with dask.config.set({"dataframe.backend": backend}):
         ddf = dd.read_parquet(str(train_dir), columns=[*columns, label])
+    # Persist the whole frame first: dask-expr may fuse the parquet files differently for
+    # the feature and the label projections, and XGBoost needs them partition-aligned.
+    ddf = client.persist(ddf)
     dtrain = dxgb.DaskQuantileDMatrix(client, ddf[columns], ddf[label])
     kwargs: dict[str, Any] = {"num_boost_round": num_rounds, "evals": [(dtrain, "train")], "verbose_eval": False}
     if on_round is None:
