@@ -92,7 +92,7 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
     text = spec.strip()
     if not text:
         raise DeviceDiscoveryError(f"{hint}; got an empty value")
-    if text.isdigit():
+    if text.isascii() and text.isdigit():  # str.isdigit() is also true for "²", which int() rejects
         count = int(text)
         if not 0 <= count <= 64:
             raise DeviceDiscoveryError(f"{hint}; a count must be between 0 and 64, got {count}")
@@ -110,9 +110,11 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
         if not match:
             raise DeviceDiscoveryError(f"{hint}; item {i + 1} ({item.strip()!r}) is not NAME or NAME:MEMORY")
         name, mem = match.group(1), match.group(2)
+        if mem and not any(ch.isdigit() for ch in mem):  # parse_bytes(".") would be 1 byte
+            raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a bad memory size {mem!r}")
         try:
             memory = int(parse_bytes(mem)) if mem else DEFAULT_EMULATED_MEMORY
-        except ValueError as exc:
+        except (ValueError, OverflowError) as exc:  # a 400-digit size overflows to inf
             raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a bad memory size {mem!r}") from exc
         if memory <= 0:
             raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a memory size of zero")

@@ -22,7 +22,8 @@ from gpu_tasks.errors import ProfileError
 
 TAG_PREFIX = "profile:"
 MAX_SHARE = 64
-_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}$")
+# \Z, not $: "$" also matches before a trailing newline, which let "gpu\n" through.
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
 
 
 def _parse_size(value: Any, field: str) -> int | None:
@@ -31,12 +32,17 @@ def _parse_size(value: Any, field: str) -> int | None:
         return None
     if isinstance(value, bool):
         raise ValueError("must be a size such as '16GiB' or a number of bytes")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite size such as '16GiB' or a number of bytes")
     if isinstance(value, (int, float)):
         size = int(value)
     elif isinstance(value, str):
+        # parse_bytes reads "" and "GiB" as 1 and 1 GiB; a size must have a number in it.
+        if not any(ch in "0123456789" for ch in value):
+            raise ValueError("must be a size such as '16GiB' or a number of bytes")
         try:
             size = int(parse_bytes(value))
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, OverflowError) as exc:  # "1e400" overflows to inf
             raise ValueError("must be a size such as '16GiB' or a number of bytes") from exc
     else:
         raise ValueError("must be a size such as '16GiB' or a number of bytes")
@@ -116,6 +122,14 @@ class ResourceProfile(BaseModel):
                 "must start with a letter or digit and use only letters, digits, '_', '.', '-' "
                 "(at most 63 characters)"
             )
+        return value
+
+    @field_validator("cpus", "gpus", "max_workers", "idle_timeout", "priority", mode="before")
+    @classmethod
+    def _not_bool(cls, value: Any) -> Any:
+        # pydantic's lax mode reads true/false as 1/0, so `gpus = true` would ask for a device.
+        if isinstance(value, bool):
+            raise ValueError("must be a number, not true/false")
         return value
 
     @field_validator("cpus")

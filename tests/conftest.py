@@ -1,0 +1,66 @@
+"""Shared fixtures: one real Prefect test server per session, emulated devices, leak checks."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+
+import psutil
+import pytest
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """A temporary SQLite-backed Prefect server on 127.0.0.1 for the whole session."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+def _descendants() -> set[int]:
+    """Child processes, less multiprocessing's resource tracker: a per-interpreter
+    singleton that the first spawned process starts and that ends with the interpreter."""
+    out = set()
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if "resource_tracker" in " ".join(p.cmdline()):
+                continue
+        except psutil.Error:
+            continue
+        out.add(p.pid)
+    return out
+
+
+@pytest.fixture
+def no_leaked_processes(prefect_server):
+    """Fail the test if a process started during it is still alive at its end."""
+    before = _descendants()
+    yield
+    deadline = 10.0
+    leftover: set[int] = set()
+    for _ in range(int(deadline / 0.25)):
+        leftover = {pid for pid in _descendants() - before if psutil.pid_exists(pid)}
+        if not leftover:
+            return
+        psutil.wait_procs([psutil.Process(p) for p in leftover if psutil.pid_exists(p)], timeout=0.25)
+    procs = []
+    for pid in leftover:
+        try:
+            procs.append(" ".join(psutil.Process(pid).cmdline())[:200])
+        except psutil.Error:
+            continue
+    if procs:
+        pytest.fail(f"processes outlived the flow: {procs}")
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """Two emulated devices (an H100 and an L4) and a short default idle timeout."""
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "H100:80GiB,H100:80GiB")
+    monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "30")
+    monkeypatch.delenv("GPU_TASKS_PROFILES_FILE", raising=False)
+    monkeypatch.delenv("GPU_TASKS_DISCOVERY_COMMAND", raising=False)
+    return "H100:80GiB,H100:80GiB"

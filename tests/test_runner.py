@@ -1,0 +1,369 @@
+"""ProfileTaskRunner on emulated devices against a real Prefect test server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+from prefect import flow, tags, task
+from prefect.context import FlowRunContext
+from prefect.futures import as_completed, wait
+
+from gpu_tasks import (
+    ProfileTaskRunner,
+    ResourceProfile,
+    UnknownProfileError,
+    UnsatisfiableProfileError,
+    current_allocation,
+    profile,
+)
+
+pytestmark = pytest.mark.usefixtures("no_leaked_processes", "emulated")
+
+CPU = ResourceProfile(name="cpu", cpus=0.5)
+GPU = ResourceProfile(name="gpu", gpus=1, idle_timeout=30)
+QUARTER = ResourceProfile(name="quarter", gpus=0.25, idle_timeout=30)
+
+
+def runner(*profiles: ResourceProfile, **kw) -> ProfileTaskRunner:
+    return ProfileTaskRunner(profiles=[CPU, *profiles], default="cpu", **kw)
+
+
+@task
+def hold(seconds: float, tag: int = 0) -> dict:
+    """Record where and when the task ran."""
+    a = current_allocation()
+    start = time.time()
+    time.sleep(seconds)
+    return {
+        "tag": tag, "profile": a.profile, "devices": a.devices, "fraction": a.fraction,
+        "emulated": a.emulated, "pid": os.getpid(), "start": start, "end": time.time(),
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+    }
+
+
+def _status():
+    return FlowRunContext.get().task_runner.status()
+
+
+def _overlaps(intervals: list[tuple[float, float]]) -> int:
+    """Most intervals open at one instant."""
+    events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    best = cur = 0
+    for _, d in events:
+        cur += d
+        best = max(best, cur)
+    return best
+
+
+def test_whole_devices_are_never_shared():
+    gpu_hold = hold.with_options(tags=[profile("gpu")])
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        return [fut.result() for fut in gpu_hold.map([0.4] * 8, tag=list(range(8)))]
+
+    rows = f()
+    by_device = defaultdict(list)
+    for r in rows:
+        assert r["profile"] == "gpu" and r["emulated"] is True and r["fraction"] == 1.0
+        assert len(r["devices"]) == 1 and r["visible"] == r["devices"][0]
+        by_device[r["devices"][0]].append((r["start"], r["end"]))
+    assert set(by_device) == {"0", "1"}, "8 whole-device tasks should use both devices"
+    for dev, intervals in by_device.items():
+        assert _overlaps(intervals) == 1, f"device {dev} ran two whole-device tasks at once"
+    # a worker process per device: never the flow process
+    assert os.getpid() not in {r["pid"] for r in rows}
+
+
+def test_fractional_tasks_pack_one_device_before_the_next():
+    q_hold = hold.with_options(tags=[profile("quarter")])
+
+    @flow(task_runner=runner(QUARTER))
+    def f():
+        first = [fut.result() for fut in q_hold.map([1.0] * 4)]
+        st = _status()["quarter"]
+        second = [fut.result() for fut in q_hold.map([1.5] * 8)]
+        return first, st, second
+
+    first, st, second = f()
+    assert {r["devices"] for r in first} == {("0",)}, "four quarter tasks fit on the first device"
+    assert all(r["fraction"] == 0.25 for r in first)
+    assert _overlaps([(r["start"], r["end"]) for r in first]) == 4
+    assert st["workers"] == 1 and st["devices"] == ["0"]
+    by_device = defaultdict(list)
+    for r in second:
+        by_device[r["devices"]].append((r["start"], r["end"]))
+    assert set(by_device) == {("0",), ("1",)}
+    assert all(_overlaps(iv) <= 4 for iv in by_device.values())
+
+
+def test_unknown_profile_fails_at_submit_listing_known_profiles():
+    bad = hold.with_options(tags=[profile("tpu")])
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        bad.submit(0)
+
+    with pytest.raises(UnknownProfileError) as info:
+        f()
+    msg = str(info.value)
+    assert "'tpu'" in msg and "cpu" in msg and "gpu" in msg
+
+
+@pytest.mark.parametrize(
+    "prof, words",
+    [
+        (ResourceProfile(name="big", gpus=4), ["gpus=4", "2 matching", "H100"]),
+        (ResourceProfile(name="a100", gpus=1, gpu_model="A100"), ["gpu_model='A100'", "no device matches", "H100"]),
+        (ResourceProfile(name="huge", gpus=1, gpu_memory="200GiB"), ["gpu_memory", "no device matches"]),
+    ],
+)
+def test_unsatisfiable_profile_fails_fast_naming_request_and_inventory(prof, words):
+    t = hold.with_options(tags=[profile(prof.name)])
+
+    @flow(task_runner=runner(prof))
+    def f():
+        t.submit(0)
+
+    t0 = time.monotonic()
+    with pytest.raises(UnsatisfiableProfileError) as info:
+        f()
+    assert time.monotonic() - t0 < 30, "must fail at submit, not after a wait"
+    for w in words:
+        assert w in str(info.value)
+    assert "fallback='cpu'" in str(info.value)
+
+
+def test_fallback_cpu_runs_on_the_cpu_profile():
+    prof = ResourceProfile(name="a100", gpus=1, gpu_model="A100", fallback="cpu")
+    t = hold.with_options(tags=[profile("a100")])
+
+    @flow(task_runner=runner(prof))
+    def f():
+        return t.submit(0).result(), _status()
+
+    row, status = f()
+    assert row["profile"] == "cpu" and row["devices"] == ()
+    assert status["a100"]["state"] == "absent"
+
+
+def test_idle_scale_down_then_reprovision_within_one_flow():
+    quick = ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)
+    g = hold.with_options(tags=[profile("gpu")])
+
+    @flow(task_runner=runner(quick))
+    def f():
+        first = g.submit(0.1)
+        first.wait()
+        running = _status()["gpu"]
+        deadline = time.monotonic() + 20
+        while _status()["gpu"]["state"] != "closed" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        closed = _status()["gpu"]
+        again = g.submit(0.1).result()
+        ledger = [r.as_dict() for r in FlowRunContext.get().task_runner.ledger]
+        # the result of a task whose cluster is gone is still readable
+        return first.result(), running, closed, again, ledger
+
+    first, running, closed, again, ledger = f()
+    assert running["state"] == "running" and running["workers"] == 1
+    assert closed["state"] == "closed" and closed["devices"] == []
+    assert first["profile"] == again["profile"] == "gpu"
+    assert first["pid"] != again["pid"], "a new worker process after re-provisioning"
+    gpu_rows = [r for r in ledger if r["profile"] == "gpu"]
+    assert len(gpu_rows) == 1 and "idle" in gpu_rows[0]["reason"]
+    assert 0 < gpu_rows[0]["busy_s"] <= gpu_rows[0]["held_s"]
+
+
+def test_busy_cluster_is_never_closed():
+    quick = ResourceProfile(name="gpu", gpus=1, idle_timeout=0.2)
+    g = hold.with_options(tags=[profile("gpu")])
+
+    @flow(task_runner=runner(quick))
+    def f():
+        fut = g.submit(2.0)
+        time.sleep(1.0)
+        mid = _status()["gpu"]["state"]
+        return mid, fut.result()
+
+    mid, row = f()
+    assert mid == "running" and row["profile"] == "gpu"
+
+
+@task
+def produce(n: int) -> list[int]:
+    return list(range(n))
+
+
+@task(tags=[profile("gpu")])
+def total_on_gpu(values: list[int]) -> tuple[int, tuple[str, ...]]:
+    return sum(values), current_allocation().devices
+
+
+@task
+def describe(pair: tuple[int, tuple[str, ...]], marker: str) -> str:
+    return f"{marker}:{pair[0]}@{','.join(pair[1])}"
+
+
+def test_futures_cross_profiles_as_arguments_and_wait_for(tmp_path: Path):
+    flag = tmp_path / "first.txt"
+
+    @task
+    def write_flag() -> None:
+        time.sleep(0.5)
+        flag.write_text("done")
+
+    @task(tags=[profile("gpu")])
+    def read_flag() -> str:
+        return flag.read_text()
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        nums = produce.submit(5)
+        pair = total_on_gpu.submit(nums)
+        text = describe.submit(pair, "sum")
+        w = write_flag.submit()
+        r = read_flag.submit(wait_for=[w])
+        return text.result(), r.result()
+
+    assert f() == ("sum:10@0", "done")
+
+
+def test_failed_upstream_stops_downstream_on_another_profile(tmp_path: Path):
+    ran = tmp_path / "ran"
+
+    @task
+    def boom() -> int:
+        raise ValueError("upstream failed on purpose")
+
+    @task(tags=[profile("gpu")])
+    def downstream(x: int) -> int:
+        ran.write_text("ran")
+        return x
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        up = boom.submit()
+        down = downstream.submit(up)
+        after = downstream.submit(1, wait_for=[up])
+        for fut in (up, down, after):
+            fut.wait()
+        return up.state.type.value, down.state.type.value, down.state.name, after.state.type.value
+
+    up, down, down_name, after = f()
+    assert up == "FAILED"
+    assert down != "COMPLETED" and after != "COMPLETED"
+    assert down_name == "NotReady", "Prefect marks tasks with failed upstreams NotReady, as with its own runners"
+    assert not ran.exists(), "a downstream task ran on failed upstream data"
+
+
+def test_async_tasks_map_retries_timeouts_and_as_completed(tmp_path: Path):
+    attempts = tmp_path / "attempts"
+
+    @task(tags=[profile("quarter")])
+    async def async_square(x: int) -> tuple[int, tuple[str, ...]]:
+        await asyncio.sleep(0.05)
+        return x * x, current_allocation().devices
+
+    @task(tags=[profile("gpu")], retries=2, retry_delay_seconds=0)
+    def flaky() -> int:
+        with attempts.open("a") as fh:
+            fh.write("x")
+        if len(attempts.read_text()) < 3:
+            raise RuntimeError("transient")
+        return 42
+
+    @task(tags=[profile("gpu")], timeout_seconds=0.5)
+    def too_slow() -> None:
+        time.sleep(5)
+
+    @flow(task_runner=runner(GPU, QUARTER))
+    def f():
+        squares = async_square.map(range(6))
+        done_order = [fut.result()[0] for fut in as_completed(squares)]
+        slow = too_slow.submit()
+        retried = flaky.submit()
+        wait([slow, retried])
+        return sorted(done_order), squares[0].result()[1], retried.result(), slow.state
+
+    squares, devices, retried, slow_state = f()
+    assert squares == [0, 1, 4, 9, 16, 25]
+    assert devices == ("0",)
+    assert retried == 42 and len(attempts.read_text()) == 3
+    assert slow_state.is_failed() and "timeout" in (slow_state.message or "").lower()
+
+
+def test_tags_context_routes_submit_and_map():
+    @flow(task_runner=runner(GPU))
+    def f():
+        with tags(profile("gpu")):
+            one = hold.submit(0)
+            many = hold.map([0, 0])
+        plain = hold.submit(0)
+        return one.result(), [m.result() for m in many], plain.result()
+
+    one, many, plain = f()
+    assert one["profile"] == "gpu" and all(m["profile"] == "gpu" for m in many)
+    assert plain["profile"] == "cpu" and plain["devices"] == () and plain["pid"] == os.getpid()
+
+
+def test_status_reports_absent_running_and_devices():
+    @flow(task_runner=runner(GPU, QUARTER))
+    def f():
+        before = _status()
+        hold.with_options(tags=[profile("gpu")]).submit(0).result()
+        return before, _status()
+
+    before, after = f()
+    assert {v["state"] for v in before.values()} == {"absent"}
+    assert after["gpu"]["state"] == "running" and after["gpu"]["devices"] == ["0"]
+    assert after["gpu"]["emulated"] is True
+    assert after["quarter"]["state"] == "absent"
+
+
+def test_profiles_file_overrides_code_profiles(tmp_path: Path, monkeypatch):
+    path = tmp_path / "profiles.toml"
+    path.write_text('default = "cpu"\n[profiles.cpu]\ncpus = 1\n[profiles.gpu]\ngpus = 0.5\n')
+    monkeypatch.setenv("GPU_TASKS_PROFILES_FILE", str(path))
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        return hold.with_options(tags=[profile("gpu")]).submit(0).result()
+
+    assert f()["fraction"] == 0.5
+
+
+def test_workers_listen_on_localhost_only():
+    import psutil
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        hold.with_options(tags=[profile("gpu")]).submit(0).result()
+        me = psutil.Process()
+        addrs = set()
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                conns = proc.net_connections(kind="inet")
+            except psutil.Error:
+                continue
+            addrs |= {c.laddr.ip for c in conns if c.status == psutil.CONN_LISTEN}
+        return addrs
+
+    addrs = f()
+    assert addrs and addrs <= {"127.0.0.1"}, addrs
+
+
+def test_flow_failure_closes_every_cluster():
+    @flow(task_runner=runner(GPU))
+    def f():
+        hold.with_options(tags=[profile("gpu")]).submit(0).result()
+        raise RuntimeError("flow body failed")
+
+    with pytest.raises(RuntimeError, match="flow body failed"):
+        f()
+    # no_leaked_processes checks that the worker processes are gone
