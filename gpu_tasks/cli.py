@@ -1,0 +1,296 @@
+"""The ``gpu-tasks`` command line: inspect devices and profiles (more commands plug in here).
+
+Every command follows the same rules:
+
+* errors that are the user's to fix (a bad ``GPU_TASKS_*`` value, a bad profiles
+  file) print one message on stderr and exit with code 2 through :func:`_fail`,
+  never a traceback;
+* ``--json`` prints machine-readable output on stdout and nothing else;
+* emulated devices are always called out as such.
+
+To add a command, write a function decorated with ``@app.command(help=...)`` below
+the existing ones, read settings with :func:`_settings` and devices with
+:func:`_inventory`, and report user errors with :func:`_fail`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any, NoReturn
+
+import typer
+from dask.utils import format_bytes
+from pydantic import ValidationError
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from gpu_tasks.devices import Device, Inventory, discover
+from gpu_tasks.errors import DeviceDiscoveryError, ProfileError
+from gpu_tasks.policy import (
+    device_groups,
+    matching_devices,
+    max_worker_count,
+    slots_per_worker,
+    unsatisfiable_reason,
+)
+from gpu_tasks.profiles import ResourceProfile, load_profiles_file
+from gpu_tasks.settings import GpuTasksSettings, get_settings
+
+BUILTIN_DEFAULT_PROFILE = "cpu"
+EXIT_USAGE = 2
+
+app = typer.Typer(
+    name="gpu-tasks",
+    help="GPU-aware Prefect task runner: inspect devices and resource profiles.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+# Consoles resolve sys.stdout / sys.stderr when they print, so test runners that
+# swap the streams see the output.
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+
+@app.callback()
+def _root() -> None:
+    """GPU-aware Prefect task runner: inspect devices and resource profiles."""
+
+
+# ------------------------------------------------------------------- helpers
+def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
+    """Print ``message`` on stderr (no markup, no traceback) and exit with ``code``."""
+    err_console.print(Text(f"error: {message}"), soft_wrap=True)
+    raise typer.Exit(code=code)
+
+
+def _say(message: str | Text, style: str | None = None) -> None:
+    """Print one line on stdout without markup parsing and without hard wrapping."""
+    text = message if isinstance(message, Text) else Text(message, style=style)
+    console.print(text, soft_wrap=True)
+
+
+def _echo_json(data: Any) -> None:
+    """Print ``data`` as JSON on stdout (plain, so it always parses)."""
+    typer.echo(json.dumps(data, indent=2, default=str))
+
+
+def _settings() -> GpuTasksSettings:
+    """The ``GPU_TASKS_*`` settings, or exit 2 naming the bad variable."""
+    try:
+        return get_settings()
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            var = "GPU_TASKS_" + "_".join(str(p) for p in err["loc"]).upper()
+            lines.append(f"{var}: {err['msg']} (got {err.get('input')!r})")
+        _fail("invalid setting " + "; ".join(lines))
+
+
+def _inventory(settings: GpuTasksSettings) -> Inventory:
+    """Discover devices, or exit 2 with the discovery error."""
+    try:
+        return discover(settings)
+    except DeviceDiscoveryError as exc:
+        _fail(str(exc))
+
+
+def _size(value: int | None, unset: str = "-") -> str:
+    return format_bytes(value) if value else unset
+
+
+def _source_line(inventory: Inventory) -> Text:
+    """Where the devices came from, in words."""
+    if inventory.source == "emulated":
+        return Text(f"EMULATED devices: no real GPU ({inventory.detail})", style="bold yellow")
+    if inventory.source == "command":
+        return Text(f"Source: discovery command (GPU_TASKS_DISCOVERY_COMMAND): {inventory.detail}")
+    if inventory.source == "nvml":
+        return Text(f"Source: NVML ({inventory.detail})")
+    return Text(f"Source: none, no GPUs found ({inventory.detail or 'no discovery source'})")
+
+
+def _device_json(device: Device) -> dict[str, Any]:
+    return device.model_dump()
+
+
+# ------------------------------------------------------------------- devices
+@app.command(help="Discover this host's GPUs (emulated, discovery command, or NVML) and list them.")
+def devices(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    settings = _settings()
+    inventory = _inventory(settings)
+    if as_json:
+        _echo_json(
+            {
+                "source": inventory.source,
+                "emulated": inventory.emulated,
+                "detail": inventory.detail,
+                "devices": [_device_json(d) for d in inventory.devices],
+            }
+        )
+        return
+    if inventory.devices:
+        table = Table(title="Devices")
+        table.add_column("Address", overflow="fold")  # MIG addresses are long UUIDs: keep them whole
+        table.add_column("Name", no_wrap=True)
+        for column in ("Memory total", "Memory free", "Compute capability", "MIG", "Emulated"):
+            table.add_column(column)
+        for dev in inventory.devices:
+            table.add_row(
+                Text(dev.address),
+                Text(dev.name),
+                _size(dev.memory_total, "unknown"),
+                _size(dev.memory_free, "unknown"),
+                dev.compute_capability or "-",
+                "yes" if dev.mig else "no",
+                "yes" if dev.emulated else "no",
+            )
+        console.print(table)
+    else:
+        _say("No devices.")
+    _say(_source_line(inventory))
+
+
+# ------------------------------------------------------------------ profiles
+def _load_profiles(file: Path | None, settings: GpuTasksSettings) -> tuple[dict[str, ResourceProfile], str, Path | None]:
+    """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE (as the runner reads them) and the default name.
+
+    Like the runner, a built-in CPU profile named ``cpu`` is added when the default
+    is ``cpu`` and the file does not define it.
+    """
+    path = file if file is not None else settings.profiles_file
+    profiles: dict[str, ResourceProfile] = {}
+    file_default = None
+    if path is not None:
+        try:
+            profiles, file_default = load_profiles_file(path)
+        except ProfileError as exc:
+            _fail(str(exc))
+    default = file_default or BUILTIN_DEFAULT_PROFILE
+    if default not in profiles:
+        if default != BUILTIN_DEFAULT_PROFILE:
+            _fail(
+                f"profiles file {str(path)!r}: default profile {default!r} is not defined; "
+                f"known profiles: {', '.join(sorted(profiles)) or 'none'}"
+            )
+        profiles[BUILTIN_DEFAULT_PROFILE] = ResourceProfile(name=BUILTIN_DEFAULT_PROFILE)
+    if profiles[default].is_gpu:
+        _fail(f"profiles file {str(path)!r}: default profile {default!r} must be a CPU profile (gpus=0)")
+    return profiles, default, path
+
+
+def _placement(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
+    """Which devices ``prof`` may use on ``inventory``, and why it can never run if so."""
+    reason = unsatisfiable_reason(prof, inventory)
+    matching = matching_devices(prof, inventory) if prof.is_gpu else []
+    groups = device_groups(prof, matching) if reason is None else []
+    return {
+        "can_run": reason is None,
+        "reason": reason,
+        "matching_devices": [d.address for d in matching],
+        "workers": max_worker_count(prof, len(groups)),
+        "tasks_per_worker": slots_per_worker(prof),
+    }
+
+
+def _uses_text(prof: ResourceProfile, place: dict[str, Any]) -> str:
+    if not prof.is_gpu:
+        return f"CPU only (no devices): {place['workers']} worker(s), {place['tasks_per_worker']} task(s) at once each"
+    if not place["can_run"]:
+        fallback = "; falls back to the CPU profile" if prof.fallback == "cpu" else ""
+        return f"CANNOT RUN{fallback} (see below)"
+    return (
+        f"devices {', '.join(place['matching_devices'])}: up to {place['workers']} worker(s), "
+        f"{place['tasks_per_worker']} task(s) each"
+    )
+
+
+def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tuple[str, str]]:
+    max_unset = "no cap (one worker per device group)" if prof.is_gpu else "unset (one worker)"
+    idle = f"{prof.idle_timeout:g}s" if prof.idle_timeout is not None else f"{idle_default:g}s (GPU_TASKS_IDLE_TIMEOUT)"
+    return [
+        ("tag", prof.tag),
+        ("cpus", f"{prof.cpus:g}"),
+        ("gpus", f"{prof.gpus:g}"),
+        ("memory", _size(prof.memory, "Dask default")),
+        ("gpu_model", prof.gpu_model or "any"),
+        ("gpu_memory", _size(prof.gpu_memory, "any")),
+        ("max_workers", str(prof.max_workers) if prof.max_workers is not None else max_unset),
+        ("idle_timeout", idle),
+        ("fallback", prof.fallback),
+        ("gang", "yes" if prof.gang else "no"),
+    ]
+
+
+@app.command(help="Show resource profiles (--file or GPU_TASKS_PROFILES_FILE) and which devices each may use.")
+def profiles(
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", "-f", help="TOML profiles file (default: GPU_TASKS_PROFILES_FILE)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    settings = _settings()
+    loaded, default, path = _load_profiles(file, settings)
+    inventory = _inventory(settings)
+    placements = {name: _placement(prof, inventory) for name, prof in loaded.items()}
+    if as_json:
+        _echo_json(
+            {
+                "file": str(path) if path is not None else None,
+                "default": default,
+                "devices": {
+                    "source": inventory.source,
+                    "emulated": inventory.emulated,
+                    "detail": inventory.detail,
+                    "addresses": [d.address for d in inventory.devices],
+                },
+                "profiles": [
+                    {
+                        **prof.model_dump(mode="json"),
+                        "tag": prof.tag,
+                        "default": name == default,
+                        **placements[name],
+                    }
+                    for name, prof in loaded.items()
+                ],
+            }
+        )
+        return
+    if path is None:
+        _say(
+            "No profiles file set (--file or GPU_TASKS_PROFILES_FILE): showing the built-in default "
+            f"CPU profile {BUILTIN_DEFAULT_PROFILE!r}."
+        )
+    else:
+        _say(f"Profiles from {path}")
+    for name, prof in loaded.items():
+        title = f"{name} (default for untagged tasks)" if name == default else name
+        table = Table(title=Text(title), show_header=False, title_justify="left")
+        table.add_column("field", style="bold")
+        table.add_column("value")
+        for field, value in _profile_row_values(prof, settings.idle_timeout):
+            table.add_row(field, Text(value))
+        table.add_row("uses", Text(_uses_text(prof, placements[name])))
+        console.print(table)
+        reason = placements[name]["reason"]
+        if reason is not None:
+            _say(f"CANNOT RUN {name!r} here: {reason}", style="red")
+    _say(_source_line(inventory))
+
+
+# Commands added later (run, serve, bench) go below, each with @app.command(help=...).
+
+
+def main() -> None:
+    """Entry point: ``python -m gpu_tasks.cli``."""
+    app()
+
+
+if __name__ == "__main__":
+    main()
