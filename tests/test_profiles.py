@@ -1,0 +1,455 @@
+"""Resource profiles: validation, tag helpers, Prefect tag propagation, TOML files, settings."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from gpu_tasks.errors import ProfileError
+from gpu_tasks.profiles import (
+    MAX_SHARE,
+    ResourceProfile,
+    load_profiles_file,
+    profile,
+    profile_from_tags,
+    profiles_from_mapping,
+    use_profile,
+)
+from gpu_tasks.settings import GpuTasksSettings, get_settings, resolve
+
+NAMES = st.from_regex(r"\A[A-Za-z0-9][A-Za-z0-9_.\-]{0,20}\Z")
+FAST = settings(max_examples=150, deadline=None)
+
+
+def _is_valid_gpus(value: float) -> bool:
+    """Independent oracle, away from the float tolerance band the strategy avoids."""
+    if value == 0 or (value >= 1 and float(value).is_integer()):
+        return True
+    return any(value == 1 / k for k in range(2, MAX_SHARE + 1))
+
+
+def _near_a_share(value: float) -> bool:
+    return any(math.isclose(value, 1 / k, rel_tol=1e-6) for k in range(1, MAX_SHARE + 1))
+
+
+# ------------------------------------------------------------------ gpus
+@FAST
+@given(
+    name=NAMES,
+    value=st.one_of(
+        st.floats(allow_nan=True, allow_infinity=True),
+        st.fractions(min_value=Fraction(-100), max_value=Fraction(100)).map(float),
+        st.integers(min_value=-(2**40), max_value=-1).map(float),
+    ).filter(lambda v: not (math.isfinite(v) and (_is_valid_gpus(v) or _near_a_share(v)))),
+)
+def test_invalid_gpus_fail_naming_profile_field_and_value(name, value):
+    with pytest.raises(ProfileError) as info:
+        ResourceProfile(name=name, gpus=value)
+    msg = str(info.value)
+    assert f"profile {name!r}" in msg
+    assert "gpus" in msg
+    assert repr(value) in msg
+
+
+@pytest.mark.parametrize("value", [0.3, 0.6, 1.5, 2.25, -1.0, 1 / 65, 1 / 100, 0.7, float("nan"), float("inf")])
+def test_known_bad_gpus(value):
+    with pytest.raises(ProfileError, match=r"profile 'p': gpus .*got"):
+        ResourceProfile(name="p", gpus=value)
+
+
+@given(k=st.integers(min_value=2, max_value=MAX_SHARE))
+def test_every_share_1_over_k_is_valid(k):
+    prof = ResourceProfile(name="frac", gpus=1 / k)
+    assert prof.gpus == 1 / k
+    assert prof.share == Fraction(1, k)
+    assert prof.devices_per_worker == 1
+    assert prof.is_gpu and prof.uses_processes
+
+
+def test_share_from_a_rounded_decimal_is_normalised():
+    prof = ResourceProfile(name="third", gpus=0.333333333333)
+    assert prof.share == Fraction(1, 3)
+    assert prof.gpus == 1 / 3
+
+
+@given(n=st.integers(min_value=1, max_value=512))
+def test_whole_gpus_are_valid(n):
+    prof = ResourceProfile(name="whole", gpus=n)
+    assert prof.gpus == float(n)
+    assert prof.share == 1
+    assert prof.devices_per_worker == n
+
+
+def test_zero_gpus_is_a_cpu_profile():
+    prof = ResourceProfile(name="cpu")
+    assert not prof.is_gpu
+    assert prof.share == 0
+    assert prof.devices_per_worker == 0
+    assert prof.uses_processes is False
+    assert ResourceProfile(name="cpu", processes=True).uses_processes is True
+
+
+@pytest.mark.parametrize("field", ["gpus", "cpus", "max_workers", "idle_timeout", "priority"])
+def test_booleans_are_not_numbers(field):
+    # pydantic's lax mode would read `gpus = true` as one device
+    with pytest.raises(ProfileError, match=rf"profile 'b': {field} must be a number, not true/false"):
+        ResourceProfile(name="b", **{field: True})
+
+
+# ------------------------------------------------------------------ cpus
+@FAST
+@given(
+    value=st.one_of(
+        st.floats(max_value=0.0),
+        st.just(float("nan")),
+        st.just(float("inf")),
+        st.just(float("-inf")),
+    )
+)
+def test_non_positive_or_non_finite_cpus_fail(value):
+    with pytest.raises(ProfileError) as info:
+        ResourceProfile(name="c", cpus=value)
+    assert "profile 'c': cpus" in str(info.value)
+    assert repr(value) in str(info.value)
+
+
+@given(value=st.floats(min_value=1e-6, max_value=1024, allow_nan=False))
+def test_positive_cpus_pass(value):
+    assert ResourceProfile(name="c", cpus=value).cpus == value
+
+
+# ---------------------------------------------------------------- memory
+@FAST
+@given(
+    value=st.one_of(
+        st.sampled_from(["", "   ", "GiB", "lots", "16 foos", "1.2.3GB", "-5GiB", "0", "0.1", "1e400", "nan GB", "."]),
+        st.text(alphabet="abcxyz!@#", min_size=1, max_size=10),
+        st.floats(allow_nan=True, allow_infinity=True).filter(lambda v: not (math.isfinite(v) and v >= 1)),
+        st.integers(max_value=0),
+        st.lists(st.integers(), max_size=2),
+        st.booleans(),
+    )
+)
+def test_bad_memory_fails_naming_memory(value):
+    with pytest.raises(ProfileError) as info:
+        ResourceProfile(name="m", memory=value)
+    assert "profile 'm': memory" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [("16GiB", 16 * 2**30), ("500 MB", 500 * 10**6), (1024, 1024), ("1kiB", 1024), (2.0**31, 2**31)],
+)
+def test_memory_sizes_parse(value, expected):
+    assert ResourceProfile(name="m", memory=value).memory == expected
+    assert ResourceProfile(name="g", gpus=1, gpu_memory=value).gpu_memory == expected
+
+
+def test_bad_gpu_memory_and_rmm_pool_name_their_field():
+    with pytest.raises(ProfileError, match=r"profile 'g': gpu_memory must be a size"):
+        ResourceProfile(name="g", gpus=1, gpu_memory="big")
+    with pytest.raises(ProfileError, match=r"profile 'g': cuda.rmm_pool_size must be a size"):
+        ResourceProfile(name="g", gpus=1, cuda={"rmm_pool_size": "huge"})
+    assert ResourceProfile(name="g", gpus=1, cuda={"rmm_pool_size": "2GiB"}).cuda.rmm_pool_size == 2 * 2**30
+
+
+# --------------------------------------------------------- other fields
+@FAST
+@given(field=st.from_regex(r"\A[a-z][a-z_]{0,15}\Z").filter(lambda f: f not in ResourceProfile.model_fields))
+def test_unknown_fields_fail_naming_the_field(field):
+    with pytest.raises(ProfileError) as info:
+        ResourceProfile(name="u", **{field: 1})
+    msg = str(info.value)
+    assert f"profile 'u': {field} is not a profile field" in msg
+    assert "known fields:" in msg and "gpus" in msg
+
+
+def test_unknown_cuda_option_lists_cuda_fields():
+    with pytest.raises(ProfileError, match=r"cuda.pool is not a profile field \(known fields: enable_cudf_spill"):
+        ResourceProfile(name="u", gpus=1, cuda={"pool": 1})
+
+
+@pytest.mark.parametrize(("field", "value"), [("gpu_model", "H100"), ("gpu_memory", "40GiB")])
+def test_gpu_only_fields_on_cpu_profile_fail(field, value):
+    with pytest.raises(ProfileError, match=rf"profile 'cpu': {field} needs gpus > 0"):
+        ResourceProfile(name="cpu", **{field: value})
+    assert getattr(ResourceProfile(name="g", gpus=1, **{field: value}), field) is not None
+
+
+def test_gang_rules():
+    with pytest.raises(ProfileError, match=r"profile 'train': gang needs max_workers"):
+        ResourceProfile(name="train", gpus=1, gang=True)
+    with pytest.raises(ProfileError, match=r"gang needs gpus > 0"):
+        ResourceProfile(name="train", gang=True, max_workers=2)
+    assert ResourceProfile(name="train", gpus=1, gang=True, max_workers=2).gang
+
+
+def test_processes_false_with_gpus_fails():
+    with pytest.raises(ProfileError, match=r"profile 'g': processes=False is not possible with gpus > 0"):
+        ResourceProfile(name="g", gpus=0.5, processes=False)
+    assert ResourceProfile(name="c", processes=False).uses_processes is False
+
+
+@pytest.mark.parametrize(
+    ("fields", "needle"),
+    [
+        ({"max_workers": 0}, "max_workers must be at least 1"),
+        ({"idle_timeout": -1}, "idle_timeout must be a number of seconds >= 0"),
+        ({"idle_timeout": float("nan")}, "idle_timeout must be a number of seconds >= 0"),
+        ({"fallback": "gpu"}, "fallback"),
+        ({"gpus": 1, "gpu_model": "   "}, "gpu_model must be a non-empty part"),
+    ],
+)
+def test_other_bad_fields(fields, needle):
+    with pytest.raises(ProfileError, match="profile 'x': " + needle):
+        ResourceProfile(name="x", **fields)
+
+
+def test_gpu_model_is_stripped():
+    assert ResourceProfile(name="x", gpus=1, gpu_model=" H100 ").gpu_model == "H100"
+
+
+def test_missing_name_and_several_errors_are_all_reported():
+    with pytest.raises(ProfileError, match="name is required"):
+        ResourceProfile(gpus=1)
+    with pytest.raises(ProfileError) as info:
+        ResourceProfile(name="x", cpus=-1, gpus=0.3)
+    lines = str(info.value).splitlines()
+    assert len(lines) == 2
+    assert any("cpus" in line for line in lines) and any("gpus" in line for line in lines)
+
+
+def test_profiles_are_frozen():
+    prof = ResourceProfile(name="x")
+    with pytest.raises(ValidationError):
+        prof.gpus = 1  # type: ignore[misc]
+
+
+# ------------------------------------------------------------------ tags
+@given(name=NAMES)
+def test_profile_tag_round_trip(name):
+    tag = profile(name)
+    assert tag == f"profile:{name}"
+    assert ResourceProfile(name=name).tag == tag
+    assert profile_from_tags(["etl", tag, "other"]) == name
+
+
+def test_profile_tag_literal():
+    assert profile("gpu") == "profile:gpu"
+
+
+@pytest.mark.parametrize(
+    "name", ["", " gpu", "gpu ", "has space", "-lead", "_lead", "a" * 64, "gpu\n", "profile:gpu", "gpü", 5, None]
+)
+def test_invalid_profile_names_are_rejected(name):
+    with pytest.raises(ProfileError, match="profile name .* is not valid"):
+        profile(name)  # type: ignore[arg-type]
+    with pytest.raises(ProfileError):
+        ResourceProfile(name=name)
+
+
+def test_longest_name_is_accepted():
+    assert profile("a" * 63) == "profile:" + "a" * 63
+
+
+def test_profile_from_tags():
+    assert profile_from_tags([]) is None
+    assert profile_from_tags(["etl", "nightly"]) is None
+    assert profile_from_tags(["profile:gpu", "profile:gpu"]) == "gpu"
+    with pytest.raises(ProfileError, match=r"several profiles \(cpu, gpu\)"):
+        profile_from_tags(["profile:gpu", "x", "profile:cpu"])
+
+
+def test_use_profile_sets_prefect_tags():
+    from prefect.context import TagsContext
+
+    before = set(TagsContext.get().current_tags)
+    assert "profile:gpu" not in before
+    with use_profile("gpu"):
+        assert "profile:gpu" in TagsContext.get().current_tags
+    assert "profile:gpu" not in TagsContext.get().current_tags
+
+
+def test_use_profile_rejects_bad_names_before_entering():
+    with pytest.raises(ProfileError):
+        with use_profile("not valid"):
+            pytest.fail("block must not run")
+
+
+def test_task_with_options_keeps_the_profile_tag():
+    from prefect import task
+
+    def f(x):
+        return x
+
+    t = task(tags=[profile("gpu")])(f)
+    assert profile("gpu") in t.tags
+    renamed = t.with_options(name="x")
+    assert renamed.name == "x"
+    assert profile("gpu") in renamed.tags
+    assert profile_from_tags(renamed.tags) == "gpu"
+
+
+# ------------------------------------------------------------------ TOML
+GOOD_TOML = """
+default = "light"
+
+[profiles.light]
+cpus = 0.5
+
+[profiles.etl]
+gpus = 0.25
+memory = "8GiB"
+gpu_model = "H100"
+
+[profiles.train]
+gpus = 2
+gang = true
+max_workers = 1
+fallback = "cpu"
+idle_timeout = 5
+cuda = { rmm_pool_size = "24GiB", protocol = "ucx" }
+"""
+
+
+def test_load_good_file(tmp_path):
+    path = tmp_path / "profiles.toml"
+    path.write_text(GOOD_TOML)
+    profiles, default = load_profiles_file(path)
+    assert default == "light"
+    assert list(profiles) == ["light", "etl", "train"]
+    assert profiles["light"].cpus == 0.5 and not profiles["light"].is_gpu
+    assert profiles["etl"].share == Fraction(1, 4)
+    assert profiles["etl"].memory == 8 * 2**30
+    assert profiles["train"].gang and profiles["train"].max_workers == 1
+    assert profiles["train"].cuda.rmm_pool_size == 24 * 2**30
+    assert profiles["train"].cuda.protocol == "ucx"
+    assert all(name == p.name for name, p in profiles.items())
+    # str paths work too
+    assert load_profiles_file(str(path))[0] == profiles
+
+
+def test_file_without_default(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text("[profiles.gpu]\ngpus = 1\n")
+    profiles, default = load_profiles_file(path)
+    assert default is None
+    assert profiles["gpu"].gpus == 1
+
+
+def test_missing_file_names_path_and_variable(tmp_path):
+    path = tmp_path / "nope" / "profiles.toml"
+    with pytest.raises(ProfileError) as info:
+        load_profiles_file(path)
+    assert str(path) in str(info.value)
+    assert "GPU_TASKS_PROFILES_FILE" in str(info.value)
+
+
+def test_invalid_toml(tmp_path):
+    path = tmp_path / "bad.toml"
+    path.write_text("[profiles.gpu\ngpus = 1\n")
+    with pytest.raises(ProfileError, match="is not valid TOML") as info:
+        load_profiles_file(path)
+    assert str(path) in str(info.value)
+
+
+def test_non_utf8_file_is_a_profile_error(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes(b"[profiles.caf\xe9]\ngpus = 1\n")
+    with pytest.raises(ProfileError, match="is not valid TOML"):
+        load_profiles_file(path)
+
+
+def test_bad_field_names_file_profile_and_field(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text("[profiles.ok]\ncpus = 1\n\n[profiles.etl]\ngpus = 0.3\n")
+    with pytest.raises(ProfileError) as info:
+        load_profiles_file(path)
+    msg = str(info.value)
+    assert str(path) in msg
+    assert "profile 'etl'" in msg
+    assert "gpus" in msg and "0.3" in msg
+
+
+def test_unknown_field_in_file(tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text("[profiles.etl]\ngpu = 1\n")
+    with pytest.raises(ProfileError, match=r"profile 'etl': gpu is not a profile field") as info:
+        load_profiles_file(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        ('default = "x"\n', "expected \\[profiles.<name>\\] tables"),
+        ("[profiles]\n", "expected \\[profiles.<name>\\] tables"),
+        ("profiles = 3\n", "expected \\[profiles.<name>\\] tables"),
+        ("default = 3\n[profiles.a]\ncpus = 1\n", "default must be a profile name string"),
+        ("[profiles.a]\ncpus = 1\n[extra]\nx = 1\n", "unknown top-level keys \\['extra'\\]"),
+        ("[profiles]\na = 1\n", "\\[profiles.a\\] must be a table of fields"),
+        ('[profiles.a]\nname = "b"\n', "\\[profiles.a\\] sets name = 'b'"),
+        ('[profiles."bad name"]\ncpus = 1\n', "profile 'bad name': name must start"),
+    ],
+)
+def test_malformed_files(tmp_path, text, needle):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    with pytest.raises(ProfileError, match=needle) as info:
+        load_profiles_file(path)
+    assert str(path) in str(info.value)
+
+
+def test_profiles_from_mapping_names_its_source():
+    out = profiles_from_mapping({"profiles": {"a": {"gpus": 1, "name": "a"}}})
+    assert out["a"].gpus == 1
+    with pytest.raises(ProfileError, match=r"^inline: profile 'b': cpus"):
+        profiles_from_mapping({"profiles": {"b": {"cpus": 0}}}, source="inline")
+
+
+# -------------------------------------------------------------- settings
+def test_settings_read_env(monkeypatch, tmp_path):
+    monkeypatch.setenv("GPU_TASKS_PROFILES_FILE", str(tmp_path / "p.toml"))
+    monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "2.5")
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "H100:80GiB")
+    monkeypatch.setenv("GPU_TASKS_DISCOVERY_COMMAND", "echo {}")
+    monkeypatch.setenv("GPU_TASKS_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("GPU_TASKS_PROVISION_TIMEOUT", "7")
+    monkeypatch.setenv("GPU_TASKS_DASHBOARD", "true")
+    s = get_settings()
+    assert s.profiles_file == tmp_path / "p.toml"
+    assert s.idle_timeout == 2.5
+    assert s.emulated_gpus == "H100:80GiB"
+    assert s.discovery_command == "echo {}"
+    assert s.data_dir == tmp_path / "data"
+    assert s.provision_timeout == 7
+    assert s.dashboard is True
+    assert resolve(None, "idle_timeout", s) == 2.5
+    assert resolve(9, "idle_timeout", s) == 9
+
+
+def test_settings_defaults(monkeypatch):
+    for var in ("PROFILES_FILE", "IDLE_TIMEOUT", "EMULATED_GPUS", "DISCOVERY_COMMAND", "DASHBOARD"):
+        monkeypatch.delenv(f"GPU_TASKS_{var}", raising=False)
+    s = GpuTasksSettings()
+    assert s.profiles_file is None and s.emulated_gpus is None and s.discovery_command is None
+    assert s.idle_timeout == 60.0
+    assert s.dashboard is False
+
+
+@pytest.mark.parametrize("value", ["-1", "-0.5", "soon"])
+def test_settings_reject_bad_idle_timeout(monkeypatch, value):
+    monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", value)
+    with pytest.raises(ValidationError, match="idle_timeout"):
+        get_settings()
+
+
+def test_settings_reject_non_positive_provision_timeout(monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_PROVISION_TIMEOUT", "0")
+    with pytest.raises(ValidationError, match="provision_timeout"):
+        get_settings()
