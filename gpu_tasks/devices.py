@@ -139,13 +139,14 @@ def run_discovery_command(command: str, timeout: float = 30.0) -> tuple[Device, 
     """
     where = f"discovery command {command!r} (GPU_TASKS_DISCOVERY_COMMAND)"
     try:
-        proc = subprocess.run(
-            shlex.split(command), capture_output=True, text=True, timeout=timeout, check=False
-        )
+        argv = shlex.split(command)
+        if not argv:  # subprocess.run([]) raises IndexError
+            raise ValueError("the command is empty")
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, check=False)
     except (OSError, ValueError) as exc:
         raise DeviceDiscoveryError(f"{where} could not start: {exc}") from exc
     except subprocess.TimeoutExpired as exc:
-        raise DeviceDiscoveryError(f"{where} did not finish within {timeout:.0f}s") from exc
+        raise DeviceDiscoveryError(f"{where} did not finish within {timeout:g}s") from exc
     if proc.returncode != 0:
         raise DeviceDiscoveryError(
             f"{where} exited with {proc.returncode}: {proc.stderr.strip()[:500] or 'no output on stderr'}"

@@ -9,6 +9,7 @@ from typing import Any
 from prefect import flow
 from prefect.context import FlowRunContext
 
+from gpu_tasks.data import validate_scale
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.runner import ProfileTaskRunner
 from gpu_tasks.settings import get_settings
@@ -44,6 +45,7 @@ def etl_train(
         holdout_months: Months at the end of each year held out for evaluation.
         limit: Use only this many flights (tests and smoke runs).
     """
+    validate_scale(scale)  # fail before any cluster starts
     base = Path(data_dir) if data_dir else get_settings().data_dir
     run_dir = base / f"scale-{scale}"
     raw = ingest_task.submit(str(run_dir), scale=scale, seed=seed, limit=limit).result()

@@ -1,0 +1,77 @@
+"""``gpu-tasks run``: the ETL -> train pipeline on an embedded Prefect server.
+
+Without ``PREFECT_API_URL`` a Prefect server is started for the run on 127.0.0.1
+(and stopped after it). Without real GPUs, two devices are emulated, and the
+output says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from gpu_tasks.devices import discover
+from gpu_tasks.settings import get_settings
+
+DEFAULT_EMULATION = "2"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def embedded_server(timeout: int = 120) -> Iterator[str]:
+    """Use ``PREFECT_API_URL`` when set; otherwise start a Prefect server on 127.0.0.1."""
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    current = get_current_settings().api.url
+    if current:
+        yield str(current)
+        return
+    from prefect.server.api.server import SubprocessASGIServer
+
+    server = SubprocessASGIServer(port=_free_port())
+    server.start(timeout=timeout)
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+            yield server.api_url
+    finally:
+        server.stop()
+
+
+def ensure_devices(announce: Any = print) -> str:
+    """Emulate two devices when there is no real GPU and no emulation set; returns the source."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    settings = get_settings()
+    if settings.emulated_gpus is None and settings.discovery_command is None:
+        inventory = discover(settings)
+        if not inventory.devices:
+            os.environ["GPU_TASKS_EMULATED_GPUS"] = DEFAULT_EMULATION
+            announce(
+                f"No GPU found ({inventory.detail}); EMULATING {DEFAULT_EMULATION} devices "
+                "(GPU_TASKS_EMULATED_GPUS): the scheduling is real, the compute runs on the CPU "
+                "(pandas, XGBoost device=cpu). These are not GPU results."
+            )
+    return discover().source
+
+
+def run_pipeline(scale: int = 1, num_rounds: int = 60, seed: int = 0, limit: int | None = None,
+                 data_dir: str | None = None, announce: Any = print) -> dict[str, Any]:
+    """Run the pipeline flow once and return its summary (plus wall time and server URL)."""
+    from gpu_tasks.pipeline import etl_train
+
+    source = ensure_devices(announce)
+    with embedded_server() as url:
+        t0 = time.monotonic()
+        out = etl_train(scale=scale, num_rounds=num_rounds, seed=seed, limit=limit, data_dir=data_dir)
+        out["seconds"] = round(time.monotonic() - t0, 2)
+    out["prefect_api_url"] = url
+    out["device_source"] = source
+    return out

@@ -1,0 +1,283 @@
+"""The gpu-tasks command line (typer), run in-process with CliRunner."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import textwrap
+
+import pytest
+from typer.testing import CliRunner
+
+from gpu_tasks import devices as devices_module
+from gpu_tasks.cli import app, main
+from gpu_tasks.devices import Device
+
+EMULATED = "H100:80GiB,L4:24GiB"
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def _plain(text: str) -> str:
+    return _ANSI.sub("", text)
+
+
+@pytest.fixture
+def env(monkeypatch):
+    """Two emulated devices; no profiles file, no discovery command."""
+    for var in ("GPU_TASKS_PROFILES_FILE", "GPU_TASKS_DISCOVERY_COMMAND", "GPU_TASKS_IDLE_TIMEOUT", "FORCE_COLOR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", EMULATED)
+    monkeypatch.setenv("NO_COLOR", "1")
+    return monkeypatch
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def _ok(result) -> str:
+    assert result.exit_code == 0, (result.output, result.exception)
+    return _plain(result.stdout)
+
+
+def _failed(result) -> str:
+    """A user error: exit code 2, the message on stderr, no traceback."""
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    assert result.stdout == ""
+    return _plain(result.stderr)
+
+
+# ------------------------------------------------------------------ devices
+def test_devices_lists_emulated_devices(env, runner):
+    out = _ok(runner.invoke(app, ["devices"]))
+    assert "H100 (emulated)" in out and "L4 (emulated)" in out
+    assert "EMULATED devices: no real GPU" in out
+    assert "GPU_TASKS_EMULATED_GPUS='H100:80GiB,L4:24GiB'" in out
+    assert "emulated" in out.lower()
+
+
+def test_devices_json(env, runner):
+    result = runner.invoke(app, ["devices", "--json"])
+    data = json.loads(_ok(result))
+    assert data["source"] == "emulated" and data["emulated"] is True
+    assert [d["name"] for d in data["devices"]] == ["H100 (emulated)", "L4 (emulated)"]
+    assert [d["address"] for d in data["devices"]] == ["0", "1"]
+    assert [d["memory_total"] for d in data["devices"]] == [80 * 2**30, 24 * 2**30]
+    assert all(d["emulated"] for d in data["devices"])
+
+
+def test_devices_from_discovery_command(env, runner, tmp_path):
+    script = tmp_path / "disc.py"
+    script.write_text('print(\'{"name": "gpu", "addresses": ["0", "1", "2"]}\')\n')
+    env.delenv("GPU_TASKS_EMULATED_GPUS")
+    env.setenv("GPU_TASKS_DISCOVERY_COMMAND", f"{sys.executable} {script}")
+    out = _ok(runner.invoke(app, ["devices"]))
+    assert "discovery command" in out and "disc.py" in out
+    assert "EMULATED" not in out
+    data = json.loads(_ok(runner.invoke(app, ["devices", "--json"])))
+    assert data["source"] == "command" and [d["address"] for d in data["devices"]] == ["0", "1", "2"]
+
+
+def test_devices_from_nvml(env, runner):
+    env.delenv("GPU_TASKS_EMULATED_GPUS")
+    dev = Device(address="0", index=0, name="NVIDIA L4", memory_total=24 * 2**30, compute_capability="8.9")
+    env.setattr(devices_module, "nvml_devices", lambda: ((dev,), "1 device(s) from NVML"))
+    out = _ok(runner.invoke(app, ["devices"]))
+    assert "NVIDIA L4" in out and "8.9" in out
+    assert "Source: NVML (1 device(s) from NVML)" in out
+    assert "EMULATED" not in out
+
+
+def test_devices_when_there_are_none(env, runner):
+    env.delenv("GPU_TASKS_EMULATED_GPUS")
+    env.setattr(devices_module, "nvml_devices", lambda: ((), "no NVIDIA driver (NVMLError_LibraryNotFound)"))
+    out = _ok(runner.invoke(app, ["devices"]))
+    assert "No devices." in out
+    assert "no GPUs found (no NVIDIA driver (NVMLError_LibraryNotFound))" in out
+    data = json.loads(_ok(runner.invoke(app, ["devices", "--json"])))
+    assert data == {
+        "source": "none", "emulated": False, "detail": "no NVIDIA driver (NVMLError_LibraryNotFound)", "devices": [],
+    }
+
+
+@pytest.mark.parametrize("value", ["H100:lots", "65", "H100:80GiB,,L4"])
+def test_devices_bad_emulated_env(env, runner, value):
+    env.setenv("GPU_TASKS_EMULATED_GPUS", value)
+    err = _failed(runner.invoke(app, ["devices"]))
+    assert err.startswith("error: GPU_TASKS_EMULATED_GPUS must be a count")
+    err = _failed(runner.invoke(app, ["devices", "--json"]))
+    assert "GPU_TASKS_EMULATED_GPUS" in err
+
+
+def test_devices_bad_discovery_command(env, runner, tmp_path):
+    env.delenv("GPU_TASKS_EMULATED_GPUS")
+    script = tmp_path / "disc.py"
+    script.write_text("print('not json')\n")
+    env.setenv("GPU_TASKS_DISCOVERY_COMMAND", f"{sys.executable} {script}")
+    err = _failed(runner.invoke(app, ["devices"]))
+    assert "GPU_TASKS_DISCOVERY_COMMAND" in err and "must print JSON" in err
+
+
+def test_bad_setting_is_named(env, runner):
+    env.setenv("GPU_TASKS_IDLE_TIMEOUT", "-1")
+    err = _failed(runner.invoke(app, ["devices"]))
+    assert "GPU_TASKS_IDLE_TIMEOUT" in err and "'-1'" in err
+
+
+# ----------------------------------------------------------------- profiles
+PROFILES = textwrap.dedent(
+    """
+    [profiles.etl]
+    gpus = 0.25
+    gpu_model = "H100"
+    memory = "8GiB"
+
+    [profiles.big]
+    gpus = 1
+    gpu_model = "A100"
+
+    [profiles.train]
+    gpus = 2
+    gang = true
+    max_workers = 1
+    fallback = "cpu"
+    idle_timeout = 5
+    """
+)
+
+
+@pytest.fixture
+def profiles_file(tmp_path):
+    path = tmp_path / "profiles.toml"
+    path.write_text(PROFILES)
+    return path
+
+
+def test_profiles_file_shows_unrunnable_profile_and_why(env, runner, profiles_file):
+    out = _ok(runner.invoke(app, ["profiles", "--file", str(profiles_file)]))
+    assert f"Profiles from {profiles_file}" in out
+    for tag in ("profile:etl", "profile:big", "profile:train", "profile:cpu"):
+        assert tag in out
+    line = next(line for line in out.splitlines() if line.startswith("CANNOT RUN 'big'"))
+    assert "gpu_model='A100'" in line and "no device matches" in line
+    assert "H100 (emulated)" in line and "L4 (emulated)" in line
+    assert not any(line.startswith(("CANNOT RUN 'etl'", "CANNOT RUN 'train'")) for line in out.splitlines())
+    assert "EMULATED devices: no real GPU" in out
+    # the fields of each profile are shown
+    for field in ("cpus", "gpus", "memory", "gpu_model", "gpu_memory", "max_workers", "idle_timeout", "fallback", "gang"):
+        assert re.search(rf"│ {field}\s+│", out), field
+    assert "8.00 GiB" in out and "A100" in out
+
+
+def test_profiles_json(env, runner, profiles_file):
+    data = json.loads(_ok(runner.invoke(app, ["profiles", "--file", str(profiles_file), "--json"])))
+    assert data["file"] == str(profiles_file)
+    assert data["default"] == "cpu"
+    assert data["devices"]["source"] == "emulated" and data["devices"]["addresses"] == ["0", "1"]
+    by_name = {p["name"]: p for p in data["profiles"]}
+    assert set(by_name) == {"etl", "big", "train", "cpu"}
+    assert by_name["big"]["can_run"] is False
+    assert "A100" in by_name["big"]["reason"] and by_name["big"]["matching_devices"] == []
+    assert by_name["etl"]["can_run"] is True and by_name["etl"]["reason"] is None
+    assert by_name["etl"]["matching_devices"] == ["0"]
+    assert by_name["etl"]["tasks_per_worker"] == 4 and by_name["etl"]["workers"] == 1
+    assert by_name["etl"]["memory"] == 8 * 2**30
+    assert by_name["train"]["matching_devices"] == ["0", "1"] and by_name["train"]["workers"] == 1
+    assert by_name["train"]["gang"] is True and by_name["train"]["idle_timeout"] == 5
+    assert by_name["cpu"]["default"] is True and by_name["cpu"]["gpus"] == 0
+
+
+def test_profiles_read_the_env_file(env, runner, profiles_file):
+    env.setenv("GPU_TASKS_PROFILES_FILE", str(profiles_file))
+    data = json.loads(_ok(runner.invoke(app, ["profiles", "--json"])))
+    assert data["file"] == str(profiles_file)
+    assert {p["name"] for p in data["profiles"]} == {"etl", "big", "train", "cpu"}
+
+
+def test_profiles_without_a_file_show_the_builtin_cpu_profile(env, runner):
+    out = _ok(runner.invoke(app, ["profiles"]))
+    assert "No profiles file set" in out and "GPU_TASKS_PROFILES_FILE" in out
+    assert "profile:cpu" in out and "CPU only" in out
+    assert "CANNOT RUN" not in out
+    data = json.loads(_ok(runner.invoke(app, ["profiles", "--json"])))
+    assert data["file"] is None
+    assert [p["name"] for p in data["profiles"]] == ["cpu"]
+    assert data["profiles"][0]["can_run"] is True
+
+
+def test_profiles_without_gpus(env, runner, profiles_file):
+    env.delenv("GPU_TASKS_EMULATED_GPUS")
+    env.setattr(devices_module, "nvml_devices", lambda: ((), "no NVIDIA driver (NVMLError_LibraryNotFound)"))
+    data = json.loads(_ok(runner.invoke(app, ["profiles", "-f", str(profiles_file), "--json"])))
+    reasons = {p["name"]: p["reason"] for p in data["profiles"]}
+    assert reasons["cpu"] is None
+    assert all("no NVIDIA driver" in reasons[n] for n in ("etl", "big", "train"))
+
+
+def test_profiles_default_from_file(env, runner, tmp_path):
+    path = tmp_path / "p.toml"
+    path.write_text('default = "light"\n[profiles.light]\ncpus = 0.5\n')
+    data = json.loads(_ok(runner.invoke(app, ["profiles", "-f", str(path), "--json"])))
+    assert [(p["name"], p["default"]) for p in data["profiles"]] == [("light", True)]
+    assert "light (default for untagged tasks)" in _ok(runner.invoke(app, ["profiles", "-f", str(path)]))
+
+
+@pytest.mark.parametrize(
+    ("text", "needles"),
+    [
+        ("[profiles.etl]\ngpus = 0.3\n", ["profile 'etl'", "gpus", "0.3"]),
+        ("[profiles.etl\n", ["is not valid TOML"]),
+        ('default = "nope"\n[profiles.a]\ncpus = 1\n', ["default profile 'nope' is not defined", "known profiles: a"]),
+        ('default = "g"\n[profiles.g]\ngpus = 1\n', ["default profile 'g' must be a CPU profile"]),
+    ],
+)
+def test_profiles_bad_file(env, runner, tmp_path, text, needles):
+    path = tmp_path / "p.toml"
+    path.write_text(text)
+    err = _failed(runner.invoke(app, ["profiles", "--file", str(path)]))
+    assert str(path) in err
+    for needle in needles:
+        assert needle in err
+
+
+def test_profiles_missing_file(env, runner, tmp_path):
+    path = tmp_path / "missing.toml"
+    err = _failed(runner.invoke(app, ["profiles", "--file", str(path)]))
+    assert str(path) in err and "cannot be read" in err
+    env.setenv("GPU_TASKS_PROFILES_FILE", str(path))
+    err = _failed(runner.invoke(app, ["profiles", "--json"]))
+    assert "GPU_TASKS_PROFILES_FILE" in err
+
+
+def test_profiles_bad_devices(env, runner, profiles_file):
+    env.setenv("GPU_TASKS_EMULATED_GPUS", "H100:-1")
+    err = _failed(runner.invoke(app, ["profiles", "--file", str(profiles_file)]))
+    assert "GPU_TASKS_EMULATED_GPUS" in err
+
+
+# --------------------------------------------------------------------- app
+def test_no_arguments_shows_help(env, runner):
+    result = runner.invoke(app, [])
+    out = _plain(result.output)
+    assert "Usage" in out and "devices" in out and "profiles" in out
+    assert result.exit_code in (0, 2)  # click >= 8.2 exits 2 for no_args_is_help
+
+
+def test_every_command_has_help(env, runner):
+    for command in ("devices", "profiles"):
+        result = runner.invoke(app, [command, "--help"])
+        out = _ok(result)
+        assert "--json" in out
+    assert "--file" in _ok(runner.invoke(app, ["profiles", "--help"]))
+
+
+def test_main_runs_the_app(env, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["gpu-tasks", "devices", "--json"])
+    with pytest.raises(SystemExit) as info:
+        main()
+    assert info.value.code == 0
+    assert json.loads(capsys.readouterr().out)["source"] == "emulated"

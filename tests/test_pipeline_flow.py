@@ -1,0 +1,54 @@
+"""The ETL -> train flow end to end on emulated devices, each stage on its own profile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gpu_tasks import PipelineInputError
+from gpu_tasks.pipeline import etl_train
+
+pytestmark = pytest.mark.usefixtures("no_leaked_processes", "emulated")
+
+
+def test_pipeline_runs_each_stage_on_its_profile(tmp_path: Path):
+    out = etl_train(scale=1, data_dir=str(tmp_path), limit=30000, num_rounds=30)
+    stages = out["stages"]
+    assert stages["ingest"]["profile"] == "cpu" and stages["ingest"]["devices"] == []
+    assert stages["etl"]["profile"] == "gpu-etl" and stages["etl"]["emulated"] is True
+    assert stages["etl"]["backend"] == "pandas", "emulated devices must not claim cuDF"
+    assert len(stages["etl"]["devices"]) == 1
+    assert stages["train"]["profile"] == "gpu-train" and stages["train"]["device"] == "cpu"
+    assert stages["train"]["emulated"] is True and len(stages["train"]["devices"]) == 1
+    assert stages["evaluate"]["profile"] == "cpu"
+    m = out["metrics"]
+    assert 0.5 < m["auc"] <= 1 and 0 < m["baseline_auc"] <= 1 and m["logloss"] > 0
+    assert Path(out["model_path"]).is_file()
+    saved = json.loads(Path(out["metrics_path"]).read_text())
+    assert saved["auc"] == pytest.approx(m["auc"])
+    assert out["rows"]["train"] + out["rows"]["test"] <= 30000
+    # clusters of the GPU profiles were provisioned during the run
+    assert out["clusters"]["gpu-etl"]["state"] in {"running", "closed"}
+
+
+def test_multi_device_training_runs_as_a_gang(tmp_path: Path, monkeypatch):
+    profiles = tmp_path / "profiles.toml"
+    profiles.write_text(
+        'default = "cpu"\n[profiles.cpu]\ncpus = 1\n'
+        "[profiles.gpu-etl]\ngpus = 1\nidle_timeout = 1\n"
+        "[profiles.gpu-train]\ngpus = 2\nidle_timeout = 1\n"
+    )
+    monkeypatch.setenv("GPU_TASKS_PROFILES_FILE", str(profiles))
+    out = etl_train(scale=1, data_dir=str(tmp_path), limit=20000, num_rounds=10)
+    train = out["stages"]["train"]
+    assert sorted(train["devices"]) == ["0", "1"], "the training task holds both devices"
+    assert out["metrics"]["auc"] > 0.5
+
+
+@pytest.mark.parametrize("scale", [0, -3])
+def test_bad_scale_fails_before_any_cluster_starts(tmp_path: Path, scale: int):
+    with pytest.raises(PipelineInputError, match="scale"):
+        etl_train(scale=scale, data_dir=str(tmp_path), limit=1000)
+    assert not (tmp_path / f"scale-{scale}").exists()
