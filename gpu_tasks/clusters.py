@@ -54,6 +54,15 @@ class LedgerRow:
         }
 
 
+def _non_daemon_workers() -> Any:
+    """Start worker processes as non-daemonic, so tasks may start processes of their own
+    (a training gang, a dask-cuDF cluster). The nanny still stops them when the cluster
+    closes; the lifecycle tests prove none outlives the flow."""
+    import dask
+
+    return dask.config.set({"distributed.worker.daemon": False})
+
+
 def worker_key(devices: Any) -> str:
     """Key that ties a task's timing to its worker: its devices, or ``"cpu"``."""
     return ",".join(devices) or "cpu"
@@ -135,7 +144,8 @@ class ProfileCluster:
             if self.profile.uses_processes:
                 from distributed import Client
 
-                self.cluster = self._make_cluster(specs)
+                with _non_daemon_workers():
+                    self.cluster = self._make_cluster(specs)
                 self.client = Client(self.cluster, set_as_default=False, timeout=self.provision_timeout)
                 self.client.wait_for_workers(n_workers, timeout=self.provision_timeout)
             else:
@@ -169,11 +179,13 @@ class ProfileCluster:
             return len(self.specs)
         new = [self._spec(i) for i in range(len(self.specs), n_workers)]
         if self._is_cuda():
-            self.cluster.scale(n_workers)
+            with _non_daemon_workers():
+                self.cluster.scale(n_workers)
         else:
             for s in new:
                 self.cluster.worker_spec[s.name] = self._dask_spec(s)
-            self.cluster.sync(self.cluster._correct_state)
+            with _non_daemon_workers():
+                self.cluster.sync(self.cluster._correct_state)
         try:
             self.client.wait_for_workers(n_workers, timeout=self.provision_timeout)
         except Exception as exc:

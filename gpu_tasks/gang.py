@@ -54,7 +54,11 @@ def gang_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any]:
         ) from exc
     logger.info("gang of %d workers up on devices %s", len(workers), ",".join(alloc.devices))
     try:
-        yield client
+        # Current for the caller's context: xgboost.dask calls distributed.wait(), which looks
+        # the client up; inside a Dask worker it would otherwise find the worker's own client
+        # (the profile cluster's) and block forever.
+        with client.as_current():
+            yield client
     finally:
         client.close()
         cluster.close()

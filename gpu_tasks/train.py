@@ -327,9 +327,11 @@ def _train_dask(
     while not events.empty():
         deliver(events.get_nowait())
     history = _flatten_history(output["history"])
-    for iteration in range(num_rounds):  # events still in flight: replay from the history
-        if iteration not in delivered:
-            deliver({"iteration": iteration, "metrics": {k: v[iteration] for k, v in history.items()}})
+    missed = [i for i in range(num_rounds) if i not in delivered]
+    if missed:  # events still in flight when training ended: replay them from the history
+        logger.debug("replaying %d of %d rounds from the training history", len(missed), num_rounds)
+    for iteration in missed:
+        deliver({"iteration": iteration, "metrics": {k: v[iteration] for k, v in history.items()}})
     return output["booster"], history
 
 

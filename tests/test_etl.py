@@ -24,6 +24,11 @@ from gpu_tasks.etl import (
     weekday,
 )
 
+pytestmark = pytest.mark.filterwarnings(
+    # dask's parquet reader still calls reset_index(inplace=True), deprecated in pandas 3.1
+    "ignore:The inplace keyword in DataFrame.reset_index:Warning"
+)
+
 
 @pytest.fixture(scope="module")
 def raw_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -241,8 +246,8 @@ def test_replicated_raw_data_builds(tmp_path: Path) -> None:
     flights = pd.read_parquet(raw / "flights")
     assert result["train_rows"] + result["test_rows"] == _not_cancelled(flights)
     # The shifted weather still joins in the copy as well as in the original.
-    test = pd.read_parquet(tmp_path / "features" / "train")
-    assert test["temp"].notna().mean() > 0.9
+    train = pd.read_parquet(tmp_path / "features" / "train")
+    assert train["temp"].notna().mean() > 0.9
 
 
 @pytest.mark.gpu
