@@ -7,6 +7,7 @@ The decisions (how many workers, which devices, when to close) come from
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 import time
@@ -61,6 +62,48 @@ def _non_daemon_workers() -> Any:
     import dask
 
     return dask.config.set({"distributed.worker.daemon": False})
+
+
+def _within(seconds: float, fn: Any, what: str) -> Any:
+    """``fn()`` in a daemon thread, giving up after ``seconds``.
+
+    Dask's SpecCluster can wait forever when a worker process fails while starting
+    (for one, a script that runs its flow at import time under the spawn start
+    method). A result that arrives after the deadline is closed, not leaked.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            value = fn()
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+        else:
+            with lock:
+                box["value"] = value
+                late = box.get("abandoned", False)
+            if late:
+                with contextlib.suppress(Exception):
+                    value.close()
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"gpu-tasks-start-{what}", daemon=True).start()
+    if not done.wait(seconds):
+        with lock:
+            box["abandoned"] = True
+            value = box.get("value")
+        if value is None:
+            raise TimeoutError(
+                f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). Worker "
+                "processes are spawned and re-import the script that started the flow: guard "
+                "the flow call with `if __name__ == \"__main__\":`, and see the Dask log above"
+            )
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
 
 
 def worker_key(devices: Any) -> str:
@@ -145,7 +188,8 @@ class ProfileCluster:
                 from distributed import Client
 
                 with _non_daemon_workers():
-                    self.cluster = self._make_cluster(specs)
+                    self.cluster = _within(self.provision_timeout, lambda: self._make_cluster(specs),
+                                           f"cluster of profile {self.profile.name!r}")
                 self.client = Client(self.cluster, set_as_default=False, timeout=self.provision_timeout)
                 self.client.wait_for_workers(n_workers, timeout=self.provision_timeout)
             else:

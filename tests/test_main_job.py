@@ -1,0 +1,148 @@
+"""The main job as a user runs it: `gpu-tasks run` and the README example, in fresh processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpu_tasks.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))}
+    env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    env.update(extra)
+    return env
+
+
+def _leaked_children(before: set[int]) -> list[str]:
+    import psutil
+
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline()):
+                out.append(" ".join(p.cmdline())[:120])
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_run_command_on_embedded_server_with_announced_emulation(tmp_path: Path):
+    """No PREFECT_API_URL, no GPU, no emulation set: the job starts its own server and emulates."""
+    env = _clean_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
+    proc = subprocess.run(
+        [str(GPU_TASKS), "run", "--limit", "20000", "--rounds", "5", "--data-dir", str(tmp_path), "--json"],
+        capture_output=True, text=True, env=env, timeout=280, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "EMULATING 2 devices" in proc.stderr and "not GPU results" in proc.stderr
+    out = json.loads(proc.stdout)  # --json: stdout holds the summary and nothing else
+    assert out["device_source"] == "emulated"
+    assert re.match(r"http://127\.0\.0\.1:\d+/api", out["prefect_api_url"])
+    assert out["stages"]["etl"]["emulated"] is True and out["stages"]["etl"]["backend"] == "pandas"
+    assert out["stages"]["train"]["device"] == "cpu" and out["stages"]["train"]["profile"] == "gpu-train"
+    assert Path(out["model_path"]).is_file() and Path(out["metrics_path"]).is_file()
+    assert json.loads(Path(out["metrics_path"]).read_text())["auc"] == pytest.approx(out["metrics"]["auc"])
+    assert 0.5 < out["metrics"]["auc"] <= 1
+
+
+def test_run_command_human_output_on_a_given_server(tmp_path: Path, prefect_server):
+    """PREFECT_API_URL set: the job uses that server; the summary names profiles and emulation."""
+    import prefect.settings
+
+    url = str(prefect.settings.PREFECT_API_URL.value())
+    env = _clean_env(PREFECT_API_URL=url, GPU_TASKS_EMULATED_GPUS="2")
+    proc = subprocess.run(
+        [str(GPU_TASKS), "run", "--limit", "15000", "--rounds", "3", "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=280, cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"on {url}" in proc.stdout
+    assert re.search(r"^etl\s+profile=gpu-etl devices=\d \(EMULATED, backend=pandas\)", proc.stdout, re.M)
+    assert "flights=15,000" in proc.stdout and "Not GPU results" in proc.stdout
+    model = re.search(r"^model\s+(\S+)", proc.stdout, re.M)
+    assert model and Path(model.group(1)).is_file()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--scale", "0"], "--scale"),
+        (["--rounds", "0"], "--rounds"),
+        (["--limit", "-5"], "--limit"),
+    ],
+)
+def test_run_command_rejects_bad_input_before_starting_anything(tmp_path: Path, args: list[str], needle: str):
+    import psutil
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    result = CliRunner().invoke(app, ["run", "--data-dir", str(tmp_path), *args])
+    assert result.exit_code == 2
+    assert needle in result.stderr and "Traceback" not in result.stderr
+    assert not list(tmp_path.iterdir()), "nothing is written for bad input"
+    assert not _leaked_children(before)
+
+
+def test_readme_example_runs(tmp_path: Path, prefect_server):
+    import prefect.settings
+
+    readme = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert blocks, "README has a python example"
+    example = tmp_path / "example.py"
+    example.write_text(blocks[0])
+    env = _clean_env(GPU_TASKS_EMULATED_GPUS="2", PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()))
+    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, env=env, timeout=200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert "'emulated': True" in last and "'n': 1000" in last
+    assert re.search(r"'devices': \('\d',?\)", last), last
+
+
+def test_shipped_profiles_file_loads_and_places_on_emulated_h100s(monkeypatch):
+    from gpu_tasks import discover, load_profiles_file
+    from gpu_tasks.policy import matching_devices
+
+    profiles, default = load_profiles_file(ROOT / "infra" / "profiles.toml")
+    assert default == "cpu" and set(profiles) == {"cpu", "gpu-etl", "gpu-train"}
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "H100:80GiB,L4:24GiB,H100:80GiB")
+    inventory = discover()
+    assert [d.address for d in matching_devices(profiles["gpu-train"], inventory)] == ["0", "2"]
+
+
+def test_unguarded_script_fails_with_a_clear_error_instead_of_hanging(tmp_path: Path, prefect_server):
+    """Spawned workers re-import the script; without the __main__ guard they cannot start."""
+    import prefect.settings
+    import psutil
+
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from prefect import flow, task\n"
+        "from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile\n"
+        "@task(tags=[profile('gpu')])\n"
+        "def f():\n    return 1\n"
+        "@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name='gpu', gpus=1)]))\n"
+        "def p():\n    return f.submit().result()\n"
+        "p()\n"
+    )
+    env = _clean_env(GPU_TASKS_EMULATED_GPUS="1", GPU_TASKS_PROVISION_TIMEOUT="10",
+                     PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()))
+    before = {p.pid for p in psutil.process_iter()}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=150)
+    assert proc.returncode != 0
+    assert "ClusterError: profile 'gpu': could not start 1 worker(s)" in proc.stderr
+    assert 'if __name__ == "__main__":' in proc.stderr
+    strays = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
+              and "spawn_main" in " ".join(p.info["cmdline"] or [])]
+    assert not strays, f"worker processes outlived the script: {strays}"
