@@ -121,6 +121,69 @@ def _union_seconds(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+class DeviceBook:
+    """Which profile's cluster holds each device, within one entered runner.
+
+    A device belongs to at most one profile's cluster at a time, whole or fractional:
+    a profile waits (logged) for devices another profile holds, and an idle holder is
+    asked to give them back at once (``reclaim``) instead of after its idle timeout.
+    """
+
+    def __init__(self, reclaim: Any = None, stop: threading.Event | None = None, log_every: float = 30.0):
+        self.holders: dict[str, str] = {}
+        self.cond = threading.Condition()
+        self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
+        self.stop = stop or threading.Event()
+        self.log_every = log_every
+
+    def acquire(self, owner: str, groups: list[tuple[Device, ...]], n: int, block: bool) -> list[int]:
+        """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
+
+        With ``block``, waits until at least one group is free (or the runner stops).
+        """
+        waited_since = time.monotonic()
+        last_log: float | None = None
+        while True:
+            with self.cond:
+                free = [
+                    i for i, g in enumerate(groups)
+                    if all(self.holders.get(d.address) in (None, owner) for d in g)
+                    and not all(self.holders.get(d.address) == owner for d in g)
+                ][:n]
+                if free or not block or n <= 0:
+                    for i in free:
+                        for d in groups[i]:
+                            self.holders[d.address] = owner
+                    if free and time.monotonic() - waited_since > 0.5:
+                        logger.info("profile %r: got devices after waiting %.1fs", owner,
+                                    time.monotonic() - waited_since)
+                    return free
+                wanted = {d.address for g in groups for d in g}
+                held_by = {self.holders[a] for a in wanted if self.holders.get(a) not in (None, owner)}
+            if self.stop.is_set():
+                raise ClusterError(f"profile {owner!r}: the runner stopped while waiting for devices")
+            if self.reclaim is not None:
+                self.reclaim(wanted, owner)
+            now = time.monotonic()
+            if last_log is None or now - last_log >= self.log_every:
+                last_log = now
+                logger.info(
+                    "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "
+                    "released when those clusters go idle", owner, ",".join(sorted(wanted)),
+                    ", ".join(repr(h) for h in sorted(held_by)),
+                )
+            with self.cond:
+                self.cond.wait(timeout=0.5)
+
+    def release(self, owner: str, devices: Any) -> None:
+        """Give back ``devices`` held by ``owner``."""
+        with self.cond:
+            for address in devices:
+                if self.holders.get(address) == owner:
+                    del self.holders[address]
+            self.cond.notify_all()
+
+
 class ProfileCluster:
     """The live Dask cluster of one profile within one flow run."""
 
@@ -131,8 +194,10 @@ class ProfileCluster:
         worker_env: dict[str, str],
         provision_timeout: float,
         dashboard: bool = False,
+        book: DeviceBook | None = None,
     ) -> None:
         self.profile = profile
+        self.book = book or DeviceBook()
         self.inventory = inventory
         self.worker_env = worker_env
         self.provision_timeout = provision_timeout
@@ -149,6 +214,7 @@ class ProfileCluster:
         self._busy: dict[str, list[tuple[float, float]]] = {}
         self._tasks = 0
         self._lock = threading.Lock()
+        self._cuda_next: list[str] = []  # devices leased for the next dask-cuda workers
 
     # ------------------------------------------------------------ properties
     @property
@@ -181,7 +247,12 @@ class ProfileCluster:
             ClusterError: naming the profile and devices when workers do not start.
         """
         n_workers = max(1, min(n_workers, self.limit))
-        specs = [self._spec(i) for i in range(n_workers)]
+        if self.profile.is_gpu:
+            indexes = self.book.acquire(self.profile.name, self.groups, n_workers, block=True)
+        else:
+            indexes = list(range(n_workers))
+        n_workers = len(indexes)
+        specs = [self._spec(i) for i in indexes]
         t0 = time.monotonic()
         try:
             if self.profile.uses_processes:
@@ -201,6 +272,7 @@ class ProfileCluster:
                 )
         except Exception as exc:
             self._teardown()
+            self.book.release(self.profile.name, [d.address for s in specs for d in s.devices])
             devices = ",".join(d.address for s in specs for d in s.devices) or "none"
             raise ClusterError(
                 f"profile {self.profile.name!r}: could not start {n_workers} worker(s) "
@@ -221,8 +293,16 @@ class ProfileCluster:
         n_workers = min(n_workers, self.limit)
         if not self.running or n_workers <= len(self.specs):
             return len(self.specs)
-        new = [self._spec(i) for i in range(len(self.specs), n_workers)]
+        if self.profile.is_gpu:
+            indexes = self.book.acquire(self.profile.name, self.groups, n_workers - len(self.specs), block=False)
+            if not indexes:
+                return len(self.specs)  # other profiles hold the rest: tasks queue on the workers we have
+        else:
+            indexes = list(range(len(self.specs), n_workers))
+        n_workers = len(self.specs) + len(indexes)
+        new = [self._spec(i) for i in indexes]
         if self._is_cuda():
+            self._cuda_next.extend(s.devices[0].address for s in new)
             with _non_daemon_workers():
                 self.cluster.scale(n_workers)
         else:
@@ -233,6 +313,7 @@ class ProfileCluster:
         try:
             self.client.wait_for_workers(n_workers, timeout=self.provision_timeout)
         except Exception as exc:
+            self.book.release(self.profile.name, [d.address for s in new for d in s.devices])
             raise ClusterError(
                 f"profile {self.profile.name!r}: could not grow to {n_workers} workers within "
                 f"{self.provision_timeout:g}s: {exc}"
@@ -266,6 +347,7 @@ class ProfileCluster:
         closed = time.time()
         row = self._ledger(closed, reason)
         self._teardown()
+        self.book.release(self.profile.name, self.devices)
         logger.info(
             "profile %r: closed cluster (%s); held %.1f device-s, busy %.1f device-s",
             self.profile.name, reason, row.held_seconds, row.busy_seconds,
@@ -335,6 +417,8 @@ class ProfileCluster:
             ) from exc
         by_address = {spec.devices[0].address: spec for spec in (self._spec(i) for i in range(self.limit))}
         cuda = self.profile.cuda
+        self._cuda_next[:] = [s.devices[0].address for s in specs]
+        next_devices = self._cuda_next
 
         class OwnDeviceCUDACluster(dask_cuda.LocalCUDACluster):  # type: ignore[misc,name-defined]
             """dask-cuda shows each worker every device (its own first); gpu-tasks shows only its own."""
@@ -342,7 +426,8 @@ class ProfileCluster:
             def new_worker_spec(self) -> dict[str, Any]:
                 spec = super().new_worker_spec()
                 for worker in spec.values():
-                    own = worker["options"]["env"]["CUDA_VISIBLE_DEVICES"].split(",")[0]
+                    # the device the book leased to this worker, not dask-cuda's next in line
+                    own = next_devices.pop(0) if next_devices else worker["options"]["env"]["CUDA_VISIBLE_DEVICES"].split(",")[0]
                     worker["options"]["env"] = dict(by_address[own].env)
                     worker["options"]["resources"] = dict(by_address[own].resources)
                 return spec

@@ -41,7 +41,12 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     server.start(timeout=timeout)
     try:
         with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
-            yield server.api_url
+            try:
+                yield server.api_url
+            finally:
+                from prefect.logging.handlers import APILogWorker
+
+                APILogWorker.drain_all(timeout=5)  # send the run's last logs while the server is up
     finally:
         server.stop()
 

@@ -28,7 +28,7 @@ from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
 
 from gpu_tasks.allocation import Allocation, allocated, worker_allocation
-from gpu_tasks.clusters import LedgerRow, ProfileCluster, worker_key
+from gpu_tasks.clusters import DeviceBook, LedgerRow, ProfileCluster, worker_key
 from gpu_tasks.devices import Inventory, discover
 from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiableProfileError
 from gpu_tasks.policy import IdleView, close_reason, desired_workers, task_resources, unsatisfiable_reason
@@ -89,6 +89,12 @@ class _ProfileState:
         self.dispatched = 0  # handed to the cluster, not finished
         self.idle_since: float | None = None
         self.ever_provisioned = False
+        # GPU profiles dispatch on a thread of their own: waiting for devices another
+        # profile holds must block neither the flow nor other profiles' dispatch.
+        self.dispatcher: concurrent.futures.ThreadPoolExecutor | None = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpu-tasks-{cluster.profile.name}")
+            if cluster.profile.is_gpu else None
+        )
 
 
 class _Live:
@@ -106,6 +112,7 @@ class _Live:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpu-tasks-dispatch")
         self.monitor: threading.Thread | None = None
         self.worker_env: dict[str, str] | None = None
+        self.book = DeviceBook(reclaim=self._reclaim, stop=self.stop)
 
     @property
     def inventory(self) -> Inventory:
@@ -129,7 +136,7 @@ class _Live:
                 timeout = prof.idle_timeout if prof.idle_timeout is not None else self.idle_timeout
                 cluster = ProfileCluster(
                     prof, self.inventory if prof.is_gpu else Inventory(), self.worker_env,
-                    self.settings.provision_timeout, dashboard=self.settings.dashboard,
+                    self.settings.provision_timeout, dashboard=self.settings.dashboard, book=self.book,
                 )
                 st = self.states[prof.name] = _ProfileState(cluster, timeout)
                 self._start_monitor()
@@ -166,6 +173,19 @@ class _Live:
             if reason and not self.stop.is_set():
                 self._close(st, f"scaled down: {reason}")
 
+    def _reclaim(self, wanted: set[str], by: str) -> None:
+        """Close idle clusters that hold devices profile ``by`` waits for (before their timeout)."""
+        for name, st in list(self.states.items()):
+            if name == by or not wanted.intersection(st.cluster.devices):
+                continue
+            if not st.lock.acquire(blocking=False):  # busy dispatching; try again next round
+                continue
+            try:
+                if st.cluster.running and st.outstanding == 0:
+                    self._close(st, f"released its devices early: profile {by!r} is waiting for them")
+            finally:
+                st.lock.release()
+
     def _interval(self) -> float:
         timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
         return min(0.25, max(0.02, min(timeouts) / 5))
@@ -180,6 +200,9 @@ class _Live:
         if self.monitor is not None:
             self.monitor.join(timeout=5)
         self.executor.shutdown(wait=False, cancel_futures=True)
+        for st in list(self.states.values()):
+            if st.dispatcher is not None:
+                st.dispatcher.shutdown(wait=False, cancel_futures=True)
         for st in list(self.states.values()):
             with st.lock:
                 self._close(st, reason)
@@ -394,10 +417,13 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             self._dispatch, live, st, ctx, extra_tags, task, task_run_id, parameters, wait_for, dependencies, cf
         )
         upstream = _pending_futures((parameters, list(wait_for or ())))
-        if not upstream:
-            job()
+        executor = st.dispatcher or live.executor
+        if not upstream and st.dispatcher is None:
+            job()  # CPU profiles: dispatch right here, the cheapest path
+        elif not upstream:
+            executor.submit(job)
         else:
-            _when_all_done(upstream, lambda: live.executor.submit(job))
+            _when_all_done(upstream, lambda: executor.submit(job))
         return future
 
     def map(self, task: Any, parameters: dict[str, Any], wait_for: Iterable[PrefectFuture[Any]] | None = None) -> PrefectFutureList[ProfileFuture]:  # type: ignore[override]

@@ -80,6 +80,45 @@ def test_whole_devices_are_never_shared():
     assert os.getpid() not in {r["pid"] for r in rows}
 
 
+def test_two_profiles_never_hold_the_same_device_at_once(monkeypatch):
+    """One device, a whole-device profile and a fractional one: the device has one holder at a time."""
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    long_idle = ResourceProfile(name="gpu", gpus=1, idle_timeout=600)
+    gpu_hold = hold.with_options(tags=[profile("gpu")])
+    quarter_hold = hold.with_options(tags=[profile("quarter")])
+
+    @flow(task_runner=runner(long_idle, QUARTER))
+    def f():
+        first = [gpu_hold.submit(0.5, tag=i) for i in range(2)]
+        second = [quarter_hold.submit(0.3, tag=10 + i) for i in range(4)]
+        return [x.result() for x in first + second], list(FlowRunContext.get().task_runner.ledger)
+
+    rows, ledger = f()
+    whole = [(r["start"], r["end"]) for r in rows if r["profile"] == "gpu"]
+    shared = [(r["start"], r["end"]) for r in rows if r["profile"] == "quarter"]
+    assert {r["devices"] for r in rows} == {("0",)}
+    # every quarter task started after the last whole-device task ended, and vice versa
+    assert min(s for s, _ in shared) >= max(e for _, e in whole)
+    # the idle 'gpu' cluster gave its device back at once, not after its 600 s idle timeout
+    reasons = {row.profile: row.reason for row in ledger}
+    assert "profile 'quarter' is waiting" in reasons["gpu"]
+
+
+def test_profiles_spread_over_free_devices_concurrently():
+    """Two whole-device profiles, two devices: each takes a device and they run side by side."""
+    other = ResourceProfile(name="other", gpus=1, idle_timeout=30)
+
+    @flow(task_runner=runner(GPU, other))
+    def f():
+        a = hold.with_options(tags=[profile("gpu")]).submit(1.0)
+        b = hold.with_options(tags=[profile("other")]).submit(1.0)
+        return a.result(), b.result()
+
+    a, b = f()
+    assert a["devices"] != b["devices"]
+    assert _overlaps([(a["start"], a["end"]), (b["start"], b["end"])]) == 2
+
+
 def test_fractional_tasks_pack_one_device_before_the_next():
     q_hold = hold.with_options(tags=[profile("quarter")])
 
