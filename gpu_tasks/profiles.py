@@ -146,7 +146,7 @@ class ResourceProfile(BaseModel):
             raise ValueError("must be 0, a whole number of devices, or 1/k for k in 1..64")
         if value == 0 or (value >= 1 and float(value).is_integer()):
             return float(value)
-        if 0 < value < 1:
+        if 1 / (MAX_SHARE + 1) < value < 1:  # smaller shares (and subnormals) are never valid
             k = round(1 / value)
             if 2 <= k <= MAX_SHARE and math.isclose(1 / k, value, rel_tol=1e-9, abs_tol=1e-12):
                 return 1 / k

@@ -6,7 +6,7 @@ import math
 from fractions import Fraction
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
@@ -47,6 +47,7 @@ def _near_a_share(value: float) -> bool:
         st.integers(min_value=-(2**40), max_value=-1).map(float),
     ).filter(lambda v: not (math.isfinite(v) and (_is_valid_gpus(v) or _near_a_share(v)))),
 )
+@example(name="0", value=2.2250738585e-313)  # a subnormal: 1/value overflowed
 def test_invalid_gpus_fail_naming_profile_field_and_value(name, value):
     with pytest.raises(ProfileError) as info:
         ResourceProfile(name=name, gpus=value)
