@@ -321,8 +321,12 @@ def run(
 
     import logging
 
+    import distributed  # noqa: F401  (configures its loggers on import; quieten them after)
+
     # Dask's per-connection INFO lines drown the run's own log; warnings still show.
     logging.getLogger("distributed").setLevel(logging.WARNING)
+    # gpu-tasks' own decisions (provisioned, waiting for devices, closed and why) are the point.
+    logging.getLogger("gpu_tasks").setLevel(logging.INFO)
 
     def announce(message: str) -> None:
         err_console.print(Text(message, style="bold yellow"), soft_wrap=True)

@@ -415,7 +415,7 @@ class ProfileCluster:
             raise ClusterError(
                 f"profile {self.profile.name!r} needs dask-cuda on real GPUs: {exc.reason}"
             ) from exc
-        by_address = {spec.devices[0].address: spec for spec in (self._spec(i) for i in range(self.limit))}
+        by_address = {spec.devices[0].address: spec for spec in (self._spec(i) for i in range(len(self.groups)))}
         cuda = self.profile.cuda
         self._cuda_next[:] = [s.devices[0].address for s in specs]
         next_devices = self._cuda_next

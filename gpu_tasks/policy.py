@@ -60,14 +60,15 @@ def _describe_request(profile: ResourceProfile) -> str:
 
 
 def device_groups(profile: ResourceProfile, devices: list[Device]) -> list[tuple[Device, ...]]:
-    """Split devices into per-worker groups (n devices for n-GPU tasks), capped by max_workers."""
+    """Split devices into per-worker groups (n devices for n-GPU tasks).
+
+    Every group is eligible; ``max_workers`` caps how many the profile holds at once
+    (:func:`max_worker_count`), so a capped profile can still take whichever device is free.
+    """
     per = profile.devices_per_worker
     if per == 0:
         return []
-    groups = [tuple(devices[i : i + per]) for i in range(0, len(devices) - per + 1, per)]
-    if profile.max_workers is not None:
-        groups = groups[: profile.max_workers]
-    return groups
+    return [tuple(devices[i : i + per]) for i in range(0, len(devices) - per + 1, per)]
 
 
 def cpu_count() -> int:
@@ -91,9 +92,10 @@ def slots_per_worker(profile: ResourceProfile, cores: int | None = None) -> int:
 
 
 def max_worker_count(profile: ResourceProfile, groups: int) -> int:
-    """The most workers ``profile`` may have: its device groups (GPU) or max_workers (CPU)."""
+    """The most workers ``profile`` may have at once: its device groups (GPU, capped by
+    max_workers) or max_workers (CPU)."""
     if profile.is_gpu:
-        return groups
+        return groups if profile.max_workers is None else min(groups, profile.max_workers)
     return profile.max_workers or 1
 
 

@@ -119,10 +119,13 @@ def test_two_gpu_tasks_on_five_devices_make_two_groups():
     assert [[d.address for d in g] for g in groups] == [["0", "1"], ["2", "3"]]
 
 
-def test_groups_are_capped_by_max_workers():
+def test_max_workers_caps_workers_not_eligible_devices():
     devices = [_dev(i) for i in range(5)]
-    assert len(device_groups(ResourceProfile(name="g", gpus=2, max_workers=1), devices)) == 1
-    assert len(device_groups(ResourceProfile(name="g", gpus=1, max_workers=3), devices)) == 3
+    capped = ResourceProfile(name="g", gpus=2, max_workers=1)
+    assert len(device_groups(capped, devices)) == 2, "either pair may be taken"
+    assert max_worker_count(capped, len(device_groups(capped, devices))) == 1
+    three = ResourceProfile(name="g", gpus=1, max_workers=3)
+    assert len(device_groups(three, devices)) == 5 and max_worker_count(three, 5) == 3
     assert len(device_groups(ResourceProfile(name="g", gpus=0.5), devices)) == 5
 
 
@@ -139,9 +142,10 @@ def test_no_groups_for_cpu_or_too_few_devices():
 )
 def test_groups_are_disjoint_and_full(per, n, cap):
     devices = [_dev(i) for i in range(n)]
-    groups = device_groups(ResourceProfile(name="g", gpus=per, max_workers=cap), devices)
-    expected = n // per if cap is None else min(cap, n // per)
-    assert len(groups) == expected
+    prof = ResourceProfile(name="g", gpus=per, max_workers=cap)
+    groups = device_groups(prof, devices)
+    assert len(groups) == n // per
+    assert max_worker_count(prof, len(groups)) == (n // per if cap is None else min(cap, n // per))
     assert all(len(g) == per for g in groups)
     used = [d.address for g in groups for d in g]
     assert len(used) == len(set(used))
@@ -169,6 +173,7 @@ def test_slots_per_worker(fields, cores, slots):
 
 def test_max_worker_count():
     assert max_worker_count(ResourceProfile(name="g", gpus=1), groups=3) == 3
+    assert max_worker_count(ResourceProfile(name="g", gpus=1, max_workers=2), groups=3) == 2
     assert max_worker_count(ResourceProfile(name="c"), groups=0) == 1
     assert max_worker_count(ResourceProfile(name="c", max_workers=4), groups=0) == 4
 
