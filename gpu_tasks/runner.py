@@ -13,6 +13,7 @@ import asyncio
 import atexit
 import concurrent.futures
 import contextvars
+import datetime
 import logging
 import threading
 import time
@@ -113,6 +114,10 @@ class _Live:
         self.monitor: threading.Thread | None = None
         self.worker_env: dict[str, str] | None = None
         self.book = DeviceBook(reclaim=self._reclaim, stop=self.stop)
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()  # the runner outlives the flow run context; remember the run
+        self.flow_run_id = ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
 
     @property
     def inventory(self) -> Inventory:
@@ -345,6 +350,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if live is not None:
             live.close(reason)
             self._last_ledger = list(live.ledger)
+            _publish_ledger(self._last_ledger, live.flow_run_id)
 
     def _ensure_live(self) -> _Live:
         if not self._started:
@@ -564,6 +570,41 @@ def _status_row(state: str, prof: ResourceProfile, cluster: ProfileCluster | Non
         "outstanding": outstanding,
         "dashboard": cluster.dashboard_link if cluster else None,
     }
+
+
+LEDGER_ARTIFACT_KEY = "resource-ledger"
+
+
+def _publish_ledger(rows: list[LedgerRow], flow_run_id: uuid.UUID | None) -> None:
+    """Attach the run's resource ledger to the flow run as a table artifact (best effort)."""
+    if not rows or flow_run_id is None:
+        return
+    table = []
+    for row in rows:
+        item = row.as_dict()
+        for key in ("provisioned_at", "closed_at"):
+            item[key] = datetime.datetime.fromtimestamp(item[key], tz=datetime.timezone.utc).isoformat(timespec="seconds")
+        table.append(item)
+    held = sum(r.held_seconds for r in rows if r.devices)
+    busy = sum(r.busy_seconds for r in rows if r.devices)
+    emulated = any(r.emulated for r in rows)
+    description = (
+        f"gpu-tasks resource ledger: one row per profile cluster lifetime. Devices held {held:.1f} "
+        f"device-s, busy {busy:.1f} device-s" + (" (EMULATED devices)" if emulated else "")
+    )
+    try:
+        import json
+
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.actions import ArtifactCreate
+
+        with get_client(sync_client=True) as client:
+            client.create_artifact(ArtifactCreate(
+                key=LEDGER_ARTIFACT_KEY, type="table", data=json.dumps(table, default=str),
+                description=description, flow_run_id=flow_run_id,
+            ))
+    except Exception:  # the ledger must never fail a flow run that succeeded
+        logger.warning("could not publish the resource ledger artifact", exc_info=True)
 
 
 def _flow_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:

@@ -406,3 +406,44 @@ def test_flow_failure_closes_every_cluster():
     with pytest.raises(RuntimeError, match="flow body failed"):
         f()
     # no_leaked_processes checks that the worker processes are gone
+
+
+def test_flow_run_gets_a_resource_ledger_artifact():
+    """Each cluster lifetime becomes a row of the flow run's `resource-ledger` table artifact."""
+    import json as _json
+
+    from prefect.client.orchestration import get_client
+
+    short = ResourceProfile(name="gpu", gpus=1, idle_timeout=0.3)
+
+    @flow(task_runner=runner(short))
+    def f():
+        first = hold.with_options(tags=[profile("gpu")]).submit(0.5).result()
+        time.sleep(1.5)  # idle past the timeout: the cluster closes, a second lifetime follows
+        second = hold.with_options(tags=[profile("gpu")]).submit(0.2).result()
+        return FlowRunContext.get().flow_run.id, first, second
+
+    run_id, *_ = f()
+    async def read():
+        # Raw request: with the pinned fastapi the server rejects the nulls that
+        # PrefectClient.read_artifacts sends for the filters it leaves unset.
+        async with get_client() as client:
+            response = await client._client.post("/artifacts/filter", json={
+                "artifacts": {"key": {"any_": ["resource-ledger"]}, "flow_run_id": {"any_": [str(run_id)]}},
+                "sort": "CREATED_DESC", "limit": 10, "offset": 0,
+            })
+            response.raise_for_status()
+            return response.json()
+
+    arts = asyncio.run(read())
+    assert len(arts) == 1 and arts[0]["type"] == "table"
+    rows = arts[0]["data"] if isinstance(arts[0]["data"], list) else _json.loads(arts[0]["data"])
+    gpu_rows = [r for r in rows if r["profile"] == "gpu"]
+    assert len(gpu_rows) == 2, rows
+    assert gpu_rows[0]["reason"].startswith("scaled down: idle")
+    assert gpu_rows[1]["reason"] == "flow run ended" or gpu_rows[1]["reason"].startswith("scaled down: idle")
+    for r in gpu_rows:
+        assert r["emulated"] is True and r["tasks"] == 1
+        assert 0 < r["busy_s"] <= r["held_s"] and 0 < r["utilization"] <= 1
+    assert gpu_rows[0]["busy_s"] >= 0.45, "the 0.5 s task is counted as busy time"
+    assert "EMULATED" in arts[0]["description"]
