@@ -196,9 +196,39 @@ class _Live:
         return min(0.25, max(0.02, min(timeouts) / 5))
 
     def _close(self, st: _ProfileState, reason: str) -> None:
+        devices = st.cluster.devices
         row = st.cluster.close(reason)
         if row is not None:
             self.ledger.append(row)
+            self.emit("closed", st.cluster, {
+                "reason": reason, "devices": list(devices), "held_s": round(row.held_seconds, 3),
+                "busy_s": round(row.busy_seconds, 3), "tasks": row.tasks,
+            }, devices)
+
+    def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
+        """A Prefect event ``gpu-tasks.cluster.<what>``, related to this flow run (best effort)."""
+        try:
+            from prefect.events import emit_event
+
+            name = cluster.profile.name
+            related = []
+            if self.flow_run_id is not None:
+                related.append({"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}",
+                                "prefect.resource.role": "flow-run"})
+            emit_event(
+                event=f"gpu-tasks.cluster.{what}",
+                resource={
+                    "prefect.resource.id": f"gpu-tasks.cluster.{self.flow_run_id or 'local'}.{name}",
+                    "prefect.resource.name": name,
+                    "gpu-tasks.profile": name,
+                    "gpu-tasks.devices": ",".join(cluster.devices if devices is None else devices) or "-",
+                    "gpu-tasks.emulated": str(bool(cluster.inventory.emulated and cluster.profile.is_gpu)).lower(),
+                },
+                related=related,
+                payload=payload,
+            )
+        except Exception:  # events are for watching; never fail the run over one
+            logger.debug("could not emit gpu-tasks.cluster.%s", what, exc_info=True)
 
     def close(self, reason: str) -> None:
         self.stop.set()
@@ -473,6 +503,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             if not cluster.running:
                 cluster.start(want)
                 st.ever_provisioned = True
+                live.emit("provisioned", cluster, {"workers": cluster.worker_count})
             elif want > cluster.worker_count:
                 cluster.scale_to(want)
             st.dispatched += 1

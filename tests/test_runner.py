@@ -447,3 +447,44 @@ def test_flow_run_gets_a_resource_ledger_artifact():
         assert 0 < r["busy_s"] <= r["held_s"] and 0 < r["utilization"] <= 1
     assert gpu_rows[0]["busy_s"] >= 0.45, "the 0.5 s task is counted as busy time"
     assert "EMULATED" in arts[0]["description"]
+
+
+def test_cluster_lifecycle_events_relate_to_the_flow_run():
+    """gpu-tasks.cluster.provisioned / .closed events land in the flow run's event feed."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        hold.with_options(tags=[profile("gpu")]).submit(0.1).result()
+        return FlowRunContext.get().flow_run.id
+
+    run_id = f()
+    EventsWorker.drain_all(timeout=10)
+
+    async def read():
+        async with get_client() as client:
+            response = await client._client.post("/events/filter", json={
+                "filter": {
+                    "event": {"prefix": ["gpu-tasks.cluster."]},
+                    "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
+                    "occurred": {"since": "2000-01-01T00:00:00Z"},
+                    "order": "ASC",
+                },
+                "limit": 50,
+            })
+            response.raise_for_status()
+            return response.json()["events"]
+
+    events = []
+    for _ in range(40):  # the server persists events asynchronously
+        events = asyncio.run(read())
+        if len(events) >= 2:
+            break
+        time.sleep(0.25)
+    names = [e["event"] for e in events]
+    assert names == ["gpu-tasks.cluster.provisioned", "gpu-tasks.cluster.closed"], names
+    closed = events[1]
+    assert closed["resource"]["gpu-tasks.profile"] == "gpu"
+    assert closed["resource"]["gpu-tasks.emulated"] == "true"
+    assert closed["payload"]["reason"] == "flow run ended" and len(closed["payload"]["devices"]) == 1
