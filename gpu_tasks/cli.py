@@ -26,6 +26,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from gpu_tasks import leases
 from gpu_tasks.devices import Device, Inventory, discover
 from gpu_tasks.errors import DeviceDiscoveryError, ProfileError
 from gpu_tasks.policy import (
@@ -113,8 +114,23 @@ def _source_line(inventory: Inventory) -> Text:
     return Text(f"Source: none, no GPUs found ({inventory.detail or 'no discovery source'})")
 
 
-def _device_json(device: Device) -> dict[str, Any]:
-    return device.model_dump()
+def _device_json(device: Device, held_by: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {**device.model_dump(), "held_by": held_by}
+
+
+def _lease_holders(inventory: Inventory, settings: GpuTasksSettings) -> dict[str, dict[str, Any] | None]:
+    """Who leases each device now (GPU_TASKS_LEASE_DIR); ``{"error": ...}`` when unreadable."""
+    addresses = [d.address for d in inventory.devices]
+    try:
+        return leases.holders(settings.lease_dir, addresses)
+    except OSError as exc:
+        return dict.fromkeys(addresses, {"error": f"cannot read leases in {settings.lease_dir}: {exc}"})
+
+
+def _held_by_text(info: dict[str, Any] | None) -> str:
+    if info is not None and "error" in info:
+        return "unknown"
+    return leases.describe(info, with_id=False)
 
 
 # ------------------------------------------------------------------- devices
@@ -124,13 +140,14 @@ def devices(
 ) -> None:
     settings = _settings()
     inventory = _inventory(settings)
+    held = _lease_holders(inventory, settings)
     if as_json:
         _echo_json(
             {
                 "source": inventory.source,
                 "emulated": inventory.emulated,
                 "detail": inventory.detail,
-                "devices": [_device_json(d) for d in inventory.devices],
+                "devices": [_device_json(d, held[d.address]) for d in inventory.devices],
             }
         )
         return
@@ -140,6 +157,7 @@ def devices(
         table.add_column("Name", no_wrap=True)
         for column in ("Memory total", "Memory free", "Compute capability", "MIG", "Emulated"):
             table.add_column(column)
+        table.add_column("Held by", overflow="fold")
         for dev in inventory.devices:
             table.add_row(
                 Text(dev.address),
@@ -149,6 +167,7 @@ def devices(
                 dev.compute_capability or "-",
                 "yes" if dev.mig else "no",
                 "yes" if dev.emulated else "no",
+                Text(_held_by_text(held[dev.address])),
             )
         console.print(table)
     else:

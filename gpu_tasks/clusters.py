@@ -12,13 +12,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from gpu_tasks import _gpu
+from gpu_tasks import _gpu, leases
 from gpu_tasks.devices import Device, Inventory
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import WorkerSpec, device_groups, matching_devices, max_worker_count, worker_spec
 from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.settings import get_settings, resolve
 
 logger = logging.getLogger(__name__)
 
@@ -127,33 +129,43 @@ class DeviceBook:
     A device belongs to at most one profile's cluster at a time, whole or fractional:
     a profile waits (logged) for devices another profile holds, and an idle holder is
     asked to give them back at once (``reclaim``) instead of after its idle timeout.
+
+    Across processes (flow runs) on this host, a device the book hands out is also
+    leased (:mod:`gpu_tasks.leases`, in ``lease_dir``): a group is free only when this
+    book has it free and every one of its devices can be leased now. The lease is
+    given back when the book's holder releases the device. A profile that waits
+    ``lease_timeout`` seconds for devices other processes lease gets a ``ClusterError``.
     """
 
-    def __init__(self, reclaim: Any = None, stop: threading.Event | None = None, log_every: float = 30.0):
+    def __init__(
+        self, reclaim: Any = None, stop: threading.Event | None = None, log_every: float = 30.0,
+        lease_dir: Path | None = None, lease_timeout: float | None = None,
+    ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
         self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
         self.stop = stop or threading.Event()
         self.log_every = log_every
+        settings = get_settings() if lease_dir is None or lease_timeout is None else None
+        self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
+        self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
+        self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
 
     def acquire(self, owner: str, groups: list[tuple[Device, ...]], n: int, block: bool) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
         With ``block``, waits until at least one group is free (or the runner stops).
+
+        Raises:
+            ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
         """
         waited_since = time.monotonic()
+        foreign_since: float | None = None
         last_log: float | None = None
         while True:
             with self.cond:
-                free = [
-                    i for i, g in enumerate(groups)
-                    if all(self.holders.get(d.address) in (None, owner) for d in g)
-                    and not all(self.holders.get(d.address) == owner for d in g)
-                ][:n]
+                free, foreign = self._take_free(owner, groups, n)
                 if free or not block or n <= 0:
-                    for i in free:
-                        for d in groups[i]:
-                            self.holders[d.address] = owner
                     if free and time.monotonic() - waited_since > 0.5:
                         logger.info("profile %r: got devices after waiting %.1fs", owner,
                                     time.monotonic() - waited_since)
@@ -162,26 +174,93 @@ class DeviceBook:
                 held_by = {self.holders[a] for a in wanted if self.holders.get(a) not in (None, owner)}
             if self.stop.is_set():
                 raise ClusterError(f"profile {owner!r}: the runner stopped while waiting for devices")
+            now = time.monotonic()
+            # the lease timeout runs while only other processes stand in the way
+            if not foreign or held_by:
+                foreign_since = None
+            elif foreign_since is None:
+                foreign_since = now
+            if foreign_since is not None and now - foreign_since >= self.lease_timeout:
+                raise ClusterError(self._timeout_message(owner, sorted(wanted), now - foreign_since))
             if self.reclaim is not None:
                 self.reclaim(wanted, owner)
-            now = time.monotonic()
             if last_log is None or now - last_log >= self.log_every:
                 last_log = now
-                logger.info(
-                    "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "
-                    "released when those clusters go idle", owner, ",".join(sorted(wanted)),
-                    ", ".join(repr(h) for h in sorted(held_by)),
-                )
+                if held_by:
+                    logger.info(
+                        "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "
+                        "released when those clusters go idle", owner, ",".join(sorted(wanted)),
+                        ", ".join(repr(h) for h in sorted(held_by)),
+                    )
+                if foreign:
+                    logger.info(
+                        "profile %r: waiting for devices leased by other processes on this host: %s; "
+                        "giving up after %gs (GPU_TASKS_LEASE_TIMEOUT)", owner,
+                        self._holders_text(sorted(foreign)), self.lease_timeout,
+                    )
             with self.cond:
                 self.cond.wait(timeout=0.5)
 
     def release(self, owner: str, devices: Any) -> None:
-        """Give back ``devices`` held by ``owner``."""
+        """Give back ``devices`` held by ``owner`` (and this process's leases on them)."""
         with self.cond:
             for address in devices:
                 if self.holders.get(address) == owner:
                     del self.holders[address]
+                    leases.release(self.leases.pop(address, None), [address])
             self.cond.notify_all()
+
+    def _take_free(self, owner: str, groups: list[tuple[Device, ...]], n: int) -> tuple[list[int], set[str]]:
+        """Hold up to ``n`` groups free in this book whose new devices lease now (under ``cond``).
+
+        Returns their indexes and the devices other processes' leases kept from us.
+        """
+        free: list[int] = []
+        foreign: set[str] = set()
+        try:
+            for i, g in enumerate(groups):
+                if len(free) >= n:
+                    break
+                held = [self.holders.get(d.address) for d in g]
+                if any(h not in (None, owner) for h in held) or all(h == owner for h in held):
+                    continue
+                new = [d.address for d in g if d.address not in self.holders]
+                lease = leases.take(new, leases.owner_info(owner), self.lease_dir) if new else None
+                if new and lease is None:
+                    foreign.update(new)
+                    continue
+                for address in new:
+                    self.leases[address] = lease  # type: ignore[assignment]
+                for d in g:
+                    self.holders[d.address] = owner
+                free.append(i)
+        except OSError as exc:
+            for i in free:
+                for d in groups[i]:
+                    self.holders.pop(d.address, None)
+                    leases.release(self.leases.pop(d.address, None), [d.address])
+            raise ClusterError(
+                f"profile {owner!r}: cannot lease devices in {str(self.lease_dir)!r}: {exc}; set "
+                "GPU_TASKS_LEASE_DIR to a directory this user can write"
+            ) from exc
+        return free, foreign
+
+    def _holders_text(self, addresses: list[str]) -> str:
+        """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
+        foreign = leases.holders(self.lease_dir, [a for a in addresses if a not in self.holders])
+        return "; ".join(
+            f"device {a}: profile {self.holders[a]!r} of this flow run" if a in self.holders
+            else f"device {a}: {leases.describe(foreign[a])}"
+            for a in addresses
+        )
+
+    def _timeout_message(self, owner: str, wanted: list[str], waited: float) -> str:
+        return (
+            f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease "
+            f"({self._holders_text(wanted)}). Stop those flow runs or wait longer: raise "
+            f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s); leases are in {str(self.lease_dir)!r} "
+            "(GPU_TASKS_LEASE_DIR)"
+        )
 
 
 class ProfileCluster:

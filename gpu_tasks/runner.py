@@ -113,7 +113,10 @@ class _Live:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpu-tasks-dispatch")
         self.monitor: threading.Thread | None = None
         self.worker_env: dict[str, str] | None = None
-        self.book = DeviceBook(reclaim=self._reclaim, stop=self.stop)
+        self.book = DeviceBook(
+            reclaim=self._reclaim, stop=self.stop,
+            lease_dir=self.settings.lease_dir, lease_timeout=self.settings.lease_timeout,
+        )
         from prefect.context import FlowRunContext
 
         ctx = FlowRunContext.get()  # the runner outlives the flow run context; remember the run

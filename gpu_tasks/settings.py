@@ -6,11 +6,18 @@ argument, then the setting, then the built-in default (:func:`resolve`).
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_lease_dir() -> Path:
+    """Per-user lease directory under the system temp dir (``/tmp/gpu-tasks-leases-<uid>``)."""
+    return Path(tempfile.gettempdir()) / f"gpu-tasks-leases-{os.getuid()}"
 
 
 class GpuTasksSettings(BaseSettings):
@@ -37,6 +44,15 @@ class GpuTasksSettings(BaseSettings):
         default=120.0, gt=0, description="Seconds to wait for a profile's workers to start."
     )
     dashboard: bool = Field(default=False, description="Start a Dask dashboard (127.0.0.1) per cluster.")
+    lease_dir: Path = Field(
+        default_factory=default_lease_dir,
+        description="Directory of per-device lease files (created 0700 on first use); flow runs on this "
+        "host that share it never put workers on the same device at once.",
+    )
+    lease_timeout: float = Field(
+        default=600.0, ge=0,
+        description="Seconds a profile waits for devices that another process (flow run) leases before failing.",
+    )
 
 
 def get_settings() -> GpuTasksSettings:

@@ -6,6 +6,11 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+# Device leases of this test session stay in this session: a developer's own flow runs
+# (or a second test session) never wait on the tests' emulated devices, nor they on them.
+import tempfile
+
+os.environ["GPU_TASKS_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-leases-")
 
 import psutil
 import pytest

@@ -19,7 +19,8 @@ GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))}
+    env = {k: v for k, v in os.environ.items()
+           if k == "GPU_TASKS_LEASE_DIR" or not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))}
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     env.update(extra)
     return env

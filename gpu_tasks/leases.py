@@ -1,0 +1,210 @@
+"""Per-host device leases: which process (flow run) may put workers on a device.
+
+A lease on a device is an exclusive ``flock`` on ``<lease_dir>/device-<address>.lock``,
+held by keeping the file open. The kernel drops the lock when the holder closes the
+file or dies, even by SIGKILL, so a crashed flow run never leaves a device taken.
+The file's content (JSON: pid, hostname, flow run, profile, since) names the holder;
+it is only meaningful while the file is locked. Lock files are never deleted: unlinking
+one while another process has it open would let two processes lock different files.
+
+Only this host's processes see these locks (``flock`` on a network file system is not
+a cross-host lock): leases coordinate flow runs on one machine, not a cluster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import socket
+import time
+import weakref
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote, unquote
+
+PREFIX, SUFFIX = "device-", ".lock"
+
+
+class Lease:
+    """The open, locked files of some devices; :func:`release` closes them."""
+
+    def __init__(self, lease_dir: Path, files: dict[str, int], info: dict[str, Any]):
+        self.lease_dir = lease_dir
+        self.files = files  # address -> open, locked file descriptor
+        self.info = info
+
+    @property
+    def addresses(self) -> tuple[str, ...]:
+        """Devices this lease still holds."""
+        return tuple(self.files)
+
+    def __repr__(self) -> str:
+        return f"Lease({','.join(self.files) or '-'} in {self.lease_dir})"
+
+
+_OPEN: weakref.WeakSet[Lease] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    # A forked child shares the parent's locks through inherited descriptors; closing its
+    # copies keeps a long-lived child from holding a device after the parent released it.
+    for lease in list(_OPEN):
+        for fd in lease.files.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        lease.files = {}
+
+
+os.register_at_fork(after_in_child=_close_in_child)
+
+
+def lock_path(lease_dir: Path, address: str) -> Path:
+    """The lock file of device ``address`` (addresses are quoted: MIG UUIDs may hold ``/``)."""
+    return Path(lease_dir) / f"{PREFIX}{quote(address, safe='')}{SUFFIX}"
+
+
+def owner_info(profile: str | None = None) -> dict[str, Any]:
+    """Who is taking a lease now: this process, its flow run (when in one), ``profile``."""
+    info: dict[str, Any] = {
+        "pid": os.getpid(), "hostname": socket.gethostname(),
+        "flow_run_name": None, "flow_run_id": None, "profile": profile,
+    }
+    try:
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        if ctx is not None and ctx.flow_run is not None:
+            info["flow_run_name"] = ctx.flow_run.name
+            info["flow_run_id"] = str(ctx.flow_run.id)
+    except Exception:  # outside Prefect, or an unusual context: the pid still names the holder
+        pass
+    return info
+
+
+def _lease_dir(lease_dir: Path | None) -> Path:
+    if lease_dir is None:
+        from gpu_tasks.settings import get_settings
+
+        return get_settings().lease_dir
+    return Path(lease_dir)
+
+
+def _ensure_dir(lease_dir: Path) -> Path:
+    lease_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return lease_dir
+
+
+def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = None) -> Lease | None:
+    """Lease every device of ``addresses`` now, or none: ``None`` when any is held elsewhere.
+
+    ``lease_dir`` defaults to ``GPU_TASKS_LEASE_DIR``. Never waits. Raises ``OSError``
+    when the lease directory or a lock file cannot be opened (a problem to report, not
+    a busy device).
+    """
+    lease_dir = _ensure_dir(_lease_dir(lease_dir))
+    info = dict(owner_info, since=time.time())
+    files: dict[str, int] = {}
+    try:
+        for address in dict.fromkeys(addresses):
+            fd = os.open(lock_path(lease_dir, address), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                _close_all(files)
+                return None
+            except BaseException:
+                os.close(fd)
+                raise
+            files[address] = fd
+            _write_info(fd, dict(info, address=address))
+    except BaseException:
+        _close_all(files)
+        raise
+    lease = Lease(lease_dir, files, info)
+    _OPEN.add(lease)
+    return lease
+
+
+def release(lease: Lease | None, addresses: Any = None) -> None:
+    """Give back ``addresses`` of ``lease`` (default: all of them)."""
+    if lease is None:
+        return
+    for address in list(lease.files) if addresses is None else list(addresses):
+        fd = lease.files.pop(address, None)
+        if fd is not None:
+            _close_all({address: fd})
+
+
+def holders(lease_dir: Path | None = None, addresses: Any = None) -> dict[str, dict[str, Any] | None]:
+    """Who holds each device now: its holder's info, or ``None`` when free.
+
+    ``lease_dir`` defaults to ``GPU_TASKS_LEASE_DIR``; ``addresses`` to every device
+    with a lock file there. A file is
+    held when a non-blocking lock on it fails; its JSON is read only then (a holder that
+    has just locked may not have written it yet: its info is then ``{}``).
+    """
+    lease_dir = _lease_dir(lease_dir)
+    if addresses is None:
+        names = sorted(lease_dir.glob(f"{PREFIX}*{SUFFIX}")) if lease_dir.is_dir() else []
+        addresses = [unquote(p.name[len(PREFIX):-len(SUFFIX)]) for p in names]
+    return {address: holder(lease_dir, address) for address in addresses}
+
+
+def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
+    """Who holds device ``address`` now, or ``None`` when it is free (see :func:`holders`)."""
+    try:
+        fd = os.open(lock_path(lease_dir, address), os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _read_info(fd)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def describe(info: dict[str, Any] | None, with_id: bool = True) -> str:
+    """``profile 'p', flow run 'x' (id ...), pid 12`` for a holder's info; ``free`` for ``None``."""
+    if info is None:
+        return "free"
+    parts = [f"profile {info['profile']!r}"] if info.get("profile") else []
+    if info.get("flow_run_name") or info.get("flow_run_id"):
+        run = f"flow run {info.get('flow_run_name')!r}"
+        parts.append(f"{run} (id {info.get('flow_run_id') or '?'})" if with_id else run)
+    parts.append(f"pid {info.get('pid', '?')}")
+    if info.get("hostname") and info["hostname"] != socket.gethostname():
+        parts.append(f"host {info['hostname']}")
+    return ", ".join(parts)
+
+
+def _write_info(fd: int, info: dict[str, Any]) -> None:
+    data = json.dumps(info, default=str).encode()
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, data, 0)
+
+
+def _read_info(fd: int) -> dict[str, Any]:
+    for _ in range(5):  # the holder truncates, then writes: retry a torn read briefly
+        size = os.fstat(fd).st_size
+        raw = os.pread(fd, max(size, 1), 0)
+        try:
+            info = json.loads(raw)
+        except ValueError:
+            time.sleep(0.01)
+            continue
+        return info if isinstance(info, dict) else {}
+    return {}
+
+
+def _close_all(files: dict[str, int]) -> None:
+    for fd in files.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    files.clear()

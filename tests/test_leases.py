@@ -1,0 +1,256 @@
+"""Device leases across processes on one host (gpu_tasks.leases and DeviceBook).
+
+Every test sets GPU_TASKS_LEASE_DIR to its own tmp_path, so leases are never shared
+with another test or with the developer's own flow runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, leases, profile
+from gpu_tasks.cli import app
+from gpu_tasks.clusters import DeviceBook
+from gpu_tasks.devices import Device
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from gpu_tasks import leases
+
+    lease_dir, address, ready = sys.argv[1:4]
+    info = dict(leases.owner_info("holder"), flow_run_name="holder-run", flow_run_id="holder-id")
+    assert leases.take([address], info, lease_dir) is not None
+    Path(ready).write_text("held")
+    time.sleep(120)
+    """
+)
+
+TWO_RUNS = textwrap.dedent(
+    """
+    import json, logging, os, sys, time
+    from pathlib import Path
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+
+    OUT, MINE, PEER = (Path(p) for p in sys.argv[1:4])
+
+    @task(tags=[profile("gpu")])
+    def hold(i):
+        deadline = time.monotonic() + 30
+        while not PEER.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the other flow run has started: it wants the device now
+        start = time.time()
+        time.sleep(0.3)
+        return {"device": current_allocation().devices[0], "start": start, "end": time.time()}
+
+    GPU = ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[GPU]))
+    def leased_run():
+        MINE.write_text("started")
+        return [f.result() for f in hold.map(range(3))]
+
+    if __name__ == "__main__":
+        handler = logging.StreamHandler()
+        logging.getLogger("gpu_tasks").addHandler(handler)
+        logging.getLogger("gpu_tasks").setLevel(logging.INFO)
+        OUT.write_text(json.dumps({"pid": os.getpid(), "rows": leased_run()}))
+    """
+)
+
+
+@pytest.fixture
+def lease_dir(tmp_path, monkeypatch) -> Path:
+    path = tmp_path / "leases"
+    monkeypatch.setenv("GPU_TASKS_LEASE_DIR", str(path))
+    monkeypatch.delenv("GPU_TASKS_LEASE_TIMEOUT", raising=False)
+    return path
+
+
+def _info(name: str = "p") -> dict:
+    return leases.owner_info(name)
+
+
+def _wait_for(path: Path, proc: subprocess.Popen, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not path.exists():
+        assert proc.poll() is None, "the helper process exited early"
+        assert time.monotonic() < deadline, f"{path.name} never appeared"
+        time.sleep(0.05)
+
+
+def _holder(tmp_path: Path, lease_dir: Path, address: str = "0") -> subprocess.Popen:
+    """A process that leases ``address`` and sleeps; returns once it holds the lease."""
+    script, ready = tmp_path / "holder.py", tmp_path / "holder-ready"
+    script.write_text(HOLDER)
+    proc = subprocess.Popen([sys.executable, str(script), str(lease_dir), address, str(ready)])
+    _wait_for(ready, proc)
+    return proc
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait(timeout=10)
+
+
+# ------------------------------------------------------------------ unit
+def test_take_is_all_or_nothing(lease_dir):
+    held = leases.take(["1"], _info("other"))
+    assert held is not None and held.addresses == ("1",)
+    assert stat.S_IMODE(lease_dir.stat().st_mode) == 0o700
+    assert leases.take(["0", "1"], _info()) is None
+    assert leases.holders(lease_dir, ["0"]) == {"0": None}, "a partial take must give back what it took"
+    leases.release(held)
+    both = leases.take(["0", "1"], _info())
+    assert both is not None and set(leases.holders(lease_dir)) == {"0", "1"}
+    assert all(info is not None for info in leases.holders(lease_dir).values())
+    leases.release(both, ["0"])
+    assert leases.holders(lease_dir) == {"0": None, "1": leases.holders(lease_dir)["1"]}
+    leases.release(both)
+    assert leases.holders() == {"0": None, "1": None}
+
+
+def test_holders_reports_the_holder(lease_dir):
+    lease = leases.take(["MIG-1/2"], _info("train"))
+    try:
+        info = leases.holders(lease_dir)["MIG-1/2"]
+        assert info["pid"] == os.getpid() and info["profile"] == "train" and info["since"] <= time.time()
+        assert "pid" in leases.describe(info) and leases.describe(None) == "free"
+    finally:
+        leases.release(lease)
+
+
+def test_sigkilled_holder_frees_the_device(tmp_path, lease_dir):
+    proc = _holder(tmp_path, lease_dir)
+    try:
+        info = leases.holders(lease_dir)["0"]
+        assert info["pid"] == proc.pid and info["flow_run_name"] == "holder-run"
+        assert leases.take(["0"], _info()) is None
+        proc.send_signal(signal.SIGKILL)
+        deadline = time.monotonic() + 2
+        lease = None
+        while lease is None and time.monotonic() < deadline:
+            lease = leases.take(["0"], _info())
+            time.sleep(0.02)
+        assert lease is not None, "the device was still leased 2s after its holder was killed"
+        leases.release(lease)
+    finally:
+        _stop(proc)
+
+
+def test_device_book_leases_and_times_out(lease_dir):
+    dev0, dev1 = Device(address="0", index=0, name="EMU"), Device(address="1", index=1, name="EMU")
+    groups = [(dev0,), (dev1,)]
+    mine, theirs = DeviceBook(lease_dir=lease_dir, lease_timeout=0.3), DeviceBook(lease_dir=lease_dir, lease_timeout=0.3)
+    assert mine.acquire("a", groups, 1, block=True) == [0]
+    assert mine.acquire("b", groups[:1], 1, block=False) == [], "in-process sharing is unchanged"
+    assert leases.holders(lease_dir)["0"]["profile"] == "a"
+    assert theirs.acquire("c", groups, 2, block=False) == [1]
+    with pytest.raises(ClusterError, match=rf"device 0: profile 'a', pid {os.getpid()}.*GPU_TASKS_LEASE_TIMEOUT"):
+        theirs.acquire("d", groups[:1], 1, block=True)
+    mine.release("a", ["0"])
+    assert leases.holders(lease_dir)["0"] is None
+    assert theirs.acquire("d", groups, 1, block=False) == [0]
+    theirs.release("c", ["1"])
+    theirs.release("d", ["0"])
+    assert leases.holders(lease_dir) == {"0": None, "1": None}
+
+
+def test_cli_devices_shows_who_holds_each_device(tmp_path, lease_dir, monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "2")
+    monkeypatch.setenv("NO_COLOR", "1")
+    monkeypatch.setenv("COLUMNS", "250")  # the whole table on one line a row
+    proc = _holder(tmp_path, lease_dir, "1")
+    try:
+        data = json.loads(CliRunner().invoke(app, ["devices", "--json"]).stdout)
+        held_by = {d["address"]: d["held_by"] for d in data["devices"]}
+        assert held_by["0"] is None and held_by["1"]["pid"] == proc.pid
+        table = CliRunner().invoke(app, ["devices"]).stdout
+        assert "Held by" in table and "free" in table and f"pid {proc.pid}" in table
+        assert "holder-run" in table
+    finally:
+        _stop(proc)
+
+
+# ------------------------------------------------------------------ integration
+def _env(lease_dir: Path, **extra: str) -> dict[str, str]:
+    import prefect.settings
+
+    return {
+        **os.environ, "GPU_TASKS_EMULATED_GPUS": "1", "GPU_TASKS_LEASE_DIR": str(lease_dir),
+        "PREFECT_API_URL": str(prefect.settings.PREFECT_API_URL.value()), **extra,
+    }
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_two_flow_runs_never_share_a_device(tmp_path, lease_dir):
+    script = tmp_path / "leased_run.py"
+    script.write_text(TWO_RUNS)
+    names = ("a", "b")
+    procs = {
+        n: subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / f"{n}.json"), str(tmp_path / f"{n}.started"),
+             str(tmp_path / f"{'b' if n == 'a' else 'a'}.started")],
+            env=_env(lease_dir), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for n in names
+    }
+    logs = {}
+    try:
+        for n, proc in procs.items():
+            logs[n], _ = proc.communicate(timeout=50)
+            assert proc.returncode == 0, logs[n][-3000:]
+    finally:
+        for proc in procs.values():
+            _stop(proc)
+    runs = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in names}
+    for n in names:
+        assert [r["device"] for r in runs[n]["rows"]] == ["0"] * 3
+    first, second = sorted(names, key=lambda n: min(r["start"] for r in runs[n]["rows"]))
+    assert max(r["end"] for r in runs[first]["rows"]) <= min(r["start"] for r in runs[second]["rows"]), (
+        "two flow runs used device 0 at the same time"
+    )
+    waited = logs[second]
+    assert "leased by other processes" in waited and f"pid {runs[first]['pid']}" in waited, waited[-3000:]
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_lease_timeout_names_the_holder(tmp_path, lease_dir, monkeypatch):
+    from prefect import flow, task
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    monkeypatch.setenv("GPU_TASKS_LEASE_TIMEOUT", "2")
+
+    @task(tags=[profile("gpu")])
+    def never_runs():
+        return "ran"
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)]))
+    def blocked():
+        return never_runs.submit().result()
+
+    proc = _holder(tmp_path, lease_dir)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ClusterError) as err:
+            blocked()
+        assert 2 <= time.monotonic() - t0 < 30
+    finally:
+        _stop(proc)
+    message = str(err.value)
+    assert f"pid {proc.pid}" in message and "flow run 'holder-run' (id holder-id)" in message
+    assert "device 0" in message and "GPU_TASKS_LEASE_TIMEOUT" in message
