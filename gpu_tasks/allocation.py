@@ -14,6 +14,9 @@ WORKER_ENV_EMULATED = "GPU_TASKS_WORKER_EMULATED"
 WORKER_ENV_DEVICES = "GPU_TASKS_WORKER_DEVICES"
 
 
+EMULATED_TAG = "gpu-tasks:emulated"
+
+
 class Allocation(BaseModel):
     """The resources a task holds while it runs.
 
@@ -51,6 +54,13 @@ class Allocation(BaseModel):
             return "cpu"
         text = "gpu:" + ",".join(self.devices)
         return f"{text} (emulated)" if self.emulated else text
+
+    def placement_tags(self) -> set[str]:
+        """Task-run tags naming the devices: ``gpu:<id>`` each, plus ``gpu-tasks:emulated``."""
+        tags = {f"gpu:{d}" for d in self.devices}
+        if tags and self.emulated:
+            tags.add(EMULATED_TAG)
+        return tags
 
 
 _CURRENT: contextvars.ContextVar[Allocation | None] = contextvars.ContextVar(

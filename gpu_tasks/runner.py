@@ -69,6 +69,10 @@ def _run_on_worker(profile_name: str, fraction: float, task: Any, kwargs: dict[s
 def _run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
     from prefect.task_engine import run_task_async, run_task_sync
 
+    placement = alloc.placement_tags()
+    if placement and not placement <= set(task.tags):
+        # the task run shows where it ran in the Prefect UI: gpu:<id> per device, emulated or not
+        task = task.with_options(tags=set(task.tags) | placement)
     start = time.time()
     with allocated(alloc):
         if task.isasync:

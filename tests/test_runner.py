@@ -500,3 +500,24 @@ def test_cluster_lifecycle_events_relate_to_the_flow_run():
     assert closed["resource"]["gpu-tasks.profile"] == "gpu"
     assert closed["resource"]["gpu-tasks.emulated"] == "true"
     assert closed["payload"]["reason"] == "flow run ended" and len(closed["payload"]["devices"]) == 1
+
+
+def test_task_runs_carry_profile_and_device_tags():
+    """The Prefect UI shows where each task ran: profile:<name>, gpu:<id>, gpu-tasks:emulated."""
+    from prefect.client.orchestration import get_client
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        on_gpu = hold.with_options(tags=[profile("gpu")]).submit(0.01)
+        on_cpu = hold.submit(0.01)
+        return on_gpu.result(), on_gpu.task_run_id, on_cpu.task_run_id
+
+    row, gpu_run, cpu_run = f()
+
+    async def read(run_id):
+        async with get_client() as client:
+            return (await client._client.get(f"/task_runs/{run_id}")).json()["tags"]
+
+    gpu_tags, cpu_tags = asyncio.run(read(gpu_run)), asyncio.run(read(cpu_run))
+    assert {"profile:gpu", f"gpu:{row['devices'][0]}", "gpu-tasks:emulated"} <= set(gpu_tags)
+    assert not any(t.startswith("gpu") for t in cpu_tags), cpu_tags
