@@ -373,6 +373,53 @@ def run(
         _say("Devices were EMULATED: scheduling was real, compute ran on the CPU. Not GPU results.", style="yellow")
 
 
+@app.command(help="Serve the etl-train flow as a scheduled Prefect deployment (needs PREFECT_API_URL).")
+def serve(
+    name: Annotated[str, typer.Option(help="Deployment name.")] = "nightly",
+    cron: Annotated[str, typer.Option(help="Cron schedule (UTC), e.g. '0 2 * * *' for 02:00 nightly.")] = "0 2 * * *",
+    scale: Annotated[int, typer.Option(help="Default scale parameter of scheduled runs.")] = 1,
+    rounds: Annotated[int, typer.Option(help="Default boosting rounds of scheduled runs.")] = 60,
+    limit: Annotated[int | None, typer.Option(help="Default flight limit of scheduled runs (smoke runs).")] = None,
+) -> None:
+    """Register the deployment with its schedule and run its flow runs until Ctrl-C."""
+    from prefect.deployments.runner import EntrypointType
+    from prefect.settings import get_current_settings
+
+    from gpu_tasks.data import validate_scale
+    from gpu_tasks.errors import GpuTasksError
+    from gpu_tasks.main_job import ensure_devices
+    from gpu_tasks.pipeline import etl_train
+
+    _settings()
+    try:
+        validate_scale(scale)
+    except GpuTasksError as exc:
+        _fail(f"--scale: {exc}")
+    if rounds < 1:
+        _fail(f"--rounds must be at least 1, got {rounds}")
+    if not get_current_settings().api.url:
+        _fail("PREFECT_API_URL is not set: start a server with `prefect server start --host 127.0.0.1` "
+              "and export PREFECT_API_URL=http://127.0.0.1:4200/api")
+    try:
+        from prefect.client.schemas.schedules import construct_schedule
+
+        construct_schedule(cron=cron)
+    except Exception as exc:
+        _fail(f"--cron {cron!r} is not a valid cron expression: {exc}")
+    ensure_devices(lambda message: err_console.print(Text(message, style="bold yellow"), soft_wrap=True))
+    parameters: dict[str, Any] = {"scale": scale, "num_rounds": rounds}
+    if limit is not None:
+        parameters["limit"] = limit
+    deployment = etl_train.to_deployment(
+        name=name, cron=cron, parameters=parameters, tags=["gpu-tasks"],
+        description="ETL -> train on GPU profiles (gpu-tasks)",
+        entrypoint_type=EntrypointType.MODULE_PATH,
+    )
+    from prefect import serve as prefect_serve
+
+    prefect_serve(deployment)
+
+
 def main() -> None:
     """Entry point: ``python -m gpu_tasks.cli``."""
     app()

@@ -1,0 +1,90 @@
+"""`gpu-tasks serve`: a scheduled deployment of the pipeline, served against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpu_tasks.cli import app
+
+GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
+
+
+def _api(method: str, path: str, **kw):
+    from prefect.client.orchestration import get_client
+
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    async def call():
+        async with get_client() as client:
+            try:
+                response = await client._client.request(method, path, **kw)
+            except PrefectHTTPStatusError as exc:
+                return exc.response.status_code, None
+            return response.status_code, (response.json() if response.content else None)
+
+    return asyncio.run(call())
+
+
+def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Path, prefect_server):
+    import prefect.settings
+
+    env = {k: v for k, v in os.environ.items() if k == "GPU_TASKS_LEASE_DIR" or not k.startswith("GPU_TASKS_")}
+    env.update(PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()), GPU_TASKS_EMULATED_GPUS="2",
+               GPU_TASKS_DATA_DIR=str(tmp_path), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    name = f"serve-test-{os.getpid()}"
+    proc = subprocess.Popen(
+        [str(GPU_TASKS), "serve", "--name", name, "--cron", "0 2 * * *", "--limit", "15000", "--rounds", "3"],
+        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )
+    try:
+        deployment = None
+        for _ in range(240):  # the deployment appears once serve has registered it
+            code, body = _api("GET", f"/deployments/name/etl-train/{name}")
+            if code == 200:
+                deployment = body
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.25)
+        assert deployment, "serve did not register the deployment"
+        assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
+        assert deployment["parameters"] == {"scale": 1, "num_rounds": 3, "limit": 15000}
+
+        code, run = _api("POST", f"/deployments/{deployment['id']}/create_flow_run", json={})
+        assert code == 201, run
+        state = None
+        for _ in range(600):
+            code, body = _api("GET", f"/flow_runs/{run['id']}")
+            state = body["state"]["type"]
+            if state in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}:
+                break
+            time.sleep(0.25)
+        assert state == "COMPLETED", state
+        models = list(tmp_path.glob("scale-1/model/*.json"))
+        assert any(m.name.endswith(".metrics.json") for m in models)
+    finally:
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [(["--cron", "bogus"], "--cron"), (["--scale", "0"], "--scale"), (["--rounds", "0"], "--rounds")],
+)
+def test_serve_rejects_bad_input(args, needle, monkeypatch):
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
+    result = CliRunner().invoke(app, ["serve", *args])
+    assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.stderr
