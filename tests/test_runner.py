@@ -436,18 +436,15 @@ def test_flow_run_gets_a_resource_ledger_artifact():
         return FlowRunContext.get().flow_run.id, first, second
 
     run_id, *_ = f()
-    async def read():
-        # Raw request: with the pinned fastapi the server rejects the nulls that
-        # PrefectClient.read_artifacts sends for the filters it leaves unset.
-        async with get_client() as client:
-            response = await client._client.post("/artifacts/filter", json={
-                "artifacts": {"key": {"any_": ["resource-ledger"]}, "flow_run_id": {"any_": [str(run_id)]}},
-                "sort": "CREATED_DESC", "limit": 10, "offset": 0,
-            })
-            response.raise_for_status()
-            return response.json()
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, ArtifactFilterKey
 
-    arts = asyncio.run(read())
+    async def read():
+        async with get_client() as client:
+            return await client.read_artifacts(artifact_filter=ArtifactFilter(
+                key=ArtifactFilterKey(any_=["resource-ledger"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]),
+            ))
+
+    arts = [a.model_dump() for a in asyncio.run(read())]
     assert len(arts) == 1 and arts[0]["type"] == "table"
     rows = arts[0]["data"] if isinstance(arts[0]["data"], list) else _json.loads(arts[0]["data"])
     gpu_rows = [r for r in rows if r["profile"] == "gpu"]

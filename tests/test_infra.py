@@ -1,0 +1,117 @@
+"""infra/: work-pool job templates for GPU hosts and prefect.yaml deployments, checked
+against a real Prefect server and Prefect's own template rendering."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+POOLS = ROOT / "infra" / "work-pools"
+
+
+def _api(method: str, path: str, **kw):
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    async def call():
+        async with get_client() as client:
+            try:
+                response = await client._client.request(method, path, **kw)
+            except PrefectHTTPStatusError as exc:
+                return exc.response.status_code, exc.response.text
+            return response.status_code, (response.json() if response.content else None)
+
+    return asyncio.run(call())
+
+
+def _render(template: dict, **values) -> dict:
+    """The job configuration a worker would get: variable defaults, overridden by ``values``."""
+    from prefect.utilities.templating import apply_values
+
+    defaults = {k: v["default"] for k, v in template["variables"]["properties"].items() if "default" in v}
+    return apply_values(template["job_configuration"], {**defaults, **values})
+
+
+@pytest.mark.parametrize(("file", "pool_type"), [("kubernetes-gpu.json", "kubernetes"), ("docker-gpu.json", "docker")])
+def test_work_pool_template_is_accepted_and_read_back(prefect_server, file: str, pool_type: str):
+    template = json.loads((POOLS / file).read_text())
+    name = f"gpu-tasks-{pool_type}-{uuid.uuid4().hex[:6]}"
+    code, body = _api("POST", "/work_pools/", json={"name": name, "type": pool_type, "base_job_template": template})
+    assert code == 201, body
+    code, pool = _api("GET", f"/work_pools/{name}")
+    assert code == 200 and pool["base_job_template"] == template and pool["type"] == pool_type
+
+
+def test_kubernetes_gpu_count_sets_the_nvidia_limit_and_node_selector():
+    template = json.loads((POOLS / "kubernetes-gpu.json").read_text())
+    job = _render(template, gpu_count=2, node_selector={"nvidia.com/gpu.product": "NVIDIA-L4"}, name="etl")
+    pod = job["job_manifest"]["spec"]["template"]["spec"]
+    assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-L4"}
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert job["env"]["GPU_TASKS_PROFILES_FILE"], "profiles can be remapped per pool or deployment"
+    default = _render(template, name="etl")["job_manifest"]["spec"]["template"]["spec"]
+    assert default["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+
+
+def test_docker_template_passes_a_gpu_device_request():
+    template = json.loads((POOLS / "docker-gpu.json").read_text())
+    request = _render(template, gpu_count=2)["container_create_kwargs"]["device_requests"][0]
+    assert request["Driver"] == "nvidia" and request["Count"] == 2 and request["Capabilities"] == [["gpu"]]
+    by_id = _render(template, gpu_count=0, gpu_device_ids=["1"])["container_create_kwargs"]["device_requests"][0]
+    assert by_id["DeviceIDs"] == ["1"] and by_id["Count"] == 0
+
+
+def test_prefect_yaml_deployments_point_at_the_flow_with_valid_schedules_and_parameters():
+    from prefect.client.schemas.schedules import construct_schedule
+    from prefect.flows import load_flow_from_entrypoint
+
+    spec = yaml.safe_load((ROOT / "infra" / "prefect.yaml").read_text())
+    assert spec["prefect-version"] == "3.8.8"
+    assert len(spec["deployments"]) >= 2
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        for dep in spec["deployments"]:
+            flow = load_flow_from_entrypoint(dep["entrypoint"])
+            assert flow.name == "etl-train"
+            flow.validate_parameters(dep["parameters"])
+            for schedule in dep["schedules"]:
+                construct_schedule(cron=schedule["cron"], timezone=schedule.get("timezone"))
+            profiles_file = dep["work_pool"]["job_variables"]["env"].get("GPU_TASKS_PROFILES_FILE")
+            if profiles_file:
+                from gpu_tasks import load_profiles_file
+
+                assert load_profiles_file(ROOT / profiles_file)[0], profiles_file
+    finally:
+        os.chdir(cwd)
+
+
+def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path):
+    """`prefect deploy --all` with infra/prefect.yaml against the server: both deployments, scheduled."""
+    import prefect.settings
+
+    code, body = _api("POST", "/work_pools/", json={"name": "gpu-tasks-process", "type": "process"})
+    assert code in (201, 409), body
+    env = {**os.environ, "PREFECT_API_URL": str(prefect.settings.PREFECT_API_URL.value()),
+           "GPU_TASKS_HOME": str(ROOT)}
+    prefect_cli = Path(sys.executable).with_name("prefect")
+    proc = subprocess.run(
+        [str(prefect_cli), "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    for name, cron in (("nightly", "0 2 * * *"), ("nightly-h100-gang", "30 2 * * *")):
+        code, dep = _api("GET", f"/deployments/name/etl-train/{name}")
+        assert code == 200, dep
+        assert [s["schedule"]["cron"] for s in dep["schedules"]] == [cron]
+        assert dep["work_pool_name"] == "gpu-tasks-process"
