@@ -3,7 +3,6 @@ against a real Prefect server and Prefect's own template rendering."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import subprocess
@@ -12,25 +11,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from prefect_api import api
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS = ROOT / "infra" / "work-pools"
-
-
-def _api(method: str, path: str, **kw):
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import PrefectHTTPStatusError
-
-    async def call():
-        async with get_client() as client:
-            try:
-                response = await client._client.request(method, path, **kw)
-            except PrefectHTTPStatusError as exc:
-                return exc.response.status_code, exc.response.text
-            return response.status_code, (response.json() if response.content else None)
-
-    return asyncio.run(call())
 
 
 def _render(template: dict, **values) -> dict:
@@ -45,9 +30,9 @@ def _render(template: dict, **values) -> dict:
 def test_work_pool_template_is_accepted_and_read_back(prefect_server, file: str, pool_type: str):
     template = json.loads((POOLS / file).read_text())
     name = f"gpu-tasks-{pool_type}-{uuid.uuid4().hex[:6]}"
-    code, body = _api("POST", "/work_pools/", json={"name": name, "type": pool_type, "base_job_template": template})
+    code, body = api("POST", "/work_pools/", json={"name": name, "type": pool_type, "base_job_template": template})
     assert code == 201, body
-    code, pool = _api("GET", f"/work_pools/{name}")
+    code, pool = api("GET", f"/work_pools/{name}")
     assert code == 200 and pool["base_job_template"] == template and pool["type"] == pool_type
 
 
@@ -100,7 +85,7 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
     """`prefect deploy --all` with infra/prefect.yaml against the server: both deployments, scheduled."""
     import prefect.settings
 
-    code, body = _api("POST", "/work_pools/", json={"name": "gpu-tasks-process", "type": "process"})
+    code, body = api("POST", "/work_pools/", json={"name": "gpu-tasks-process", "type": "process"})
     assert code in (201, 409), body
     env = {**os.environ, "PREFECT_API_URL": str(prefect.settings.PREFECT_API_URL.value()),
            "GPU_TASKS_HOME": str(ROOT)}
@@ -111,7 +96,7 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for name, cron in (("nightly", "0 2 * * *"), ("nightly-h100-gang", "30 2 * * *")):
-        code, dep = _api("GET", f"/deployments/name/etl-train/{name}")
+        code, dep = api("GET", f"/deployments/name/etl-train/{name}")
         assert code == 200, dep
         assert [s["schedule"]["cron"] for s in dep["schedules"]] == [cron]
         assert dep["work_pool_name"] == "gpu-tasks-process"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -11,27 +10,12 @@ import time
 from pathlib import Path
 
 import pytest
+from prefect_api import api
 from typer.testing import CliRunner
 
 from gpu_tasks.cli import app
 
 GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
-
-
-def _api(method: str, path: str, **kw):
-    from prefect.client.orchestration import get_client
-
-    from prefect.exceptions import PrefectHTTPStatusError
-
-    async def call():
-        async with get_client() as client:
-            try:
-                response = await client._client.request(method, path, **kw)
-            except PrefectHTTPStatusError as exc:
-                return exc.response.status_code, None
-            return response.status_code, (response.json() if response.content else None)
-
-    return asyncio.run(call())
 
 
 def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Path, prefect_server):
@@ -49,7 +33,7 @@ def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Pat
     try:
         deployment = None
         for _ in range(240):  # the deployment appears once serve has registered it
-            code, body = _api("GET", f"/deployments/name/etl-train/{name}")
+            code, body = api("GET", f"/deployments/name/etl-train/{name}")
             if code == 200:
                 deployment = body
                 break
@@ -59,11 +43,11 @@ def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Pat
         assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
         assert deployment["parameters"] == {"scale": 1, "num_rounds": 3, "limit": 15000}
 
-        code, run = _api("POST", f"/deployments/{deployment['id']}/create_flow_run", json={})
+        code, run = api("POST", f"/deployments/{deployment['id']}/create_flow_run", json={})
         assert code == 201, run
         state = None
         for _ in range(600):
-            code, body = _api("GET", f"/flow_runs/{run['id']}")
+            code, body = api("GET", f"/flow_runs/{run['id']}")
             state = body["state"]["type"]
             if state in {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}:
                 break
