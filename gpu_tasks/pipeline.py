@@ -53,8 +53,10 @@ def etl_train(
     model_path = str(run_dir / "model" / f"model-{uuid.uuid4().hex[:8]}.json")
     trained = train_task.submit(features["features_dir"], model_path, num_rounds=num_rounds, seed=seed).result()
     metrics = evaluate_task.submit(features["features_dir"], trained["model_path"]).result()
-    runner = FlowRunContext.get().task_runner
+    ctx = FlowRunContext.get()
+    runner = ctx.task_runner
     return {
+        "flow_run_id": str(ctx.flow_run.id),
         "metrics": {k: metrics[k] for k in ("auc", "logloss", "baseline_auc", "baseline_logloss")},
         "model_path": metrics["model_path"],
         "metrics_path": metrics["metrics_path"],

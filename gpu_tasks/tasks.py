@@ -72,15 +72,21 @@ def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: i
     from gpu_tasks.gang import gang_client
     from gpu_tasks.train import train_model
 
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
     alloc = current_allocation()
     device = "cuda" if alloc.has_gpu else "cpu"
     log = get_run_logger()
     every = max(1, num_rounds // 10)
+    progress = create_progress_artifact(
+        progress=0.0, key="training-progress", description=f"XGBoost boosting rounds ({num_rounds})"
+    )
 
     def on_round(i: int, metrics: dict[str, float]) -> None:
         if (i + 1) % every == 0 or i + 1 == num_rounds:
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
             log.info("round %d/%d: %s", i + 1, num_rounds, shown)
+            update_progress_artifact(artifact_id=progress, progress=100.0 * (i + 1) / num_rounds)
 
     if len(alloc.devices) > 1:
         _announce("train", alloc, f"xgboost.dask across {len(alloc.devices)} workers, device={device}")
@@ -102,6 +108,17 @@ def evaluate_task(features_dir: str, model_path: str) -> dict[str, Any]:
     alloc = current_allocation()
     _announce("evaluate", alloc, "scikit-learn metrics")
     out = evaluate(Path(features_dir), Path(model_path))
+    from prefect.artifacts import create_table_artifact
+
+    create_table_artifact(
+        key="model-metrics",
+        table=[
+            {"metric": "AUC", "model": round(out["auc"], 4), "baseline (carrier x hour)": round(out["baseline_auc"], 4)},
+            {"metric": "log loss", "model": round(out["logloss"], 4),
+             "baseline (carrier x hour)": round(out["baseline_logloss"], 4)},
+        ],
+        description=f"Held-out months, {out['test_rows']:,} flights; model {out['model_path']}",
+    )
     get_run_logger().info(
         "AUC %.4f (baseline %.4f), log loss %.4f (baseline %.4f)",
         out["auc"], out["baseline_auc"], out["logloss"], out["baseline_logloss"],

@@ -31,6 +31,22 @@ def test_pipeline_runs_each_stage_on_its_profile(tmp_path: Path):
     assert out["rows"]["train"] + out["rows"]["test"] <= 30000
     # clusters of the GPU profiles were provisioned during the run
     assert out["clusters"]["gpu-etl"]["state"] in {"running", "closed"}
+    # the Prefect UI shows training progress, final metrics and the resource ledger
+    arts = {a["key"]: a for a in _artifacts(out["flow_run_id"])}
+    assert {"training-progress", "model-metrics", "resource-ledger"} <= set(arts), sorted(arts)
+    assert arts["training-progress"]["data"] == 100.0
+    table = json.loads(arts["model-metrics"]["data"])
+    assert table[0]["metric"] == "AUC" and table[0]["model"] == pytest.approx(m["auc"], abs=1e-4)
+    ledger = {row["profile"]: row for row in json.loads(arts["resource-ledger"]["data"])}
+    assert {"gpu-etl", "gpu-train"} <= set(ledger) and ledger["gpu-train"]["emulated"] is True
+
+
+def _artifacts(flow_run_id: str) -> list[dict]:
+    from prefect_api import api
+
+    code, body = api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    assert code == 200, body
+    return body
 
 
 def test_multi_device_training_runs_as_a_gang(tmp_path: Path, monkeypatch):
