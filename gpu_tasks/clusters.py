@@ -135,6 +135,12 @@ class DeviceBook:
     book has it free and every one of its devices can be leased now. The lease is
     given back when the book's holder releases the device. A profile that waits
     ``lease_timeout`` seconds for devices other processes lease gets a ``ClusterError``.
+
+    Waiters are queued: a profile that has to wait registers, in this book and as a
+    waiter file in ``lease_dir`` (:func:`gpu_tasks.leases.enqueue`), and a group is
+    not taken while a waiter that ranks before the taker (higher ``priority``, then
+    earlier arrival; :func:`gpu_tasks.leases.rank`), of this book or of any process,
+    wants one of its devices.
     """
 
     def __init__(
@@ -150,56 +156,83 @@ class DeviceBook:
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
         self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
         self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
+        self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
 
-    def acquire(self, owner: str, groups: list[tuple[Device, ...]], n: int, block: bool) -> list[int]:
+    def acquire(
+        self, owner: str, groups: list[tuple[Device, ...]], n: int, block: bool, priority: int = 0,
+    ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
-        With ``block``, waits until at least one group is free (or the runner stops).
+        With ``block``, waits until at least one group is free (or the runner stops),
+        queued by ``priority`` (higher first), then arrival, behind earlier waiters of
+        this book and of other processes.
 
         Raises:
             ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
         """
+        wanted = {d.address for g in groups for d in g}
+        me: dict[str, Any] = {
+            "profile": owner, "priority": int(priority), "arrived": time.time(), "addresses": sorted(wanted),
+            "local": True,
+        }
+        waiter: leases.Waiter | None = None
         waited_since = time.monotonic()
         foreign_since: float | None = None
         last_log: float | None = None
-        while True:
-            with self.cond:
-                free, foreign = self._take_free(owner, groups, n)
-                if free or not block or n <= 0:
-                    if free and time.monotonic() - waited_since > 0.5:
-                        logger.info("profile %r: got devices after waiting %.1fs", owner,
-                                    time.monotonic() - waited_since)
-                    return free
-                wanted = {d.address for g in groups for d in g}
-                held_by = {self.holders[a] for a in wanted if self.holders.get(a) not in (None, owner)}
-            if self.stop.is_set():
-                raise ClusterError(f"profile {owner!r}: the runner stopped while waiting for devices")
-            now = time.monotonic()
-            # the lease timeout runs while only other processes stand in the way
-            if not foreign or held_by:
-                foreign_since = None
-            elif foreign_since is None:
-                foreign_since = now
-            if foreign_since is not None and now - foreign_since >= self.lease_timeout:
-                raise ClusterError(self._timeout_message(owner, sorted(wanted), now - foreign_since))
-            if self.reclaim is not None:
-                self.reclaim(wanted, owner)
-            if last_log is None or now - last_log >= self.log_every:
-                last_log = now
-                if held_by:
+        last_yield_log: float | None = None
+        try:
+            while True:
+                with self.cond:
+                    free, foreign, first = self._take_free(owner, groups, n, me)
+                    if free or not block or n <= 0:
+                        if free and time.monotonic() - waited_since > 0.5:
+                            logger.info("profile %r: got devices after waiting %.1fs", owner,
+                                        time.monotonic() - waited_since)
+                        return free
+                    self.waiting[id(me)] = me
+                    held_by = {self.holders[a] for a in wanted if self.holders.get(a) not in (None, owner)}
+                if self.stop.is_set():
+                    raise ClusterError(f"profile {owner!r}: the runner stopped while waiting for devices")
+                if waiter is None:
+                    waiter = self._enqueue(owner, me)
+                now = time.monotonic()
+                # the lease timeout runs while only other processes stand in the way
+                if not foreign or held_by or any(w.get("local") for w in first):
+                    foreign_since = None
+                elif foreign_since is None:
+                    foreign_since = now
+                if foreign_since is not None and now - foreign_since >= self.lease_timeout:
+                    raise ClusterError(self._timeout_message(owner, sorted(wanted), now - foreign_since, first))
+                if self.reclaim is not None:
+                    self.reclaim(wanted, owner)
+                if first and (last_yield_log is None or now - last_yield_log >= self.log_every):
+                    last_yield_log = now
                     logger.info(
-                        "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "
-                        "released when those clusters go idle", owner, ",".join(sorted(wanted)),
-                        ", ".join(repr(h) for h in sorted(held_by)),
+                        "profile %r (priority %d): letting waiter(s) that rank before it have devices first: %s",
+                        owner, priority, self._waiters_text(first),
                     )
-                if foreign:
-                    logger.info(
-                        "profile %r: waiting for devices leased by other processes on this host: %s; "
-                        "giving up after %gs (GPU_TASKS_LEASE_TIMEOUT)", owner,
-                        self._holders_text(sorted(foreign)), self.lease_timeout,
-                    )
-            with self.cond:
-                self.cond.wait(timeout=0.5)
+                if last_log is None or now - last_log >= self.log_every:
+                    last_log = now
+                    if held_by:
+                        logger.info(
+                            "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "
+                            "released when those clusters go idle", owner, ",".join(sorted(wanted)),
+                            ", ".join(repr(h) for h in sorted(held_by)),
+                        )
+                    if foreign:
+                        logger.info(
+                            "profile %r: waiting for devices leased by other processes on this host: %s; "
+                            "giving up after %gs (GPU_TASKS_LEASE_TIMEOUT)", owner,
+                            self._holders_text(sorted(foreign)), self.lease_timeout,
+                        )
+                with self.cond:
+                    self.cond.wait(timeout=0.5)
+        finally:
+            if id(me) in self.waiting:
+                with self.cond:
+                    del self.waiting[id(me)]
+                    self.cond.notify_all()  # waiters that let this one go first may go now
+            leases.dequeue(waiter)
 
     def release(self, owner: str, devices: Any) -> None:
         """Give back ``devices`` held by ``owner`` (and this process's leases on them)."""
@@ -210,19 +243,32 @@ class DeviceBook:
                     leases.release(self.leases.pop(address, None), [address])
             self.cond.notify_all()
 
-    def _take_free(self, owner: str, groups: list[tuple[Device, ...]], n: int) -> tuple[list[int], set[str]]:
+    def _take_free(
+        self, owner: str, groups: list[tuple[Device, ...]], n: int, me: dict[str, Any],
+    ) -> tuple[list[int], set[str], list[dict[str, Any]]]:
         """Hold up to ``n`` groups free in this book whose new devices lease now (under ``cond``).
 
-        Returns their indexes and the devices other processes' leases kept from us.
+        A group that a waiter ranking before ``me`` wants is left to that waiter.
+        Returns the groups' indexes, the devices other processes (their leases or their
+        first-ranked waiters) kept from us, and the waiters we let go first.
         """
         free: list[int] = []
         foreign: set[str] = set()
+        first: dict[int, dict[str, Any]] = {}
+        rivals: list[dict[str, Any]] | None = None
         try:
             for i, g in enumerate(groups):
                 if len(free) >= n:
                     break
                 held = [self.holders.get(d.address) for d in g]
                 if any(h not in (None, owner) for h in held) or all(h == owner for h in held):
+                    continue
+                if rivals is None:
+                    rivals = self._rivals(owner)
+                before = leases.ahead(me, rivals, [d.address for d in g])
+                if before:
+                    first.update((id(w), w) for w in before)
+                    foreign.update(d.address for d in g if any(not w.get("local") for w in before))
                     continue
                 new = [d.address for d in g if d.address not in self.holders]
                 lease = leases.take(new, leases.owner_info(owner), self.lease_dir) if new else None
@@ -239,11 +285,43 @@ class DeviceBook:
                 for d in groups[i]:
                     self.holders.pop(d.address, None)
                     leases.release(self.leases.pop(d.address, None), [d.address])
-            raise ClusterError(
-                f"profile {owner!r}: cannot lease devices in {str(self.lease_dir)!r}: {exc}; set "
-                "GPU_TASKS_LEASE_DIR to a directory this user can write"
-            ) from exc
-        return free, foreign
+            raise self._lease_error(owner, exc) from exc
+        return free, foreign, sorted(first.values(), key=leases.rank)
+
+    def _rivals(self, owner: str) -> list[dict[str, Any]]:
+        """Other profiles' waiters in this book, and the live waiters of other books (processes)."""
+        local = [w for w in self.waiting.values() if w["profile"] != owner]
+        mine = {w.get("file") for w in self.waiting.values()}
+        return local + [w for w in leases.waiters(self.lease_dir) if w["file"] not in mine]
+
+    def _enqueue(self, owner: str, me: dict[str, Any]) -> leases.Waiter:
+        """Register ``me`` as a waiter file, so other processes let it go first when it ranks first."""
+        try:
+            waiter = leases.enqueue(me["addresses"], leases.owner_info(owner), me["priority"], me["arrived"],
+                                    self.lease_dir)
+        except OSError as exc:
+            raise self._lease_error(owner, exc) from exc
+        with self.cond:
+            me["file"] = waiter.name
+        return waiter
+
+    def _lease_error(self, owner: str, exc: OSError) -> ClusterError:
+        return ClusterError(
+            f"profile {owner!r}: cannot lease devices in {str(self.lease_dir)!r}: {exc}; set "
+            "GPU_TASKS_LEASE_DIR to a directory this user can write"
+        )
+
+    @staticmethod
+    def _waiters_text(waiters: list[dict[str, Any]]) -> str:
+        """``profile 'x' of this flow run (priority 5, waiting 3.0s for devices 0,1); ...``."""
+        now = time.time()
+        parts = []
+        for w in waiters:
+            who = f"profile {w.get('profile')!r} of this flow run" if w.get("local") else leases.describe(w)
+            waited = max(0.0, now - float(w.get("arrived", now)))
+            parts.append(f"{who} (priority {w.get('priority', 0)}, waiting {waited:.1f}s for devices "
+                         f"{','.join(w.get('addresses') or ())})")
+        return "; ".join(parts)
 
     def _holders_text(self, addresses: list[str]) -> str:
         """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
@@ -254,10 +332,11 @@ class DeviceBook:
             for a in addresses
         )
 
-    def _timeout_message(self, owner: str, wanted: list[str], waited: float) -> str:
+    def _timeout_message(self, owner: str, wanted: list[str], waited: float, first: list[dict[str, Any]]) -> str:
+        queued = f"; waiters that rank before it: {self._waiters_text(first)}" if first else ""
         return (
             f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease "
-            f"({self._holders_text(wanted)}). Stop those flow runs or wait longer: raise "
+            f"({self._holders_text(wanted)}{queued}). Stop those flow runs or wait longer: raise "
             f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s); leases are in {str(self.lease_dir)!r} "
             "(GPU_TASKS_LEASE_DIR)"
         )
@@ -327,7 +406,8 @@ class ProfileCluster:
         """
         n_workers = max(1, min(n_workers, self.limit))
         if self.profile.is_gpu:
-            indexes = self.book.acquire(self.profile.name, self.groups, n_workers, block=True)
+            indexes = self.book.acquire(self.profile.name, self.groups, n_workers, block=True,
+                                         priority=self.profile.priority)
         else:
             indexes = list(range(n_workers))
         n_workers = len(indexes)
@@ -373,7 +453,8 @@ class ProfileCluster:
         if not self.running or n_workers <= len(self.specs):
             return len(self.specs)
         if self.profile.is_gpu:
-            indexes = self.book.acquire(self.profile.name, self.groups, n_workers - len(self.specs), block=False)
+            indexes = self.book.acquire(self.profile.name, self.groups, n_workers - len(self.specs), block=False,
+                                         priority=self.profile.priority)
             if not indexes:
                 return len(self.specs)  # other profiles hold the rest: tasks queue on the workers we have
         else:

@@ -9,6 +9,13 @@ one while another process has it open would let two processes lock different fil
 
 Only this host's processes see these locks (``flock`` on a network file system is not
 a cross-host lock): leases coordinate flow runs on one machine, not a cluster.
+
+Waiting is queued: a process that waits for devices registers a waiter file
+``<lease_dir>/queue/<unique>.json`` (:func:`enqueue`), exclusively locked for as long
+as it waits, and before it leases a device it lets any live waiter that wants that
+device and ranks before it (:func:`rank`: higher priority, then earlier arrival, then
+file name) go first (:func:`ahead`). A waiter file nobody has locked belongs to a dead
+process: :func:`waiters` ignores and deletes it.
 """
 
 from __future__ import annotations
@@ -16,15 +23,19 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import socket
 import time
+import uuid
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
 PREFIX, SUFFIX = "device-", ".lock"
+QUEUE = "queue"  # waiter files: <lease_dir>/queue/<unique>.json
 
 
 class Lease:
@@ -44,7 +55,24 @@ class Lease:
         return f"Lease({','.join(self.files) or '-'} in {self.lease_dir})"
 
 
-_OPEN: weakref.WeakSet[Lease] = weakref.WeakSet()
+class Waiter:
+    """This process's place in the queue: its open, locked waiter file; :func:`dequeue` removes it."""
+
+    def __init__(self, path: Path, fd: int, info: dict[str, Any]):
+        self.path = path
+        self.files = {path.name: fd}  # the one open, locked descriptor (closed in forked children)
+        self.info = info
+
+    @property
+    def name(self) -> str:
+        """The waiter file's name: the last tie breaker of :func:`rank`."""
+        return self.path.name
+
+    def __repr__(self) -> str:
+        return f"Waiter({self.path})"
+
+
+_OPEN: weakref.WeakSet[Lease | Waiter] = weakref.WeakSet()
 
 
 def _close_in_child() -> None:
@@ -126,6 +154,91 @@ def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = No
     lease = Lease(lease_dir, files, info)
     _OPEN.add(lease)
     return lease
+
+
+def enqueue(
+    addresses: Any, owner_info: dict[str, Any], priority: int = 0, arrived: float | None = None,
+    lease_dir: Path | None = None,
+) -> Waiter:
+    """Register as a waiter for ``addresses`` until :func:`dequeue`.
+
+    The file's JSON is ``owner_info`` plus ``priority``, ``arrived`` (``time.time()``
+    when the wait began; default now) and ``addresses``. It is written and locked
+    under a hidden temporary name and renamed into place, so a reader never sees a
+    live waiter's file unlocked or half written. Raises ``OSError`` when the queue
+    directory cannot be written.
+    """
+    queue = _ensure_dir(_ensure_dir(_lease_dir(lease_dir)) / QUEUE)
+    info = dict(
+        owner_info, priority=int(priority), arrived=time.time() if arrived is None else float(arrived),
+        addresses=sorted(set(addresses)),
+    )
+    name = f"{uuid.uuid4().hex}.json"
+    tmp = queue / f".{name}.tmp"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it open
+        _write_info(fd, info)
+        os.rename(tmp, queue / name)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    waiter = Waiter(queue / name, fd, dict(info, file=name))
+    _OPEN.add(waiter)
+    return waiter
+
+
+def dequeue(waiter: Waiter | None) -> None:
+    """Leave the queue: delete the waiter file, then unlock it (by closing it)."""
+    if waiter is None:
+        return
+    with contextlib.suppress(OSError):
+        waiter.path.unlink()
+    _close_all(waiter.files)
+
+
+def waiters(lease_dir: Path | None = None) -> list[dict[str, Any]]:
+    """The live waiters in ``<lease_dir>/queue``, first-ranked first (see :func:`rank`).
+
+    Each is its file's JSON plus ``file`` (its name). A file that a non-blocking lock
+    attempt gets is a dead waiter's (its process ended without :func:`dequeue`, even
+    by SIGKILL): it is left out and deleted.
+    """
+    queue = _lease_dir(lease_dir) / QUEUE
+    out = []
+    for path in sorted(queue.glob("*.json")) if queue.is_dir() else []:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:  # its waiter just left
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                out.append(dict(_read_info(fd), file=path.name))
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()  # dead (or has just left): names are never reused
+        finally:
+            os.close(fd)
+    return sorted(out, key=rank)
+
+
+def rank(info: dict[str, Any]) -> tuple[int, float, str]:
+    """Sort key of a waiter (lower goes first): higher ``priority``, earlier ``arrived``, ``file`` name.
+
+    A waiter without a file (one that has not registered) comes after every same-priority,
+    same-arrival waiter with one.
+    """
+    return (-int(info.get("priority") or 0), float(info.get("arrived", math.inf)), str(info.get("file") or "\uffff"))
+
+
+def ahead(me: dict[str, Any], others: Iterable[dict[str, Any]], addresses: Any) -> list[dict[str, Any]]:
+    """The waiters of ``others`` that rank before ``me`` and want any of ``addresses``, first first."""
+    key, wanted = rank(me), set(addresses)
+    return sorted((w for w in others if rank(w) < key and wanted.intersection(w.get("addresses") or ())), key=rank)
 
 
 def release(lease: Lease | None, addresses: Any = None) -> None:
