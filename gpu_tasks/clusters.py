@@ -405,7 +405,9 @@ class ProfileCluster:
             ClusterError: naming the profile and devices when workers do not start.
         """
         n_workers = max(1, min(n_workers, self.limit))
-        if self.profile.is_gpu:
+        if self.profile.is_gpu and self.profile.gang:
+            indexes = self._acquire_gang(n_workers)
+        elif self.profile.is_gpu:
             indexes = self.book.acquire(self.profile.name, self.groups, n_workers, block=True,
                                          priority=self.profile.priority)
         else:
@@ -446,6 +448,24 @@ class ProfileCluster:
             "profile %r: provisioned %d worker(s) on %s in %.2fs",
             self.profile.name, n_workers, self._where(), time.monotonic() - t0,
         )
+
+    def _acquire_gang(self, n_workers: int) -> list[int]:
+        """All ``n_workers`` device groups at once, or none: a gang never starts partly."""
+        deadline = time.monotonic() + self.book.lease_timeout
+        while True:
+            indexes = self.book.acquire(self.profile.name, self.groups, n_workers, block=True,
+                                        priority=self.profile.priority)
+            if len(indexes) >= n_workers:
+                return indexes
+            # give back the part we got, so two gangs never each hold half of what they need
+            self.book.release(self.profile.name, [d.address for i in indexes for d in self.groups[i]])
+            if time.monotonic() >= deadline:
+                raise ClusterError(
+                    f"profile {self.profile.name!r} is a gang of {n_workers} workers but only "
+                    f"{len(indexes)} device group(s) came free within {self.book.lease_timeout:g}s "
+                    "(GPU_TASKS_LEASE_TIMEOUT); it starts all of them or none"
+                )
+            time.sleep(0.25)
 
     def scale_to(self, n_workers: int) -> int:
         """Grow to ``n_workers`` (never shrinks while running); returns the new count."""

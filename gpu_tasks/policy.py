@@ -181,6 +181,7 @@ def worker_spec(
         name = f"{profile.name}-gpu{'-'.join(d.address for d in devices)}"
     else:
         resources = {}
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU worker process must not inherit the flow's GPUs
         name = f"{profile.name}-{index}"
     return WorkerSpec(
         name=name, devices=devices, nthreads=slots, resources=resources, env=env,

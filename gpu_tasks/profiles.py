@@ -143,7 +143,7 @@ class ResourceProfile(BaseModel):
     @classmethod
     def _gpus(cls, value: float) -> float:
         if not math.isfinite(value) or value < 0:
-            raise ValueError("must be 0, a whole number of devices, or 1/k for k in 1..64")
+            raise ValueError("must be 0, a whole number of devices, or 1/k for k in 2..64")
         if value == 0 or (value >= 1 and float(value).is_integer()):
             return float(value)
         if 1 / (MAX_SHARE + 1) < value < 1:  # smaller shares (and subnormals) are never valid
@@ -151,7 +151,7 @@ class ResourceProfile(BaseModel):
             if 2 <= k <= MAX_SHARE and math.isclose(1 / k, value, rel_tol=1e-9, abs_tol=1e-12):
                 return 1 / k
         raise ValueError(
-            "must be a whole number or 1/k for k in 1..64 (e.g. 1, 2, 0.5, 0.25)"
+            "must be a whole number or 1/k for k in 2..64 (e.g. 1, 2, 0.5, 0.25)"
         )
 
     @field_validator("memory", "gpu_memory", mode="before")

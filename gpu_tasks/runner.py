@@ -405,12 +405,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             UnknownProfileError: the tag names no known profile.
             UnsatisfiableProfileError: no device can ever satisfy it and fallback is "error".
         """
-        from prefect.context import TagsContext
 
         live = self._ensure_live()
-        tags_ctx = TagsContext.get()
-        tags = set(task.tags) | set(tags_ctx.current_tags if tags_ctx else ())
-        name = profile_from_tags(tags) or live.default
+        name = _requested_profile(task) or live.default
         prof = live.profiles.get(name)
         if prof is None:
             raise UnknownProfileError(
@@ -439,7 +436,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         """Submit a task to its profile's cluster; returns at once with a future."""
         live = self._ensure_live()
         prof = self.profile_for(task)
-        requested = profile_from_tags(set(task.tags)) or prof.name
+        requested = _requested_profile(task) or prof.name
         extra_tags = [profile(prof.name)]
         if prof.name != requested and requested in live.profiles:
             extra_tags.append(FALLBACK_TAG)
@@ -608,6 +605,14 @@ def _status_row(state: str, prof: ResourceProfile, cluster: ProfileCluster | Non
         "outstanding": outstanding,
         "dashboard": cluster.dashboard_link if cluster else None,
     }
+
+
+def _requested_profile(task: Any) -> str | None:
+    """The profile a task's own tags and the enclosing ``prefect.tags`` blocks name, if any."""
+    from prefect.context import TagsContext
+
+    tags_ctx = TagsContext.get()
+    return profile_from_tags(set(task.tags) | set(tags_ctx.current_tags if tags_ctx else ()))
 
 
 LEDGER_ARTIFACT_KEY = "resource-ledger"

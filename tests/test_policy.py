@@ -304,7 +304,7 @@ def test_worker_spec_for_cpu():
     prof = ResourceProfile(name="etl-cpu", cpus=0.5)
     spec = worker_spec(prof, 3, (), emulated=True, cores=2)
     assert spec.resources == {}
-    assert "CUDA_VISIBLE_DEVICES" not in spec.env
+    assert spec.env["CUDA_VISIBLE_DEVICES"] == "", "CPU workers hide the host's GPUs"
     assert WORKER_ENV_EMULATED not in spec.env
     assert spec.env[WORKER_ENV_PROFILE] == "etl-cpu"
     assert spec.nthreads == 4

@@ -131,6 +131,35 @@ def test_profiles_spread_over_free_devices_concurrently(tmp_path: Path):
     assert a["devices"] != b["devices"]
 
 
+def test_gang_profile_starts_all_its_workers_or_none(tmp_path: Path):
+    """gang=True: the cluster starts only once every device group it needs is free."""
+    gang = ResourceProfile(name="gang", gpus=1, gang=True, max_workers=2, idle_timeout=30)
+    other = ResourceProfile(name="other", gpus=1, idle_timeout=0.2)
+
+    @flow(task_runner=runner(gang, other))
+    def f():
+        busy = hold.with_options(tags=[profile("other")]).submit(1.5)  # holds one device for a while
+        time.sleep(0.8)
+        g = hold.with_options(tags=[profile("gang")]).submit(0.1)
+        return busy.result(), g.result(), _status()
+
+    busy, g, status = f()
+    assert g["start"] >= busy["end"], "the gang started before all of its devices were free"
+    assert status["gang"]["workers"] == 2 and sorted(status["gang"]["devices"]) == ["0", "1"]
+
+
+def test_cpu_worker_processes_see_no_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")  # as on a GPU host
+    procs = ResourceProfile(name="cpu", cpus=1, processes=True)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[procs], default="cpu"))
+    def f():
+        return hold.submit(0).result()
+
+    row = f()
+    assert row["visible"] == "" and row["devices"] == () and os.getpid() != row["pid"]
+
+
 def test_fractional_tasks_pack_one_device_before_the_next():
     q_hold = hold.with_options(tags=[profile("quarter")])
 
@@ -201,6 +230,35 @@ def test_fallback_cpu_runs_on_the_cpu_profile():
     row, status = f()
     assert row["profile"] == "cpu" and row["devices"] == ()
     assert status["a100"]["state"] == "absent"
+
+
+def test_fallback_is_announced_when_the_profile_comes_from_a_tags_block(caplog):
+    """`with use_profile(...)` / `prefect.tags(...)`: the fallback is logged and tagged as well."""
+    import logging
+
+    from prefect.client.orchestration import get_client
+
+    from gpu_tasks import use_profile
+
+    prof = ResourceProfile(name="a100", gpus=1, gpu_model="A100", fallback="cpu")
+
+    @flow(task_runner=runner(prof))
+    def f():
+        with use_profile("a100"):
+            fut = hold.submit(0)
+        return fut.result(), fut.task_run_id
+
+    with caplog.at_level(logging.WARNING):
+        row, run_id = f()
+    assert row["profile"] == "cpu"
+    assert any("asks for profile 'a100'" in r.getMessage() and "fallback='cpu'" in r.getMessage()
+               for r in caplog.records)
+
+    async def read():
+        async with get_client() as client:
+            return (await client.read_task_run(run_id)).tags
+
+    assert "gpu-tasks:fallback" in asyncio.run(read())
 
 
 def test_idle_scale_down_then_reprovision_within_one_flow():
