@@ -15,6 +15,8 @@ import concurrent.futures
 import contextvars
 import datetime
 import logging
+import re
+import socket
 import threading
 import time
 import uuid
@@ -234,6 +236,16 @@ class _Live:
                 related=related,
                 payload=payload,
             )
+            lease_event = {"provisioned": "leased", "scaled": "leased", "closed": "released"}.get(what)
+            for address in (cluster.devices if devices is None else devices) if lease_event else ():
+                emit_event(
+                    event=f"gpu-tasks.device.{lease_event}",
+                    resource={
+                        "prefect.resource.id": f"gpu-tasks.device.{socket.gethostname()}.{address}",
+                        "prefect.resource.name": f"gpu:{address}", "gpu-tasks.profile": name,
+                    },
+                    related=related, payload={"profile": name},
+                )
         except Exception:  # events are for watching; never fail the run over one
             logger.debug("could not emit gpu-tasks.cluster.%s", what, exc_info=True)
 
@@ -508,8 +520,13 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 cluster.start(want)
                 st.ever_provisioned = True
                 live.emit("provisioned", cluster, {"workers": cluster.worker_count})
+                _publish_dashboard(cluster)
             elif want > cluster.worker_count:
+                before = set(cluster.devices)
                 cluster.scale_to(want)
+                added = [d for d in cluster.devices if d not in before]
+                if added:
+                    live.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
             st.dispatched += 1
         kwargs: dict[str, Any] = dict(
             task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
@@ -613,6 +630,21 @@ def _requested_profile(task: Any) -> str | None:
 
     tags_ctx = TagsContext.get()
     return profile_from_tags(set(task.tags) | set(tags_ctx.current_tags if tags_ctx else ()))
+
+
+def _publish_dashboard(cluster: ProfileCluster) -> None:
+    """A link artifact to the cluster's Dask dashboard, when dashboards are on (best effort)."""
+    link = cluster.dashboard_link
+    if not link:
+        return
+    try:
+        from prefect.artifacts import create_link_artifact
+
+        name = cluster.profile.name
+        create_link_artifact(link=link, link_text=f"Dask dashboard of profile {name!r}",
+                             key=f"dask-dashboard-{re.sub(r'[^a-z0-9-]', '-', name.lower())}")
+    except Exception:
+        logger.warning("could not publish the dashboard link artifact", exc_info=True)
 
 
 LEDGER_ARTIFACT_KEY = "resource-ledger"

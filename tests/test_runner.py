@@ -13,6 +13,8 @@ from prefect import flow, tags, task
 from prefect.context import FlowRunContext
 from prefect.futures import as_completed, wait
 
+from prefect_api import api
+
 from gpu_tasks import (
     ProfileTaskRunner,
     ResourceProfile,
@@ -552,6 +554,12 @@ def test_cluster_lifecycle_events_relate_to_the_flow_run():
     names = [e["event"] for e in events]
     assert names == ["gpu-tasks.cluster.provisioned", "gpu-tasks.cluster.closed"], names
     closed = events[1]
+    code, body = api("POST", "/events/filter", json={"filter": {
+        "event": {"prefix": ["gpu-tasks.device."]}, "occurred": {"since": "2000-01-01T00:00:00Z"},
+        "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]}, "order": "ASC"}})
+    lease_events = [(e["event"], e["resource"]["prefect.resource.name"]) for e in body["events"]]
+    device = f"gpu:{closed['payload']['devices'][0]}"
+    assert lease_events == [("gpu-tasks.device.leased", device), ("gpu-tasks.device.released", device)]
     assert closed["resource"]["gpu-tasks.profile"] == "gpu"
     assert closed["resource"]["gpu-tasks.emulated"] == "true"
     assert closed["payload"]["reason"] == "flow run ended" and len(closed["payload"]["devices"]) == 1
@@ -576,3 +584,19 @@ def test_task_runs_carry_profile_and_device_tags():
     gpu_tags, cpu_tags = asyncio.run(read(gpu_run)), asyncio.run(read(cpu_run))
     assert {"profile:gpu", f"gpu:{row['devices'][0]}", "gpu-tasks:emulated"} <= set(gpu_tags)
     assert not any(t.startswith("gpu") for t in cpu_tags), cpu_tags
+
+
+def test_dashboard_link_artifact_when_dashboards_are_on(monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_DASHBOARD", "true")
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        hold.with_options(tags=[profile("gpu")]).submit(0).result()
+        return FlowRunContext.get().flow_run.id, _status()["gpu"]["dashboard"]
+
+    run_id, link = f()
+    assert link and link.startswith("http://127.0.0.1:")
+    code, arts = api("POST", "/artifacts/filter", json={"artifacts": {
+        "flow_run_id": {"any_": [str(run_id)]}, "key": {"any_": ["dask-dashboard-gpu"]}}})
+    assert code == 200 and len(arts) == 1, arts
+    assert link in arts[0]["data"]
