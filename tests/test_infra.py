@@ -100,3 +100,16 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
         assert code == 200, dep
         assert [s["schedule"]["cron"] for s in dep["schedules"]] == [cron]
         assert dep["work_pool_name"] == "gpu-tasks-process"
+
+    # one run of the nightly deployment through a process worker, on emulated devices
+    code, dep = api("GET", "/deployments/name/etl-train/nightly")
+    params = {"limit": 15000, "num_rounds": 3, "data_dir": str(tmp_path)}
+    code, run = api("POST", f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params})
+    assert code == 201, run
+    worker = subprocess.run(
+        [str(prefect_cli), "worker", "start", "--pool", "gpu-tasks-process", "--run-once"],
+        cwd=tmp_path, env={**env, "GPU_TASKS_EMULATED_GPUS": "2"}, capture_output=True, text=True, timeout=240,
+    )
+    code, body = api("GET", f"/flow_runs/{run['id']}")
+    assert body["state"]["type"] == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]
+    assert list(tmp_path.glob("scale-1/model/*.metrics.json"))
