@@ -254,3 +254,47 @@ def test_lease_timeout_names_the_holder(tmp_path, lease_dir, monkeypatch):
     message = str(err.value)
     assert f"pid {proc.pid}" in message and "flow run 'holder-run' (id holder-id)" in message
     assert "device 0" in message and "GPU_TASKS_LEASE_TIMEOUT" in message
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_all_or_nothing_takes_never_deadlock_in_random_orders(lease_dir, seed):
+    """Four independent books (separate lock files, as separate flow runs would have)
+    repeatedly take random pairs of four devices, listed in random order: every take
+    completes and no device ever has two holders."""
+    import random
+    import threading
+
+    devices = [Device(address=str(i), index=i, name="EMU", memory_total=None) for i in range(4)]
+    rng = random.Random(seed)
+    plans = [[rng.sample(devices, 2) for _ in range(10)] for _ in range(4)]
+    intervals: list[tuple[str, float, float, int]] = []
+    lock = threading.Lock()
+    errors: list[BaseException] = []
+
+    def run(who: int) -> None:
+        book = DeviceBook(lease_dir=lease_dir, lease_timeout=30)
+        try:
+            for pair in plans[who]:
+                got = book.acquire(f"run{who}", [tuple(pair)], 1, block=True)
+                start = time.monotonic()
+                time.sleep(rng.uniform(0.001, 0.01))
+                end = time.monotonic()
+                book.release(f"run{who}", [d.address for d in pair])
+                assert got == [0]
+                with lock:
+                    intervals.extend((d.address, start, end, who) for d in pair)
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert not any(t.is_alive() for t in threads), "a take never completed: deadlock"
+    assert not errors, errors
+    assert len(intervals) == 4 * 10 * 2
+    for address in "0123":
+        spans = sorted((s, e, w) for a, s, e, w in intervals if a == address)
+        for (s1, e1, w1), (s2, e2, w2) in zip(spans, spans[1:]):
+            assert s2 >= e1, f"device {address} held by run{w1} and run{w2} at once"
