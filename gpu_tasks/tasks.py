@@ -83,10 +83,10 @@ def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: i
     )
 
     def on_round(i: int, metrics: dict[str, float]) -> None:
+        update_progress_artifact(artifact_id=progress, progress=100.0 * (i + 1) / num_rounds)
         if (i + 1) % every == 0 or i + 1 == num_rounds:
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
             log.info("round %d/%d: %s", i + 1, num_rounds, shown)
-            update_progress_artifact(artifact_id=progress, progress=100.0 * (i + 1) / num_rounds)
 
     if len(alloc.devices) > 1:
         _announce("train", alloc, f"xgboost.dask across {len(alloc.devices)} workers, device={device}")
