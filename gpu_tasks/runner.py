@@ -257,6 +257,11 @@ class _Live:
         for st in list(self.states.values()):
             if st.dispatcher is not None:
                 st.dispatcher.shutdown(wait=False, cancel_futures=True)
+            pool = st.cluster.cluster
+            if isinstance(pool, concurrent.futures.Executor):
+                # Let running in-process tasks finish (as Prefect's thread pool runner does) before
+                # taking the profile's lock: their completion callbacks need that lock.
+                pool.shutdown(wait=True, cancel_futures=True)
         for st in list(self.states.values()):
             with st.lock:
                 self._close(st, reason)

@@ -600,3 +600,20 @@ def test_dashboard_link_artifact_when_dashboards_are_on(monkeypatch):
         "flow_run_id": {"any_": [str(run_id)]}, "key": {"any_": ["dask-dashboard-gpu"]}}})
     assert code == 200 and len(arts) == 1, arts
     assert link in arts[0]["data"]
+
+
+def test_flow_exit_waits_for_unawaited_cpu_tasks_without_deadlock():
+    """A flow that returns without awaiting a running task: exit lets it finish, then closes."""
+    import threading
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        hold.submit(0.5)  # never awaited
+        return "done"
+
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", f()), daemon=True)
+    t.start()
+    t.join(timeout=90)
+    assert not t.is_alive(), "leaving the flow deadlocked"
+    assert box["out"] == "done"
