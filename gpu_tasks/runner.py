@@ -220,6 +220,7 @@ class _Live:
             from prefect.events import emit_event
 
             name = cluster.profile.name
+            devices = cluster.devices if devices is None else devices
             related = []
             if self.flow_run_id is not None:
                 related.append({"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}",
@@ -230,18 +231,19 @@ class _Live:
                     "prefect.resource.id": f"gpu-tasks.cluster.{self.flow_run_id or 'local'}.{name}",
                     "prefect.resource.name": name,
                     "gpu-tasks.profile": name,
-                    "gpu-tasks.devices": ",".join(cluster.devices if devices is None else devices) or "-",
+                    "gpu-tasks.devices": ",".join(devices) or "-",
                     "gpu-tasks.emulated": str(bool(cluster.inventory.emulated and cluster.profile.is_gpu)).lower(),
                 },
                 related=related,
                 payload=payload,
             )
             lease_event = {"provisioned": "leased", "scaled": "leased", "closed": "released"}.get(what)
-            for address in (cluster.devices if devices is None else devices) if lease_event else ():
+            host = socket.gethostname()
+            for address in devices if lease_event else ():
                 emit_event(
                     event=f"gpu-tasks.device.{lease_event}",
                     resource={
-                        "prefect.resource.id": f"gpu-tasks.device.{socket.gethostname()}.{address}",
+                        "prefect.resource.id": f"gpu-tasks.device.{host}.{address}",
                         "prefect.resource.name": f"gpu:{address}", "gpu-tasks.profile": name,
                     },
                     related=related, payload={"profile": name},
@@ -422,7 +424,10 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             UnknownProfileError: the tag names no known profile.
             UnsatisfiableProfileError: no device can ever satisfy it and fallback is "error".
         """
+        return self._route(task)[0]
 
+    def _route(self, task: Any) -> tuple[ResourceProfile, str, str | None]:
+        """The profile to run on, the profile asked for, and why they differ (fallback) if so."""
         live = self._ensure_live()
         name = _requested_profile(task) or live.default
         prof = live.profiles.get(name)
@@ -434,9 +439,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             )
         reason = unsatisfiable_reason(prof, live.inventory) if prof.is_gpu else None
         if reason is None:
-            return prof
+            return prof, name, None
         if prof.fallback == "cpu":
-            return live.profiles[live.default]
+            return live.profiles[live.default], name, reason
         raise UnsatisfiableProfileError(
             f"task {task.name!r} cannot run: {reason}. Lower the request, fix gpu_model/gpu_memory, "
             "or set fallback='cpu' on the profile"
@@ -452,15 +457,14 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     ) -> ProfileFuture:
         """Submit a task to its profile's cluster; returns at once with a future."""
         live = self._ensure_live()
-        prof = self.profile_for(task)
-        requested = _requested_profile(task) or prof.name
+        prof, requested, fallback_reason = self._route(task)
         extra_tags = [profile(prof.name)]
-        if prof.name != requested and requested in live.profiles:
+        if fallback_reason is not None:
             extra_tags.append(FALLBACK_TAG)
             _flow_logger().warning(
                 "Task %r asks for profile %r, which cannot be satisfied (%s); running it on CPU profile %r "
                 "because the profile sets fallback='cpu'",
-                task.name, requested, unsatisfiable_reason(live.profiles[requested], live.inventory), prof.name,
+                task.name, requested, fallback_reason, prof.name,
             )
         st = live.state(prof)
         with st.lock:
