@@ -1,119 +1,107 @@
-"""Per-task overhead: the same N trivial tasks through three task runners, in one run.
+"""Per-task overhead: the same N trivial tasks through four task runners, in one run.
 
-    python bench/overhead.py [--n 500] [--repeats 3] [--json out.json]
+    python -m bench.overhead [--n 100 1000] [--repeats 3] [--json out.json]
 
-Prints milliseconds per task for ThreadPoolTaskRunner, prefect-dask's DaskTaskRunner
-and ProfileTaskRunner (CPU profile in the flow process, and an emulated-GPU profile
-with worker processes), and the ratios between them. Uses a temporary Prefect
-server on 127.0.0.1 (the test harness). Not a test: nothing here asserts a time.
+Times ``inc.map(range(N))`` through Prefect's ThreadPoolTaskRunner, prefect-dask's
+DaskTaskRunner and ProfileTaskRunner (a CPU profile: threads in the flow process;
+and a ``gpus=0.25`` profile on emulated devices: Dask worker processes). A warm-up
+task first in every flow, so cluster start-up is cold start, not per-task overhead.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import statistics
 import time
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+from bench.common import machine, setup, spread, write_json
+
+THREADS = "ThreadPoolTaskRunner"
+DASK = "DaskTaskRunner"
+PROFILE_CPU = "ProfileTaskRunner, CPU profile"
+PROFILE_GPU = "ProfileTaskRunner, gpus=0.25 profile"
 
 
-def _runners(n_gpu: int) -> dict[str, Callable[[], Any]]:
+def runners(n_gpu: int) -> dict[str, tuple[Callable[[], Any], str | None]]:
+    """Label -> (runner factory, profile tag or None); labels are stable keys of the results."""
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_dask import DaskTaskRunner
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile
 
+    cpu = ResourceProfile(name="cpu", cpus=0.25)  # 8 threads on a 2-core machine, as the thread pool
     return {
-        "ThreadPoolTaskRunner(max_workers=8)": lambda: ThreadPoolTaskRunner(max_workers=8),
-        "DaskTaskRunner(2 processes x 2 threads)": lambda: DaskTaskRunner(
-            cluster_kwargs={"n_workers": 2, "threads_per_worker": 2, "processes": True,
-                            "dashboard_address": "127.0.0.1:0", "host": "127.0.0.1"}
-        ),
-        "ProfileTaskRunner(cpu profile)": lambda: ProfileTaskRunner(
-            profiles=[ResourceProfile(name="cpu", cpus=0.25)], idle_timeout=600
-        ),
-        f"ProfileTaskRunner(gpus=0.25 profile, {n_gpu} emulated devices)": lambda: ProfileTaskRunner(
-            profiles=[ResourceProfile(name="cpu", cpus=0.25), ResourceProfile(name="q", gpus=0.25, max_workers=n_gpu)],
-            default="cpu", idle_timeout=600,
-        ),
+        THREADS: (lambda: ThreadPoolTaskRunner(max_workers=8), None),
+        DASK: (lambda: DaskTaskRunner(cluster_kwargs={
+            "n_workers": 2, "threads_per_worker": 2, "processes": True,
+            "dashboard_address": None, "host": "127.0.0.1"}), None),
+        PROFILE_CPU: (lambda: ProfileTaskRunner(profiles=[cpu], idle_timeout=600), None),
+        PROFILE_GPU: (lambda: ProfileTaskRunner(
+            profiles=[cpu, ResourceProfile(name="quarter", gpus=0.25, max_workers=n_gpu)],
+            default="cpu", idle_timeout=600), "quarter"),
     }
 
 
-def run(n: int, repeats: int) -> dict[str, Any]:
-    """Time ``inc.map(range(n))`` through each runner; returns the raw results."""
+def run(sizes: list[int], repeats: int) -> dict[str, Any]:
+    """ms per task for each runner and N: ``{"ms_per_task": {str(N): {label: [..]}}}``."""
     from prefect import flow, task
-    from prefect.testing.utilities import prefect_test_harness
 
     from gpu_tasks import profile
-
-    os.environ.setdefault("GPU_TASKS_EMULATED_GPUS", "2")
+    from gpu_tasks.main_job import embedded_server
 
     @task
     def inc(x: int) -> int:
         return x + 1
 
-    results: dict[str, list[float]] = {}
-    with prefect_test_harness():
-        for label, make in _runners(2).items():
-            tagged = inc.with_options(tags=[profile("q")]) if "gpus=" in label else inc
-            for _ in range(repeats + 1):  # first round warms up (cluster start, imports)
+    results: dict[str, dict[str, list[float]]] = {}
+    with embedded_server():
+        for label, (make, tag) in runners(2).items():
+            tagged = inc.with_options(tags=[profile(tag)]) if tag else inc
 
+            def once(n: int) -> float:
                 @flow(task_runner=make(), log_prints=False)
-                def bench_flow() -> tuple[float, list[int]]:
-                    warm = tagged.submit(0)
-                    warm.result()  # provisioning is cold start, not per-task overhead
+                def overhead_flow() -> tuple[float, list[int]]:
+                    tagged.submit(0).result()  # provisioning is cold start, not per-task overhead
                     t0 = time.perf_counter()
-                    futures = tagged.map(range(n))
-                    values = [f.result() for f in futures]
+                    values = [f.result() for f in tagged.map(range(n))]
                     return time.perf_counter() - t0, values
 
-                seconds, values = bench_flow()
-                assert values == [i + 1 for i in range(n)], label
-                results.setdefault(label, []).append(seconds * 1000 / n)
-            results[label] = results[label][1:]
-            print(f"{label:60s} {statistics.median(results[label]):8.2f} ms/task", flush=True)
-    return {
-        "n": n, "repeats": repeats, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.python_version()}",
-        "ms_per_task": results,
-    }
+                seconds, values = overhead_flow()
+                if values != [i + 1 for i in range(n)]:
+                    raise RuntimeError(f"{label}: wrong results")
+                return seconds * 1000 / n
+
+            once(20)  # warm-up: imports and Prefect's first-flow costs are not per-task overhead
+            for n in sizes:
+                times = [once(n) for _ in range(repeats)]
+                results.setdefault(str(n), {})[label] = times
+                print(f"  N={n:<6} {label:42s} median {spread(times)['median']:8.2f} ms/task", flush=True)
+    return {"sizes": sizes, "repeats": repeats, "machine": machine(), "ms_per_task": results}
 
 
-def report(res: dict[str, Any]) -> str:
-    """Markdown table with min/median/max and ratios against the thread pool and Dask."""
-    med = {k: statistics.median(v) for k, v in res["ms_per_task"].items()}
-    base = next(k for k in med if k.startswith("ThreadPool"))
-    dask = next(k for k in med if k.startswith("DaskTaskRunner"))
-    lines = [
-        f"N = {res['n']} trivial tasks, {res['repeats']} repeats after one warm-up, {res['machine']}",
-        "",
-        "| runner | min ms/task | median | max | vs ThreadPool | DaskTaskRunner / this |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for k, v in res["ms_per_task"].items():
-        lines.append(
-            f"| {k} | {min(v):.2f} | {med[k]:.2f} | {max(v):.2f} | {med[k] / med[base]:.2f}x | {med[dask] / med[k]:.1f}x |"
-        )
-    return "\n".join(lines)
+def summary(res: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:
+    """Per N and runner: spread, ratio to the thread pool and speed-up over DaskTaskRunner."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for n, by_label in res["ms_per_task"].items():
+        med = {k: spread(v)["median"] for k, v in by_label.items()}
+        out[n] = {
+            k: {**spread(v), "vs_threads": med[k] / med[THREADS], "dask_speedup": med[DASK] / med[k]}
+            for k, v in by_label.items()
+        }
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--n", type=int, default=500)
+    parser.add_argument("--n", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", default=None, help="write raw results here")
     args = parser.parse_args()
+    setup()
     res = run(args.n, args.repeats)
-    print()
-    print(report(res))
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res, fh, indent=2)
+    res["summary"] = summary(res)
+    write_json(args.json, res)
 
 
 if __name__ == "__main__":

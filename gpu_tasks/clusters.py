@@ -373,6 +373,8 @@ class ProfileCluster:
         self._tasks = 0
         self._lock = threading.Lock()
         self._cuda_next: list[str] = []  # devices leased for the next dask-cuda workers
+        # seconds the last start() spent waiting for devices and starting workers
+        self.startup: dict[str, float] = {}
 
     # ------------------------------------------------------------ properties
     @property
@@ -405,6 +407,7 @@ class ProfileCluster:
             ClusterError: naming the profile and devices when workers do not start.
         """
         n_workers = max(1, min(n_workers, self.limit))
+        asked = time.monotonic()
         if self.profile.is_gpu and self.profile.gang:
             indexes = self._acquire_gang(n_workers)
         elif self.profile.is_gpu:
@@ -414,6 +417,7 @@ class ProfileCluster:
             indexes = list(range(n_workers))
         n_workers = len(indexes)
         specs = [self._spec(i) for i in indexes]
+        acquired = time.time()  # devices are held from here: start-up time counts as held
         t0 = time.monotonic()
         try:
             if self.profile.uses_processes:
@@ -439,14 +443,14 @@ class ProfileCluster:
                 f"profile {self.profile.name!r}: could not start {n_workers} worker(s) "
                 f"(devices: {devices}) within {self.provision_timeout:g}s: {type(exc).__name__}: {exc}"
             ) from exc
-        now = time.time()
         self.specs = specs
-        self.provisioned_at = now
+        self.provisioned_at = acquired
         for s in specs:
-            self._worker_started[s.name] = now
+            self._worker_started[s.name] = acquired
+        self.startup = {"wait_devices_s": t0 - asked, "start_workers_s": time.monotonic() - t0}
         logger.info(
             "profile %r: provisioned %d worker(s) on %s in %.2fs",
-            self.profile.name, n_workers, self._where(), time.monotonic() - t0,
+            self.profile.name, n_workers, self._where(), self.startup["start_workers_s"],
         )
 
     def _acquire_gang(self, n_workers: int) -> list[int]:
@@ -481,6 +485,7 @@ class ProfileCluster:
             indexes = list(range(len(self.specs), n_workers))
         n_workers = len(self.specs) + len(indexes)
         new = [self._spec(i) for i in indexes]
+        acquired = time.time()
         if self._is_cuda():
             self._cuda_next.extend(s.devices[0].address for s in new)
             with _non_daemon_workers():
@@ -498,10 +503,9 @@ class ProfileCluster:
                 f"profile {self.profile.name!r}: could not grow to {n_workers} workers within "
                 f"{self.provision_timeout:g}s: {exc}"
             ) from exc
-        now = time.time()
         self.specs.extend(new)
         for s in new:
-            self._worker_started[s.name] = now
+            self._worker_started[s.name] = acquired
         logger.info(
             "profile %r: scaled up to %d worker(s) (%s) because tasks were waiting",
             self.profile.name, n_workers, self._where(),

@@ -158,7 +158,13 @@ class _Live:
 
     def _start_monitor(self) -> None:
         if self.monitor is None:
-            self.monitor = threading.Thread(target=self._watch, name="gpu-tasks-idle", daemon=True)
+            # The monitor and the close threads it starts run in the submitting thread's context:
+            # a thread starts with an empty one, which would lose the flow run's Prefect settings
+            # (an API URL set by `temporary_settings` or a test harness) and send the events of
+            # idle closes to a new ephemeral Prefect server started in this process.
+            self.monitor = threading.Thread(
+                target=contextvars.copy_context().run, args=(self._watch,), name="gpu-tasks-idle", daemon=True
+            )
             self.monitor.start()
 
     def _watch(self) -> None:
@@ -170,7 +176,8 @@ class _Live:
                 if self._idle_reason(st):
                     # close off the monitor thread so one slow close never delays another profile's
                     closing[name] = threading.Thread(
-                        target=self._close_if_idle, args=(st,), name=f"gpu-tasks-close-{name}", daemon=True
+                        target=contextvars.copy_context().run, args=(self._close_if_idle, st),
+                        name=f"gpu-tasks-close-{name}", daemon=True,
                     )
                     closing[name].start()
         for thread in closing.values():
@@ -528,7 +535,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             if not cluster.running:
                 cluster.start(want)
                 st.ever_provisioned = True
-                live.emit("provisioned", cluster, {"workers": cluster.worker_count})
+                live.emit("provisioned", cluster, {
+                    "workers": cluster.worker_count, **{k: round(v, 3) for k, v in cluster.startup.items()},
+                })
                 _publish_dashboard(cluster)
             elif want > cluster.worker_count:
                 before = set(cluster.devices)
@@ -630,6 +639,8 @@ def _status_row(state: str, prof: ResourceProfile, cluster: ProfileCluster | Non
         "emulated": bool(cluster and cluster.inventory.emulated and prof.is_gpu),
         "outstanding": outstanding,
         "dashboard": cluster.dashboard_link if cluster else None,
+        # seconds the last start spent waiting for devices and starting workers
+        "startup": dict(cluster.startup) if cluster else {},
     }
 
 

@@ -147,3 +147,62 @@ def test_unguarded_script_fails_with_a_clear_error_instead_of_hanging(tmp_path: 
     strays = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
               and "spawn_main" in " ".join(p.info["cmdline"] or [])]
     assert not strays, f"worker processes outlived the script: {strays}"
+
+
+IDLE_CLOSE_SCRIPT = '''
+import json, time
+from prefect import flow, task
+from prefect.context import FlowRunContext
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+from gpu_tasks.main_job import embedded_server
+
+@task(tags=[profile("gpu")])
+def quick() -> int:
+    return 1
+
+@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.3)]))
+def f() -> str:
+    quick.submit().result()
+    runner = FlowRunContext.get().task_runner
+    deadline = time.monotonic() + 30
+    while runner.status()["gpu"]["state"] != "closed" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return str(FlowRunContext.get().flow_run.id)
+
+if __name__ == "__main__":
+    with embedded_server() as url:
+        run_id = f()
+        from prefect.events.worker import EventsWorker
+        EventsWorker.drain_all(timeout=10)
+        from prefect.client.orchestration import get_client
+        reasons = []
+        for _ in range(40):
+            with get_client(sync_client=True) as client:
+                r = client._client.post("/events/filter", json={"filter": {
+                    "event": {"prefix": ["gpu-tasks.cluster.closed"]}, "occurred": {"since": "2000-01-01T00:00:00Z"},
+                    "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]}}})
+            reasons = [e["payload"]["reason"] for e in r.json()["events"]]
+            if len(reasons) >= 2:
+                break
+            time.sleep(0.25)
+        print(json.dumps({"url": url, "reasons": reasons}))
+'''
+
+
+def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
+    """An idle scale-down runs on a runner thread; its events still reach the flow run's server
+    when that server's URL lives in a settings context (embedded server), not the environment,
+    and no second, ephemeral Prefect server is started for them."""
+    script = tmp_path / "idle_close.py"
+    script.write_text(IDLE_CLOSE_SCRIPT)
+    env = _clean_env(PREFECT_HOME=str(tmp_path / "prefect-home"), GPU_TASKS_EMULATED_GPUS="1",
+                     PREFECT_LOGGING_LEVEL="INFO")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    port = out["url"].split(":")[2].split("/")[0]
+    other_servers = [line for line in proc.stderr.splitlines()
+                     if "temporary server on http" in line and f"127.0.0.1:{port}" not in line]
+    assert not other_servers, other_servers[:5]
+    assert any(r.startswith("scaled down: idle") for r in out["reasons"]), out

@@ -1,0 +1,146 @@
+"""Cold start: from a profile's first submit to its task starting.
+
+    python -m bench.cold_start [--repeats 3] [--json out.json]
+
+Measured, each ``--repeats`` times, on one emulated device:
+
+- **fresh**: the first task of a ``gpus=1`` profile in a new flow run (the cluster
+  starts for it);
+- **re-provision**: the first task after that profile's cluster was closed for
+  being idle (same flow run);
+- **warm**: a task submitted while the cluster is up (for reference);
+- **DaskTaskRunner**: the first task of a flow on prefect-dask's runner with one
+  worker process (it starts its cluster at the first submit, as gpu-tasks does);
+- **by hand**: ``LocalCluster(n_workers=1)`` + ``Client`` + ``client.submit`` of a
+  plain function, and of Prefect's task engine (what a runner must at least pay).
+
+Where the time goes, for the gpu-tasks cases: waiting for the device lease,
+starting the worker process (``runner.status()["startup"]``), and the rest, from
+workers being up to the task body running (the Prefect task engine's first run in
+a new process: imports, context, creating the task run through the API).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any
+
+from bench.common import machine, setup, spread, write_json
+
+
+def _started() -> dict[str, Any]:
+    return {"t": time.time(), "pid": os.getpid()}
+
+
+def gpu_tasks_cases(idle_timeout: float) -> dict[str, Any]:
+    """fresh, re-provision and warm latencies through ProfileTaskRunner, with breakdowns."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    gpu = ResourceProfile(name="gpu", gpus=1, max_workers=1, idle_timeout=idle_timeout)
+    started = task(_started, name="started", tags=[profile("gpu")])
+
+    def timed() -> dict[str, Any]:
+        runner = FlowRunContext.get().task_runner
+        t0 = time.time()
+        body = started.submit().result()
+        status = runner.status()["gpu"]
+        total = body["t"] - t0
+        startup = status.get("startup") or {}
+        return {"total_s": total, **startup, "pid": body["pid"]}
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[gpu]), name="cold-start")
+    def f() -> dict[str, Any]:
+        runner = FlowRunContext.get().task_runner
+        fresh = timed()
+        t0 = time.time()
+        warm = started.submit().result()["t"] - t0
+        deadline = time.monotonic() + 60
+        while runner.status()["gpu"]["state"] != "closed":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the idle cluster was not closed within 60s")
+            time.sleep(0.05)
+        again = timed()
+        if again["pid"] == fresh["pid"]:
+            raise RuntimeError("re-provisioning reused the old worker process")
+        return {"fresh": fresh, "reprovision": again, "warm": {"total_s": warm}}
+
+    out = f()
+    for case in ("fresh", "reprovision"):
+        row = out[case]
+        if "start_workers_s" in row:
+            row["engine_first_task_s"] = row["total_s"] - row["wait_devices_s"] - row["start_workers_s"]
+    return out
+
+
+def dask_task_runner_case() -> float:
+    """First task of a flow on prefect-dask's DaskTaskRunner (one worker process)."""
+    from prefect import flow, task
+    from prefect_dask import DaskTaskRunner
+
+    started = task(_started, name="started")
+    runner = DaskTaskRunner(cluster_kwargs={"n_workers": 1, "threads_per_worker": 1, "processes": True,
+                                            "dashboard_address": None, "host": "127.0.0.1"})
+
+    @flow(task_runner=runner, name="cold-start-dask")
+    def f() -> float:
+        t0 = time.time()
+        return started.submit().result()["t"] - t0
+
+    return f()
+
+
+def by_hand_case() -> dict[str, float]:
+    """LocalCluster + Client by hand: a plain function, then Prefect's engine, as first tasks."""
+    from distributed import Client, LocalCluster
+
+    t0 = time.time()
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address=None) as cluster, Client(cluster) as client:
+        up = time.time()
+        plain = client.submit(_started, pure=False).result()["t"]
+        t1 = time.time()
+        imported = client.submit(_import_engine, pure=False).result()
+    return {"cluster_s": up - t0, "total_s": plain - t0, "first_submit_s": plain - up,
+            "import_task_engine_s": imported, "second_call_s": t1 - plain}
+
+
+def _import_engine() -> float:
+    t0 = time.perf_counter()
+    import prefect.task_engine  # noqa: F401
+
+    return time.perf_counter() - t0
+
+
+def run(repeats: int, idle_timeout: float) -> dict[str, Any]:
+    from gpu_tasks.main_job import embedded_server
+
+    rows: dict[str, list[dict[str, Any]]] = {"fresh": [], "reprovision": [], "warm": [], "dask": [], "by_hand": []}
+    with embedded_server():
+        for _ in range(repeats):
+            out = gpu_tasks_cases(idle_timeout)
+            for case in ("fresh", "reprovision", "warm"):
+                rows[case].append(out[case])
+            rows["dask"].append({"total_s": dask_task_runner_case()})
+            rows["by_hand"].append(by_hand_case())
+            print("  " + ", ".join(f"{k} {v[-1]['total_s']:.2f}s" for k, v in rows.items()), flush=True)
+    summary = {case: {k: spread([r[k] for r in v]) for k in v[0] if k.endswith("_s")} for case, v in rows.items()}
+    return {"repeats": repeats, "idle_timeout": idle_timeout, "machine": machine(), "runs": rows, "summary": summary}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--idle-timeout", type=float, default=0.5)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    setup()
+    write_json(args.json, run(args.repeats, args.idle_timeout))
+
+
+if __name__ == "__main__":
+    main()
