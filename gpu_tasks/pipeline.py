@@ -62,7 +62,8 @@ def etl_train(
         "metrics_path": metrics["metrics_path"],
         "rows": {"raw": raw["rows"], "train": features["train_rows"], "test": features["test_rows"]},
         "stages": {
-            "ingest": raw["placement"], "etl": {**features["placement"], "backend": features["backend"]},
+            "ingest": {**raw["placement"], "seconds": raw["seconds"]},
+            "etl": {**features["placement"], "backend": features["backend"], "seconds": features["seconds"]},
             "train": {**trained["placement"], "device": trained["device"], "seconds": trained["seconds"]},
             "evaluate": metrics["placement"],
         },

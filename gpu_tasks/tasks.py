@@ -8,6 +8,7 @@ Parquet paths, so closing an idle cluster loses nothing.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -45,9 +46,11 @@ def ingest_task(data_dir: str, scale: int = 1, seed: int = 0, limit: int | None 
 
     alloc = current_allocation()
     _announce("ingest", alloc, "pandas + pyarrow")
+    t0 = time.perf_counter()
     out = ingest(Path(data_dir), scale=scale, seed=seed, limit=limit)
-    get_run_logger().info("ingested %s", out["rows"])
-    return {**out, "placement": _placement(alloc)}
+    seconds = time.perf_counter() - t0
+    get_run_logger().info("ingested %s in %.1fs", out["rows"], seconds)
+    return {**out, "seconds": seconds, "placement": _placement(alloc)}
 
 
 @task(name="etl", tags=[profile(ETL_PROFILE)])
@@ -61,9 +64,11 @@ def etl_task(raw_dir: str, out_dir: str, holdout_months: int = 2) -> dict[str, A
         get_run_logger().warning("real GPU allocated but dask-cuDF is missing (%s); using pandas", _gpu.why_unavailable("dask_cudf"))
         backend = "pandas"
     _announce("etl", alloc, f"dask.dataframe on the {backend} backend")
+    t0 = time.perf_counter()
     out = build_features(Path(raw_dir), Path(out_dir), backend=backend, holdout_months=holdout_months)
-    get_run_logger().info("features: %d train rows, %d test rows", out["train_rows"], out["test_rows"])
-    return {**out, "placement": _placement(alloc)}
+    seconds = time.perf_counter() - t0
+    get_run_logger().info("features: %d train rows, %d test rows in %.1fs", out["train_rows"], out["test_rows"], seconds)
+    return {**out, "seconds": seconds, "placement": _placement(alloc)}
 
 
 @task(name="train", tags=[profile(TRAIN_PROFILE)])

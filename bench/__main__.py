@@ -1,0 +1,86 @@
+"""Run the benchmark suite and write docs/benchmarks.md, PNG plots and raw JSON.
+
+    python -m bench [--quick] [--only overhead held_busy ...] [--gpu] [--out docs]
+    python -m bench --report-only      # re-render the docs from docs/results/benchmarks.json
+
+Every benchmark runs in a fresh process against one Prefect server on 127.0.0.1
+(a temporary PREFECT_HOME, so nothing is written to the user's Prefect database).
+Without a GPU, two devices are emulated, and the report says so on every page.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, child, machine, setup
+
+SUITE = ("overhead", "held_busy", "cold_start", "scale", "throughput")
+
+FULL = {
+    "overhead": ["--n", "100", "1000", "--repeats", "3"],
+    "held_busy": ["--repeats", "3", "--stage-seconds", "1.0", "--idle-timeout", "1.0"],
+    "cold_start": ["--repeats", "5"],
+    "scale": ["--n", "1000", "10000", "--repeats", "1"],
+    "throughput": ["--scale", "1", "10", "--repeats", "1"],
+}
+QUICK = {
+    "overhead": ["--n", "20", "100", "--repeats", "1"],
+    "held_busy": ["--repeats", "1", "--stage-seconds", "0.25", "--idle-timeout", "0.5"],
+    "cold_start": ["--repeats", "1"],
+    "scale": ["--n", "60", "600", "--repeats", "1"],
+    "throughput": ["--scale", "1", "--repeats", "1", "--rounds", "10"],
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (minutes, not a report to quote)")
+    parser.add_argument("--only", nargs="+", choices=SUITE, default=list(SUITE), help="run only these")
+    parser.add_argument("--gpu", action="store_true", help="throughput adds runs on real GPUs (refuses emulated devices)")
+    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where benchmarks.md and results/ go")
+    parser.add_argument("--report-only", action="store_true", help="re-render the report from results/benchmarks.json")
+    args = parser.parse_args(argv)
+    results_dir = args.out / "results"
+    combined = results_dir / "benchmarks.json"
+    from bench import report
+
+    if args.report_only:
+        report.write(json.loads(combined.read_text()), args.out)
+        print(f"wrote {args.out / 'benchmarks.md'}")
+        return 0
+    if args.gpu:
+        from bench.throughput import require_real_gpus
+
+        require_real_gpus()
+    os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="gpu-tasks-bench-prefect-"))
+    setup()  # emulation (announced) before anything reads the devices
+    from gpu_tasks.main_job import embedded_server
+
+    plan = QUICK if args.quick else FULL
+    results: dict[str, Any] = json.loads(combined.read_text()) if combined.exists() else {}
+    results_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    with embedded_server() as url:
+        for name in args.only:
+            print(f"== {name} ({' '.join(plan[name])})", flush=True)
+            extra = ["--gpu"] if (name == "throughput" and args.gpu) else []
+            results[name] = child(name, plan[name] + extra, results_dir / f"{name}.json",
+                                  env={"PREFECT_API_URL": url})
+            results[name]["quick"] = args.quick
+    results["suite"] = {"machine": machine(), "quick": args.quick, "seconds": round(time.monotonic() - t0, 1),
+                        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    combined.write_text(json.dumps(results, indent=2, default=str))
+    report.write(results, args.out)
+    print(f"wrote {args.out / 'benchmarks.md'} and {results_dir} in {results['suite']['seconds']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

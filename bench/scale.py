@@ -1,0 +1,116 @@
+"""Scale: N mapped tasks spread over three profiles; wall time and the flow's peak memory.
+
+    python -m bench.scale [--n 1000 10000] [--repeats 1] [--json out.json]
+
+Each size runs in a fresh process (its peak resident memory is the flow process's
+own: worker processes and the Prefect server are not counted). The tasks are
+trivial and split evenly over a CPU profile (8 threads), a second CPU profile
+(4 threads) and a ``gpus=0.25`` profile on two emulated devices (worker
+processes, four tasks per device at a time); all are submitted before any result
+is awaited. Near-linear means at most 11x the time for 10x the tasks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, machine, setup, spread, write_json
+
+PROFILES = ("cpu", "io", "quarter")
+
+
+def run_one(n: int) -> dict[str, Any]:
+    """One flow of ``n`` tasks in this process; returns wall time and memory."""
+    from prefect import flow, task
+
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+    from gpu_tasks.main_job import embedded_server
+
+    @task
+    def inc(x: int) -> int:
+        return x + 1
+
+    profiles = [ResourceProfile(name="cpu", cpus=0.25), ResourceProfile(name="io", cpus=0.5),
+                ResourceProfile(name="quarter", gpus=0.25, idle_timeout=600)]
+    per = [n // 3 + (1 if i < n % 3 else 0) for i in range(3)]
+
+    @flow(task_runner=ProfileTaskRunner(profiles=profiles, default="cpu", idle_timeout=600), name=f"scale-{n}")
+    def f() -> dict[str, float]:
+        tagged = {p: inc.with_options(tags=[profile(p)]) for p in PROFILES}
+        for t in tagged.values():  # provisioning is cold start, not scale
+            t.submit(-1).result()
+        t0 = time.perf_counter()
+        futures = [tagged[p].map(range(k)) for p, k in zip(PROFILES, per, strict=True)]
+        submitted = time.perf_counter() - t0
+        values = [x.result() for fl in futures for x in fl]
+        wall = time.perf_counter() - t0
+        expected = [i + 1 for k in per for i in range(k)]
+        if values != expected:
+            raise RuntimeError("wrong results")
+        return {"wall_s": wall, "submit_s": submitted}
+
+    with embedded_server():
+        rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out = f()
+    out.update(
+        n=n, per_profile=dict(zip(PROFILES, per, strict=True)),
+        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        rss_before_mib=rss_before / 1024,
+    )
+    out["ms_per_task"] = out["wall_s"] * 1000 / n
+    return out
+
+
+def run(sizes: list[int], repeats: int) -> dict[str, Any]:
+    """Every size ``repeats`` times, each in a fresh process."""
+    import subprocess
+
+    rows: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(repeats):
+        for n in sizes:
+            with tempfile.TemporaryDirectory() as tmp:
+                out = Path(tmp) / "one.json"
+                cmd = [sys.executable, "-m", "bench.scale", "--one", str(n), "--json", str(out)]
+                subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
+                row = json.loads(out.read_text())
+            rows.setdefault(str(n), []).append(row)
+            print(f"  N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} ms/task  "
+                  f"peak RSS {row['peak_rss_mib']:.0f} MiB", flush=True)
+    summary = {n: {k: spread([r[k] for r in v]) for k in ("wall_s", "ms_per_task", "peak_rss_mib", "rss_before_mib")}
+               for n, v in rows.items()}
+    out: dict[str, Any] = {"sizes": sizes, "repeats": repeats, "machine": machine(), "runs": rows, "summary": summary}
+    if len(sizes) >= 2:
+        small, large = str(min(sizes)), str(max(sizes))
+        out["ratio"] = {
+            "tasks": max(sizes) / min(sizes),
+            "wall": summary[large]["wall_s"]["median"] / summary[small]["wall_s"]["median"],
+            "peak_rss_growth": (summary[large]["peak_rss_mib"]["median"] - summary[large]["rss_before_mib"]["median"])
+            / max(1e-9, summary[small]["peak_rss_mib"]["median"] - summary[small]["rss_before_mib"]["median"]),
+        }
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[1000, 10000])
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    setup()
+    if args.one is not None:
+        write_json(args.json, run_one(args.one))
+    else:
+        write_json(args.json, run(args.n, args.repeats))
+
+
+if __name__ == "__main__":
+    main()
