@@ -103,6 +103,7 @@ def _results(tmp_path: Path) -> dict:
 
 def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
     results = _results(tmp_path)
+    results["held_busy_long"] = {**results["held_busy"], "stage_seconds": 5.0}
     path = report.write(results, tmp_path)
     text = path.read_text()
     for title in ("## Per-task overhead", "## Device-seconds held versus busy", "## Cold start", "## Scale",
@@ -116,6 +117,7 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
     assert "10x the tasks took 12.00x the time: **missed**" in text
     # held/busy: ProfileTaskRunner held 5 device-s for 3 busy, the static cluster 12
     assert "holds devices 2.40x less than the static cluster" in text
+    assert "| ProfileTaskRunner, stages 5x as long |" in text and "Measured with every stage 5x as long" in text
     for png in ("overhead", "held_busy_timeline", "cold_start", "scale", "throughput"):
         data = (tmp_path / "results" / f"{png}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
