@@ -57,15 +57,70 @@ class ProfileFuture(PrefectConcurrentFuture[Any]):
 
 
 # ---------------------------------------------------------------- worker side
-def _run_on_worker(profile_name: str, fraction: float, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
-    """Run the Prefect task engine in a worker process (context travels serialized)."""
+# Built Prefect settings by the key their serialized form was sent with (see _ContextSerializer):
+# validating Settings from a dict reads env, .env and toml sources and costs tens of ms per task.
+_WORKER_SETTINGS: dict[str, dict[str, Any]] = {}
+_WORKER_SETTINGS_LOCK = threading.Lock()
+_WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect client, by settings key
+
+
+def _run_on_worker(
+    profile_name: str, fraction: float, task: Any, kwargs: dict[str, Any], settings_key: str
+) -> tuple[Any, float, float, str]:
+    """Run the Prefect task engine in a worker process (context travels serialized).
+
+    The serialized settings are validated once per worker process and settings key, and
+    each worker thread keeps one open sync Prefect client per settings key; the task
+    engine finds it through Prefect's ``SyncClientContext`` as it would its own.
+    """
     from distributed import get_worker
+    from prefect.context import SettingsContext, SyncClientContext
 
     try:
         address = get_worker().address
     except ValueError:  # pragma: no cover - not on a worker
         address = None
-    return _run_engine(worker_allocation(profile_name, fraction, address), task, kwargs)
+    settings = _worker_settings(settings_key, kwargs["context"]["settings_context"])
+    kwargs = {**kwargs, "context": {**kwargs["context"], "settings_context": settings}}
+    with SettingsContext(**settings), SyncClientContext.model_construct(client=_thread_client(settings_key)):
+        return _run_engine(worker_allocation(profile_name, fraction, address), task, kwargs)
+
+
+def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
+    """``SettingsContext`` fields (built profile and settings) for serialized settings sent under ``key``."""
+    from prefect.context import SettingsContext
+
+    with _WORKER_SETTINGS_LOCK:
+        built = _WORKER_SETTINGS.get(key)
+    if built is None:
+        ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
+        built = {"profile": ctx.profile, "settings": ctx.settings}
+        with _WORKER_SETTINGS_LOCK:
+            if len(_WORKER_SETTINGS) >= 8:  # one key per flow run's settings: keep a few
+                _WORKER_SETTINGS.clear()
+            _WORKER_SETTINGS[key] = built
+    return built
+
+
+def _thread_client(key: str) -> Any:
+    """This thread's started sync Prefect client for the settings under ``key`` (active now)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import SettingsContext
+
+    cached = getattr(_WORKER_THREAD, "client", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if cached is not None:
+        try:
+            cached[1].__exit__(None, None, None)
+        except Exception:  # pragma: no cover - closing a stale client is best effort
+            logger.debug("could not close a worker's Prefect client", exc_info=True)
+    client = get_client(sync_client=True).__enter__()  # left open: later tasks re-enter it
+    settings = SettingsContext.get()
+    if settings is None or settings.settings.client.server_version_check_enabled:
+        client.raise_for_api_version_mismatch_once()
+    _WORKER_THREAD.client = (key, client)
+    return client
 
 
 def _run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
@@ -119,6 +174,7 @@ class _Live:
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpu-tasks-dispatch")
         self.monitor: threading.Thread | None = None
         self.worker_env: dict[str, str] | None = None
+        self.context = _ContextSerializer()
         self.book = DeviceBook(
             reclaim=self._reclaim, stop=self.stop,
             lease_dir=self.settings.lease_dir, lease_timeout=self.settings.lease_timeout,
@@ -274,6 +330,59 @@ class _Live:
         for st in list(self.states.values()):
             with st.lock:
                 self._close(st, reason)
+
+
+class _ContextSerializer:
+    """Prefect's ``serialize_context``, with the settings serialized once per settings context.
+
+    Dumping the settings is nearly all of ``serialize_context``'s cost, and a flow run's
+    settings context does not change between its tasks (``temporary_settings`` enters a
+    new one). The rest (flow run, task run, tags, asset and deployment context) is
+    serialized for every task as Prefect does.
+    """
+
+    def __init__(self) -> None:
+        self._settings: tuple[Any, dict[str, Any], str] | None = None
+        self._result_store: tuple[Any, dict[str, Any]] | None = None
+
+    def serialize(self, asset_ctx_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+        """The serialized context, and a key that names its settings (equal keys, equal settings)."""
+        from prefect import context as pctx
+
+        settings_ctx = pctx.SettingsContext.get()
+        cached = self._settings
+        if cached is None or cached[0] is not settings_ctx:
+            serialized = settings_ctx.serialize() if settings_ctx else {}
+            cached = self._settings = (settings_ctx, serialized, uuid.uuid4().hex)
+        flow_run_ctx = pctx.EngineContext.get()
+        task_run_ctx = pctx.TaskRunContext.get()
+        tags_ctx = pctx.TagsContext.get()
+        deployment_id = pctx._deployment_id.get()
+        context = {
+            "flow_run_context": self._flow_run(flow_run_ctx) if flow_run_ctx else {},
+            "task_run_context": task_run_ctx.serialize() if task_run_ctx else {},
+            "tags_context": tags_ctx.serialize() if tags_ctx else {},
+            "settings_context": cached[1],
+            "asset_context": (
+                pctx.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize() if asset_ctx_kwargs else {}
+            ),
+            "deployment_id": str(deployment_id) if deployment_id else None,
+            "deployment_parameters": pctx._deployment_parameters.get(),
+        }
+        return context, cached[2]
+
+    def _flow_run(self, ctx: Any) -> dict[str, Any]:
+        """``ctx.serialize()``, with its result store (a block: costly to dump) dumped once per store."""
+        store = ctx.result_store
+        if store is None:
+            return ctx.serialize()
+        serialized = ctx.model_copy(update={"result_store": None}).serialize()  # shallow copy, all else shared
+        cached = self._result_store
+        if cached is None or cached[0] is not store:
+            dumped = store.model_dump(serialize_as_any=True, exclude_unset=True, context={"include_secrets": True})
+            cached = self._result_store = (store, dumped)
+        serialized["result_store"] = cached[1]
+        return serialized
 
 
 def _worker_env() -> dict[str, str]:
@@ -522,7 +631,6 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         parameters: dict[str, Any], wait_for: Any, dependencies: Any, cf: concurrent.futures.Future[Any],
     ) -> None:
         from prefect import tags
-        from prefect.context import serialize_context
 
         prof = st.cluster.profile
         parameters = _futures_to_states(parameters)
@@ -558,14 +666,14 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                     contextvars.copy_context().run, _run_engine, alloc, task, kwargs, key=key, resources=None
                 )
             else:
-                kwargs["context"] = serialize_context(
+                kwargs["context"], settings_key = live.context.serialize(
                     asset_ctx_kwargs={
                         "task": task, "task_run_id": task_run_id,
                         "task_inputs": dependencies or {}, "copy_to_child_ctx": True,
                     }
                 )
                 dfut = cluster.submit(
-                    _run_on_worker, prof.name, float(prof.share), task, kwargs, key=key,
+                    _run_on_worker, prof.name, float(prof.share), task, kwargs, settings_key, key=key,
                     resources=task_resources(prof),
                 )
         dfut.add_done_callback(partial(self._on_done, st, cf))

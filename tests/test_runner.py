@@ -617,3 +617,87 @@ def test_flow_exit_waits_for_unawaited_cpu_tasks_without_deadlock():
     t.join(timeout=90)
     assert not t.is_alive(), "leaving the flow deadlocked"
     assert box["out"] == "done"
+
+
+@task
+def probe(i: int) -> dict:
+    """What a task sees of its flow run, its task run and the settings."""
+    from prefect import runtime
+    from prefect.context import TagsContext, TaskRunContext
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    return {
+        "i": i, "pid": os.getpid(), "flow_run_id": str(runtime.flow_run.id), "flow_name": runtime.flow_run.flow_name,
+        "task_run_id": str(TaskRunContext.get().task_run.id), "tags": sorted(TagsContext.get().current_tags),
+        "level": settings.logging.level, "api_url": str(settings.api.url),
+        "profile": current_allocation().profile,
+    }
+
+
+def test_process_workers_get_each_flow_runs_own_context_and_settings():
+    """Context and settings serialized once per flow run (and cached per worker) never go stale."""
+    from prefect.settings import PREFECT_LOGGING_LEVEL, get_current_settings, temporary_settings
+
+    quarter = probe.with_options(tags=[profile("quarter")])
+
+    def batch(n: int) -> list[tuple[dict, str]]:
+        futures = [quarter.submit(i) for i in range(n)]
+        return [(f.result(), str(f.task_run_id)) for f in futures]
+
+    @flow(task_runner=runner(QUARTER))
+    def first() -> tuple[str, list, list]:
+        with tags("batch-a"):
+            a = batch(6)
+        with temporary_settings({PREFECT_LOGGING_LEVEL: "ERROR"}), tags("batch-b"):
+            b = batch(6)
+        return str(FlowRunContext.get().flow_run.id), a, b
+
+    @flow(task_runner=runner(QUARTER))
+    def second() -> tuple[str, list]:
+        with temporary_settings({PREFECT_LOGGING_LEVEL: "CRITICAL"}):
+            return str(FlowRunContext.get().flow_run.id), batch(4)
+
+    api_url = str(get_current_settings().api.url)
+    level = get_current_settings().logging.level
+    first_id, a, b = first()
+    second_id, c = second()
+    assert first_id != second_id
+    assert {row["pid"] for row, _ in a + b} - {os.getpid()}, "tasks ran in worker processes"
+    for rows, run_id, flow_name, want_level, tag in (
+        (a, first_id, "first", level, "batch-a"), (b, first_id, "first", "ERROR", "batch-b"),
+        (c, second_id, "second", "CRITICAL", None),
+    ):
+        for row, task_run_id in rows:
+            assert row["pid"] != os.getpid() and row["profile"] == "quarter"
+            assert (row["flow_run_id"], row["flow_name"], row["task_run_id"]) == (run_id, flow_name, task_run_id)
+            assert row["level"] == want_level and row["api_url"] == api_url
+            assert "profile:quarter" in row["tags"] and (tag is None or tag in row["tags"])
+            assert not {"batch-a", "batch-b"} - {tag} & set(row["tags"]), row["tags"]
+            code, body = api("GET", f"/task_runs/{task_run_id}")
+            assert code == 200 and body["flow_run_id"] == run_id, body
+            assert body["state_type"] == "COMPLETED" and "profile:quarter" in body["tags"]
+
+
+def test_context_serializer_matches_prefects_serialize_context():
+    """The runner's cached serialization is Prefect's ``serialize_context``, key for key."""
+    import uuid
+
+    from prefect.context import serialize_context
+    from prefect.settings import PREFECT_LOGGING_LEVEL, temporary_settings
+
+    from gpu_tasks.runner import _ContextSerializer
+
+    @flow(task_runner=runner())
+    def f() -> None:
+        ser = _ContextSerializer()
+        asset = {"task": hold, "task_run_id": uuid.uuid4(), "task_inputs": {}, "copy_to_child_ctx": True}
+        with tags("x"):
+            ours, key = ser.serialize(asset_ctx_kwargs=asset)
+            assert ours == serialize_context(asset_ctx_kwargs=asset)
+            assert ser.serialize(asset_ctx_kwargs=asset) == (ours, key)
+        with temporary_settings({PREFECT_LOGGING_LEVEL: "ERROR"}):
+            changed, other = ser.serialize()
+            assert changed == serialize_context() and other != key
+
+    f()
