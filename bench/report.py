@@ -42,8 +42,8 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         "## Per-task overhead",
         "",
         f"`inc.map(range(N))`, trivial tasks, through each runner in one run; {res['repeats']} timed "
-        "repeat(s) per N after a warm-up flow; a warm-up task in every flow, so cluster start is not "
-        "counted (see cold start). ms per task: median (min-max).",
+        "repeat(s) per N after a warm-up flow; eight warm-up tasks in every flow bring up every worker, so "
+        "cluster start is not counted (see cold start). ms per task: median (min-max).",
         "",
         "| N | runner | ms/task | x ThreadPool | DaskTaskRunner / this |",
         "| ---: | --- | ---: | ---: | ---: |",
