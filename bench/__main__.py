@@ -63,6 +63,10 @@ def main(argv: list[str] | None = None) -> int:
 
         require_real_gpus()
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="gpu-tasks-bench-prefect-"))
+    # 10,000 tasks keep the one-process SQLite server busy; with its 10 s statement timeout and
+    # the client's 5 retries, some requests failed with 503 on 2 cores. Wait longer instead.
+    os.environ.setdefault("PREFECT_SERVER_DATABASE_TIMEOUT", "60")
+    os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "10")
     setup()  # emulation (announced) before anything reads the devices
     from gpu_tasks.main_job import embedded_server
 
@@ -70,19 +74,26 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = json.loads(combined.read_text()) if combined.exists() else {}
     results_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.monotonic()
+    failed: list[str] = []
     with embedded_server() as url:
         for name in args.only:
             print(f"== {name} ({' '.join(plan[name])})", flush=True)
             extra = ["--gpu"] if (name == "throughput" and args.gpu) else []
-            results[name] = child(MODULE.get(name, name), plan[name] + extra, results_dir / f"{name}.json",
-                                  env={"PREFECT_API_URL": url})
+            try:
+                results[name] = child(MODULE.get(name, name), plan[name] + extra, results_dir / f"{name}.json",
+                                      env={"PREFECT_API_URL": url})
+            except Exception as exc:  # one failed benchmark is reported, and the others still run
+                print(f"   {name} FAILED: {exc}", file=sys.stderr, flush=True)
+                results[name] = {"failed": str(exc)}
+                failed.append(name)
             results[name]["quick"] = args.quick
+            combined.write_text(json.dumps(results, indent=2, default=str))  # progress survives a crash
     results["suite"] = {"machine": machine(), "quick": args.quick, "seconds": round(time.monotonic() - t0, 1),
                         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     combined.write_text(json.dumps(results, indent=2, default=str))
     report.write(results, args.out)
     print(f"wrote {args.out / 'benchmarks.md'} and {results_dir} in {results['suite']['seconds']:.0f}s")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
