@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from bench.common import machine, setup, spread, write_json
+from gpu_tasks.clusters import _union_seconds as union_seconds  # the ledger's own union of busy intervals
 
 STAGES = {  # stage -> (profile, tasks, seconds per task at --stage-seconds 1)
     "ingest": ("cpu", 1, 4.0),
@@ -105,16 +106,6 @@ def busy_by_device(tasks: list[dict[str, Any]]) -> dict[str, list[tuple[float, f
             for d in t["devices"]:
                 out.setdefault(d, []).append((t["start"], t["end"]))
     return out
-
-
-def union_seconds(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(intervals):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total
 
 
 def run_profile(scale: float, idle_timeout: float) -> dict[str, Any]:
