@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 
         require_real_gpus()
     os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="gpu-tasks-bench-prefect-"))
-    # 10,000 tasks keep the one-process SQLite server busy; with its 10 s statement timeout and
-    # the client's 5 retries, some requests failed with 503 on 2 cores. Wait longer instead.
-    os.environ.setdefault("PREFECT_SERVER_DATABASE_TIMEOUT", "60")
+    # embedded_server() gives its SQLite server a 60 s statement timeout and this process's
+    # clients 10 retries; the benchmark processes reach it by PREFECT_API_URL, so they are
+    # given the same client retries here (10,000 tasks keep the server's writer busy).
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "10")
     setup()  # emulation (announced) before anything reads the devices
     from gpu_tasks.main_job import embedded_server

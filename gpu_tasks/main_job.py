@@ -28,8 +28,23 @@ def _free_port() -> int:
 
 @contextlib.contextmanager
 def embedded_server(timeout: int = 120) -> Iterator[str]:
-    """Use ``PREFECT_API_URL`` when set; otherwise start a Prefect server on 127.0.0.1."""
-    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+    """Use ``PREFECT_API_URL`` when set; otherwise start a Prefect server on 127.0.0.1.
+
+    The server started here uses SQLite. Thousands of short tasks keep its single
+    writer busy: the task-run recorder and tag-concurrency checks wait on each other,
+    and with Prefect's defaults (10 s statement timeout, 5 client retries) a busy
+    moment turns into ``503 Service Unavailable`` and a failed task. So the server
+    gets a 60 s statement timeout and this run's clients (workers included: they
+    inherit the run's settings) retry up to 10 times. A server you run yourself
+    (``PREFECT_API_URL``) keeps its own settings.
+    """
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_CLIENT_MAX_RETRIES,
+        PREFECT_SERVER_DATABASE_TIMEOUT,
+        get_current_settings,
+        temporary_settings,
+    )
 
     current = get_current_settings().api.url
     if current:
@@ -37,10 +52,15 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
         return
     from prefect.server.api.server import SubprocessASGIServer
 
-    server = SubprocessASGIServer(port=_free_port())
-    server.start(timeout=timeout)
+    with temporary_settings(updates={PREFECT_SERVER_DATABASE_TIMEOUT: max(
+            60.0, get_current_settings().server.database.timeout or 0.0)}):
+        server = SubprocessASGIServer(port=_free_port())
+        server.start(timeout=timeout)
     try:
-        with temporary_settings(updates={PREFECT_API_URL: server.api_url}):
+        with temporary_settings(updates={
+            PREFECT_API_URL: server.api_url,
+            PREFECT_CLIENT_MAX_RETRIES: max(10, get_current_settings().client.max_retries),
+        }):
             try:
                 yield server.api_url
             finally:

@@ -185,12 +185,17 @@ if __name__ == "__main__":
             if len(reasons) >= 2:
                 break
             time.sleep(0.25)
-        print(json.dumps({"url": url, "reasons": reasons}))
+        from prefect.settings import get_current_settings
+        with get_client(sync_client=True) as client:
+            server_settings = client._client.get("/admin/settings").json()
+        print(json.dumps({"url": url, "reasons": reasons,
+                          "server_db_timeout": server_settings["server"]["database"]["timeout"],
+                          "client_max_retries": get_current_settings().client.max_retries}))
 '''
 
 
 def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
-    """An idle scale-down runs on a runner thread; its events still reach the flow run's server
+    """The embedded server is tuned for many short tasks, and an idle scale-down runs on a runner thread; its events still reach the flow run's server
     when that server's URL lives in a settings context (embedded server), not the environment,
     and no second, ephemeral Prefect server is started for them."""
     script = tmp_path / "idle_close.py"
@@ -206,3 +211,5 @@ def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
                      if "temporary server on http" in line and f"127.0.0.1:{port}" not in line]
     assert not other_servers, other_servers[:5]
     assert any(r.startswith("scaled down: idle") for r in out["reasons"]), out
+    # the embedded SQLite server waits on its writer instead of answering 503 under load
+    assert out["server_db_timeout"] == 60 and out["client_max_retries"] == 10, out
