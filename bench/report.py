@@ -255,12 +255,15 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
         "threads, a `gpus=0.25` profile on two emulated devices: worker processes), each size in a fresh "
         f"process; {res['repeats']} repeat(s). Peak memory is the flow process's own (max RSS).",
         "",
-        "| N | wall s | ms/task | flow process peak RSS MiB | RSS before the flow MiB |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| runner | N | wall s | ms/task | flow process peak RSS MiB | RSS before the flow MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for n, row in res["summary"].items():
-        lines.append(f"| {int(n):,} | {_s(row['wall_s'], '{:.1f}')} | {_s(row['ms_per_task'])} | "
-                     f"{_s(row['peak_rss_mib'], '{:.0f}')} | {_s(row['rss_before_mib'], '{:.0f}')} |")
+    ref = res.get("reference")
+    series = [("ProfileTaskRunner", res)] + ([("ThreadPoolTaskRunner (reference)", ref)] if ref else [])
+    for label, ser in series:
+        for n, row in ser["summary"].items():
+            lines.append(f"| {label} | {int(n):,} | {_s(row['wall_s'], '{:.1f}')} | {_s(row['ms_per_task'])} | "
+                         f"{_s(row['peak_rss_mib'], '{:.0f}')} | {_s(row['rss_before_mib'], '{:.0f}')} |")
     r = res.get("ratio")
     if r:
         lines += [
@@ -269,6 +272,13 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
             f"(target: at most {SCALE_TARGET:g}x for 10x). The flow process's memory grew {r['peak_rss_growth']:.1f}x "
             "as much (peak minus the RSS before the flow).",
         ]
+        if ref and ref.get("ratio"):
+            rr = ref["ratio"]
+            lines.append(
+                f"- Reference: the same flow and tags on Prefect's ThreadPoolTaskRunner, Prefect as shipped "
+                f"(5 s cache of \"no tag limits\"), took {rr['wall']:.2f}x the time for {rr['tasks']:g}x the tasks. "
+                "gpu-tasks keeps that answer for `GPU_TASKS_TAG_LIMIT_CACHE_SECONDS` (60 s) in its processes; "
+                "see [the runner docs](runner.md#tagged-task-runs-and-prefects-tag-limit-checks).")
         per = next(iter(res["runs"].values()))[0]["per_profile"]
         lines.append(f"- Split per profile at the smallest N: {per}.")
     lines += ["", "![scale](results/scale.png)", ""]
@@ -276,7 +286,10 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
     ns = [int(n) for n in res["summary"]]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.2))
     wall = [res["summary"][str(n)]["wall_s"]["median"] for n in ns]
-    a1.loglog(ns, wall, "o-", label="measured")
+    a1.loglog(ns, wall, "o-", label="ProfileTaskRunner")
+    if ref:
+        a1.loglog(ns, [ref["summary"][str(n)]["wall_s"]["median"] for n in ns], "s-",
+                  label="ThreadPoolTaskRunner (reference)")
     a1.loglog(ns, [wall[0] * n / ns[0] for n in ns], "--", color="gray", label="linear from the smallest N")
     a1.set_xlabel("tasks")
     a1.set_ylabel("wall seconds")

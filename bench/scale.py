@@ -8,6 +8,10 @@ trivial and split evenly over a CPU profile (8 threads), a second CPU profile
 (4 threads) and a ``gpus=0.25`` profile on two emulated devices (worker
 processes, four tasks per device at a time); all are submitted before any result
 is awaited. Near-linear means at most 11x the time for 10x the tasks.
+
+The same flow on Prefect's ThreadPoolTaskRunner, with Prefect as shipped, runs
+beside it as the reference: every task run carries tags, and what the Prefect
+server and task engine cost for tagged tasks shows there too.
 """
 
 from __future__ import annotations
@@ -26,9 +30,15 @@ from bench.common import ROOT, machine, setup, spread, write_json
 PROFILES = ("cpu", "io", "quarter")
 
 
-def run_one(n: int) -> dict[str, Any]:
-    """One flow of ``n`` tasks in this process; returns wall time and memory."""
+def run_one(n: int, reference: bool = False) -> dict[str, Any]:
+    """One flow of ``n`` tasks in this process; returns wall time and memory.
+
+    ``reference``: the same flow, the same tagged tasks, on Prefect's own
+    ThreadPoolTaskRunner (16 threads, about the slots of the three profiles) and
+    Prefect's settings as shipped: what the Prefect server and task engine cost alone.
+    """
     from prefect import flow, task
+    from prefect.task_runners import ThreadPoolTaskRunner
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
     from gpu_tasks.main_job import embedded_server
@@ -41,7 +51,10 @@ def run_one(n: int) -> dict[str, Any]:
                 ResourceProfile(name="quarter", gpus=0.25, idle_timeout=600)]
     per = [n // 3 + (1 if i < n % 3 else 0) for i in range(3)]
 
-    @flow(task_runner=ProfileTaskRunner(profiles=profiles, default="cpu", idle_timeout=600), name=f"scale-{n}")
+    runner = (ThreadPoolTaskRunner(max_workers=16) if reference
+              else ProfileTaskRunner(profiles=profiles, default="cpu", idle_timeout=600))
+
+    @flow(task_runner=runner, name=f"scale-{n}")
     def f() -> dict[str, float]:
         tagged = {p: inc.with_options(tags=[profile(p)]) for p in PROFILES}
         for t in tagged.values():  # provisioning every worker is cold start, not scale
@@ -68,24 +81,43 @@ def run_one(n: int) -> dict[str, Any]:
     return out
 
 
-def run(sizes: list[int], repeats: int) -> dict[str, Any]:
-    """Every size ``repeats`` times, each in a fresh process."""
+def run(sizes: list[int], repeats: int, reference: bool = True) -> dict[str, Any]:
+    """Every size ``repeats`` times, each in a fresh process; with ``reference``, the same
+    sizes on Prefect's ThreadPoolTaskRunner too (``out["reference"]``, same keys). The two
+    alternate size by size, so both see the Prefect server's database grow alike."""
     import subprocess
 
-    rows: dict[str, list[dict[str, Any]]] = {}
+    kinds = [False, True] if reference else [False]
+    rows: dict[bool, dict[str, list[dict[str, Any]]]] = {k: {} for k in kinds}
     for _ in range(repeats):
         for n in sizes:
-            with tempfile.TemporaryDirectory() as tmp:
-                out = Path(tmp) / "one.json"
-                cmd = [sys.executable, "-m", "bench.scale", "--one", str(n), "--json", str(out)]
-                subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
-                row = json.loads(out.read_text())
-            rows.setdefault(str(n), []).append(row)
-            print(f"  N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} ms/task  "
-                  f"peak RSS {row['peak_rss_mib']:.0f} MiB", flush=True)
+            for ref in kinds:
+                with tempfile.TemporaryDirectory() as tmp:
+                    out = Path(tmp) / "one.json"
+                    cmd = [sys.executable, "-m", "bench.scale", "--one", str(n), "--json", str(out),
+                           *(["--reference"] if ref else [])]
+                    subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
+                    row = json.loads(out.read_text())
+                rows[ref].setdefault(str(n), []).append(row)
+                print(f"  {_label(ref):20s} N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} ms/task  "
+                      f"peak RSS {row['peak_rss_mib']:.0f} MiB", flush=True)
+    result = _summarize(rows[False], sizes, repeats, False)
+    if reference:
+        result["reference"] = _summarize(rows[True], sizes, repeats, True)
+    result["machine"] = machine()
+    return result
+
+
+def _label(reference: bool) -> str:
+    return "ThreadPoolTaskRunner" if reference else "ProfileTaskRunner"
+
+
+def _summarize(rows: dict[str, list[dict[str, Any]]], sizes: list[int], repeats: int,
+               reference: bool) -> dict[str, Any]:
     summary = {n: {k: spread([r[k] for r in v]) for k in ("wall_s", "ms_per_task", "peak_rss_mib", "rss_before_mib")}
                for n, v in rows.items()}
-    out: dict[str, Any] = {"sizes": sizes, "repeats": repeats, "machine": machine(), "runs": rows, "summary": summary}
+    out: dict[str, Any] = {"runner": _label(reference), "sizes": sizes, "repeats": repeats, "runs": rows,
+                           "summary": summary}
     if len(sizes) >= 2:
         small, large = str(min(sizes)), str(max(sizes))
         out["ratio"] = {
@@ -102,13 +134,16 @@ def main() -> None:
     parser.add_argument("--n", type=int, nargs="+", default=[1000, 10000])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--no-reference", action="store_true",
+                        help="skip the same sizes on Prefect's ThreadPoolTaskRunner")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     setup()
     if args.one is not None:
-        write_json(args.json, run_one(args.one))
+        write_json(args.json, run_one(args.one, reference=args.reference))
     else:
-        write_json(args.json, run(args.n, args.repeats))
+        write_json(args.json, run(args.n, args.repeats, reference=not args.no_reference))
 
 
 if __name__ == "__main__":

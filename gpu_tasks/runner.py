@@ -30,6 +30,7 @@ from prefect.futures import PrefectConcurrentFuture, PrefectFuture, PrefectFutur
 from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
 
+from gpu_tasks._tag_limits import extend_no_limits_cache
 from gpu_tasks.allocation import Allocation, allocated, worker_allocation
 from gpu_tasks.clusters import DeviceBook, LedgerRow, ProfileCluster, worker_key
 from gpu_tasks.devices import Inventory, discover
@@ -93,6 +94,7 @@ def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
     with _WORKER_SETTINGS_LOCK:
         built = _WORKER_SETTINGS.get(key)
     if built is None:
+        extend_no_limits_cache(get_settings().tag_limit_cache_seconds)  # once per worker and settings
         ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
         built = {"profile": ctx.profile, "settings": ctx.settings}
         with _WORKER_SETTINGS_LOCK:
@@ -165,6 +167,7 @@ class _Live:
     def __init__(self, runner: ProfileTaskRunner):
         self.profiles, self.default = runner.resolve_profiles()
         self.settings = get_settings()
+        extend_no_limits_cache(self.settings.tag_limit_cache_seconds)
         self.idle_timeout = runner.idle_timeout
         self._inventory: Inventory | None = None
         self.states: dict[str, _ProfileState] = {}

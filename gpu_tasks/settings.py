@@ -49,6 +49,12 @@ class GpuTasksSettings(BaseSettings):
         description="Directory of per-device lease files (created 0700 on first use); flow runs on this "
         "host that share it never put workers on the same device at once.",
     )
+    tag_limit_cache_seconds: float = Field(
+        default=60.0, ge=0,
+        description="Seconds a task process trusts Prefect's 'no concurrency limit for these tags' answer "
+        "(Prefect's own: 5). Longer keeps thousands of tagged tasks from queueing behind a busy server; "
+        "a tag limit created mid-run applies within this time. 0 keeps Prefect's.",
+    )
     lease_timeout: float = Field(
         default=600.0, ge=0,
         description="Seconds a profile waits for devices that another process (flow run) leases before failing.",

@@ -93,7 +93,11 @@ def _results(tmp_path: Path) -> dict:
         "scale": {"repeats": 1, "machine": m, "runs": {"10": [{"per_profile": {"cpu": 4, "io": 3, "quarter": 3}}]},
                   "summary": {n: {"wall_s": one(w), "ms_per_task": one(w * 1000 / int(n)), "peak_rss_mib": one(r),
                                   "rss_before_mib": one(100)} for n, w, r in (("10", 1.0, 110), ("100", 12.0, 130))},
-                  "ratio": {"tasks": 10, "wall": 12.0, "peak_rss_growth": 3.0}},
+                  "ratio": {"tasks": 10, "wall": 12.0, "peak_rss_growth": 3.0},
+                  "reference": {"runs": {}, "ratio": {"tasks": 10, "wall": 19.0, "peak_rss_growth": 2.0},
+                                "summary": {n: {"wall_s": one(w), "ms_per_task": one(w * 1000 / int(n)),
+                                                "peak_rss_mib": one(120), "rss_before_mib": one(100)}
+                                            for n, w in (("10", 0.5), ("100", 9.5))}}},
         "throughput": {"rounds": 10, "repeats": 1, "gpu": False, "machine": m,
                        "runs": {"pandas": {"1": [{"flights": 336776}]}},
                        "summary": {"pandas": {"1": {k: one(v) for k, v in (("etl_rows_per_s", 1.6e5), ("train_rows_per_s", 7e4),
@@ -115,6 +119,7 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
     assert "ProfileTaskRunner, gpus=0.25 profile: 5.00x the thread pool" in text and "**missed**" in text
     assert "re-provision 2.50s: **missed**" in text  # the slower case decides
     assert "10x the tasks took 12.00x the time: **missed**" in text
+    assert "| ThreadPoolTaskRunner (reference) | 100 | 9.5 |" in text and "took 19.00x the time for 10x" in text
     # held/busy: ProfileTaskRunner held 5 device-s for 3 busy, the static cluster 12
     assert "holds devices 2.40x less than the static cluster" in text
     assert "| ProfileTaskRunner, stages 5x as long |" in text and "Measured with every stage 5x as long" in text

@@ -701,3 +701,55 @@ def test_context_serializer_matches_prefects_serialize_context():
             assert changed == serialize_context() and other != key
 
     f()
+
+
+@task
+def no_limits_cache_ttl() -> float:
+    from prefect.concurrency import services
+
+    return services._no_limits_cache.ttl
+
+
+def test_tag_limit_checks_are_cached_longer_in_flow_and_worker_processes(monkeypatch):
+    """Every gpu-tasks task run has tags, so Prefect checks tag concurrency limits for each;
+    its 5 s "no limits" cache is lengthened in the flow process and in worker processes."""
+    import cachetools
+    from prefect.concurrency import services
+
+    monkeypatch.setattr(services, "_no_limits_cache", cachetools.TTLCache(maxsize=1000, ttl=5.0))  # as shipped
+    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "45")
+
+    @flow(task_runner=runner(QUARTER))
+    def f():
+        return (no_limits_cache_ttl.with_options(tags=[profile("quarter")]).submit().result(),
+                no_limits_cache_ttl.submit().result())
+
+    on_worker, in_flow_process = f()
+    assert on_worker == 45 and in_flow_process == 45
+
+
+def test_an_existing_tag_concurrency_limit_is_still_enforced_on_process_workers():
+    """A Prefect concurrency limit on a tag (here limit 1) holds across a profile's worker slots,
+    with the longer cache: only "no limits" answers are cached."""
+    import uuid
+
+    tag = f"one-at-a-time-{uuid.uuid4().hex[:8]}"
+    status, body = api("POST", "/v2/concurrency_limits/", json={"name": f"tag:{tag}", "limit": 1})
+    assert status == 201, body
+    try:
+        @flow(task_runner=runner(QUARTER))
+        def f():
+            limited = hold.with_options(tags=[profile("quarter"), tag])
+            return [x.result() for x in limited.map([0.3] * 4)]
+
+        rows = f()
+        assert all(r["profile"] == "quarter" for r in rows)
+        assert _overlaps([(r["start"], r["end"]) for r in rows]) == 1, rows
+        # without the limit the same four tasks share the device's four quarter slots at once
+        @flow(task_runner=runner(QUARTER))
+        def g():
+            return [x.result() for x in hold.with_options(tags=[profile("quarter")]).map([0.6] * 4)]
+
+        assert _overlaps([(r["start"], r["end"]) for r in g()]) > 1
+    finally:
+        api("DELETE", f"/v2/concurrency_limits/tag:{tag}")
