@@ -142,8 +142,9 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
     lines.append(
         "- Hand-offs between stages: a profiling run (cProfile) of this benchmark on this machine found "
         "the first in-process (CPU) task after a GPU stage sometimes waiting 1.7-2.3 s inside Prefect's "
-        "task-engine start, acquiring the tag concurrency slots for its tags from the Prefect server "
-        "(SQLite); it makes the flow longer but holds no device."
+        "task-engine start, asking the Prefect server (SQLite) for the tag concurrency slots of its tags. "
+        "The first check of each new set of tags always goes to the server (gpu-tasks only lengthens how long "
+        "a \"no limits\" answer is kept); it makes the flow longer but holds no device."
     )
     if long is not None:
         lr = long["summary"]["ProfileTaskRunner"]["held_less_idle_tails_over_busy"]["median"]
@@ -274,9 +275,12 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
         ]
         if ref and ref.get("ratio"):
             rr = ref["ratio"]
+            large = max(res["summary"], key=int)
             lines.append(
                 f"- Reference: the same flow and tags on Prefect's ThreadPoolTaskRunner, Prefect as shipped "
-                f"(5 s cache of \"no tag limits\"), took {rr['wall']:.2f}x the time for {rr['tasks']:g}x the tasks. "
+                f"(5 s cache of \"no tag limits\"), took {rr['wall']:.2f}x the time for {rr['tasks']:g}x the tasks; at "
+                f"N = {int(large):,} gpu-tasks took {ref['summary'][large]['wall_s']['median'] / res['summary'][large]['wall_s']['median']:.1f}x "
+                "less time than it. "
                 "gpu-tasks keeps that answer for `GPU_TASKS_TAG_LIMIT_CACHE_SECONDS` (60 s) in its processes; "
                 "see [the runner docs](runner.md#tagged-task-runs-and-prefects-tag-limit-checks).")
         per = next(iter(res["runs"].values()))[0]["per_profile"]

@@ -63,12 +63,50 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
         }):
             try:
                 yield server.api_url
-            finally:
-                from prefect.logging.handlers import APILogWorker
-
-                APILogWorker.drain_all(timeout=5)  # send the run's last logs while the server is up
+            except BaseException:
+                _drain()
+                raise
+            else:
+                _drain()
+                _wait_until_recorded(timeout=15)
     finally:
         server.stop()
+
+
+def _drain() -> None:
+    """Send the run's last events and logs while the server is up."""
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    EventsWorker.drain_all(timeout=5)
+    APILogWorker.drain_all(timeout=5)
+
+
+def _wait_until_recorded(timeout: float) -> bool:
+    """Wait, at most ``timeout`` s, until the server has recorded the task runs' final states.
+
+    Task run states reach the server as events and are written by its task-run
+    recorder in batches; stopping the server in the middle leaves the last task runs
+    "Running" in its database for good. Done: no task run is Running and the number
+    of task runs has stopped changing.
+    """
+    from prefect.client.orchestration import get_client
+
+    running = {"task_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}
+    deadline = time.monotonic() + timeout
+    last = -1
+    with get_client(sync_client=True) as client:
+        while time.monotonic() < deadline:
+            try:
+                busy = client._client.post("/task_runs/count", json=running).json()
+                total = client._client.post("/task_runs/count", json={}).json()
+            except Exception:  # the run is over; an unreachable server is not its failure
+                return False
+            if busy == 0 and total == last:
+                return True
+            last = total
+            time.sleep(0.2)
+    return False
 
 
 def ensure_devices(announce: Any = print) -> str:

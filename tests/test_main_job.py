@@ -56,6 +56,12 @@ def test_run_command_on_embedded_server_with_announced_emulation(tmp_path: Path)
     assert Path(out["model_path"]).is_file() and Path(out["metrics_path"]).is_file()
     assert json.loads(Path(out["metrics_path"]).read_text())["auc"] == pytest.approx(out["metrics"]["auc"])
     assert 0.5 < out["metrics"]["auc"] <= 1
+    # the server was stopped only after it had recorded every task run's final state
+    import sqlite3
+
+    with sqlite3.connect(tmp_path / "prefect-home" / "prefect.db") as con:
+        states = dict(con.execute("select state_type, count(*) from task_run group by state_type").fetchall())
+    assert states and set(states) == {"COMPLETED"}, states
 
 
 def test_run_command_human_output_on_a_given_server(tmp_path: Path, prefect_server):
@@ -213,3 +219,36 @@ def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
     assert any(r.startswith("scaled down: idle") for r in out["reasons"]), out
     # the embedded SQLite server waits on its writer instead of answering 503 under load
     assert out["server_db_timeout"] == 60 and out["client_max_retries"] == 10, out
+
+
+RECORDED_SCRIPT = '''
+import os, sqlite3, json
+from prefect import flow, task
+from gpu_tasks.main_job import embedded_server
+
+@task
+def inc(x):
+    return x + 1
+
+@flow
+def many():
+    return sum(x.result() for x in inc.map(range(300)))
+
+if __name__ == "__main__":
+    with embedded_server():
+        many()
+    con = sqlite3.connect(os.path.join(os.environ["PREFECT_HOME"], "prefect.db"))
+    print(json.dumps(dict(con.execute("select state_type, count(*) from task_run group by state_type").fetchall())))
+'''
+
+
+def test_embedded_server_stops_only_after_recording_every_task_run(tmp_path: Path):
+    """A flow of many short tasks that ends at once: the server records each task run's final
+    state before it is stopped (stopped at once, it had recorded a few of 300, some 'Running')."""
+    script = tmp_path / "many.py"
+    script.write_text(RECORDED_SCRIPT)
+    env = _clean_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"COMPLETED": 300}
