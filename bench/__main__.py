@@ -87,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[name] = {"failed": str(exc)}
                 failed.append(name)
             results[name]["quick"] = args.quick
+            results[name]["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+            results[name]["commit"] = _commit()
             combined.write_text(json.dumps(results, indent=2, default=str))  # progress survives a crash
     results["suite"] = {"machine": machine(), "quick": args.quick, "seconds": round(time.monotonic() - t0, 1),
                         "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -94,6 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     report.write(results, args.out)
     print(f"wrote {args.out / 'benchmarks.md'} and {results_dir} in {results['suite']['seconds']:.0f}s")
     return 1 if failed else 0
+
+
+def _commit() -> str:
+    """The code measured: ``git describe``-style short hash, ``+changes`` when the tree is dirty."""
+    import subprocess
+
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "gpu_tasks", "bench"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+changes" if dirty else "")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,8 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     moment turns into ``503 Service Unavailable`` and a failed task. So the server
     gets a 60 s statement timeout and this run's clients (workers included: they
     inherit the run's settings) retry up to 10 times. A server you run yourself
-    (``PREFECT_API_URL``) keeps its own settings.
+    (``PREFECT_API_URL``) keeps its own settings. When the run ends (not on Ctrl-C),
+    the server is stopped once it has recorded every task run's final state.
     """
     from prefect.settings import (
         PREFECT_API_URL,
@@ -63,7 +64,11 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
         }):
             try:
                 yield server.api_url
-            except BaseException:
+            except Exception:  # a failed run is worth recording too: it is what the user will look at
+                _drain()
+                _wait_until_recorded(timeout=15)
+                raise
+            except BaseException:  # Ctrl-C: send what is queued, do not wait on the server
                 _drain()
                 raise
             else:
