@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from bench.common import describe
+from bench.common import describe, spread
 
 OVERHEAD_TARGET_THREADS = 2.0  # within 2x of ThreadPoolTaskRunner
 OVERHEAD_TARGET_DASK = 5.0  # at least 5x faster than DaskTaskRunner
@@ -105,6 +105,20 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- held vs busy
+def _lease_to_first_task(res: dict[str, Any]) -> list[float]:
+    """Seconds from each ProfileTaskRunner device hold's start to the first task body on that device."""
+    out = []
+    for run in res.get("runs", []):
+        if run.get("setup") != "ProfileTaskRunner":
+            continue
+        for hold in run.get("holds", []):
+            starts = [t["start"] for t in run.get("tasks", [])
+                      if hold["device"] in t["devices"] and hold["start"] <= t["start"] <= hold["end"]]
+            if starts:
+                out.append(min(starts) - hold["start"])
+    return out
+
+
 def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None) -> list[str]:
     prof, static = res["summary"]["ProfileTaskRunner"], res["summary"]["static DaskTaskRunner"]
     stages = ", ".join(f"{k} ({v['tasks']} x {v['seconds']:g}s on {v['profile']})" for k, v in res["stages"].items())
@@ -143,6 +157,15 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
         f"with every stage 10x longer the same overhead would give about {(10 * busy + fixed) / (10 * busy):.2f} "
         "held/busy (a projection from these figures, not a measurement).",
     ]
+    delays = _lease_to_first_task(res)
+    if delays:
+        d = spread(delays)
+        lines.append(
+            f"- From a device's lease to the first task body on it: {_s(d)} s over {d['n']} provisionings "
+            "(every repeat). An isolated cold start is shorter (see cold start): here a profile starts its "
+            f"workers together, {res['gpus']} worker processes importing Prefect at once on this machine's "
+            f"{res['machine'].get('cpus', '?')} cores, beside the flow process and the Prefect server."
+        )
     lines.append(
         "- Hand-offs between stages: a profiling run (cProfile) of this benchmark on this machine found "
         "the first in-process (CPU) task after a GPU stage sometimes waiting 1.7-2.3 s inside Prefect's "

@@ -122,6 +122,7 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
     assert "| ThreadPoolTaskRunner (reference) | 100 | 9.5 |" in text and "took 19.00x the time for 10x" in text
     # held/busy: ProfileTaskRunner held 5 device-s for 3 busy, the static cluster 12
     assert "holds devices 2.40x less than the static cluster" in text
+    assert "From a device's lease to the first task body on it: 0.50 (0.50-0.50) s over 2 provisionings" in text
     assert "| ProfileTaskRunner, stages 5x as long |" in text and "Measured with every stage 5x as long" in text
     for png in ("overhead", "held_busy_timeline", "cold_start", "scale", "throughput"):
         data = (tmp_path / "results" / f"{png}.png").read_bytes()
