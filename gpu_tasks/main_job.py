@@ -62,18 +62,16 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
             PREFECT_API_URL: server.api_url,
             PREFECT_CLIENT_MAX_RETRIES: max(10, get_current_settings().client.max_retries),
         }):
+            wait = True  # a failed run is worth recording too: it is what the user will look at
             try:
                 yield server.api_url
-            except Exception:  # a failed run is worth recording too: it is what the user will look at
-                _drain()
-                _wait_until_recorded(timeout=15)
+            except BaseException as exc:
+                wait = isinstance(exc, Exception)  # Ctrl-C: send what is queued, do not wait on the server
                 raise
-            except BaseException:  # Ctrl-C: send what is queued, do not wait on the server
+            finally:
                 _drain()
-                raise
-            else:
-                _drain()
-                _wait_until_recorded(timeout=15)
+                if wait:
+                    _wait_until_recorded(timeout=15)
     finally:
         server.stop()
 
