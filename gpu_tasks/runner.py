@@ -30,6 +30,7 @@ from prefect.futures import PrefectConcurrentFuture, PrefectFuture, PrefectFutur
 from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
 
+from gpu_tasks._api import for_workers, require_flow_api_url, worker_env
 from gpu_tasks._tag_limits import extend_no_limits_cache
 from gpu_tasks.allocation import Allocation, allocated, worker_allocation
 from gpu_tasks.clusters import DeviceBook, LedgerRow, ProfileCluster, worker_key
@@ -204,11 +205,13 @@ class _Live:
         with self.lock:
             st = self.states.get(prof.name)
             if st is None:
-                if self.worker_env is None:
-                    self.worker_env = _worker_env()
+                if self.worker_env is None and prof.uses_processes:
+                    api_url = require_flow_api_url(prof.name)
+                    self.worker_env = worker_env(api_url)
+                    self.context.api_url = api_url
                 timeout = prof.idle_timeout if prof.idle_timeout is not None else self.idle_timeout
                 cluster = ProfileCluster(
-                    prof, self.inventory if prof.is_gpu else Inventory(), self.worker_env,
+                    prof, self.inventory if prof.is_gpu else Inventory(), self.worker_env or {},
                     self.settings.provision_timeout, dashboard=self.settings.dashboard, book=self.book,
                 )
                 st = self.states[prof.name] = _ProfileState(cluster, timeout)
@@ -345,6 +348,7 @@ class _ContextSerializer:
     """
 
     def __init__(self) -> None:
+        self.api_url: str | None = None  # the flow run's API: workers report there, never to a server of their own
         self._settings: tuple[Any, dict[str, Any], str] | None = None
         self._result_store: tuple[Any, dict[str, Any]] | None = None
 
@@ -356,6 +360,8 @@ class _ContextSerializer:
         cached = self._settings
         if cached is None or cached[0] is not settings_ctx:
             serialized = settings_ctx.serialize() if settings_ctx else {}
+            if self.api_url is not None:
+                serialized = for_workers(serialized, self.api_url)
             cached = self._settings = (settings_ctx, serialized, uuid.uuid4().hex)
         flow_run_ctx = pctx.EngineContext.get()
         task_run_ctx = pctx.TaskRunContext.get()
@@ -386,20 +392,6 @@ class _ContextSerializer:
             cached = self._result_store = (store, dumped)
         serialized["result_store"] = cached[1]
         return serialized
-
-
-def _worker_env() -> dict[str, str]:
-    """Environment for worker processes: the API URL of this flow run's server, no telemetry."""
-    from prefect.settings import get_current_settings
-
-    env = {"PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
-    settings = get_current_settings()
-    url = settings.api.url
-    if url:
-        env["PREFECT_API_URL"] = str(url)
-    if settings.api.key:
-        env["PREFECT_API_KEY"] = settings.api.key.get_secret_value()
-    return env
 
 
 _LIVE_RUNNERS: weakref.WeakSet[ProfileTaskRunner] = weakref.WeakSet()

@@ -1,0 +1,89 @@
+"""Which Prefect API a flow run reports to, and how its worker processes reach the same one.
+
+Prefect's default mode needs no server: without ``PREFECT_API_URL`` the first client in
+a process starts a throwaway server as a subprocess of that process
+(``SubprocessASGIServer``) and keeps its URL to itself; the URL is in no setting. A
+worker process that hydrates the flow run's settings would start a server of its own
+per thread, record its task runs in a database the flow run never sees, and leave
+orphaned ``uvicorn`` processes behind. So the flow process resolves the URL its own
+clients use, and workers get it, with ephemeral servers switched off, both in their
+environment and in the serialized settings they run tasks under.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+from gpu_tasks.errors import GpuTasksError
+
+
+def flow_api_url() -> str | None:
+    """The API URL this process's Prefect clients use: the setting, else its ephemeral server's."""
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    if url:
+        return str(url)
+    from prefect.server.api.server import SubprocessASGIServer
+
+    # Prefect keeps one SubprocessASGIServer per requested port; the default client asks for
+    # port None. Any running instance in this process is the one the flow run talks to.
+    servers = list(SubprocessASGIServer._instances.values())
+    servers.sort(key=lambda s: s._instance_key is not None)
+    for server in servers:
+        process = server.server_process
+        if server.running and process is not None and process.poll() is None:
+            return server.api_url
+    return None
+
+
+def require_flow_api_url(profile: str) -> str:
+    """``flow_api_url()``, starting Prefect's ephemeral server the way its client would if needed.
+
+    Raises:
+        GpuTasksError: no API URL and ephemeral servers are off.
+    """
+    url = flow_api_url()
+    if url is None:
+        from prefect.client.orchestration import get_client
+
+        try:
+            get_client(sync_client=True)  # starts the ephemeral server when that is allowed
+        except ValueError as exc:
+            raise GpuTasksError(
+                f"profile {profile!r} runs tasks in worker processes, which report to the flow run's "
+                "Prefect API, but there is none: set PREFECT_API_URL (or allow Prefect's ephemeral "
+                "server with PREFECT_SERVER_EPHEMERAL_ENABLED=true)"
+            ) from exc
+        url = flow_api_url()
+    if url is None:  # pragma: no cover - Prefect changed how it runs its ephemeral server
+        raise GpuTasksError(f"profile {profile!r}: could not find the Prefect API this flow run uses")
+    return url
+
+
+def worker_env(api_url: str) -> dict[str, str]:
+    """Environment for worker processes: the flow run's API, credentials, no server of their own."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    env = {
+        "PREFECT_API_URL": api_url,
+        "PREFECT_SERVER_EPHEMERAL_ENABLED": "false",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
+    if settings.api.key:
+        env["PREFECT_API_KEY"] = settings.api.key.get_secret_value()
+    if settings.api.auth_string:
+        env["PREFECT_API_AUTH_STRING"] = settings.api.auth_string.get_secret_value()
+    return env
+
+
+def for_workers(serialized: dict[str, Any], api_url: str) -> dict[str, Any]:
+    """Serialized ``SettingsContext`` fields with the flow run's API URL and no ephemeral server."""
+    out = dict(serialized)
+    settings = copy.deepcopy(dict(out.get("settings") or {}))
+    settings.setdefault("api", {})["url"] = api_url
+    settings.setdefault("server", {}).setdefault("ephemeral", {})["enabled"] = False
+    out["settings"] = settings
+    return out
