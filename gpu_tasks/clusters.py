@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_tasks import _gpu, leases
+from gpu_tasks._slots import SlotPool
 from gpu_tasks.devices import Device, Inventory
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import WorkerSpec, device_groups, matching_devices, max_worker_count, worker_spec
@@ -432,9 +433,9 @@ class ProfileCluster:
                 # Threads in the flow process: a Dask scheduler round trip costs about as
                 # much as Prefect's whole task engine (bench/overhead.py), so a plain
                 # executor sized by the profile runs these tasks.
-                self.cluster = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=specs[0].nthreads, thread_name_prefix=f"gpu-tasks-{self.profile.name}"
-                )
+                # A slot pool, not a plain thread pool: a task that waits for a child task of
+                # this profile gives its slot to the child (gpu_tasks._slots).
+                self.cluster = SlotPool(specs[0].nthreads, name=f"gpu-tasks-{self.profile.name}")
         except Exception as exc:
             self._teardown()
             self.book.release(self.profile.name, [d.address for s in specs for d in s.devices])
@@ -543,6 +544,39 @@ class ProfileCluster:
         self.provisioned_at = None
         return row
 
+    def worker_devices(self, name: str) -> tuple[str, ...] | None:
+        """Device addresses of the worker called ``name`` (``None``: no such worker of ours)."""
+        spec = next((s for s in self.specs if s.name == name), None)
+        return None if spec is None else tuple(d.address for d in spec.devices)
+
+    def retire(self, name: str, reason: str) -> LedgerRow | None:
+        """Remove the worker ``name`` (its process died) and give its devices back.
+
+        The whole cluster closes when that was its last worker, or when the worker is
+        not one of ours by name (dask-cuda names its own). Returns the ledger row for
+        what was given back, ``None`` when nothing was running.
+        """
+        spec = next((s for s in self.specs if s.name == name), None)
+        if not self.running:
+            return None
+        if spec is None or len(self.specs) == 1:
+            return self.close(reason)
+        row = self._ledger(time.time(), reason, only=[spec])
+        try:
+            self.cluster.worker_spec.pop(name, None)
+            self.cluster.sync(self.cluster._correct_state)  # stops that worker's nanny
+        except Exception:
+            logger.warning("profile %r: error while removing worker %r", self.profile.name, name, exc_info=True)
+        self.specs.remove(spec)
+        self._worker_started.pop(spec.name, None)
+        self._busy.pop(worker_key(d.address for d in spec.devices), None)
+        self.book.release(self.profile.name, [d.address for d in spec.devices])
+        logger.info(
+            "profile %r: removed worker %r (%s); held %.1f device-s, busy %.1f device-s",
+            self.profile.name, name, reason, row.held_seconds, row.busy_seconds,
+        )
+        return row
+
     # ------------------------------------------------------------ internals
     def _where(self) -> str:
         if not self.profile.is_gpu:
@@ -559,10 +593,10 @@ class ProfileCluster:
         return self.profile.is_gpu and not self.inventory.emulated and self.profile.devices_per_worker == 1
 
     def _dask_spec(self, spec: WorkerSpec) -> dict[str, Any]:
-        from distributed import Nanny
+        from gpu_tasks._crash import WatchedNanny
 
         return {
-            "cls": Nanny,
+            "cls": WatchedNanny,
             "options": {
                 "nthreads": spec.nthreads,
                 "resources": spec.resources or None,
@@ -583,7 +617,9 @@ class ProfileCluster:
             return self._cuda_cluster(specs)
         scheduler = {
             "cls": Scheduler,
-            "options": {"host": LOCALHOST, "dashboard": self.dashboard, "dashboard_address": dash},
+            # no silent re-run of a task whose worker died: the runner reports the crash (gpu_tasks._crash)
+            "options": {"host": LOCALHOST, "dashboard": self.dashboard, "dashboard_address": dash,
+                        "allowed_failures": 0},
         }
         workers = {s.name: self._dask_spec(s) for s in specs}
         return SpecCluster(
@@ -604,6 +640,11 @@ class ProfileCluster:
         self._cuda_next[:] = [s.devices[0].address for s in specs]
         next_devices = self._cuda_next
 
+        import dask
+        from distributed import Nanny
+
+        from gpu_tasks._crash import WatchedNanny
+
         class OwnDeviceCUDACluster(dask_cuda.LocalCUDACluster):  # type: ignore[misc,name-defined]
             """dask-cuda shows each worker every device (its own first); gpu-tasks shows only its own."""
 
@@ -614,35 +655,43 @@ class ProfileCluster:
                     own = next_devices.pop(0) if next_devices else worker["options"]["env"]["CUDA_VISIBLE_DEVICES"].split(",")[0]
                     worker["options"]["env"] = dict(by_address[own].env)
                     worker["options"]["resources"] = dict(by_address[own].resources)
+                    if worker.get("cls") is Nanny:
+                        worker["cls"] = WatchedNanny
                 return spec
 
-        return OwnDeviceCUDACluster(
-            CUDA_VISIBLE_DEVICES=list(by_address),
-            n_workers=len(specs),
-            threads_per_worker=specs[0].nthreads,
-            host=LOCALHOST,
-            dashboard_address=f"{LOCALHOST}:0" if self.dashboard else None,
-            memory_limit=specs[0].memory_limit or "auto",
-            rmm_pool_size=cuda.rmm_pool_size,
-            rmm_async=cuda.rmm_async,
-            enable_cudf_spill=cuda.enable_cudf_spill,
-            protocol=cuda.protocol,
-            silence_logs=logging.WARNING,
-        )
+        # no silent re-run of a task whose worker died: the runner reports the crash (gpu_tasks._crash)
+        with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+            return OwnDeviceCUDACluster(
+                CUDA_VISIBLE_DEVICES=list(by_address),
+                n_workers=len(specs),
+                threads_per_worker=specs[0].nthreads,
+                host=LOCALHOST,
+                dashboard_address=f"{LOCALHOST}:0" if self.dashboard else None,
+                memory_limit=specs[0].memory_limit or "auto",
+                rmm_pool_size=cuda.rmm_pool_size,
+                rmm_async=cuda.rmm_async,
+                enable_cudf_spill=cuda.enable_cudf_spill,
+                protocol=cuda.protocol,
+                silence_logs=logging.WARNING,
+            )
 
-    def _ledger(self, closed: float, reason: str) -> LedgerRow:
+    def _ledger(self, closed: float, reason: str, only: list[WorkerSpec] | None = None) -> LedgerRow:
+        specs = self.specs if only is None else only
         held = busy = 0.0
-        for i, spec in enumerate(self.specs):
+        tasks = self._tasks
+        if only is not None:
+            tasks = sum(len(self._busy.get(worker_key(d.address for d in s.devices), [])) for s in only)
+        for i, spec in enumerate(specs):
             weight = max(1, len(spec.devices))
             held += (closed - self._worker_started.get(spec.name, closed)) * weight
             if not spec.devices and i > 0:
                 continue  # CPU workers share one "cpu" timeline
             busy += _union_seconds(self._busy.get(worker_key(d.address for d in spec.devices), [])) * weight
         return LedgerRow(
-            profile=self.profile.name, workers=len(self.specs), devices=self.devices,
+            profile=self.profile.name, workers=len(specs), devices=tuple(d.address for s in specs for d in s.devices),
             emulated=self.inventory.emulated and self.profile.is_gpu,
             provisioned_at=self.provisioned_at or closed, closed_at=closed,
-            held_seconds=held, busy_seconds=min(busy, held), tasks=self._tasks, reason=reason,
+            held_seconds=held, busy_seconds=min(busy, held), tasks=tasks, reason=reason,
         )
 
     def _teardown(self) -> None:

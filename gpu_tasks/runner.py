@@ -15,6 +15,7 @@ import concurrent.futures
 import contextvars
 import datetime
 import logging
+import os
 import re
 import socket
 import threading
@@ -22,17 +23,19 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from contextlib import ExitStack
 from functools import partial
 from typing import Any
 
-from prefect.futures import PrefectConcurrentFuture, PrefectFuture, PrefectFutureList
+from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
 
 from gpu_tasks._api import for_workers, require_flow_api_url, worker_env
+from gpu_tasks._slots import SlotPool, waiting
 from gpu_tasks._tag_limits import extend_no_limits_cache
-from gpu_tasks.allocation import Allocation, allocated, worker_allocation
+from gpu_tasks.allocation import WORKER_ENV_PROFILE, Allocation, allocated, current_allocation, worker_allocation
 from gpu_tasks.clusters import DeviceBook, LedgerRow, ProfileCluster, worker_key
 from gpu_tasks.devices import Inventory, discover
 from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiableProfileError
@@ -56,6 +59,20 @@ class ProfileFuture(PrefectConcurrentFuture[Any]):
     def __init__(self, task_run_id: uuid.UUID, wrapped_future: concurrent.futures.Future[Any], profile: str):
         super().__init__(task_run_id=task_run_id, wrapped_future=wrapped_future)
         self.profile = profile
+
+    def _block(self, timeout: float | None) -> float | None:
+        """Wait here, leaving this thread's task slot to others meanwhile; the timeout left."""
+        if self._wrapped_future.done():
+            return timeout
+        with waiting():  # a parent task waiting for its child must not hold the child's slot
+            concurrent.futures.wait([self._wrapped_future], timeout=timeout)
+        return timeout if self._wrapped_future.done() or timeout is None else 0
+
+    def wait(self, timeout: float | None = None) -> None:
+        super().wait(self._block(timeout))
+
+    def result(self, timeout: float | None = None, raise_on_failure: bool = True) -> Any:
+        return super().result(timeout=self._block(timeout), raise_on_failure=raise_on_failure)
 
 
 # ---------------------------------------------------------------- worker side
@@ -134,12 +151,53 @@ def _run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[A
         # the task run shows where it ran in the Prefect UI: gpu:<id> per device, emulated or not
         task = task.with_options(tags=set(task.tags) | placement)
     start = time.time()
-    with allocated(alloc):
-        if task.isasync:
-            state = asyncio.run(run_task_async(task=task, **kwargs))
-        else:
-            state = run_task_sync(task=task, **kwargs)
+    try:
+        with allocated(alloc):
+            if task.isasync:
+                state = asyncio.run(run_task_async(task=task, **kwargs))
+            else:
+                state = run_task_sync(task=task, **kwargs)
+    except Exception:
+        raise
+    except BaseException as exc:
+        # KeyboardInterrupt, SystemExit and the like raised by the task itself: Prefect's engine
+        # has reported the run Crashed and re-raises; raised further it would abort the flow
+        # process (in-process profiles) or kill the Dask worker (which Dask then re-runs).
+        state = _crashed_by(exc, kwargs.get("task_run_id"))
     return state, start, time.time(), worker_key(alloc.devices)
+
+
+def _crashed_by(exc: BaseException, task_run_id: uuid.UUID | None) -> Any:
+    from prefect.states import Crashed
+
+    words = {
+        KeyboardInterrupt: "Execution was aborted by an interrupt signal.",
+        SystemExit: "Execution was aborted by Python system exit call.",
+    }
+    message = next((m for cls, m in words.items() if isinstance(exc, cls)), None)
+    state = Crashed(message=message or f"Execution was interrupted by {type(exc).__name__}: {exc}")
+    state.state_details.task_run_id = task_run_id
+    return state
+
+
+# Nested tasks submitted by a task running in a worker process run in that process, on the
+# parent's allocation, in a slot pool sized like the worker (see ProfileTaskRunner._submit_nested).
+_NESTED_POOLS: dict[str, SlotPool] = {}
+_NESTED_LOCK = threading.Lock()
+
+
+def _nested_pool(profile_name: str) -> SlotPool:
+    with _NESTED_LOCK:
+        pool = _NESTED_POOLS.get(profile_name)
+        if pool is None:
+            try:
+                from distributed import get_worker
+
+                slots = int(get_worker().state.nthreads)
+            except Exception:
+                slots = 1
+            pool = _NESTED_POOLS[profile_name] = SlotPool(max(1, slots), name=f"gpu-tasks-nested-{profile_name}")
+        return pool
 
 
 # ---------------------------------------------------------------- live state
@@ -173,6 +231,7 @@ class _Live:
         self._inventory: Inventory | None = None
         self.states: dict[str, _ProfileState] = {}
         self.ledger: list[LedgerRow] = []
+        self.inflight: dict[uuid.UUID, _Job] = {}  # handed to a cluster, no final state yet
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpu-tasks-dispatch")
@@ -306,7 +365,7 @@ class _Live:
                 related=related,
                 payload=payload,
             )
-            lease_event = {"provisioned": "leased", "scaled": "leased", "closed": "released"}.get(what)
+            lease_event = {"provisioned": "leased", "scaled": "leased", "closed": "released", "crashed": "released"}.get(what)
             host = socket.gethostname()
             for address in devices if lease_event else ():
                 emit_event(
@@ -333,9 +392,30 @@ class _Live:
                 # Let running in-process tasks finish (as Prefect's thread pool runner does) before
                 # taking the profile's lock: their completion callbacks need that lock.
                 pool.shutdown(wait=True, cancel_futures=True)
+        running = list(self.inflight.values())
         for st in list(self.states.values()):
             with st.lock:
                 self._close(st, reason)
+        self._crash_unfinished(running, reason)
+
+    def _crash_unfinished(self, jobs: list[_Job], reason: str) -> None:
+        """Report task runs that were running when their cluster closed ``Crashed`` (never left Running)."""
+        from gpu_tasks._crash import crash_task_run
+
+        first = True
+        for job in jobs:
+            cf = job.cf
+            if cf.done() and not cf.cancelled() and cf.exception() is None:
+                continue  # it finished while the clusters closed
+            prof = job.st.cluster.profile
+            message = (f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; "
+                       "its worker was closed")
+            state, _ = crash_task_run(job.task_run_id, job.task, self.flow_run_id, message,
+                                      tags=set(job.task.tags) | set(job.extra_tags), wait=1.0 if first else 0.0)
+            first = False
+            logger.warning("task run %s of profile %r: %s", job.task_run_id, prof.name, message)
+            if not cf.done():
+                cf.set_result(state)
 
 
 class _ContextSerializer:
@@ -392,6 +472,39 @@ class _ContextSerializer:
             cached = self._result_store = (store, dumped)
         serialized["result_store"] = cached[1]
         return serialized
+
+
+@dataclass(eq=False)
+class _Job:
+    """One submitted task, from submit to its final state (a crash re-run keeps its job)."""
+
+    st: _ProfileState
+    task: Any
+    task_run_id: uuid.UUID
+    parameters: dict[str, Any]
+    wait_for: Iterable[PrefectFuture[Any]] | None
+    dependencies: dict[str, set[Any]] | None
+    extra_tags: list[str]
+    cf: concurrent.futures.Future[Any]
+    ctx: contextvars.Context
+    crashes: int = 0  # times its worker died under it
+    task_run: Any = None  # the task run a re-run continues (run count, name)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+
+def _is_worker_death(exc: BaseException) -> bool:
+    """Whether a Dask future failed because the worker process running it died."""
+    from distributed.scheduler import KilledWorker
+
+    return isinstance(exc, KilledWorker)
+
+
+def _retry_delay(task: Any, attempt: int) -> float:
+    """Seconds before re-run ``attempt`` (0-based), from the task's ``retry_delay_seconds``."""
+    delay = task.retry_delay_seconds
+    if isinstance(delay, (list, tuple)):
+        delay = delay[min(attempt, len(delay) - 1)] if delay else 0
+    return float(delay or 0)
 
 
 _LIVE_RUNNERS: weakref.WeakSet[ProfileTaskRunner] = weakref.WeakSet()
@@ -567,6 +680,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         dependencies: dict[str, set[Any]] | None = None,
     ) -> ProfileFuture:
         """Submit a task to its profile's cluster; returns at once with a future."""
+        if os.environ.get(WORKER_ENV_PROFILE):  # called by a task running in one of our worker processes
+            return self._submit_nested(task, parameters, wait_for, dependencies)
         live = self._ensure_live()
         prof, requested, fallback_reason = self._route(task)
         extra_tags = [profile(prof.name)]
@@ -581,55 +696,77 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         with st.lock:
             st.outstanding += 1
             st.idle_since = None
-        task_run_id = uuid.uuid4()
-        cf: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future = ProfileFuture(task_run_id, cf, profile=prof.name)
-        ctx = contextvars.copy_context()
-        job = partial(
-            self._dispatch, live, st, ctx, extra_tags, task, task_run_id, parameters, wait_for, dependencies, cf
+        job = _Job(
+            st=st, task=task, task_run_id=uuid.uuid4(), parameters=parameters, wait_for=wait_for,
+            dependencies=dependencies, extra_tags=extra_tags, cf=concurrent.futures.Future(),
+            ctx=contextvars.copy_context(),
         )
+        future = ProfileFuture(job.task_run_id, job.cf, profile=prof.name)
+        run = partial(self._dispatch, live, job)
         upstream = _pending_futures((parameters, list(wait_for or ())))
         executor = st.dispatcher or live.executor
         if not upstream and st.dispatcher is None:
-            job()  # CPU profiles: dispatch right here, the cheapest path
+            run()  # CPU profiles: dispatch right here, the cheapest path
         elif not upstream:
-            executor.submit(job)
+            executor.submit(run)
         else:
-            _when_all_done(upstream, lambda: executor.submit(job))
+            _when_all_done(upstream, lambda: executor.submit(run))
         return future
 
-    def map(self, task: Any, parameters: dict[str, Any], wait_for: Iterable[PrefectFuture[Any]] | None = None) -> PrefectFutureList[ProfileFuture]:  # type: ignore[override]
-        return super().map(task, parameters, wait_for)
-
-    def _dispatch(
-        self,
-        live: _Live,
-        st: _ProfileState,
-        ctx: contextvars.Context,
-        extra_tags: list[str],
-        task: Any,
-        task_run_id: uuid.UUID,
-        parameters: dict[str, Any],
-        wait_for: Iterable[PrefectFuture[Any]] | None,
+    def _submit_nested(
+        self, task: Any, parameters: dict[str, Any], wait_for: Iterable[PrefectFuture[Any]] | None,
         dependencies: dict[str, set[Any]] | None,
-        cf: concurrent.futures.Future[Any],
-    ) -> None:
+    ) -> ProfileFuture:
+        """A task submitted by a task running in a worker process: run it there, on the parent's devices.
+
+        The child shares its parent's allocation and slots (the parent leaves its slot while it
+        waits), so nesting never waits for devices the parent holds, at any depth.
+
+        Raises:
+            ProfileError: the child names another profile than the worker's.
+        """
+        from prefect import tags
+
+        here = os.environ[WORKER_ENV_PROFILE]
+        profiles, default = self.resolve_profiles()
+        wanted = _requested_profile(task) or default
+        if wanted != here:
+            raise ProfileError(
+                f"task {task.name!r} asks for profile {wanted!r} but was submitted by a task running in a "
+                f"worker of profile {here!r}; nested tasks run on their parent's profile. Tag it "
+                f"profile({here!r}), or submit it from the flow instead of from inside a task"
+            )
+        alloc = current_allocation()
+        pool = _nested_pool(here)
+        task_run_id = uuid.uuid4()
+
+        def run() -> Any:
+            kwargs: dict[str, Any] = dict(
+                task_run_id=task_run_id, parameters=_futures_to_states(parameters),
+                wait_for=_futures_to_states(list(wait_for)) if wait_for else None,
+                dependencies=dependencies, return_type="state",
+            )
+            with tags(profile(here)):
+                return _run_engine(alloc, task, kwargs)[0]
+
+        cf = pool.submit(contextvars.copy_context().run, run)
+        return ProfileFuture(task_run_id, cf, profile=here)
+
+    def _dispatch(self, live: _Live, job: _Job) -> None:
         try:
-            ctx.run(self._dispatch_in_context, live, st, extra_tags, task, task_run_id, parameters, wait_for, dependencies, cf)
+            job.ctx.run(self._dispatch_in_context, live, job)
         except BaseException as exc:
-            self._finish(st, cf, exc=exc)
+            self._finish(live, job, exc=exc)
             if not isinstance(exc, Exception):
                 raise
 
-    def _dispatch_in_context(
-        self, live: _Live, st: _ProfileState, extra_tags: list[str], task: Any, task_run_id: uuid.UUID,
-        parameters: dict[str, Any], wait_for: Any, dependencies: Any, cf: concurrent.futures.Future[Any],
-    ) -> None:
+    def _dispatch_in_context(self, live: _Live, job: _Job) -> None:
         from prefect import tags
 
+        st = job.st
         prof = st.cluster.profile
-        parameters = _futures_to_states(parameters)
-        wait_for = _futures_to_states(list(wait_for)) if wait_for else None
+        parameters = _futures_to_states(job.parameters)
+        wait_for = _futures_to_states(list(job.wait_for)) if job.wait_for else None
         with st.lock:
             if live.stop.is_set():
                 raise RuntimeError("the task runner is shutting down")
@@ -649,12 +786,17 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 if added:
                     live.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
             st.dispatched += 1
+            live.inflight[job.task_run_id] = job
+        task = job.task
         kwargs: dict[str, Any] = dict(
-            task_run_id=task_run_id, parameters=parameters, wait_for=wait_for,
-            dependencies=dependencies, return_type="state",
+            task_run_id=job.task_run_id, parameters=parameters, wait_for=wait_for,
+            dependencies=job.dependencies, return_type="state",
         )
-        key = f"{task.name}-{task_run_id.hex}"
-        with tags(*extra_tags):
+        if job.task_run is not None:  # a re-run after a crash continues the same task run
+            kwargs["task_run"] = job.task_run
+            task = task.with_options(retries=max(0, (task.retries or 0) - job.crashes))
+        key = f"{task.name}-{job.task_run_id.hex}-{job.crashes}"
+        with tags(*job.extra_tags):
             if not prof.uses_processes:
                 alloc = Allocation(profile=prof.name, worker="in-process")
                 dfut = cluster.submit(
@@ -663,34 +805,114 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             else:
                 kwargs["context"], settings_key = live.context.serialize(
                     asset_ctx_kwargs={
-                        "task": task, "task_run_id": task_run_id,
-                        "task_inputs": dependencies or {}, "copy_to_child_ctx": True,
+                        "task": task, "task_run_id": job.task_run_id,
+                        "task_inputs": job.dependencies or {}, "copy_to_child_ctx": True,
                     }
                 )
                 dfut = cluster.submit(
                     _run_on_worker, prof.name, float(prof.share), task, kwargs, settings_key, key=key,
                     resources=task_resources(prof),
                 )
-        dfut.add_done_callback(partial(self._on_done, st, cf))
+        dfut.add_done_callback(partial(self._on_done, live, job))
 
-    def _on_done(self, st: _ProfileState, cf: concurrent.futures.Future[Any], dfut: Any) -> None:
+    def _on_done(self, live: _Live, job: _Job, dfut: Any) -> None:
         try:
             state, start, end, wkey = dfut.result()
         except BaseException as exc:
-            self._finish(st, cf, exc=exc, dispatched=True)
+            if _is_worker_death(exc) and not live.stop.is_set():
+                # off Dask's callback thread: reporting may wait on the server, a retry on devices
+                threading.Thread(
+                    target=job.ctx.run, args=(self._worker_died, live, job, exc),
+                    name=f"gpu-tasks-crash-{job.st.cluster.profile.name}", daemon=True,
+                ).start()
+                return
+            self._finish(live, job, exc=exc, dispatched=True)
             return
-        st.cluster.record(wkey, start, end)
-        self._finish(st, cf, result=state, dispatched=True)
+        job.st.cluster.record(wkey, start, end)
+        self._finish(live, job, result=state, dispatched=True)
 
-    @staticmethod
+    def _worker_died(self, live: _Live, job: _Job, exc: BaseException) -> None:
+        """The worker running ``job`` died: report the crash, give its devices back, retry if allowed."""
+        try:
+            retry = self._report_worker_death(live, job, exc)
+        except BaseException as err:  # never leave the future unresolved
+            logger.warning("gpu-tasks: error while handling a dead worker", exc_info=True)
+            self._finish(live, job, exc=err)
+            return
+        if retry is None:
+            return
+        delay, state = retry
+        if live.stop.wait(delay):
+            self._finish(live, job, result=state)
+            return
+        self._dispatch(live, job)
+
+    def _report_worker_death(self, live: _Live, job: _Job, exc: BaseException) -> tuple[float, Any] | None:
+        """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried."""
+        from gpu_tasks._crash import crash_task_run, worker_exit
+
+        st = job.st
+        prof = st.cluster.profile
+        ws = getattr(exc, "last_worker", None)
+        name = str(getattr(ws, "name", "") or "")
+        address = getattr(ws, "address", None)
+        ended = worker_exit(address) if address else None
+        how = ended.describe() if ended else "died"
+        with st.lock:
+            devices = st.cluster.worker_devices(name) or st.cluster.devices
+            row = st.cluster.retire(name, f"worker crashed: {how}")
+            st.dispatched -= 1
+            live.inflight.pop(job.task_run_id, None)
+        where = f"device(s) {','.join(devices)}" if devices else "CPU"
+        if prof.is_gpu and st.cluster.inventory.emulated:
+            where += " (emulated)"
+        pid = f", pid {ended.pid}" if ended and ended.pid else ""
+        message = (
+            f"{'Out of memory: ' if ended and ended.memory_kill else ''}the worker process of profile "
+            f"{prof.name!r} on {where} ({name or address}{pid}) {how} while running this task"
+        )
+        if row is not None:
+            live.ledger.append(row)
+            live.emit("crashed", st.cluster, {
+                "reason": message, "devices": list(row.devices), "worker": name, "pid": ended.pid if ended else None,
+                "exitcode": ended.exitcode if ended else None, "out_of_memory": bool(ended and ended.memory_kill),
+                "held_s": round(row.held_seconds, 3), "busy_s": round(row.busy_seconds, 3),
+            }, row.devices)
+        tags = set(job.task.tags) | set(job.extra_tags)
+        state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=tags)
+        attempts = max(job.crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
+        retries = int(job.task.retries or 0)
+        log = _flow_logger()
+        if task_run is None or attempts > retries:
+            log.error("Task run %s crashed: %s%s", job.task_run_id, message,
+                      f"; no retries left ({retries} allowed)" if retries else "")
+            self._finish(live, job, result=state)
+            return None
+        from prefect.states import AwaitingRetry
+        from prefect.utilities.engine import emit_task_run_state_change_event
+
+        delay = _retry_delay(job.task, job.crashes)
+        waiting_state = AwaitingRetry(scheduled_time=datetime.datetime.now(datetime.timezone.utc)
+                                      + datetime.timedelta(seconds=delay))
+        waiting_state.state_details.task_run_id = job.task_run_id
+        waiting_state.state_details.flow_run_id = live.flow_run_id
+        task_run.state = waiting_state
+        emit_task_run_state_change_event(task_run=task_run, initial_state=state, validated_state=waiting_state)
+        job.crashes += 1
+        job.task_run = task_run
+        log.warning("Task run %r crashed: %s; retrying it on a new worker (retry %d of %d) in %gs",
+                    task_run.name, message, attempts, retries, delay)
+        return delay, state
+
     def _finish(
-        st: _ProfileState, cf: concurrent.futures.Future[Any], result: Any = None,
-        exc: BaseException | None = None, dispatched: bool = False,
+        self, live: _Live, job: _Job, result: Any = None, exc: BaseException | None = None, dispatched: bool = False,
     ) -> None:
+        st, cf = job.st, job.cf
         with st.lock:
             st.outstanding -= 1
             if dispatched:
                 st.dispatched -= 1
+                live.inflight.pop(job.task_run_id, None)
             if st.outstanding == 0:
                 st.idle_since = time.monotonic()
         if cf.done():
