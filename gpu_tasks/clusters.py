@@ -561,6 +561,8 @@ class ProfileCluster:
     def _dask_spec(self, spec: WorkerSpec) -> dict[str, Any]:
         from distributed import Nanny
 
+        from gpu_tasks._worker_guard import preload_options
+
         return {
             "cls": Nanny,
             "options": {
@@ -572,6 +574,7 @@ class ProfileCluster:
                 "dashboard_address": f"{LOCALHOST}:0",
                 "silence_logs": logging.WARNING,
                 "name": spec.name,
+                **preload_options(),  # workers exit with the flow process (gpu_tasks._worker_guard)
             },
         }
 
@@ -593,6 +596,8 @@ class ProfileCluster:
 
     def _cuda_cluster(self, specs: list[WorkerSpec]) -> Any:
         """dask-cuda's LocalCUDACluster, each worker seeing only its own device."""
+        from gpu_tasks._worker_guard import preload_options
+
         try:
             dask_cuda = _gpu.load("dask_cuda")
         except _gpu.GpuLibraryUnavailable as exc:
@@ -614,6 +619,8 @@ class ProfileCluster:
                     own = next_devices.pop(0) if next_devices else worker["options"]["env"]["CUDA_VISIBLE_DEVICES"].split(",")[0]
                     worker["options"]["env"] = dict(by_address[own].env)
                     worker["options"]["resources"] = dict(by_address[own].resources)
+                    worker["options"].update(preload_options(worker["options"].get("preload", []),
+                                                             worker["options"].get("preload_argv", [])))
                 return spec
 
         return OwnDeviceCUDACluster(
