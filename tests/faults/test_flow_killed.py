@@ -139,3 +139,50 @@ def test_preload_options_add_the_guard_once_and_keep_other_preloads():
     nested = preload_options(["a"], [["--x"]])
     assert nested == {"preload": ["a", MODULE], "preload_argv": [["--x"], []]}
     assert preload_options(nested["preload"], nested["preload_argv"]) == nested
+
+
+GUARDED = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from gpu_tasks import _worker_guard
+
+    _worker_guard.start(os.getppid())
+    child = subprocess.Popen(["sleep", "300"])
+    print(os.getpid(), child.pid, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def test_guard_without_dask_exits_with_its_parent_and_ignores_sigint():
+    """The watch thread alone (no Dask parent pipe): parent SIGKILLed -> guarded process and child gone."""
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "GPU_TASKS_TEST_MARKER": marker}
+    # an intermediate parent that starts the guarded process, then sleeps
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {GUARDED!r}]); time.sleep(300)"],
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(_marked(marker)) < 3:  # parent, guarded, sleep
+            assert time.monotonic() < deadline, "the guarded process never started its child"
+            time.sleep(0.1)
+        guarded = next(p for p in _marked(marker) if p.ppid() == parent.pid)
+        guarded.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert guarded.is_running() and guarded.status() != psutil.STATUS_ZOMBIE, "SIGINT ended the guarded process"
+
+        killed = time.monotonic()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        while _marked(marker) and time.monotonic() - killed < 5:
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+        print(f"guard alone, kill-to-exit: {took:.2f}s")
+        assert not _marked(marker), "the guarded process or its child outlived its parent by 5s"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+        _kill_all(_marked(marker))
