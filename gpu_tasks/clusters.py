@@ -665,3 +665,22 @@ class ProfileCluster:
                     thing.close()
             except Exception:
                 logger.warning("profile %r: error while closing %r", self.profile.name, thing, exc_info=True)
+        if cluster is not None and not isinstance(cluster, concurrent.futures.Executor):
+            _forget_closed_schedulers()
+
+
+def _forget_closed_schedulers() -> None:
+    """Let closed Dask schedulers be freed.
+
+    distributed 2026.7.1 memoizes ``distributed.core._expects_comm`` with an unbounded
+    ``functools.cache`` keyed by bound handler methods, so every Scheduler that ever
+    handled a request stays alive (its state, deques and HTTP routes) after it closes:
+    one per provisioned cluster in a long-lived flow process. Clearing the cache after a
+    close drops them; live servers only recompute a signature check.
+    """
+    try:
+        from distributed import core
+
+        core._expects_comm.cache_clear()
+    except Exception:  # another distributed version: nothing to clear
+        logger.debug("no distributed.core._expects_comm cache to clear", exc_info=True)
