@@ -594,6 +594,7 @@ class ProfileCluster:
 
     def _dask_spec(self, spec: WorkerSpec) -> dict[str, Any]:
         from gpu_tasks._crash import WatchedNanny
+        from gpu_tasks._worker_guard import preload_options
 
         return {
             "cls": WatchedNanny,
@@ -606,6 +607,7 @@ class ProfileCluster:
                 "dashboard_address": f"{LOCALHOST}:0",
                 "silence_logs": logging.WARNING,
                 "name": spec.name,
+                **preload_options(),  # workers exit with the flow process (gpu_tasks._worker_guard)
             },
         }
 
@@ -629,6 +631,8 @@ class ProfileCluster:
 
     def _cuda_cluster(self, specs: list[WorkerSpec]) -> Any:
         """dask-cuda's LocalCUDACluster, each worker seeing only its own device."""
+        from gpu_tasks._worker_guard import preload_options
+
         try:
             dask_cuda = _gpu.load("dask_cuda")
         except _gpu.GpuLibraryUnavailable as exc:
@@ -657,6 +661,8 @@ class ProfileCluster:
                     worker["options"]["resources"] = dict(by_address[own].resources)
                     if worker.get("cls") is Nanny:
                         worker["cls"] = WatchedNanny
+                    worker["options"].update(preload_options(worker["options"].get("preload", []),
+                                                             worker["options"].get("preload_argv", [])))
                 return spec
 
         # no silent re-run of a task whose worker died: the runner reports the crash (gpu_tasks._crash)
@@ -707,3 +713,22 @@ class ProfileCluster:
                     thing.close()
             except Exception:
                 logger.warning("profile %r: error while closing %r", self.profile.name, thing, exc_info=True)
+        if cluster is not None and not isinstance(cluster, concurrent.futures.Executor):
+            _forget_closed_schedulers()
+
+
+def _forget_closed_schedulers() -> None:
+    """Let closed Dask schedulers be freed.
+
+    distributed 2026.7.1 memoizes ``distributed.core._expects_comm`` with an unbounded
+    ``functools.cache`` keyed by bound handler methods, so every Scheduler that ever
+    handled a request stays alive (its state, deques and HTTP routes) after it closes:
+    one per provisioned cluster in a long-lived flow process. Clearing the cache after a
+    close drops them; live servers only recompute a signature check.
+    """
+    try:
+        from distributed import core
+
+        core._expects_comm.cache_clear()
+    except Exception:  # another distributed version: nothing to clear
+        logger.debug("no distributed.core._expects_comm cache to clear", exc_info=True)

@@ -1,0 +1,159 @@
+"""Worker preload: a worker process and its children go when the flow process goes.
+
+gpu-tasks adds this module to the preloads of every Dask worker process it starts
+(:func:`preload_options`). Dask then calls :func:`dask_setup` in the worker process,
+which
+
+- watches the flow process (the worker's parent: the Nanny objects live in the flow
+  process and spawn the workers): when it is gone, even by SIGKILL, the worker ends
+  its child processes (SIGTERM, then SIGKILL after :data:`GRACE_S`) and exits;
+- wraps ``os._exit`` in the worker process so that whoever ends the worker that way
+  ends its child processes first. Dask's own parent watch (``distributed.process``)
+  calls ``os._exit`` the moment the flow process dies, which would otherwise orphan
+  processes a task started;
+- ignores SIGINT in the worker: a terminal Ctrl-C reaches the whole foreground process
+  group, and the flow process coordinates shutdown and closes its workers itself.
+
+:func:`dask_teardown` ends the worker's child processes when the worker closes normally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from types import FrameType
+from typing import Any, NoReturn
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+MODULE = "gpu_tasks._worker_guard"
+POLL_S = 0.5  # how often the watch thread looks at the parent
+GRACE_S = 1.0  # SIGTERM to SIGKILL
+
+_state: dict[str, Any] = {}  # pid, parent, exit (the real os._exit) once started
+_lock = threading.Lock()
+
+
+def preload_options(preload: Any = None, preload_argv: Any = None) -> dict[str, Any]:
+    """Nanny options ``preload``/``preload_argv`` with this guard added to ``preload``.
+
+    Args:
+        preload: the worker preloads already asked for; ``None`` for Dask's configured
+            ``distributed.worker.preload``.
+        preload_argv: their arguments; ``None`` for ``distributed.worker.preload-argv``.
+            A flat list of strings is given to every preload (this guard ignores it); a
+            list of lists gets an empty entry for the guard.
+
+    Returns:
+        ``{"preload": [...], "preload_argv": [...]}``.
+    """
+    import dask
+
+    if preload is None:
+        preload = dask.config.get("distributed.worker.preload", [])
+    if preload_argv is None:
+        preload_argv = dask.config.get("distributed.worker.preload-argv", [])
+    preload = [preload] if isinstance(preload, str) else list(preload)
+    argv = list(preload_argv)
+    if MODULE not in preload:
+        preload.append(MODULE)
+        if argv and not isinstance(argv[0], str):
+            argv.append([])
+    return {"preload": preload, "preload_argv": argv}
+
+
+def dask_setup(worker: Any) -> None:
+    """Dask preload hook, run in the worker process: start the guard."""
+    start(os.getppid())
+
+
+def dask_teardown(worker: Any) -> None:
+    """Dask preload hook, run when the worker closes: end the processes its tasks left."""
+    ended = end_children()
+    if ended:
+        logger.info("worker %d closing: ended %d child process(es) its tasks left", os.getpid(), ended)
+
+
+def start(parent: int) -> None:
+    """Watch ``parent`` from a daemon thread, wrap ``os._exit``, ignore SIGINT (once per process).
+
+    Args:
+        parent: pid of the flow process; when this process's parent is no longer it, the
+            flow process is gone.
+    """
+    with _lock:
+        if _state.get("pid") == os.getpid():
+            return
+        _state.update(pid=os.getpid(), parent=parent, exit=_state.get("exit", os._exit))
+    os._exit = _exit
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, _ignore_sigint)
+    threading.Thread(target=_watch, name="gpu-tasks-worker-guard", daemon=True).start()
+    logger.info("worker %d: watching flow process %d; exits with it", os.getpid(), parent)
+
+
+def end_children(grace: float = GRACE_S) -> int:
+    """End this process's descendants: SIGTERM, then SIGKILL after ``grace`` seconds.
+
+    Multiprocessing's resource tracker is left alone: it exits by itself when this
+    process does, and cleans up what it tracks.
+
+    Returns:
+        How many processes were asked to end.
+    """
+    try:
+        procs = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
+    except psutil.Error:
+        return 0
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    if alive:
+        logger.warning("worker %d: killed %d child process(es) that ignored SIGTERM for %gs",
+                       os.getpid(), len(alive), grace)
+        psutil.wait_procs(alive, timeout=grace)
+    return len(procs)
+
+
+def _watch() -> None:
+    parent = _state["parent"]
+    while os.getppid() == parent:
+        time.sleep(POLL_S)
+    logger.warning("worker %d: flow process %d is gone; ending this worker and its child processes",
+                   os.getpid(), parent)
+    _exit(1)
+
+
+def _exit(code: int) -> NoReturn:
+    """``os._exit`` for the worker process: end its child processes, then exit."""
+    real = _state["exit"]
+    if os.getpid() == _state.get("pid"):  # not in a forked child, which inherits this
+        with _lock:  # a second caller waits for the first one's clean-up
+            try:
+                end_children()
+            except BaseException:  # exiting anyway
+                pass
+    real(code)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _ignore_sigint(signum: int, frame: FrameType | None) -> None:
+    # A handler, not SIG_IGN: processes that tasks exec get the default action back.
+    logger.info("worker %d: ignoring SIGINT; the flow process closes its workers", os.getpid())
+
+
+def _is_resource_tracker(proc: psutil.Process) -> bool:
+    try:
+        return "resource_tracker" in " ".join(proc.cmdline())
+    except psutil.Error:
+        return False

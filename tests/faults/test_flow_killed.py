@@ -1,0 +1,188 @@
+"""The flow process is SIGKILLed while GPU tasks run: its workers and their children exit by
+themselves (gpu_tasks._worker_guard), and the next flow run gets the devices at once."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+from prefect import flow, task
+from prefect.context import FlowRunContext
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, leases, profile
+from gpu_tasks._worker_guard import MODULE, preload_options
+
+SCRIPT = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from pathlib import Path
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    READY = Path(sys.argv[1])
+
+    @task(tags=[profile("gpu")])
+    def gpu_task_with_a_child(i):
+        child = subprocess.Popen(["sleep", "300"])
+        (READY / f"task-{i}").write_text(f"{os.getpid()} {child.pid}")
+        time.sleep(300)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def doomed():
+        futures = gpu_task_with_a_child.map(range(2))
+        [f.result() for f in futures]
+
+    if __name__ == "__main__":
+        doomed()
+    """
+)
+
+
+def _marked(marker: str) -> list[psutil.Process]:
+    """Live (not zombie) processes whose environment carries ``marker``."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("GPU_TASKS_TEST_MARKER") == marker:
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def _kill_all(procs: list[psutil.Process]) -> None:
+    for p in procs:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    psutil.wait_procs(procs, timeout=5)
+
+
+@task(tags=[profile("gpu")])
+def visible_device(i: int) -> str:
+    time.sleep(1.0)  # long enough that both tasks hold a worker at once
+    return os.environ.get("CUDA_VISIBLE_DEVICES", "")
+
+
+@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)]))
+def next_run() -> tuple[list[str], float]:
+    futures = visible_device.map(range(2))
+    devices = [f.result() for f in futures]
+    startup = FlowRunContext.get().task_runner.status()["gpu"]["startup"]
+    return devices, startup["wait_devices_s"]
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monkeypatch):
+    from prefect.settings import get_current_settings
+
+    marker = uuid.uuid4().hex
+    script = tmp_path / "doomed_flow.py"
+    script.write_text(SCRIPT)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    env = {
+        **os.environ,
+        "GPU_TASKS_TEST_MARKER": marker,
+        "GPU_TASKS_EMULATED_GPUS": "2",
+        "PREFECT_API_URL": str(get_current_settings().api.url),
+    }
+    proc = subprocess.Popen([sys.executable, str(script), str(ready)], env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(ready.iterdir())) < 2:
+            assert proc.poll() is None, "the flow exited before its GPU tasks started"
+            assert time.monotonic() < deadline, "the GPU tasks never started"
+            time.sleep(0.2)
+        pids = {int(n) for f in ready.iterdir() for n in f.read_text().split()}
+        before = [p for p in _marked(marker) if p.pid != proc.pid]
+        assert pids <= {p.pid for p in before}, "expected the workers and their children to carry the marker"
+
+        killed = time.monotonic()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        while _marked(marker) and time.monotonic() - killed < 5:
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+        survivors = [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in _marked(marker)]
+        print(f"kill-to-exit: {took:.2f}s for {len(before)} worker and child processes")
+        assert not survivors, f"processes outlived the SIGKILLed flow by 5s: {survivors}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        _kill_all(_marked(marker))
+
+    # the kernel dropped the dead flow's leases with its files: both devices are free now
+    assert leases.holders(Path(os.environ["GPU_TASKS_LEASE_DIR"]), ["0", "1"]) == {"0": None, "1": None}
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "2")
+    t0 = time.monotonic()
+    devices, waited = next_run()
+    print(f"next flow run: devices {devices}, waited {waited:.3f}s for devices, {time.monotonic() - t0:.1f}s in all")
+    assert sorted(devices) == ["0", "1"]
+    assert waited < 1.0
+
+
+def test_preload_options_add_the_guard_once_and_keep_other_preloads():
+    assert preload_options([], []) == {"preload": [MODULE], "preload_argv": []}
+    # dask-cuda's shape: its own preload and one flat argv that every preload gets
+    flat = preload_options(["dask_cuda.initialize"], ["--create-cuda-context"])
+    assert flat == {"preload": ["dask_cuda.initialize", MODULE], "preload_argv": ["--create-cuda-context"]}
+    nested = preload_options(["a"], [["--x"]])
+    assert nested == {"preload": ["a", MODULE], "preload_argv": [["--x"], []]}
+    assert preload_options(nested["preload"], nested["preload_argv"]) == nested
+
+
+GUARDED = textwrap.dedent(
+    """
+    import os, subprocess, sys, time
+    from gpu_tasks import _worker_guard
+
+    _worker_guard.start(os.getppid())
+    child = subprocess.Popen(["sleep", "300"])
+    print(os.getpid(), child.pid, flush=True)
+    time.sleep(300)
+    """
+)
+
+
+def test_guard_without_dask_exits_with_its_parent_and_ignores_sigint():
+    """The watch thread alone (no Dask parent pipe): parent SIGKILLed -> guarded process and child gone."""
+    marker = uuid.uuid4().hex
+    env = {**os.environ, "GPU_TASKS_TEST_MARKER": marker}
+    # an intermediate parent that starts the guarded process, then sleeps
+    parent = subprocess.Popen(
+        [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {GUARDED!r}]); time.sleep(300)"],
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(_marked(marker)) < 3:  # parent, guarded, sleep
+            assert time.monotonic() < deadline, "the guarded process never started its child"
+            time.sleep(0.1)
+        guarded = next(p for p in _marked(marker) if p.ppid() == parent.pid)
+        guarded.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert guarded.is_running() and guarded.status() != psutil.STATUS_ZOMBIE, "SIGINT ended the guarded process"
+
+        killed = time.monotonic()
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=10)
+        while _marked(marker) and time.monotonic() - killed < 5:
+            time.sleep(0.05)
+        took = time.monotonic() - killed
+        print(f"guard alone, kill-to-exit: {took:.2f}s")
+        assert not _marked(marker), "the guarded process or its child outlived its parent by 5s"
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait(timeout=10)
+        _kill_all(_marked(marker))

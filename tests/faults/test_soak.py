@@ -1,0 +1,45 @@
+"""Soak: 20 flow runs in one process, each provisioning a GPU profile and letting it idle out;
+file descriptors, threads, child processes and RSS stay flat (tests/faults/soak_script.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).with_name("soak_script.py")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.usefixtures("prefect_server")
+def test_twenty_flow_runs_leave_fds_threads_children_and_rss_flat():
+    from prefect.settings import get_current_settings
+
+    env = {
+        **os.environ,
+        "GPU_TASKS_EMULATED_GPUS": "2",
+        "PREFECT_API_URL": str(get_current_settings().api.url),
+    }
+    done = subprocess.run([sys.executable, str(SCRIPT), "--runs", "20", "--json"], env=env,
+                          capture_output=True, text=True, timeout=540)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    for r in rows:
+        print(json.dumps(r))
+    by_run = {r["run"]: r for r in rows}
+    first, base, last = by_run[1], by_run[5], by_run[20]
+    # every run's cluster idled out and closed inside its flow
+    assert {r["state_after_idle"] for r in rows} == {"closed"}
+    assert last["fds"] <= base["fds"] + 5, (base, last)
+    assert last["threads"] <= base["threads"] + 3, (base, last)
+    assert last["children"] <= first["children"], (first, last)
+    # A cluster left open per run shows in fds, threads and children (its scheduler's sockets
+    # and event-loop thread, two worker processes), checked tightly above. RSS is the loose
+    # check: measured growth from run 5 to run 20 was 12-16 MB (about 1 MB per run, native
+    # heap: the Python heap grows about 0.1 MB per run), so 30 MB catches a leak of a few MB
+    # per run (a task result or frame kept per run) without failing on that drift.
+    assert last["rss_mb"] - base["rss_mb"] < 30, (base, last)
