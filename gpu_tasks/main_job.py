@@ -26,6 +26,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+INTERRUPT_DRAIN_S = 2.0  # per service (events, logs): Ctrl-C must exit well within 10 s
+INTERRUPT_RECORD_S = 2.0  # for the server to write the interrupted run's last states
+
+
 @contextlib.contextmanager
 def embedded_server(timeout: int = 120) -> Iterator[str]:
     """Use ``PREFECT_API_URL`` when set; otherwise start a Prefect server on 127.0.0.1.
@@ -36,8 +40,15 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     moment turns into ``503 Service Unavailable`` and a failed task. So the server
     gets a 60 s statement timeout and this run's clients (workers included: they
     inherit the run's settings) retry up to 10 times. A server you run yourself
-    (``PREFECT_API_URL``) keeps its own settings. When the run ends (not on Ctrl-C),
-    the server is stopped once it has recorded every task run's final state.
+    (``PREFECT_API_URL``) keeps its own settings.
+
+    When the run ends, the server is stopped once it has recorded every task run's
+    final state (up to 15 s). The server runs in its own session, so a terminal's
+    Ctrl-C does not reach it; on Ctrl-C (``KeyboardInterrupt``) the queued events and
+    logs are sent and the server gets ``INTERRUPT_RECORD_S`` to record them before it
+    is stopped, so the interrupted flow run ends ``Crashed`` in its database and the
+    command still exits within seconds. The server dies with the process that started
+    it, even when that process is killed (Linux; see :mod:`gpu_tasks._server_process`).
     """
     from prefect.settings import (
         PREFECT_API_URL,
@@ -51,38 +62,38 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     if current:
         yield str(current)
         return
-    from prefect.server.api.server import SubprocessASGIServer
+    from gpu_tasks._server_process import EmbeddedServer
 
     with temporary_settings(updates={PREFECT_SERVER_DATABASE_TIMEOUT: max(
             60.0, get_current_settings().server.database.timeout or 0.0)}):
-        server = SubprocessASGIServer(port=_free_port())
+        server = EmbeddedServer(port=_free_port())
         server.start(timeout=timeout)
     try:
         with temporary_settings(updates={
             PREFECT_API_URL: server.api_url,
             PREFECT_CLIENT_MAX_RETRIES: max(10, get_current_settings().client.max_retries),
         }):
-            wait = True  # a failed run is worth recording too: it is what the user will look at
+            interrupted = False  # a failed run is worth recording too: it is what the user will look at
             try:
                 yield server.api_url
             except BaseException as exc:
-                wait = isinstance(exc, Exception)  # Ctrl-C: send what is queued, do not wait on the server
+                interrupted = not isinstance(exc, Exception)  # Ctrl-C: record it, but briefly
                 raise
             finally:
-                _drain()
-                if wait:
-                    _wait_until_recorded(timeout=15)
+                drain_s, record_s = (INTERRUPT_DRAIN_S, INTERRUPT_RECORD_S) if interrupted else (5.0, 15.0)
+                _drain(timeout=drain_s)
+                _wait_until_recorded(timeout=record_s)
     finally:
         server.stop()
 
 
-def _drain() -> None:
-    """Send the run's last events and logs while the server is up."""
+def _drain(timeout: float = 5) -> None:
+    """Send the run's last events and logs while the server is up (at most ``timeout`` s each)."""
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    EventsWorker.drain_all(timeout=5)
-    APILogWorker.drain_all(timeout=5)
+    EventsWorker.drain_all(timeout=timeout)
+    APILogWorker.drain_all(timeout=timeout)
 
 
 def _wait_until_recorded(timeout: float) -> bool:

@@ -1,0 +1,249 @@
+"""Ctrl-C mid-stage, as a terminal sends it: SIGINT to every process of the foreground group.
+
+The command exits within 10 s, nothing it started survives, and the server records the
+flow run as Crashed or Cancelled and no task run as left Running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+EXIT_WITHIN_S = 10.0
+ENDED = {"CRASHED", "CANCELLED"}
+
+
+def _env(tmp_path: Path, marker: str, **extra: str) -> dict[str, str]:
+    """The caller's environment less gpu-tasks and Prefect API settings, plus a marker to find our processes."""
+    env = {k: v for k, v in os.environ.items()
+           if k == "GPU_TASKS_LEASE_DIR" or not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))}
+    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", GPU_TASKS_EMULATED_GPUS="2",
+               GPU_TASKS_TEST_MARKER=marker, PREFECT_HOME=str(tmp_path / "prefect-home"))
+    env.update(extra)
+    return env
+
+
+def _start(args: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``args`` as a terminal would: leader of a process group of its own."""
+    return subprocess.Popen(args, env=env, cwd=tmp_path, start_new_session=True,
+                            stdout=(tmp_path / "stdout").open("wb"), stderr=(tmp_path / "stderr").open("wb"))
+
+
+def _ctrl_c(proc: subprocess.Popen[bytes]) -> float:
+    """SIGINT to the whole group, like a terminal's Ctrl-C; seconds until the leader exited (killed at 30 s)."""
+    t0 = time.monotonic()
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        return float("inf")
+    return time.monotonic() - t0
+
+
+def _ours(marker: str, group: int) -> list[psutil.Process]:
+    """Live processes of ``group`` or carrying the marker (the embedded server runs in a session of its own)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if os.getpgid(p.pid) == group or p.environ().get("GPU_TASKS_TEST_MARKER") == marker:
+                found.append(p)
+        except (psutil.Error, ProcessLookupError):
+            continue
+    return found
+
+
+def _survivors(marker: str, group: int, grace: float = 5.0) -> list[str]:
+    deadline = time.monotonic() + grace
+    while _ours(marker, group) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    out = []
+    for p in _ours(marker, group):
+        try:
+            out.append(f"{p.pid}: {' '.join(p.cmdline())[:150]}")
+        except psutil.Error:
+            continue
+    return out
+
+
+def _cleanup(proc: subprocess.Popen[bytes], marker: str) -> None:
+    """Whatever the test's outcome, leave nothing running."""
+    for p in _ours(marker, proc.pid):
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def _tail(tmp_path: Path) -> str:
+    return (tmp_path / "stderr").read_bytes().decode(errors="replace")[-3000:]
+
+
+def _rows(db: Path, sql: str) -> list[tuple]:
+    try:
+        with sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=2) as con:
+            return con.execute(sql).fetchall()
+    except sqlite3.Error:  # not created yet, or its tables are not
+        return []
+
+
+def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
+    """`gpu-tasks run` on its embedded server, Ctrl-C while the GPU training stage runs."""
+    marker = uuid.uuid4().hex
+    db = tmp_path / "prefect-home" / "prefect.db"
+    # a few thousand flights keep ingest and ETL short; a million rounds keep training busy
+    proc = _start([sys.executable, "-m", "gpu_tasks.cli", "run", "--limit", "5000", "--rounds", "1000000",
+                   "--data-dir", str(tmp_path / "data")], _env(tmp_path, marker), tmp_path)
+    try:
+        deadline = time.monotonic() + 180
+        while not _rows(db, "select id from task_run where state_type = 'RUNNING' "
+                            "and tags like '%\"profile:gpu-train\"%'"):
+            assert proc.poll() is None, f"the run ended before training started:\n{_tail(tmp_path)}"
+            assert time.monotonic() < deadline, f"training never started:\n{_tail(tmp_path)}"
+            time.sleep(0.3)
+        time.sleep(1.0)  # into the stage, past its first boosting rounds
+        assert proc.poll() is None
+        took = _ctrl_c(proc)
+        survivors = _survivors(marker, proc.pid)
+    finally:
+        _cleanup(proc, marker)
+    err = _tail(tmp_path)
+    print(f"exited {took:.2f}s after Ctrl-C")  # shown with -s or -rP
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f}s:\n{err}"
+    assert proc.returncode == 130, err
+    assert "interrupted (Ctrl-C)" in err and str(db) in err and "Traceback" not in err, err
+    assert not survivors, f"processes outlived the interrupted run: {survivors}"
+    flow_runs = _rows(db, "select state_type from flow_run")
+    assert flow_runs and all(state in ENDED for (state,) in flow_runs), flow_runs
+    task_runs = dict(_rows(db, "select name, state_type from task_run"))
+    assert any(name.startswith("train") for name in task_runs), task_runs
+    # Needs the runner to report the task runs it had dispatched as Crashed when it exits
+    # with an exception (a runner change of its own); until then "train" stays RUNNING.
+    assert not {n: s for n, s in task_runs.items() if s in {"RUNNING", "PENDING"}}, task_runs
+
+
+FLOW_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from prefect import flow, task
+    from prefect.context import TaskRunContext
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    READY = Path(sys.argv[1])
+
+    @task(tags=[profile("gpu")])
+    def long_gpu_task():
+        READY.write_text(str(TaskRunContext.get().task_run.flow_run_id))
+        time.sleep(300)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def interrupted():
+        long_gpu_task.submit().result()
+
+    if __name__ == "__main__":
+        interrupted()
+    """
+)
+
+
+def _final_states(flow_run_id: str, wait: float = 5.0) -> tuple[str, dict[str, str]]:
+    """The flow run's state type and its task runs' (by name), once no task run is Running (at most ``wait`` s)."""
+    from prefect_api import api
+
+    deadline = time.monotonic() + wait
+    while True:
+        status, flow_run = api("GET", f"/flow_runs/{flow_run_id}")
+        assert status == 200, flow_run
+        status, task_runs = api("POST", "/task_runs/filter",
+                                json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
+        assert status == 200, task_runs
+        states = {t["name"]: t["state_type"] for t in task_runs}
+        if time.monotonic() > deadline or not {"RUNNING", "PENDING"} & set(states.values()):
+            return flow_run["state_type"], states
+        time.sleep(0.25)
+
+
+def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
+    """A plain flow script on a server of its own: Ctrl-C while a GPU task runs on its worker."""
+    from prefect.settings import get_current_settings
+
+    marker = uuid.uuid4().hex
+    script = tmp_path / "flow_script.py"
+    script.write_text(FLOW_SCRIPT)
+    ready = tmp_path / "ready"
+    env = _env(tmp_path, marker, PREFECT_API_URL=str(get_current_settings().api.url))
+    proc = _start([sys.executable, str(script), str(ready)], env, tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() or not ready.read_text():
+            assert proc.poll() is None, f"the flow exited before its GPU task started:\n{_tail(tmp_path)}"
+            assert time.monotonic() < deadline, f"the GPU task never started:\n{_tail(tmp_path)}"
+            time.sleep(0.2)
+        time.sleep(0.5)
+        took = _ctrl_c(proc)
+        survivors = _survivors(marker, proc.pid)
+    finally:
+        _cleanup(proc, marker)
+    err = _tail(tmp_path)
+    print(f"exited {took:.2f}s after Ctrl-C")  # shown with -s or -rP
+    assert took < EXIT_WITHIN_S, f"exit took {took:.1f}s:\n{err}"
+    assert proc.returncode != 0, err
+    assert not survivors, f"processes outlived the interrupted flow: {survivors}"
+    flow_state, task_states = _final_states(ready.read_text())
+    assert flow_state in ENDED, (flow_state, err)
+    assert task_states, "the GPU task run is recorded"
+    # Needs the runner change (dispatched, unfinished task runs reported Crashed on exit).
+    assert not {n: s for n, s in task_states.items() if s in {"RUNNING", "PENDING"}}, task_states
+
+
+SERVER_SCRIPT = textwrap.dedent(
+    """
+    import time
+    from gpu_tasks.main_job import embedded_server
+
+    if __name__ == "__main__":
+        with embedded_server() as url:
+            print(url, flush=True)
+            time.sleep(300)
+    """
+)
+
+
+def test_embedded_server_dies_with_its_parent_even_on_sigkill(tmp_path: Path):
+    """The server runs in a session of its own (out of reach of a terminal's Ctrl-C), so only
+    PR_SET_PDEATHSIG ends it when the process that started it is killed outright."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux-only; elsewhere a SIGKILLed parent can orphan the server")
+    marker = uuid.uuid4().hex
+    script = tmp_path / "server_script.py"
+    script.write_text(SERVER_SCRIPT)
+    proc = _start([sys.executable, str(script)], _env(tmp_path, marker), tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "stdout").read_text().strip():
+            assert proc.poll() is None, _tail(tmp_path)
+            assert time.monotonic() < deadline, f"the server never started:\n{_tail(tmp_path)}"
+            time.sleep(0.2)
+        servers = [p for p in _ours(marker, proc.pid) if p.pid != proc.pid and "uvicorn" in " ".join(p.cmdline())]
+        assert len(servers) == 1, servers
+        assert os.getsid(servers[0].pid) == servers[0].pid != os.getsid(proc.pid), "a session of its own"
+        proc.kill()
+        proc.wait()
+        survivors = _survivors(marker, proc.pid)
+    finally:
+        _cleanup(proc, marker)
+    assert not survivors, f"the embedded server outlived its SIGKILLed parent: {survivors}"
