@@ -124,7 +124,7 @@ def looks_like_oom(exc: BaseException | None) -> bool:
     return False
 
 
-def _task_run(task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str],
+def read_task_run(task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str],
               wait: float) -> Any:
     """The task run as the server knows it, else as the engine would have made it."""
     from prefect.client.orchestration import get_client
@@ -170,7 +170,7 @@ def crash_task_run(
     state.state_details.flow_run_id = flow_run_id
     run = None
     try:
-        run = _task_run(task_run_id, task, flow_run_id, set(tags or ()), wait)
+        run = read_task_run(task_run_id, task, flow_run_id, set(tags or ()), wait)
         previous = run.state
         run.state = state
         run.state_type, run.state_name = state.type, state.name

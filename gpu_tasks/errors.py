@@ -36,3 +36,7 @@ class ClusterError(GpuTasksError, RuntimeError):
 
 class PipelineInputError(GpuTasksError, ValueError):
     """Input data for a pipeline stage is missing, corrupt or has the wrong schema."""
+
+
+class GpuOutOfMemoryError(GpuTasksError, MemoryError):
+    """A task ran out of (device) memory; the message names its profile and devices."""

@@ -89,6 +89,10 @@ class ResourceProfile(BaseModel):
         gang: Start all ``max_workers`` workers before the first task runs (for
             data-parallel training); provisioning fails as a whole if one cannot start.
         priority: Higher goes first when profiles wait for devices.
+        on_oom: Name of a (larger) profile to re-run a task on, once, when it runs out of
+            memory here: its worker is killed for exceeding ``memory``, or the task raises
+            an out-of-memory error (CUDA, RMM, cuDF, ``MemoryError``). Logged and sent as a
+            ``gpu-tasks.task.escalated`` event; ``None`` (the default) reports the failure.
         cuda: dask-cuda options (RMM pool, cuDF spilling, protocol), validated here.
     """
 
@@ -106,6 +110,7 @@ class ResourceProfile(BaseModel):
     processes: bool | None = None
     gang: bool = False
     priority: int = 0
+    on_oom: str | None = None
     cuda: CudaOptions = Field(default_factory=CudaOptions)
 
     def __init__(self, **data: Any) -> None:
@@ -190,6 +195,10 @@ class ResourceProfile(BaseModel):
                 raise ValueError("gang needs gpus > 0 (gangs start GPU workers together)")
         elif self.processes is False:
             raise ValueError("processes=False is not possible with gpus > 0: each GPU worker is a process")
+        if self.on_oom is not None and (self.on_oom == self.name or not _NAME_RE.match(self.on_oom)):
+            raise ValueError(
+                f"on_oom must name another profile (a larger one to re-run out-of-memory tasks on); got {self.on_oom!r}"
+            )
         if self.gang and self.max_workers is None:
             raise ValueError("gang needs max_workers: the number of workers to start together")
         return self

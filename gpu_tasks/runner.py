@@ -38,7 +38,7 @@ from gpu_tasks._tag_limits import extend_no_limits_cache
 from gpu_tasks.allocation import WORKER_ENV_PROFILE, Allocation, allocated, current_allocation, worker_allocation
 from gpu_tasks.clusters import DeviceBook, LedgerRow, ProfileCluster, worker_key
 from gpu_tasks.devices import Inventory, discover
-from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiableProfileError
+from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, UnknownProfileError, UnsatisfiableProfileError
 from gpu_tasks.policy import IdleView, close_reason, desired_workers, task_resources, unsatisfiable_reason
 from gpu_tasks.profiles import ResourceProfile, load_profiles_file, profile, profile_from_tags
 from gpu_tasks.settings import get_settings
@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_PROFILE = "cpu"
 FALLBACK_TAG = "gpu-tasks:fallback"
+ESCALATED_TAG = "gpu-tasks:on-oom"
 
 
 class ProfileFuture(PrefectConcurrentFuture[Any]):
@@ -150,6 +151,8 @@ def _run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[A
     if placement and not placement <= set(task.tags):
         # the task run shows where it ran in the Prefect UI: gpu:<id> per device, emulated or not
         task = task.with_options(tags=set(task.tags) | placement)
+    if alloc.profile:
+        task = _oom_translated(task, alloc)
     start = time.time()
     try:
         with allocated(alloc):
@@ -165,6 +168,51 @@ def _run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[A
         # process (in-process profiles) or kill the Dask worker (which Dask then re-runs).
         state = _crashed_by(exc, kwargs.get("task_run_id"))
     return state, start, time.time(), worker_key(alloc.devices)
+
+
+def _oom_translated(task: Any, alloc: Allocation) -> Any:
+    """``task`` whose out-of-memory errors (CUDA, RMM, cuDF, MemoryError) name its profile and devices."""
+    import copy
+    import functools
+
+    from gpu_tasks._crash import looks_like_oom
+
+    fn = task.fn
+    if getattr(fn, "__gpu_tasks_oom__", False):
+        return task
+
+    def translate(exc: Exception) -> GpuOutOfMemoryError:
+        where = f"device(s) {','.join(alloc.devices)}" if alloc.devices else "CPU"
+        if alloc.devices and alloc.emulated:
+            where += " (emulated)"
+        return GpuOutOfMemoryError(
+            f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. Lower the task's "
+            "memory use, or give the profile on_oom='<a larger profile>' to re-run it there once"
+        )
+
+    if asyncio.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def wrapped(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(*args, **kwargs)
+            except Exception as exc:
+                if looks_like_oom(exc) and not isinstance(exc, GpuOutOfMemoryError):
+                    raise translate(exc) from exc
+                raise
+    else:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                if looks_like_oom(exc) and not isinstance(exc, GpuOutOfMemoryError):
+                    raise translate(exc) from exc
+                raise
+
+    wrapped.__gpu_tasks_oom__ = True  # type: ignore[attr-defined]
+    out = copy.copy(task)
+    out.fn = wrapped
+    return out
 
 
 def _crashed_by(exc: BaseException, task_run_id: uuid.UUID | None) -> Any:
@@ -341,6 +389,24 @@ class _Live:
                 "reason": reason, "devices": list(devices), "held_s": round(row.held_seconds, 3),
                 "busy_s": round(row.busy_seconds, 3), "tasks": row.tasks,
             }, devices)
+
+    def emit_task(self, what: str, job: _Job, payload: dict[str, Any]) -> None:
+        """A Prefect event ``gpu-tasks.task.<what>`` about one task run (best effort)."""
+        try:
+            from prefect.events import emit_event
+
+            related = [{"prefect.resource.id": f"prefect.task-run.{job.task_run_id}", "prefect.resource.role": "task-run"}]
+            if self.flow_run_id is not None:
+                related.append({"prefect.resource.id": f"prefect.flow-run.{self.flow_run_id}",
+                                "prefect.resource.role": "flow-run"})
+            emit_event(
+                event=f"gpu-tasks.task.{what}",
+                resource={"prefect.resource.id": f"gpu-tasks.task.{job.task_run_id}",
+                          "prefect.resource.name": job.task.name, "gpu-tasks.profile": job.st.cluster.profile.name},
+                related=related, payload=payload,
+            )
+        except Exception:  # events are for watching; never fail the run over one
+            logger.debug("could not emit gpu-tasks.task.%s", what, exc_info=True)
 
     def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
         """A Prefect event ``gpu-tasks.cluster.<what>``, related to this flow run (best effort)."""
@@ -581,6 +647,12 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                     f"default profile {default!r} is not defined; known profiles: {', '.join(sorted(profiles)) or 'none'}"
                 )
             profiles[DEFAULT_PROFILE] = ResourceProfile(name=DEFAULT_PROFILE)
+        for p in profiles.values():
+            if p.on_oom is not None and p.on_oom not in profiles:
+                raise UnknownProfileError(
+                    f"profile {p.name!r} sets on_oom={p.on_oom!r}, which this runner does not know; known profiles: "
+                    f"{', '.join(sorted(profiles))}. Add a ResourceProfile(name={p.on_oom!r}, ...) or remove on_oom"
+                )
         if profiles[default].is_gpu:
             raise ProfileError(f"default profile {default!r} must be a CPU profile (gpus=0); untagged tasks run there")
         return profiles, default
@@ -829,7 +901,61 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             self._finish(live, job, exc=exc, dispatched=True)
             return
         job.st.cluster.record(wkey, start, end)
+        prof = job.st.cluster.profile
+        if (prof.on_oom and "escalated" not in job.notes and state.is_failed()
+                and GpuOutOfMemoryError.__name__ in (state.message or "") and not live.stop.is_set()):
+            with job.st.lock:
+                job.st.dispatched -= 1
+                live.inflight.pop(job.task_run_id, None)
+            threading.Thread(
+                target=job.ctx.run, args=(self._escalate_guarded, live, job, state, None, state.message or "out of memory"),
+                name=f"gpu-tasks-oom-{prof.name}", daemon=True,
+            ).start()
+            return
         self._finish(live, job, result=state, dispatched=True)
+
+    def _escalate_guarded(self, live: _Live, job: _Job, state: Any, task_run: Any, why: str) -> None:
+        try:
+            self._escalate(live, job, state, task_run, why)
+        except BaseException as err:  # never leave the future unresolved
+            logger.warning("gpu-tasks: could not re-run an out-of-memory task on its on_oom profile", exc_info=True)
+            self._finish(live, job, exc=err)
+
+    def _escalate(self, live: _Live, job: _Job, state: Any, task_run: Any, why: str) -> None:
+        """Re-run ``job`` once on its profile's ``on_oom`` profile, continuing the same task run."""
+        from prefect.states import AwaitingRetry
+        from prefect.utilities.engine import emit_task_run_state_change_event
+
+        from gpu_tasks._crash import read_task_run
+
+        source = job.st.cluster.profile
+        target = live.profiles[source.on_oom]  # type: ignore[index]
+        if task_run is None:
+            task_run = read_task_run(job.task_run_id, job.task, live.flow_run_id, set(job.task.tags), wait=2.0)
+        old, new = job.st, live.state(target)
+        with old.lock:
+            old.outstanding -= 1
+            if old.outstanding == 0:
+                old.idle_since = time.monotonic()
+        with new.lock:
+            new.outstanding += 1
+            new.idle_since = None
+        job.st = new
+        job.extra_tags = [profile(target.name), ESCALATED_TAG]
+        job.notes["escalated"] = source.name
+        waiting_state = AwaitingRetry()
+        waiting_state.state_details.task_run_id = job.task_run_id
+        waiting_state.state_details.flow_run_id = live.flow_run_id
+        previous, task_run.state = task_run.state, waiting_state
+        task_run.tags = sorted(set(task_run.tags or ()) | {profile(target.name), ESCALATED_TAG})
+        emit_task_run_state_change_event(task_run=task_run, initial_state=previous, validated_state=waiting_state)
+        job.task_run = task_run
+        _flow_logger().warning(
+            "Task run %r ran out of memory on profile %r (%s); re-running it once on profile %r (on_oom)",
+            task_run.name, source.name, why, target.name,
+        )
+        live.emit_task("escalated", job, {"from_profile": source.name, "to_profile": target.name, "reason": why})
+        self._dispatch(live, job)
 
     def _worker_died(self, live: _Live, job: _Job, exc: BaseException) -> None:
         """The worker running ``job`` died: report the crash, give its devices back, retry if allowed."""
@@ -880,6 +1006,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             }, row.devices)
         tags = set(job.task.tags) | set(job.extra_tags)
         state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=tags)
+        if ended and ended.memory_kill and prof.on_oom and "escalated" not in job.notes and task_run is not None:
+            self._escalate(live, job, state, task_run, message)
+            return None
         attempts = max(job.crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
         retries = int(job.task.retries or 0)
         log = _flow_logger()

@@ -1,0 +1,106 @@
+"""Out of memory: a worker killed for exceeding its memory limit, a task raising an out-of-memory
+error, and the opt-in ``on_oom`` escalation to a larger profile. Real worker processes, a real server."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from prefect import flow, task
+from prefect.states import StateType
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+from gpu_tasks.errors import ProfileError, UnknownProfileError
+from prefect_api import api
+
+pytestmark = pytest.mark.usefixtures("emulated", "no_leaked_processes")
+
+SMALL = dict(name="small", gpus=1, max_workers=1, memory="700MiB")  # the nanny kills a worker past 95% of it
+BIG = ResourceProfile(name="big", gpus=1, max_workers=1)
+
+
+@task(tags=[profile("small")])
+def hog() -> str:
+    block = bytearray(1536 * 2**20)  # 1.5 GiB, touched: resident
+    time.sleep(5)  # the nanny checks memory every 100 ms
+    return f"{current_allocation().profile}:{len(block)}"
+
+
+@task(tags=[profile("small")])
+def cuda_oom() -> str:
+    if current_allocation().profile == "small":
+        raise MemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    return current_allocation().profile
+
+
+def _server_run(task_run_id, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    run: dict = {}
+    while time.monotonic() < deadline:
+        status, run = api("GET", f"/task_runs/{task_run_id}")
+        if status == 200 and run["state_type"] not in ("RUNNING", "PENDING", "SCHEDULED"):
+            return run
+        time.sleep(0.25)
+    return run
+
+
+def test_worker_killed_for_memory_ends_crashed_saying_out_of_memory():
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(**SMALL)]))
+    def too_big():
+        future = hog.submit()
+        future.wait()
+        return future.task_run_id, future.state
+
+    task_run_id, state = too_big()
+    assert state.type == StateType.CRASHED, state
+    for words in ("Out of memory", "profile 'small'", "device(s) ", "memory limit"):
+        assert words in state.message, state.message
+    run = _server_run(task_run_id)
+    assert run["state_type"] == "CRASHED" and "Out of memory" in run["state"]["message"], run
+
+
+def test_out_of_memory_error_names_profile_and_device():
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(**SMALL)]))
+    def raises_oom():
+        future = cuda_oom.submit()
+        future.wait()
+        return future.state
+
+    state = raises_oom()
+    assert state.is_failed()
+    for words in ("GpuOutOfMemoryError", "out of memory on profile 'small'", "device(s) ", "on_oom"):
+        assert words in state.message, state.message
+
+
+@pytest.mark.parametrize("which", ["killed", "raised"])
+def test_on_oom_reruns_the_task_once_on_the_larger_profile(which: str):
+    runner = ProfileTaskRunner(profiles=[ResourceProfile(**SMALL, on_oom="big"), BIG])
+
+    @flow(task_runner=runner)
+    def escalates():
+        future = (hog if which == "killed" else cuda_oom).submit()
+        return future.task_run_id, future.result()
+
+    task_run_id, result = escalates()
+    assert result.startswith("big"), result
+    run = _server_run(task_run_id)
+    assert run["state_type"] == "COMPLETED" and run["run_count"] == 2, run
+    escalated: list = []
+    deadline = time.monotonic() + 30  # events are persisted in batches
+    while not escalated and time.monotonic() < deadline:
+        _, events = api("POST", "/events/filter", json={
+            "filter": {"event": {"prefix": ["gpu-tasks.task.escalated"]},
+                       "related": {"id": [f"prefect.task-run.{task_run_id}"]}},
+            "limit": 50,
+        })
+        escalated = events["events"]
+        time.sleep(0.5)
+    assert len(escalated) == 1 and escalated[0]["payload"]["to_profile"] == "big", events
+
+
+def test_on_oom_must_name_a_known_other_profile():
+    with pytest.raises(ProfileError, match="on_oom must name another profile"):
+        ResourceProfile(name="small", gpus=1, on_oom="small")
+    runner = ProfileTaskRunner(profiles=[ResourceProfile(name="small", gpus=1, on_oom="huge")])
+    with pytest.raises(UnknownProfileError, match="on_oom='huge'.*Add a ResourceProfile"):
+        runner.resolve_profiles()

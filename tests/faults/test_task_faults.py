@@ -1,0 +1,175 @@
+"""Faults inside tasks: a dying worker process, KeyboardInterrupt/SystemExit raised by a task,
+and nested submission on a profile with every slot taken. Real worker processes, real signals,
+a real Prefect server; states asserted as the server recorded them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+from prefect.states import StateType
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+from prefect_api import api
+
+pytestmark = pytest.mark.usefixtures("emulated", "no_leaked_processes")
+
+
+def _server_task_run(task_run_id, want=lambda run: True, timeout: float = 20.0) -> dict:
+    """The task run as the server recorded it, once ``want`` holds (states arrive as events)."""
+    deadline = time.monotonic() + timeout
+    run: dict = {}
+    while time.monotonic() < deadline:
+        status, run = api("GET", f"/task_runs/{task_run_id}")
+        if status == 200 and want(run):
+            return run
+        time.sleep(0.25)
+    return run
+
+
+def _server_states(task_run_id) -> list[str]:
+    _, states = api("GET", "/task_run_states/", params={"task_run_id": str(task_run_id)})
+    return [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
+
+
+# ---------------------------------------------------------------- a worker process dies mid-task
+@task(tags=[profile("gpu")], retries=1)
+def dies_once(marker: str) -> list[str]:
+    flag = Path(marker)
+    if not flag.exists():
+        flag.write_text(str(os.getpid()))
+        os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
+    return list(current_allocation().devices)
+
+
+@task(tags=[profile("gpu")])
+def always_dies() -> None:
+    os._exit(3)
+
+
+def test_transient_worker_death_is_a_crash_that_prefect_retries_on_a_new_worker(tmp_path: Path):
+    runner = ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, max_workers=1, idle_timeout=30)])
+
+    @flow(task_runner=runner)
+    def one_death(marker: str):
+        future = dies_once.submit(marker)
+        return future.task_run_id, future.result()
+
+    task_run_id, devices = one_death(str(tmp_path / "died"))
+    assert devices in (["0"], ["1"])
+    run = _server_task_run(task_run_id, lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2)
+    assert run["state_type"] == "COMPLETED" and run["run_count"] == 2, run
+    states = _server_states(task_run_id)
+    assert "Crashed" in states and "AwaitingRetry" in states and states[-1] == "Completed", states
+    crashed_rows = [r for r in runner.ledger if r.reason.startswith("worker crashed")]
+    assert len(crashed_rows) == 1 and "signal 9" in crashed_rows[0].reason, runner.ledger
+    assert crashed_rows[0].devices  # the dead worker's device went back to the pool
+    assert not any(leases.holders(Path(os.environ["GPU_TASKS_LEASE_DIR"]), ["0", "1"]).values())
+
+
+def test_persistent_worker_death_ends_crashed_with_profile_device_worker_and_exit_status():
+    runner = ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=30)])
+
+    @flow(task_runner=runner)
+    def keeps_dying():
+        future = always_dies.submit()
+        future.wait()
+        return future.task_run_id, future.state
+
+    task_run_id, state = keeps_dying()
+    assert state.type == StateType.CRASHED
+    for words in ("profile 'gpu'", "device(s) ", "(emulated)", "pid ", "exited with status 3"):
+        assert words in state.message, state.message
+    run = _server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
+    assert run["state_type"] == "CRASHED" and "exited with status 3" in run["state"]["message"], run
+    assert run["run_count"] == 1  # Dask did not re-run it behind Prefect's back
+    assert [r.reason for r in runner.ledger if r.reason.startswith("worker crashed")]
+
+
+# ---------------------------------------------------------------- BaseException raised by a task
+@pytest.mark.parametrize("kind", ["threads", "processes", "gpu"])
+def test_keyboard_interrupt_and_system_exit_in_a_task_end_crashed_and_wait_returns(kind: str):
+    prof = {
+        "threads": ResourceProfile(name="p", cpus=1),
+        "processes": ResourceProfile(name="p", cpus=1, processes=True),
+        "gpu": ResourceProfile(name="p", gpus=1, max_workers=1),
+    }[kind]
+
+    @task(tags=[profile("p")])
+    def interrupts(exc_name: str) -> None:
+        raise {"KeyboardInterrupt": KeyboardInterrupt, "SystemExit": SystemExit}[exc_name]()
+
+    @task(tags=[profile("p")])
+    def fine() -> int:
+        return 7
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def interrupted_tasks():
+        out = {}
+        for name in ("KeyboardInterrupt", "SystemExit"):
+            future = interrupts.submit(name)
+            future.wait()  # returns: the task's exception does not escape into the flow
+            out[name] = (future.task_run_id, future.state)
+        return out, fine.submit().result()  # the worker (or thread pool) still runs tasks
+
+    states, after = interrupted_tasks()
+    assert after == 7
+    for name, (task_run_id, state) in states.items():
+        assert state.type == StateType.CRASHED, (name, state)
+        run = _server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
+        assert run["state_type"] == "CRASHED" and run["run_count"] == 1, (name, run)
+
+
+# ---------------------------------------------------------------- nested submission, one slot
+@pytest.mark.parametrize("kind", ["threads", "processes", "gpu"])
+def test_nested_submission_with_every_slot_taken_does_not_deadlock(kind: str):
+    prof = {
+        "threads": ResourceProfile(name="p", cpus=os.cpu_count() or 1),  # one slot
+        "processes": ResourceProfile(name="p", cpus=os.cpu_count() or 1, processes=True),
+        "gpu": ResourceProfile(name="p", gpus=1, max_workers=1),  # one whole device, one slot
+    }[kind]
+
+    @task(tags=[profile("p")])
+    def leaf(x: int) -> int:
+        return x + 1
+
+    @task(tags=[profile("p")])
+    def middle(x: int) -> int:
+        return sum(f.result() for f in [leaf.submit(x), leaf.submit(x + 10)])
+
+    @task(tags=[profile("p")])
+    def top(x: int) -> tuple[int, list[str]]:
+        return middle.submit(x).result() * 10, list(current_allocation().devices)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def nested():
+        return top.submit(1).result(timeout=120)
+
+    value, devices = nested()
+    assert value == ((1 + 1) + (11 + 1)) * 10
+    assert (len(devices) == 1) == (kind == "gpu")
+
+
+def test_nested_task_of_another_profile_in_a_worker_process_fails_with_the_fix():
+    @task(tags=[profile("cpu")])
+    def elsewhere() -> int:
+        return 1
+
+    @task(tags=[profile("gpu")])
+    def parent() -> int:
+        return elsewhere.submit().result()
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, max_workers=1)]))
+    def mixed():
+        future = parent.submit()
+        future.wait()
+        return future.state
+
+    state = mixed()
+    assert state.is_failed()
+    message = state.message + str(state.result(raise_on_failure=False))
+    assert "nested tasks run on their parent's profile" in message and "profile('gpu')" in message
