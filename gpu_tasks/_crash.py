@@ -70,6 +70,7 @@ def describe_exitcode(exitcode: int | None) -> str:
 
 
 _EXITS: dict[str, WorkerExit] = {}
+_PIDS: dict[str, int] = {}  # live workers' process ids, by address
 _EXITS_LOCK = threading.Lock()
 
 
@@ -99,9 +100,20 @@ def _record(address: str | None, **fields: Any) -> None:
 class WatchedNanny(Nanny):
     """Dask's nanny, noting how its worker process ended (exit code, memory kill) for crash reports."""
 
+    async def instantiate(self) -> Any:
+        status = await super().instantiate()
+        pid = getattr(self.process, "pid", None)
+        if self.worker_address and pid:
+            with _EXITS_LOCK:
+                if len(_PIDS) > 1000:
+                    _PIDS.clear()
+                _PIDS[self.worker_address] = pid
+        return status
+
     def _on_worker_exit_sync(self, exitcode: int) -> None:  # called by the nanny's process watcher
-        process = getattr(self.process, "process", None)
-        _record(self.worker_address, exitcode=exitcode, pid=getattr(process, "pid", None))
+        with _EXITS_LOCK:
+            pid = _PIDS.pop(self.worker_address, None) if self.worker_address else None
+        _record(self.worker_address, exitcode=exitcode, pid=pid)
         super()._on_worker_exit_sync(exitcode)
 
     def log_event(self, topic: Any, msg: Any) -> None:
@@ -172,6 +184,7 @@ def crash_task_run(
     try:
         run = read_task_run(task_run_id, task, flow_run_id, set(tags or ()), wait)
         previous = run.state
+        run.run_count = max(int(run.run_count or 0), 1)  # it was running (its Running event may be in flight)
         run.state = state
         run.state_type, run.state_name = state.type, state.name
         emit_task_run_state_change_event(task_run=run, initial_state=previous, validated_state=state)

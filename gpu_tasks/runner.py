@@ -801,7 +801,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
 
         here = os.environ[WORKER_ENV_PROFILE]
         profiles, default = self.resolve_profiles()
-        wanted = _requested_profile(task) or default
+        # the child's own tag first: the tags context it inherits carries its parent's profile
+        wanted = profile_from_tags(set(task.tags)) or _requested_profile(task) or default
         if wanted != here:
             raise ProfileError(
                 f"task {task.name!r} asks for profile {wanted!r} but was submitted by a task running in a "
@@ -894,7 +895,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             if _is_worker_death(exc) and not live.stop.is_set():
                 # off Dask's callback thread: reporting may wait on the server, a retry on devices
                 threading.Thread(
-                    target=job.ctx.run, args=(self._worker_died, live, job, exc),
+                    target=job.ctx.copy().run, args=(self._worker_died, live, job, exc),
                     name=f"gpu-tasks-crash-{job.st.cluster.profile.name}", daemon=True,
                 ).start()
                 return
@@ -908,7 +909,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 job.st.dispatched -= 1
                 live.inflight.pop(job.task_run_id, None)
             threading.Thread(
-                target=job.ctx.run, args=(self._escalate_guarded, live, job, state, None, state.message or "out of memory"),
+                target=job.ctx.copy().run, args=(self._escalate_guarded, live, job, state, None, state.message or "out of memory"),
                 name=f"gpu-tasks-oom-{prof.name}", daemon=True,
             ).start()
             return
@@ -940,6 +941,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         with new.lock:
             new.outstanding += 1
             new.idle_since = None
+        task_run.run_count = max(int(task_run.run_count or 0), 1)  # its Running event may still be in flight
         job.st = new
         job.extra_tags = [profile(target.name), ESCALATED_TAG]
         job.notes["escalated"] = source.name
