@@ -19,6 +19,7 @@ from prefect import flow, task
 from prefect.context import FlowRunContext
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, leases, profile
+from faults._procs import marked as _marked
 from gpu_tasks._worker_guard import MODULE, preload_options
 
 SCRIPT = textwrap.dedent(
@@ -45,18 +46,6 @@ SCRIPT = textwrap.dedent(
         doomed()
     """
 )
-
-
-def _marked(marker: str) -> list[psutil.Process]:
-    """Live (not zombie) processes whose environment carries ``marker``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("GPU_TASKS_TEST_MARKER") == marker:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
 
 
 def _kill_all(procs: list[psutil.Process]) -> None:
