@@ -25,6 +25,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from types import FrameType
 from typing import Any, NoReturn
 
@@ -94,6 +95,7 @@ def start(parent: int) -> None:
     os._exit = _exit
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _ignore_sigint)
+        signal.signal(signal.SIGTERM, _terminate)
     threading.Thread(target=_watch, name="gpu-tasks-worker-guard", daemon=True).start()
     logger.info("worker %d: watching flow process %d; exits with it", os.getpid(), parent)
 
@@ -134,17 +136,50 @@ def _watch() -> None:
     _exit(1)
 
 
+_ORPHAN_HOOKS: list[Callable[[int], None]] = []
+
+
+def _orphaned(parent: int, wait: float) -> bool:
+    """Whether the flow process is gone. Dask exits its worker (code -1) when its pipe to the
+    parent closes, which the kernel does a moment before it re-parents the worker: wait for that."""
+    deadline = time.monotonic() + wait
+    while os.getppid() == parent:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def on_orphaned(hook: Callable[[int], None]) -> None:
+    """Call ``hook(flow_pid)`` (bounded by the hook itself) when this worker exits because its flow process died."""
+    if hook not in _ORPHAN_HOOKS:
+        _ORPHAN_HOOKS.append(hook)
+
+
 def _exit(code: int) -> NoReturn:
     """``os._exit`` for the worker process: end its child processes, then exit."""
     real = _state["exit"]
     if os.getpid() == _state.get("pid"):  # not in a forked child, which inherits this
         with _lock:  # a second caller waits for the first one's clean-up
+            parent = _state.get("parent")
+            if parent is not None and _orphaned(parent, wait=1.0 if code == -1 else 0.0):
+                for hook in list(_ORPHAN_HOOKS):
+                    try:
+                        hook(parent)
+                    except BaseException:  # exiting anyway
+                        logger.warning("worker %d: orphan hook failed", os.getpid(), exc_info=True)
             try:
                 end_children()
             except BaseException:  # exiting anyway
                 pass
     real(code)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def _terminate(signum: int, frame: FrameType | None) -> None:
+    # The flow process stops busy workers this way when it is interrupted: end the task's
+    # child processes too (Python's default SIGTERM action would orphan them).
+    _exit(128 + signum)
 
 
 def _ignore_sigint(signum: int, frame: FrameType | None) -> None:

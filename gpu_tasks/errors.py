@@ -38,5 +38,9 @@ class PipelineInputError(GpuTasksError, ValueError):
     """Input data for a pipeline stage is missing, corrupt or has the wrong schema."""
 
 
-class GpuOutOfMemoryError(GpuTasksError, MemoryError):
-    """A task ran out of (device) memory; the message names its profile and devices."""
+class GpuOutOfMemoryError(GpuTasksError, RuntimeError):
+    """A task ran out of (device) memory; the message names its profile and devices.
+
+    Not a ``MemoryError`` subclass: distributed's traceback pickling (tblib) cannot
+    rebuild one in the flow process when gpu-tasks was imported before distributed.
+    """

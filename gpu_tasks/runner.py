@@ -32,6 +32,7 @@ from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.task_runners import TaskRunner
 from prefect.utilities.collections import visit_collection
 
+from gpu_tasks import _worker_guard
 from gpu_tasks._api import for_workers, require_flow_api_url, worker_env
 from gpu_tasks._slots import SlotPool, waiting
 from gpu_tasks._tag_limits import extend_no_limits_cache
@@ -102,8 +103,59 @@ def _run_on_worker(
         address = None
     settings = _worker_settings(settings_key, kwargs["context"]["settings_context"])
     kwargs = {**kwargs, "context": {**kwargs["context"], "settings_context": settings}}
-    with SettingsContext(**settings), SyncClientContext.model_construct(client=_thread_client(settings_key)):
-        return _run_engine(worker_allocation(profile_name, fraction, address), task, kwargs)
+    alloc = worker_allocation(profile_name, fraction, address)
+    _worker_guard.on_orphaned(_report_orphaned)  # once per worker process (idempotent)
+    flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run") or {}
+    running = (task, flow_run.get("id"), alloc, set(task.tags))
+    with _RUNNING_LOCK:
+        _RUNNING[kwargs["task_run_id"]] = running
+    try:
+        with SettingsContext(**settings), SyncClientContext.model_construct(client=_thread_client(settings_key)):
+            return _run_engine(alloc, task, kwargs)
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.pop(kwargs["task_run_id"], None)
+
+
+# Task runs this worker process is running now, for a crash report if the flow process dies.
+_RUNNING: dict[uuid.UUID, tuple[Any, Any, Allocation, set[str]]] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+def _report_orphaned(flow_pid: int) -> None:
+    """The flow process died (SIGKILL, OOM killer): report its running task runs and flow run ``Crashed``.
+
+    Called by the worker guard before this worker exits; bounded to a few seconds.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
+    from prefect.states import Crashed
+
+    from gpu_tasks._crash import crash_task_run
+
+    with _RUNNING_LOCK:
+        running = dict(_RUNNING)
+    flow_runs = set()
+    for task_run_id, (task, flow_run_id, alloc, tags) in running.items():
+        where = f"device(s) {','.join(alloc.devices)}" if alloc.devices else "CPU"
+        message = (f"the flow process (pid {flow_pid}) died while this task ran on profile {alloc.profile!r}, "
+                   f"{where}; its worker exited with it")
+        crash_task_run(task_run_id, task, uuid.UUID(str(flow_run_id)) if flow_run_id else None, message,
+                       tags=tags, wait=0.5)
+        if flow_run_id:
+            flow_runs.add(str(flow_run_id))
+    if flow_runs:
+        try:
+            with get_client(sync_client=True) as client:
+                for flow_run_id in flow_runs:
+                    client.set_flow_run_state(
+                        uuid.UUID(flow_run_id), Crashed(message=(
+                            f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its tasks "
+                            "(reported by a worker)")), force=True,
+                    )
+        except Exception:
+            logger.warning("could not report the flow run Crashed", exc_info=True)
+    EventsWorker.drain_all(timeout=2)
 
 
 def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
@@ -380,9 +432,9 @@ class _Live:
         timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
         return min(0.25, max(0.02, min(timeouts) / 5))
 
-    def _close(self, st: _ProfileState, reason: str) -> None:
+    def _close(self, st: _ProfileState, reason: str, hurry: bool = False) -> None:
         devices = st.cluster.devices
-        row = st.cluster.close(reason)
+        row = st.cluster.close(reason, hurry=hurry)
         if row is not None:
             self.ledger.append(row)
             self.emit("closed", st.cluster, {
@@ -445,7 +497,7 @@ class _Live:
         except Exception:  # events are for watching; never fail the run over one
             logger.debug("could not emit gpu-tasks.cluster.%s", what, exc_info=True)
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, hurry: bool = False) -> None:
         self.stop.set()
         if self.monitor is not None:
             self.monitor.join(timeout=5)
@@ -461,7 +513,7 @@ class _Live:
         running = list(self.inflight.values())
         for st in list(self.states.values()):
             with st.lock:
-                self._close(st, reason)
+                self._close(st, reason, hurry=hurry)
         self._crash_unfinished(running, reason)
 
     def _crash_unfinished(self, jobs: list[_Job], reason: str) -> None:
@@ -691,16 +743,16 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
             reason = "flow run ended" if exc_type is None else f"flow run ended with {exc_type.__name__}"
-            self._shutdown(reason)
+            self._shutdown(reason, hurry=exc_type is not None)
             self._exit_stack.close()
         finally:
             super().__exit__(exc_type, exc_value, traceback)
 
-    def _shutdown(self, reason: str) -> None:
+    def _shutdown(self, reason: str, hurry: bool = False) -> None:
         live, self._live = self._live, None
         _LIVE_RUNNERS.discard(self)
         if live is not None:
-            live.close(reason)
+            live.close(reason, hurry=hurry)
             self._last_ledger = list(live.ledger)
             _publish_ledger(self._last_ledger, live.flow_run_id)
 

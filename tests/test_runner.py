@@ -297,8 +297,11 @@ def test_busy_cluster_is_never_closed():
 
     @flow(task_runner=runner(quick))
     def f():
-        fut = g.submit(2.0)
-        time.sleep(1.0)
+        fut = g.submit(4.0)
+        deadline = time.monotonic() + 60
+        while _status()["gpu"]["state"] != "running" and time.monotonic() < deadline:
+            time.sleep(0.05)  # provisioning takes longer on a loaded machine
+        time.sleep(1.0)  # five idle timeouts while the task runs
         mid = _status()["gpu"]["state"]
         return mid, fut.result()
 

@@ -34,6 +34,8 @@ SCRIPT = textwrap.dedent(
     @task(tags=[profile("gpu")])
     def gpu_task_with_a_child(i):
         child = subprocess.Popen(["sleep", "300"])
+        from prefect.runtime import flow_run
+        (READY.parent / "flow_run_id").write_text(str(flow_run.id))
         (READY / f"task-{i}").write_text(f"{os.getpid()} {child.pid}")
         time.sleep(300)
 
@@ -109,6 +111,22 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
             proc.kill()
             proc.wait(timeout=10)
         _kill_all(_marked(marker))
+
+    # the workers reported the killed run before they exited: nothing is left Running on the server
+    from prefect_api import api
+
+    flow_run_id = (tmp_path / "flow_run_id").read_text()
+    deadline = time.monotonic() + 20
+    while True:
+        _, run = api("GET", f"/flow_runs/{flow_run_id}")
+        _, tasks = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
+        states = sorted(t["state_type"] for t in tasks)
+        if (run["state_type"] == "CRASHED" and states == ["CRASHED", "CRASHED"]) or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert run["state_type"] == "CRASHED" and "died" in run["state"]["message"], run["state"]
+    assert states == ["CRASHED", "CRASHED"], [(t["name"], t["state_type"]) for t in tasks]
+    assert all("the flow process" in t["state"]["message"] for t in tasks)
 
     # the kernel dropped the dead flow's leases with its files: both devices are free now
     assert leases.holders(Path(os.environ["GPU_TASKS_LEASE_DIR"]), ["0", "1"]) == {"0": None, "1": None}
