@@ -158,6 +158,14 @@ def msg(text: str | None, n: int = 120) -> str:
     return text if len(text) <= n else text[: n - 1] + "…"
 
 
+def flow_sees(url: str, flow_run_id: str) -> str:
+    """``; flow run FAILED: "message"`` when the flow run did not complete, else nothing."""
+    run = flow_run(url, flow_run_id, lambda r: r["state_type"] not in UNFINISHED, timeout=5)
+    if run["state_type"] == "COMPLETED":
+        return ""
+    return f'; flow run {run["state_type"]}: "{msg(run["state"]["message"])}"'
+
+
 def sees(states: list[dict]) -> str:
     """``Crashed → AwaitingRetry → Completed; Crashed: "message"`` (the first Crashed/Failed state's message,
     else the final state's)."""
@@ -206,13 +214,17 @@ class Ctx:
         path.write_text(PRELUDE + textwrap.dedent(body))
         return path
 
-    def run(self, body: str, timeout: float = 240, env: dict[str, str] | None = None) -> dict:
-        """Run a flow script to its end; its RESULT line as a dict (raises with its stderr if none)."""
+    def run(self, body: str, timeout: float = 240, env: dict[str, str] | None = None,
+            require_result: bool = True) -> dict:
+        """Run a flow script to its end; its RESULT line as a dict (raises with its stderr if none,
+        unless ``require_result`` is false: then only its exit status and stderr)."""
         path = self.script(body)
         proc = subprocess.run([sys.executable, str(path)], cwd=self.tmp, env=env or self.env,
                               capture_output=True, text=True, timeout=timeout)
         (self.tmp / "stderr").write_text(proc.stderr)
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if not found and not require_result:
+            return {"returncode": proc.returncode, "stderr": proc.stderr}
         if not found:
             raise RuntimeError(f"{path.name} exited {proc.returncode} without a result: {proc.stderr[-1500:]}")
         out = json.loads(found[-1][len("RESULT "):])
@@ -469,6 +481,8 @@ def hog():
 @task(tags=[profile("small")])
 def cuda_oom():
     if current_allocation().profile == "small":
+        run = TaskRunContext.get().task_run
+        (HERE / "ids").write_text(json.dumps({"flow_run_id": str(run.flow_run_id), "task_run_id": str(run.id)}))
         stamp("raised")
         raise MemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     return current_allocation().profile
@@ -514,22 +528,37 @@ def oom_raised(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(raises_oom())
-        """))
+        """), require_result=False)
+    out = {**json.loads((ctx.tmp / "ids").read_text()), **out}  # the ids, even when the script failed
     run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] not in UNFINISHED)
     states = task_states(ctx.url, out["task_run_id"])
     message = run["state"]["message"] or ""
-    return {
-        "sees": sees(states), "states": [s["name"] for s in states],
+    return _oom_note({
+        "sees": sees(states) + flow_sees(ctx.url, out["flow_run_id"]), "states": [s["name"] for s in states],
         "recovery_s": ts(run["state"]["timestamp"]) - ctx.stamp("raised"),
         "recovery": "raise → task run Failed (state timestamp)",
         "lost": lost(runs_under(ctx.url, [out["flow_run_id"]])),
         "checks": {
+            "flow script completes (exit 0)": out["returncode"] == 0,
             "Failed": run["state_type"] == "FAILED",
             "message names error, profile, device and on_oom": all(
                 w in message for w in ("GpuOutOfMemoryError", "out of memory on profile 'small'", "device(s) ",
                                        "on_oom")),
         },
-    }
+    })
+
+
+UNPICKLE_NOTE = (
+    "the task's GpuOutOfMemoryError reached the flow process but could not be unpickled there: distributed "
+    "imports tblib's pickling support, which registers a reducer for every exception class defined by then; "
+    "a script that imports gpu_tasks before distributed (as any user script does) gets one for "
+    "GpuOutOfMemoryError(GpuTasksError, MemoryError), and its unpickler calls MemoryError.__new__ on it (TypeError)")
+
+
+def _oom_note(row: dict) -> dict:
+    if "is not safe, use GpuOutOfMemoryError.__new__()" in row["sees"]:
+        row["note"] = UNPICKLE_NOTE
+    return row
 
 
 def oom_escalated(ctx: Ctx) -> dict:
@@ -543,20 +572,24 @@ def oom_escalated(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(escalates())
-        """))
-    run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2)
+        """), require_result=False)
+    out = {**json.loads((ctx.tmp / "ids").read_text()), "result": None, **out}  # the ids, even when the script failed
+    run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2,
+                   timeout=SETTLE_S if out["returncode"] == 0 else 5)
     states = task_states(ctx.url, out["task_run_id"])
     done = [s for s in states if s["type"] == "COMPLETED"]
-    return {
-        "sees": sees(states) + f"; result from profile '{out['result']}'", "states": [s["name"] for s in states],
+    return _oom_note({
+        "sees": sees(states) + (f"; result from profile '{out['result']}'" if out["result"] else "")
+                + flow_sees(ctx.url, out["flow_run_id"]), "states": [s["name"] for s in states],
         "recovery_s": ts(done[-1]["timestamp"]) - ctx.stamp("raised") if done else None,
         "recovery": "raise on 'small' → task run Completed on 'big' (state timestamp)",
         "lost": lost(runs_under(ctx.url, [out["flow_run_id"]])),
         "checks": {
+            "flow script completes (exit 0)": out["returncode"] == 0,
             "Completed on big": run["state_type"] == "COMPLETED" and out["result"] == "big",
             "run_count 2": run["run_count"] == 2,
         },
-    }
+    })
 
 
 def flow_sigkilled(ctx: Ctx) -> dict:
@@ -622,6 +655,9 @@ def flow_sigkilled(ctx: Ctx) -> dict:
         "recovery_s": took, "recovery": "flow SIGKILL → last worker and child gone",
         "next_run_wait_devices_s": out["wait_devices_s"],
         "lost": stale + lost(runs_under(ctx.url, [out["flow_run_id"]])),
+        "note": ("the killed flow run and its task runs stay Running on the server: the SIGKILLed flow process "
+                 "cannot report them, and the workers' guard (gpu_tasks._worker_guard) ends the workers without "
+                 "reporting their task runs Crashed") if stale else "",
         "leaked_at_kill": survivors,
         "checks": {
             "workers and children carried the marker": workers_and_children <= {p.pid for p in before},
@@ -868,6 +904,8 @@ def render(results: dict[str, Any]) -> str:
             out.append(f"   - leaked: {'; '.join(f'`{c}`' for c in r['leaked_cmds'])}")
         if r["lost"]:
             out.append(f"   - lost: {', '.join(r['lost'])}")
+        if r.get("note"):
+            out.append(f"   - note: {r['note']}")
     out += [
         "",
         "## How to regenerate",
