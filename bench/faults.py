@@ -533,7 +533,7 @@ def oom_raised(ctx: Ctx) -> dict:
     run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] not in UNFINISHED)
     states = task_states(ctx.url, out["task_run_id"])
     message = run["state"]["message"] or ""
-    return _oom_note({
+    return {
         "sees": sees(states) + flow_sees(ctx.url, out["flow_run_id"]), "states": [s["name"] for s in states],
         "recovery_s": ts(run["state"]["timestamp"]) - ctx.stamp("raised"),
         "recovery": "raise → task run Failed (state timestamp)",
@@ -545,7 +545,7 @@ def oom_raised(ctx: Ctx) -> dict:
                 w in message for w in ("GpuOutOfMemoryError", "out of memory on profile 'small'", "device(s) ",
                                        "on_oom")),
         },
-    })
+    }
 
 
 UNPICKLE_NOTE = (
@@ -555,10 +555,14 @@ UNPICKLE_NOTE = (
     "GpuOutOfMemoryError(GpuTasksError, MemoryError), and its unpickler calls MemoryError.__new__ on it (TypeError)")
 
 
-def _oom_note(row: dict) -> dict:
-    if "is not safe, use GpuOutOfMemoryError.__new__()" in row["sees"]:
-        row["note"] = UNPICKLE_NOTE
-    return row
+def known_cause(row: dict) -> str:
+    """A row's note: its own, or the known cause of what it shows (applied when rendering, so a
+    re-render with ``--report-only`` explains results already taken)."""
+    if row.get("note"):
+        return str(row["note"])
+    if "MemoryError.__new__(GpuOutOfMemoryError) is not safe" in (row.get("sees") or ""):
+        return UNPICKLE_NOTE
+    return ""
 
 
 def oom_escalated(ctx: Ctx) -> dict:
@@ -578,7 +582,7 @@ def oom_escalated(ctx: Ctx) -> dict:
                    timeout=SETTLE_S if out["returncode"] == 0 else 5)
     states = task_states(ctx.url, out["task_run_id"])
     done = [s for s in states if s["type"] == "COMPLETED"]
-    return _oom_note({
+    return {
         "sees": sees(states) + (f"; result from profile '{out['result']}'" if out["result"] else "")
                 + flow_sees(ctx.url, out["flow_run_id"]), "states": [s["name"] for s in states],
         "recovery_s": ts(done[-1]["timestamp"]) - ctx.stamp("raised") if done else None,
@@ -589,7 +593,7 @@ def oom_escalated(ctx: Ctx) -> dict:
             "Completed on big": run["state_type"] == "COMPLETED" and out["result"] == "big",
             "run_count 2": run["run_count"] == 2,
         },
-    })
+    }
 
 
 def flow_sigkilled(ctx: Ctx) -> dict:
@@ -904,15 +908,16 @@ def render(results: dict[str, Any]) -> str:
             out.append(f"   - leaked: {'; '.join(f'`{c}`' for c in r['leaked_cmds'])}")
         if r["lost"]:
             out.append(f"   - lost: {', '.join(r['lost'])}")
-        if r.get("note"):
-            out.append(f"   - note: {r['note']}")
+        if known_cause(r):
+            out.append(f"   - note: {known_cause(r)}")
     out += [
         "",
         "## How to regenerate",
         "",
-        "`python -m bench.faults` (or `python -m bench --only faults`) reruns every scenario and rewrites this page "
-        "and `docs/results/faults.json`; `--only KEY ...` runs some, `--report-only` re-renders. The same faults "
-        "are asserted in `tests/faults/` (`./scripts/test -m faults`).",
+        "`python -m bench.faults` (or `python -m bench --only faults`; a plain `python -m bench` leaves it out) "
+        "reruns every scenario and rewrites this page and `docs/results/faults.json`, in about "
+        f"{max(1, round(suite['seconds'] / 60))} minutes here; `--only KEY ...` runs some (and writes only those), "
+        "`--report-only` re-renders. The same faults are asserted in `tests/faults/` (`./scripts/test -m faults`).",
         "",
     ]
     return "\n".join(out)

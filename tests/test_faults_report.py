@@ -28,6 +28,8 @@ def test_render_has_every_row_its_leak_and_loss_counts_and_the_soak_table():
             _row("leaky", False, leaked=1, leaked_cmds=["123: sleep 300"], lost=["t-1: RUNNING", "t-2: RUNNING"],
                  note="why it leaked"),
             _row("broken", False, sees=None, recovery_s=None, checks={}, error="RuntimeError: boom"),
+            _row("unpickled", False, sees='flow run FAILED: "TypeError: MemoryError.__new__(GpuOutOfMemoryError) '
+                                          'is not safe, use GpuOutOfMemoryE…"'),
             _row("soak", True, recovery_s=None, soak=soak),
         ],
     }
@@ -35,19 +37,20 @@ def test_render_has_every_row_its_leak_and_loss_counts_and_the_soak_table():
     header = next(line for line in md.splitlines() if line.startswith("| # |"))
     assert "Processes leaked" in header and "Tasks lost" in header and "Recovery (s)" in header
     rows = [line for line in md.splitlines() if line.startswith("| ") and line[2].isdigit() and "fault " in line]
-    assert len(rows) == 4
+    assert len(rows) == 5
     cells = [[c.strip() for c in line.strip("|").split(" | ")] for line in rows]
-    assert [c[0] for c in cells] == ["1", "2", "3", "4"]
+    assert [c[0] for c in cells] == ["1", "2", "3", "4", "5"]
     assert "\\|" in rows[0]  # a pipe in a cell is escaped, the table keeps its columns
     leaked_col, lost_col = header.strip("|").split(" | ").index("Processes leaked"), \
         header.strip("|").split(" | ").index("Tasks lost")
-    assert [(c[leaked_col], c[lost_col]) for c in cells] == [("0", "0"), ("1", "2"), ("0", "0"), ("0", "0")]
-    assert [c[-1] for c in cells] == ["pass", "**FAIL**", "**FAIL**", "pass"]
+    assert [(c[leaked_col], c[lost_col]) for c in cells] == [("0", "0"), ("1", "2"), ("0", "0"), ("0", "0"), ("0", "0")]
+    assert [c[-1] for c in cells] == ["pass", "**FAIL**", "**FAIL**", "**FAIL**", "pass"]
     assert "1.23" in rows[0] and "| — |" in rows[2]
     assert "scenario failed: RuntimeError: boom" in rows[2]
-    assert "2 of 4 scenarios passed" in md and "commit abc1234" in md and "EMULATED" in md
+    assert "2 of 5 scenarios passed" in md and "commit abc1234" in md and "EMULATED" in md
     assert "python -m bench.faults" in md
     assert "`123: sleep 300`" in md and "t-1: RUNNING" in md and "why it leaked" in md
+    assert faults.UNPICKLE_NOTE in md  # a known cause is explained when rendering
     for n in faults.SOAK_AT:
         assert any(line.startswith(f"| {n} | 14 | 8 | 0 |") for line in md.splitlines()), n
 
