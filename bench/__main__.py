@@ -2,6 +2,7 @@
 
     python -m bench [--quick] [--only overhead held_busy ...] [--gpu] [--out docs]
     python -m bench --report-only      # re-render the docs from docs/results/benchmarks.json
+    python -m bench --only faults      # the fault scenarios: docs/reliability.md (bench/faults.py)
 
 Every benchmark runs in a fresh process against one Prefect server on 127.0.0.1
 (a temporary PREFECT_HOME, so nothing is written to the user's Prefect database).
@@ -20,8 +21,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, child, machine, setup
+from bench.common import commit as _commit
 
 SUITE = ("overhead", "held_busy", "held_busy_long", "cold_start", "scale", "throughput")
+APART = ("faults",)  # asked for by name only; runs as a process of its own and writes its own page
 MODULE = {"held_busy_long": "held_busy"}  # result key -> bench module, where they differ
 
 FULL = {
@@ -45,7 +48,8 @@ QUICK = {
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (minutes, not a report to quote)")
-    parser.add_argument("--only", nargs="+", choices=SUITE, default=list(SUITE), help="run only these")
+    parser.add_argument("--only", nargs="+", choices=SUITE + APART, default=list(SUITE),
+                        help="run only these ('faults': the fault scenarios, docs/reliability.md)")
     parser.add_argument("--gpu", action="store_true", help="throughput adds runs on real GPUs (refuses emulated devices)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where benchmarks.md and results/ go")
     parser.add_argument("--report-only", action="store_true", help="re-render the report from results/benchmarks.json")
@@ -58,6 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         report.write(json.loads(combined.read_text()), args.out)
         print(f"wrote {args.out / 'benchmarks.md'}")
         return 0
+    faults_rc = 0
+    if "faults" in args.only:  # its own server, its own page: bench/faults.py, not a timed benchmark
+        import subprocess
+
+        cmd = [sys.executable, "-m", "bench.faults", "--out", str(args.out)] + (["--quick"] if args.quick else [])
+        faults_rc = subprocess.run(cmd, cwd=ROOT).returncode
+        args.only = [name for name in args.only if name != "faults"]
+        if not args.only:
+            return faults_rc
     if args.gpu:
         from bench.throughput import require_real_gpus
 
@@ -95,21 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     combined.write_text(json.dumps(results, indent=2, default=str))
     report.write(results, args.out)
     print(f"wrote {args.out / 'benchmarks.md'} and {results_dir} in {results['suite']['seconds']:.0f}s")
-    return 1 if failed else 0
-
-
-def _commit() -> str:
-    """The code measured: ``git describe``-style short hash, ``+changes`` when the tree is dirty."""
-    import subprocess
-
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "gpu_tasks", "bench"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("+changes" if dirty else "")
+    return 1 if failed or faults_rc else 0
 
 
 if __name__ == "__main__":

@@ -91,3 +91,15 @@ def setup() -> None:
 
     for name in ("distributed", "prefect", "gpu_tasks"):
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def commit() -> str:
+    """The code measured: ``git describe``-style short hash, ``+changes`` when the tree is dirty."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "gpu_tasks", "bench"],
+                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+changes" if dirty else "")
