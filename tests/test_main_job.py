@@ -7,11 +7,13 @@ import os
 import re
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
+from faults._procs import wait_gone
 from gpu_tasks.cli import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,7 +133,6 @@ def test_shipped_profiles_file_loads_and_places_on_emulated_h100s(monkeypatch):
 def test_unguarded_script_fails_with_a_clear_error_instead_of_hanging(tmp_path: Path, prefect_server):
     """Spawned workers re-import the script; without the __main__ guard they cannot start."""
     import prefect.settings
-    import psutil
 
     script = tmp_path / "unguarded.py"
     script.write_text(
@@ -143,16 +144,17 @@ def test_unguarded_script_fails_with_a_clear_error_instead_of_hanging(tmp_path: 
         "def p():\n    return f.submit().result()\n"
         "p()\n"
     )
+    marker = uuid.uuid4().hex
     env = _clean_env(GPU_TASKS_EMULATED_GPUS="1", GPU_TASKS_PROVISION_TIMEOUT="10",
-                     PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()))
-    before = {p.pid for p in psutil.process_iter()}
+                     PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()), GPU_TASKS_TEST_MARKER=marker)
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=150)
     assert proc.returncode != 0
     assert "ClusterError: profile 'gpu': could not start 1 worker(s)" in proc.stderr
     assert 'if __name__ == "__main__":' in proc.stderr
-    strays = [p for p in psutil.process_iter(["cmdline"]) if p.pid not in before
-              and "spawn_main" in " ".join(p.info["cmdline"] or [])]
-    assert not strays, f"worker processes outlived the script: {strays}"
+    # this script's processes only (an environment marker every descendant inherits): orphaned
+    # workers exit when they see their parent gone, within seconds even on a loaded machine
+    waited, strays = wait_gone(marker, timeout=10)
+    assert not strays, f"worker processes outlived the script by {waited:.1f}s: {strays}"
 
 
 IDLE_CLOSE_SCRIPT = '''
