@@ -9,7 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from prefect import flow, tags, task
+from prefect import flow, tags, task, unmapped
 from prefect.context import FlowRunContext
 from prefect.futures import as_completed, wait
 
@@ -118,6 +118,19 @@ def rendezvous(folder: str, me: str, other: str, limit: float = 60.0) -> dict:
     return {"met": False, "devices": current_allocation().devices}
 
 
+@task
+def gather(folder: str, me: int, n: int, limit: float = 60.0) -> dict:
+    """Arrive, then wait until ``n`` tasks have arrived: ``met`` only if all ``n`` ran at once."""
+    Path(folder, str(me)).write_text("")
+    deadline = time.time() + limit
+    met = False
+    while time.time() < deadline and not met:
+        met = len(list(Path(folder).iterdir())) >= n
+        time.sleep(0.02)
+    a = current_allocation()
+    return {"met": met, "devices": a.devices, "fraction": a.fraction}
+
+
 def test_profiles_spread_over_free_devices_concurrently(tmp_path: Path):
     """Two whole-device profiles, two devices: each takes a device and they run side by side."""
     other = ResourceProfile(name="other", gpus=1, idle_timeout=30)
@@ -141,7 +154,9 @@ def test_gang_profile_starts_all_its_workers_or_none(tmp_path: Path):
     @flow(task_runner=runner(gang, other))
     def f():
         busy = hold.with_options(tags=[profile("other")]).submit(1.5)  # holds one device for a while
-        time.sleep(0.8)
+        deadline = time.monotonic() + 60
+        while _status()["other"]["state"] != "running" and time.monotonic() < deadline:
+            time.sleep(0.05)  # its cluster holds the device from provisioning on, however slow the start
         g = hold.with_options(tags=[profile("gang")]).submit(0.1)
         return busy.result(), g.result(), _status()
 
@@ -162,12 +177,15 @@ def test_cpu_worker_processes_see_no_gpu(monkeypatch):
     assert row["visible"] == "" and row["devices"] == () and os.getpid() != row["pid"]
 
 
-def test_fractional_tasks_pack_one_device_before_the_next():
+def test_fractional_tasks_pack_one_device_before_the_next(tmp_path: Path):
     q_hold = hold.with_options(tags=[profile("quarter")])
+
+    q_gather = gather.with_options(tags=[profile("quarter")])
 
     @flow(task_runner=runner(QUARTER))
     def f():
-        first = [fut.result() for fut in q_hold.map([1.0] * 4)]
+        # a rendezvous, not timing: all four must be running at once for any of them to meet
+        first = [fut.result() for fut in q_gather.map(unmapped(str(tmp_path)), range(4), unmapped(4))]
         st = _status()["quarter"]
         second = [fut.result() for fut in q_hold.map([1.5] * 8)]
         return first, st, second
@@ -175,7 +193,7 @@ def test_fractional_tasks_pack_one_device_before_the_next():
     first, st, second = f()
     assert {r["devices"] for r in first} == {("0",)}, "four quarter tasks fit on the first device"
     assert all(r["fraction"] == 0.25 for r in first)
-    assert _overlaps([(r["start"], r["end"]) for r in first]) == 4
+    assert all(r["met"] for r in first), "the four quarter tasks did not run at the same time"
     assert st["workers"] == 1 and st["devices"] == ["0"]
     by_device = defaultdict(list)
     for r in second:
