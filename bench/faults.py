@@ -33,6 +33,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from bench.procs import ctrl_c, kill_marked, marked, wait_gone
 from bench.common import ROOT, commit, describe, machine
 
 LEAK_GRACE_S = 10.0  # a marked process alive this long after its scenario ended is leaked
@@ -42,47 +43,6 @@ SOAK_AT = (1, 5, 10, 20)
 
 
 # ---------------------------------------------------------------- processes
-def marked(marker: str) -> list[Any]:
-    """Live (not zombie) processes whose environment carries ``GPU_TASKS_TEST_MARKER=marker``."""
-    import psutil
-
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("GPU_TASKS_TEST_MARKER") == marker:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
-def wait_gone(marker: str, timeout: float) -> tuple[float, list[str]]:
-    """Seconds until no marked process is left (or ``timeout``), and the command lines of those left."""
-    import psutil
-
-    t0 = time.monotonic()
-    while True:
-        left = marked(marker)
-        if not left or time.monotonic() - t0 >= timeout:
-            break
-        time.sleep(0.05)
-    lines = []
-    for p in left:
-        with contextlib.suppress(psutil.Error):
-            lines.append(f"{p.pid}: {' '.join(p.cmdline())[:150]}")
-    return time.monotonic() - t0, lines
-
-
-def kill_marked(marker: str) -> None:
-    import psutil
-
-    procs = marked(marker)
-    for p in procs:
-        with contextlib.suppress(psutil.Error):
-            p.kill()
-    psutil.wait_procs(procs, timeout=5)
-
-
 # ---------------------------------------------------------------- the server's records
 def api(url: str, method: str, path: str, **kw: Any) -> Any:
     import httpx
@@ -243,19 +203,6 @@ class Ctx:
     def tail(self) -> str:
         path = self.tmp / "stderr"
         return path.read_bytes().decode(errors="replace")[-1500:] if path.exists() else ""
-
-
-def ctrl_c(proc: subprocess.Popen[bytes]) -> float:
-    """SIGINT to the whole group, as a terminal's Ctrl-C; seconds until the leader exited (killed at 30 s)."""
-    t0 = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return float("inf")
-    return time.monotonic() - t0
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:

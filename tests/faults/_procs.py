@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import sqlite3
-import time
 from pathlib import Path
 from typing import Any
 
-import psutil
+from bench.procs import ctrl_c, kill_marked, marked, wait_gone
+
+__all__ = ["clean_env", "ctrl_c", "db_rows", "kill_marked", "marked", "wait_gone"]
 
 
 def clean_env(marker: str, **extra: str) -> dict[str, str]:
@@ -19,44 +20,6 @@ def clean_env(marker: str, **extra: str) -> dict[str, str]:
     env["GPU_TASKS_TEST_MARKER"] = marker
     env.update(extra)
     return env
-
-
-def marked(marker: str) -> list[psutil.Process]:
-    """Live processes whose environment carries ``GPU_TASKS_TEST_MARKER=marker``."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("GPU_TASKS_TEST_MARKER") == marker:
-                found.append(proc)
-        except psutil.Error:
-            continue
-    return found
-
-
-def wait_gone(marker: str, timeout: float) -> tuple[float, list[str]]:
-    """Seconds until no marked process is left (or ``timeout``), and the command lines of any left."""
-    t0 = time.monotonic()
-    while True:
-        left = marked(marker)
-        if not left or time.monotonic() - t0 >= timeout:
-            break
-        time.sleep(0.1)
-    lines = []
-    for p in left:
-        try:
-            lines.append(" ".join(p.cmdline())[:160])
-        except psutil.Error:
-            continue
-    return time.monotonic() - t0, lines
-
-
-def kill_marked(marker: str) -> None:
-    """SIGKILL whatever a failed test left behind."""
-    for p in marked(marker):
-        try:
-            p.kill()
-        except psutil.Error:
-            continue
 
 
 def db_rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:

@@ -7,7 +7,6 @@ flow run as Crashed or Cancelled and no task run as left Running.
 from __future__ import annotations
 
 import os
-import signal
 import sqlite3
 import subprocess
 import sys
@@ -18,6 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
+
+from faults._procs import ctrl_c
 
 EXIT_WITHIN_S = 10.0
 ENDED = {"CRASHED", "CANCELLED"}
@@ -37,19 +38,6 @@ def _start(args: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.P
     """Start ``args`` as a terminal would: leader of a process group of its own."""
     return subprocess.Popen(args, env=env, cwd=tmp_path, start_new_session=True,
                             stdout=(tmp_path / "stdout").open("wb"), stderr=(tmp_path / "stderr").open("wb"))
-
-
-def _ctrl_c(proc: subprocess.Popen[bytes]) -> float:
-    """SIGINT to the whole group, like a terminal's Ctrl-C; seconds until the leader exited (killed at 30 s)."""
-    t0 = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-        return float("inf")
-    return time.monotonic() - t0
 
 
 def _ours(marker: str, group: int) -> list[psutil.Process]:
@@ -116,7 +104,7 @@ def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
             time.sleep(0.3)
         time.sleep(1.0)  # into the stage, past its first boosting rounds
         assert proc.poll() is None
-        took = _ctrl_c(proc)
+        took = ctrl_c(proc)
         survivors = _survivors(marker, proc.pid)
     finally:
         _cleanup(proc, marker)
@@ -194,7 +182,7 @@ def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
             assert time.monotonic() < deadline, f"the GPU task never started:\n{_tail(tmp_path)}"
             time.sleep(0.2)
         time.sleep(0.5)
-        took = _ctrl_c(proc)
+        took = ctrl_c(proc)
         survivors = _survivors(marker, proc.pid)
     finally:
         _cleanup(proc, marker)
