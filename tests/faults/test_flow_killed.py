@@ -15,7 +15,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from prefect import flow, task
+from prefect import flow, task, unmapped
 from prefect.context import FlowRunContext
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, leases, profile
@@ -58,14 +58,18 @@ def _kill_all(procs: list[psutil.Process]) -> None:
 
 
 @task(tags=[profile("gpu")])
-def visible_device(i: int) -> str:
-    time.sleep(1.0)  # long enough that both tasks hold a worker at once
+def visible_device(i: int, folder: str) -> str:
+    # a rendezvous: both tasks must hold a device at once (a second worker may start slowly)
+    Path(folder, str(i)).write_text("")
+    deadline = time.monotonic() + 60
+    while len(list(Path(folder).iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
 
 @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)]))
-def next_run() -> tuple[list[str], float]:
-    futures = visible_device.map(range(2))
+def next_run(folder: str) -> tuple[list[str], float]:
+    futures = visible_device.map(range(2), unmapped(folder))
     devices = [f.result() for f in futures]
     startup = FlowRunContext.get().task_runner.status()["gpu"]["startup"]
     return devices, startup["wait_devices_s"]
@@ -132,7 +136,8 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
     assert leases.holders(Path(os.environ["GPU_TASKS_LEASE_DIR"]), ["0", "1"]) == {"0": None, "1": None}
     monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "2")
     t0 = time.monotonic()
-    devices, waited = next_run()
+    (tmp_path / "meet").mkdir()
+    devices, waited = next_run(str(tmp_path / "meet"))
     print(f"next flow run: devices {devices}, waited {waited:.3f}s for devices, {time.monotonic() - t0:.1f}s in all")
     assert sorted(devices) == ["0", "1"]
     assert waited < 1.0
