@@ -582,14 +582,23 @@ def flow_sigkilled(ctx: Ctx) -> dict:
     # the next flow run, a fresh process on the same devices (and lease directory)
     out = ctx.run(
         """
+        import tempfile
+        from pathlib import Path
+        from prefect import unmapped
+
         @task(tags=[profile("gpu")])
-        def visible_device(i):
-            time.sleep(1.0)  # long enough that both tasks hold a worker at once
+        def visible_device(i, folder):
+            # a rendezvous: both tasks hold a device at once (a second worker may start slowly)
+            Path(folder, str(i)).write_text("")
+            deadline = time.monotonic() + 60
+            while len(list(Path(folder).iterdir())) < 2 and time.monotonic() < deadline:
+                time.sleep(0.05)
             return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
         @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)]))
         def next_run():
-            devices = [f.result() for f in visible_device.map(range(2))]
+            meet = tempfile.mkdtemp()
+            devices = [f.result() for f in visible_device.map(range(2), unmapped(meet))]
             startup = FlowRunContext.get().task_runner.status()["gpu"]["startup"]
             return {"flow_run_id": flow_run_id(), "devices": devices, "wait_devices_s": startup["wait_devices_s"]}
 
