@@ -157,6 +157,7 @@ def read_task_run(task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | No
     except Exception:
         run = None
     if run is not None:
+        run.run_count = max(int(run.run_count or 0), 1)  # it ran (its Running event may be in flight)
         return run
     return TaskRun(
         id=task_run_id, name=f"{task.name}-{task_run_id.hex[:3]}", flow_run_id=flow_run_id,
@@ -184,10 +185,25 @@ def crash_task_run(
     try:
         run = read_task_run(task_run_id, task, flow_run_id, set(tags or ()), wait)
         previous = run.state
-        run.run_count = max(int(run.run_count or 0), 1)  # it was running (its Running event may be in flight)
         run.state = state
         run.state_type, run.state_name = state.type, state.name
         emit_task_run_state_change_event(task_run=run, initial_state=previous, validated_state=state)
     except Exception:
         logger.warning("could not report task run %s as Crashed", task_run_id, exc_info=True)
     return state, run
+
+
+def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0) -> Any:
+    """Move ``task_run`` to ``AwaitingRetry`` (re-run in ``delay`` s) and report it; returns the state."""
+    import datetime
+
+    from prefect.states import AwaitingRetry
+    from prefect.utilities.engine import emit_task_run_state_change_event
+
+    state = AwaitingRetry(
+        scheduled_time=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=delay))
+    state.state_details.task_run_id = task_run.id
+    state.state_details.flow_run_id = flow_run_id
+    previous, task_run.state = task_run.state, state
+    emit_task_run_state_change_event(task_run=task_run, initial_state=previous, validated_state=state)
+    return state

@@ -23,7 +23,7 @@ import time
 import uuid
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from contextlib import ExitStack
 from functools import partial
 from typing import Any
@@ -233,14 +233,18 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
     if getattr(fn, "__gpu_tasks_oom__", False):
         return task
 
-    def translate(exc: Exception) -> GpuOutOfMemoryError:
+    def translated(exc: Exception) -> Exception:
+        if not looks_like_oom(exc) or isinstance(exc, GpuOutOfMemoryError):
+            return exc
         where = f"device(s) {','.join(alloc.devices)}" if alloc.devices else "CPU"
         if alloc.devices and alloc.emulated:
             where += " (emulated)"
-        return GpuOutOfMemoryError(
+        error = GpuOutOfMemoryError(
             f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. Lower the task's "
             "memory use, or give the profile on_oom='<a larger profile>' to re-run it there once"
         )
+        error.__cause__ = exc
+        return error
 
     if asyncio.iscoroutinefunction(fn):
         @functools.wraps(fn)
@@ -248,18 +252,14 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
             try:
                 return await fn(*args, **kwargs)
             except Exception as exc:
-                if looks_like_oom(exc) and not isinstance(exc, GpuOutOfMemoryError):
-                    raise translate(exc) from exc
-                raise
+                raise translated(exc)  # noqa: B904 (the cause is set, or exc is re-raised as is)
     else:
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             try:
                 return fn(*args, **kwargs)
             except Exception as exc:
-                if looks_like_oom(exc) and not isinstance(exc, GpuOutOfMemoryError):
-                    raise translate(exc) from exc
-                raise
+                raise translated(exc)  # noqa: B904 (the cause is set, or exc is re-raised as is)
 
     wrapped.__gpu_tasks_oom__ = True  # type: ignore[attr-defined]
     out = copy.copy(task)
@@ -607,7 +607,7 @@ class _Job:
     ctx: contextvars.Context
     crashes: int = 0  # times its worker died under it
     task_run: Any = None  # the task run a re-run continues (run count, name)
-    notes: dict[str, Any] = field(default_factory=dict)
+    escalated_from: str | None = None  # the profile it ran out of memory on (on_oom re-runs once)
 
 
 def _is_worker_death(exc: BaseException) -> bool:
@@ -955,7 +955,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             return
         job.st.cluster.record(wkey, start, end)
         prof = job.st.cluster.profile
-        if (prof.on_oom and "escalated" not in job.notes and state.is_failed()
+        if (prof.on_oom and job.escalated_from is None and state.is_failed()
                 and GpuOutOfMemoryError.__name__ in (state.message or "") and not live.stop.is_set()):
             with job.st.lock:
                 job.st.dispatched -= 1
@@ -976,10 +976,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
 
     def _escalate(self, live: _Live, job: _Job, state: Any, task_run: Any, why: str) -> None:
         """Re-run ``job`` once on its profile's ``on_oom`` profile, continuing the same task run."""
-        from prefect.states import AwaitingRetry
-        from prefect.utilities.engine import emit_task_run_state_change_event
-
-        from gpu_tasks._crash import read_task_run
+        from gpu_tasks._crash import await_retry, read_task_run
 
         source = job.st.cluster.profile
         target = live.profiles[source.on_oom]  # type: ignore[index]
@@ -993,16 +990,11 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         with new.lock:
             new.outstanding += 1
             new.idle_since = None
-        task_run.run_count = max(int(task_run.run_count or 0), 1)  # its Running event may still be in flight
         job.st = new
         job.extra_tags = [profile(target.name), ESCALATED_TAG]
-        job.notes["escalated"] = source.name
-        waiting_state = AwaitingRetry()
-        waiting_state.state_details.task_run_id = job.task_run_id
-        waiting_state.state_details.flow_run_id = live.flow_run_id
-        previous, task_run.state = task_run.state, waiting_state
+        job.escalated_from = source.name
         task_run.tags = sorted(set(task_run.tags or ()) | {profile(target.name), ESCALATED_TAG})
-        emit_task_run_state_change_event(task_run=task_run, initial_state=previous, validated_state=waiting_state)
+        await_retry(task_run, live.flow_run_id)
         job.task_run = task_run
         _flow_logger().warning(
             "Task run %r ran out of memory on profile %r (%s); re-running it once on profile %r (on_oom)",
@@ -1029,7 +1021,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
 
     def _report_worker_death(self, live: _Live, job: _Job, exc: BaseException) -> tuple[float, Any] | None:
         """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried."""
-        from gpu_tasks._crash import crash_task_run, worker_exit
+        from gpu_tasks._crash import await_retry, crash_task_run, worker_exit
 
         st = job.st
         prof = st.cluster.profile
@@ -1060,7 +1052,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             }, row.devices)
         tags = set(job.task.tags) | set(job.extra_tags)
         state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=tags)
-        if ended and ended.memory_kill and prof.on_oom and "escalated" not in job.notes and task_run is not None:
+        if ended and ended.memory_kill and prof.on_oom and job.escalated_from is None and task_run is not None:
             self._escalate(live, job, state, task_run, message)
             return None
         attempts = max(job.crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
@@ -1071,16 +1063,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                       f"; no retries left ({retries} allowed)" if retries else "")
             self._finish(live, job, result=state)
             return None
-        from prefect.states import AwaitingRetry
-        from prefect.utilities.engine import emit_task_run_state_change_event
-
         delay = _retry_delay(job.task, job.crashes)
-        waiting_state = AwaitingRetry(scheduled_time=datetime.datetime.now(datetime.timezone.utc)
-                                      + datetime.timedelta(seconds=delay))
-        waiting_state.state_details.task_run_id = job.task_run_id
-        waiting_state.state_details.flow_run_id = live.flow_run_id
-        task_run.state = waiting_state
-        emit_task_run_state_change_event(task_run=task_run, initial_state=state, validated_state=waiting_state)
+        await_retry(task_run, live.flow_run_id, delay)
         job.crashes += 1
         job.task_run = task_run
         log.warning("Task run %r crashed: %s; retrying it on a new worker (retry %d of %d) in %gs",

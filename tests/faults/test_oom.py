@@ -9,6 +9,7 @@ import pytest
 from prefect import flow, task
 from prefect.states import StateType
 
+from faults._procs import server_task_run
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
 from gpu_tasks.errors import ProfileError, UnknownProfileError
 from prefect_api import api
@@ -33,17 +34,6 @@ def cuda_oom() -> str:
     return current_allocation().profile
 
 
-def _server_run(task_run_id, timeout: float = 20.0) -> dict:
-    deadline = time.monotonic() + timeout
-    run: dict = {}
-    while time.monotonic() < deadline:
-        status, run = api("GET", f"/task_runs/{task_run_id}")
-        if status == 200 and run["state_type"] not in ("RUNNING", "PENDING", "SCHEDULED"):
-            return run
-        time.sleep(0.25)
-    return run
-
-
 def test_worker_killed_for_memory_ends_crashed_saying_out_of_memory():
     @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(**SMALL)]))
     def too_big():
@@ -55,7 +45,7 @@ def test_worker_killed_for_memory_ends_crashed_saying_out_of_memory():
     assert state.type == StateType.CRASHED, state
     for words in ("Out of memory", "profile 'small'", "device(s) ", "memory limit"):
         assert words in state.message, state.message
-    run = _server_run(task_run_id)
+    run = server_task_run(task_run_id)
     assert run["state_type"] == "CRASHED" and "Out of memory" in run["state"]["message"], run
 
 
@@ -83,7 +73,7 @@ def test_on_oom_reruns_the_task_once_on_the_larger_profile(which: str):
 
     task_run_id, result = escalates()
     assert result.startswith("big"), result
-    run = _server_run(task_run_id)
+    run = server_task_run(task_run_id)
     assert run["state_type"] == "COMPLETED" and run["run_count"] == 2, run
     escalated: list = []
     deadline = time.monotonic() + 30  # events are persisted in batches

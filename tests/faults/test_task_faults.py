@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -14,22 +13,11 @@ from prefect import flow, task
 from prefect.context import FlowRunContext
 from prefect.states import StateType
 
+from faults._procs import server_task_run
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
 from prefect_api import api
 
 pytestmark = pytest.mark.usefixtures("emulated", "no_leaked_processes")
-
-
-def _server_task_run(task_run_id, want=lambda run: True, timeout: float = 20.0) -> dict:
-    """The task run as the server recorded it, once ``want`` holds (states arrive as events)."""
-    deadline = time.monotonic() + timeout
-    run: dict = {}
-    while time.monotonic() < deadline:
-        status, run = api("GET", f"/task_runs/{task_run_id}")
-        if status == 200 and want(run):
-            return run
-        time.sleep(0.25)
-    return run
 
 
 def _server_states(task_run_id) -> list[str]:
@@ -62,7 +50,7 @@ def test_transient_worker_death_is_a_crash_that_prefect_retries_on_a_new_worker(
 
     task_run_id, devices, ledger = one_death(str(tmp_path / "died"))
     assert devices in (["0"], ["1"])
-    run = _server_task_run(task_run_id, lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2)
+    run = server_task_run(task_run_id, lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2)
     assert run["state_type"] == "COMPLETED" and run["run_count"] == 2, run
     states = _server_states(task_run_id)
     assert "Crashed" in states and "AwaitingRetry" in states and states[-1] == "Completed", states
@@ -85,7 +73,7 @@ def test_persistent_worker_death_ends_crashed_with_profile_device_worker_and_exi
     assert state.type == StateType.CRASHED
     for words in ("profile 'gpu'", "device(s) ", "(emulated)", "pid ", "exited with status 3"):
         assert words in state.message, state.message
-    run = _server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
+    run = server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
     assert run["state_type"] == "CRASHED" and "exited with status 3" in run["state"]["message"], run
     assert run["run_count"] == 1  # Dask did not re-run it behind Prefect's back
     assert [r.reason for r in ledger if r.reason.startswith("worker crashed")]
@@ -121,7 +109,7 @@ def test_keyboard_interrupt_and_system_exit_in_a_task_end_crashed_and_wait_retur
     assert after == 7
     for name, (task_run_id, state) in states.items():
         assert state.type == StateType.CRASHED, (name, state)
-        run = _server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
+        run = server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
         assert run["state_type"] == "CRASHED" and run["run_count"] == 1, (name, run)
 
 
