@@ -28,7 +28,7 @@ import time
 from typing import Any
 
 from bench.common import machine, setup, spread, write_json
-from gpu_tasks.clusters import _union_seconds as union_seconds  # the ledger's own union of busy intervals
+from gpu_tasks.ledger import union_seconds  # the ledger's own union of busy intervals
 
 STAGES = {  # stage -> (profile, tasks, seconds per task at --stage-seconds 1)
     "ingest": ("cpu", 1, 4.0),

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+from gpu_tasks._prefect_private import ephemeral_server_url
 from gpu_tasks.errors import GpuTasksError
 
 
@@ -25,17 +26,7 @@ def flow_api_url() -> str | None:
     url = get_current_settings().api.url
     if url:
         return str(url)
-    from prefect.server.api.server import SubprocessASGIServer
-
-    # Prefect keeps one SubprocessASGIServer per requested port; the default client asks for
-    # port None. Any running instance in this process is the one the flow run talks to.
-    servers = list(SubprocessASGIServer._instances.values())
-    servers.sort(key=lambda s: s._instance_key is not None)
-    for server in servers:
-        process = server.server_process
-        if server.running and process is not None and process.poll() is None:
-            return server.api_url
-    return None
+    return ephemeral_server_url()
 
 
 def require_flow_api_url(profile: str) -> str:

@@ -18,14 +18,9 @@ reported the same way, later than anything the dead worker managed to send.
 from __future__ import annotations
 
 import logging
-import signal
-import threading
 import time
 import uuid
-from dataclasses import dataclass
 from typing import Any
-
-from distributed import Nanny
 
 logger = logging.getLogger(__name__)
 
@@ -33,93 +28,6 @@ OOM_MARKERS = (
     "out of memory", "out_of_memory", "outofmemory", "cudaerrormemoryallocation", "std::bad_alloc",
     "memoryerror", "cuda_error_out_of_memory",
 )
-
-
-@dataclass(frozen=True)
-class WorkerExit:
-    """How a worker process ended."""
-
-    address: str
-    pid: int | None
-    exitcode: int | None
-    memory_kill: bool = False  # Dask's nanny terminated it for exceeding its memory limit
-    rss: int | None = None
-
-    def describe(self) -> str:
-        """``killed by signal 9 (SIGKILL)``, ``exited with status 3``, or the memory kill."""
-        if self.memory_kill:
-            mib = f" ({self.rss / 2**20:.0f} MiB resident)" if self.rss else ""
-            return f"ran out of memory: it exceeded its Dask memory limit{mib} and was terminated"
-        return describe_exitcode(self.exitcode)
-
-
-def describe_exitcode(exitcode: int | None) -> str:
-    """A process exit code in words (negative codes are signals)."""
-    if exitcode is None:
-        return "died (exit status unknown)"
-    if exitcode < 0:
-        try:
-            name = signal.Signals(-exitcode).name
-        except ValueError:
-            name = "unknown signal"
-        words = f"was killed by signal {-exitcode} ({name})"
-        if -exitcode == signal.SIGKILL:
-            words += "; the kernel's out-of-memory killer sends this signal too"
-        return words
-    return f"exited with status {exitcode}"
-
-
-_EXITS: dict[str, WorkerExit] = {}
-_PIDS: dict[str, int] = {}  # live workers' process ids, by address
-_EXITS_LOCK = threading.Lock()
-
-
-def worker_exit(address: str, wait: float = 2.0) -> WorkerExit | None:
-    """How the worker at ``address`` ended, waiting up to ``wait`` s for its nanny to tell."""
-    deadline = time.monotonic() + wait
-    while True:
-        with _EXITS_LOCK:
-            found = _EXITS.get(address)
-        if found is not None or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.05)
-
-
-def _record(address: str | None, **fields: Any) -> None:
-    if not address:
-        return
-    with _EXITS_LOCK:
-        if len(_EXITS) > 1000:  # one entry per dead worker: keep the recent ones
-            for key in list(_EXITS)[:500]:
-                del _EXITS[key]
-        old = _EXITS.get(address)
-        merged = {**(old.__dict__ if old else {"address": address, "pid": None, "exitcode": None}), **fields}
-        _EXITS[address] = WorkerExit(**merged)
-
-
-class WatchedNanny(Nanny):
-    """Dask's nanny, noting how its worker process ended (exit code, memory kill) for crash reports."""
-
-    async def instantiate(self) -> Any:
-        status = await super().instantiate()
-        pid = getattr(self.process, "pid", None)
-        if self.worker_address and pid:
-            with _EXITS_LOCK:
-                if len(_PIDS) > 1000:
-                    _PIDS.clear()
-                _PIDS[self.worker_address] = pid
-        return status
-
-    def _on_worker_exit_sync(self, exitcode: int) -> None:  # called by the nanny's process watcher
-        with _EXITS_LOCK:
-            pid = _PIDS.pop(self.worker_address, None) if self.worker_address else None
-        _record(self.worker_address, exitcode=exitcode, pid=pid)
-        super()._on_worker_exit_sync(exitcode)
-
-    def log_event(self, topic: Any, msg: Any) -> None:
-        if topic == "worker-restart-memory" and isinstance(msg, dict):
-            _record(msg.get("worker"), memory_kill=True, rss=msg.get("rss"), pid=msg.get("pid"))
-        super().log_event(topic, msg)
 
 
 def looks_like_oom(exc: BaseException | None) -> bool:

@@ -28,7 +28,7 @@ from rich.text import Text
 
 from gpu_tasks import leases
 from gpu_tasks.devices import Device, Inventory, discover
-from gpu_tasks.errors import DeviceDiscoveryError, ProfileError
+from gpu_tasks.errors import DeviceDiscoveryError, ProfileError, UnknownProfileError
 from gpu_tasks.policy import (
     device_groups,
     matching_devices,
@@ -36,10 +36,9 @@ from gpu_tasks.policy import (
     slots_per_worker,
     unsatisfiable_reason,
 )
-from gpu_tasks.profiles import ResourceProfile, load_profiles_file
+from gpu_tasks.profiles import DEFAULT_PROFILE, ResourceProfile, resolve_profiles
 from gpu_tasks.settings import GpuTasksSettings, get_settings
 
-BUILTIN_DEFAULT_PROFILE = "cpu"
 EXIT_USAGE = 2
 
 app = typer.Typer(
@@ -177,29 +176,12 @@ def devices(
 
 # ------------------------------------------------------------------ profiles
 def _load_profiles(file: Path | None, settings: GpuTasksSettings) -> tuple[dict[str, ResourceProfile], str, Path | None]:
-    """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE (as the runner reads them) and the default name.
-
-    Like the runner, a built-in CPU profile named ``cpu`` is added when the default
-    is ``cpu`` and the file does not define it.
-    """
+    """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE, resolved as the runner resolves them, and the default."""
     path = file if file is not None else settings.profiles_file
-    profiles: dict[str, ResourceProfile] = {}
-    file_default = None
-    if path is not None:
-        try:
-            profiles, file_default = load_profiles_file(path)
-        except ProfileError as exc:
-            _fail(str(exc))
-    default = file_default or BUILTIN_DEFAULT_PROFILE
-    if default not in profiles:
-        if default != BUILTIN_DEFAULT_PROFILE:
-            _fail(
-                f"profiles file {str(path)!r}: default profile {default!r} is not defined; "
-                f"known profiles: {', '.join(sorted(profiles)) or 'none'}"
-            )
-        profiles[BUILTIN_DEFAULT_PROFILE] = ResourceProfile(name=BUILTIN_DEFAULT_PROFILE)
-    if profiles[default].is_gpu:
-        _fail(f"profiles file {str(path)!r}: default profile {default!r} must be a CPU profile (gpus=0)")
+    try:
+        profiles, default = resolve_profiles(path=path)
+    except (ProfileError, UnknownProfileError) as exc:
+        _fail(str(exc))
     return profiles, default, path
 
 
@@ -284,7 +266,7 @@ def profiles(
     if path is None:
         _say(
             "No profiles file set (--file or GPU_TASKS_PROFILES_FILE): showing the built-in default "
-            f"CPU profile {BUILTIN_DEFAULT_PROFILE!r}."
+            f"CPU profile {DEFAULT_PROFILE!r}."
         )
     else:
         _say(f"Profiles from {path}")

@@ -1,7 +1,8 @@
 """Resource profiles: what a task needs, validated when the profile is built.
 
-A profile is data. :func:`gpu_tasks.policy.worker_layout` turns it (and the devices
-it may use) into worker specs; nothing here starts a process.
+A profile is data. :func:`gpu_tasks.policy.worker_spec` turns it (and the devices
+it may use) into worker specs; nothing here starts a process. :func:`resolve_profiles`
+is the one place that decides which profiles are in force and which is the default.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from typing import Any, Literal
 from dask.utils import parse_bytes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from gpu_tasks.errors import ProfileError
+from gpu_tasks.errors import ProfileError, UnknownProfileError
 
 TAG_PREFIX = "profile:"
+DEFAULT_PROFILE = "cpu"  # untagged tasks run here; added as a plain CPU profile when not defined
 MAX_SHARE = 64
 # \Z, not $: "$" also matches before a trailing newline, which let "gpu\n" through.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
@@ -337,3 +339,57 @@ def load_profiles_file(path: str | Path) -> tuple[dict[str, ResourceProfile], st
     if default is not None and not isinstance(default, str):
         raise ProfileError(f"profiles file {str(path)!r}: default must be a profile name string")
     return profiles_from_mapping(data, source=f"profiles file {str(path)!r}"), default
+
+
+# --------------------------------------------------------------------- in force
+def resolve_profiles(
+    profiles: Iterable[ResourceProfile] = (), default: str | None = None, path: str | Path | None = None,
+) -> tuple[dict[str, ResourceProfile], str]:
+    """The profiles in force and the default profile's name.
+
+    ``profiles`` (from code) come first; those of the TOML file at ``path``
+    (``GPU_TASKS_PROFILES_FILE``) are added and override same-named ones. The default
+    is ``default``, else the file's ``default``, else :data:`DEFAULT_PROFILE`, which is
+    added as a plain CPU profile when no profile has its name.
+
+    Raises:
+        UnknownProfileError: the default, or a profile's ``on_oom``, names no profile.
+        ProfileError: the file is bad, or the default profile asks for GPUs.
+    """
+    in_force = {p.name: p for p in profiles}
+    file_default = None
+    if path is not None:
+        loaded, file_default = load_profiles_file(path)
+        in_force.update(loaded)
+    name = default or file_default or DEFAULT_PROFILE
+    source = f"profiles file {str(path)!r}: " if default is None and file_default is not None else ""
+    if name not in in_force:
+        if name != DEFAULT_PROFILE:
+            raise UnknownProfileError(
+                f"{source}default profile {name!r} is not defined; known profiles: "
+                f"{', '.join(sorted(in_force)) or 'none'}"
+            )
+        in_force[DEFAULT_PROFILE] = ResourceProfile(name=DEFAULT_PROFILE)
+    for p in in_force.values():
+        if p.on_oom is not None and p.on_oom not in in_force:
+            raise UnknownProfileError(
+                f"profile {p.name!r} sets on_oom={p.on_oom!r}, which this runner does not know; known profiles: "
+                f"{', '.join(sorted(in_force))}. Add a ResourceProfile(name={p.on_oom!r}, ...) or remove on_oom"
+            )
+    if in_force[name].is_gpu:
+        raise ProfileError(
+            f"{source}default profile {name!r} must be a CPU profile (gpus=0); untagged tasks run there"
+        )
+    return in_force, name
+
+
+def requested_profile(task: Any) -> str | None:
+    """The profile a task's own tags and the enclosing ``prefect.tags`` blocks name, if any.
+
+    Raises:
+        ProfileError: they name two different profiles.
+    """
+    from prefect.context import TagsContext
+
+    tags_ctx = TagsContext.get()
+    return profile_from_tags(set(task.tags) | set(tags_ctx.current_tags if tags_ctx else ()))

@@ -74,7 +74,7 @@ def etl_task(raw_dir: str, out_dir: str, holdout_months: int = 2) -> dict[str, A
 @task(name="train", tags=[profile(TRAIN_PROFILE)])
 def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: int = 0) -> dict[str, Any]:
     """XGBoost on the allocated devices; data-parallel (a gang) when it holds several."""
-    from gpu_tasks.gang import gang_client
+    from gpu_tasks.backends import per_device_client
     from gpu_tasks.train import train_model
 
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
@@ -95,7 +95,7 @@ def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: i
 
     if len(alloc.devices) > 1:
         _announce("train", alloc, f"xgboost.dask across {len(alloc.devices)} workers, device={device}")
-        with gang_client(alloc) as client:
+        with per_device_client(alloc) as client:
             out = train_model(Path(features_dir), Path(model_path), device=device, seed=seed,
                               num_rounds=num_rounds, on_round=on_round, client=client)
     else:

@@ -21,7 +21,7 @@ import pytest
 from test_leases import _env, _stop, _wait_for, lease_dir  # noqa: F401 (lease_dir is a fixture)
 
 from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
-from gpu_tasks.clusters import DeviceBook
+from gpu_tasks.device_book import DeviceBook
 from gpu_tasks.devices import Device
 
 DEV0 = (Device(address="0", index=0, name="EMU"),)
@@ -62,7 +62,7 @@ WAITER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from gpu_tasks.clusters import DeviceBook
+    from gpu_tasks.device_book import DeviceBook
     from gpu_tasks.devices import Device
 
     lease_dir, name, priority, out = sys.argv[1:5]

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, leases, profile
 from gpu_tasks.cli import app
-from gpu_tasks.clusters import DeviceBook
+from gpu_tasks.device_book import DeviceBook
 from gpu_tasks.devices import Device
 
 HOLDER = textwrap.dedent(

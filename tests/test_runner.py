@@ -707,11 +707,11 @@ def test_context_serializer_matches_prefects_serialize_context():
     from prefect.context import serialize_context
     from prefect.settings import PREFECT_LOGGING_LEVEL, temporary_settings
 
-    from gpu_tasks.runner import _ContextSerializer
+    from gpu_tasks._context import ContextSerializer
 
     @flow(task_runner=runner())
     def f() -> None:
-        ser = _ContextSerializer()
+        ser = ContextSerializer()
         asset = {"task": hold, "task_run_id": uuid.uuid4(), "task_inputs": {}, "copy_to_child_ctx": True}
         with tags("x"):
             ours, key = ser.serialize(asset_ctx_kwargs=asset)

@@ -1,0 +1,71 @@
+"""The flow run's Prefect context, serialized for task runs in worker processes.
+
+Like Prefect's ``serialize_context`` (what prefect-dask sends), but the settings and
+the result store, nearly all of its cost, are dumped once per flow run instead of
+once per task, and workers are pointed at the flow run's own API
+(:mod:`gpu_tasks._api`).
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from gpu_tasks._api import for_workers
+from gpu_tasks._prefect_private import deployment_context
+
+
+class ContextSerializer:
+    """Prefect's ``serialize_context``, with the settings serialized once per settings context.
+
+    Dumping the settings is nearly all of ``serialize_context``'s cost, and a flow run's
+    settings context does not change between its tasks (``temporary_settings`` enters a
+    new one). The rest (flow run, task run, tags, asset and deployment context) is
+    serialized for every task as Prefect does.
+    """
+
+    def __init__(self) -> None:
+        self.api_url: str | None = None  # the flow run's API: workers report there, never to a server of their own
+        self._settings: tuple[Any, dict[str, Any], str] | None = None
+        self._result_store: tuple[Any, dict[str, Any]] | None = None
+
+    def serialize(self, asset_ctx_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
+        """The serialized context, and a key that names its settings (equal keys, equal settings)."""
+        from prefect import context as pctx
+
+        settings_ctx = pctx.SettingsContext.get()
+        cached = self._settings
+        if cached is None or cached[0] is not settings_ctx:
+            serialized = settings_ctx.serialize() if settings_ctx else {}
+            if self.api_url is not None:
+                serialized = for_workers(serialized, self.api_url)
+            cached = self._settings = (settings_ctx, serialized, uuid.uuid4().hex)
+        flow_run_ctx = pctx.EngineContext.get()
+        task_run_ctx = pctx.TaskRunContext.get()
+        tags_ctx = pctx.TagsContext.get()
+        deployment_id, deployment_parameters = deployment_context()
+        context = {
+            "flow_run_context": self._flow_run(flow_run_ctx) if flow_run_ctx else {},
+            "task_run_context": task_run_ctx.serialize() if task_run_ctx else {},
+            "tags_context": tags_ctx.serialize() if tags_ctx else {},
+            "settings_context": cached[1],
+            "asset_context": (
+                pctx.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize() if asset_ctx_kwargs else {}
+            ),
+            "deployment_id": deployment_id,
+            "deployment_parameters": deployment_parameters,
+        }
+        return context, cached[2]
+
+    def _flow_run(self, ctx: Any) -> dict[str, Any]:
+        """``ctx.serialize()``, with its result store (a block: costly to dump) dumped once per store."""
+        store = ctx.result_store
+        if store is None:
+            return ctx.serialize()
+        serialized = ctx.model_copy(update={"result_store": None}).serialize()  # shallow copy, all else shared
+        cached = self._result_store
+        if cached is None or cached[0] is not store:
+            dumped = store.model_dump(serialize_as_any=True, exclude_unset=True, context={"include_secrets": True})
+            cached = self._result_store = (store, dumped)
+        serialized["result_store"] = cached[1]
+        return serialized

@@ -1,0 +1,261 @@
+"""From a submitted task to its final state: provision, hand to the cluster, collect, recover.
+
+``Dispatcher.dispatch`` runs once a task's upstream futures are done: it makes sure
+the profile's cluster runs with enough workers (:mod:`gpu_tasks.policy` decides),
+submits Prefect's task engine to it and, when the engine returns, resolves the
+task's future with the final state. A dead worker is reported ``Crashed`` and the
+task re-run on a new worker while it has retries; a task that ran out of memory is
+re-run once on its profile's ``on_oom`` profile.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+from functools import partial
+from typing import Any
+
+from gpu_tasks._crash import await_retry, crash_task_run, read_task_run
+from gpu_tasks._futures import futures_to_states
+from gpu_tasks._live import Job, Live, ProfileState
+from gpu_tasks._logging import flow_logger
+from gpu_tasks._worker import run_engine, run_on_worker
+from gpu_tasks.allocation import Allocation
+from gpu_tasks.errors import GpuOutOfMemoryError
+from gpu_tasks.events import publish_dashboard
+from gpu_tasks.policy import desired_workers, task_resources
+from gpu_tasks.profiles import profile
+
+logger = logging.getLogger("gpu_tasks.runner")
+
+ESCALATED_TAG = "gpu-tasks:on-oom"
+
+
+def _is_worker_death(exc: BaseException) -> bool:
+    """Whether a Dask future failed because the worker process running it died."""
+    from distributed.scheduler import KilledWorker
+
+    return isinstance(exc, KilledWorker)
+
+
+def _retry_delay(task: Any, attempt: int) -> float:
+    """Seconds before re-run ``attempt`` (0-based), from the task's ``retry_delay_seconds``."""
+    delay = task.retry_delay_seconds
+    if isinstance(delay, (list, tuple)):
+        delay = delay[min(attempt, len(delay) - 1)] if delay else 0
+    return float(delay or 0)
+
+
+def _off_thread(job: Job, fn: Any, *args: Any, name: str) -> None:
+    """``fn(*args)`` in the job's context on a thread of its own (it may wait on the server or devices)."""
+    threading.Thread(target=job.ctx.copy().run, args=(fn, *args), name=name, daemon=True).start()
+
+
+class Dispatcher:
+    """Hands one entered runner's tasks to their profiles' clusters and collects their states."""
+
+    def __init__(self, live: Live) -> None:
+        self.live = live
+
+    # ------------------------------------------------------------ dispatch
+    def dispatch(self, job: Job) -> None:
+        """Run ``job`` on its profile's cluster (its upstream futures are done)."""
+        try:
+            job.ctx.run(self._dispatch_in_context, job)
+        except BaseException as exc:
+            self.finish(job, exc=exc)
+            if not isinstance(exc, Exception):
+                raise
+
+    def _provision(self, st: ProfileState) -> None:
+        """Start ``st``'s cluster, or grow it, for one more task (call under ``st.lock``)."""
+        cluster = st.cluster
+        want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit)
+        if not cluster.running:
+            cluster.start(want)
+            st.ever_provisioned = True
+            self.live.emit("provisioned", cluster, {
+                "workers": cluster.worker_count, **{k: round(v, 3) for k, v in cluster.startup.items()},
+            })
+            publish_dashboard(cluster)
+        elif want > cluster.worker_count:
+            before = set(cluster.devices)
+            cluster.scale_to(want)
+            added = [d for d in cluster.devices if d not in before]
+            if added:
+                self.live.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
+
+    def _dispatch_in_context(self, job: Job) -> None:
+        from prefect import tags
+
+        live, st, prof = self.live, job.st, job.profile
+        parameters = futures_to_states(job.parameters)
+        wait_for = futures_to_states(list(job.wait_for)) if job.wait_for else None
+        with st.lock:
+            if live.stop.is_set():
+                raise RuntimeError("the task runner is shutting down")
+            self._provision(st)
+            live.running(job)
+        task = job.task
+        kwargs: dict[str, Any] = dict(
+            task_run_id=job.task_run_id, parameters=parameters, wait_for=wait_for,
+            dependencies=job.dependencies, return_type="state",
+        )
+        if job.task_run is not None:  # a re-run after a crash continues the same task run
+            kwargs["task_run"] = job.task_run
+            task = task.with_options(retries=max(0, (task.retries or 0) - job.crashes))
+        key = f"{task.name}-{job.task_run_id.hex}-{job.crashes}"
+        with tags(*job.extra_tags):
+            if not prof.uses_processes:
+                alloc = Allocation(profile=prof.name, worker="in-process")
+                dfut = st.cluster.submit(
+                    contextvars.copy_context().run, run_engine, alloc, task, kwargs, key=key, resources=None
+                )
+            else:
+                kwargs["context"], settings_key = live.context.serialize(
+                    asset_ctx_kwargs={
+                        "task": task, "task_run_id": job.task_run_id,
+                        "task_inputs": job.dependencies or {}, "copy_to_child_ctx": True,
+                    }
+                )
+                dfut = st.cluster.submit(
+                    run_on_worker, prof.name, float(prof.share), task, kwargs, settings_key, key=key,
+                    resources=task_resources(prof),
+                )
+        dfut.add_done_callback(partial(self._on_done, job))
+
+    # ------------------------------------------------------------ collect
+    def _on_done(self, job: Job, dfut: Any) -> None:
+        live = self.live
+        try:
+            state, start, end, wkey = dfut.result()
+        except BaseException as exc:
+            if _is_worker_death(exc) and not live.stop.is_set():
+                # off Dask's callback thread: reporting may wait on the server, a retry on devices
+                _off_thread(job, self._worker_died, job, exc, name=f"gpu-tasks-crash-{job.profile.name}")
+                return
+            self.finish(job, exc=exc, dispatched=True)
+            return
+        job.st.cluster.record(wkey, start, end)
+        prof = job.profile
+        if (prof.on_oom and job.escalated_from is None and state.is_failed()
+                and GpuOutOfMemoryError.__name__ in (state.message or "") and not live.stop.is_set()):
+            with job.st.lock:
+                live.landed(job)
+            _off_thread(job, self._escalate_guarded, job, None, state.message or "out of memory",
+                        name=f"gpu-tasks-oom-{prof.name}")
+            return
+        self.finish(job, result=state, dispatched=True)
+
+    def finish(self, job: Job, result: Any = None, exc: BaseException | None = None, dispatched: bool = False) -> None:
+        """Resolve ``job``'s future with its final state (or ``exc``) and account for it."""
+        st, cf = job.st, job.cf
+        with st.lock:
+            if dispatched:
+                self.live.landed(job)
+            st.leave()
+        if cf.done():
+            return
+        if exc is not None:
+            cf.set_exception(exc)
+        else:
+            cf.set_result(result)
+
+    # ------------------------------------------------------------ out of memory
+    def _escalate_guarded(self, job: Job, task_run: Any, why: str) -> None:
+        try:
+            self._escalate(job, task_run, why)
+        except BaseException as err:  # never leave the future unresolved
+            logger.warning("gpu-tasks: could not re-run an out-of-memory task on its on_oom profile", exc_info=True)
+            self.finish(job, exc=err)
+
+    def _escalate(self, job: Job, task_run: Any, why: str) -> None:
+        """Re-run ``job`` once on its profile's ``on_oom`` profile, continuing the same task run."""
+        live = self.live
+        source = job.profile
+        assert source.on_oom is not None  # the runner checked it names a known profile
+        target = live.profiles[source.on_oom]
+        if task_run is None:
+            task_run = read_task_run(job.task_run_id, job.task, live.flow_run_id, set(job.task.tags), wait=2.0)
+        old, new = job.st, live.state(target)
+        old.leave()
+        new.arrive()
+        job.st = new
+        job.extra_tags = [profile(target.name), ESCALATED_TAG]
+        job.escalated_from = source.name
+        task_run.tags = sorted(set(task_run.tags or ()) | {profile(target.name), ESCALATED_TAG})
+        await_retry(task_run, live.flow_run_id)
+        job.task_run = task_run
+        flow_logger().warning(
+            "Task run %r ran out of memory on profile %r (%s); re-running it once on profile %r (on_oom)",
+            task_run.name, source.name, why, target.name,
+        )
+        live.emit_task("escalated", job, {"from_profile": source.name, "to_profile": target.name, "reason": why})
+        self.dispatch(job)
+
+    # ------------------------------------------------------------ dead workers
+    def _worker_died(self, job: Job, exc: BaseException) -> None:
+        """The worker running ``job`` died: report the crash, give its devices back, retry if allowed."""
+        try:
+            retry = self._report_worker_death(job, exc)
+        except BaseException as err:  # never leave the future unresolved
+            logger.warning("gpu-tasks: error while handling a dead worker", exc_info=True)
+            self.finish(job, exc=err)
+            return
+        if retry is None:
+            return
+        delay, state = retry
+        if self.live.stop.wait(delay):
+            self.finish(job, result=state)
+            return
+        self.dispatch(job)
+
+    def _report_worker_death(self, job: Job, exc: BaseException) -> tuple[float, Any] | None:
+        """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried."""
+        from gpu_tasks._nanny import worker_exit  # imports distributed: only once a worker died
+
+        live, st, prof = self.live, job.st, job.profile
+        ws = getattr(exc, "last_worker", None)
+        name = str(getattr(ws, "name", "") or "")
+        address = getattr(ws, "address", None)
+        ended = worker_exit(address) if address else None
+        how = ended.describe() if ended else "died"
+        with st.lock:
+            devices = st.cluster.worker_devices(name) or st.cluster.devices
+            row = st.cluster.retire(name, f"worker crashed: {how}")
+            live.landed(job)
+        where = f"device(s) {','.join(devices)}" if devices else "CPU"
+        if st.cluster.emulated:
+            where += " (emulated)"
+        pid = f", pid {ended.pid}" if ended and ended.pid else ""
+        message = (
+            f"{'Out of memory: ' if ended and ended.memory_kill else ''}the worker process of profile "
+            f"{prof.name!r} on {where} ({name or address}{pid}) {how} while running this task"
+        )
+        if row is not None:
+            live.ledger.append(row)
+            live.emit("crashed", st.cluster, {
+                "reason": message, "devices": list(row.devices), "worker": name, "pid": ended.pid if ended else None,
+                "exitcode": ended.exitcode if ended else None, "out_of_memory": bool(ended and ended.memory_kill),
+                "held_s": round(row.held_seconds, 3), "busy_s": round(row.busy_seconds, 3),
+            }, row.devices)
+        state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
+        if ended and ended.memory_kill and prof.on_oom and job.escalated_from is None and task_run is not None:
+            self._escalate(job, task_run, message)
+            return None
+        attempts = max(job.crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
+        retries = int(job.task.retries or 0)
+        log = flow_logger()
+        if task_run is None or attempts > retries:
+            log.error("Task run %s crashed: %s%s", job.task_run_id, message,
+                      f"; no retries left ({retries} allowed)" if retries else "")
+            self.finish(job, result=state)
+            return None
+        delay = _retry_delay(job.task, job.crashes)
+        await_retry(task_run, live.flow_run_id, delay)
+        job.crashes += 1
+        job.task_run = task_run
+        log.warning("Task run %r crashed: %s; retrying it on a new worker (retry %d of %d) in %gs",
+                    task_run.name, message, attempts, retries, delay)
+        return delay, state

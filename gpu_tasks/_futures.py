@@ -1,0 +1,63 @@
+"""Prefect futures as task inputs: wait for them without blocking, turn them into states.
+
+A task's upstream futures may live on another profile's cluster; Dask futures of one
+cluster cannot go to another, so inputs travel as final Prefect states.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from prefect.futures import PrefectFuture
+from prefect.utilities.collections import visit_collection
+
+
+def pending_futures(expr: Any) -> list[PrefectFuture[Any]]:
+    """The Prefect futures in ``expr`` (any nesting) that are not done yet."""
+    found: list[PrefectFuture[Any]] = []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, PrefectFuture):
+            found.append(x)
+        return x
+
+    visit_collection(expr, visit_fn=visit, return_data=False)
+    return [f for f in found if not _is_done(f)]
+
+
+def _is_done(f: PrefectFuture[Any]) -> bool:
+    wrapped = getattr(f, "wrapped_future", None)
+    if isinstance(wrapped, concurrent.futures.Future):
+        return wrapped.done()
+    return f.state.is_final()
+
+
+def when_all_done(futures: list[PrefectFuture[Any]], then: Callable[[], Any]) -> None:
+    """Call ``then()`` (on the thread that finishes the last one) once all ``futures`` are done."""
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one_done(_: Any) -> None:
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            then()
+
+    for f in futures:
+        f.add_done_callback(one_done)
+
+
+def futures_to_states(expr: Any) -> Any:
+    """Replace Prefect futures by their final states, which travel to any cluster."""
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, PrefectFuture):
+            x.wait()
+            return x.state
+        return x
+
+    return visit_collection(expr, visit_fn=visit, return_data=True)

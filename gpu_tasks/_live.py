@@ -1,0 +1,278 @@
+"""What an entered runner owns while it runs: per-profile state, the idle monitor, closing.
+
+``Live`` is created when the runner's first task is submitted (never in
+``__enter__``: Prefect enters copies of the runner on workers) and closed as a
+whole when the flow run ends.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextvars
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from prefect.futures import PrefectFuture
+
+from gpu_tasks._api import require_flow_api_url, worker_env
+from gpu_tasks._context import ContextSerializer
+from gpu_tasks._prefect_private import extend_no_limits_cache
+from gpu_tasks.clusters import ProfileCluster
+from gpu_tasks.device_book import DeviceBook
+from gpu_tasks.devices import Inventory, discover
+from gpu_tasks.events import emit_cluster_event, emit_task_event
+from gpu_tasks.ledger import LedgerRow
+from gpu_tasks.policy import IdleView, close_reason
+from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.settings import get_settings
+
+logger = logging.getLogger("gpu_tasks.runner")
+
+
+class ProfileState:
+    """Book-keeping for one profile within one entered runner.
+
+    ``outstanding`` counts tasks submitted and not finished (waiting on upstream,
+    queued or running); ``dispatched`` those handed to the cluster. Both change only
+    through the methods below, under ``lock``.
+    """
+
+    def __init__(self, cluster: ProfileCluster, idle_timeout: float):
+        self.cluster = cluster
+        self.idle_timeout = idle_timeout
+        self.lock = threading.RLock()
+        self.outstanding = 0
+        self.dispatched = 0
+        self.idle_since: float | None = None
+        self.ever_provisioned = False
+        # GPU profiles dispatch on a thread of their own: waiting for devices another
+        # profile holds must block neither the flow nor other profiles' dispatch.
+        self.dispatcher: concurrent.futures.ThreadPoolExecutor | None = (
+            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpu-tasks-{cluster.profile.name}")
+            if cluster.profile.is_gpu else None
+        )
+
+    def arrive(self) -> None:
+        """A task of this profile was submitted (or moved here)."""
+        with self.lock:
+            self.outstanding += 1
+            self.idle_since = None
+
+    def leave(self, dispatched: bool = False) -> None:
+        """A task of this profile finished (or moved away); ``dispatched``: it had been handed to the cluster."""
+        with self.lock:
+            self.outstanding -= 1
+            if dispatched:
+                self.dispatched -= 1
+            if self.outstanding == 0:
+                self.idle_since = time.monotonic()
+
+    def idle_view(self) -> IdleView:
+        """What the idle policy needs to decide."""
+        return IdleView(self.cluster.running, self.outstanding, self.idle_since, self.idle_timeout)
+
+
+@dataclass(eq=False)
+class Job:
+    """One submitted task, from submit to its final state (a crash re-run keeps its job)."""
+
+    st: ProfileState
+    task: Any
+    task_run_id: uuid.UUID
+    parameters: dict[str, Any]
+    wait_for: Iterable[PrefectFuture[Any]] | None
+    dependencies: dict[str, set[Any]] | None
+    extra_tags: list[str]
+    cf: concurrent.futures.Future[Any]
+    ctx: contextvars.Context
+    crashes: int = 0  # times its worker died under it
+    task_run: Any = None  # the task run a re-run continues (run count, name)
+    escalated_from: str | None = None  # the profile it ran out of memory on (on_oom re-runs once)
+
+    @property
+    def profile(self) -> ResourceProfile:
+        return self.st.cluster.profile
+
+    @property
+    def tags(self) -> set[str]:
+        return set(self.task.tags) | set(self.extra_tags)
+
+
+class Live:
+    """Everything an entered runner owns; closed as a whole on exit."""
+
+    def __init__(self, profiles: dict[str, ResourceProfile], default: str, idle_timeout: float):
+        self.profiles, self.default = profiles, default
+        self.settings = get_settings()
+        extend_no_limits_cache(self.settings.tag_limit_cache_seconds)
+        self.idle_timeout = idle_timeout
+        self._inventory: Inventory | None = None
+        self.states: dict[str, ProfileState] = {}
+        self.ledger: list[LedgerRow] = []
+        self.inflight: dict[uuid.UUID, Job] = {}  # handed to a cluster, no final state yet
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpu-tasks-dispatch")
+        self.monitor: threading.Thread | None = None
+        self.worker_env: dict[str, str] | None = None
+        self.context = ContextSerializer()
+        self.book = DeviceBook(
+            reclaim=self._reclaim, stop=self.stop,
+            lease_dir=self.settings.lease_dir, lease_timeout=self.settings.lease_timeout,
+        )
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()  # the runner outlives the flow run context; remember the run
+        self.flow_run_id = ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
+
+    @property
+    def inventory(self) -> Inventory:
+        if self._inventory is None:
+            self._inventory = discover(self.settings)
+            logger.info("gpu-tasks devices: %s", self._inventory.describe())
+            if self._inventory.emulated:
+                logger.warning(
+                    "gpu-tasks is EMULATING devices (%s): tasks get CUDA_VISIBLE_DEVICES and Dask GPU "
+                    "resources as on real hardware, but compute runs on the CPU",
+                    self._inventory.detail,
+                )
+        return self._inventory
+
+    def state(self, prof: ResourceProfile) -> ProfileState:
+        with self.lock:
+            st = self.states.get(prof.name)
+            if st is None:
+                if self.worker_env is None and prof.uses_processes:
+                    api_url = require_flow_api_url(prof.name)
+                    self.worker_env = worker_env(api_url)
+                    self.context.api_url = api_url
+                timeout = prof.idle_timeout if prof.idle_timeout is not None else self.idle_timeout
+                cluster = ProfileCluster(
+                    prof, self.inventory if prof.is_gpu else Inventory(), self.worker_env or {},
+                    self.settings.provision_timeout, dashboard=self.settings.dashboard, book=self.book,
+                )
+                st = self.states[prof.name] = ProfileState(cluster, timeout)
+                self._start_monitor()
+            return st
+
+    # ------------------------------------------------------------ in flight
+    def running(self, job: Job) -> None:
+        """``job`` was handed to its cluster (call under its profile's lock)."""
+        job.st.dispatched += 1
+        self.inflight[job.task_run_id] = job
+
+    def landed(self, job: Job) -> None:
+        """``job`` came back from its cluster, finished or not (call under its profile's lock)."""
+        job.st.dispatched -= 1
+        self.inflight.pop(job.task_run_id, None)
+
+    # ------------------------------------------------------------ idle close
+    def _start_monitor(self) -> None:
+        if self.monitor is None:
+            # The monitor and the close threads it starts run in the submitting thread's context:
+            # a thread starts with an empty one, which would lose the flow run's Prefect settings
+            # (an API URL set by `temporary_settings` or a test harness) and send the events of
+            # idle closes to a new ephemeral Prefect server started in this process.
+            self.monitor = threading.Thread(
+                target=contextvars.copy_context().run, args=(self._watch,), name="gpu-tasks-idle", daemon=True
+            )
+            self.monitor.start()
+
+    def _watch(self) -> None:
+        closing: dict[str, threading.Thread] = {}
+        while not self.stop.wait(self._interval()):
+            for name, st in list(self.states.items()):
+                if name in closing and closing[name].is_alive():
+                    continue
+                if close_reason(st.idle_view(), time.monotonic()):
+                    # close off the monitor thread so one slow close never delays another profile's
+                    closing[name] = threading.Thread(
+                        target=contextvars.copy_context().run, args=(self._close_if_idle, st),
+                        name=f"gpu-tasks-close-{name}", daemon=True,
+                    )
+                    closing[name].start()
+        for thread in closing.values():
+            thread.join(timeout=30)
+
+    def _close_if_idle(self, st: ProfileState) -> None:
+        with st.lock:  # re-check under the lock: a task may have arrived meanwhile
+            reason = close_reason(st.idle_view(), time.monotonic())
+            if reason and not self.stop.is_set():
+                self.close_cluster(st, f"scaled down: {reason}")
+
+    def _reclaim(self, wanted: set[str], by: str) -> None:
+        """Close idle clusters that hold devices profile ``by`` waits for (before their timeout)."""
+        for name, st in list(self.states.items()):
+            if name == by or not wanted.intersection(st.cluster.devices):
+                continue
+            if not st.lock.acquire(blocking=False):  # busy dispatching; try again next round
+                continue
+            try:
+                if st.cluster.running and st.outstanding == 0:
+                    self.close_cluster(st, f"released its devices early: profile {by!r} is waiting for them")
+            finally:
+                st.lock.release()
+
+    def _interval(self) -> float:
+        timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
+        return min(0.25, max(0.02, min(timeouts) / 5))
+
+    def close_cluster(self, st: ProfileState, reason: str, hurry: bool = False) -> None:
+        """Close ``st``'s cluster, write its ledger row and say so in an event."""
+        devices = st.cluster.devices
+        row = st.cluster.close(reason, hurry=hurry)
+        if row is not None:
+            self.ledger.append(row)
+            self.emit("closed", st.cluster, {
+                "reason": reason, "devices": list(devices), "held_s": round(row.held_seconds, 3),
+                "busy_s": round(row.busy_seconds, 3), "tasks": row.tasks,
+            }, devices)
+
+    # ------------------------------------------------------------ events
+    def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
+        """A ``gpu-tasks.cluster.<what>`` event related to this flow run."""
+        emit_cluster_event(what, cluster, self.flow_run_id, payload, devices)
+
+    def emit_task(self, what: str, job: Job, payload: dict[str, Any]) -> None:
+        """A ``gpu-tasks.task.<what>`` event about ``job``'s task run."""
+        emit_task_event(what, job.task_run_id, job.task.name, job.profile.name, self.flow_run_id, payload)
+
+    # ------------------------------------------------------------ close
+    def close(self, reason: str, hurry: bool = False) -> None:
+        self.stop.set()
+        if self.monitor is not None:
+            self.monitor.join(timeout=5)
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        for st in list(self.states.values()):
+            if st.dispatcher is not None:
+                st.dispatcher.shutdown(wait=False, cancel_futures=True)
+            st.cluster.drain()
+        running = list(self.inflight.values())
+        for st in list(self.states.values()):
+            with st.lock:
+                self.close_cluster(st, reason, hurry=hurry)
+        self._crash_unfinished(running, reason)
+
+    def _crash_unfinished(self, jobs: list[Job], reason: str) -> None:
+        """Report task runs that were running when their cluster closed ``Crashed`` (never left Running)."""
+        from gpu_tasks._crash import crash_task_run
+
+        first = True
+        for job in jobs:
+            cf = job.cf
+            if cf.done() and not cf.cancelled() and cf.exception() is None:
+                continue  # it finished while the clusters closed
+            prof = job.profile
+            message = (f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; "
+                       "its worker was closed")
+            state, _ = crash_task_run(job.task_run_id, job.task, self.flow_run_id, message,
+                                      tags=job.tags, wait=1.0 if first else 0.0)
+            first = False
+            logger.warning("task run %s of profile %r: %s", job.task_run_id, prof.name, message)
+            if not cf.done():
+                cf.set_result(state)

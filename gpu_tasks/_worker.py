@@ -1,0 +1,292 @@
+"""Everything that runs inside a worker process: Prefect's task engine on the worker's allocation.
+
+The flow process submits :func:`run_on_worker` to a profile's cluster (process
+profiles) or :func:`run_engine` to its thread pool (in-process profiles). State kept
+here is per worker process: validated Prefect settings by key, one open Prefect
+client per thread, the task runs running now (reported ``Crashed`` if the flow
+process dies) and the pools of nested tasks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import logging
+import os
+import threading
+import time
+import uuid
+from typing import Any
+
+from gpu_tasks import _dask_private, _worker_guard
+from gpu_tasks._futures import futures_to_states
+from gpu_tasks._slots import SlotPool
+from gpu_tasks._prefect_private import extend_no_limits_cache
+from gpu_tasks.allocation import WORKER_ENV_PROFILE, Allocation, allocated, current_allocation, worker_allocation
+from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError
+from gpu_tasks.ledger import worker_key
+from gpu_tasks.profiles import profile, profile_from_tags, requested_profile
+from gpu_tasks.settings import get_settings
+
+logger = logging.getLogger(__name__)
+
+# Built Prefect settings by the key their serialized form was sent with (see gpu_tasks._context):
+# validating Settings from a dict reads env, .env and toml sources and costs tens of ms per task.
+_WORKER_SETTINGS: dict[str, dict[str, Any]] = {}
+_WORKER_SETTINGS_LOCK = threading.Lock()
+_WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect client, by settings key
+
+
+def run_on_worker(
+    profile_name: str, fraction: float, task: Any, kwargs: dict[str, Any], settings_key: str
+) -> tuple[Any, float, float, str]:
+    """Run the Prefect task engine in a worker process (context travels serialized).
+
+    The serialized settings are validated once per worker process and settings key, and
+    each worker thread keeps one open sync Prefect client per settings key; the task
+    engine finds it through Prefect's ``SyncClientContext`` as it would its own.
+    """
+    from distributed import get_worker
+    from prefect.context import SettingsContext, SyncClientContext
+
+    try:
+        address = get_worker().address
+    except ValueError:  # pragma: no cover - not on a worker
+        address = None
+    settings = _worker_settings(settings_key, kwargs["context"]["settings_context"])
+    kwargs = {**kwargs, "context": {**kwargs["context"], "settings_context": settings}}
+    alloc = worker_allocation(profile_name, fraction, address)
+    _worker_guard.on_orphaned(_report_orphaned)  # once per worker process (idempotent)
+    flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run") or {}
+    running = (task, flow_run.get("id"), alloc, set(task.tags))
+    with _RUNNING_LOCK:
+        _RUNNING[kwargs["task_run_id"]] = running
+    try:
+        with SettingsContext(**settings), SyncClientContext.model_construct(client=_thread_client(settings_key)):
+            return run_engine(alloc, task, kwargs)
+    finally:
+        with _RUNNING_LOCK:
+            _RUNNING.pop(kwargs["task_run_id"], None)
+
+
+# Task runs this worker process is running now, for a crash report if the flow process dies.
+_RUNNING: dict[uuid.UUID, tuple[Any, Any, Allocation, set[str]]] = {}
+_RUNNING_LOCK = threading.Lock()
+
+
+def _report_orphaned(flow_pid: int) -> None:
+    """The flow process died (SIGKILL, OOM killer): report its running task runs and flow run ``Crashed``.
+
+    Called by the worker guard before this worker exits; bounded to a few seconds.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.events.worker import EventsWorker
+    from prefect.states import Crashed
+
+    from gpu_tasks._crash import crash_task_run
+
+    with _RUNNING_LOCK:
+        running = dict(_RUNNING)
+    flow_runs = set()
+    for task_run_id, (task, flow_run_id, alloc, tags) in running.items():
+        where = f"device(s) {','.join(alloc.devices)}" if alloc.devices else "CPU"
+        message = (f"the flow process (pid {flow_pid}) died while this task ran on profile {alloc.profile!r}, "
+                   f"{where}; its worker exited with it")
+        crash_task_run(task_run_id, task, uuid.UUID(str(flow_run_id)) if flow_run_id else None, message,
+                       tags=tags, wait=0.5)
+        if flow_run_id:
+            flow_runs.add(str(flow_run_id))
+    if flow_runs:
+        try:
+            with get_client(sync_client=True) as client:
+                for flow_run_id in flow_runs:
+                    client.set_flow_run_state(
+                        uuid.UUID(flow_run_id), Crashed(message=(
+                            f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its tasks "
+                            "(reported by a worker)")), force=True,
+                    )
+        except Exception:
+            logger.warning("could not report the flow run Crashed", exc_info=True)
+    EventsWorker.drain_all(timeout=2)
+
+
+def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
+    """``SettingsContext`` fields (built profile and settings) for serialized settings sent under ``key``."""
+    from prefect.context import SettingsContext
+
+    with _WORKER_SETTINGS_LOCK:
+        built = _WORKER_SETTINGS.get(key)
+    if built is None:
+        extend_no_limits_cache(get_settings().tag_limit_cache_seconds)  # once per worker and settings
+        ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
+        built = {"profile": ctx.profile, "settings": ctx.settings}
+        with _WORKER_SETTINGS_LOCK:
+            if len(_WORKER_SETTINGS) >= 8:  # one key per flow run's settings: keep a few
+                _WORKER_SETTINGS.clear()
+            _WORKER_SETTINGS[key] = built
+    return built
+
+
+def _thread_client(key: str) -> Any:
+    """This thread's started sync Prefect client for the settings under ``key`` (active now)."""
+    from prefect.client.orchestration import get_client
+    from prefect.context import SettingsContext
+
+    cached = getattr(_WORKER_THREAD, "client", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if cached is not None:
+        try:
+            cached[1].__exit__(None, None, None)
+        except Exception:  # pragma: no cover - closing a stale client is best effort
+            logger.debug("could not close a worker's Prefect client", exc_info=True)
+    client = get_client(sync_client=True).__enter__()  # left open: later tasks re-enter it
+    settings = SettingsContext.get()
+    if settings is None or settings.settings.client.server_version_check_enabled:
+        client.raise_for_api_version_mismatch_once()
+    _WORKER_THREAD.client = (key, client)
+    return client
+
+
+def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
+    from prefect.task_engine import run_task_async, run_task_sync
+
+    placement = alloc.placement_tags()
+    if placement and not placement <= set(task.tags):
+        # the task run shows where it ran in the Prefect UI: gpu:<id> per device, emulated or not
+        task = task.with_options(tags=set(task.tags) | placement)
+    if alloc.profile:
+        task = _oom_translated(task, alloc)
+    start = time.time()
+    try:
+        with allocated(alloc):
+            if task.isasync:
+                state = asyncio.run(run_task_async(task=task, **kwargs))
+            else:
+                state = run_task_sync(task=task, **kwargs)
+    except Exception:
+        raise
+    except BaseException as exc:
+        # KeyboardInterrupt, SystemExit and the like raised by the task itself: Prefect's engine
+        # has reported the run Crashed and re-raises; raised further it would abort the flow
+        # process (in-process profiles) or kill the Dask worker (which Dask then re-runs).
+        state = _crashed_by(exc, kwargs.get("task_run_id"))
+    return state, start, time.time(), worker_key(alloc.devices)
+
+
+def _oom_translated(task: Any, alloc: Allocation) -> Any:
+    """``task`` whose out-of-memory errors (CUDA, RMM, cuDF, MemoryError) name its profile and devices."""
+    import copy
+    import functools
+
+    from gpu_tasks._crash import looks_like_oom
+
+    fn = task.fn
+    if getattr(fn, "__gpu_tasks_oom__", False):
+        return task
+
+    def translated(exc: Exception) -> Exception:
+        if not looks_like_oom(exc) or isinstance(exc, GpuOutOfMemoryError):
+            return exc
+        where = f"device(s) {','.join(alloc.devices)}" if alloc.devices else "CPU"
+        if alloc.devices and alloc.emulated:
+            where += " (emulated)"
+        error = GpuOutOfMemoryError(
+            f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. Lower the task's "
+            "memory use, or give the profile on_oom='<a larger profile>' to re-run it there once"
+        )
+        error.__cause__ = exc
+        return error
+
+    if asyncio.iscoroutinefunction(fn):
+        @functools.wraps(fn)
+        async def wrapped(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return await fn(*args, **kwargs)
+            except Exception as exc:
+                raise translated(exc)  # noqa: B904 (the cause is set, or exc is re-raised as is)
+    else:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return fn(*args, **kwargs)
+            except Exception as exc:
+                raise translated(exc)  # noqa: B904 (the cause is set, or exc is re-raised as is)
+
+    wrapped.__gpu_tasks_oom__ = True  # type: ignore[attr-defined]
+    out = copy.copy(task)
+    out.fn = wrapped
+    return out
+
+
+def _crashed_by(exc: BaseException, task_run_id: uuid.UUID | None) -> Any:
+    from prefect.states import Crashed
+
+    words = {
+        KeyboardInterrupt: "Execution was aborted by an interrupt signal.",
+        SystemExit: "Execution was aborted by Python system exit call.",
+    }
+    message = next((m for cls, m in words.items() if isinstance(exc, cls)), None)
+    state = Crashed(message=message or f"Execution was interrupted by {type(exc).__name__}: {exc}")
+    state.state_details.task_run_id = task_run_id
+    return state
+
+
+# Nested tasks submitted by a task running in a worker process run in that process, on the
+# parent's allocation, in a slot pool sized like the worker (see ProfileTaskRunner.submit).
+_NESTED_POOLS: dict[str, SlotPool] = {}
+_NESTED_LOCK = threading.Lock()
+
+
+def nested_pool(profile_name: str) -> SlotPool:
+    with _NESTED_LOCK:
+        pool = _NESTED_POOLS.get(profile_name)
+        if pool is None:
+            pool = _NESTED_POOLS[profile_name] = SlotPool(_dask_private.worker_threads(),
+                                                          name=f"gpu-tasks-nested-{profile_name}")
+        return pool
+
+
+def submit_nested(
+    task: Any, parameters: dict[str, Any], wait_for: Any, dependencies: dict[str, set[Any]] | None,
+    default: str,
+) -> tuple[uuid.UUID, concurrent.futures.Future[Any], str]:
+    """Run a task submitted by a task running in this worker process here, on the parent's devices.
+
+    The child shares its parent's allocation and slots (the parent leaves its slot while it
+    waits), so nesting never waits for devices the parent holds, at any depth. Returns the
+    child's task run id, a future of its final state, and its profile.
+
+    Raises:
+        ProfileError: the child names another profile than the worker's.
+    """
+    from prefect import tags
+
+    here = os.environ[WORKER_ENV_PROFILE]
+    # the child's own tag first: the tags context it inherits carries its parent's profile
+    wanted = profile_from_tags(set(task.tags)) or requested_profile(task) or default
+    if wanted != here:
+        raise ProfileError(
+            f"task {task.name!r} asks for profile {wanted!r} but was submitted by a task running in a "
+            f"worker of profile {here!r}; nested tasks run on their parent's profile. Tag it "
+            f"profile({here!r}), or submit it from the flow instead of from inside a task"
+        )
+    alloc = current_allocation()
+    task_run_id = uuid.uuid4()
+
+    def run() -> Any:
+        kwargs: dict[str, Any] = dict(
+            task_run_id=task_run_id, parameters=futures_to_states(parameters),
+            wait_for=futures_to_states(list(wait_for)) if wait_for else None,
+            dependencies=dependencies, return_type="state",
+        )
+        with tags(profile(here)):
+            return run_engine(alloc, task, kwargs)[0]
+
+    return task_run_id, nested_pool(here).submit(contextvars.copy_context().run, run), here
+
+
+def in_worker_process() -> bool:
+    """Whether this process is one of a profile's worker processes."""
+    return bool(os.environ.get(WORKER_ENV_PROFILE))

@@ -1,0 +1,418 @@
+"""The one place that builds Dask workers and clusters.
+
+A profile's workers run on one of three backends, chosen by :func:`start`:
+
+- :class:`ThreadBackend`: threads in the flow process (CPU profiles without
+  ``processes``), a slot pool instead of a Dask scheduler;
+- :class:`DaskBackend`: a ``SpecCluster`` of worker processes, one per
+  :class:`~gpu_tasks.policy.WorkerSpec` (CPU process profiles, emulated devices,
+  several devices per worker);
+- :class:`CudaBackend`: dask-cuda's ``LocalCUDACluster`` on real GPUs, each worker
+  shown only the device it was leased.
+
+:func:`per_device_client` builds the short-lived cluster a task starts over the
+devices it holds (distributed training). Every worker listens on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+from gpu_tasks import _dask_private, _gpu
+from gpu_tasks._slots import SlotPool
+from gpu_tasks.allocation import Allocation
+from gpu_tasks.errors import ClusterError
+from gpu_tasks.policy import GPU_RESOURCE, WorkerSpec
+from gpu_tasks.profiles import CudaOptions, ResourceProfile
+
+logger = logging.getLogger(__name__)
+
+LOCALHOST = "127.0.0.1"
+_ANY_PORT = f"{LOCALHOST}:0"
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------- specs
+def nanny_spec(spec: WorkerSpec, watched: bool = True) -> dict[str, Any]:
+    """The ``SpecCluster`` entry of one worker: a nanny process with the spec's threads,
+    resources and environment.
+
+    Args:
+        watched: a :class:`~gpu_tasks._nanny.WatchedNanny` (records how its worker
+            ended) whose worker loads the guard that ends it with the flow process;
+            otherwise a plain ``Nanny`` (a task's own short-lived cluster).
+    """
+    from distributed import Nanny
+
+    from gpu_tasks._nanny import WatchedNanny
+    from gpu_tasks._worker_guard import preload_options
+
+    options: dict[str, Any] = {
+        "nthreads": spec.nthreads,
+        "resources": spec.resources or None,
+        "env": spec.env,
+        "host": LOCALHOST,
+        "memory_limit": spec.memory_limit or "auto",
+        "dashboard_address": _ANY_PORT,
+        "silence_logs": logging.WARNING,
+        "name": spec.name,
+    }
+    if watched:
+        options.update(preload_options())  # workers exit with the flow process (gpu_tasks._worker_guard)
+    return {"cls": WatchedNanny if watched else Nanny, "options": options}
+
+
+def scheduler_spec(dashboard: bool, rerun_lost: bool = False) -> dict[str, Any]:
+    """The ``SpecCluster`` scheduler entry.
+
+    Args:
+        rerun_lost: let Dask re-run a task whose worker died (its default); a profile's
+            scheduler does not: the runner reports the crash (gpu_tasks._crash).
+    """
+    from distributed import Scheduler
+
+    options: dict[str, Any] = {"host": LOCALHOST, "dashboard": dashboard, "dashboard_address": _ANY_PORT}
+    if not rerun_lost:
+        options["allowed_failures"] = 0
+    return {"cls": Scheduler, "options": options}
+
+
+def _non_daemon_workers() -> Any:
+    """Start worker processes as non-daemonic, so tasks may start processes of their own
+    (a training cluster, a dask-cuDF cluster). The nanny still stops them when the cluster
+    closes; the lifecycle tests prove none outlives the flow."""
+    import dask
+
+    return dask.config.set({"distributed.worker.daemon": False})
+
+
+def _within(seconds: float, fn: Callable[[], T], what: str) -> T:
+    """``fn()`` in a daemon thread, giving up after ``seconds``.
+
+    Dask's SpecCluster can wait forever when a worker process fails while starting
+    (for one, a script that runs its flow at import time under the spawn start
+    method). A result that arrives after the deadline is closed, not leaked.
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            value = fn()
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+        else:
+            with lock:
+                box["value"] = value
+                late = box.get("abandoned", False)
+            if late:
+                with contextlib.suppress(Exception):
+                    value.close()  # type: ignore[attr-defined]  # a cluster
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"gpu-tasks-start-{what}", daemon=True).start()
+    if not done.wait(seconds):
+        with lock:
+            box["abandoned"] = True
+            value = box.get("value")
+        if value is None:
+            raise TimeoutError(
+                f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). Worker "
+                "processes are spawned and re-import the script that started the flow: guard "
+                "the flow call with `if __name__ == \"__main__\":`, and see the Dask log above"
+            )
+    if "error" in box:
+        raise box["error"]
+    result: T = box["value"]
+    return result
+
+
+# ---------------------------------------------------------------- backends
+class Backend:
+    """A running set of workers of one profile: submit to it, grow it, close it."""
+
+    dashboard_link: str | None = None
+
+    def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
+        """Run ``fn(*args)``; a future with ``add_done_callback`` and ``result``."""
+        raise NotImplementedError
+
+    def add(self, specs: list[WorkerSpec], total: int) -> None:
+        """Start the workers of ``specs`` and wait until ``total`` workers are up."""
+        raise ClusterError(f"{type(self).__name__} does not add workers")
+
+    def remove(self, name: str) -> None:
+        """Stop the worker called ``name`` (its process died)."""
+
+    def drain(self) -> None:
+        """Let running tasks finish, start no queued one (before the runner closes)."""
+
+    def terminate(self) -> None:
+        """SIGTERM every worker process (the flow was interrupted)."""
+
+    def close(self) -> None:
+        """Stop every worker; nothing of this backend runs afterwards."""
+        raise NotImplementedError
+
+
+class ThreadBackend(Backend):
+    """Threads in the flow process.
+
+    A Dask scheduler round trip costs about as much as Prefect's whole task engine
+    (bench/overhead.py), so a plain executor sized by the profile runs these tasks.
+    A slot pool, not a plain thread pool: a task that waits for a child task of this
+    profile gives its slot to the child (:mod:`gpu_tasks._slots`).
+    """
+
+    def __init__(self, nthreads: int, name: str) -> None:
+        self.pool = SlotPool(nthreads, name=name)
+
+    def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
+        return self.pool.submit(fn, *args)
+
+    def drain(self) -> None:
+        # Let running in-process tasks finish (as Prefect's thread pool runner does) before the
+        # runner takes the profile's lock: their completion callbacks need that lock.
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
+
+class DaskBackend(Backend):
+    """A Dask cluster of worker processes and the flow's client to it."""
+
+    def __init__(self, cluster: Any, n_workers: int, timeout: float, dashboard: bool) -> None:
+        from distributed import Client
+
+        self.cluster = cluster
+        self.timeout = timeout
+        self.client = None
+        try:
+            self.client = Client(cluster, set_as_default=False, timeout=timeout)
+            self.client.wait_for_workers(n_workers, timeout=timeout)
+        except BaseException:
+            self.close()
+            raise
+        self.dashboard_link = self.client.dashboard_link if dashboard else None
+
+    def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
+        assert self.client is not None
+        return self.client.submit(fn, *args, key=key, pure=False, resources=resources)
+
+    def add(self, specs: list[WorkerSpec], total: int) -> None:
+        for s in specs:
+            self.cluster.worker_spec[s.name] = nanny_spec(s)
+        with _non_daemon_workers():
+            _dask_private.correct_state(self.cluster)
+        self._wait(total)
+
+    def _wait(self, total: int) -> None:
+        assert self.client is not None
+        self.client.wait_for_workers(total, timeout=self.timeout)
+
+    def remove(self, name: str) -> None:
+        self.cluster.worker_spec.pop(name, None)
+        _dask_private.correct_state(self.cluster)  # stops that worker's nanny
+
+    def terminate(self) -> None:
+        for nanny in list(getattr(self.cluster, "workers", {}).values()):
+            pid = getattr(getattr(nanny, "process", None), "pid", None)
+            if pid:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGTERM)  # they end their own children first
+
+    def close(self) -> None:
+        for thing in (self.client, self.cluster):
+            if thing is None:
+                continue
+            try:
+                thing.close()
+            except Exception:
+                logger.warning("error while closing %r", thing, exc_info=True)
+        self.client = None
+        _dask_private.forget_closed_schedulers()
+
+
+class CudaBackend(DaskBackend):
+    """dask-cuda's ``LocalCUDACluster``, each worker shown only the device it was leased."""
+
+    def __init__(self, cluster: Any, next_devices: list[str], n_workers: int, timeout: float, dashboard: bool):
+        self.next_devices = next_devices  # devices leased for the next workers dask-cuda starts
+        super().__init__(cluster, n_workers, timeout, dashboard)
+
+    def add(self, specs: list[WorkerSpec], total: int) -> None:
+        self.next_devices.extend(s.devices[0].address for s in specs)
+        with _non_daemon_workers():
+            self.cluster.scale(total)
+        self._wait(total)
+
+
+def uses_dask_cuda(profile: ResourceProfile, emulated: bool) -> bool:
+    """Whether ``profile``'s workers are dask-cuda's (real GPUs, one device per worker)."""
+    return profile.is_gpu and not emulated and profile.devices_per_worker == 1
+
+
+def start(
+    profile: ResourceProfile, specs: list[WorkerSpec], every_spec: Callable[[], list[WorkerSpec]],
+    emulated: bool, timeout: float, dashboard: bool,
+) -> Backend:
+    """Start ``profile``'s workers for ``specs`` and wait until all are up.
+
+    Args:
+        every_spec: the specs of every worker the profile may ever have (dask-cuda
+            needs all of its devices up front; it starts only those of ``specs``).
+    """
+    if not profile.uses_processes:
+        return ThreadBackend(specs[0].nthreads, name=f"gpu-tasks-{profile.name}")
+    what = f"cluster of profile {profile.name!r}"
+    if uses_dask_cuda(profile, emulated):
+        next_devices = [s.devices[0].address for s in specs]
+        with _non_daemon_workers():
+            cluster = _within(timeout, lambda: _cuda_cluster(profile, specs, every_spec(), next_devices, dashboard),
+                              what)
+        return CudaBackend(cluster, next_devices, len(specs), timeout, dashboard)
+    from distributed import SpecCluster
+
+    with _non_daemon_workers():
+        cluster = _within(timeout, lambda: SpecCluster(
+            workers={s.name: nanny_spec(s) for s in specs}, scheduler=scheduler_spec(dashboard),
+            name=f"gpu-tasks:{profile.name}", silence_logs=logging.WARNING,
+        ), what)
+    return DaskBackend(cluster, len(specs), timeout, dashboard)
+
+
+def cuda_cluster_options(cuda: CudaOptions, specs: list[WorkerSpec], devices: list[str],
+                         dashboard: bool) -> dict[str, Any]:
+    """The ``LocalCUDACluster`` keyword arguments of a profile (its ``cuda`` options included)."""
+    return {
+        "CUDA_VISIBLE_DEVICES": devices,
+        "n_workers": len(specs),
+        "threads_per_worker": specs[0].nthreads,
+        "host": LOCALHOST,
+        "dashboard_address": _ANY_PORT if dashboard else None,
+        "memory_limit": specs[0].memory_limit or "auto",
+        "rmm_pool_size": cuda.rmm_pool_size,
+        "rmm_async": cuda.rmm_async,
+        "enable_cudf_spill": cuda.enable_cudf_spill,
+        "protocol": cuda.protocol,
+        "silence_logs": logging.WARNING,
+    }
+
+
+def _cuda_cluster(
+    profile: ResourceProfile, specs: list[WorkerSpec], every_spec: list[WorkerSpec], next_devices: list[str],
+    dashboard: bool,
+) -> Any:
+    """dask-cuda's LocalCUDACluster over every device of the profile, starting ``specs``'s workers."""
+    import dask
+
+    try:
+        dask_cuda = _gpu.load("dask_cuda")
+    except _gpu.GpuLibraryUnavailable as exc:
+        raise ClusterError(f"profile {profile.name!r} needs dask-cuda on real GPUs: {exc.reason}") from exc
+    by_address = {spec.devices[0].address: spec for spec in every_spec}
+    cls = _own_device_cluster_class(dask_cuda.LocalCUDACluster)
+    # no silent re-run of a task whose worker died: the runner reports the crash (gpu_tasks._crash)
+    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+        return cls(by_address, next_devices,
+                   **cuda_cluster_options(profile.cuda, specs, list(by_address), dashboard))
+
+
+_OWN_DEVICE_CLASSES: dict[type, type] = {}
+
+
+def _own_device_cluster_class(base: type) -> type:
+    """A ``LocalCUDACluster`` subclass whose workers see only the device leased to them.
+
+    Built on first use (dask-cuda imports only on GPU hosts, through :mod:`gpu_tasks._gpu`).
+    """
+    cls = _OWN_DEVICE_CLASSES.get(base)
+    if cls is not None:
+        return cls
+    from distributed import Nanny
+
+    from gpu_tasks._nanny import WatchedNanny
+    from gpu_tasks._worker_guard import preload_options
+
+    class OwnDeviceCUDACluster(base):  # type: ignore[valid-type,misc]  # base is dask-cuda's class
+        """dask-cuda shows each worker every device (its own first); gpu-tasks shows only its own."""
+
+        def __init__(self, by_address: dict[str, WorkerSpec], next_devices: list[str], **kwargs: Any) -> None:
+            self._gpu_tasks_specs = by_address
+            self._gpu_tasks_next = next_devices
+            super().__init__(**kwargs)
+
+        def new_worker_spec(self) -> dict[str, Any]:
+            spec: dict[str, Any] = super().new_worker_spec()
+            for worker in spec.values():
+                options = worker["options"]
+                # the device the book leased to this worker, not dask-cuda's next in line
+                own = (self._gpu_tasks_next.pop(0) if self._gpu_tasks_next
+                       else options["env"]["CUDA_VISIBLE_DEVICES"].split(",")[0])
+                options["env"] = dict(self._gpu_tasks_specs[own].env)
+                options["resources"] = dict(self._gpu_tasks_specs[own].resources)
+                if worker.get("cls") is Nanny:
+                    worker["cls"] = WatchedNanny
+                options.update(preload_options(options.get("preload", []), options.get("preload_argv", [])))
+            return spec
+
+    _OWN_DEVICE_CLASSES[base] = OwnDeviceCUDACluster
+    return OwnDeviceCUDACluster
+
+
+# ---------------------------------------------------------------- a task's own cluster
+@contextmanager
+def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any]:
+    """A Dask client over one worker per device of ``alloc`` (a task's devices), once all are up.
+
+    For distributed training inside one task (``xgboost.dask``): the cluster lives in
+    the task's worker process and closes when the block ends.
+    """
+    from distributed import Client, SpecCluster
+
+    if len(alloc.devices) < 2:
+        raise ClusterError(f"a per-device cluster needs at least two devices; this task holds {list(alloc.devices)}")
+    specs = [
+        WorkerSpec(name=f"device-{dev}", devices=(), nthreads=1, resources={GPU_RESOURCE: 1.0},
+                   env={"CUDA_VISIBLE_DEVICES": dev})
+        for dev in alloc.devices
+    ]
+    cluster = client = None
+    try:
+        cluster = SpecCluster(
+            workers={s.name: nanny_spec(s, watched=False) for s in specs},
+            scheduler=scheduler_spec(dashboard=False, rerun_lost=True),
+            name="gpu-tasks-per-device", silence_logs=logging.WARNING,
+        )
+        client = Client(cluster, set_as_default=False, timeout=timeout)
+        client.wait_for_workers(len(specs), timeout=timeout)
+    except Exception as exc:
+        for thing in (client, cluster):
+            if thing is not None:
+                thing.close()
+        raise ClusterError(
+            f"cluster of {len(specs)} workers on devices {','.join(alloc.devices)} did not all start "
+            f"within {timeout:g}s; released all of them: {exc}"
+        ) from exc
+    logger.info("%d workers up on devices %s", len(specs), ",".join(alloc.devices))
+    try:
+        # Current for the caller's context: xgboost.dask calls distributed.wait(), which looks
+        # the client up; inside a Dask worker it would otherwise find the worker's own client
+        # (the profile cluster's) and block forever.
+        with client.as_current():
+            yield client
+    finally:
+        client.close()
+        cluster.close()
+

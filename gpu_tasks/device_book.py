@@ -1,0 +1,252 @@
+"""DeviceBook: which profile's cluster holds each device, and the queue for devices.
+
+Within one entered runner the book hands device groups to profiles; across flow-run
+processes on this host it leases them (:mod:`gpu_tasks.leases`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from gpu_tasks import leases
+from gpu_tasks.devices import Device
+from gpu_tasks.errors import ClusterError
+from gpu_tasks.settings import get_settings, resolve
+
+logger = logging.getLogger(__name__)
+
+
+class DeviceBook:
+    """Which profile's cluster holds each device, within one entered runner.
+
+    A device belongs to at most one profile's cluster at a time, whole or fractional:
+    a profile waits (logged) for devices another profile holds, and an idle holder is
+    asked to give them back at once (``reclaim``) instead of after its idle timeout.
+
+    Across processes (flow runs) on this host, a device the book hands out is also
+    leased (:mod:`gpu_tasks.leases`, in ``lease_dir``): a group is free only when this
+    book has it free and every one of its devices can be leased now. The lease is
+    given back when the book's holder releases the device. A profile that waits
+    ``lease_timeout`` seconds for devices other processes lease gets a ``ClusterError``.
+
+    Waiters are queued: a profile that has to wait registers, in this book and as a
+    waiter file in ``lease_dir`` (:func:`gpu_tasks.leases.enqueue`), and a group is
+    not taken while a waiter that ranks before the taker (higher ``priority``, then
+    earlier arrival; :func:`gpu_tasks.leases.rank`), of this book or of any process,
+    wants one of its devices.
+    """
+
+    def __init__(
+        self, reclaim: Any = None, stop: threading.Event | None = None, log_every: float = 30.0,
+        lease_dir: Path | None = None, lease_timeout: float | None = None,
+    ):
+        self.holders: dict[str, str] = {}
+        self.cond = threading.Condition()
+        self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
+        self.stop = stop or threading.Event()
+        self.log_every = log_every
+        settings = get_settings() if lease_dir is None or lease_timeout is None else None
+        self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
+        self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
+        self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
+        self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
+
+    def acquire(
+        self, owner: str, groups: list[tuple[Device, ...]], n: int, block: bool, priority: int = 0,
+    ) -> list[int]:
+        """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
+
+        With ``block``, waits until at least one group is free (or the runner stops),
+        queued by ``priority`` (higher first), then arrival, behind earlier waiters of
+        this book and of other processes.
+
+        Raises:
+            ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
+        """
+        wanted = {d.address for g in groups for d in g}
+        me: dict[str, Any] = {
+            "profile": owner, "priority": int(priority), "arrived": time.time(), "addresses": sorted(wanted),
+            "local": True,
+        }
+        waiter: leases.Waiter | None = None
+        waited_since = time.monotonic()
+        foreign_since: float | None = None
+        log = _WaitLog(self, owner, priority, sorted(wanted))
+        try:
+            while True:
+                with self.cond:
+                    free, foreign, first = self._take_free(owner, groups, n, me)
+                    if free or not block or n <= 0:
+                        if free and time.monotonic() - waited_since > 0.5:
+                            logger.info("profile %r: got devices after waiting %.1fs", owner,
+                                        time.monotonic() - waited_since)
+                        return free
+                    self.waiting[id(me)] = me
+                    held_by = {self.holders[a] for a in wanted if self.holders.get(a) not in (None, owner)}
+                if self.stop.is_set():
+                    raise ClusterError(f"profile {owner!r}: the runner stopped while waiting for devices")
+                if waiter is None:
+                    waiter = self._enqueue(owner, me)
+                now = time.monotonic()
+                # the lease timeout runs while only other processes stand in the way
+                if not foreign or held_by or any(w.get("local") for w in first):
+                    foreign_since = None
+                elif foreign_since is None:
+                    foreign_since = now
+                if foreign_since is not None and now - foreign_since >= self.lease_timeout:
+                    raise ClusterError(self._timeout_message(owner, sorted(wanted), now - foreign_since, first))
+                if self.reclaim is not None:
+                    self.reclaim(wanted, owner)
+                log.waiting(now, held_by, foreign, first)
+                with self.cond:
+                    self.cond.wait(timeout=0.5)
+        finally:
+            if id(me) in self.waiting:
+                with self.cond:
+                    del self.waiting[id(me)]
+                    self.cond.notify_all()  # waiters that let this one go first may go now
+            leases.dequeue(waiter)
+
+    def release(self, owner: str, devices: Any) -> None:
+        """Give back ``devices`` held by ``owner`` (and this process's leases on them)."""
+        with self.cond:
+            for address in devices:
+                if self.holders.get(address) == owner:
+                    del self.holders[address]
+                    leases.release(self.leases.pop(address, None), [address])
+            self.cond.notify_all()
+
+    def _take_free(
+        self, owner: str, groups: list[tuple[Device, ...]], n: int, me: dict[str, Any],
+    ) -> tuple[list[int], set[str], list[dict[str, Any]]]:
+        """Hold up to ``n`` groups free in this book whose new devices lease now (under ``cond``).
+
+        A group that a waiter ranking before ``me`` wants is left to that waiter.
+        Returns the groups' indexes, the devices other processes (their leases or their
+        first-ranked waiters) kept from us, and the waiters we let go first.
+        """
+        free: list[int] = []
+        foreign: set[str] = set()
+        first: dict[int, dict[str, Any]] = {}
+        rivals: list[dict[str, Any]] | None = None
+        try:
+            for i, g in enumerate(groups):
+                if len(free) >= n:
+                    break
+                held = [self.holders.get(d.address) for d in g]
+                if any(h not in (None, owner) for h in held) or all(h == owner for h in held):
+                    continue
+                if rivals is None:
+                    rivals = self._rivals(owner)
+                before = leases.ahead(me, rivals, [d.address for d in g])
+                if before:
+                    first.update((id(w), w) for w in before)
+                    foreign.update(d.address for d in g if any(not w.get("local") for w in before))
+                    continue
+                new = [d.address for d in g if d.address not in self.holders]
+                lease = leases.take(new, leases.owner_info(owner), self.lease_dir) if new else None
+                if new and lease is None:
+                    foreign.update(new)
+                    continue
+                for address in new:
+                    self.leases[address] = lease  # type: ignore[assignment]
+                for d in g:
+                    self.holders[d.address] = owner
+                free.append(i)
+        except OSError as exc:
+            for i in free:
+                for d in groups[i]:
+                    self.holders.pop(d.address, None)
+                    leases.release(self.leases.pop(d.address, None), [d.address])
+            raise self._lease_error(owner, exc) from exc
+        return free, foreign, sorted(first.values(), key=leases.rank)
+
+    def _rivals(self, owner: str) -> list[dict[str, Any]]:
+        """Other profiles' waiters in this book, and the live waiters of other books (processes)."""
+        local = [w for w in self.waiting.values() if w["profile"] != owner]
+        mine = {w.get("file") for w in self.waiting.values()}
+        return local + [w for w in leases.waiters(self.lease_dir) if w["file"] not in mine]
+
+    def _enqueue(self, owner: str, me: dict[str, Any]) -> leases.Waiter:
+        """Register ``me`` as a waiter file, so other processes let it go first when it ranks first."""
+        try:
+            waiter = leases.enqueue(me["addresses"], leases.owner_info(owner), me["priority"], me["arrived"],
+                                    self.lease_dir)
+        except OSError as exc:
+            raise self._lease_error(owner, exc) from exc
+        with self.cond:
+            me["file"] = waiter.name
+        return waiter
+
+    def _lease_error(self, owner: str, exc: OSError) -> ClusterError:
+        return ClusterError(
+            f"profile {owner!r}: cannot lease devices in {str(self.lease_dir)!r}: {exc}; set "
+            "GPU_TASKS_LEASE_DIR to a directory this user can write"
+        )
+
+    @staticmethod
+    def _waiters_text(waiters: list[dict[str, Any]]) -> str:
+        """``profile 'x' of this flow run (priority 5, waiting 3.0s for devices 0,1); ...``."""
+        now = time.time()
+        parts = []
+        for w in waiters:
+            who = f"profile {w.get('profile')!r} of this flow run" if w.get("local") else leases.describe(w)
+            waited = max(0.0, now - float(w.get("arrived", now)))
+            parts.append(f"{who} (priority {w.get('priority', 0)}, waiting {waited:.1f}s for devices "
+                         f"{','.join(w.get('addresses') or ())})")
+        return "; ".join(parts)
+
+    def _holders_text(self, addresses: list[str]) -> str:
+        """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
+        foreign = leases.holders(self.lease_dir, [a for a in addresses if a not in self.holders])
+        return "; ".join(
+            f"device {a}: profile {self.holders[a]!r} of this flow run" if a in self.holders
+            else f"device {a}: {leases.describe(foreign[a])}"
+            for a in addresses
+        )
+
+    def _timeout_message(self, owner: str, wanted: list[str], waited: float, first: list[dict[str, Any]]) -> str:
+        queued = f"; waiters that rank before it: {self._waiters_text(first)}" if first else ""
+        return (
+            f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease "
+            f"({self._holders_text(wanted)}{queued}). Stop those flow runs or wait longer: raise "
+            f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s); leases are in {str(self.lease_dir)!r} "
+            "(GPU_TASKS_LEASE_DIR)"
+        )
+
+
+class _WaitLog:
+    """What a waiting ``acquire`` says, at most once per ``log_every`` seconds for each kind of wait."""
+
+    def __init__(self, book: DeviceBook, owner: str, priority: int, wanted: list[str]) -> None:
+        self.book, self.owner, self.priority, self.wanted = book, owner, priority, wanted
+        self.last_wait: float | None = None
+        self.last_yield: float | None = None
+
+    def waiting(self, now: float, held_by: set[str], foreign: set[str], first: list[dict[str, Any]]) -> None:
+        every = self.book.log_every
+        if first and (self.last_yield is None or now - self.last_yield >= every):
+            self.last_yield = now
+            logger.info(
+                "profile %r (priority %d): letting waiter(s) that rank before it have devices first: %s",
+                self.owner, self.priority, self.book._waiters_text(first),
+            )
+        if self.last_wait is not None and now - self.last_wait < every:
+            return
+        self.last_wait = now
+        if held_by:
+            logger.info(
+                "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "
+                "released when those clusters go idle", self.owner, ",".join(self.wanted),
+                ", ".join(repr(h) for h in sorted(held_by)),
+            )
+        if foreign:
+            logger.info(
+                "profile %r: waiting for devices leased by other processes on this host: %s; "
+                "giving up after %gs (GPU_TASKS_LEASE_TIMEOUT)", self.owner,
+                self.book._holders_text(sorted(foreign)), self.book.lease_timeout,
+            )
