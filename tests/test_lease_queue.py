@@ -173,7 +173,7 @@ def test_book_yields_to_a_higher_ranked_waiter_and_says_so(lease_dir, caplog):
     try:
         assert book.acquire("mine", [DEV0], 1, block=False, priority=9) == [0], "priority 9 outranks 5"
         book.release("mine", ["0"])
-        caplog.set_level(logging.INFO, logger="gpu_tasks.clusters")
+        caplog.set_level(logging.INFO, logger="gpu_tasks.device_book")
         with pytest.raises(ClusterError, match=r"waiters that rank before it: profile 'urgent'.*priority 5"):
             book.acquire("mine", [DEV0], 1, block=True, priority=0)
     finally:
@@ -190,7 +190,7 @@ def test_book_keeps_a_free_device_for_a_higher_priority_profile_of_its_own(lease
     """'high' waits for the group (0, 1) while 'busy' holds 1: 'low' may not take the free 0 meanwhile."""
     dev1 = (Device(address="1", index=1, name="EMU"),)
     book = DeviceBook(lease_dir=lease_dir, lease_timeout=0.2, log_every=30)
-    caplog.set_level(logging.INFO, logger="gpu_tasks.clusters")
+    caplog.set_level(logging.INFO, logger="gpu_tasks.device_book")
     assert book.acquire("busy", [dev1], 1, block=False) == [0]
     results: dict[str, object] = {}
 
