@@ -61,8 +61,8 @@ class ContextSerializer:
         """``ctx.serialize()``, with its result store (a block: costly to dump) dumped once per store."""
         store = ctx.result_store
         if store is None:
-            return ctx.serialize()
-        serialized = ctx.model_copy(update={"result_store": None}).serialize()  # shallow copy, all else shared
+            return dict(ctx.serialize())
+        serialized: dict[str, Any] = ctx.model_copy(update={"result_store": None}).serialize()  # shallow copy, all else shared
         cached = self._result_store
         if cached is None or cached[0] is not store:
             dumped = store.model_dump(serialize_as_any=True, exclude_unset=True, context={"include_secrets": True})

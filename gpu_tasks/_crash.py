@@ -83,10 +83,11 @@ def crash_task_run(
     Args:
         wait: seconds to wait for the server to know the task run (its events may be in flight).
     """
+    from prefect.client.schemas.objects import State
     from prefect.states import Crashed
     from prefect.utilities.engine import emit_task_run_state_change_event
 
-    state = Crashed(message=message)
+    state: State[Any] = Crashed(message=message)
     state.state_details.task_run_id = task_run_id
     state.state_details.flow_run_id = flow_run_id
     run = None
@@ -105,10 +106,11 @@ def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0
     """Move ``task_run`` to ``AwaitingRetry`` (re-run in ``delay`` s) and report it; returns the state."""
     import datetime
 
+    from prefect.client.schemas.objects import State
     from prefect.states import AwaitingRetry
     from prefect.utilities.engine import emit_task_run_state_change_event
 
-    state = AwaitingRetry(
+    state: State[Any] = AwaitingRetry(
         scheduled_time=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=delay))
     state.state_details.task_run_id = task_run.id
     state.state_details.flow_run_id = flow_run_id

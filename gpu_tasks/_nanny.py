@@ -98,9 +98,9 @@ class WatchedNanny(Nanny):
         with _EXITS_LOCK:
             pid = _PIDS.pop(self.worker_address, None) if self.worker_address else None
         _record(self.worker_address, exitcode=exitcode, pid=pid)
-        super()._on_worker_exit_sync(exitcode)
+        super()._on_worker_exit_sync(exitcode)  # type: ignore[no-untyped-call]  # distributed leaves it unannotated
 
     def log_event(self, topic: Any, msg: Any) -> None:
         if topic == "worker-restart-memory" and isinstance(msg, dict):
             _record(msg.get("worker"), memory_kill=True, rss=msg.get("rss"), pid=msg.get("pid"))
-        super().log_event(topic, msg)
+        super().log_event(topic, msg)  # type: ignore[no-untyped-call]  # distributed leaves it unannotated

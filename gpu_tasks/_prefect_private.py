@@ -55,7 +55,7 @@ def extend_no_limits_cache(seconds: float) -> float | None:
     if seconds <= cache.ttl:
         return float(cache.ttl)
     with lock:
-        longer: cachetools.TTLCache = cachetools.TTLCache(maxsize=cache.maxsize, ttl=seconds)
+        longer: cachetools.TTLCache[Any, Any] = cachetools.TTLCache(maxsize=cache.maxsize, ttl=seconds)
         for key, value in cache.items():
             longer[key] = value
         services._no_limits_cache = longer

@@ -221,6 +221,7 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
 
 
 def _crashed_by(exc: BaseException, task_run_id: uuid.UUID | None) -> Any:
+    from prefect.client.schemas.objects import State
     from prefect.states import Crashed
 
     words = {
@@ -228,7 +229,7 @@ def _crashed_by(exc: BaseException, task_run_id: uuid.UUID | None) -> Any:
         SystemExit: "Execution was aborted by Python system exit call.",
     }
     message = next((m for cls, m in words.items() if isinstance(exc, cls)), None)
-    state = Crashed(message=message or f"Execution was interrupted by {type(exc).__name__}: {exc}")
+    state: State[Any] = Crashed(message=message or f"Execution was interrupted by {type(exc).__name__}: {exc}")
     state.state_details.task_run_id = task_run_id
     return state
 

@@ -156,13 +156,13 @@ def on_orphaned(hook: Callable[[int], None]) -> None:
         _ORPHAN_HOOKS.append(hook)
 
 
-def _exit(code: int) -> NoReturn:
+def _exit(status: int) -> NoReturn:
     """``os._exit`` for the worker process: end its child processes, then exit."""
     real = _state["exit"]
     if os.getpid() == _state.get("pid"):  # not in a forked child, which inherits this
         with _lock:  # a second caller waits for the first one's clean-up
             parent = _state.get("parent")
-            if parent is not None and _orphaned(parent, wait=1.0 if code == -1 else 0.0):
+            if parent is not None and _orphaned(parent, wait=1.0 if status == -1 else 0.0):
                 for hook in list(_ORPHAN_HOOKS):
                     try:
                         hook(parent)
@@ -172,7 +172,7 @@ def _exit(code: int) -> NoReturn:
                 end_children()
             except BaseException:  # exiting anyway
                 pass
-    real(code)
+    real(status)
     raise AssertionError("unreachable")  # pragma: no cover
 
 

@@ -345,7 +345,7 @@ def _own_device_cluster_class(base: type) -> type:
     from gpu_tasks._nanny import WatchedNanny
     from gpu_tasks._worker_guard import preload_options
 
-    class OwnDeviceCUDACluster(base):  # type: ignore[valid-type,misc]  # base is dask-cuda's class
+    class OwnDeviceCUDACluster(base):  # type: ignore[misc]  # base is a class known at run time (dask-cuda's)
         """dask-cuda shows each worker every device (its own first); gpu-tasks shows only its own."""
 
         def __init__(self, by_address: dict[str, WorkerSpec], next_devices: list[str], **kwargs: Any) -> None:

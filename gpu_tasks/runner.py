@@ -104,7 +104,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         default: str | None = None,
         idle_timeout: float | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # Prefect leaves TaskRunner.__init__ unannotated
         self._profiles_arg: tuple[ResourceProfile, ...] = tuple(profiles or ())
         for p in self._profiles_arg:
             if not isinstance(p, ResourceProfile):
@@ -207,7 +207,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         )
 
     # ------------------------------------------------------------ submit
-    def submit(  # type: ignore[override]  # Prefect's overloads add a sync/async split we do not need
+    def submit(
         self,
         task: Any,
         parameters: dict[str, Any],
