@@ -185,7 +185,7 @@ def _load_profiles(file: Path | None, settings: GpuTasksSettings) -> tuple[dict[
     return profiles, default, path
 
 
-def _placement(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
+def _profile_fit(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
     """Which devices ``prof`` may use on ``inventory``, and why it can never run if so."""
     reason = unsatisfiable_reason(prof, inventory)
     matching = matching_devices(prof, inventory) if prof.is_gpu else []
@@ -239,7 +239,7 @@ def profiles(
     settings = _settings()
     loaded, default, path = _load_profiles(file, settings)
     inventory = _inventory(settings)
-    placements = {name: _placement(prof, inventory) for name, prof in loaded.items()}
+    placements = {name: _profile_fit(prof, inventory) for name, prof in loaded.items()}
     if as_json:
         _echo_json(
             {
