@@ -18,3 +18,35 @@ def test_import_gpu_tasks_loads_no_gpu_or_model_library():
                          env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
+
+
+GPU_LIBRARIES = ("cudf", "cupy", "rmm", "dask_cuda", "dask_cudf", "pynvml")
+
+
+def test_gpu_libraries_stay_unimported_even_where_they_are_installed(tmp_path):
+    """Here the GPU libraries are not installed, so the check above holds trivially for them.
+    With importable stand-ins first on the path (each leaves a file when imported), importing
+    gpu_tasks and building profiles, CUDA options and a runner still imports none of them."""
+    marks = tmp_path / "imported"
+    marks.mkdir()
+    for name in GPU_LIBRARIES:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "__init__.py").write_text(
+            f"import pathlib; pathlib.Path({str(marks)!r}, {name!r}).write_text('')\n"
+        )
+    code = (
+        "import gpu_tasks\n"
+        "from gpu_tasks import CudaOptions, ProfileTaskRunner, ResourceProfile\n"
+        "gpu = ResourceProfile(name='gpu', gpus=1, cuda=CudaOptions(rmm_pool_size='1GiB', enable_cudf_spill=True))\n"
+        "ProfileTaskRunner(profiles=[gpu]).resolve_profiles()\n"
+        "import gpu_tasks.cli\n"
+    )
+    pythonpath = ":".join([str(tmp_path), *[p for p in sys.path if p]])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(p.name for p in marks.iterdir()) == []
+    # and the stand-ins do work: importing one leaves its mark
+    probe = subprocess.run([sys.executable, "-c", "import pynvml"], capture_output=True, timeout=60,
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath})
+    assert probe.returncode == 0 and (marks / "pynvml").exists()

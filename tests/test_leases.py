@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -245,13 +246,13 @@ def test_lease_timeout_names_the_holder(tmp_path, lease_dir, monkeypatch):
 
     proc = _holder(tmp_path, lease_dir)
     try:
-        t0 = time.monotonic()
         with pytest.raises(ClusterError) as err:
             blocked()
-        assert 2 <= time.monotonic() - t0 < 30
     finally:
         _stop(proc)
     message = str(err.value)
+    waited = re.search(r"waited ([0-9.]+)s for devices", message)
+    assert waited and float(waited.group(1)) >= 2, f"gave up before GPU_TASKS_LEASE_TIMEOUT: {message}"
     assert f"pid {proc.pid}" in message and "flow run 'holder-run' (id holder-id)" in message
     assert "device 0" in message and "GPU_TASKS_LEASE_TIMEOUT" in message
 

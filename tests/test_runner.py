@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections import defaultdict
+import uuid
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
@@ -36,9 +37,12 @@ def runner(*profiles: ResourceProfile, **kw) -> ProfileTaskRunner:
 
 
 @task
-def hold(seconds: float, tag: int = 0) -> dict:
-    """Record where and when the task ran."""
+def hold(seconds: float, tag: int = 0, meet: str | None = None, n: int = 0) -> dict:
+    """Record where and when the task ran; with ``meet``, first wait (up to 60 s) until
+    ``n`` tasks have arrived in that folder (a rendezvous, see :func:`gather`)."""
     a = current_allocation()
+    if meet is not None:
+        _arrive_and_wait(meet, n)
     start = time.time()
     time.sleep(seconds)
     return {
@@ -52,6 +56,14 @@ def _status():
     return FlowRunContext.get().task_runner.status()
 
 
+def _until(predicate, what: str, seconds: float = 60.0) -> None:
+    """Poll ``predicate`` until it holds; fail naming ``what`` after ``seconds``."""
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"{what}: not within {seconds:g}s"
+        time.sleep(0.05)
+
+
 def _overlaps(intervals: list[tuple[float, float]]) -> int:
     """Most intervals open at one instant."""
     events = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
@@ -62,12 +74,15 @@ def _overlaps(intervals: list[tuple[float, float]]) -> int:
     return best
 
 
-def test_whole_devices_are_never_shared():
+def test_whole_devices_are_never_shared(tmp_path: Path):
     gpu_hold = hold.with_options(tags=[profile("gpu")])
 
     @flow(task_runner=runner(GPU))
     def f():
-        return [fut.result() for fut in gpu_hold.map([0.4] * 8, tag=list(range(8)))]
+        # the first two tasks wait for each other: a second one can only run on the other device,
+        # so both devices are used however long the second worker takes to start
+        return [fut.result() for fut in gpu_hold.map([0.2] * 8, tag=list(range(8)), meet=unmapped(str(tmp_path)),
+                                                     n=unmapped(2))]
 
     rows = f()
     by_device = defaultdict(list)
@@ -92,6 +107,7 @@ def test_two_profiles_never_hold_the_same_device_at_once(monkeypatch):
     @flow(task_runner=runner(long_idle, QUARTER))
     def f():
         first = [gpu_hold.submit(0.5, tag=i) for i in range(2)]
+        _until(lambda: _status()["gpu"]["state"] == "running", "profile 'gpu' holds the device")
         second = [quarter_hold.submit(0.3, tag=10 + i) for i in range(4)]
         return [x.result() for x in first + second], list(FlowRunContext.get().task_runner.ledger)
 
@@ -118,15 +134,22 @@ def rendezvous(folder: str, me: str, other: str, limit: float = 60.0) -> dict:
     return {"met": False, "devices": current_allocation().devices}
 
 
+def _arrive_and_wait(folder: str, n: int, limit: float = 60.0, name: str | None = None) -> bool:
+    """Leave a file in ``folder``, then wait until ``n`` files are there: True if they were in time."""
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    Path(folder, name or uuid.uuid4().hex).write_text("")
+    deadline = time.time() + limit
+    while time.time() < deadline:
+        if len(list(Path(folder).iterdir())) >= n:
+            return True
+        time.sleep(0.02)
+    return False
+
+
 @task
 def gather(folder: str, me: int, n: int, limit: float = 60.0) -> dict:
     """Arrive, then wait until ``n`` tasks have arrived: ``met`` only if all ``n`` ran at once."""
-    Path(folder, str(me)).write_text("")
-    deadline = time.time() + limit
-    met = False
-    while time.time() < deadline and not met:
-        met = len(list(Path(folder).iterdir())) >= n
-        time.sleep(0.02)
+    met = _arrive_and_wait(folder, n, limit, name=str(me))
     a = current_allocation()
     return {"met": met, "devices": a.devices, "fraction": a.fraction}
 
@@ -151,16 +174,25 @@ def test_gang_profile_starts_all_its_workers_or_none(tmp_path: Path):
     gang = ResourceProfile(name="gang", gpus=1, gang=True, max_workers=2, idle_timeout=30)
     other = ResourceProfile(name="other", gpus=1, idle_timeout=0.2)
 
+    gate = tmp_path / "gate"
+
     @flow(task_runner=runner(gang, other))
     def f():
-        busy = hold.with_options(tags=[profile("other")]).submit(1.5)  # holds one device for a while
-        deadline = time.monotonic() + 60
-        while _status()["other"]["state"] != "running" and time.monotonic() < deadline:
-            time.sleep(0.05)  # its cluster holds the device from provisioning on, however slow the start
+        # holds one device until the flow opens the gate (the second arrival of a rendezvous)
+        busy = hold.with_options(tags=[profile("other")]).submit(0, meet=str(gate), n=2)
+        _until(lambda: gate.exists() and any(gate.iterdir()), "the 'other' task started")
         g = hold.with_options(tags=[profile("gang")]).submit(0.1)
-        return busy.result(), g.result(), _status()
+        # the gang has its chance to start while 'other' holds a device: it must not take it
+        seen = set()
+        until = time.monotonic() + 1.0
+        while time.monotonic() < until:
+            seen.add(_status()["gang"]["state"])
+            time.sleep(0.05)
+        (gate / "open").write_text("")
+        return busy.result(), g.result(), _status(), seen
 
-    busy, g, status = f()
+    busy, g, status, seen = f()
+    assert "running" not in seen, "the gang started while one of its devices was held"
     assert g["start"] >= busy["end"], "the gang started before all of its devices were free"
     assert status["gang"]["workers"] == 2 and sorted(status["gang"]["devices"]) == ["0", "1"]
 
@@ -178,16 +210,15 @@ def test_cpu_worker_processes_see_no_gpu(monkeypatch):
 
 
 def test_fractional_tasks_pack_one_device_before_the_next(tmp_path: Path):
-    q_hold = hold.with_options(tags=[profile("quarter")])
-
     q_gather = gather.with_options(tags=[profile("quarter")])
 
     @flow(task_runner=runner(QUARTER))
     def f():
         # a rendezvous, not timing: all four must be running at once for any of them to meet
-        first = [fut.result() for fut in q_gather.map(unmapped(str(tmp_path)), range(4), unmapped(4))]
+        first = [fut.result() for fut in q_gather.map(unmapped(str(tmp_path / "a")), range(4), unmapped(4))]
         st = _status()["quarter"]
-        second = [fut.result() for fut in q_hold.map([1.5] * 8)]
+        # eight at once: more than one device's four slots, so the profile must take the second device
+        second = [fut.result() for fut in q_gather.map(unmapped(str(tmp_path / "b")), range(8), unmapped(8))]
         return first, st, second
 
     first, st, second = f()
@@ -195,11 +226,9 @@ def test_fractional_tasks_pack_one_device_before_the_next(tmp_path: Path):
     assert all(r["fraction"] == 0.25 for r in first)
     assert all(r["met"] for r in first), "the four quarter tasks did not run at the same time"
     assert st["workers"] == 1 and st["devices"] == ["0"]
-    by_device = defaultdict(list)
-    for r in second:
-        by_device[r["devices"]].append((r["start"], r["end"]))
-    assert set(by_device) == {("0",), ("1",)}
-    assert all(_overlaps(iv) <= 4 for iv in by_device.values())
+    assert all(r["met"] for r in second), "eight quarter tasks did not run at the same time"
+    per_device = Counter(r["devices"] for r in second)
+    assert per_device == {("0",): 4, ("1",): 4}, "eight tasks running at once: four per device, never more"
 
 
 def test_unknown_profile_fails_at_submit_listing_known_profiles():
@@ -228,15 +257,18 @@ def test_unsatisfiable_profile_fails_fast_naming_request_and_inventory(prof, wor
 
     @flow(task_runner=runner(prof))
     def f():
-        t.submit(0)
+        try:
+            t.submit(0)
+        except UnsatisfiableProfileError as exc:  # raised by submit itself: nothing was waited for
+            return exc, _status()[prof.name]
+        return None, _status()[prof.name]
 
-    t0 = time.monotonic()
-    with pytest.raises(UnsatisfiableProfileError) as info:
-        f()
-    assert time.monotonic() - t0 < 30, "must fail at submit, not after a wait"
+    err, status = f()
+    assert err is not None, "submit must raise, not return a future that fails later"
+    assert status["state"] == "absent", "no cluster was started for an unsatisfiable profile"
     for w in words:
-        assert w in str(info.value)
-    assert "fallback='cpu'" in str(info.value)
+        assert w in str(err)
+    assert "fallback='cpu'" in str(err)
 
 
 def test_fallback_cpu_runs_on_the_cpu_profile():
@@ -290,9 +322,7 @@ def test_idle_scale_down_then_reprovision_within_one_flow():
         first = g.submit(0.1)
         first.wait()
         running = _status()["gpu"]
-        deadline = time.monotonic() + 20
-        while _status()["gpu"]["state"] != "closed" and time.monotonic() < deadline:
-            time.sleep(0.1)
+        _until(lambda: _status()["gpu"]["state"] == "closed", "the idle 'gpu' cluster closed")
         closed = _status()["gpu"]
         again = g.submit(0.1).result()
         ledger = [r.as_dict() for r in FlowRunContext.get().task_runner.ledger]
@@ -309,22 +339,24 @@ def test_idle_scale_down_then_reprovision_within_one_flow():
     assert 0 < gpu_rows[0]["busy_s"] <= gpu_rows[0]["held_s"]
 
 
-def test_busy_cluster_is_never_closed():
+def test_busy_cluster_is_never_closed(tmp_path: Path):
     quick = ResourceProfile(name="gpu", gpus=1, idle_timeout=0.2)
     g = hold.with_options(tags=[profile("gpu")])
 
     @flow(task_runner=runner(quick))
     def f():
-        fut = g.submit(4.0)
-        deadline = time.monotonic() + 60
-        while _status()["gpu"]["state"] != "running" and time.monotonic() < deadline:
-            time.sleep(0.05)  # provisioning takes longer on a loaded machine
-        time.sleep(1.0)  # five idle timeouts while the task runs
-        mid = _status()["gpu"]["state"]
-        return mid, fut.result()
+        fut = g.submit(0, meet=str(tmp_path), n=2)  # runs until the flow's own arrival below
+        _until(lambda: any(tmp_path.iterdir()), "the task started")
+        states = set()
+        until = time.monotonic() + 1.0  # five idle timeouts while the task runs
+        while time.monotonic() < until:
+            states.add(_status()["gpu"]["state"])
+            time.sleep(0.05)
+        (tmp_path / "flow").write_text("")
+        return states, fut.result()
 
-    mid, row = f()
-    assert mid == "running" and row["profile"] == "gpu"
+    states, row = f()
+    assert states == {"running"} and row["profile"] == "gpu"
 
 
 @task
@@ -512,7 +544,8 @@ def test_flow_run_gets_a_resource_ledger_artifact():
     @flow(task_runner=runner(short))
     def f():
         first = hold.with_options(tags=[profile("gpu")]).submit(0.5).result()
-        time.sleep(1.5)  # idle past the timeout: the cluster closes, a second lifetime follows
+        # idle past the timeout: the cluster closes, a second lifetime follows
+        _until(lambda: _status()["gpu"]["state"] == "closed", "the idle 'gpu' cluster closed")
         second = hold.with_options(tags=[profile("gpu")]).submit(0.2).result()
         return FlowRunContext.get().flow_run.id, first, second
 
@@ -749,7 +782,7 @@ def test_tag_limit_checks_are_cached_longer_in_flow_and_worker_processes(monkeyp
     assert on_worker == 45 and in_flow_process == 45
 
 
-def test_an_existing_tag_concurrency_limit_is_still_enforced_on_process_workers():
+def test_an_existing_tag_concurrency_limit_is_still_enforced_on_process_workers(tmp_path: Path):
     """A Prefect concurrency limit on a tag (here limit 1) holds across a profile's worker slots,
     with the longer cache: only "no limits" answers are cached."""
     import uuid
@@ -769,8 +802,9 @@ def test_an_existing_tag_concurrency_limit_is_still_enforced_on_process_workers(
         # without the limit the same four tasks share the device's four quarter slots at once
         @flow(task_runner=runner(QUARTER))
         def g():
-            return [x.result() for x in hold.with_options(tags=[profile("quarter")]).map([0.6] * 4)]
+            met = gather.with_options(tags=[profile("quarter")])
+            return [x.result() for x in met.map(unmapped(str(tmp_path)), range(4), unmapped(4))]
 
-        assert _overlaps([(r["start"], r["end"]) for r in g()]) > 1
+        assert all(r["met"] for r in g()), "four quarter tasks without a tag limit did not run at once"
     finally:
         api("DELETE", f"/v2/concurrency_limits/tag:{tag}")

@@ -1,0 +1,244 @@
+"""ProfileTaskRunner's own rules: constructor checks, the default profile, profiles from
+GPU_TASKS_PROFILES_FILE against those in code, profile tags, and which idle timeout applies.
+
+docs/profiles.md ("Profiles from a TOML file", the tag rules) and docs/runner.md say what
+is promised; tests/test_cli.py checks the CLI's copy of these rules, this module the runner's.
+Most flows here use CPU profiles (threads in the flow process), so no worker process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+from prefect.context import FlowRunContext
+
+from gpu_tasks import (
+    ProfileError,
+    ProfileTaskRunner,
+    ResourceProfile,
+    UnknownProfileError,
+    current_allocation,
+    profile,
+    use_profile,
+)
+
+pytestmark = pytest.mark.usefixtures("emulated")
+
+CPU = ResourceProfile(name="cpu", cpus=0.5)
+GPU = ResourceProfile(name="gpu", gpus=1, max_workers=1, idle_timeout=30)
+
+
+@task
+def where() -> dict:
+    a = current_allocation()
+    return {"profile": a.profile, "pid": os.getpid()}
+
+
+def _runner() -> ProfileTaskRunner:
+    return FlowRunContext.get().task_runner
+
+
+def _write(tmp_path: Path, monkeypatch, text: str) -> Path:
+    path = tmp_path / "profiles.toml"
+    path.write_text(text)
+    monkeypatch.setenv("GPU_TASKS_PROFILES_FILE", str(path))
+    return path
+
+
+# ------------------------------------------------------------------ constructor
+def test_profile_names_must_be_distinct():
+    with pytest.raises(ProfileError, match=r"distinct names; gpu given more than once"):
+        ProfileTaskRunner(profiles=[CPU, GPU, ResourceProfile(name="gpu", gpus=0.5)])
+
+
+@pytest.mark.parametrize("bad", [{"name": "gpu", "gpus": 1}, "gpu", None])
+def test_profiles_must_be_resource_profiles(bad):
+    with pytest.raises(ProfileError, match="profiles must be ResourceProfile objects"):
+        ProfileTaskRunner(profiles=[CPU, bad])
+
+
+def test_negative_idle_timeout_is_refused():
+    with pytest.raises(ProfileError, match=r"idle_timeout must be >= 0 seconds; got -1"):
+        ProfileTaskRunner(profiles=[CPU], idle_timeout=-1)
+
+
+# ------------------------------------------------------------------ the default profile
+def test_cpu_default_is_added_when_nothing_defines_it():
+    profiles, default = ProfileTaskRunner(profiles=[GPU]).resolve_profiles()
+    assert default == "cpu" and set(profiles) == {"cpu", "gpu"}
+    assert profiles["cpu"] == ResourceProfile(name="cpu"), "a plain CPU profile, every field at its default"
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_untagged_tasks_run_on_the_added_cpu_profile_in_the_flow_process():
+    @flow(task_runner=ProfileTaskRunner(profiles=[GPU]))
+    def f():
+        return where.submit().result(), _runner().status()
+
+    row, status = f()
+    assert row == {"profile": "cpu", "pid": os.getpid()}
+    assert status["cpu"]["state"] == "running" and status["gpu"]["state"] == "absent"
+
+
+def test_an_undefined_default_other_than_cpu_is_an_error_naming_it_and_the_known_profiles():
+    runner = ProfileTaskRunner(profiles=[CPU, GPU], default="small")
+    with pytest.raises(UnknownProfileError, match=r"default profile 'small' is not defined; known profiles: cpu, gpu"):
+        runner.resolve_profiles()
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_an_undefined_default_fails_the_first_submit_of_a_flow():
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU], default="small"))
+    def f():
+        try:
+            where.submit()
+        except UnknownProfileError as exc:
+            return str(exc)
+        return None
+
+    message = f()
+    assert message is not None and "default profile 'small' is not defined" in message
+
+
+def test_the_default_must_be_a_cpu_profile():
+    with pytest.raises(ProfileError, match=r"default profile 'gpu' must be a CPU profile \(gpus=0\)"):
+        ProfileTaskRunner(profiles=[CPU, GPU], default="gpu").resolve_profiles()
+
+
+def test_on_oom_must_name_a_profile_the_runner_knows():
+    small = ResourceProfile(name="small", gpus=0.5, on_oom="large")
+    with pytest.raises(UnknownProfileError, match=r"profile 'small' sets on_oom='large'.*known profiles: cpu, small"):
+        ProfileTaskRunner(profiles=[CPU, small]).resolve_profiles()
+
+
+# ------------------------------------------------------------------ profiles file vs code
+def test_a_file_profile_replaces_the_code_profile_of_that_name_as_a_whole(tmp_path, monkeypatch):
+    _write(tmp_path, monkeypatch, "[profiles.gpu]\ngpus = 0.5\n[profiles.etl]\ncpus = 2\n")
+    profiles, default = ProfileTaskRunner(profiles=[CPU, GPU]).resolve_profiles()
+    assert set(profiles) == {"cpu", "gpu", "etl"} and default == "cpu"
+    assert profiles["gpu"] == ResourceProfile(name="gpu", gpus=0.5), "fields are not merged with the code profile"
+    assert profiles["cpu"] == CPU, "profiles the file does not name stay as in code"
+
+
+@pytest.mark.parametrize(
+    "arg, file_default, want",
+    [(None, "small", "small"), ("cpu", "small", "cpu"), (None, None, "cpu")],
+    ids=["file-default", "argument-beats-file", "cpu-otherwise"],
+)
+def test_which_profile_is_the_default(tmp_path, monkeypatch, arg, file_default, want):
+    top = f'default = "{file_default}"\n' if file_default else ""
+    _write(tmp_path, monkeypatch, top + "[profiles.small]\ncpus = 0.5\n")
+    assert ProfileTaskRunner(profiles=[CPU], default=arg).resolve_profiles()[1] == want
+
+
+def test_a_gpu_default_from_the_file_is_an_error(tmp_path, monkeypatch):
+    _write(tmp_path, monkeypatch, 'default = "gpu"\n[profiles.gpu]\ngpus = 1\n')
+    with pytest.raises(ProfileError, match="default profile 'gpu' must be a CPU profile"):
+        ProfileTaskRunner(profiles=[CPU]).resolve_profiles()
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_the_file_is_read_again_for_each_flow_run(tmp_path, monkeypatch):
+    path = _write(tmp_path, monkeypatch, 'default = "small"\n[profiles.small]\ncpus = 0.5\n')
+    runner = ProfileTaskRunner(profiles=[CPU])
+
+    @flow(task_runner=runner)
+    def f():
+        return where.submit().result()["profile"], sorted(_runner().status())
+
+    first = f()
+    path.write_text('default = "big"\n[profiles.big]\ncpus = 1\n')
+    second = f()
+    assert first == ("small", ["cpu", "small"])
+    assert second == ("big", ["big", "cpu"])
+
+
+# ------------------------------------------------------------------ profile tags
+TWO = [CPU, ResourceProfile(name="a", cpus=0.5), ResourceProfile(name="b", cpus=0.5)]
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+@pytest.mark.parametrize("how", ["own-tags", "own-tag-inside-block", "nested-blocks"])
+def test_two_different_profile_tags_fail_at_submit_naming_both(how):
+    @flow(task_runner=ProfileTaskRunner(profiles=TWO))
+    def f():
+        try:
+            if how == "own-tags":
+                where.with_options(tags=[profile("a"), profile("b")]).submit()
+            elif how == "own-tag-inside-block":
+                with use_profile("b"):  # a block does not override the task's own tag
+                    where.with_options(tags=[profile("a")]).submit()
+            else:
+                with use_profile("a"), use_profile("b"):
+                    where.submit()
+        except ProfileError as exc:
+            return type(exc), str(exc), _runner().status()
+        return None
+
+    out = f()
+    assert out is not None, "submit must raise"
+    kind, message, status = out
+    assert kind is ProfileError
+    assert "several profiles (a, b)" in message and "keep exactly one profile:<name> tag" in message
+    assert status["a"]["state"] == status["b"]["state"] == "absent", "nothing ran on either profile"
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_the_same_profile_tag_twice_is_allowed():
+    @flow(task_runner=ProfileTaskRunner(profiles=TWO))
+    def f():
+        with use_profile("a"):
+            return where.with_options(tags=[profile("a")]).submit().result()
+
+    assert f()["profile"] == "a"
+
+
+# ------------------------------------------------------------------ which idle timeout applies
+def _closed_reasons(names: list[str]) -> dict[str, str]:
+    """Submit one task per profile, wait until each cluster closed idle, return the close reasons."""
+    for name in names:
+        where.with_options(tags=[profile(name)]).submit().result()
+    deadline = time.monotonic() + 60
+    while {s["state"] for n, s in _runner().status().items() if n in names} != {"closed"}:
+        assert time.monotonic() < deadline, f"not closed within 60 s: {_runner().status()}"
+        time.sleep(0.05)
+    return {row.profile: row.reason for row in _runner().ledger if row.profile in names}
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_idle_timeout_profile_field_then_runner_argument(monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "30")
+    own = ResourceProfile(name="own", cpus=0.5, idle_timeout=0.3)
+    inherits = ResourceProfile(name="inherits", cpus=0.5)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU, own, inherits], idle_timeout=0.4))
+    def f():
+        return _closed_reasons(["own", "inherits"])
+
+    reasons = f()
+    assert "(idle_timeout=0.3s)" in reasons["own"], reasons
+    assert "(idle_timeout=0.4s)" in reasons["inherits"], reasons
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_idle_timeout_setting_applies_without_profile_field_or_argument(monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "0.5")
+    inherits = ResourceProfile(name="inherits", cpus=0.5)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU, inherits]))
+    def f():
+        return _closed_reasons(["inherits"])
+
+    assert "(idle_timeout=0.5s)" in f()["inherits"]
+
+
+def test_idle_timeout_default_is_60_seconds(monkeypatch):
+    monkeypatch.delenv("GPU_TASKS_IDLE_TIMEOUT", raising=False)
+    assert ProfileTaskRunner(profiles=[CPU]).idle_timeout == 60.0
+    monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "7")
+    assert ProfileTaskRunner(profiles=[CPU]).idle_timeout == 7.0
+    assert ProfileTaskRunner(profiles=[CPU], idle_timeout=0).idle_timeout == 0, "0 is an argument, not 'unset'"

@@ -1,0 +1,119 @@
+"""Edge cases of the lengthened "no tag limits" cache (docs/runner.md, "Tagged task runs and
+Prefect's tag-limit checks"), against the test server with real tag concurrency limits.
+
+The runner lengthens Prefect's per-process cache when it starts work in the flow process;
+these flows use a CPU profile (threads in the flow process), so the cache they fill is
+this process's. Prefect's cache is private to Prefect (``prefect.concurrency.services``):
+each test puts a fresh one in place with monkeypatch, as the runner's own test does.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import cachetools
+import pytest
+from prefect import flow, task, unmapped
+from prefect.concurrency import services
+from prefect_api import api
+from test_runner import gather
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+pytestmark = pytest.mark.usefixtures("no_leaked_processes", "emulated")
+
+CPU = ResourceProfile(name="cpu", cpus=0.5)  # four threads on two cores
+
+
+@task
+def noop() -> None:
+    return None
+
+
+def _shipped_cache(monkeypatch, ttl: float = 5.0, frozen: bool = False) -> cachetools.TTLCache:
+    """A cache as Prefect ships it; ``frozen``: its entries never expire (a clock that stands still)."""
+    cache = cachetools.TTLCache(maxsize=1000, ttl=ttl, **({"timer": lambda: 0.0} if frozen else {}))
+    monkeypatch.setattr(services, "_no_limits_cache", cache)
+    return cache
+
+
+def _cached(tag: str) -> bool:
+    return any(any(tag in name for name in key) for key in list(services._no_limits_cache.keys()))
+
+
+def _run(*task_tags: str) -> None:
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU]))
+    def f():
+        noop.with_options(tags=list(task_tags)).submit().result()
+
+    f()
+
+
+def test_zero_keeps_prefects_own_cache(monkeypatch):
+    shipped = _shipped_cache(monkeypatch)
+    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "0")
+    _run(f"t-{uuid.uuid4().hex[:8]}")
+    assert services._no_limits_cache is shipped and shipped.ttl == 5.0
+
+
+def test_the_cache_is_never_shortened(monkeypatch):
+    longer = _shipped_cache(monkeypatch, ttl=90.0)
+    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "45")
+    _run(f"t-{uuid.uuid4().hex[:8]}")
+    assert services._no_limits_cache is longer and longer.ttl == 90.0
+
+
+def test_answers_cached_before_the_lengthening_are_kept(monkeypatch):
+    _shipped_cache(monkeypatch, frozen=True)
+    early = f"early-{uuid.uuid4().hex[:8]}"
+    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "0")
+    _run(early)  # Prefect's 5 s cache learns "no limits" for this tag set from the server
+    assert _cached(early)
+    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
+    _run(f"late-{uuid.uuid4().hex[:8]}")
+    assert services._no_limits_cache.ttl == 60 and _cached(early), "the early answer survived the swap"
+
+
+def test_only_no_limits_answers_are_cached(monkeypatch):
+    _shipped_cache(monkeypatch)
+    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
+    limited, free = f"limited-{uuid.uuid4().hex[:8]}", f"free-{uuid.uuid4().hex[:8]}"
+    code, body = api("POST", "/v2/concurrency_limits/", json={"name": f"tag:{limited}", "limit": 5})
+    assert code == 201, body
+    try:
+        _run(limited)
+        _run(free)
+    finally:
+        api("DELETE", f"/v2/concurrency_limits/tag:{limited}")
+    assert _cached(free) and not _cached(limited)
+
+
+def test_a_limit_created_after_the_first_check_waits_for_the_cache(monkeypatch, tmp_path):
+    """Documented: a limit created mid-run applies within the cache time (60 s), not at once."""
+    _shipped_cache(monkeypatch)
+    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
+    tag = f"late-limit-{uuid.uuid4().hex[:8]}"
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU]))
+    def f():
+        noop.with_options(tags=[tag]).submit().result()  # "no limits" for this tag set, cached
+        code, body = api("POST", "/v2/concurrency_limits/", json={"name": f"tag:{tag}", "limit": 1})
+        assert code == 201, body
+        # two tasks that only finish together: under a limit of 1 they could never meet
+        met = gather.with_options(tags=[tag])
+        return [x.result() for x in met.map(unmapped(str(tmp_path)), range(2), unmapped(2), limit=unmapped(20))]
+
+    try:
+        rows = f()
+    finally:
+        api("DELETE", f"/v2/concurrency_limits/tag:{tag}")
+    assert all(r["met"] for r in rows), "the cached answer let both run at once"
+
+
+def test_a_prefect_without_the_cache_is_left_as_it_is(monkeypatch):
+    """Another Prefect release (no TTLCache there): nothing is replaced and tasks still run."""
+    other = {}
+    monkeypatch.setattr(services, "_no_limits_cache", other)
+    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
+    _run(f"t-{uuid.uuid4().hex[:8]}")
+    assert services._no_limits_cache is other
