@@ -83,11 +83,30 @@ def crash_task_run(
     Args:
         wait: seconds to wait for the server to know the task run (its events may be in flight).
     """
-    from prefect.client.schemas.objects import State
     from prefect.states import Crashed
+
+    return _report(Crashed(message=message), task_run_id, task, flow_run_id, tags, wait)
+
+
+def fail_task_run(
+    task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, exc: Exception, tags: set[str] | None = None,
+) -> Any:
+    """Report a task run that could not be started (its cluster did not start) ``Failed``; the state.
+
+    Like a task that raised: ``result()`` raises ``exc``, ``wait()`` returns.
+    """
+    from prefect.states import Failed
+
+    state = Failed(message=f"{type(exc).__name__}: {exc}", data=exc)
+    return _report(state, task_run_id, task, flow_run_id, tags, wait=0.0)[0]
+
+
+def _report(
+    state: Any, task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str] | None, wait: float,
+) -> tuple[Any, Any]:
+    """Set ``state`` on the task run and send it to the server as Prefect's engine would (best effort)."""
     from prefect.utilities.engine import emit_task_run_state_change_event
 
-    state: State[Any] = Crashed(message=message)
     state.state_details.task_run_id = task_run_id
     state.state_details.flow_run_id = flow_run_id
     run = None
@@ -98,7 +117,7 @@ def crash_task_run(
         run.state_type, run.state_name = state.type, state.name
         emit_task_run_state_change_event(task_run=run, initial_state=previous, validated_state=state)
     except Exception:
-        logger.warning("could not report task run %s as Crashed", task_run_id, exc_info=True)
+        logger.warning("could not report task run %s as %s", task_run_id, state.name, exc_info=True)
     return state, run
 
 

@@ -16,7 +16,7 @@ import threading
 from functools import partial
 from typing import Any
 
-from gpu_tasks._crash import await_retry, crash_task_run, read_task_run
+from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, read_task_run
 from gpu_tasks._futures import futures_to_states
 from gpu_tasks._live import Job, Live, ProfileState
 from gpu_tasks._logging import flow_logger
@@ -63,10 +63,14 @@ class Dispatcher:
         """Run ``job`` on its profile's cluster (its upstream futures are done)."""
         try:
             job.ctx.run(self._dispatch_in_context, job)
+        except Exception as exc:
+            # its cluster did not start (or the runner is stopping): a Failed task run, as if the
+            # task had raised, so ``wait()`` returns and ``result()`` raises ``exc``
+            state = job.ctx.run(fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags)
+            self.finish(job, result=state)
         except BaseException as exc:
             self.finish(job, exc=exc)
-            if not isinstance(exc, Exception):
-                raise
+            raise
 
     def _provision(self, st: ProfileState) -> None:
         """Start ``st``'s cluster, or grow it, for one more task (call under ``st.lock``)."""

@@ -90,7 +90,10 @@ def _non_daemon_workers() -> Any:
     (a training cluster, a dask-cuDF cluster). The nanny still stops them when the cluster
     closes; the lifecycle tests prove none outlives the flow."""
     import dask
+    import distributed  # noqa: F401  (loads its config defaults first: see below)
 
+    # Without distributed's defaults in dask's config, leaving this block would remove the
+    # whole "distributed" section it created, defaults loaded meanwhile included.
     return dask.config.set({"distributed.worker.daemon": False})
 
 

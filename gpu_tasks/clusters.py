@@ -116,10 +116,11 @@ class ProfileCluster:
             )
         except Exception as exc:
             self.book.release(self.profile.name, _addresses(specs))
+            # a deadline only when one passed: a worker that dies while starting fails at once
+            within = f" within {self.provision_timeout:g}s" if isinstance(exc, TimeoutError) else ""
             raise ClusterError(
                 f"profile {self.profile.name!r}: could not start {len(specs)} worker(s) "
-                f"(devices: {','.join(_addresses(specs)) or 'none'}) within {self.provision_timeout:g}s: "
-                f"{type(exc).__name__}: {exc}"
+                f"(devices: {','.join(_addresses(specs)) or 'none'}){within}: {type(exc).__name__}: {exc}"
             ) from exc
         self.specs = specs
         self.usage.held(_held(specs), since=acquired)
@@ -140,10 +141,12 @@ class ProfileCluster:
             # give back the part we got, so two gangs never each hold half of what they need
             self.book.release(self.profile.name, [d.address for i in indexes for d in self.groups[i]])
             if time.monotonic() >= deadline:
+                missing = [d.address for i, g in enumerate(self.groups) if i not in indexes for d in g]
                 raise ClusterError(
                     f"profile {self.profile.name!r} is a gang of {n_workers} workers but only "
                     f"{len(indexes)} device group(s) came free within {self.book.lease_timeout:g}s "
-                    "(GPU_TASKS_LEASE_TIMEOUT); it starts all of them or none"
+                    f"(GPU_TASKS_LEASE_TIMEOUT); it starts all of them or none. Held: "
+                    f"{self.book.holders_text(missing)}"
                 )
             time.sleep(0.25)
 

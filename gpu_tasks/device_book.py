@@ -189,7 +189,7 @@ class DeviceBook:
         )
 
     @staticmethod
-    def _waiters_text(waiters: list[dict[str, Any]]) -> str:
+    def waiters_text(waiters: list[dict[str, Any]]) -> str:
         """``profile 'x' of this flow run (priority 5, waiting 3.0s for devices 0,1); ...``."""
         now = time.time()
         parts = []
@@ -200,7 +200,7 @@ class DeviceBook:
                          f"{','.join(w.get('addresses') or ())})")
         return "; ".join(parts)
 
-    def _holders_text(self, addresses: list[str]) -> str:
+    def holders_text(self, addresses: list[str]) -> str:
         """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
         foreign = leases.holders(self.lease_dir, [a for a in addresses if a not in self.holders])
         return "; ".join(
@@ -210,10 +210,10 @@ class DeviceBook:
         )
 
     def _timeout_message(self, owner: str, wanted: list[str], waited: float, first: list[dict[str, Any]]) -> str:
-        queued = f"; waiters that rank before it: {self._waiters_text(first)}" if first else ""
+        queued = f"; waiters that rank before it: {self.waiters_text(first)}" if first else ""
         return (
             f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease "
-            f"({self._holders_text(wanted)}{queued}). Stop those flow runs or wait longer: raise "
+            f"({self.holders_text(wanted)}{queued}). Stop those flow runs or wait longer: raise "
             f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s); leases are in {str(self.lease_dir)!r} "
             "(GPU_TASKS_LEASE_DIR)"
         )
@@ -233,7 +233,7 @@ class _WaitLog:
             self.last_yield = now
             logger.info(
                 "profile %r (priority %d): letting waiter(s) that rank before it have devices first: %s",
-                self.owner, self.priority, self.book._waiters_text(first),
+                self.owner, self.priority, self.book.waiters_text(first),
             )
         if self.last_wait is not None and now - self.last_wait < every:
             return
@@ -248,5 +248,5 @@ class _WaitLog:
             logger.info(
                 "profile %r: waiting for devices leased by other processes on this host: %s; "
                 "giving up after %gs (GPU_TASKS_LEASE_TIMEOUT)", self.owner,
-                self.book._holders_text(sorted(foreign)), self.book.lease_timeout,
+                self.book.holders_text(sorted(foreign)), self.book.lease_timeout,
             )

@@ -61,16 +61,20 @@ def test_a_gang_worker_that_fails_to_start_fails_the_whole_gang_and_frees_its_de
     @flow(task_runner=ProfileTaskRunner(profiles=[CPU, GANG, SINGLE]))
     def f():
         runner = FlowRunContext.get().task_runner
-        gang = _error(devices.with_options(tags=[profile("gang")]).submit())
+        fut = devices.with_options(tags=[profile("gang")]).submit()
+        fut.wait()  # returns, as for a task that raised: the task run is Failed, not the flow
+        failed = fut.state.is_failed()
+        gang = _error(fut)
         status = runner.status()["gang"]
         held = leases.holders(lease_dir, ["0", "1"])
         # the devices are free for another profile of this run (device 0's worker starts fine)
         after = devices.with_options(tags=[profile("single")]).submit().result()
-        return gang, status, held, after
+        return gang, failed, status, held, after
 
     with dask.config.set({"distributed.worker.preload": [str(preload)]}):
-        error, status, held, after = f()
-    assert error.startswith("ClusterError: profile 'gang': could not start 2 worker(s) (devices: 0,1)"), error
+        error, failed, status, held, after = f()
+    assert failed, "the task run whose cluster could not start is Failed"
+    assert error.startswith("ClusterError: profile 'gang': could not start 2 worker(s) (devices: 0,1): "), error
     assert status["state"] != "running" and status["devices"] == [] and status["workers"] == 0
     assert held == {"0": None, "1": None}, "a failed gang start leaves no device leased"
     assert after == ("0",)
@@ -98,9 +102,8 @@ def test_a_gang_that_cannot_get_all_its_devices_in_time_fails_naming_profile_and
     assert held["1"] is not None and held["1"]["pid"] == holder.pid
 
 
-def test_gang_timeout_error_does_not_say_who_holds_the_missing_device(tmp_path, lease_dir, monkeypatch):
-    """Unlike a single profile's lease timeout (tests/test_leases.py names the holder's pid and
-    flow run), the gang's timeout names no holder. Recorded as it is today; see the report."""
+def test_gang_timeout_error_names_who_holds_the_missing_device(tmp_path, lease_dir, monkeypatch):
+    """Like a single profile's lease timeout (tests/test_leases.py), the gang's names the holder."""
     monkeypatch.setenv("GPU_TASKS_LEASE_TIMEOUT", "1")
     holder = _holder(tmp_path, lease_dir, "1")
 
@@ -113,4 +116,4 @@ def test_gang_timeout_error_does_not_say_who_holds_the_missing_device(tmp_path, 
     finally:
         _stop(holder)
     assert "ClusterError" in error
-    assert f"pid {holder.pid}" not in error and "holder-run" not in error
+    assert "device 1: " in error and "holder-run" in error and f"pid {holder.pid}" in error, error
