@@ -44,15 +44,19 @@ TWO_RUNS = textwrap.dedent(
     import json, logging, os, sys, time
     from pathlib import Path
     from prefect import flow, task
-    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
 
-    OUT, MINE, PEER = (Path(p) for p in sys.argv[1:4])
+    OUT, MINE, PEER, PEER_OUT = (Path(p) for p in sys.argv[1:5])
+
+    def peer_waits_or_is_done():
+        # this task runs in a worker process; its parent is this flow run's process
+        return PEER_OUT.exists() or any(w.get("pid") != os.getppid() for w in leases.waiters())
 
     @task(tags=[profile("gpu")])
     def hold(i):
         deadline = time.monotonic() + 30
-        while not PEER.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)  # the other flow run has started: it wants the device now
+        while not peer_waits_or_is_done() and time.monotonic() < deadline:
+            time.sleep(0.05)  # the device is held until the other flow run queues for it
         start = time.time()
         time.sleep(0.3)
         return {"device": current_allocation().devices[0], "start": start, "end": time.time()}
@@ -205,7 +209,7 @@ def test_two_flow_runs_never_share_a_device(tmp_path, lease_dir):
     procs = {
         n: subprocess.Popen(
             [sys.executable, str(script), str(tmp_path / f"{n}.json"), str(tmp_path / f"{n}.started"),
-             str(tmp_path / f"{'b' if n == 'a' else 'a'}.started")],
+             str(tmp_path / f"{'b' if n == 'a' else 'a'}.started"), str(tmp_path / f"{'b' if n == 'a' else 'a'}.json")],
             env=_env(lease_dir), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
         for n in names
