@@ -84,7 +84,7 @@ def setup() -> None:
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from gpu_tasks.main_job import ensure_devices
+    from gpu_tasks._emulation import ensure_devices
 
     ensure_devices(announce=lambda m: print(m, file=sys.stderr, flush=True))
     import distributed  # noqa: F401  (configures its loggers on import; quieten them after)

@@ -907,7 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ["GPU_TASKS_EMULATED_GPUS"] = "2"
-    from gpu_tasks.main_job import embedded_server
+    from gpu_tasks._server import embedded_server
 
     plan = [s for s in SCENARIOS if not args.only or s[0] in args.only]
     root = Path(tempfile.mkdtemp(prefix="gpu-tasks-faults-"))

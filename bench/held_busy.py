@@ -182,7 +182,7 @@ def _account(setup_name: str, t0: float, t1: float, tasks: list[dict[str, Any]],
 def run(repeats: int, scale: float, idle_timeout: float) -> dict[str, Any]:
     """Both setups ``repeats`` times, alternating, against one Prefect server."""
     from gpu_tasks.devices import discover
-    from gpu_tasks.main_job import embedded_server
+    from gpu_tasks._server import embedded_server
 
     n_gpus = len(discover().devices)
     runs: list[dict[str, Any]] = []

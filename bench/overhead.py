@@ -50,7 +50,7 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
     from prefect import flow, task
 
     from gpu_tasks import profile
-    from gpu_tasks.main_job import embedded_server
+    from gpu_tasks._server import embedded_server
 
     @task
     def inc(x: int) -> int:

@@ -5,13 +5,14 @@ provisions one Dask cluster per profile when its first task arrives and closes i
 when idle. Importing this package never needs a GPU or the RAPIDS libraries.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from gpu_tasks.allocation import Allocation, current_allocation
 from gpu_tasks.devices import Device, Inventory, discover
 from gpu_tasks.errors import (
     ClusterError,
     DeviceDiscoveryError,
     GpuTasksError,
-    PipelineInputError,
     ProfileError,
     UnknownProfileError,
     UnsatisfiableProfileError,
@@ -19,6 +20,9 @@ from gpu_tasks.errors import (
 from gpu_tasks.profiles import CudaOptions, ResourceProfile, load_profiles_file, profile, use_profile
 from gpu_tasks.runner import ProfileFuture, ProfileTaskRunner
 from gpu_tasks.settings import GpuTasksSettings, get_settings
+
+if TYPE_CHECKING:
+    from gpu_tasks.pipeline.errors import PipelineInputError
 
 __all__ = [
     "Allocation",
@@ -45,3 +49,14 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    # PipelineInputError is the example pipeline's error (gpu_tasks.pipeline.errors), kept in
+    # __all__ for compatibility; imported on first use so that importing gpu_tasks never
+    # imports the pipeline.
+    if name == "PipelineInputError":
+        from gpu_tasks.pipeline.errors import PipelineInputError
+
+        return PipelineInputError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

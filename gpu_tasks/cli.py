@@ -1,4 +1,4 @@
-"""The ``gpu-tasks`` command line: inspect devices and profiles (more commands plug in here).
+"""The ``gpu-tasks`` command line: inspect devices and profiles; run and serve the example pipeline.
 
 Every command follows the same rules:
 
@@ -285,7 +285,31 @@ def profiles(
     _say(_source_line(inventory))
 
 
-# Commands added later (serve, bench) go below, each with @app.command(help=...).
+# ------------------------------------------------------- the example pipeline
+# `run` and `serve` run the example pipeline (gpu_tasks.pipeline, the `pipeline` extra):
+# imported inside the commands, so the plugin's commands work without it.
+
+
+def _pipeline_options(command: str, scale: int, rounds: int, limit: int | None) -> None:
+    """Exit 2 before anything starts when the pipeline's libraries are missing or an option is bad."""
+    from gpu_tasks.pipeline import missing_libraries
+
+    missing = missing_libraries()
+    if missing:
+        _fail(f"gpu-tasks {command} needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]' "
+              f"(missing: {', '.join(missing)})")
+    from gpu_tasks.errors import GpuTasksError
+    from gpu_tasks.pipeline.data import validate_scale
+
+    _settings()
+    try:
+        validate_scale(scale)  # before a server or cluster starts
+    except GpuTasksError as exc:
+        _fail(f"--scale: {exc}")
+    if rounds < 1:
+        _fail(f"--rounds must be at least 1, got {rounds}")
+    if limit is not None and limit < 1:
+        _fail(f"--limit must be at least 1 flight, got {limit}")
 
 
 def _stage_line(name: str, stage: dict[str, Any]) -> str:
@@ -335,20 +359,9 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON on stdout.")] = False,
 ) -> None:
     """Run the pipeline flow and print where the model and metrics went."""
+    _pipeline_options("run", scale, rounds, limit)
     from gpu_tasks.errors import GpuTasksError
-    from gpu_tasks.main_job import run_pipeline
-
-    from gpu_tasks.data import validate_scale
-
-    _settings()
-    try:
-        validate_scale(scale)  # before a server or cluster starts
-    except GpuTasksError as exc:
-        _fail(f"--scale: {exc}")
-    if rounds < 1:
-        _fail(f"--rounds must be at least 1, got {rounds}")
-    if limit is not None and limit < 1:
-        _fail(f"--limit must be at least 1 flight, got {limit}")
+    from gpu_tasks.pipeline.job import run_pipeline
 
     import logging
 
@@ -399,18 +412,10 @@ def serve(
     from prefect.deployments.runner import EntrypointType
     from prefect.settings import get_current_settings
 
-    from gpu_tasks.data import validate_scale
-    from gpu_tasks.errors import GpuTasksError
-    from gpu_tasks.main_job import ensure_devices
-    from gpu_tasks.pipeline import etl_train
+    _pipeline_options("serve", scale, rounds, limit)
+    from gpu_tasks._emulation import ensure_devices
+    from gpu_tasks.pipeline.flow import etl_train
 
-    _settings()
-    try:
-        validate_scale(scale)
-    except GpuTasksError as exc:
-        _fail(f"--scale: {exc}")
-    if rounds < 1:
-        _fail(f"--rounds must be at least 1, got {rounds}")
     if not get_current_settings().api.url:
         _fail("PREFECT_API_URL is not set: start a server with `prefect server start --host 127.0.0.1` "
               "and export PREFECT_API_URL=http://127.0.0.1:4200/api")

@@ -34,10 +34,6 @@ class ClusterError(GpuTasksError, RuntimeError):
     """A profile's Dask cluster could not be provisioned or used."""
 
 
-class PipelineInputError(GpuTasksError, ValueError):
-    """Input data for a pipeline stage is missing, corrupt or has the wrong schema."""
-
-
 class GpuOutOfMemoryError(GpuTasksError, RuntimeError):
     """A task ran out of (device) memory; the message names its profile and devices.
 

@@ -21,7 +21,11 @@ def default_lease_dir() -> Path:
 
 
 class GpuTasksSettings(BaseSettings):
-    """Process-wide settings. Every field maps to ``GPU_TASKS_<FIELD>``."""
+    """Process-wide settings. Every field maps to ``GPU_TASKS_<FIELD>``.
+
+    Other ``GPU_TASKS_*`` variables are ignored here: the example pipeline reads its own
+    (``GPU_TASKS_DATA_DIR``, :mod:`gpu_tasks.pipeline.settings`), the runner its workers'.
+    """
 
     model_config = SettingsConfigDict(env_prefix="GPU_TASKS_", extra="ignore")
 
@@ -39,7 +43,6 @@ class GpuTasksSettings(BaseSettings):
         default=None,
         description='Spark-style discovery command printing {"name": "gpu", "addresses": [...]}.',
     )
-    data_dir: Path = Field(default=Path("gpu-tasks-data"), description="Where pipeline data is written.")
     provision_timeout: float = Field(
         default=120.0, gt=0, description="Seconds to wait for a profile's workers to start."
     )

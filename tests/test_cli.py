@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -281,3 +283,23 @@ def test_main_runs_the_app(env, monkeypatch, capsys):
         main()
     assert info.value.code == 0
     assert json.loads(capsys.readouterr().out)["source"] == "emulated"
+
+
+# ------------------------------------------------------------ the pipeline
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_pipeline_commands_without_the_pipeline_extra_say_what_to_install(command):
+    """Without the pipeline's libraries (here: xgboost blocked), run/serve exit 2 with one line."""
+    import subprocess
+
+    code = ("import sys; sys.modules['xgboost'] = None; sys.argv = ['gpu-tasks', *sys.argv[1:]]; "
+            "from gpu_tasks.cli import app; app()")
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "NO_COLOR": "1",
+           "PREFECT_API_URL": "http://127.0.0.1:9/api", "GPU_TASKS_EMULATED_GPUS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code, command, "--limit", "100"], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (f"gpu-tasks {command} needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]'"
+            in lines[0]), lines
+    assert "xgboost" in lines[0] and proc.stdout == ""

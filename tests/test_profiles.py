@@ -427,7 +427,7 @@ def test_settings_read_env(monkeypatch, tmp_path):
     assert s.idle_timeout == 2.5
     assert s.emulated_gpus == "H100:80GiB"
     assert s.discovery_command == "echo {}"
-    assert s.data_dir == tmp_path / "data"
+    assert "data_dir" not in type(s).model_fields  # GPU_TASKS_DATA_DIR is the pipeline's (gpu_tasks.pipeline.settings)
     assert s.provision_timeout == 7
     assert s.dashboard is True
     assert resolve(None, "idle_timeout", s) == 2.5

@@ -201,7 +201,7 @@ def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
 SERVER_SCRIPT = textwrap.dedent(
     """
     import time
-    from gpu_tasks.main_job import embedded_server
+    from gpu_tasks._server import embedded_server
 
     if __name__ == "__main__":
         with embedded_server() as url:

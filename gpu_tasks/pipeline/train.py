@@ -24,7 +24,6 @@ JSON (``.json``) or UBJSON (``.ubj``) through a temporary file and ``os.replace`
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import time
 import uuid
@@ -34,16 +33,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 import xgboost as xgb
 from xgboost.callback import TrainingCallback
 
 from gpu_tasks import _gpu
-from gpu_tasks.data import parquet_files, parquet_row_count
-from gpu_tasks.errors import PipelineInputError
-from gpu_tasks.etl import FEATURE_COLUMNS, LABEL, read_manifest
+from gpu_tasks.pipeline._io import atomic_file, parquet_files, parquet_row_count, read_parquet_frame, read_schema_names
+from gpu_tasks.pipeline.errors import PipelineInputError
+from gpu_tasks.pipeline.etl import FEATURE_COLUMNS, LABEL, read_manifest
 
 if TYPE_CHECKING:
     from distributed import Client
@@ -144,12 +140,12 @@ def feature_split(features_dir: Path, split: str) -> tuple[Path, list[str], str]
     """Locate a split of a feature build and check its columns.
 
     Args:
-        features_dir: ``out_dir`` of :func:`gpu_tasks.etl.build_features`.
+        features_dir: ``out_dir`` of :func:`gpu_tasks.pipeline.etl.build_features`.
         split: ``"train"`` or ``"test"``.
 
     Returns:
         ``(split directory, feature columns, label column)``; columns come from the
-        build manifest when there is one, else :data:`gpu_tasks.etl.FEATURE_COLUMNS`.
+        build manifest when there is one, else :data:`gpu_tasks.pipeline.etl.FEATURE_COLUMNS`.
 
     Raises:
         PipelineInputError: the directory is missing, holds no Parquet files, a file
@@ -165,10 +161,7 @@ def feature_split(features_dir: Path, split: str) -> tuple[Path, list[str], str]
     files = parquet_files(path)
     if not files:
         raise PipelineInputError(f"{split} features directory {path} holds no .parquet files")
-    try:
-        names = pq.read_schema(files[0]).names
-    except (OSError, pa.ArrowException) as exc:
-        raise PipelineInputError(f"cannot read Parquet file {files[0]}: {exc}") from exc
+    names = read_schema_names(files[0])
     missing = [c for c in [*columns, label] if c not in names]
     if missing:
         raise PipelineInputError(f"{split} features in {path} lack column(s) {missing}; they have {names}")
@@ -185,10 +178,7 @@ def _read_local(path: Path, columns: list[str], device: str) -> Any:
             device,
             _gpu.why_unavailable("cudf"),
         )
-    try:
-        return pd.read_parquet(path, columns=columns)
-    except (OSError, pa.ArrowException) as exc:
-        raise PipelineInputError(f"cannot read features in {path}: {exc}") from exc
+    return read_parquet_frame(path, columns)
 
 
 # --------------------------------------------------------------------------- training
@@ -206,7 +196,7 @@ def train_model(
     """Train the delay classifier on ``features_dir/train`` and save it to ``model_path``.
 
     Args:
-        features_dir: ``out_dir`` of :func:`gpu_tasks.etl.build_features`.
+        features_dir: ``out_dir`` of :func:`gpu_tasks.pipeline.etl.build_features`.
         model_path: Where to save the model; ``.json`` or ``.ubj``. Parents are created.
         device: XGBoost device: ``"cpu"``, ``"cuda"`` or ``"cuda:<ordinal>"``.
         seed: Booster seed; the same seed and data give identical predictions.
@@ -339,21 +329,14 @@ def _train_dask(
 
 
 def save_model(booster: xgb.Booster, model_path: Path) -> None:
-    """Save ``booster`` to ``model_path`` atomically (temporary file, then ``os.replace``).
+    """Save ``booster`` to ``model_path`` atomically (:func:`gpu_tasks.pipeline._io.atomic_file`).
 
     Args:
         booster: The trained booster.
         model_path: Destination ending in ``.json`` or ``.ubj`` (the format follows the suffix).
     """
-    model_path = Path(model_path)
-    model_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = model_path.with_name(f".{model_path.stem}.tmp-{uuid.uuid4().hex}{model_path.suffix}")
-    try:
+    with atomic_file(Path(model_path)) as tmp:
         booster.save_model(str(tmp))
-        os.replace(tmp, model_path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def load_model(model_path: Path) -> xgb.Booster:

@@ -13,20 +13,14 @@ The raw directory is written atomically: into a sibling ``raw.tmp-<uuid>`` that
 is renamed into place only once every table and the ``_SUCCESS`` manifest (JSON
 with row counts) are written. A failed ingest leaves the previous ``raw`` intact.
 
-This module also holds the small I/O helpers the other stages share
-(:func:`atomic_directory`, :func:`move_into_place`, :func:`write_json_atomic`,
-:func:`parquet_files`, :func:`parquet_row_count`).
+The I/O helpers the stages share (atomic writes, Parquet files) are in
+:mod:`gpu_tasks.pipeline._io`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import json
 import logging
-import os
-import shutil
-import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -34,16 +28,16 @@ from typing import Any, NamedTuple
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.parquet as pq
 
-from gpu_tasks.errors import PipelineInputError
+from gpu_tasks.pipeline._io import atomic_directory, write_json_atomic
+from gpu_tasks.pipeline.errors import PipelineInputError
 
 logger = logging.getLogger(__name__)
 
 TABLE_NAMES: tuple[str, ...] = ("flights", "weather", "planes", "airports", "airlines")
 """The tables :func:`load_tables` returns and :func:`ingest` writes, in write order."""
 
-MANIFEST_NAME = "_SUCCESS"
+RAW_MANIFEST_NAME = "_SUCCESS"
 """JSON completion marker written last into the raw directory (row counts, scale, seed)."""
 
 DEP_DELAY_JITTER_SD = 5.0
@@ -64,115 +58,6 @@ class Replica(NamedTuple):
     """Whole years added to dates (equals ``index``)."""
     flights: pd.DataFrame
     weather: pd.DataFrame
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-@contextlib.contextmanager
-def atomic_directory(final: Path) -> Iterator[Path]:
-    """Build a directory in a temporary sibling and move it to ``final`` on success.
-
-    Yields a fresh ``<final>.tmp-<uuid>`` directory. When the ``with`` block
-    exits normally it replaces ``final`` (an older one is renamed aside, then
-    removed); when the block raises, the temporary directory is deleted and
-    ``final`` is left untouched.
-
-    Args:
-        final: The directory to create or replace.
-
-    Yields:
-        The temporary directory to write into.
-    """
-    final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.with_name(f"{final.name}.tmp-{uuid.uuid4().hex}")
-    tmp.mkdir()
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    move_into_place(tmp, final)
-
-
-def move_into_place(tmp: Path, final: Path) -> None:
-    """Rename ``tmp`` to ``final``, replacing an existing ``final`` (file or directory).
-
-    The old ``final`` is renamed aside first (directories cannot be replaced by one
-    rename) and removed after the swap; if the swap fails it is put back.
-
-    Args:
-        tmp: The finished file or directory, on the same filesystem as ``final``.
-        final: Its destination.
-    """
-    old: Path | None = None
-    if final.exists() or final.is_symlink():
-        old = final.with_name(f"{final.name}.old-{uuid.uuid4().hex}")
-        os.rename(final, old)
-    try:
-        os.rename(tmp, final)
-    except BaseException:
-        if old is not None:  # put the previous complete version back
-            os.rename(old, final)
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    if old is not None:
-        if old.is_dir() and not old.is_symlink():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
-
-
-def write_json_atomic(path: Path, payload: Mapping[str, Any]) -> None:
-    """Write ``payload`` as indented JSON to ``path`` via a temporary file and ``os.replace``.
-
-    Args:
-        path: Destination file; its parent directory is created if needed.
-        payload: JSON-serialisable mapping.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex}")
-    try:
-        tmp.write_text(json.dumps(payload, indent=2, sort_keys=True, default=str) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-def parquet_files(path: Path) -> list[Path]:
-    """The Parquet files that make up a dataset: ``path`` itself or the files under it.
-
-    Hidden files and files starting with ``_`` or ``.`` (metadata, markers) are skipped.
-
-    Args:
-        path: A ``.parquet`` file or a directory of part files.
-
-    Returns:
-        The files, sorted by path (empty when a directory holds none).
-    """
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    return sorted(
-        p
-        for p in path.rglob("*.parquet")
-        if p.is_file() and not any(part.startswith(("_", ".")) for part in p.relative_to(path).parts)
-    )
-
-
-def parquet_row_count(path: Path) -> int:
-    """Rows in a Parquet file or directory, read from the file footers only (cheap).
-
-    Args:
-        path: A ``.parquet`` file or a directory of part files.
-
-    Returns:
-        The total number of rows.
-    """
-    return sum(pq.ParquetFile(f).metadata.num_rows for f in parquet_files(path))
 
 
 # --------------------------------------------------------------------------- tables
@@ -381,7 +266,7 @@ def ingest(
             rows[name] = len(tables[name])
             files[name] = 1
         write_json_atomic(
-            tmp / MANIFEST_NAME,
+            tmp / RAW_MANIFEST_NAME,
             {
                 "tables": {n: {"rows": rows[n], "files": files[n]} for n in TABLE_NAMES},
                 "scale": scale,

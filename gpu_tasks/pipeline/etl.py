@@ -25,7 +25,7 @@ and learns a default direction for it, for train and test alike.
 
 Split by time: the last ``holdout_months`` calendar months of every year (e.g.
 November and December for 2) are the test set, the rest train. Because replicas
-made by :func:`gpu_tasks.data.replicate_flights` are jittered copies of the same
+made by :func:`gpu_tasks.pipeline.data.replicate_flights` are jittered copies of the same
 year, splitting by month of year (not by absolute date) keeps near-duplicate
 flights from landing on both sides of the split.
 """
@@ -43,12 +43,17 @@ import dask
 import dask.dataframe as dd
 import numpy as np
 import pandas as pd
-import pyarrow as pa
-import pyarrow.parquet as pq
 
 from gpu_tasks import _gpu
-from gpu_tasks.data import atomic_directory, parquet_files, parquet_row_count, write_json_atomic
-from gpu_tasks.errors import PipelineInputError
+from gpu_tasks.pipeline._io import (
+    atomic_directory,
+    parquet_errors,
+    parquet_files,
+    parquet_row_count,
+    read_schema_names,
+    write_json_atomic,
+)
+from gpu_tasks.pipeline.errors import PipelineInputError
 
 logger = logging.getLogger(__name__)
 
@@ -107,7 +112,7 @@ REQUIRED_COLUMNS: dict[str, tuple[str, ...]] = {
 
 BACKENDS: tuple[str, ...] = ("pandas", "cudf")
 
-MANIFEST_NAME = "_manifest.json"
+FEATURES_MANIFEST_NAME = "_manifest.json"
 """Written into ``out_dir`` last, once ``train`` and ``test`` are in place."""
 
 _WEATHER_KEY = ["origin", "time_hour"]
@@ -144,13 +149,7 @@ def _table_files(raw_dir: Path, table: str) -> list[Path]:
     if not files:
         raise PipelineInputError(f"input table {table!r} at {path} holds no .parquet files")
     for file in files:
-        try:
-            schema = pq.read_schema(file)
-        except (OSError, pa.ArrowException) as exc:
-            raise PipelineInputError(
-                f"cannot read Parquet file {file} of table {table!r} (corrupt or not Parquet): {exc}"
-            ) from exc
-        _check_columns(table, schema.names, where=file)
+        _check_columns(table, read_schema_names(file, f"of table {table!r} (corrupt or not Parquet)"), where=file)
     return files
 
 
@@ -332,7 +331,7 @@ def build_features(
     removed before the swap and written last, so it marks a complete build.
 
     Args:
-        raw_dir: Directory written by :func:`gpu_tasks.data.ingest`.
+        raw_dir: Directory written by :func:`gpu_tasks.pipeline.data.ingest`.
         out_dir: Where ``train``, ``test`` and the manifest go (created if missing).
         backend: ``"pandas"`` (CPU) or ``"cudf"`` (GPU, needs dask-cuDF).
         holdout_months: Last calendar months of each year held out as test (1-11).
@@ -352,7 +351,7 @@ def build_features(
     if not raw_dir.is_dir():
         raise PipelineInputError(f"raw data directory {raw_dir} does not exist (run the ingest stage first)")
     files = {table: _table_files(raw_dir, table) for table in REQUIRED_COLUMNS}
-    flight_rows = sum(pq.ParquetFile(f).metadata.num_rows for f in files["flights"])
+    flight_rows = sum(parquet_row_count(f) for f in files["flights"])
     if flight_rows == 0:
         raise PipelineInputError(f"flights table under {raw_dir} is empty (0 rows in {len(files['flights'])} file(s))")
     if backend == "cudf":
@@ -363,30 +362,30 @@ def build_features(
         "building features from %s (%d flights, backend %s, test months %s)", raw_dir, flight_rows, backend, test_months
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path = out_dir / MANIFEST_NAME
-    try:
-        with dask.config.set({"dataframe.backend": backend}):
-            tables = {
-                table: dd.read_parquet([str(f) for f in paths], columns=list(_columns_to_read(table, paths)))
-                for table, paths in files.items()
-            }
-            vocabulary = category_vocabulary(tables["flights"])
-            feats = featurize(tables["flights"], tables["weather"], tables["planes"], vocabulary)
-            is_test = feats["month"] > 12 - holdout_months
-            with atomic_directory(out_dir / "train") as train_tmp, atomic_directory(out_dir / "test") as test_tmp:
-                dask.compute(
-                    feats[~is_test].to_parquet(str(train_tmp), write_index=False, compute=False),
-                    feats[is_test].to_parquet(str(test_tmp), write_index=False, compute=False),
+    manifest_path = out_dir / FEATURES_MANIFEST_NAME
+    with (
+        parquet_errors(f"reading the raw tables under {raw_dir} failed"),
+        dask.config.set({"dataframe.backend": backend}),
+    ):
+        tables = {
+            table: dd.read_parquet([str(f) for f in paths], columns=list(_columns_to_read(table, paths)))
+            for table, paths in files.items()
+        }
+        vocabulary = category_vocabulary(tables["flights"])
+        feats = featurize(tables["flights"], tables["weather"], tables["planes"], vocabulary)
+        is_test = feats["month"] > 12 - holdout_months
+        with atomic_directory(out_dir / "train") as train_tmp, atomic_directory(out_dir / "test") as test_tmp:
+            dask.compute(
+                feats[~is_test].to_parquet(str(train_tmp), write_index=False, compute=False),
+                feats[is_test].to_parquet(str(test_tmp), write_index=False, compute=False),
+            )
+            train_rows, test_rows = parquet_row_count(train_tmp), parquet_row_count(test_tmp)
+            if train_rows == 0 or test_rows == 0:
+                raise PipelineInputError(
+                    f"time split of {raw_dir} is unusable: {train_rows} train and {test_rows} test rows "
+                    f"(test = months {test_months}); the data must cover months on both sides"
                 )
-                train_rows, test_rows = parquet_row_count(train_tmp), parquet_row_count(test_tmp)
-                if train_rows == 0 or test_rows == 0:
-                    raise PipelineInputError(
-                        f"time split of {raw_dir} is unusable: {train_rows} train and {test_rows} test rows "
-                        f"(test = months {test_months}); the data must cover months on both sides"
-                    )
-                manifest_path.unlink(missing_ok=True)  # the old manifest must not describe new data
-    except (OSError, pa.ArrowException) as exc:
-        raise PipelineInputError(f"reading the raw tables under {raw_dir} failed: {exc}") from exc
+            manifest_path.unlink(missing_ok=True)  # the old manifest must not describe new data
 
     write_json_atomic(
         manifest_path,
@@ -419,7 +418,7 @@ def _columns_to_read(table: str, paths: Sequence[Path]) -> list[str]:
     """Required columns plus the optional weather columns present in every file."""
     columns = list(REQUIRED_COLUMNS[table])
     if table == "weather":
-        names = [set(pq.read_schema(p).names) for p in paths]
+        names = [set(read_schema_names(p)) for p in paths]
         columns += [c for c in sorted(OPTIONAL_WEATHER) if all(c in n for n in names)]
     return columns
 
@@ -436,7 +435,7 @@ def read_manifest(features_dir: Path) -> dict[str, Any]:
     Raises:
         PipelineInputError: the manifest exists but is not valid JSON.
     """
-    path = Path(features_dir) / MANIFEST_NAME
+    path = Path(features_dir) / FEATURES_MANIFEST_NAME
     if not path.exists():
         return {}
     try:

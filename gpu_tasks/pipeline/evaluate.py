@@ -15,12 +15,11 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import pyarrow as pa
 from sklearn.metrics import log_loss, roc_auc_score
 
-from gpu_tasks.data import write_json_atomic
-from gpu_tasks.errors import PipelineInputError
-from gpu_tasks.train import feature_split, load_model
+from gpu_tasks.pipeline._io import read_parquet_frame, write_json_atomic
+from gpu_tasks.pipeline.errors import PipelineInputError
+from gpu_tasks.pipeline.train import feature_split, load_model
 
 logger = logging.getLogger(__name__)
 
@@ -28,13 +27,6 @@ BASELINE_KEYS: tuple[str, str] = ("carrier_code", "sched_dep_hour")
 """Group of the historical-rate baseline (falls back to the first key, then global)."""
 
 METRICS_SUFFIX = ".metrics.json"
-
-
-def _read(path: Path, columns: list[str]) -> pd.DataFrame:
-    try:
-        return pd.read_parquet(path, columns=columns)
-    except (OSError, pa.ArrowException) as exc:
-        raise PipelineInputError(f"cannot read features in {path}: {exc}") from exc
 
 
 def baseline_rates(train: pd.DataFrame, test: pd.DataFrame, label: str) -> np.ndarray:
@@ -69,8 +61,8 @@ def evaluate(features_dir: Path, model_path: Path, out_dir: Path | None = None) 
     """Score the model and the baseline on the test split and write the metrics JSON.
 
     Args:
-        features_dir: ``out_dir`` of :func:`gpu_tasks.etl.build_features`.
-        model_path: Model saved by :func:`gpu_tasks.train.train_model`.
+        features_dir: ``out_dir`` of :func:`gpu_tasks.pipeline.etl.build_features`.
+        model_path: Model saved by :func:`gpu_tasks.pipeline.train.train_model`.
         out_dir: Directory for ``metrics.json``; by default the metrics go next to the
             model as ``<model stem>.metrics.json``.
 
@@ -88,10 +80,10 @@ def evaluate(features_dir: Path, model_path: Path, out_dir: Path | None = None) 
     booster = load_model(model_path)
     booster.set_param({"device": "cpu"})  # a model trained on cuda predicts here on host data
 
-    test = _read(test_dir, [*columns, label])
+    test = read_parquet_frame(test_dir, [*columns, label])
     if test.empty:
         raise PipelineInputError(f"test features in {test_dir} have no rows")
-    train = _read(train_dir, [*BASELINE_KEYS, label])
+    train = read_parquet_frame(train_dir, [*BASELINE_KEYS, label])
     y = test[label].to_numpy(dtype="int64")
 
     try:

@@ -1,4 +1,4 @@
-"""Tests for the ETL stage (gpu_tasks.etl)."""
+"""Tests for the ETL stage (gpu_tasks.pipeline.etl)."""
 
 from __future__ import annotations
 
@@ -12,12 +12,13 @@ import pandas as pd
 import pytest
 
 from gpu_tasks import _gpu
-from gpu_tasks.data import ingest, load_tables, parquet_row_count
-from gpu_tasks.errors import PipelineInputError
-from gpu_tasks.etl import (
+from gpu_tasks.pipeline._io import parquet_row_count
+from gpu_tasks.pipeline.data import ingest, load_tables
+from gpu_tasks.pipeline.errors import PipelineInputError
+from gpu_tasks.pipeline.etl import (
     FEATURE_COLUMNS,
+    FEATURES_MANIFEST_NAME,
     LABEL,
-    MANIFEST_NAME,
     build_features,
     category_vocabulary,
     featurize,
@@ -146,17 +147,17 @@ def test_build_features_splits_by_month(raw_dir: Path, frames: dict[str, pd.Data
     assert set(test["month"]) == {11, 12}
     assert list(train.columns) == [*FEATURE_COLUMNS, LABEL]
 
-    manifest = json.loads((out / MANIFEST_NAME).read_text())
+    manifest = json.loads((out / FEATURES_MANIFEST_NAME).read_text())
     assert manifest["train_rows"] == result["train_rows"]
     assert manifest["feature_columns"] == FEATURE_COLUMNS
     assert manifest["vocabulary"]["origin"] == ["EWR", "JFK", "LGA"]
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "test", "train"]
+    assert sorted(p.name for p in out.iterdir()) == [FEATURES_MANIFEST_NAME, "test", "train"]
 
     # Rebuilding with another holdout replaces both splits.
     again = build_features(raw_dir, out, holdout_months=3)
     assert set(pd.read_parquet(out / "test")["month"]) == {10, 11, 12}
     assert again["train_rows"] + again["test_rows"] == result["train_rows"] + result["test_rows"]
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "test", "train"]
+    assert sorted(p.name for p in out.iterdir()) == [FEATURES_MANIFEST_NAME, "test", "train"]
 
 
 @pytest.mark.parametrize("holdout", [0, 12, 1.5, "2"])
@@ -235,8 +236,8 @@ def test_failed_build_keeps_previous_features(raw_copy: Path, tmp_path: Path) ->
     with pytest.raises(PipelineInputError):
         build_features(raw_copy, out)
     assert parquet_row_count(out / "train") == first["train_rows"]
-    assert (out / MANIFEST_NAME).exists()
-    assert sorted(p.name for p in out.iterdir()) == [MANIFEST_NAME, "test", "train"]
+    assert (out / FEATURES_MANIFEST_NAME).exists()
+    assert sorted(p.name for p in out.iterdir()) == [FEATURES_MANIFEST_NAME, "test", "train"]
 
 
 def test_replicated_raw_data_builds(tmp_path: Path) -> None:

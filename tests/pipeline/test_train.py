@@ -1,4 +1,4 @@
-"""Tests for the training and evaluation stages (gpu_tasks.train, gpu_tasks.evaluate)."""
+"""Tests for the training and evaluation stages (gpu_tasks.pipeline.train, gpu_tasks.pipeline.evaluate)."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 import xgboost as xgb
 
-from gpu_tasks.data import ingest
-from gpu_tasks.errors import PipelineInputError
-from gpu_tasks.etl import FEATURE_COLUMNS, build_features
-from gpu_tasks.evaluate import evaluate
-from gpu_tasks.train import load_model, train_model
+from gpu_tasks.pipeline.data import ingest
+from gpu_tasks.pipeline.errors import PipelineInputError
+from gpu_tasks.pipeline.etl import FEATURE_COLUMNS, build_features
+from gpu_tasks.pipeline.evaluate import evaluate
+from gpu_tasks.pipeline.train import load_model, train_model
 
 pytestmark = pytest.mark.filterwarnings(
     # dask's parquet reader still calls reset_index(inplace=True), deprecated in pandas 3.1

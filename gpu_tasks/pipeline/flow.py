@@ -9,11 +9,18 @@ from typing import Any
 from prefect import flow
 from prefect.context import FlowRunContext
 
-from gpu_tasks.data import validate_scale
-from gpu_tasks.profiles import ResourceProfile
-from gpu_tasks.runner import ProfileTaskRunner
-from gpu_tasks.settings import get_settings
-from gpu_tasks.tasks import CPU_PROFILE, ETL_PROFILE, TRAIN_PROFILE, etl_task, evaluate_task, ingest_task, train_task
+from gpu_tasks import ProfileTaskRunner, ResourceProfile
+from gpu_tasks.pipeline.data import validate_scale
+from gpu_tasks.pipeline.settings import get_pipeline_settings
+from gpu_tasks.pipeline.tasks import (
+    CPU_PROFILE,
+    ETL_PROFILE,
+    TRAIN_PROFILE,
+    etl_task,
+    evaluate_task,
+    ingest_task,
+    train_task,
+)
 
 PIPELINE_PROFILES = [
     ResourceProfile(name=CPU_PROFILE, cpus=1),
@@ -46,7 +53,7 @@ def etl_train(
         limit: Use only this many flights (tests and smoke runs).
     """
     validate_scale(scale)  # fail before any cluster starts
-    base = Path(data_dir) if data_dir else get_settings().data_dir
+    base = Path(data_dir) if data_dir else get_pipeline_settings().data_dir
     run_dir = base / f"scale-{scale}"
     raw = ingest_task.submit(str(run_dir), scale=scale, seed=seed, limit=limit).result()
     features = etl_task.submit(raw["raw_dir"], str(run_dir / "features"), holdout_months=holdout_months).result()

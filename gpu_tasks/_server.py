@@ -1,23 +1,101 @@
-"""``gpu-tasks run``: the ETL -> train pipeline on an embedded Prefect server.
+"""The embedded Prefect server: :func:`embedded_server` and the process it runs in.
 
-Without ``PREFECT_API_URL`` a Prefect server is started for the run on 127.0.0.1
-(and stopped after it). Without real GPUs, two devices are emulated, and the
-output says so.
+Without ``PREFECT_API_URL``, ``gpu-tasks run``, the benchmarks and scripts that use
+:func:`embedded_server` get a Prefect server on 127.0.0.1 for the duration of a
+``with`` block. Its process is kept out of the terminal's Ctrl-C and never outlives
+its parent (:func:`embedded_server_class`).
+
+``prefect.server`` takes about 2 s to import; it is imported only when a server is
+actually started, so ``gpu-tasks serve`` and the benchmarks that import this module
+(and find ``PREFECT_API_URL`` set) need not pay for it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
+import signal
 import socket
+import subprocess
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
-from gpu_tasks.devices import discover
-from gpu_tasks.settings import get_settings
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-DEFAULT_EMULATION = "2"
+
+def die_with_parent_hook() -> Callable[[], None] | None:
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when its parent goes (Linux).
+
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends, not only
+    the process: the server is started from the thread that enters ``embedded_server``
+    (the CLI's main thread), which outlives the context. Entering it from a short-lived
+    thread would kill the server when that thread ends. Returns ``None`` where there is
+    no ``prctl`` (macOS, Windows): there only the context's ``finally`` and Prefect's
+    ``atexit`` hook stop the server, and a SIGKILL of the parent can orphan it.
+    """
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved now: nothing is loaded after fork
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def hook() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl: no signal will come
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return hook
+
+
+class _SubprocessWithPopenArgs:
+    """The ``subprocess`` module as Prefect's server module sees it, its Popen given more arguments."""
+
+    def __init__(self, **extra: Any) -> None:
+        self._extra = extra
+
+    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 (subprocess's name)
+        return subprocess.Popen(*args, **{**kwargs, **self._extra})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+@functools.cache
+def embedded_server_class() -> type[Any]:
+    """``EmbeddedServer``: Prefect's ``SubprocessASGIServer`` in a session of its own that dies with its parent.
+
+    Built on first use so that importing this module does not import ``prefect.server``.
+    """
+    import prefect.server.api.server as _prefect_server
+    from prefect.server.api.server import SubprocessASGIServer
+
+    class EmbeddedServer(SubprocessASGIServer):  # type: ignore[misc]
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            # The one change to Prefect's server process. A terminal's Ctrl-C sends SIGINT to
+            # every process of the foreground process group; a server in that group dies
+            # before the interrupted flow run's final states reach it, and they stay
+            # "Running" in its database for good. In a session of its own it keeps serving
+            # until ``stop()``; PR_SET_PDEATHSIG still kills it with its parent, even when
+            # the parent is SIGKILLed. Prefect's method still builds the command line and
+            # environment; only the Popen it calls gets ``start_new_session`` and
+            # ``preexec_fn``. The swap is visible to that module alone, for this one call.
+            extra: dict[str, Any] = {"start_new_session": True}
+            hook = die_with_parent_hook()
+            if hook is not None:
+                extra["preexec_fn"] = hook
+            _prefect_server.subprocess = _SubprocessWithPopenArgs(**extra)  # type: ignore[assignment]
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                _prefect_server.subprocess = subprocess
+
+    return EmbeddedServer
 
 
 def _free_port() -> int:
@@ -48,7 +126,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     logs are sent and the server gets ``INTERRUPT_RECORD_S`` to record them before it
     is stopped, so the interrupted flow run ends ``Crashed`` in its database and the
     command still exits within seconds. The server dies with the process that started
-    it, even when that process is killed (Linux; see :mod:`gpu_tasks._server_process`).
+    it, even when that process is killed (Linux; see :func:`embedded_server_class`).
     """
     from prefect.settings import (
         PREFECT_API_URL,
@@ -62,11 +140,9 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     if current:
         yield str(current)
         return
-    from gpu_tasks._server_process import EmbeddedServer
-
     with temporary_settings(updates={PREFECT_SERVER_DATABASE_TIMEOUT: max(
             60.0, get_current_settings().server.database.timeout or 0.0)}):
-        server = EmbeddedServer(port=_free_port())
+        server = embedded_server_class()(port=_free_port())
         server.start(timeout=timeout)
     try:
         with temporary_settings(updates={
@@ -121,34 +197,3 @@ def _wait_until_recorded(timeout: float) -> bool:
             last = total
             time.sleep(0.2)
     return False
-
-
-def ensure_devices(announce: Any = print) -> str:
-    """Emulate two devices when there is no real GPU and no emulation set; returns the source."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    settings = get_settings()
-    if settings.emulated_gpus is None and settings.discovery_command is None:
-        inventory = discover(settings)
-        if not inventory.devices:
-            os.environ["GPU_TASKS_EMULATED_GPUS"] = DEFAULT_EMULATION
-            announce(
-                f"No GPU found ({inventory.detail}); EMULATING {DEFAULT_EMULATION} devices "
-                "(GPU_TASKS_EMULATED_GPUS): the scheduling is real, the compute runs on the CPU "
-                "(pandas, XGBoost device=cpu). These are not GPU results."
-            )
-    return discover().source
-
-
-def run_pipeline(scale: int = 1, num_rounds: int = 60, seed: int = 0, limit: int | None = None,
-                 data_dir: str | None = None, announce: Any = print) -> dict[str, Any]:
-    """Run the pipeline flow once and return its summary (plus wall time and server URL)."""
-    from gpu_tasks.pipeline import etl_train
-
-    source = ensure_devices(announce)
-    with embedded_server() as url:
-        t0 = time.monotonic()
-        out = etl_train(scale=scale, num_rounds=num_rounds, seed=seed, limit=limit, data_dir=data_dir)
-        out["seconds"] = round(time.monotonic() - t0, 2)
-    out["prefect_api_url"] = url
-    out["device_source"] = source
-    return out

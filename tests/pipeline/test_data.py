@@ -1,4 +1,4 @@
-"""Tests for the ingest stage (gpu_tasks.data)."""
+"""Tests for the ingest stage (gpu_tasks.pipeline.data) and the shared I/O helpers (gpu_tasks.pipeline._io)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,15 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 
-from gpu_tasks.data import (
-    MANIFEST_NAME,
+from gpu_tasks.pipeline._io import atomic_directory, parquet_row_count
+from gpu_tasks.pipeline.data import (
+    RAW_MANIFEST_NAME,
     TABLE_NAMES,
-    atomic_directory,
     ingest,
     load_tables,
-    parquet_row_count,
     replicate_flights,
 )
-from gpu_tasks.errors import PipelineInputError
+from gpu_tasks.pipeline.errors import PipelineInputError
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +47,7 @@ def test_ingest_scale_1_writes_every_row(tmp_path: Path, tables: dict[str, pd.Da
     assert result["rows"] == expected
     # Row counts on disk (footers only) and in the manifest agree with the tables.
     assert {name: parquet_row_count(raw / name) for name in TABLE_NAMES} == expected
-    manifest = json.loads((raw / MANIFEST_NAME).read_text())
+    manifest = json.loads((raw / RAW_MANIFEST_NAME).read_text())
     assert {name: t["rows"] for name, t in manifest["tables"].items()} == expected
     # Several flight part files so Dask reads several partitions; no temporary dirs left.
     assert len(list((raw / "flights").glob("*.parquet"))) == 4
@@ -132,7 +131,7 @@ def test_failed_ingest_leaves_no_half_written_raw(tmp_path: Path, small: dict[st
         ingest(tmp_path, tables={**small, "airlines": bad_airlines}, limit=200)
 
     assert sorted(p.name for p in tmp_path.iterdir()) == ["raw"]  # no raw.tmp-* left behind
-    assert (tmp_path / "raw" / MANIFEST_NAME).exists()
+    assert (tmp_path / "raw" / RAW_MANIFEST_NAME).exists()
     pd.testing.assert_frame_equal(pd.read_parquet(tmp_path / "raw" / "flights"), before)
 
 

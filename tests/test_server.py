@@ -1,0 +1,110 @@
+"""The embedded Prefect server (gpu_tasks._server.embedded_server) in fresh processes, as scripts use it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+from faults._procs import clean_env
+
+
+IDLE_CLOSE_SCRIPT = '''
+import json, time
+from prefect import flow, task
+from prefect.context import FlowRunContext
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+from gpu_tasks._server import embedded_server
+
+@task(tags=[profile("gpu")])
+def quick() -> int:
+    return 1
+
+@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.3)]))
+def f() -> str:
+    quick.submit().result()
+    runner = FlowRunContext.get().task_runner
+    deadline = time.monotonic() + 30
+    while runner.status()["gpu"]["state"] != "closed" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return str(FlowRunContext.get().flow_run.id)
+
+if __name__ == "__main__":
+    with embedded_server() as url:
+        run_id = f()
+        from prefect.events.worker import EventsWorker
+        EventsWorker.drain_all(timeout=10)
+        from prefect.client.orchestration import get_client
+        reasons = []
+        for _ in range(40):
+            with get_client(sync_client=True) as client:
+                r = client._client.post("/events/filter", json={"filter": {
+                    "event": {"prefix": ["gpu-tasks.cluster.closed"]}, "occurred": {"since": "2000-01-01T00:00:00Z"},
+                    "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]}}})
+            reasons = [e["payload"]["reason"] for e in r.json()["events"]]
+            if len(reasons) >= 2:
+                break
+            time.sleep(0.25)
+        from prefect.settings import get_current_settings
+        with get_client(sync_client=True) as client:
+            server_settings = client._client.get("/admin/settings").json()
+        print(json.dumps({"url": url, "reasons": reasons,
+                          "server_db_timeout": server_settings["server"]["database"]["timeout"],
+                          "client_max_retries": get_current_settings().client.max_retries}))
+'''
+
+
+def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
+    """The embedded server is tuned for many short tasks, and an idle scale-down runs on a runner thread; its events still reach the flow run's server
+    when that server's URL lives in a settings context (embedded server), not the environment,
+    and no second, ephemeral Prefect server is started for them."""
+    script = tmp_path / "idle_close.py"
+    script.write_text(IDLE_CLOSE_SCRIPT)
+    env = clean_env(uuid.uuid4().hex, PREFECT_HOME=str(tmp_path / "prefect-home"), GPU_TASKS_EMULATED_GPUS="1",
+                     PREFECT_LOGGING_LEVEL="INFO")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    port = out["url"].split(":")[2].split("/")[0]
+    other_servers = [line for line in proc.stderr.splitlines()
+                     if "temporary server on http" in line and f"127.0.0.1:{port}" not in line]
+    assert not other_servers, other_servers[:5]
+    assert any(r.startswith("scaled down: idle") for r in out["reasons"]), out
+    # the embedded SQLite server waits on its writer instead of answering 503 under load
+    assert out["server_db_timeout"] == 60 and out["client_max_retries"] == 10, out
+
+
+RECORDED_SCRIPT = '''
+import os, sqlite3, json
+from prefect import flow, task
+from gpu_tasks._server import embedded_server
+
+@task
+def inc(x):
+    return x + 1
+
+@flow
+def many():
+    return sum(x.result() for x in inc.map(range(300)))
+
+if __name__ == "__main__":
+    with embedded_server():
+        many()
+    con = sqlite3.connect(os.path.join(os.environ["PREFECT_HOME"], "prefect.db"))
+    print(json.dumps(dict(con.execute("select state_type, count(*) from task_run group by state_type").fetchall())))
+'''
+
+
+def test_embedded_server_stops_only_after_recording_every_task_run(tmp_path: Path):
+    """A flow of many short tasks that ends at once: the server records each task run's final
+    state before it is stopped (stopped at once, it had recorded a few of 300, some 'Running')."""
+    script = tmp_path / "many.py"
+    script.write_text(RECORDED_SCRIPT)
+    env = clean_env(uuid.uuid4().hex, PREFECT_HOME=str(tmp_path / "prefect-home"))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
+                          timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"COMPLETED": 300}
