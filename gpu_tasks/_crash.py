@@ -97,7 +97,7 @@ def fail_task_run(
     """
     from prefect.states import Failed
 
-    state = Failed(message=f"{type(exc).__name__}: {exc}", data=exc)
+    state: Any = Failed(message=f"{type(exc).__name__}: {exc}", data=exc)
     return _report(state, task_run_id, task, flow_run_id, tags, wait=0.0)[0]
 
 

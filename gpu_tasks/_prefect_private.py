@@ -26,11 +26,17 @@ seconds instead of 5. The cache is a private part of Prefect: when it is not fou
 
 **The deployment context** (``prefect.context._deployment_id`` and
 ``_deployment_parameters``): see :func:`deployment_context`.
+
+**The embedded server's process** (``SubprocessASGIServer._run_uvicorn_command``):
+see :func:`server_in_own_session_class`; **counting task runs** (the client's
+``_client``): see :func:`count_task_runs`.
 """
 
 from __future__ import annotations
 
 import logging
+import subprocess
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -96,3 +102,62 @@ def deployment_context() -> tuple[str | None, Any]:
 
     deployment_id = pctx._deployment_id.get()
     return (str(deployment_id) if deployment_id else None), pctx._deployment_parameters.get()
+
+
+class _SubprocessWithPopenArgs:
+    """The ``subprocess`` module as Prefect's server module sees it, its Popen given more arguments."""
+
+    def __init__(self, **extra: Any) -> None:
+        self._extra = extra
+
+    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 (subprocess's name)
+        return subprocess.Popen(*args, **{**kwargs, **self._extra})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+def server_in_own_session_class(preexec_fn: Callable[[], None] | None) -> type[Any]:
+    """Prefect's ``SubprocessASGIServer``, its server process started in a session of its own.
+
+    Overrides the private ``SubprocessASGIServer._run_uvicorn_command`` and, for that one
+    call, swaps the ``subprocess`` module its module sees (prefect 3.8.8), so that Prefect
+    still builds the command line and environment. Built on first use so that importing
+    gpu-tasks does not import ``prefect.server``.
+
+    Args:
+        preexec_fn: run in the server process before it starts (``PR_SET_PDEATHSIG``).
+    """
+    import prefect.server.api.server as _prefect_server
+    from prefect.server.api.server import SubprocessASGIServer
+
+    class EmbeddedServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            # The one change to Prefect's server process. A terminal's Ctrl-C sends SIGINT to
+            # every process of the foreground process group; a server in that group dies
+            # before the interrupted flow run's final states reach it, and they stay
+            # "Running" in its database for good. In a session of its own it keeps serving
+            # until ``stop()``; PR_SET_PDEATHSIG still kills it with its parent, even when
+            # the parent is SIGKILLed. Prefect's method still builds the command line and
+            # environment; only the Popen it calls gets ``start_new_session`` and
+            # ``preexec_fn``. The swap is visible to that module alone, for this one call.
+            extra: dict[str, Any] = {"start_new_session": True}
+            if preexec_fn is not None:
+                extra["preexec_fn"] = preexec_fn
+            vars(_prefect_server)["subprocess"] = _SubprocessWithPopenArgs(**extra)
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                vars(_prefect_server)["subprocess"] = subprocess
+
+    return EmbeddedServer
+
+
+
+def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
+    """How many task runs match ``task_run_filter`` (the API's filter JSON), on a sync client.
+
+    Prefect's client has no ``count_task_runs``; the server's ``POST /task_runs/count``
+    is reached through the client's private HTTP client ``_client`` (prefect 3.8.8).
+    """
+    return int(client._client.post("/task_runs/count", json=task_run_filter).json())

@@ -3,7 +3,7 @@
 Without ``PREFECT_API_URL``, ``gpu-tasks run``, the benchmarks and scripts that use
 :func:`embedded_server` get a Prefect server on 127.0.0.1 for the duration of a
 ``with`` block. Its process is kept out of the terminal's Ctrl-C and never outlives
-its parent (:func:`embedded_server_class`).
+its parent (:func:`gpu_tasks._prefect_private.server_in_own_session_class`).
 
 ``prefect.server`` takes about 2 s to import; it is imported only when a server is
 actually started, so ``gpu-tasks serve`` and the benchmarks that import this module
@@ -14,15 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+
+from gpu_tasks._prefect_private import count_task_runs, server_in_own_session_class
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -53,51 +52,6 @@ def die_with_parent_hook() -> Callable[[], None] | None:
     return hook
 
 
-class _SubprocessWithPopenArgs:
-    """The ``subprocess`` module as Prefect's server module sees it, its Popen given more arguments."""
-
-    def __init__(self, **extra: Any) -> None:
-        self._extra = extra
-
-    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 (subprocess's name)
-        return subprocess.Popen(*args, **{**kwargs, **self._extra})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)
-
-
-@functools.cache
-def embedded_server_class() -> type[Any]:
-    """``EmbeddedServer``: Prefect's ``SubprocessASGIServer`` in a session of its own that dies with its parent.
-
-    Built on first use so that importing this module does not import ``prefect.server``.
-    """
-    import prefect.server.api.server as _prefect_server
-    from prefect.server.api.server import SubprocessASGIServer
-
-    class EmbeddedServer(SubprocessASGIServer):  # type: ignore[misc]
-        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-            # The one change to Prefect's server process. A terminal's Ctrl-C sends SIGINT to
-            # every process of the foreground process group; a server in that group dies
-            # before the interrupted flow run's final states reach it, and they stay
-            # "Running" in its database for good. In a session of its own it keeps serving
-            # until ``stop()``; PR_SET_PDEATHSIG still kills it with its parent, even when
-            # the parent is SIGKILLed. Prefect's method still builds the command line and
-            # environment; only the Popen it calls gets ``start_new_session`` and
-            # ``preexec_fn``. The swap is visible to that module alone, for this one call.
-            extra: dict[str, Any] = {"start_new_session": True}
-            hook = die_with_parent_hook()
-            if hook is not None:
-                extra["preexec_fn"] = hook
-            _prefect_server.subprocess = _SubprocessWithPopenArgs(**extra)  # type: ignore[assignment]
-            try:
-                return super()._run_uvicorn_command()
-            finally:
-                _prefect_server.subprocess = subprocess
-
-    return EmbeddedServer
-
-
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -126,7 +80,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     logs are sent and the server gets ``INTERRUPT_RECORD_S`` to record them before it
     is stopped, so the interrupted flow run ends ``Crashed`` in its database and the
     command still exits within seconds. The server dies with the process that started
-    it, even when that process is killed (Linux; see :func:`embedded_server_class`).
+    it, even when that process is killed (Linux; see :func:`die_with_parent_hook`).
     """
     from prefect.settings import (
         PREFECT_API_URL,
@@ -142,7 +96,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
         return
     with temporary_settings(updates={PREFECT_SERVER_DATABASE_TIMEOUT: max(
             60.0, get_current_settings().server.database.timeout or 0.0)}):
-        server = embedded_server_class()(port=_free_port())
+        server = server_in_own_session_class(die_with_parent_hook())(port=_free_port())
         server.start(timeout=timeout)
     try:
         with temporary_settings(updates={
@@ -188,8 +142,8 @@ def _wait_until_recorded(timeout: float) -> bool:
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             try:
-                busy = client._client.post("/task_runs/count", json=running).json()
-                total = client._client.post("/task_runs/count", json={}).json()
+                busy = count_task_runs(client, running)
+                total = count_task_runs(client, {})
             except Exception:  # the run is over; an unreachable server is not its failure
                 return False
             if busy == 0 and total == last:

@@ -69,7 +69,7 @@ def _fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
 
 def _say(message: str | Text, style: str | None = None) -> None:
     """Print one line on stdout without markup parsing and without hard wrapping."""
-    text = message if isinstance(message, Text) else Text(message, style=style)
+    text = message if isinstance(message, Text) else Text(message, style=style or "")
     console.print(text, soft_wrap=True)
 
 
@@ -329,8 +329,8 @@ def _run_records() -> str:
     settings = get_current_settings()
     if settings.api.url:
         return f"on {settings.api.url}"
-    url = settings.server.database.connection_url
-    url = url.get_secret_value() if url is not None else ""
+    secret = settings.server.database.connection_url
+    url = secret.get_secret_value() if secret is not None else ""
     if url.startswith("sqlite"):  # never print another database's URL: it may hold a password
         return f"in the embedded server's database {url.split(':///', 1)[-1]}"
     return "in the embedded server's database"
@@ -409,7 +409,7 @@ def serve(
     limit: Annotated[int | None, typer.Option(help="Default flight limit of scheduled runs (smoke runs).")] = None,
 ) -> None:
     """Register the deployment with its schedule and run its flow runs until Ctrl-C."""
-    from prefect.deployments.runner import EntrypointType
+    from prefect.deployments.runner import EntrypointType  # type: ignore[attr-defined]  # re-exported
     from prefect.settings import get_current_settings
 
     _pipeline_options("serve", scale, rounds, limit)
@@ -436,7 +436,7 @@ def serve(
     )
     from prefect import serve as prefect_serve
 
-    prefect_serve(deployment)
+    prefect_serve(deployment)  # type: ignore[arg-type]  # to_deployment is sync here, outside an event loop
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ _QUARTERS = 4
 class Replica(NamedTuple):
     """One copy of the flights and weather tables produced by :func:`replicate_flights`."""
 
-    index: int
+    index: int  # type: ignore[assignment]  # a field named like tuple.index, as NamedTuple allows
     """0 for the original data, k for the k-th copy."""
     year_shift: int
     """Whole years added to dates (equals ``index``)."""

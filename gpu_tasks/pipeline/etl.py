@@ -39,8 +39,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import dask
+import dask.config
 import dask.dataframe as dd
+from dask.base import compute as dask_compute
 import numpy as np
 import pandas as pd
 
@@ -197,7 +198,7 @@ def category_vocabulary(flights: Any) -> dict[str, list[str]]:
     """
     uniques = [flights[c].unique() for c in CATEGORICAL_COLUMNS]
     if _is_dask(flights):
-        uniques = list(dask.compute(*uniques))
+        uniques = list(dask_compute(*uniques))
     return {c: _host_values(u) for c, u in zip(CATEGORICAL_COLUMNS, uniques, strict=True)}
 
 
@@ -375,7 +376,7 @@ def build_features(
         feats = featurize(tables["flights"], tables["weather"], tables["planes"], vocabulary)
         is_test = feats["month"] > 12 - holdout_months
         with atomic_directory(out_dir / "train") as train_tmp, atomic_directory(out_dir / "test") as test_tmp:
-            dask.compute(
+            dask_compute(
                 feats[~is_test].to_parquet(str(train_tmp), write_index=False, compute=False),
                 feats[is_test].to_parquet(str(test_tmp), write_index=False, compute=False),
             )

@@ -9,8 +9,9 @@ Parquet paths, so closing an idle cluster loses nothing.
 from __future__ import annotations
 
 import time
+import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from prefect import task
 from prefect.logging import get_run_logger
@@ -91,7 +92,7 @@ def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: i
     )
 
     def on_round(i: int, metrics: dict[str, float]) -> None:
-        update_progress_artifact(artifact_id=progress, progress=100.0 * (i + 1) / num_rounds)
+        update_progress_artifact(artifact_id=cast(uuid.UUID, progress), progress=100.0 * (i + 1) / num_rounds)
         if (i + 1) % every == 0 or i + 1 == num_rounds:
             shown = ", ".join(f"{k}={v:.4f}" for k, v in metrics.items())
             log.info("round %d/%d: %s", i + 1, num_rounds, shown)
