@@ -47,12 +47,23 @@ QUICK = {
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="small sizes, one repeat (minutes, not a report to quote)")
-    parser.add_argument("--only", nargs="+", choices=SUITE + APART, default=list(SUITE),
-                        help="run only these ('faults': the fault scenarios, docs/reliability.md)")
-    parser.add_argument("--gpu", action="store_true", help="throughput adds runs on real GPUs (refuses emulated devices)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small sizes, one repeat (minutes, not a report to quote)"
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=SUITE + APART,
+        default=list(SUITE),
+        help="run only these ('faults': the fault scenarios, docs/reliability.md)",
+    )
+    parser.add_argument(
+        "--gpu", action="store_true", help="throughput adds runs on real GPUs (refuses emulated devices)"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where benchmarks.md and results/ go")
-    parser.add_argument("--report-only", action="store_true", help="re-render the report from results/benchmarks.json")
+    parser.add_argument(
+        "--report-only", action="store_true", help="re-render the report from results/benchmarks.json"
+    )
     args = parser.parse_args(argv)
     results_dir = args.out / "results"
     combined = results_dir / "benchmarks.json"
@@ -66,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     if "faults" in args.only:  # its own server, its own page: bench/faults.py, not a timed benchmark
         import subprocess
 
-        cmd = [sys.executable, "-m", "bench.faults", "--out", str(args.out)] + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, "-m", "bench.faults", "--out", str(args.out)] + (
+            ["--quick"] if args.quick else []
+        )
         faults_rc = subprocess.run(cmd, cwd=ROOT).returncode
         args.only = [name for name in args.only if name != "faults"]
         if not args.only:
@@ -93,8 +106,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {name} ({' '.join(plan[name])})", flush=True)
             extra = ["--gpu"] if (name == "throughput" and args.gpu) else []
             try:
-                results[name] = child(MODULE.get(name, name), plan[name] + extra, results_dir / f"{name}.json",
-                                      env={"PREFECT_API_URL": url})
+                results[name] = child(
+                    MODULE.get(name, name),
+                    plan[name] + extra,
+                    results_dir / f"{name}.json",
+                    env={"PREFECT_API_URL": url},
+                )
             except Exception as exc:  # one failed benchmark is reported, and the others still run
                 print(f"   {name} FAILED: {exc}", file=sys.stderr, flush=True)
                 results[name] = {"failed": str(exc)}
@@ -103,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
             results[name]["finished"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
             results[name]["commit"] = _commit()
             combined.write_text(json.dumps(results, indent=2, default=str))  # progress survives a crash
-    results["suite"] = {"machine": machine(), "quick": args.quick, "seconds": round(time.monotonic() - t0, 1),
-                        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    results["suite"] = {
+        "machine": machine(),
+        "quick": args.quick,
+        "seconds": round(time.monotonic() - t0, 1),
+        "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+    }
     combined.write_text(json.dumps(results, indent=2, default=str))
     report.write(results, args.out)
     print(f"wrote {args.out / 'benchmarks.md'} and {results_dir} in {results['suite']['seconds']:.0f}s")

@@ -83,8 +83,15 @@ def dask_task_runner_case() -> float:
     from prefect_dask import DaskTaskRunner
 
     started = task(_started, name="started")
-    runner = DaskTaskRunner(cluster_kwargs={"n_workers": 1, "threads_per_worker": 1, "processes": True,
-                                            "dashboard_address": None, "host": "127.0.0.1"})
+    runner = DaskTaskRunner(
+        cluster_kwargs={
+            "n_workers": 1,
+            "threads_per_worker": 1,
+            "processes": True,
+            "dashboard_address": None,
+            "host": "127.0.0.1",
+        }
+    )
 
     @flow(task_runner=runner, name="cold-start-dask")
     def f() -> float:
@@ -99,14 +106,23 @@ def by_hand_case() -> dict[str, float]:
     from distributed import Client, LocalCluster
 
     t0 = time.time()
-    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+    with (
+        LocalCluster(
+            n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1", dashboard_address=None
+        ) as cluster,
+        Client(cluster) as client,
+    ):
         up = time.time()
         plain = client.submit(_started, pure=False).result()["t"]
         t1 = time.time()
         imported = client.submit(_import_engine, pure=False).result()
-    return {"cluster_s": up - t0, "total_s": plain - t0, "first_submit_s": plain - up,
-            "import_task_engine_s": imported, "second_call_s": t1 - plain}
+    return {
+        "cluster_s": up - t0,
+        "total_s": plain - t0,
+        "first_submit_s": plain - up,
+        "import_task_engine_s": imported,
+        "second_call_s": t1 - plain,
+    }
 
 
 def _import_engine() -> float:
@@ -119,7 +135,13 @@ def _import_engine() -> float:
 def run(repeats: int, idle_timeout: float) -> dict[str, Any]:
     from gpu_tasks._server import embedded_server
 
-    rows: dict[str, list[dict[str, Any]]] = {"fresh": [], "reprovision": [], "warm": [], "dask": [], "by_hand": []}
+    rows: dict[str, list[dict[str, Any]]] = {
+        "fresh": [],
+        "reprovision": [],
+        "warm": [],
+        "dask": [],
+        "by_hand": [],
+    }
     with embedded_server():
         for _ in range(repeats):
             out = gpu_tasks_cases(idle_timeout)
@@ -128,8 +150,16 @@ def run(repeats: int, idle_timeout: float) -> dict[str, Any]:
             rows["dask"].append({"total_s": dask_task_runner_case()})
             rows["by_hand"].append(by_hand_case())
             print("  " + ", ".join(f"{k} {v[-1]['total_s']:.2f}s" for k, v in rows.items()), flush=True)
-    summary = {case: {k: spread([r[k] for r in v]) for k in v[0] if k.endswith("_s")} for case, v in rows.items()}
-    return {"repeats": repeats, "idle_timeout": idle_timeout, "machine": machine(), "runs": rows, "summary": summary}
+    summary = {
+        case: {k: spread([r[k] for r in v]) for k in v[0] if k.endswith("_s")} for case, v in rows.items()
+    }
+    return {
+        "repeats": repeats,
+        "idle_timeout": idle_timeout,
+        "machine": machine(),
+        "runs": rows,
+        "summary": summary,
+    }
 
 
 def main() -> None:

@@ -51,8 +51,9 @@ def spread(values: list[float]) -> dict[str, float]:
     return {"min": min(values), "median": statistics.median(values), "max": max(values), "n": len(values)}
 
 
-def child(module: str, args: list[str], out: Path, env: dict[str, str] | None = None,
-          timeout: float = 1800) -> dict[str, Any]:
+def child(
+    module: str, args: list[str], out: Path, env: dict[str, str] | None = None, timeout: float = 1800
+) -> dict[str, Any]:
     """Run ``python -m bench.<module> ... --json out`` in a fresh process; returns its JSON.
 
     A fresh process per benchmark keeps them apart: no clusters, threads or memory
@@ -96,10 +97,16 @@ def setup() -> None:
 def commit() -> str:
     """The code measured: ``git describe``-style short hash, ``+changes`` when the tree is dirty."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "gpu_tasks", "bench"],
-                               cwd=ROOT, capture_output=True, text=True, timeout=10).stdout.strip()
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", "gpu_tasks", "bench"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return (head or "unknown") + ("+changes" if dirty else "")

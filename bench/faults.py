@@ -33,8 +33,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from bench.procs import ctrl_c, kill_marked, marked, wait_gone
 from bench.common import ROOT, commit, describe, machine
+from bench.procs import ctrl_c, kill_marked, marked, wait_gone
 
 LEAK_GRACE_S = 10.0  # a marked process alive this long after its scenario ended is leaked
 SETTLE_S = 20.0  # states reach the server as events; wait this long for final ones
@@ -72,8 +72,9 @@ def task_states(url: str, task_run_id: str) -> list[dict]:
     return sorted(states, key=lambda s: s["timestamp"])
 
 
-def runs_under(url: str, flow_run_ids: list[str] | None = None, flow_name: str | None = None,
-               wait: float = SETTLE_S) -> list[dict]:
+def runs_under(
+    url: str, flow_run_ids: list[str] | None = None, flow_name: str | None = None, wait: float = SETTLE_S
+) -> list[dict]:
     """Task runs of these flow runs (or of every run of ``flow_name``), once none is unfinished (or ``wait`` s)."""
     body: dict[str, Any] = {"limit": 200}
     if flow_run_ids is not None:
@@ -88,8 +89,9 @@ def runs_under(url: str, flow_run_ids: list[str] | None = None, flow_name: str |
         time.sleep(0.25)
 
 
-def flow_run(url: str, flow_run_id: str, want: Callable[[dict], bool] = lambda r: True,
-             timeout: float = SETTLE_S) -> dict:
+def flow_run(
+    url: str, flow_run_id: str, want: Callable[[dict], bool] = lambda r: True, timeout: float = SETTLE_S
+) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         run = api(url, "GET", f"/flow_runs/{flow_run_id}")
@@ -174,20 +176,29 @@ class Ctx:
         path.write_text(PRELUDE + textwrap.dedent(body))
         return path
 
-    def run(self, body: str, timeout: float = 240, env: dict[str, str] | None = None,
-            require_result: bool = True) -> dict:
+    def run(
+        self, body: str, timeout: float = 240, env: dict[str, str] | None = None, require_result: bool = True
+    ) -> dict:
         """Run a flow script to its end; its RESULT line as a dict (raises with its stderr if none,
         unless ``require_result`` is false: then only its exit status and stderr)."""
         path = self.script(body)
-        proc = subprocess.run([sys.executable, str(path)], cwd=self.tmp, env=env or self.env,
-                              capture_output=True, text=True, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, str(path)],
+            cwd=self.tmp,
+            env=env or self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
         (self.tmp / "stderr").write_text(proc.stderr)
         found = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if not found and not require_result:
             return {"returncode": proc.returncode, "stderr": proc.stderr}
         if not found:
-            raise RuntimeError(f"{path.name} exited {proc.returncode} without a result: {proc.stderr[-1500:]}")
-        out = json.loads(found[-1][len("RESULT "):])
+            raise RuntimeError(
+                f"{path.name} exited {proc.returncode} without a result: {proc.stderr[-1500:]}"
+            )
+        out = json.loads(found[-1][len("RESULT ") :])
         out["returncode"] = proc.returncode
         out["stderr"] = proc.stderr
         return out
@@ -197,8 +208,14 @@ class Ctx:
 
     def start(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """Start ``args`` as a terminal would: leader of a process group of its own."""
-        return subprocess.Popen(args, env=env or self.env, cwd=self.tmp, start_new_session=True,
-                                stdout=(self.tmp / "stdout").open("wb"), stderr=(self.tmp / "stderr").open("wb"))
+        return subprocess.Popen(
+            args,
+            env=env or self.env,
+            cwd=self.tmp,
+            start_new_session=True,
+            stdout=(self.tmp / "stdout").open("wb"),
+            stderr=(self.tmp / "stderr").open("wb"),
+        )
 
     def tail(self) -> str:
         path = self.tmp / "stderr"
@@ -215,6 +232,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 # ---------------------------------------------------------------- scenarios
 # Each returns part of its row: sees, recovery_s, recovery (what was timed), lost (list), checks
 # ({description: bool}), and any figures of its own. The harness adds leaks, timing and errors.
+
 
 def ephemeral_api(ctx: Ctx) -> dict:
     home = ctx.tmp / "prefect-home"
@@ -233,24 +251,33 @@ def ephemeral_api(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(newcomer())
-        """, env=env)
+        """,
+        env=env,
+    )
     db = home / "prefect.db"
-    flows = db_rows(db, "select f.id, f.state_type, s.message from flow_run f "
-                        "left join flow_run_state s on s.id = f.state_id")
+    flows = db_rows(
+        db,
+        "select f.id, f.state_type, s.message from flow_run f "
+        "left join flow_run_state s on s.id = f.state_id",
+    )
     runs = db_rows(db, "select name, state_type, flow_run_id from task_run")
     completed = [r for r in runs if r[1] == "COMPLETED"]
     missing = [f"task {i}: no COMPLETED record" for i in range(8 - len(completed))]
     return {
         "sees": f"flow run {flows[0][1] if flows else 'not recorded'}; {len(completed)}/8 task runs COMPLETED "
-                "in the flow's own (ephemeral) server" + (f'; "{msg(flows[0][2])}"' if flows and flows[0][2] else ""),
-        "recovery_s": None, "recovery": "no fault injected: Prefect's default API, no PREFECT_API_URL",
-        "lost": lost([(r[0], r[1]) for r in runs]) + missing + [f"result {i} missing"
-                                                                 for i in range(8 - len(out.get("results", [])))],
+        "in the flow's own (ephemeral) server" + (f'; "{msg(flows[0][2])}"' if flows and flows[0][2] else ""),
+        "recovery_s": None,
+        "recovery": "no fault injected: Prefect's default API, no PREFECT_API_URL",
+        "lost": lost([(r[0], r[1]) for r in runs])
+        + missing
+        + [f"result {i} missing" for i in range(8 - len(out.get("results", [])))],
         "checks": {
             "script exit 0": out["returncode"] == 0,
             "no 'Server process did not start'": "Server process did not start" not in out["stderr"],
             "one flow run, COMPLETED": len(flows) == 1 and flows[0][1] == "COMPLETED",
-            "8 task runs under that flow run": len(runs) == 8 and {r[2] for r in runs} == {flows[0][0]} if flows else False,
+            "8 task runs under that flow run": len(runs) == 8 and {r[2] for r in runs} == {flows[0][0]}
+            if flows
+            else False,
         },
     }
 
@@ -272,19 +299,24 @@ def worker_sigkill_once(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(one_death())
-        """)
-    run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2)
+        """
+    )
+    run = task_run(
+        ctx.url, out["task_run_id"], lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2
+    )
     states = task_states(ctx.url, out["task_run_id"])
     names = [s["name"] for s in states]
     done = [s for s in states if s["type"] == "COMPLETED"]
     return {
-        "sees": sees(states), "states": names,
+        "sees": sees(states),
+        "states": names,
         "recovery_s": ts(done[-1]["timestamp"]) - ctx.stamp("killed") if done else None,
         "recovery": "SIGKILL → retried task run Completed (state timestamp)",
         "lost": lost(runs_under(ctx.url, [out["flow_run_id"]])),
         "checks": {
-            "Crashed, AwaitingRetry, then Completed": "Crashed" in names and "AwaitingRetry" in names
-                                                     and names[-1] == "Completed",
+            "Crashed, AwaitingRetry, then Completed": "Crashed" in names
+            and "AwaitingRetry" in names
+            and names[-1] == "Completed",
             "run_count 2": run["run_count"] == 2,
             "result returned": out["devices"] in (["0"], ["1"]),
             "message names signal 9": any("signal 9" in (s["message"] or "") for s in states),
@@ -309,12 +341,14 @@ def worker_exits(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(keeps_dying())
-        """)
+        """
+    )
     run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] == "CRASHED")
     states = task_states(ctx.url, out["task_run_id"])
     message = run["state"]["message"] or ""
     return {
-        "sees": sees(states), "states": [s["name"] for s in states],
+        "sees": sees(states),
+        "states": [s["name"] for s in states],
         "recovery_s": ts(run["state"]["timestamp"]) - ctx.stamp("exited"),
         "recovery": "worker exit → task run Crashed (state timestamp)",
         "lost": lost(runs_under(ctx.url, [out["flow_run_id"]])),
@@ -349,12 +383,14 @@ def _raises(exc: str) -> Callable[[Ctx], dict]:
 
             if __name__ == "__main__":
                 report(interrupted_task())
-            """)
+            """
+        )
         run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] == "CRASHED")
         states = task_states(ctx.url, out["task_run_id"])
         flow = flow_run(ctx.url, out["flow_run_id"], lambda r: r["state_type"] == "COMPLETED")
         return {
-            "sees": sees(states) + f"; flow run {flow['state_type']}", "states": [s["name"] for s in states],
+            "sees": sees(states) + f"; flow run {flow['state_type']}",
+            "states": [s["name"] for s in states],
             "recovery_s": ts(run["state"]["timestamp"]) - ctx.stamp("raised"),
             "recovery": "raise → task run Crashed (state timestamp)",
             "lost": lost(runs_under(ctx.url, [out["flow_run_id"]])),
@@ -365,6 +401,7 @@ def _raises(exc: str) -> Callable[[Ctx], dict]:
                 "flow run Completed": flow["state_type"] == "COMPLETED",
             },
         }
+
     return scenario
 
 
@@ -399,14 +436,20 @@ def nested_one_slot(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(nested())
-        """)
+        """
+    )
     runs = runs_under(ctx.url, [out["flow_run_id"]])
     done = sum(r["state_type"] == "COMPLETED" for r in runs)
     return {
         "sees": f"both chains return 140; {done}/{len(runs)} task runs COMPLETED (top → middle → 2 leaves, per profile)",
-        "recovery_s": out["seconds"], "recovery": "no fault: time for both nested chains (no deadlock)",
-        "lost": lost(runs) + [f"{r['name']}: {r['state_type']}" for r in runs
-                              if r["state_type"] not in UNFINISHED | {"COMPLETED"}],
+        "recovery_s": out["seconds"],
+        "recovery": "no fault: time for both nested chains (no deadlock)",
+        "lost": lost(runs)
+        + [
+            f"{r['name']}: {r['state_type']}"
+            for r in runs
+            if r["state_type"] not in UNFINISHED | {"COMPLETED"}
+        ],
         "checks": {
             "gpu chain returns 140 on one device": out["gpu"][0] == 140 and len(out["gpu"][1]) == 1,
             "cpu chain returns 140": out["cpu"][0] == 140,
@@ -437,8 +480,10 @@ def cuda_oom():
 
 
 def memory_killed(ctx: Ctx) -> dict:
-    out = ctx.run(OOM_TASKS + textwrap.dedent(
-        """
+    out = ctx.run(
+        OOM_TASKS
+        + textwrap.dedent(
+            """
         @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(**SMALL)]))
         def too_big():
             future = hog.submit()
@@ -447,26 +492,32 @@ def memory_killed(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(too_big())
-        """))
+        """
+        )
+    )
     run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] not in UNFINISHED)
     states = task_states(ctx.url, out["task_run_id"])
     message = run["state"]["message"] or ""
     return {
-        "sees": sees(states), "states": [s["name"] for s in states],
+        "sees": sees(states),
+        "states": [s["name"] for s in states],
         "recovery_s": ts(run["state"]["timestamp"]) - ctx.stamp("allocating"),
         "recovery": "allocation starts → task run Crashed (state timestamp)",
         "lost": lost(runs_under(ctx.url, [out["flow_run_id"]])),
         "checks": {
             "Crashed": run["state_type"] == "CRASHED",
             "message says Out of memory, profile, device, limit": all(
-                w in message for w in ("Out of memory", "profile 'small'", "device(s) ", "memory limit")),
+                w in message for w in ("Out of memory", "profile 'small'", "device(s) ", "memory limit")
+            ),
         },
     }
 
 
 def oom_raised(ctx: Ctx) -> dict:
-    out = ctx.run(OOM_TASKS + textwrap.dedent(
-        """
+    out = ctx.run(
+        OOM_TASKS
+        + textwrap.dedent(
+            """
         @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(**SMALL)]))
         def raises_oom():
             future = cuda_oom.submit()
@@ -475,13 +526,17 @@ def oom_raised(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(raises_oom())
-        """), require_result=False)
+        """
+        ),
+        require_result=False,
+    )
     out = {**json.loads((ctx.tmp / "ids").read_text()), **out}  # the ids, even when the script failed
     run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] not in UNFINISHED)
     states = task_states(ctx.url, out["task_run_id"])
     message = run["state"]["message"] or ""
     return {
-        "sees": sees(states) + flow_sees(ctx.url, out["flow_run_id"]), "states": [s["name"] for s in states],
+        "sees": sees(states) + flow_sees(ctx.url, out["flow_run_id"]),
+        "states": [s["name"] for s in states],
         "recovery_s": ts(run["state"]["timestamp"]) - ctx.stamp("raised"),
         "recovery": "raise → task run Failed (state timestamp)",
         "lost": lost(runs_under(ctx.url, [out["flow_run_id"]])),
@@ -489,8 +544,9 @@ def oom_raised(ctx: Ctx) -> dict:
             "flow script completes (exit 0)": out["returncode"] == 0,
             "Failed": run["state_type"] == "FAILED",
             "message names error, profile, device and on_oom": all(
-                w in message for w in ("GpuOutOfMemoryError", "out of memory on profile 'small'", "device(s) ",
-                                       "on_oom")),
+                w in message
+                for w in ("GpuOutOfMemoryError", "out of memory on profile 'small'", "device(s) ", "on_oom")
+            ),
         },
     }
 
@@ -499,7 +555,8 @@ UNPICKLE_NOTE = (
     "the task's GpuOutOfMemoryError reached the flow process but could not be unpickled there: distributed "
     "imports tblib's pickling support, which registers a reducer for every exception class defined by then; "
     "a script that imports gpu_tasks before distributed (as any user script does) gets one for "
-    "GpuOutOfMemoryError(GpuTasksError, MemoryError), and its unpickler calls MemoryError.__new__ on it (TypeError)")
+    "GpuOutOfMemoryError(GpuTasksError, MemoryError), and its unpickler calls MemoryError.__new__ on it (TypeError)"
+)
 
 
 def known_cause(row: dict) -> str:
@@ -513,8 +570,10 @@ def known_cause(row: dict) -> str:
 
 
 def oom_escalated(ctx: Ctx) -> dict:
-    out = ctx.run(OOM_TASKS + textwrap.dedent(
-        """
+    out = ctx.run(
+        OOM_TASKS
+        + textwrap.dedent(
+            """
         @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(**SMALL, on_oom="big"),
                                                       ResourceProfile(name="big", gpus=1, max_workers=1)]))
         def escalates():
@@ -523,15 +582,28 @@ def oom_escalated(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(escalates())
-        """), require_result=False)
-    out = {**json.loads((ctx.tmp / "ids").read_text()), "result": None, **out}  # the ids, even when the script failed
-    run = task_run(ctx.url, out["task_run_id"], lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2,
-                   timeout=SETTLE_S if out["returncode"] == 0 else 5)
+        """
+        ),
+        require_result=False,
+    )
+    out = {
+        **json.loads((ctx.tmp / "ids").read_text()),
+        "result": None,
+        **out,
+    }  # the ids, even when the script failed
+    run = task_run(
+        ctx.url,
+        out["task_run_id"],
+        lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2,
+        timeout=SETTLE_S if out["returncode"] == 0 else 5,
+    )
     states = task_states(ctx.url, out["task_run_id"])
     done = [s for s in states if s["type"] == "COMPLETED"]
     return {
-        "sees": sees(states) + (f"; result from profile '{out['result']}'" if out["result"] else "")
-                + flow_sees(ctx.url, out["flow_run_id"]), "states": [s["name"] for s in states],
+        "sees": sees(states)
+        + (f"; result from profile '{out['result']}'" if out["result"] else "")
+        + flow_sees(ctx.url, out["flow_run_id"]),
+        "states": [s["name"] for s in states],
         "recovery_s": ts(done[-1]["timestamp"]) - ctx.stamp("raised") if done else None,
         "recovery": "raise on 'small' → task run Completed on 'big' (state timestamp)",
         "lost": lost(runs_under(ctx.url, [out["flow_run_id"]])),
@@ -560,7 +632,9 @@ def flow_sigkilled(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             doomed()
-        """, name="doomed")
+        """,
+        name="doomed",
+    )
     proc = ctx.start([sys.executable, str(path)])
     try:
         deadline = time.monotonic() + 120
@@ -604,20 +678,26 @@ def flow_sigkilled(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             report(next_run())
-        """)
+        """
+    )
     killed_runs = runs_under(ctx.url, [killed_flow], wait=5)
     killed_flow_run = flow_run(ctx.url, killed_flow)
     stale = lost(killed_runs)
     return {
         "sees": f"all {len(before)} worker and `sleep` child processes gone in {took:.2f} s; next run got devices "
-                f"{sorted(out['devices'])} after {out['wait_devices_s']:.3f} s; the killed run's records: flow run "
-                f"{killed_flow_run['state_type']}, task runs {sorted(r['state_type'] for r in killed_runs)}",
-        "recovery_s": took, "recovery": "flow SIGKILL → last worker and child gone",
+        f"{sorted(out['devices'])} after {out['wait_devices_s']:.3f} s; the killed run's records: flow run "
+        f"{killed_flow_run['state_type']}, task runs {sorted(r['state_type'] for r in killed_runs)}",
+        "recovery_s": took,
+        "recovery": "flow SIGKILL → last worker and child gone",
         "next_run_wait_devices_s": out["wait_devices_s"],
         "lost": stale + lost(runs_under(ctx.url, [out["flow_run_id"]])),
-        "note": ("the killed flow run and its task runs stay Running on the server: the SIGKILLed flow process "
-                 "cannot report them, and the workers' guard (gpu_tasks._worker_guard) ends the workers without "
-                 "reporting their task runs Crashed") if stale else "",
+        "note": (
+            "the killed flow run and its task runs stay Running on the server: the SIGKILLed flow process "
+            "cannot report them, and the workers' guard (gpu_tasks._worker_guard) ends the workers without "
+            "reporting their task runs Crashed"
+        )
+        if stale
+        else "",
         "leaked_at_kill": survivors,
         "checks": {
             "workers and children carried the marker": workers_and_children <= {p.pid for p in before},
@@ -642,7 +722,8 @@ def ctrl_c_flow_script(ctx: Ctx) -> dict:
 
         if __name__ == "__main__":
             interrupted()
-        """)
+        """
+    )
     ready = ctx.tmp / "ready"
     proc = ctx.start([sys.executable, str(path)])
     try:
@@ -659,9 +740,10 @@ def ctrl_c_flow_script(ctx: Ctx) -> dict:
     runs = runs_under(ctx.url, [flow_run_id])
     flow = flow_run(ctx.url, flow_run_id, lambda r: r["state_type"] in ("CRASHED", "CANCELLED"))
     return {
-        "sees": f"exit {proc.returncode}; flow run {flow['state_type']}: \"{msg(flow['state']['message'])}\"; "
-                f"task runs {sorted(r['state_type'] for r in runs)}",
-        "recovery_s": took, "recovery": "Ctrl-C (SIGINT to the group) → script exits",
+        "sees": f'exit {proc.returncode}; flow run {flow["state_type"]}: "{msg(flow["state"]["message"])}"; '
+        f"task runs {sorted(r['state_type'] for r in runs)}",
+        "recovery_s": took,
+        "recovery": "Ctrl-C (SIGINT to the group) → script exits",
         "lost": lost(runs),
         "checks": {
             "exits within 10 s": took < 10,
@@ -678,12 +760,26 @@ def ctrl_c_cli(ctx: Ctx) -> dict:
     env = {k: v for k, v in ctx.env.items() if k != "PREFECT_API_URL"}
     env["PREFECT_HOME"] = str(home)
     # a few thousand flights keep ingest and ETL short; a million rounds keep training busy
-    proc = ctx.start([sys.executable, "-m", "gpu_tasks.cli", "run", "--limit", "5000", "--rounds", "1000000",
-                      "--data-dir", str(ctx.tmp / "data")], env=env)
+    proc = ctx.start(
+        [
+            sys.executable,
+            "-m",
+            "gpu_tasks.cli",
+            "run",
+            "--limit",
+            "5000",
+            "--rounds",
+            "1000000",
+            "--data-dir",
+            str(ctx.tmp / "data"),
+        ],
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 180
-        while not db_rows(db, "select id from task_run where state_type = 'RUNNING' "
-                              "and tags like '%\"profile:gpu-train\"%'"):
+        while not db_rows(
+            db, "select id from task_run where state_type = 'RUNNING' and tags like '%\"profile:gpu-train\"%'"
+        ):
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"training never started (exit {proc.poll()}): {ctx.tail()}")
             time.sleep(0.3)
@@ -692,20 +788,25 @@ def ctrl_c_cli(ctx: Ctx) -> dict:
     finally:
         stop(proc)
     err = ctx.tail()
-    flows = db_rows(db, "select f.state_type, s.message from flow_run f left join flow_run_state s on s.id = f.state_id")
+    flows = db_rows(
+        db, "select f.state_type, s.message from flow_run f left join flow_run_state s on s.id = f.state_id"
+    )
     runs = db_rows(db, "select name, state_type from task_run")
     return {
         "sees": f"exit {proc.returncode}; flow run(s) {[f[0] for f in flows]}"
-                + (f': "{msg(flows[0][1])}"' if flows and flows[0][1] else "")
-                + f"; task runs {sorted({s for _, s in runs})}",
-        "recovery_s": took, "recovery": "Ctrl-C (SIGINT to the group) → `gpu-tasks run` exits",
+        + (f': "{msg(flows[0][1])}"' if flows and flows[0][1] else "")
+        + f"; task runs {sorted({s for _, s in runs})}",
+        "recovery_s": took,
+        "recovery": "Ctrl-C (SIGINT to the group) → `gpu-tasks run` exits",
         "lost": lost(runs),
         "checks": {
             "exits within 10 s": took < 10,
             "exit 130": proc.returncode == 130,
-            "says interrupted (Ctrl-C) and where the database is, no traceback":
-                "interrupted (Ctrl-C)" in err and str(db) in err and "Traceback" not in err,
-            "flow runs Crashed or Cancelled": bool(flows) and all(f[0] in ("CRASHED", "CANCELLED") for f in flows),
+            "says interrupted (Ctrl-C) and where the database is, no traceback": "interrupted (Ctrl-C)" in err
+            and str(db) in err
+            and "Traceback" not in err,
+            "flow runs Crashed or Cancelled": bool(flows)
+            and all(f[0] in ("CRASHED", "CANCELLED") for f in flows),
             "train task run recorded": any(name.startswith("train") for name, _ in runs),
         },
     }
@@ -714,8 +815,14 @@ def ctrl_c_cli(ctx: Ctx) -> dict:
 def soak(ctx: Ctx, runs: int = 20) -> dict:
     script = ROOT / "tests" / "faults" / "soak_script.py"
     t0 = time.monotonic()
-    done = subprocess.run([sys.executable, str(script), "--runs", str(runs), "--json"], env=ctx.env, cwd=ctx.tmp,
-                          capture_output=True, text=True, timeout=540)
+    done = subprocess.run(
+        [sys.executable, str(script), "--runs", str(runs), "--json"],
+        env=ctx.env,
+        cwd=ctx.tmp,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"soak_script exited {done.returncode}: {done.stderr[-1500:]}")
     rows = json.loads(done.stdout.strip().splitlines()[-1])
@@ -725,10 +832,11 @@ def soak(ctx: Ctx, runs: int = 20) -> dict:
     done_runs = sum(r["state_type"] == "COMPLETED" for r in records)
     return {
         "sees": f"{runs} flow runs in one process; {done_runs}/{4 * runs} task runs COMPLETED; every cluster "
-                f"idled out ({sorted({r['state_after_idle'] for r in rows})}); fds {base['fds']}→{last['fds']}, "
-                f"threads {base['threads']}→{last['threads']}, RSS {base['rss_mb']}→{last['rss_mb']} MB "
-                f"(run {min(5, runs)}→{runs})",
-        "recovery_s": None, "recovery": f"no fault: {runs} runs took {time.monotonic() - t0:.0f} s",
+        f"idled out ({sorted({r['state_after_idle'] for r in rows})}); fds {base['fds']}→{last['fds']}, "
+        f"threads {base['threads']}→{last['threads']}, RSS {base['rss_mb']}→{last['rss_mb']} MB "
+        f"(run {min(5, runs)}→{runs})",
+        "recovery_s": None,
+        "recovery": f"no fault: {runs} runs took {time.monotonic() - t0:.0f} s",
         "lost": lost(records) + [f"task run {i}: no COMPLETED record" for i in range(4 * runs - done_runs)],
         "soak": [by_run[n] for n in SOAK_AT if n in by_run],
         "checks": {
@@ -742,21 +850,44 @@ def soak(ctx: Ctx, runs: int = 20) -> dict:
 
 
 SCENARIOS: list[tuple[str, str, Callable[[Ctx], dict]]] = [
-    ("ephemeral_api", "Prefect's default ephemeral API (no server, no PREFECT_API_URL): 8 tasks on gpus=0.25",
-     ephemeral_api),
+    (
+        "ephemeral_api",
+        "Prefect's default ephemeral API (no server, no PREFECT_API_URL): 8 tasks on gpus=0.25",
+        ephemeral_api,
+    ),
     ("worker_sigkill_once", "GPU worker SIGKILLed once mid-task; task has retries=1", worker_sigkill_once),
     ("worker_exits", "GPU worker exits (`os._exit(3)`) every time; no retries", worker_exits),
     ("task_keyboard_interrupt", "task raises KeyboardInterrupt (GPU profile)", _raises("KeyboardInterrupt")),
     ("task_system_exit", "task raises SystemExit (GPU profile)", _raises("SystemExit")),
-    ("nested_one_slot", "nested submission (task → task → 2 tasks) on one-slot profiles: gpus=1 max_workers=1, "
-     "and cpus=all cores", nested_one_slot),
-    ("memory_killed", "worker killed for memory: profile memory=700MiB, task allocates 1.5 GiB", memory_killed),
+    (
+        "nested_one_slot",
+        "nested submission (task → task → 2 tasks) on one-slot profiles: gpus=1 max_workers=1, "
+        "and cpus=all cores",
+        nested_one_slot,
+    ),
+    (
+        "memory_killed",
+        "worker killed for memory: profile memory=700MiB, task allocates 1.5 GiB",
+        memory_killed,
+    ),
     ("oom_raised", "task raises CUDA out-of-memory (MemoryError)", oom_raised),
     ("oom_escalated", "task raises CUDA out-of-memory; profile has on_oom='big'", oom_escalated),
-    ("flow_sigkilled", "flow process SIGKILLed while 2 GPU tasks run (each with a `sleep 300` child)", flow_sigkilled),
-    ("ctrl_c_flow_script", "Ctrl-C (SIGINT to the process group) on a flow script mid GPU task", ctrl_c_flow_script),
+    (
+        "flow_sigkilled",
+        "flow process SIGKILLed while 2 GPU tasks run (each with a `sleep 300` child)",
+        flow_sigkilled,
+    ),
+    (
+        "ctrl_c_flow_script",
+        "Ctrl-C (SIGINT to the process group) on a flow script mid GPU task",
+        ctrl_c_flow_script,
+    ),
     ("ctrl_c_cli", "Ctrl-C on `gpu-tasks run` mid training (its embedded server)", ctrl_c_cli),
-    ("soak", "soak: 20 flow runs in one process, each provisioning a gpus=0.5 profile and idling it out", soak),
+    (
+        "soak",
+        "soak: 20 flow runs in one process, each provisioning a gpus=0.5 profile and idling it out",
+        soak,
+    ),
 ]
 
 
@@ -765,15 +896,21 @@ def scenario_env(base: dict[str, str], url: str, marker: str, lease_dir: Path) -
     the shared server, a Prefect home and lease directory of the scenario's own (no other run's
     leases) and a marker every descendant inherits."""
     env = {k: v for k, v in base.items() if not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))}
-    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", GPU_TASKS_EMULATED_GPUS="2", PREFECT_API_URL=url,
-               PREFECT_HOME=str(lease_dir.parent / "prefect-home"),
-               GPU_TASKS_LEASE_DIR=str(lease_dir), GPU_TASKS_TEST_MARKER=marker,
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])))
+    env.update(
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        GPU_TASKS_EMULATED_GPUS="2",
+        PREFECT_API_URL=url,
+        PREFECT_HOME=str(lease_dir.parent / "prefect-home"),
+        GPU_TASKS_LEASE_DIR=str(lease_dir),
+        GPU_TASKS_TEST_MARKER=marker,
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
+    )
     return env
 
 
-def run_scenario(key: str, fault: str, fn: Callable[[Ctx], dict], url: str, root: Path,
-                 base_env: dict[str, str]) -> dict:
+def run_scenario(
+    key: str, fault: str, fn: Callable[[Ctx], dict], url: str, root: Path, base_env: dict[str, str]
+) -> dict:
     """One scenario, whatever happens: its row, with leaked processes counted and leftovers killed."""
     marker = uuid.uuid4().hex
     tmp = root / key
@@ -817,7 +954,7 @@ def render(results: dict[str, Any]) -> str:
         f"Machine: {describe(suite['machine'])}. Raw results: [results/faults.json](results/faults.json).",
         "",
         "**Devices were EMULATED** (`GPU_TASKS_EMULATED_GPUS=2`: real Dask worker processes, each with its own "
-        "`CUDA_VISIBLE_DEVICES`, compute on the CPU). The \"CUDA out of memory\" faults are raised errors, not a "
+        '`CUDA_VISIBLE_DEVICES`, compute on the CPU). The "CUDA out of memory" faults are raised errors, not a '
         "real GPU running out of memory. Nothing here is a GPU measurement; it tests processes, signals and the "
         "states Prefect records.",
         "",
@@ -836,8 +973,10 @@ def render(results: dict[str, Any]) -> str:
         rec = "—" if r.get("recovery_s") is None else f"{r['recovery_s']:.2f}"
         sees_text = r.get("sees") or f"scenario failed: {msg(r.get('error'), 200)}"
         result = "pass" if r["ok"] else "**FAIL**"
-        out.append(f"| {i} | {_cell(r['fault'])} | {_cell(sees_text)} | {rec} | {_cell(r.get('recovery', '—'))} "
-                   f"| {r['leaked']} | {len(r['lost'])} | {result} |")
+        out.append(
+            f"| {i} | {_cell(r['fault'])} | {_cell(sees_text)} | {rec} | {_cell(r.get('recovery', '—'))} "
+            f"| {r['leaked']} | {len(r['lost'])} | {result} |"
+        )
     soak_rows = next((r.get("soak") for r in rows if r.get("soak")), None)
     if soak_rows:
         out += [
@@ -852,8 +991,10 @@ def render(results: dict[str, Any]) -> str:
             "| ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
         for s in soak_rows:
-            out.append(f"| {s['run']} | {s['fds']} | {s['threads']} | {s['children']} | {s['rss_mb']:g} "
-                       f"| {s['seconds']:g} |")
+            out.append(
+                f"| {s['run']} | {s['fds']} | {s['threads']} | {s['children']} | {s['rss_mb']:g} "
+                f"| {s['seconds']:g} |"
+            )
     out += ["", "## Checks per scenario", ""]
     for i, r in enumerate(rows, 1):
         marks = "; ".join(f"{name}: {'yes' if ok else '**no**'}" for name, ok in r["checks"].items())
@@ -891,10 +1032,14 @@ def write(results: dict[str, Any], out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.faults", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where reliability.md and results/ go")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "docs", help="where reliability.md and results/ go"
+    )
     parser.add_argument("--only", nargs="+", choices=[k for k, _, _ in SCENARIOS], help="run only these")
     parser.add_argument("--quick", action="store_true", help="soak with 5 runs instead of 20")
-    parser.add_argument("--report-only", action="store_true", help="re-render reliability.md from results/faults.json")
+    parser.add_argument(
+        "--report-only", action="store_true", help="re-render reliability.md from results/faults.json"
+    )
     args = parser.parse_args(argv)
     if args.report_only:
         write(json.loads((args.out / "results" / "faults.json").read_text()), args.out)
@@ -919,18 +1064,28 @@ def main(argv: list[str] | None = None) -> int:
                 fn = lambda ctx: soak(ctx, runs=5)  # noqa: E731
             print(f"== {key}", flush=True)
             row = run_scenario(key, fault, fn, url, root, base_env)
-            print(f"   {'pass' if row['ok'] else 'FAIL'} in {row['seconds']:.0f}s: recovery {row.get('recovery_s')} s, "
-                  f"leaked {row['leaked']}, lost {len(row['lost'])}" + (f"; {row['error']}" if row.get("error") else ""),
-                  flush=True)
+            print(
+                f"   {'pass' if row['ok'] else 'FAIL'} in {row['seconds']:.0f}s: recovery {row.get('recovery_s')} s, "
+                f"leaked {row['leaked']}, lost {len(row['lost'])}"
+                + (f"; {row['error']}" if row.get("error") else ""),
+                flush=True,
+            )
             rows.append(row)
     results = {
-        "suite": {"machine": machine(), "commit": commit(), "seconds": round(time.monotonic() - t0, 1),
-                  "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "quick": args.quick},
+        "suite": {
+            "machine": machine(),
+            "commit": commit(),
+            "seconds": round(time.monotonic() - t0, 1),
+            "finished": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "quick": args.quick,
+        },
         "scenarios": rows,
     }
     write(results, args.out)
-    print(f"wrote {args.out / 'reliability.md'} and {args.out / 'results' / 'faults.json'} "
-          f"in {results['suite']['seconds']:.0f}s; scratch files in {root}")
+    print(
+        f"wrote {args.out / 'reliability.md'} and {args.out / 'results' / 'faults.json'} "
+        f"in {results['suite']['seconds']:.0f}s; scratch files in {root}"
+    )
     return 0 if all(r["ok"] for r in rows) else 1
 
 

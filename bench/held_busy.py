@@ -46,12 +46,21 @@ def _work(stage: str, part: int, seconds: float) -> dict[str, Any]:
     from gpu_tasks import current_allocation
 
     alloc = current_allocation()
-    devices = list(alloc.devices) if alloc.in_profile else [
-        d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d
-    ]
+    devices = (
+        list(alloc.devices)
+        if alloc.in_profile
+        else [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d]
+    )
     start = time.time()
     time.sleep(seconds)
-    return {"stage": stage, "part": part, "devices": devices, "start": start, "end": time.time(), "pid": os.getpid()}
+    return {
+        "stage": stage,
+        "part": part,
+        "devices": devices,
+        "start": start,
+        "end": time.time(),
+        "pid": os.getpid(),
+    }
 
 
 def _pipeline(scale: float, annotate: bool) -> Any:
@@ -92,10 +101,20 @@ def static_cluster(n_gpus: int) -> Any:
     opts = {"host": "127.0.0.1", "dashboard_address": None, "silence_logs": 30}
     workers = {"cpu": {"cls": Nanny, "options": {**opts, "nthreads": 1, "env": {"CUDA_VISIBLE_DEVICES": ""}}}}
     for i in range(n_gpus):
-        workers[f"gpu-{i}"] = {"cls": Nanny, "options": {
-            **opts, "nthreads": 1, "resources": {"GPU": 1}, "env": {"CUDA_VISIBLE_DEVICES": str(i)}}}
-    return SpecCluster(workers=workers, scheduler={"cls": Scheduler, "options": {
-        "host": "127.0.0.1", "dashboard": False}}, silence_logs=30)
+        workers[f"gpu-{i}"] = {
+            "cls": Nanny,
+            "options": {
+                **opts,
+                "nthreads": 1,
+                "resources": {"GPU": 1},
+                "env": {"CUDA_VISIBLE_DEVICES": str(i)},
+            },
+        }
+    return SpecCluster(
+        workers=workers,
+        scheduler={"cls": Scheduler, "options": {"host": "127.0.0.1", "dashboard": False}},
+        silence_logs=30,
+    )
 
 
 def busy_by_device(tasks: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
@@ -133,10 +152,19 @@ def run_profile(scale: float, idle_timeout: float) -> dict[str, Any]:
     tasks = f()
     t1 = time.time()
     holds = [
-        {"device": d, "profile": row.profile, "start": row.provisioned_at, "end": row.closed_at, "reason": row.reason}
-        for row in box["runner"].ledger for d in row.devices
+        {
+            "device": d,
+            "profile": row.profile,
+            "start": row.provisioned_at,
+            "end": row.closed_at,
+            "reason": row.reason,
+        }
+        for row in box["runner"].ledger
+        for d in row.devices
     ]
-    idle_tails = sum(idle_timeout for row in box["runner"].ledger for _ in row.devices if "idle" in row.reason)
+    idle_tails = sum(
+        idle_timeout for row in box["runner"].ledger for _ in row.devices if "idle" in row.reason
+    )
     return _account("ProfileTaskRunner", t0, t1, tasks, holds, idle_tails)
 
 
@@ -157,13 +185,21 @@ def run_static(scale: float, n_gpus: int) -> dict[str, Any]:
     tasks = f()
     t1 = time.time()  # the runner closed its cluster on leaving the flow
     started = _STATIC_CLUSTER_STARTED[0]
-    holds = [{"device": str(i), "profile": "static", "start": started, "end": t1, "reason": "flow ended"}
-             for i in range(n_gpus)]
+    holds = [
+        {"device": str(i), "profile": "static", "start": started, "end": t1, "reason": "flow ended"}
+        for i in range(n_gpus)
+    ]
     return _account("static DaskTaskRunner", t0, t1, tasks, holds, 0.0)
 
 
-def _account(setup_name: str, t0: float, t1: float, tasks: list[dict[str, Any]],
-             holds: list[dict[str, Any]], idle_tails: float) -> dict[str, Any]:
+def _account(
+    setup_name: str,
+    t0: float,
+    t1: float,
+    tasks: list[dict[str, Any]],
+    holds: list[dict[str, Any]],
+    idle_tails: float,
+) -> dict[str, Any]:
     busy = busy_by_device(tasks)
     held_s = sum(h["end"] - h["start"] for h in holds)
     busy_s = sum(union_seconds(v) for v in busy.values())
@@ -172,17 +208,23 @@ def _account(setup_name: str, t0: float, t1: float, tasks: list[dict[str, Any]],
     if misplaced:
         raise RuntimeError(f"{setup_name}: GPU stages ran without a device: {misplaced}")
     return {
-        "setup": setup_name, "flow_s": t1 - t0, "held_s": held_s, "busy_s": busy_s,
-        "held_over_busy": held_s / busy_s, "idle_tail_s": idle_tails,
+        "setup": setup_name,
+        "flow_s": t1 - t0,
+        "held_s": held_s,
+        "busy_s": busy_s,
+        "held_over_busy": held_s / busy_s,
+        "idle_tail_s": idle_tails,
         "held_less_idle_tails_over_busy": (held_s - idle_tails) / busy_s,
-        "t0": t0, "holds": holds, "tasks": tasks,
+        "t0": t0,
+        "holds": holds,
+        "tasks": tasks,
     }
 
 
 def run(repeats: int, scale: float, idle_timeout: float) -> dict[str, Any]:
     """Both setups ``repeats`` times, alternating, against one Prefect server."""
-    from gpu_tasks.devices import discover
     from gpu_tasks._server import embedded_server
+    from gpu_tasks.devices import discover
 
     n_gpus = len(discover().devices)
     runs: list[dict[str, Any]] = []
@@ -192,17 +234,27 @@ def run(repeats: int, scale: float, idle_timeout: float) -> dict[str, Any]:
                 r = one()
                 r["repeat"] = i
                 runs.append(r)
-                print(f"  {r['setup']:24s} held {r['held_s']:6.1f} device-s, busy {r['busy_s']:6.1f}, "
-                      f"held/busy {r['held_over_busy']:.2f}, flow {r['flow_s']:.1f}s", flush=True)
+                print(
+                    f"  {r['setup']:24s} held {r['held_s']:6.1f} device-s, busy {r['busy_s']:6.1f}, "
+                    f"held/busy {r['held_over_busy']:.2f}, flow {r['flow_s']:.1f}s",
+                    flush=True,
+                )
     summary = {}
     for name in ("ProfileTaskRunner", "static DaskTaskRunner"):
         mine = [r for r in runs if r["setup"] == name]
-        summary[name] = {k: spread([r[k] for r in mine]) for k in
-                         ("held_over_busy", "held_less_idle_tails_over_busy", "held_s", "busy_s", "flow_s")}
+        summary[name] = {
+            k: spread([r[k] for r in mine])
+            for k in ("held_over_busy", "held_less_idle_tails_over_busy", "held_s", "busy_s", "flow_s")
+        }
     return {
-        "repeats": repeats, "stage_seconds": scale, "idle_timeout": idle_timeout, "gpus": n_gpus,
+        "repeats": repeats,
+        "stage_seconds": scale,
+        "idle_timeout": idle_timeout,
+        "gpus": n_gpus,
         "stages": {k: {"profile": p, "tasks": n, "seconds": s * scale} for k, (p, n, s) in STAGES.items()},
-        "machine": machine(), "runs": runs, "summary": summary,
+        "machine": machine(),
+        "runs": runs,
+        "summary": summary,
     }
 
 

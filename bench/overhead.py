@@ -35,13 +35,27 @@ def runners(n_gpu: int) -> dict[str, tuple[Callable[[], Any], str | None]]:
     cpu = ResourceProfile(name="cpu", cpus=0.25)  # 8 threads on a 2-core machine, as the thread pool
     return {
         THREADS: (lambda: ThreadPoolTaskRunner(max_workers=8), None),
-        DASK: (lambda: DaskTaskRunner(cluster_kwargs={
-            "n_workers": 2, "threads_per_worker": 2, "processes": True,
-            "dashboard_address": None, "host": "127.0.0.1"}), None),
+        DASK: (
+            lambda: DaskTaskRunner(
+                cluster_kwargs={
+                    "n_workers": 2,
+                    "threads_per_worker": 2,
+                    "processes": True,
+                    "dashboard_address": None,
+                    "host": "127.0.0.1",
+                }
+            ),
+            None,
+        ),
         PROFILE_CPU: (lambda: ProfileTaskRunner(profiles=[cpu], idle_timeout=600), None),
-        PROFILE_GPU: (lambda: ProfileTaskRunner(
-            profiles=[cpu, ResourceProfile(name="quarter", gpus=0.25, max_workers=n_gpu)],
-            default="cpu", idle_timeout=600), "quarter"),
+        PROFILE_GPU: (
+            lambda: ProfileTaskRunner(
+                profiles=[cpu, ResourceProfile(name="quarter", gpus=0.25, max_workers=n_gpu)],
+                default="cpu",
+                idle_timeout=600,
+            ),
+            "quarter",
+        ),
     }
 
 

@@ -21,7 +21,10 @@ def marked(marker: str) -> list[Any]:
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.status() != psutil.STATUS_ZOMBIE and proc.environ().get("GPU_TASKS_TEST_MARKER") == marker:
+            if (
+                proc.status() != psutil.STATUS_ZOMBIE
+                and proc.environ().get("GPU_TASKS_TEST_MARKER") == marker
+            ):
                 found.append(proc)
         except psutil.Error:
             continue

@@ -57,7 +57,9 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
     verdicts = []
     for n, by_label in res["summary"].items():
         for label, row in by_label.items():
-            lines.append(f"| {int(n):,} | {label} | {_s(row)} | {row['vs_threads']:.2f}x | {row['dask_speedup']:.1f}x |")
+            lines.append(
+                f"| {int(n):,} | {label} | {_s(row)} | {row['vs_threads']:.2f}x | {row['dask_speedup']:.1f}x |"
+            )
         for label in (PROFILE_CPU, PROFILE_GPU):
             row = by_label[label]
             met = row["vs_threads"] <= OVERHEAD_TARGET_THREADS and row["dask_speedup"] >= OVERHEAD_TARGET_DASK
@@ -67,7 +69,9 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
                 f"at least {OVERHEAD_TARGET_DASK:g}x faster)."
             )
     lines += [
-        "", *verdicts, "",
+        "",
+        *verdicts,
+        "",
         "Where the time goes. A CPU profile runs tasks on threads in the flow process, as the thread pool "
         "does, plus routing and accounting. A GPU profile runs them in Dask worker processes (one per device): "
         "every task is a Dask submit, Prefect's task engine in the worker (it creates the task run and sets "
@@ -76,12 +80,14 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         "instead of validating them again for every task, and keeps one open Prefect client per worker "
         "thread; DaskTaskRunner pays all three for every task, which is most of its cost. gpu-tasks task runs "
         "carry tags (the thread pool's here do not), and Prefect asks its server for tag concurrency slots "
-        "before each tagged run, caching a \"no limits\" answer for 5 s; gpu-tasks keeps that answer 60 s "
+        'before each tagged run, caching a "no limits" answer for 5 s; gpu-tasks keeps that answer 60 s '
         "in its processes (`GPU_TASKS_TAG_LIMIT_CACHE_SECONDS`), which took the GPU profile at N = 1,000 from "
         "22.7 to about 10.5 ms per task, the same per task as at N = 100. What remains is "
         "the process boundary itself, so a GPU profile stays a few times the thread pool: batch tiny work "
         "into fewer tasks, or give it a CPU profile.",
-        "", "![per-task overhead](results/overhead.png)", "",
+        "",
+        "![per-task overhead](results/overhead.png)",
+        "",
     ]
 
     plt = _plt()
@@ -93,7 +99,14 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         med = [res["summary"][n][lab]["median"] for lab in labels]
         lo = [m - res["summary"][n][lab]["min"] for m, lab in zip(med, labels, strict=True)]
         hi = [res["summary"][n][lab]["max"] - m for m, lab in zip(med, labels, strict=True)]
-        ax.bar([x + i * width for x in range(len(labels))], med, width, yerr=[lo, hi], capsize=3, label=f"N={int(n):,}")
+        ax.bar(
+            [x + i * width for x in range(len(labels))],
+            med,
+            width,
+            yerr=[lo, hi],
+            capsize=3,
+            label=f"N={int(n):,}",
+        )
     ax.set_xticks([x + width * (len(sizes) - 1) / 2 for x in range(len(labels))])
     ax.set_xticklabels([lab.replace("ProfileTaskRunner, ", "Profile:\n") for lab in labels], fontsize=8)
     ax.set_yscale("log")
@@ -112,8 +125,11 @@ def _lease_to_first_task(res: dict[str, Any]) -> list[float]:
         if run.get("setup") != "ProfileTaskRunner":
             continue
         for hold in run.get("holds", []):
-            starts = [t["start"] for t in run.get("tasks", [])
-                      if hold["device"] in t["devices"] and hold["start"] <= t["start"] <= hold["end"]]
+            starts = [
+                t["start"]
+                for t in run.get("tasks", [])
+                if hold["device"] in t["devices"] and hold["start"] <= t["start"] <= hold["end"]
+            ]
             if starts:
                 out.append(min(starts) - hold["start"])
     return out
@@ -121,7 +137,9 @@ def _lease_to_first_task(res: dict[str, Any]) -> list[float]:
 
 def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None) -> list[str]:
     prof, static = res["summary"]["ProfileTaskRunner"], res["summary"]["static DaskTaskRunner"]
-    stages = ", ".join(f"{k} ({v['tasks']} x {v['seconds']:g}s on {v['profile']})" for k, v in res["stages"].items())
+    stages = ", ".join(
+        f"{k} ({v['tasks']} x {v['seconds']:g}s on {v['profile']})" for k, v in res["stages"].items()
+    )
     fixed = prof["held_s"]["median"] - prof["busy_s"]["median"]
     lines = [
         "## Device-seconds held versus busy",
@@ -136,13 +154,17 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
         "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name, row in res["summary"].items():
-        lines.append(f"| {name} | {_s(row['held_over_busy'])} | {_s(row['held_less_idle_tails_over_busy'])} | "
-                     f"{_s(row['held_s'], '{:.1f}')} | {_s(row['busy_s'], '{:.1f}')} | {_s(row['flow_s'], '{:.1f}')} |")
+        lines.append(
+            f"| {name} | {_s(row['held_over_busy'])} | {_s(row['held_less_idle_tails_over_busy'])} | "
+            f"{_s(row['held_s'], '{:.1f}')} | {_s(row['busy_s'], '{:.1f}')} | {_s(row['flow_s'], '{:.1f}')} |"
+        )
     if long is not None:
         for name, row in long["summary"].items():
-            lines.append(f"| {name}, stages {long['stage_seconds']:g}x as long | {_s(row['held_over_busy'])} | "
-                         f"{_s(row['held_less_idle_tails_over_busy'])} | {_s(row['held_s'], '{:.1f}')} | "
-                         f"{_s(row['busy_s'], '{:.1f}')} | {_s(row['flow_s'], '{:.1f}')} |")
+            lines.append(
+                f"| {name}, stages {long['stage_seconds']:g}x as long | {_s(row['held_over_busy'])} | "
+                f"{_s(row['held_less_idle_tails_over_busy'])} | {_s(row['held_s'], '{:.1f}')} | "
+                f"{_s(row['busy_s'], '{:.1f}')} | {_s(row['flow_s'], '{:.1f}')} |"
+            )
     ratio = prof["held_less_idle_tails_over_busy"]["median"]
     busy = prof["busy_s"]["median"]
     lines += [
@@ -171,7 +193,7 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
         "the first in-process (CPU) task after a GPU stage sometimes waiting 1.7-2.3 s inside Prefect's "
         "task-engine start, asking the Prefect server (SQLite) for the tag concurrency slots of its tags. "
         "The first check of each new set of tags always goes to the server (gpu-tasks only lengthens how long "
-        "a \"no limits\" answer is kept); it makes the flow longer but holds no device."
+        'a "no limits" answer is kept); it makes the flow longer but holds no device.'
     )
     if long is not None:
         lr = long["summary"]["ProfileTaskRunner"]["held_less_idle_tails_over_busy"]["median"]
@@ -196,11 +218,24 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
         devices = sorted({h["device"] for h in run["holds"]})
         for y, dev in enumerate(devices):
             for h in (h for h in run["holds"] if h["device"] == dev):
-                ax.barh(y, h["end"] - h["start"], left=h["start"] - t0, height=0.7, alpha=0.35,
-                        color=colors.get(h["profile"], "tab:blue"), label=f"held: {h['profile']}")
+                ax.barh(
+                    y,
+                    h["end"] - h["start"],
+                    left=h["start"] - t0,
+                    height=0.7,
+                    alpha=0.35,
+                    color=colors.get(h["profile"], "tab:blue"),
+                    label=f"held: {h['profile']}",
+                )
             for t in (t for t in run["tasks"] if t["stage"] in ("etl", "train") and dev in t["devices"]):
-                ax.barh(y, t["end"] - t["start"], left=t["start"] - t0, height=0.35, color="black",
-                        label="busy (task running)")
+                ax.barh(
+                    y,
+                    t["end"] - t["start"],
+                    left=t["start"] - t0,
+                    height=0.35,
+                    color="black",
+                    label="busy (task running)",
+                )
         ax.set_yticks(range(len(devices)))
         ax.set_yticklabels([f"device {d}" for d in devices])
         ax.set_title(f"{name}: held/busy {run['held_over_busy']:.2f}", fontsize=10)
@@ -224,14 +259,22 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         "| case | first task starts after | wait for device | start worker process | first task in the new worker |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
-    names = {"fresh": "gpu-tasks, fresh cluster", "reprovision": f"gpu-tasks, re-provision after idle close "
-             f"(idle_timeout {res['idle_timeout']:g}s)", "warm": "gpu-tasks, warm cluster (reference)",
-             "dask": "DaskTaskRunner (1 worker process), first task", "by_hand": "by hand: LocalCluster + Client + plain function"}
+    names = {
+        "fresh": "gpu-tasks, fresh cluster",
+        "reprovision": f"gpu-tasks, re-provision after idle close (idle_timeout {res['idle_timeout']:g}s)",
+        "warm": "gpu-tasks, warm cluster (reference)",
+        "dask": "DaskTaskRunner (1 worker process), first task",
+        "by_hand": "by hand: LocalCluster + Client + plain function",
+    }
     for case, title in names.items():
         row = s[case]
         cells = [_s(row["total_s"])]
         if case in ("fresh", "reprovision"):
-            cells += [_s(row["wait_devices_s"], "{:.3f}"), _s(row["start_workers_s"]), _s(row["engine_first_task_s"])]
+            cells += [
+                _s(row["wait_devices_s"], "{:.3f}"),
+                _s(row["start_workers_s"]),
+                _s(row["engine_first_task_s"]),
+            ]
         elif case == "by_hand":
             cells += ["-", _s(row["cluster_s"]), _s(row["first_submit_s"], "{:.3f}")]
         else:
@@ -255,18 +298,27 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
     ]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(8, 3.2))
-    parts = [("wait_devices_s", "wait for device"), ("start_workers_s", "start worker process"),
-             ("engine_first_task_s", "first Prefect task in the new worker")]
+    parts = [
+        ("wait_devices_s", "wait for device"),
+        ("start_workers_s", "start worker process"),
+        ("engine_first_task_s", "first Prefect task in the new worker"),
+    ]
     bars = ["fresh", "reprovision"]
     left = [0.0] * len(bars)
     for key, label in parts:
         vals = [s[b][key]["median"] for b in bars]
         ax.barh(bars, vals, left=left, label=label)
         left = [a + b for a, b in zip(left, vals, strict=True)]
-    ax.barh(["DaskTaskRunner"], [s["dask"]["total_s"]["median"]], color="tab:gray", label="DaskTaskRunner (total)")
+    ax.barh(
+        ["DaskTaskRunner"], [s["dask"]["total_s"]["median"]], color="tab:gray", label="DaskTaskRunner (total)"
+    )
     ax.barh(["by hand"], [s["by_hand"]["cluster_s"]["median"]], color="tab:orange")
-    ax.barh(["by hand"], [s["by_hand"]["first_submit_s"]["median"]], left=[s["by_hand"]["cluster_s"]["median"]],
-            color="tab:green")
+    ax.barh(
+        ["by hand"],
+        [s["by_hand"]["first_submit_s"]["median"]],
+        left=[s["by_hand"]["cluster_s"]["median"]],
+        color="tab:green",
+    )
     ax.axvline(COLD_TARGET_S, color="red", linestyle="--", label=f"target {COLD_TARGET_S:g}s")
     ax.set_xlabel("seconds from first submit to the task body running (median)")
     ax.legend(fontsize=7, loc="lower right")
@@ -290,8 +342,10 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
     series = [("ProfileTaskRunner", res)] + ([("ThreadPoolTaskRunner (reference)", ref)] if ref else [])
     for label, ser in series:
         for n, row in ser["summary"].items():
-            lines.append(f"| {label} | {int(n):,} | {_s(row['wall_s'], '{:.1f}')} | {_s(row['ms_per_task'])} | "
-                         f"{_s(row['peak_rss_mib'], '{:.0f}')} | {_s(row['rss_before_mib'], '{:.0f}')} |")
+            lines.append(
+                f"| {label} | {int(n):,} | {_s(row['wall_s'], '{:.1f}')} | {_s(row['ms_per_task'])} | "
+                f"{_s(row['peak_rss_mib'], '{:.0f}')} | {_s(row['rss_before_mib'], '{:.0f}')} |"
+            )
     r = res.get("ratio")
     if r:
         lines += [
@@ -305,11 +359,12 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
             large = max(res["summary"], key=int)
             lines.append(
                 f"- Reference: the same flow and tags on Prefect's ThreadPoolTaskRunner, Prefect as shipped "
-                f"(5 s cache of \"no tag limits\"), took {rr['wall']:.2f}x the time for {rr['tasks']:g}x the tasks; at "
+                f'(5 s cache of "no tag limits"), took {rr["wall"]:.2f}x the time for {rr["tasks"]:g}x the tasks; at '
                 f"N = {int(large):,} gpu-tasks took {ref['summary'][large]['wall_s']['median'] / res['summary'][large]['wall_s']['median']:.1f}x "
                 "less time than it. "
                 "gpu-tasks keeps that answer for `GPU_TASKS_TAG_LIMIT_CACHE_SECONDS` (60 s) in its processes; "
-                "see [the runner docs](runner.md#tagged-task-runs-and-prefects-tag-limit-checks).")
+                "see [the runner docs](runner.md#tagged-task-runs-and-prefects-tag-limit-checks)."
+            )
         per = next(iter(res["runs"].values()))[0]["per_profile"]
         lines.append(f"- Split per profile at the smallest N: {per}.")
     lines += ["", "![scale](results/scale.png)", ""]
@@ -319,14 +374,20 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
     wall = [res["summary"][str(n)]["wall_s"]["median"] for n in ns]
     a1.loglog(ns, wall, "o-", label="ProfileTaskRunner")
     if ref:
-        a1.loglog(ns, [ref["summary"][str(n)]["wall_s"]["median"] for n in ns], "s-",
-                  label="ThreadPoolTaskRunner (reference)")
+        a1.loglog(
+            ns,
+            [ref["summary"][str(n)]["wall_s"]["median"] for n in ns],
+            "s-",
+            label="ThreadPoolTaskRunner (reference)",
+        )
     a1.loglog(ns, [wall[0] * n / ns[0] for n in ns], "--", color="gray", label="linear from the smallest N")
     a1.set_xlabel("tasks")
     a1.set_ylabel("wall seconds")
     a1.legend(fontsize=8)
     a2.plot(ns, [res["summary"][str(n)]["peak_rss_mib"]["median"] for n in ns], "o-", label="peak")
-    a2.plot(ns, [res["summary"][str(n)]["rss_before_mib"]["median"] for n in ns], "o--", label="before the flow")
+    a2.plot(
+        ns, [res["summary"][str(n)]["rss_before_mib"]["median"] for n in ns], "o--", label="before the flow"
+    )
     a2.set_xscale("log")
     a2.set_xlabel("tasks")
     a2.set_ylabel("flow process RSS, MiB")
@@ -350,16 +411,24 @@ def throughput(res: dict[str, Any], img: Path) -> list[str]:
     for label, by_scale in res["summary"].items():
         for sc, row in by_scale.items():
             flights = res["runs"][label][sc][0]["flights"]
-            lines.append(f"| {label} | {sc} | {flights:,} | {_s(row['etl_rows_per_s'], '{:,.0f}')} | "
-                         f"{_s(row['etl_s'], '{:.1f}')} | {_s(row['train_rows_per_s'], '{:,.0f}')} | "
-                         f"{_s(row['train_s'], '{:.1f}')} | {_s(row['flow_s'], '{:.1f}')} |")
+            lines.append(
+                f"| {label} | {sc} | {flights:,} | {_s(row['etl_rows_per_s'], '{:,.0f}')} | "
+                f"{_s(row['etl_s'], '{:.1f}')} | {_s(row['train_rows_per_s'], '{:,.0f}')} | "
+                f"{_s(row['train_s'], '{:.1f}')} | {_s(row['flow_s'], '{:.1f}')} |"
+            )
     if not res["gpu"]:
-        lines += ["", "The cuDF / XGBoost-on-CUDA rows need `python -m bench --gpu` on a host with NVIDIA GPUs: "
-                  "**unverified on GPU** in this report."]
+        lines += [
+            "",
+            "The cuDF / XGBoost-on-CUDA rows need `python -m bench --gpu` on a host with NVIDIA GPUs: "
+            "**unverified on GPU** in this report.",
+        ]
     lines += ["", "![throughput](results/throughput.png)", ""]
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(9, 3.2))
-    for ax, key, title in ((axes[0], "etl_rows_per_s", "ETL rows/s"), (axes[1], "train_rows_per_s", "training rows/s")):
+    for ax, key, title in (
+        (axes[0], "etl_rows_per_s", "ETL rows/s"),
+        (axes[1], "train_rows_per_s", "training rows/s"),
+    ):
         for label, by_scale in res["summary"].items():
             scales = list(by_scale)
             ax.plot([int(s) for s in scales], [by_scale[s][key]["median"] for s in scales], "o-", label=label)
@@ -371,8 +440,13 @@ def throughput(res: dict[str, Any], img: Path) -> list[str]:
     return lines
 
 
-SECTIONS = {"overhead": overhead, "held_busy": held_busy, "cold_start": cold_start, "scale": scale,
-            "throughput": throughput}
+SECTIONS = {
+    "overhead": overhead,
+    "held_busy": held_busy,
+    "cold_start": cold_start,
+    "scale": scale,
+    "throughput": throughput,
+}
 
 
 def write(results: dict[str, Any], out: Path) -> Path:
@@ -380,7 +454,9 @@ def write(results: dict[str, Any], out: Path) -> Path:
     img = out / "results"
     img.mkdir(parents=True, exist_ok=True)
     suite = results.get("suite", {})
-    m = suite.get("machine") or next(r["machine"] for r in results.values() if isinstance(r, dict) and "machine" in r)
+    m = suite.get("machine") or next(
+        r["machine"] for r in results.values() if isinstance(r, dict) and "machine" in r
+    )
     lines = [
         "# Benchmarks",
         "",
@@ -392,12 +468,18 @@ def write(results: dict[str, Any], out: Path) -> Path:
         "results: [results/benchmarks.json](results/benchmarks.json).",
         "",
     ]
-    ran = [f"{name} {r.get('finished', '?')} (commit {r.get('commit', '?')})" for name, r in results.items()
-           if name in SECTIONS or name == "held_busy_long"]
+    ran = [
+        f"{name} {r.get('finished', '?')} (commit {r.get('commit', '?')})"
+        for name, r in results.items()
+        if name in SECTIONS or name == "held_busy_long"
+    ]
     if ran:
         lines += ["When each benchmark ran, and the code it measured: " + "; ".join(ran) + ".", ""]
     if suite.get("quick"):
-        lines += ["**QUICK RUN** (`--quick`: small sizes, one repeat): a smoke run, not figures to quote.", ""]
+        lines += [
+            "**QUICK RUN** (`--quick`: small sizes, one repeat): a smoke run, not figures to quote.",
+            "",
+        ]
     if m.get("emulated"):
         lines += [
             "**Devices were EMULATED** (no GPU on this machine): real Dask worker processes, each with its own "
@@ -405,11 +487,19 @@ def write(results: dict[str, Any], out: Path) -> Path:
             "scheduling and CPU work, never GPU speed; every GPU figure is **unverified on GPU**.",
             "",
         ]
-    lines += ["Re-measure with `./scripts/bench` (about 25 minutes on 2 cores; `--quick` for a smoke run, "
-              "`--only NAME ...` for some, `--gpu` on a GPU host).", ""]
+    lines += [
+        "Re-measure with `./scripts/bench` (about 25 minutes on 2 cores; `--quick` for a smoke run, "
+        "`--only NAME ...` for some, `--gpu` on a GPU host).",
+        "",
+    ]
     for name, section in SECTIONS.items():
         if "failed" in results.get(name, {}):
-            lines += [f"## {name}: FAILED", "", f"This benchmark failed in this run: `{results[name]['failed']}`", ""]
+            lines += [
+                f"## {name}: FAILED",
+                "",
+                f"This benchmark failed in this run: `{results[name]['failed']}`",
+                "",
+            ]
         elif name == "held_busy" and name in results:
             lines += held_busy(results[name], img, long=results.get("held_busy_long"))
         elif name in results:

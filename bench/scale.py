@@ -47,12 +47,18 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
     def inc(x: int) -> int:
         return x + 1
 
-    profiles = [ResourceProfile(name="cpu", cpus=0.25), ResourceProfile(name="io", cpus=0.5),
-                ResourceProfile(name="quarter", gpus=0.25, idle_timeout=600)]
+    profiles = [
+        ResourceProfile(name="cpu", cpus=0.25),
+        ResourceProfile(name="io", cpus=0.5),
+        ResourceProfile(name="quarter", gpus=0.25, idle_timeout=600),
+    ]
     per = [n // 3 + (1 if i < n % 3 else 0) for i in range(3)]
 
-    runner = (ThreadPoolTaskRunner(max_workers=16) if reference
-              else ProfileTaskRunner(profiles=profiles, default="cpu", idle_timeout=600))
+    runner = (
+        ThreadPoolTaskRunner(max_workers=16)
+        if reference
+        else ProfileTaskRunner(profiles=profiles, default="cpu", idle_timeout=600)
+    )
 
     @flow(task_runner=runner, name=f"scale-{n}")
     def f() -> dict[str, float]:
@@ -73,7 +79,8 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = f()
     out.update(
-        n=n, per_profile=dict(zip(PROFILES, per, strict=True)),
+        n=n,
+        per_profile=dict(zip(PROFILES, per, strict=True)),
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         rss_before_mib=rss_before / 1024,
     )
@@ -94,13 +101,24 @@ def run(sizes: list[int], repeats: int, reference: bool = True) -> dict[str, Any
             for ref in kinds:
                 with tempfile.TemporaryDirectory() as tmp:
                     out = Path(tmp) / "one.json"
-                    cmd = [sys.executable, "-m", "bench.scale", "--one", str(n), "--json", str(out),
-                           *(["--reference"] if ref else [])]
+                    cmd = [
+                        sys.executable,
+                        "-m",
+                        "bench.scale",
+                        "--one",
+                        str(n),
+                        "--json",
+                        str(out),
+                        *(["--reference"] if ref else []),
+                    ]
                     subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
                     row = json.loads(out.read_text())
                 rows[ref].setdefault(str(n), []).append(row)
-                print(f"  {_label(ref):20s} N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} ms/task  "
-                      f"peak RSS {row['peak_rss_mib']:.0f} MiB", flush=True)
+                print(
+                    f"  {_label(ref):20s} N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} ms/task  "
+                    f"peak RSS {row['peak_rss_mib']:.0f} MiB",
+                    flush=True,
+                )
     result = _summarize(rows[False], sizes, repeats, False)
     if reference:
         result["reference"] = _summarize(rows[True], sizes, repeats, True)
@@ -112,19 +130,31 @@ def _label(reference: bool) -> str:
     return "ThreadPoolTaskRunner" if reference else "ProfileTaskRunner"
 
 
-def _summarize(rows: dict[str, list[dict[str, Any]]], sizes: list[int], repeats: int,
-               reference: bool) -> dict[str, Any]:
-    summary = {n: {k: spread([r[k] for r in v]) for k in ("wall_s", "ms_per_task", "peak_rss_mib", "rss_before_mib")}
-               for n, v in rows.items()}
-    out: dict[str, Any] = {"runner": _label(reference), "sizes": sizes, "repeats": repeats, "runs": rows,
-                           "summary": summary}
+def _summarize(
+    rows: dict[str, list[dict[str, Any]]], sizes: list[int], repeats: int, reference: bool
+) -> dict[str, Any]:
+    summary = {
+        n: {k: spread([r[k] for r in v]) for k in ("wall_s", "ms_per_task", "peak_rss_mib", "rss_before_mib")}
+        for n, v in rows.items()
+    }
+    out: dict[str, Any] = {
+        "runner": _label(reference),
+        "sizes": sizes,
+        "repeats": repeats,
+        "runs": rows,
+        "summary": summary,
+    }
     if len(sizes) >= 2:
         small, large = str(min(sizes)), str(max(sizes))
         out["ratio"] = {
             "tasks": max(sizes) / min(sizes),
             "wall": summary[large]["wall_s"]["median"] / summary[small]["wall_s"]["median"],
-            "peak_rss_growth": (summary[large]["peak_rss_mib"]["median"] - summary[large]["rss_before_mib"]["median"])
-            / max(1e-9, summary[small]["peak_rss_mib"]["median"] - summary[small]["rss_before_mib"]["median"]),
+            "peak_rss_growth": (
+                summary[large]["peak_rss_mib"]["median"] - summary[large]["rss_before_mib"]["median"]
+            )
+            / max(
+                1e-9, summary[small]["peak_rss_mib"]["median"] - summary[small]["rss_before_mib"]["median"]
+            ),
         }
     return out
 
@@ -135,8 +165,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--one", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--no-reference", action="store_true",
-                        help="skip the same sizes on Prefect's ThreadPoolTaskRunner")
+    parser.add_argument(
+        "--no-reference", action="store_true", help="skip the same sizes on Prefect's ThreadPoolTaskRunner"
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     setup()

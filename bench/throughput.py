@@ -36,8 +36,10 @@ def require_real_gpus() -> None:
         raise NoGpuError("--gpu measures real GPUs, but GPU_TASKS_EMULATED_GPUS is set: unset it")
     inventory = discover(GpuTasksSettings(emulated_gpus=None))
     if inventory.emulated or not inventory.devices:
-        raise NoGpuError(f"--gpu needs real NVIDIA GPUs; found none ({inventory.detail}). "
-                         "Run without --gpu for the CPU (pandas) baseline")
+        raise NoGpuError(
+            f"--gpu needs real NVIDIA GPUs; found none ({inventory.detail}). "
+            "Run without --gpu for the CPU (pandas) baseline"
+        )
 
 
 def run_pipeline(scale: int, rounds: int, emulated: bool) -> dict[str, Any]:
@@ -51,7 +53,10 @@ def run_pipeline(scale: int, rounds: int, emulated: bool) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="gpu-tasks-bench-") as tmp:
         proc = subprocess.run(
             [str(cli), "run", "--scale", str(scale), "--rounds", str(rounds), "--data-dir", tmp, "--json"],
-            capture_output=True, text=True, env=env, timeout=3600,
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=3600,
         )
     if proc.returncode != 0:
         raise RuntimeError(f"gpu-tasks run --scale {scale} failed: {proc.stderr[-2000:]}")
@@ -59,11 +64,19 @@ def run_pipeline(scale: int, rounds: int, emulated: bool) -> dict[str, Any]:
     flights = out["rows"]["raw"]["flights"] if isinstance(out["rows"]["raw"], dict) else out["rows"]["raw"]
     etl, train = out["stages"]["etl"], out["stages"]["train"]
     return {
-        "scale": scale, "rounds": rounds, "flights": flights, "train_rows": out["rows"]["train"],
-        "flow_s": out["seconds"], "ingest_s": out["stages"]["ingest"]["seconds"],
-        "etl_s": etl["seconds"], "train_s": train["seconds"],
-        "etl_rows_per_s": flights / etl["seconds"], "train_rows_per_s": out["rows"]["train"] / train["seconds"],
-        "backend": etl["backend"], "device": train["device"], "emulated": bool(etl["emulated"]),
+        "scale": scale,
+        "rounds": rounds,
+        "flights": flights,
+        "train_rows": out["rows"]["train"],
+        "flow_s": out["seconds"],
+        "ingest_s": out["stages"]["ingest"]["seconds"],
+        "etl_s": etl["seconds"],
+        "train_s": train["seconds"],
+        "etl_rows_per_s": flights / etl["seconds"],
+        "train_rows_per_s": out["rows"]["train"] / train["seconds"],
+        "backend": etl["backend"],
+        "device": train["device"],
+        "emulated": bool(etl["emulated"]),
         "auc": out["metrics"]["auc"],
     }
 
@@ -80,14 +93,30 @@ def run(scales: list[int], rounds: int, repeats: int, gpu: bool) -> dict[str, An
                 if not emulated and r["emulated"]:
                     raise RuntimeError("a --gpu run ran on emulated devices")
                 rows.setdefault(label, {}).setdefault(str(scale), []).append(r)
-                print(f"  {label}: scale {scale}: ETL {r['etl_rows_per_s']:,.0f} rows/s ({r['etl_s']:.1f}s), "
-                      f"train {r['train_rows_per_s']:,.0f} rows/s ({r['train_s']:.1f}s), flow {r['flow_s']:.1f}s",
-                      flush=True)
-    summary = {label: {s: {k: spread([r[k] for r in v]) for k in
-                           ("etl_rows_per_s", "train_rows_per_s", "etl_s", "train_s", "flow_s", "ingest_s")}
-                       for s, v in by_scale.items()} for label, by_scale in rows.items()}
-    return {"scales": scales, "rounds": rounds, "repeats": repeats, "gpu": gpu, "machine": machine(),
-            "runs": rows, "summary": summary}
+                print(
+                    f"  {label}: scale {scale}: ETL {r['etl_rows_per_s']:,.0f} rows/s ({r['etl_s']:.1f}s), "
+                    f"train {r['train_rows_per_s']:,.0f} rows/s ({r['train_s']:.1f}s), flow {r['flow_s']:.1f}s",
+                    flush=True,
+                )
+    summary = {
+        label: {
+            s: {
+                k: spread([r[k] for r in v])
+                for k in ("etl_rows_per_s", "train_rows_per_s", "etl_s", "train_s", "flow_s", "ingest_s")
+            }
+            for s, v in by_scale.items()
+        }
+        for label, by_scale in rows.items()
+    }
+    return {
+        "scales": scales,
+        "rounds": rounds,
+        "repeats": repeats,
+        "gpu": gpu,
+        "machine": machine(),
+        "runs": rows,
+        "summary": summary,
+    }
 
 
 def main() -> None:

@@ -25,7 +25,9 @@ class ContextSerializer:
     """
 
     def __init__(self) -> None:
-        self.api_url: str | None = None  # the flow run's API: workers report there, never to a server of their own
+        self.api_url: str | None = (
+            None  # the flow run's API: workers report there, never to a server of their own
+        )
         self._settings: tuple[Any, dict[str, Any], str] | None = None
         self._result_store: tuple[Any, dict[str, Any]] | None = None
 
@@ -50,7 +52,9 @@ class ContextSerializer:
             "tags_context": tags_ctx.serialize() if tags_ctx else {},
             "settings_context": cached[1],
             "asset_context": (
-                pctx.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize() if asset_ctx_kwargs else {}
+                pctx.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize()
+                if asset_ctx_kwargs
+                else {}
             ),
             "deployment_id": deployment_id,
             "deployment_parameters": deployment_parameters,
@@ -62,10 +66,14 @@ class ContextSerializer:
         store = ctx.result_store
         if store is None:
             return dict(ctx.serialize())
-        serialized: dict[str, Any] = ctx.model_copy(update={"result_store": None}).serialize()  # shallow copy, all else shared
+        serialized: dict[str, Any] = ctx.model_copy(
+            update={"result_store": None}
+        ).serialize()  # shallow copy, all else shared
         cached = self._result_store
         if cached is None or cached[0] is not store:
-            dumped = store.model_dump(serialize_as_any=True, exclude_unset=True, context={"include_secrets": True})
+            dumped = store.model_dump(
+                serialize_as_any=True, exclude_unset=True, context={"include_secrets": True}
+            )
             cached = self._result_store = (store, dumped)
         serialized["result_store"] = cached[1]
         return serialized

@@ -25,8 +25,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 OOM_MARKERS = (
-    "out of memory", "out_of_memory", "outofmemory", "cudaerrormemoryallocation", "std::bad_alloc",
-    "memoryerror", "cuda_error_out_of_memory",
+    "out of memory",
+    "out_of_memory",
+    "outofmemory",
+    "cudaerrormemoryallocation",
+    "std::bad_alloc",
+    "memoryerror",
+    "cuda_error_out_of_memory",
 )
 
 
@@ -44,8 +49,9 @@ def looks_like_oom(exc: BaseException | None) -> bool:
     return False
 
 
-def read_task_run(task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str],
-              wait: float) -> Any:
+def read_task_run(
+    task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str], wait: float
+) -> Any:
     """The task run as the server knows it, else as the engine would have made it."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import TaskRun
@@ -68,15 +74,24 @@ def read_task_run(task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | No
         run.run_count = max(int(run.run_count or 0), 1)  # it ran (its Running event may be in flight)
         return run
     return TaskRun(
-        id=task_run_id, name=f"{task.name}-{task_run_id.hex[:3]}", flow_run_id=flow_run_id,
-        task_key=getattr(task, "task_key", task.name), dynamic_key=task_run_id.hex, tags=sorted(tags),
-        run_count=1, state=Running(),
+        id=task_run_id,
+        name=f"{task.name}-{task_run_id.hex[:3]}",
+        flow_run_id=flow_run_id,
+        task_key=getattr(task, "task_key", task.name),
+        dynamic_key=task_run_id.hex,
+        tags=sorted(tags),
+        run_count=1,
+        state=Running(),
     )
 
 
 def crash_task_run(
-    task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, message: str,
-    tags: set[str] | None = None, wait: float = 1.5,
+    task_run_id: uuid.UUID,
+    task: Any,
+    flow_run_id: uuid.UUID | None,
+    message: str,
+    tags: set[str] | None = None,
+    wait: float = 1.5,
 ) -> tuple[Any, Any]:
     """Report the task run ``Crashed`` with ``message``; returns ``(state, task_run)`` (best effort).
 
@@ -89,7 +104,11 @@ def crash_task_run(
 
 
 def fail_task_run(
-    task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, exc: Exception, tags: set[str] | None = None,
+    task_run_id: uuid.UUID,
+    task: Any,
+    flow_run_id: uuid.UUID | None,
+    exc: Exception,
+    tags: set[str] | None = None,
 ) -> Any:
     """Report a task run that could not be started (its cluster did not start) ``Failed``; the state.
 
@@ -102,7 +121,12 @@ def fail_task_run(
 
 
 def _report(
-    state: Any, task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str] | None, wait: float,
+    state: Any,
+    task_run_id: uuid.UUID,
+    task: Any,
+    flow_run_id: uuid.UUID | None,
+    tags: set[str] | None,
+    wait: float,
 ) -> tuple[Any, Any]:
     """Set ``state`` on the task run and send it to the server as Prefect's engine would (best effort)."""
     from prefect.utilities.engine import emit_task_run_state_change_event
@@ -130,7 +154,8 @@ def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0
     from prefect.utilities.engine import emit_task_run_state_change_event
 
     state: State[Any] = AwaitingRetry(
-        scheduled_time=datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=delay))
+        scheduled_time=datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=delay)
+    )
     state.state_details.task_run_id = task_run.id
     state.state_details.flow_run_id = flow_run_id
     previous, task_run.state = task_run.state, state

@@ -66,7 +66,9 @@ class Dispatcher:
         except Exception as exc:
             # its cluster did not start (or the runner is stopping): a Failed task run, as if the
             # task had raised, so ``wait()`` returns and ``result()`` raises ``exc``
-            state = job.ctx.run(fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags)
+            state = job.ctx.run(
+                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
+            )
             self.finish(job, result=state)
         except BaseException as exc:
             self.finish(job, exc=exc)
@@ -79,9 +81,14 @@ class Dispatcher:
         if not cluster.running:
             cluster.start(want)
             st.ever_provisioned = True
-            self.live.emit("provisioned", cluster, {
-                "workers": cluster.worker_count, **{k: round(v, 3) for k, v in cluster.startup.items()},
-            })
+            self.live.emit(
+                "provisioned",
+                cluster,
+                {
+                    "workers": cluster.worker_count,
+                    **{k: round(v, 3) for k, v in cluster.startup.items()},
+                },
+            )
             publish_dashboard(cluster)
         elif want > cluster.worker_count:
             before = set(cluster.devices)
@@ -103,8 +110,11 @@ class Dispatcher:
             live.running(job)
         task = job.task
         kwargs: dict[str, Any] = dict(
-            task_run_id=job.task_run_id, parameters=parameters, wait_for=wait_for,
-            dependencies=job.dependencies, return_type="state",
+            task_run_id=job.task_run_id,
+            parameters=parameters,
+            wait_for=wait_for,
+            dependencies=job.dependencies,
+            return_type="state",
         )
         if job.task_run is not None:  # a re-run after a crash continues the same task run
             kwargs["task_run"] = job.task_run
@@ -119,12 +129,20 @@ class Dispatcher:
             else:
                 kwargs["context"], settings_key = live.context.serialize(
                     asset_ctx_kwargs={
-                        "task": task, "task_run_id": job.task_run_id,
-                        "task_inputs": job.dependencies or {}, "copy_to_child_ctx": True,
+                        "task": task,
+                        "task_run_id": job.task_run_id,
+                        "task_inputs": job.dependencies or {},
+                        "copy_to_child_ctx": True,
                     }
                 )
                 dfut = st.cluster.submit(
-                    run_on_worker, prof.name, float(prof.share), task, kwargs, settings_key, key=key,
+                    run_on_worker,
+                    prof.name,
+                    float(prof.share),
+                    task,
+                    kwargs,
+                    settings_key,
+                    key=key,
                     resources=task_resources(prof),
                 )
         dfut.add_done_callback(partial(self._on_done, job))
@@ -143,16 +161,29 @@ class Dispatcher:
             return
         job.st.cluster.record(wkey, start, end)
         prof = job.profile
-        if (prof.on_oom and job.escalated_from is None and state.is_failed()
-                and GpuOutOfMemoryError.__name__ in (state.message or "") and not live.stop.is_set()):
+        if (
+            prof.on_oom
+            and job.escalated_from is None
+            and state.is_failed()
+            and GpuOutOfMemoryError.__name__ in (state.message or "")
+            and not live.stop.is_set()
+        ):
             with job.st.lock:
                 live.landed(job)
-            _off_thread(job, self._escalate_guarded, job, None, state.message or "out of memory",
-                        name=f"gpu-tasks-oom-{prof.name}")
+            _off_thread(
+                job,
+                self._escalate_guarded,
+                job,
+                None,
+                state.message or "out of memory",
+                name=f"gpu-tasks-oom-{prof.name}",
+            )
             return
         self.finish(job, result=state, dispatched=True)
 
-    def finish(self, job: Job, result: Any = None, exc: BaseException | None = None, dispatched: bool = False) -> None:
+    def finish(
+        self, job: Job, result: Any = None, exc: BaseException | None = None, dispatched: bool = False
+    ) -> None:
         """Resolve ``job``'s future with its final state (or ``exc``) and account for it."""
         st, cf = job.st, job.cf
         with st.lock:
@@ -171,7 +202,9 @@ class Dispatcher:
         try:
             self._escalate(job, task_run, why)
         except BaseException as err:  # never leave the future unresolved
-            logger.warning("gpu-tasks: could not re-run an out-of-memory task on its on_oom profile", exc_info=True)
+            logger.warning(
+                "gpu-tasks: could not re-run an out-of-memory task on its on_oom profile", exc_info=True
+            )
             self.finish(job, exc=err)
 
     def _escalate(self, job: Job, task_run: Any, why: str) -> None:
@@ -181,7 +214,9 @@ class Dispatcher:
         assert source.on_oom is not None  # the runner checked it names a known profile
         target = live.profiles[source.on_oom]
         if task_run is None:
-            task_run = read_task_run(job.task_run_id, job.task, live.flow_run_id, set(job.task.tags), wait=2.0)
+            task_run = read_task_run(
+                job.task_run_id, job.task, live.flow_run_id, set(job.task.tags), wait=2.0
+            )
         old, new = job.st, live.state(target)
         old.leave()
         new.arrive()
@@ -193,9 +228,14 @@ class Dispatcher:
         job.task_run = task_run
         flow_logger().warning(
             "Task run %r ran out of memory on profile %r (%s); re-running it once on profile %r (on_oom)",
-            task_run.name, source.name, why, target.name,
+            task_run.name,
+            source.name,
+            why,
+            target.name,
         )
-        live.emit_task("escalated", job, {"from_profile": source.name, "to_profile": target.name, "reason": why})
+        live.emit_task(
+            "escalated", job, {"from_profile": source.name, "to_profile": target.name, "reason": why}
+        )
         self.dispatch(job)
 
     # ------------------------------------------------------------ dead workers
@@ -239,27 +279,53 @@ class Dispatcher:
         )
         if row is not None:
             live.ledger.append(row)
-            live.emit("crashed", st.cluster, {
-                "reason": message, "devices": list(row.devices), "worker": name, "pid": ended.pid if ended else None,
-                "exitcode": ended.exitcode if ended else None, "out_of_memory": bool(ended and ended.memory_kill),
-                "held_s": round(row.held_seconds, 3), "busy_s": round(row.busy_seconds, 3),
-            }, row.devices)
+            live.emit(
+                "crashed",
+                st.cluster,
+                {
+                    "reason": message,
+                    "devices": list(row.devices),
+                    "worker": name,
+                    "pid": ended.pid if ended else None,
+                    "exitcode": ended.exitcode if ended else None,
+                    "out_of_memory": bool(ended and ended.memory_kill),
+                    "held_s": round(row.held_seconds, 3),
+                    "busy_s": round(row.busy_seconds, 3),
+                },
+                row.devices,
+            )
         state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
-        if ended and ended.memory_kill and prof.on_oom and job.escalated_from is None and task_run is not None:
+        if (
+            ended
+            and ended.memory_kill
+            and prof.on_oom
+            and job.escalated_from is None
+            and task_run is not None
+        ):
             self._escalate(job, task_run, message)
             return None
         attempts = max(job.crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
         retries = int(job.task.retries or 0)
         log = flow_logger()
         if task_run is None or attempts > retries:
-            log.error("Task run %s crashed: %s%s", job.task_run_id, message,
-                      f"; no retries left ({retries} allowed)" if retries else "")
+            log.error(
+                "Task run %s crashed: %s%s",
+                job.task_run_id,
+                message,
+                f"; no retries left ({retries} allowed)" if retries else "",
+            )
             self.finish(job, result=state)
             return None
         delay = _retry_delay(job.task, job.crashes)
         await_retry(task_run, live.flow_run_id, delay)
         job.crashes += 1
         job.task_run = task_run
-        log.warning("Task run %r crashed: %s; retrying it on a new worker (retry %d of %d) in %gs",
-                    task_run.name, message, attempts, retries, delay)
+        log.warning(
+            "Task run %r crashed: %s; retrying it on a new worker (retry %d of %d) in %gs",
+            task_run.name,
+            message,
+            attempts,
+            retries,
+            delay,
+        )
         return delay, state

@@ -53,8 +53,11 @@ class ProfileState:
         # GPU profiles dispatch on a thread of their own: waiting for devices another
         # profile holds must block neither the flow nor other profiles' dispatch.
         self.dispatcher: concurrent.futures.ThreadPoolExecutor | None = (
-            concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"gpu-tasks-{cluster.profile.name}")
-            if cluster.profile.is_gpu else None
+            concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix=f"gpu-tasks-{cluster.profile.name}"
+            )
+            if cluster.profile.is_gpu
+            else None
         )
 
     def arrive(self) -> None:
@@ -117,13 +120,17 @@ class Live:
         self.inflight: dict[uuid.UUID, Job] = {}  # handed to a cluster, no final state yet
         self.lock = threading.Lock()
         self.stop = threading.Event()
-        self.executor = concurrent.futures.ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpu-tasks-dispatch")
+        self.executor = concurrent.futures.ThreadPoolExecutor(
+            max_workers=4, thread_name_prefix="gpu-tasks-dispatch"
+        )
         self.monitor: threading.Thread | None = None
         self.worker_env: dict[str, str] | None = None
         self.context = ContextSerializer()
         self.book = DeviceBook(
-            reclaim=self._reclaim, stop=self.stop,
-            lease_dir=self.settings.lease_dir, lease_timeout=self.settings.lease_timeout,
+            reclaim=self._reclaim,
+            stop=self.stop,
+            lease_dir=self.settings.lease_dir,
+            lease_timeout=self.settings.lease_timeout,
         )
         from prefect.context import FlowRunContext
 
@@ -153,8 +160,12 @@ class Live:
                     self.context.api_url = api_url
                 timeout = prof.idle_timeout if prof.idle_timeout is not None else self.idle_timeout
                 cluster = ProfileCluster(
-                    prof, self.inventory if prof.is_gpu else Inventory(), self.worker_env or {},
-                    self.settings.provision_timeout, dashboard=self.settings.dashboard, book=self.book,
+                    prof,
+                    self.inventory if prof.is_gpu else Inventory(),
+                    self.worker_env or {},
+                    self.settings.provision_timeout,
+                    dashboard=self.settings.dashboard,
+                    book=self.book,
                 )
                 st = self.states[prof.name] = ProfileState(cluster, timeout)
                 self._start_monitor()
@@ -192,8 +203,10 @@ class Live:
                 if close_reason(st.idle_view(), time.monotonic()):
                     # close off the monitor thread so one slow close never delays another profile's
                     closing[name] = threading.Thread(
-                        target=contextvars.copy_context().run, args=(self._close_if_idle, st),
-                        name=f"gpu-tasks-close-{name}", daemon=True,
+                        target=contextvars.copy_context().run,
+                        args=(self._close_if_idle, st),
+                        name=f"gpu-tasks-close-{name}",
+                        daemon=True,
                     )
                     closing[name].start()
         for thread in closing.values():
@@ -228,10 +241,18 @@ class Live:
         row = st.cluster.close(reason, hurry=hurry)
         if row is not None:
             self.ledger.append(row)
-            self.emit("closed", st.cluster, {
-                "reason": reason, "devices": list(devices), "held_s": round(row.held_seconds, 3),
-                "busy_s": round(row.busy_seconds, 3), "tasks": row.tasks,
-            }, devices)
+            self.emit(
+                "closed",
+                st.cluster,
+                {
+                    "reason": reason,
+                    "devices": list(devices),
+                    "held_s": round(row.held_seconds, 3),
+                    "busy_s": round(row.busy_seconds, 3),
+                    "tasks": row.tasks,
+                },
+                devices,
+            )
 
     # ------------------------------------------------------------ events
     def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
@@ -268,10 +289,18 @@ class Live:
             if cf.done() and not cf.cancelled() and cf.exception() is None:
                 continue  # it finished while the clusters closed
             prof = job.profile
-            message = (f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; "
-                       "its worker was closed")
-            state, _ = crash_task_run(job.task_run_id, job.task, self.flow_run_id, message,
-                                      tags=job.tags, wait=1.0 if first else 0.0)
+            message = (
+                f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; "
+                "its worker was closed"
+            )
+            state, _ = crash_task_run(
+                job.task_run_id,
+                job.task,
+                self.flow_run_id,
+                message,
+                tags=job.tags,
+                wait=1.0 if first else 0.0,
+            )
             first = False
             logger.warning("task run %s of profile %r: %s", job.task_run_id, prof.name, message)
             if not cf.done():

@@ -110,7 +110,7 @@ class _SubprocessWithPopenArgs:
     def __init__(self, **extra: Any) -> None:
         self._extra = extra
 
-    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:  # noqa: N802 (subprocess's name)
+    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
         return subprocess.Popen(*args, **{**kwargs, **self._extra})
 
     def __getattr__(self, name: str) -> Any:
@@ -151,7 +151,6 @@ def server_in_own_session_class(preexec_fn: Callable[[], None] | None) -> type[A
                 vars(_prefect_server)["subprocess"] = subprocess
 
     return EmbeddedServer
-
 
 
 def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:

@@ -94,15 +94,20 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     if current:
         yield str(current)
         return
-    with temporary_settings(updates={PREFECT_SERVER_DATABASE_TIMEOUT: max(
-            60.0, get_current_settings().server.database.timeout or 0.0)}):
+    with temporary_settings(
+        updates={
+            PREFECT_SERVER_DATABASE_TIMEOUT: max(60.0, get_current_settings().server.database.timeout or 0.0)
+        }
+    ):
         server = server_in_own_session_class(die_with_parent_hook())(port=_free_port())
         server.start(timeout=timeout)
     try:
-        with temporary_settings(updates={
-            PREFECT_API_URL: server.api_url,
-            PREFECT_CLIENT_MAX_RETRIES: max(10, get_current_settings().client.max_retries),
-        }):
+        with temporary_settings(
+            updates={
+                PREFECT_API_URL: server.api_url,
+                PREFECT_CLIENT_MAX_RETRIES: max(10, get_current_settings().client.max_retries),
+            }
+        ):
             interrupted = False  # a failed run is worth recording too: it is what the user will look at
             try:
                 yield server.api_url

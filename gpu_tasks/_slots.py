@@ -29,9 +29,9 @@ class SlotPool(concurrent.futures.Executor):
         self.slots = slots
         self._free = slots
         self._rejoining = 0
-        self._queue: collections.deque[tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]] = (
-            collections.deque()
-        )
+        self._queue: collections.deque[
+            tuple[concurrent.futures.Future[Any], Callable[..., Any], tuple[Any, ...]]
+        ] = collections.deque()
         self._cond = threading.Condition()
         self._shutdown = False
         # threads are made as needed and reused; more than ``slots`` exist only while tasks wait
@@ -58,7 +58,9 @@ class SlotPool(concurrent.futures.Executor):
             self._free -= 1
             self._threads.submit(self._run, future, fn, args)
 
-    def _run(self, future: concurrent.futures.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    def _run(
+        self, future: concurrent.futures.Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]
+    ) -> None:
         _CURRENT.pool = self
         try:
             result = fn(*args)

@@ -21,9 +21,15 @@ from typing import Any
 
 from gpu_tasks import _dask_private, _worker_guard
 from gpu_tasks._futures import futures_to_states
-from gpu_tasks._slots import SlotPool
 from gpu_tasks._prefect_private import extend_no_limits_cache
-from gpu_tasks.allocation import WORKER_ENV_PROFILE, Allocation, allocated, current_allocation, worker_allocation
+from gpu_tasks._slots import SlotPool
+from gpu_tasks.allocation import (
+    WORKER_ENV_PROFILE,
+    Allocation,
+    allocated,
+    current_allocation,
+    worker_allocation,
+)
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError
 from gpu_tasks.ledger import worker_key
 from gpu_tasks.profiles import profile, profile_from_tags, requested_profile
@@ -63,7 +69,10 @@ def run_on_worker(
     with _RUNNING_LOCK:
         _RUNNING[kwargs["task_run_id"]] = running
     try:
-        with SettingsContext(**settings), SyncClientContext.model_construct(client=_thread_client(settings_key)):
+        with (
+            SettingsContext(**settings),
+            SyncClientContext.model_construct(client=_thread_client(settings_key)),
+        ):
             return run_engine(alloc, task, kwargs)
     finally:
         with _RUNNING_LOCK:
@@ -91,10 +100,18 @@ def _report_orphaned(flow_pid: int) -> None:
     flow_runs = set()
     for task_run_id, (task, flow_run_id, alloc, tags) in running.items():
         where = f"device(s) {','.join(alloc.devices)}" if alloc.devices else "CPU"
-        message = (f"the flow process (pid {flow_pid}) died while this task ran on profile {alloc.profile!r}, "
-                   f"{where}; its worker exited with it")
-        crash_task_run(task_run_id, task, uuid.UUID(str(flow_run_id)) if flow_run_id else None, message,
-                       tags=tags, wait=0.5)
+        message = (
+            f"the flow process (pid {flow_pid}) died while this task ran on profile {alloc.profile!r}, "
+            f"{where}; its worker exited with it"
+        )
+        crash_task_run(
+            task_run_id,
+            task,
+            uuid.UUID(str(flow_run_id)) if flow_run_id else None,
+            message,
+            tags=tags,
+            wait=0.5,
+        )
         if flow_run_id:
             flow_runs.add(str(flow_run_id))
     if flow_runs:
@@ -102,9 +119,14 @@ def _report_orphaned(flow_pid: int) -> None:
             with get_client(sync_client=True) as client:
                 for flow_run_id in flow_runs:
                     client.set_flow_run_state(
-                        uuid.UUID(flow_run_id), Crashed(message=(
-                            f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its tasks "
-                            "(reported by a worker)")), force=True,
+                        uuid.UUID(flow_run_id),
+                        Crashed(
+                            message=(
+                                f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its tasks "
+                                "(reported by a worker)"
+                            )
+                        ),
+                        force=True,
                     )
         except Exception:
             logger.warning("could not report the flow run Crashed", exc_info=True)
@@ -200,6 +222,7 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
         return error
 
     if asyncio.iscoroutinefunction(fn):
+
         @functools.wraps(fn)
         async def wrapped(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -207,6 +230,7 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
             except Exception as exc:
                 raise translated(exc)  # noqa: B904 (the cause is set, or exc is re-raised as is)
     else:
+
         @functools.wraps(fn)
         def wrapped(*args: Any, **kwargs: Any) -> Any:
             try:
@@ -229,7 +253,9 @@ def _crashed_by(exc: BaseException, task_run_id: uuid.UUID | None) -> Any:
         SystemExit: "Execution was aborted by Python system exit call.",
     }
     message = next((m for cls, m in words.items() if isinstance(exc, cls)), None)
-    state: State[Any] = Crashed(message=message or f"Execution was interrupted by {type(exc).__name__}: {exc}")
+    state: State[Any] = Crashed(
+        message=message or f"Execution was interrupted by {type(exc).__name__}: {exc}"
+    )
     state.state_details.task_run_id = task_run_id
     return state
 
@@ -244,13 +270,17 @@ def nested_pool(profile_name: str) -> SlotPool:
     with _NESTED_LOCK:
         pool = _NESTED_POOLS.get(profile_name)
         if pool is None:
-            pool = _NESTED_POOLS[profile_name] = SlotPool(_dask_private.worker_threads(),
-                                                          name=f"gpu-tasks-nested-{profile_name}")
+            pool = _NESTED_POOLS[profile_name] = SlotPool(
+                _dask_private.worker_threads(), name=f"gpu-tasks-nested-{profile_name}"
+            )
         return pool
 
 
 def submit_nested(
-    task: Any, parameters: dict[str, Any], wait_for: Any, dependencies: dict[str, set[Any]] | None,
+    task: Any,
+    parameters: dict[str, Any],
+    wait_for: Any,
+    dependencies: dict[str, set[Any]] | None,
     default: str,
 ) -> tuple[uuid.UUID, concurrent.futures.Future[Any], str]:
     """Run a task submitted by a task running in this worker process here, on the parent's devices.
@@ -278,9 +308,11 @@ def submit_nested(
 
     def run() -> Any:
         kwargs: dict[str, Any] = dict(
-            task_run_id=task_run_id, parameters=futures_to_states(parameters),
+            task_run_id=task_run_id,
+            parameters=futures_to_states(parameters),
             wait_for=futures_to_states(list(wait_for)) if wait_for else None,
-            dependencies=dependencies, return_type="state",
+            dependencies=dependencies,
+            return_type="state",
         )
         with tags(profile(here)):
             return run_engine(alloc, task, kwargs)[0]

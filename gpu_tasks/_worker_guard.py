@@ -121,8 +121,12 @@ def end_children(grace: float = GRACE_S) -> int:
         with contextlib.suppress(psutil.Error):
             p.kill()
     if alive:
-        logger.warning("worker %d: killed %d child process(es) that ignored SIGTERM for %gs",
-                       os.getpid(), len(alive), grace)
+        logger.warning(
+            "worker %d: killed %d child process(es) that ignored SIGTERM for %gs",
+            os.getpid(),
+            len(alive),
+            grace,
+        )
         psutil.wait_procs(alive, timeout=grace)
     return len(procs)
 
@@ -131,8 +135,9 @@ def _watch() -> None:
     parent = _state["parent"]
     while os.getppid() == parent:
         time.sleep(POLL_S)
-    logger.warning("worker %d: flow process %d is gone; ending this worker and its child processes",
-                   os.getpid(), parent)
+    logger.warning(
+        "worker %d: flow process %d is gone; ending this worker and its child processes", os.getpid(), parent
+    )
     _exit(1)
 
 

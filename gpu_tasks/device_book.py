@@ -41,8 +41,12 @@ class DeviceBook:
     """
 
     def __init__(
-        self, reclaim: Any = None, stop: threading.Event | None = None, log_every: float = 30.0,
-        lease_dir: Path | None = None, lease_timeout: float | None = None,
+        self,
+        reclaim: Any = None,
+        stop: threading.Event | None = None,
+        log_every: float = 30.0,
+        lease_dir: Path | None = None,
+        lease_timeout: float | None = None,
     ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
@@ -56,7 +60,12 @@ class DeviceBook:
         self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
 
     def acquire(
-        self, owner: str, groups: list[tuple[Device, ...]], n: int, block: bool, priority: int = 0,
+        self,
+        owner: str,
+        groups: list[tuple[Device, ...]],
+        n: int,
+        block: bool,
+        priority: int = 0,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
@@ -69,7 +78,10 @@ class DeviceBook:
         """
         wanted = {d.address for g in groups for d in g}
         me: dict[str, Any] = {
-            "profile": owner, "priority": int(priority), "arrived": time.time(), "addresses": sorted(wanted),
+            "profile": owner,
+            "priority": int(priority),
+            "arrived": time.time(),
+            "addresses": sorted(wanted),
             "local": True,
         }
         waiter: leases.Waiter | None = None
@@ -82,8 +94,11 @@ class DeviceBook:
                     free, foreign, first = self._take_free(owner, groups, n, me)
                     if free or not block or n <= 0:
                         if free and time.monotonic() - waited_since > 0.5:
-                            logger.info("profile %r: got devices after waiting %.1fs", owner,
-                                        time.monotonic() - waited_since)
+                            logger.info(
+                                "profile %r: got devices after waiting %.1fs",
+                                owner,
+                                time.monotonic() - waited_since,
+                            )
                         return free
                     self.waiting[id(me)] = me
                     held_by = {self.holders[a] for a in wanted if self.holders.get(a) not in (None, owner)}
@@ -98,7 +113,9 @@ class DeviceBook:
                 elif foreign_since is None:
                     foreign_since = now
                 if foreign_since is not None and now - foreign_since >= self.lease_timeout:
-                    raise ClusterError(self._timeout_message(owner, sorted(wanted), now - foreign_since, first))
+                    raise ClusterError(
+                        self._timeout_message(owner, sorted(wanted), now - foreign_since, first)
+                    )
                 if self.reclaim is not None:
                     self.reclaim(wanted, owner)
                 log.waiting(now, held_by, foreign, first)
@@ -121,7 +138,11 @@ class DeviceBook:
             self.cond.notify_all()
 
     def _take_free(
-        self, owner: str, groups: list[tuple[Device, ...]], n: int, me: dict[str, Any],
+        self,
+        owner: str,
+        groups: list[tuple[Device, ...]],
+        n: int,
+        me: dict[str, Any],
     ) -> tuple[list[int], set[str], list[dict[str, Any]]]:
         """Hold up to ``n`` groups free in this book whose new devices lease now (under ``cond``).
 
@@ -174,8 +195,9 @@ class DeviceBook:
     def _enqueue(self, owner: str, me: dict[str, Any]) -> leases.Waiter:
         """Register ``me`` as a waiter file, so other processes let it go first when it ranks first."""
         try:
-            waiter = leases.enqueue(me["addresses"], leases.owner_info(owner), me["priority"], me["arrived"],
-                                    self.lease_dir)
+            waiter = leases.enqueue(
+                me["addresses"], leases.owner_info(owner), me["priority"], me["arrived"], self.lease_dir
+            )
         except OSError as exc:
             raise self._lease_error(owner, exc) from exc
         with self.cond:
@@ -196,20 +218,25 @@ class DeviceBook:
         for w in waiters:
             who = f"profile {w.get('profile')!r} of this flow run" if w.get("local") else leases.describe(w)
             waited = max(0.0, now - float(w.get("arrived", now)))
-            parts.append(f"{who} (priority {w.get('priority', 0)}, waiting {waited:.1f}s for devices "
-                         f"{','.join(w.get('addresses') or ())})")
+            parts.append(
+                f"{who} (priority {w.get('priority', 0)}, waiting {waited:.1f}s for devices "
+                f"{','.join(w.get('addresses') or ())})"
+            )
         return "; ".join(parts)
 
     def holders_text(self, addresses: list[str]) -> str:
         """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
         foreign = leases.holders(self.lease_dir, [a for a in addresses if a not in self.holders])
         return "; ".join(
-            f"device {a}: profile {self.holders[a]!r} of this flow run" if a in self.holders
+            f"device {a}: profile {self.holders[a]!r} of this flow run"
+            if a in self.holders
             else f"device {a}: {leases.describe(foreign[a])}"
             for a in addresses
         )
 
-    def _timeout_message(self, owner: str, wanted: list[str], waited: float, first: list[dict[str, Any]]) -> str:
+    def _timeout_message(
+        self, owner: str, wanted: list[str], waited: float, first: list[dict[str, Any]]
+    ) -> str:
         queued = f"; waiters that rank before it: {self.waiters_text(first)}" if first else ""
         return (
             f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease "
@@ -233,7 +260,9 @@ class _WaitLog:
             self.last_yield = now
             logger.info(
                 "profile %r (priority %d): letting waiter(s) that rank before it have devices first: %s",
-                self.owner, self.priority, self.book.waiters_text(first),
+                self.owner,
+                self.priority,
+                self.book.waiters_text(first),
             )
         if self.last_wait is not None and now - self.last_wait < every:
             return
@@ -241,12 +270,16 @@ class _WaitLog:
         if held_by:
             logger.info(
                 "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "
-                "released when those clusters go idle", self.owner, ",".join(self.wanted),
+                "released when those clusters go idle",
+                self.owner,
+                ",".join(self.wanted),
                 ", ".join(repr(h) for h in sorted(held_by)),
             )
         if foreign:
             logger.info(
                 "profile %r: waiting for devices leased by other processes on this host: %s; "
-                "giving up after %gs (GPU_TASKS_LEASE_TIMEOUT)", self.owner,
-                self.book.holders_text(sorted(foreign)), self.book.lease_timeout,
+                "giving up after %gs (GPU_TASKS_LEASE_TIMEOUT)",
+                self.owner,
+                self.book.holders_text(sorted(foreign)),
+                self.book.lease_timeout,
             )

@@ -98,9 +98,13 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
             raise DeviceDiscoveryError(f"{hint}; a count must be between 0 and 64, got {count}")
         return tuple(
             Device(
-                address=str(i), index=i, name=f"{DEFAULT_EMULATED_MODEL} (emulated)",
-                uuid=f"EMU-{i}", memory_total=DEFAULT_EMULATED_MEMORY,
-                memory_free=DEFAULT_EMULATED_MEMORY, emulated=True,
+                address=str(i),
+                index=i,
+                name=f"{DEFAULT_EMULATED_MODEL} (emulated)",
+                uuid=f"EMU-{i}",
+                memory_total=DEFAULT_EMULATED_MEMORY,
+                memory_free=DEFAULT_EMULATED_MEMORY,
+                emulated=True,
             )
             for i in range(count)
         )
@@ -120,8 +124,13 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
             raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a memory size of zero")
         devices.append(
             Device(
-                address=str(i), index=i, name=f"{name} (emulated)", uuid=f"EMU-{i}",
-                memory_total=memory, memory_free=memory, emulated=True,
+                address=str(i),
+                index=i,
+                name=f"{name} (emulated)",
+                uuid=f"EMU-{i}",
+                memory_total=memory,
+                memory_free=memory,
+                emulated=True,
             )
         )
     if len(devices) > 64:
@@ -165,8 +174,7 @@ def run_discovery_command(command: str, timeout: float = 30.0) -> tuple[Device, 
     if len(set(map(str, addresses))) != len(addresses):
         raise DeviceDiscoveryError(f"{where} reported duplicate addresses {addresses}")
     return tuple(
-        Device(address=str(a), index=i, name="GPU (from discovery command)")
-        for i, a in enumerate(addresses)
+        Device(address=str(a), index=i, name="GPU (from discovery command)") for i, a in enumerate(addresses)
     )
 
 
@@ -198,8 +206,13 @@ def nvml_devices() -> tuple[tuple[Device, ...], str]:
                 continue
             devices.append(
                 Device(
-                    address=str(i), index=i, name=name, uuid=uuid, memory_total=int(mem.total),
-                    memory_free=int(mem.free), compute_capability=f"{major}.{minor}",
+                    address=str(i),
+                    index=i,
+                    name=name,
+                    uuid=uuid,
+                    memory_total=int(mem.total),
+                    memory_free=int(mem.free),
+                    compute_capability=f"{major}.{minor}",
                 )
             )
         return tuple(devices), f"{len(devices)} device(s) from NVML"
@@ -228,8 +241,14 @@ def _mig_instances(nvml, handle, index: int, name: str, cc: str) -> list[Device]
         mem = nvml.nvmlDeviceGetMemoryInfo(mig)
         out.append(
             Device(
-                address=uuid, index=index, name=f"{name} MIG {j}", uuid=uuid,
-                memory_total=int(mem.total), memory_free=int(mem.free), compute_capability=cc, mig=True,
+                address=uuid,
+                index=index,
+                name=f"{name} MIG {j}",
+                uuid=uuid,
+                memory_total=int(mem.total),
+                memory_free=int(mem.free),
+                compute_capability=cc,
+                mig=True,
             )
         )
     return out
@@ -241,7 +260,8 @@ def discover(settings: GpuTasksSettings | None = None) -> Inventory:
     if settings.emulated_gpus is not None:
         devices = parse_emulated(settings.emulated_gpus)
         return Inventory(
-            devices=devices, source="emulated",
+            devices=devices,
+            source="emulated",
             detail=f"GPU_TASKS_EMULATED_GPUS={settings.emulated_gpus!r}: pandas instead of cuDF, XGBoost on CPU",
         )
     if settings.discovery_command:

@@ -33,7 +33,10 @@ def _flow_run(flow_run_id: uuid.UUID | None) -> list[dict[str, str]]:
 
 
 def emit_cluster_event(
-    what: str, cluster: ProfileCluster, flow_run_id: uuid.UUID | None, payload: dict[str, Any],
+    what: str,
+    cluster: ProfileCluster,
+    flow_run_id: uuid.UUID | None,
+    payload: dict[str, Any],
     devices: Sequence[str] | None = None,
 ) -> None:
     """``gpu-tasks.cluster.<what>`` about ``cluster`` (and the device events it implies)."""
@@ -62,28 +65,40 @@ def emit_cluster_event(
                 event=f"gpu-tasks.device.{lease_event}",
                 resource={
                     "prefect.resource.id": f"gpu-tasks.device.{host}.{address}",
-                    "prefect.resource.name": f"gpu:{address}", "gpu-tasks.profile": name,
+                    "prefect.resource.name": f"gpu:{address}",
+                    "gpu-tasks.profile": name,
                 },
-                related=related, payload={"profile": name},
+                related=related,
+                payload={"profile": name},
             )
     except Exception:  # events are for watching; never fail the run over one
         logger.debug("could not emit gpu-tasks.cluster.%s", what, exc_info=True)
 
 
 def emit_task_event(
-    what: str, task_run_id: uuid.UUID, task_name: str, profile: str, flow_run_id: uuid.UUID | None,
+    what: str,
+    task_run_id: uuid.UUID,
+    task_name: str,
+    profile: str,
+    flow_run_id: uuid.UUID | None,
     payload: dict[str, Any],
 ) -> None:
     """``gpu-tasks.task.<what>`` about one task run."""
     try:
         from prefect.events import emit_event
 
-        related = [{"prefect.resource.id": f"prefect.task-run.{task_run_id}", "prefect.resource.role": "task-run"}]
+        related = [
+            {"prefect.resource.id": f"prefect.task-run.{task_run_id}", "prefect.resource.role": "task-run"}
+        ]
         emit_event(
             event=f"gpu-tasks.task.{what}",
-            resource={"prefect.resource.id": f"gpu-tasks.task.{task_run_id}",
-                      "prefect.resource.name": task_name, "gpu-tasks.profile": profile},
-            related=related + _flow_run(flow_run_id), payload=payload,
+            resource={
+                "prefect.resource.id": f"gpu-tasks.task.{task_run_id}",
+                "prefect.resource.name": task_name,
+                "gpu-tasks.profile": profile,
+            },
+            related=related + _flow_run(flow_run_id),
+            payload=payload,
         )
     except Exception:  # events are for watching; never fail the run over one
         logger.debug("could not emit gpu-tasks.task.%s", what, exc_info=True)
@@ -98,7 +113,10 @@ def publish_dashboard(cluster: ProfileCluster) -> None:
         from prefect.artifacts import create_link_artifact
 
         name = cluster.profile.name
-        create_link_artifact(link=link, link_text=f"Dask dashboard of profile {name!r}",
-                             key=f"dask-dashboard-{re.sub(r'[^a-z0-9-]', '-', name.lower())}")
+        create_link_artifact(
+            link=link,
+            link_text=f"Dask dashboard of profile {name!r}",
+            key=f"dask-dashboard-{re.sub(r'[^a-z0-9-]', '-', name.lower())}",
+        )
     except Exception:
         logger.warning("could not publish the dashboard link artifact", exc_info=True)

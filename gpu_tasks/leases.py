@@ -96,8 +96,11 @@ def lock_path(lease_dir: Path, address: str) -> Path:
 def owner_info(profile: str | None = None) -> dict[str, Any]:
     """Who is taking a lease now: this process, its flow run (when in one), ``profile``."""
     info: dict[str, Any] = {
-        "pid": os.getpid(), "hostname": socket.gethostname(),
-        "flow_run_name": None, "flow_run_id": None, "profile": profile,
+        "pid": os.getpid(),
+        "hostname": socket.gethostname(),
+        "flow_run_name": None,
+        "flow_run_id": None,
+        "profile": profile,
     }
     try:
         from prefect.context import FlowRunContext
@@ -157,7 +160,10 @@ def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = No
 
 
 def enqueue(
-    addresses: Any, owner_info: dict[str, Any], priority: int = 0, arrived: float | None = None,
+    addresses: Any,
+    owner_info: dict[str, Any],
+    priority: int = 0,
+    arrived: float | None = None,
     lease_dir: Path | None = None,
 ) -> Waiter:
     """Register as a waiter for ``addresses`` until :func:`dequeue`.
@@ -170,7 +176,9 @@ def enqueue(
     """
     queue = _ensure_dir(_ensure_dir(_lease_dir(lease_dir)) / QUEUE)
     info = dict(
-        owner_info, priority=int(priority), arrived=time.time() if arrived is None else float(arrived),
+        owner_info,
+        priority=int(priority),
+        arrived=time.time() if arrived is None else float(arrived),
         addresses=sorted(set(addresses)),
     )
     name = f"{uuid.uuid4().hex}.json"
@@ -232,13 +240,19 @@ def rank(info: dict[str, Any]) -> tuple[int, float, str]:
     A waiter without a file (one that has not registered) comes after every same-priority,
     same-arrival waiter with one.
     """
-    return (-int(info.get("priority") or 0), float(info.get("arrived", math.inf)), str(info.get("file") or "\uffff"))
+    return (
+        -int(info.get("priority") or 0),
+        float(info.get("arrived", math.inf)),
+        str(info.get("file") or "\uffff"),
+    )
 
 
 def ahead(me: dict[str, Any], others: Iterable[dict[str, Any]], addresses: Any) -> list[dict[str, Any]]:
     """The waiters of ``others`` that rank before ``me`` and want any of ``addresses``, first first."""
     key, wanted = rank(me), set(addresses)
-    return sorted((w for w in others if rank(w) < key and wanted.intersection(w.get("addresses") or ())), key=rank)
+    return sorted(
+        (w for w in others if rank(w) < key and wanted.intersection(w.get("addresses") or ())), key=rank
+    )
 
 
 def release(lease: Lease | None, addresses: Any = None) -> None:
@@ -262,7 +276,7 @@ def holders(lease_dir: Path | None = None, addresses: Any = None) -> dict[str, d
     lease_dir = _lease_dir(lease_dir)
     if addresses is None:
         names = sorted(lease_dir.glob(f"{PREFIX}*{SUFFIX}")) if lease_dir.is_dir() else []
-        addresses = [unquote(p.name[len(PREFIX):-len(SUFFIX)]) for p in names]
+        addresses = [unquote(p.name[len(PREFIX) : -len(SUFFIX)]) for p in names]
     return {address: holder(lease_dir, address) for address in addresses}
 
 

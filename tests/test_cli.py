@@ -27,7 +27,12 @@ def _plain(text: str) -> str:
 @pytest.fixture
 def env(monkeypatch):
     """Two emulated devices; no profiles file, no discovery command."""
-    for var in ("GPU_TASKS_PROFILES_FILE", "GPU_TASKS_DISCOVERY_COMMAND", "GPU_TASKS_IDLE_TIMEOUT", "FORCE_COLOR"):
+    for var in (
+        "GPU_TASKS_PROFILES_FILE",
+        "GPU_TASKS_DISCOVERY_COMMAND",
+        "GPU_TASKS_IDLE_TIMEOUT",
+        "FORCE_COLOR",
+    ):
         monkeypatch.delenv(var, raising=False)
     monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", EMULATED)
     monkeypatch.setenv("NO_COLOR", "1")
@@ -102,7 +107,10 @@ def test_devices_when_there_are_none(env, runner):
     assert "no GPUs found (no NVIDIA driver (NVMLError_LibraryNotFound))" in out
     data = json.loads(_ok(runner.invoke(app, ["devices", "--json"])))
     assert data == {
-        "source": "none", "emulated": False, "detail": "no NVIDIA driver (NVMLError_LibraryNotFound)", "devices": [],
+        "source": "none",
+        "emulated": False,
+        "detail": "no NVIDIA driver (NVMLError_LibraryNotFound)",
+        "devices": [],
     }
 
 
@@ -170,7 +178,17 @@ def test_profiles_file_shows_unrunnable_profile_and_why(env, runner, profiles_fi
     assert not any(line.startswith(("CANNOT RUN 'etl'", "CANNOT RUN 'train'")) for line in out.splitlines())
     assert "EMULATED devices: no real GPU" in out
     # the fields of each profile are shown
-    for field in ("cpus", "gpus", "memory", "gpu_model", "gpu_memory", "max_workers", "idle_timeout", "fallback", "gang"):
+    for field in (
+        "cpus",
+        "gpus",
+        "memory",
+        "gpu_model",
+        "gpu_memory",
+        "max_workers",
+        "idle_timeout",
+        "fallback",
+        "gang",
+    ):
         assert re.search(rf"│ {field}\s+│", out), field
     assert "8.00 GiB" in out and "A100" in out
 
@@ -233,7 +251,10 @@ def test_profiles_default_from_file(env, runner, tmp_path):
     [
         ("[profiles.etl]\ngpus = 0.3\n", ["profile 'etl'", "gpus", "0.3"]),
         ("[profiles.etl\n", ["is not valid TOML"]),
-        ('default = "nope"\n[profiles.a]\ncpus = 1\n', ["default profile 'nope' is not defined", "known profiles: a"]),
+        (
+            'default = "nope"\n[profiles.a]\ncpus = 1\n',
+            ["default profile 'nope' is not defined", "known profiles: a"],
+        ),
         ('default = "g"\n[profiles.g]\ngpus = 1\n', ["default profile 'g' must be a CPU profile"]),
     ],
 )
@@ -291,15 +312,30 @@ def test_pipeline_commands_without_the_pipeline_extra_say_what_to_install(comman
     """Without the pipeline's libraries (here: xgboost blocked), run/serve exit 2 with one line."""
     import subprocess
 
-    code = ("import sys; sys.modules['xgboost'] = None; sys.argv = ['gpu-tasks', *sys.argv[1:]]; "
-            "from gpu_tasks.cli import app; app()")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": os.environ.get("PYTHONPATH", ""), "NO_COLOR": "1",
-           "PREFECT_API_URL": "http://127.0.0.1:9/api", "GPU_TASKS_EMULATED_GPUS": "1"}
-    proc = subprocess.run([sys.executable, "-c", code, command, "--limit", "100"], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=Path(__file__).resolve().parents[1])
+    code = (
+        "import sys; sys.modules['xgboost'] = None; sys.argv = ['gpu-tasks', *sys.argv[1:]]; "
+        "from gpu_tasks.cli import app; app()"
+    )
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHONPATH": os.environ.get("PYTHONPATH", ""),
+        "NO_COLOR": "1",
+        "PREFECT_API_URL": "http://127.0.0.1:9/api",
+        "GPU_TASKS_EMULATED_GPUS": "1",
+    }
+    proc = subprocess.run(
+        [sys.executable, "-c", code, command, "--limit", "100"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-    assert (f"gpu-tasks {command} needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]'"
-            in lines[0]), lines
+    assert (
+        f"gpu-tasks {command} needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]'"
+        in lines[0]
+    ), lines
     assert "xgboost" in lines[0] and proc.stdout == ""

@@ -103,15 +103,23 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict) -> tuple[dict, list[dict]]:
     (tmp_path / "discover.py").write_text(DISCOVER)
     (tmp_path / "on_cuda.py").write_text(FLOW)
     record, out = tmp_path / "record.jsonl", tmp_path / "out.json"
-    env = {k: v for k, v in os.environ.items() if k not in ("GPU_TASKS_EMULATED_GPUS", "GPU_TASKS_PROFILES_FILE")}
+    env = {
+        k: v for k, v in os.environ.items() if k not in ("GPU_TASKS_EMULATED_GPUS", "GPU_TASKS_PROFILES_FILE")
+    }
     env.update(
         PYTHONPATH=os.pathsep.join([str(fake), *filter(None, [os.environ.get("PYTHONPATH")])]),
         GPU_TASKS_DISCOVERY_COMMAND=f"{sys.executable} {tmp_path / 'discover.py'}",
         FAKE_DASK_CUDA_RECORD=str(record),
         PREFECT_API_URL=str(get_current_settings().api.url),
     )
-    proc = subprocess.run([sys.executable, str(tmp_path / "on_cuda.py"), str(out), json.dumps(cuda)], env=env,
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "on_cuda.py"), str(out), json.dumps(cuda)],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     calls = [json.loads(line) for line in record.read_text().splitlines()]
     return json.loads(out.read_text())["row"], calls
@@ -120,8 +128,10 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict) -> tuple[dict, list[dict]]:
 @pytest.mark.parametrize(
     "cuda, expected",
     [
-        ({"rmm_pool_size": "1GiB", "rmm_async": True, "enable_cudf_spill": True, "protocol": "ucx"},
-         {"rmm_pool_size": 2**30, "rmm_async": True, "enable_cudf_spill": True, "protocol": "ucx"}),
+        (
+            {"rmm_pool_size": "1GiB", "rmm_async": True, "enable_cudf_spill": True, "protocol": "ucx"},
+            {"rmm_pool_size": 2**30, "rmm_async": True, "enable_cudf_spill": True, "protocol": "ucx"},
+        ),
         ({}, {"rmm_pool_size": None, "rmm_async": False, "enable_cudf_spill": False, "protocol": "tcp"}),
     ],
     ids=["every-option-set", "defaults"],
@@ -146,7 +156,10 @@ def test_every_cuda_option_is_checked_by_this_module():
     from gpu_tasks import CudaOptions
 
     assert set(CudaOptions.model_fields) == {
-        "rmm_pool_size", "rmm_async", "enable_cudf_spill", "protocol",
+        "rmm_pool_size",
+        "rmm_async",
+        "enable_cudf_spill",
+        "protocol",
     }
 
 

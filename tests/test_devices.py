@@ -58,9 +58,19 @@ def test_emulated_count(count):
 def test_emulated_list():
     devs = parse_emulated(" H100:80GiB, H100:80GiB ,L4:24GiB,Tesla T4 : 16 GB,EMU ")
     assert [d.name for d in devs] == [
-        "H100 (emulated)", "H100 (emulated)", "L4 (emulated)", "Tesla T4 (emulated)", "EMU (emulated)",
+        "H100 (emulated)",
+        "H100 (emulated)",
+        "L4 (emulated)",
+        "Tesla T4 (emulated)",
+        "EMU (emulated)",
     ]
-    assert [d.memory_total for d in devs] == [80 * GiB, 80 * GiB, 24 * GiB, 16 * 10**9, DEFAULT_EMULATED_MEMORY]
+    assert [d.memory_total for d in devs] == [
+        80 * GiB,
+        80 * GiB,
+        24 * GiB,
+        16 * 10**9,
+        DEFAULT_EMULATED_MEMORY,
+    ]
     assert [d.address for d in devs] == ["0", "1", "2", "3", "4"]
     assert all(d.emulated and not d.mig for d in devs)
 
@@ -83,9 +93,28 @@ def test_emulated_lists_round_trip(items):
 
 _BAD_ITEMS = st.sampled_from(
     [
-        "", " ", ":80GiB", "H100:", "H100:80XB", "H100:-5GiB", "H100:0", "H100:0GiB", "H100:0.1", "H100:.",
-        "H100:..GB", "H100:1.2.3GiB", "H100:80GiB:1", "_H100", "-H100", "H100!", "H100/80GiB", "H100:1e9",
-        "H100:" + "9" * 400, "²", "Ｈ100", "H100=80GiB",
+        "",
+        " ",
+        ":80GiB",
+        "H100:",
+        "H100:80XB",
+        "H100:-5GiB",
+        "H100:0",
+        "H100:0GiB",
+        "H100:0.1",
+        "H100:.",
+        "H100:..GB",
+        "H100:1.2.3GiB",
+        "H100:80GiB:1",
+        "_H100",
+        "-H100",
+        "H100!",
+        "H100/80GiB",
+        "H100:1e9",
+        "H100:" + "9" * 400,
+        "²",
+        "Ｈ100",
+        "H100=80GiB",
     ]
 )
 
@@ -124,10 +153,13 @@ def test_any_emulated_spec_parses_or_raises_a_discovery_error(spec):
 
 # ---------------------------------------------------------- discovery command
 def test_discovery_command_good_json(tmp_path):
-    cmd = _script(tmp_path, """
+    cmd = _script(
+        tmp_path,
+        """
         import json
         print(json.dumps({"name": "gpu", "addresses": ["0", "1", 3]}))
-    """)
+    """,
+    )
     devs = run_discovery_command(cmd)
     assert [d.address for d in devs] == ["0", "1", "3"]
     assert [d.index for d in devs] == [0, 1, 2]
@@ -135,7 +167,7 @@ def test_discovery_command_good_json(tmp_path):
 
 
 def test_discovery_command_without_name_defaults_to_gpu(tmp_path):
-    cmd = _script(tmp_path, 'print(\'{"addresses": []}\')\n')
+    cmd = _script(tmp_path, "print('{\"addresses\": []}')\n")
     assert run_discovery_command(cmd) == ()
 
 
@@ -144,12 +176,12 @@ def test_discovery_command_without_name_defaults_to_gpu(tmp_path):
     [
         ("print('GPU 0: H100')\n", "must print JSON"),
         ("print('')\n", "must print JSON"),
-        ("print('[\"0\", \"1\"]')\n", 'must print {"name": "gpu", "addresses": [...]}'),
-        ("print('{\"name\": \"gpu\", \"addresses\": \"0,1\"}')\n", "addresses"),
-        ("print('{\"name\": \"gpu\", \"addresses\": [[0]]}')\n", "addresses"),
-        ("print('{\"name\": \"fpga\", \"addresses\": [\"0\"]}')\n", "reported resource 'fpga'"),
-        ("print('{\"name\": \"gpu\", \"addresses\": [\"0\", \"1\", \"0\"]}')\n", "duplicate addresses"),
-        ("print('{\"name\": \"gpu\", \"addresses\": [\"1\", 1]}')\n", "duplicate addresses"),
+        ('print(\'["0", "1"]\')\n', 'must print {"name": "gpu", "addresses": [...]}'),
+        ('print(\'{"name": "gpu", "addresses": "0,1"}\')\n', "addresses"),
+        ('print(\'{"name": "gpu", "addresses": [[0]]}\')\n', "addresses"),
+        ('print(\'{"name": "fpga", "addresses": ["0"]}\')\n', "reported resource 'fpga'"),
+        ('print(\'{"name": "gpu", "addresses": ["0", "1", "0"]}\')\n', "duplicate addresses"),
+        ('print(\'{"name": "gpu", "addresses": ["1", 1]}\')\n', "duplicate addresses"),
         ("import sys\nsys.stderr.write('driver exploded')\nsys.exit(3)\n", "exited with 3: driver exploded"),
         ("import sys\nsys.exit(1)\n", "exited with 1: no output on stderr"),
     ],

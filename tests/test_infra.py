@@ -11,8 +11,8 @@ import uuid
 from pathlib import Path
 
 import pytest
-from prefect_api import api
 import yaml
+from prefect_api import api
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS = ROOT / "infra" / "work-pools"
@@ -26,11 +26,15 @@ def _render(template: dict, **values) -> dict:
     return apply_values(template["job_configuration"], {**defaults, **values})
 
 
-@pytest.mark.parametrize(("file", "pool_type"), [("kubernetes-gpu.json", "kubernetes"), ("docker-gpu.json", "docker")])
+@pytest.mark.parametrize(
+    ("file", "pool_type"), [("kubernetes-gpu.json", "kubernetes"), ("docker-gpu.json", "docker")]
+)
 def test_work_pool_template_is_accepted_and_read_back(prefect_server, file: str, pool_type: str):
     template = json.loads((POOLS / file).read_text())
     name = f"gpu-tasks-{pool_type}-{uuid.uuid4().hex[:6]}"
-    code, body = api("POST", "/work_pools/", json={"name": name, "type": pool_type, "base_job_template": template})
+    code, body = api(
+        "POST", "/work_pools/", json={"name": name, "type": pool_type, "base_job_template": template}
+    )
     assert code == 201, body
     code, pool = api("GET", f"/work_pools/{name}")
     assert code == 200 and pool["base_job_template"] == template and pool["type"] == pool_type
@@ -52,7 +56,9 @@ def test_docker_template_passes_a_gpu_device_request():
     template = json.loads((POOLS / "docker-gpu.json").read_text())
     request = _render(template, gpu_count=2)["container_create_kwargs"]["device_requests"][0]
     assert request["Driver"] == "nvidia" and request["Count"] == 2 and request["Capabilities"] == [["gpu"]]
-    by_id = _render(template, gpu_count=0, gpu_device_ids=["1"])["container_create_kwargs"]["device_requests"][0]
+    by_id = _render(template, gpu_count=0, gpu_device_ids=["1"])["container_create_kwargs"][
+        "device_requests"
+    ][0]
     assert by_id["DeviceIDs"] == ["1"] and by_id["Count"] == 0
 
 
@@ -87,12 +93,19 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
 
     code, body = api("POST", "/work_pools/", json={"name": "gpu-tasks-process", "type": "process"})
     assert code in (201, 409), body
-    env = {**os.environ, "PREFECT_API_URL": str(prefect.settings.PREFECT_API_URL.value()),
-           "GPU_TASKS_HOME": str(ROOT)}
+    env = {
+        **os.environ,
+        "PREFECT_API_URL": str(prefect.settings.PREFECT_API_URL.value()),
+        "GPU_TASKS_HOME": str(ROOT),
+    }
     prefect_cli = Path(sys.executable).with_name("prefect")
     proc = subprocess.run(
         [str(prefect_cli), "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for name, cron in (("nightly", "0 2 * * *"), ("nightly-h100-gang", "30 2 * * *")):
@@ -108,7 +121,11 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
     assert code == 201, run
     worker = subprocess.run(
         [str(prefect_cli), "worker", "start", "--pool", "gpu-tasks-process", "--run-once"],
-        cwd=tmp_path, env={**env, "GPU_TASKS_EMULATED_GPUS": "2"}, capture_output=True, text=True, timeout=240,
+        cwd=tmp_path,
+        env={**env, "GPU_TASKS_EMULATED_GPUS": "2"},
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     code, body = api("GET", f"/flow_runs/{run['id']}")
     assert body["state"]["type"] == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]

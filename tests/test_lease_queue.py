@@ -150,7 +150,9 @@ def test_waiters_come_back_ranked_and_leave_when_dequeued(lease_dir):
 
 def test_dead_waiter_is_ignored_and_removed(tmp_path, lease_dir):
     ready = tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, _script(tmp_path, "dead_waiter", DEAD_WAITER), str(lease_dir), str(ready)])
+    proc = subprocess.Popen(
+        [sys.executable, _script(tmp_path, "dead_waiter", DEAD_WAITER), str(lease_dir), str(ready)]
+    )
     book = DeviceBook(lease_dir=lease_dir, lease_timeout=5)
     try:
         _wait_for(ready, proc)
@@ -160,7 +162,9 @@ def test_dead_waiter_is_ignored_and_removed(tmp_path, lease_dir):
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
         assert leases.waiters(lease_dir) == []
-        assert not (lease_dir / leases.QUEUE / ready.read_text()).exists(), "the dead waiter's file is deleted"
+        assert not (lease_dir / leases.QUEUE / ready.read_text()).exists(), (
+            "the dead waiter's file is deleted"
+        )
         assert book.acquire("low", [DEV0], 1, block=False) == [0]
         book.release("low", ["0"])
     finally:
@@ -205,7 +209,9 @@ def test_book_keeps_a_free_device_for_a_higher_priority_profile_of_its_own(lease
     _until(lambda: any(w["profile"] == "high" for w in leases.waiters(lease_dir)), "profile 'high' waits")
     low = threading.Thread(target=wait, args=("low", [DEV0], 0))
     low.start()
-    _until(lambda: any("letting waiter(s)" in r.getMessage() for r in caplog.records), "'low' yields", seconds=10)
+    _until(
+        lambda: any("letting waiter(s)" in r.getMessage() for r in caplog.records), "'low' yields", seconds=10
+    )
     time.sleep(0.5)  # longer than lease_timeout: yielding within the run does not count towards it
     assert "low" not in results and book.holders == {"1": "busy"}
     book.release("busy", ["1"])
@@ -216,7 +222,9 @@ def test_book_keeps_a_free_device_for_a_higher_priority_profile_of_its_own(lease
     assert results["low"] == [0]
     book.release("low", ["0"])
     (message,) = [r.getMessage() for r in caplog.records if "letting waiter(s)" in r.getMessage()]
-    assert "profile 'low' (priority 0)" in message and "profile 'high' of this flow run (priority 5" in message
+    assert (
+        "profile 'low' (priority 0)" in message and "profile 'high' of this flow run (priority 5" in message
+    )
     assert leases.waiters(lease_dir) == []
 
 
@@ -227,7 +235,11 @@ def test_book_keeps_a_free_device_for_a_higher_priority_profile_of_its_own(lease
     ids=["priority-beats-arrival", "equal-priority-first-come-first-served"],
 )
 def test_released_device_goes_to_the_first_ranked_waiting_process(
-    tmp_path, lease_dir, first_priority, second_priority, winner,
+    tmp_path,
+    lease_dir,
+    first_priority,
+    second_priority,
+    winner,
 ):
     ready, go = tmp_path / "holder-ready", tmp_path / "go"
     holder_script = _script(tmp_path, "holder", HOLDER)
@@ -236,12 +248,24 @@ def test_released_device_goes_to_the_first_ranked_waiting_process(
     procs = {"holder": holder}
     try:
         _wait_for(ready, holder)
-        for n, (name, priority) in enumerate((("first", first_priority), ("second", second_priority)), start=1):
+        for n, (name, priority) in enumerate(
+            (("first", first_priority), ("second", second_priority)), start=1
+        ):
             procs[name] = subprocess.Popen(
-                [sys.executable, waiter_script, str(lease_dir), name, str(priority), str(tmp_path / f"{name}.json")]
+                [
+                    sys.executable,
+                    waiter_script,
+                    str(lease_dir),
+                    name,
+                    str(priority),
+                    str(tmp_path / f"{name}.json"),
+                ]
             )
-            _until(lambda n=n: len(leases.waiters(lease_dir)) == n, f"waiter {name!r} queued",
-                   procs=tuple(procs.values()))
+            _until(
+                lambda n=n: len(leases.waiters(lease_dir)) == n,
+                f"waiter {name!r} queued",
+                procs=tuple(procs.values()),
+            )
         queued = leases.waiters(lease_dir)
         by_name = {w["profile"]: w for w in queued}
         assert by_name["first"]["arrived"] < by_name["second"]["arrived"]
@@ -254,7 +278,9 @@ def test_released_device_goes_to_the_first_ranked_waiting_process(
             _stop(proc)
     got = {n: json.loads((tmp_path / f"{n}.json").read_text()) for n in ("first", "second")}
     loser = "first" if winner == "second" else "second"
-    assert got[winner]["got"] < got[loser]["got"], f"the {winner} waiter should have got device 0 first: {got}"
+    assert got[winner]["got"] < got[loser]["got"], (
+        f"the {winner} waiter should have got device 0 first: {got}"
+    )
     assert got[winner]["released"] <= got[loser]["got"], "both waiters held device 0 at once"
     assert leases.waiters(lease_dir) == [] and leases.holders(lease_dir, ["0"]) == {"0": None}
 
@@ -265,8 +291,11 @@ def test_four_flow_runs_never_share_a_device(tmp_path, lease_dir):
     procs = [
         subprocess.Popen(
             [sys.executable, script, str(tmp_path / f"run{i}.json"), str(per_run)],
-            env=_env(lease_dir, GPU_TASKS_EMULATED_GPUS="2", GPU_TASKS_LEASE_TIMEOUT="120"), cwd=tmp_path,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=_env(lease_dir, GPU_TASKS_EMULATED_GPUS="2", GPU_TASKS_LEASE_TIMEOUT="120"),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for i in range(runs)
     ]

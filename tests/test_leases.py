@@ -160,12 +160,17 @@ def test_sigkilled_holder_frees_the_device(tmp_path, lease_dir):
 def test_device_book_leases_and_times_out(lease_dir):
     dev0, dev1 = Device(address="0", index=0, name="EMU"), Device(address="1", index=1, name="EMU")
     groups = [(dev0,), (dev1,)]
-    mine, theirs = DeviceBook(lease_dir=lease_dir, lease_timeout=0.3), DeviceBook(lease_dir=lease_dir, lease_timeout=0.3)
+    mine, theirs = (
+        DeviceBook(lease_dir=lease_dir, lease_timeout=0.3),
+        DeviceBook(lease_dir=lease_dir, lease_timeout=0.3),
+    )
     assert mine.acquire("a", groups, 1, block=True) == [0]
     assert mine.acquire("b", groups[:1], 1, block=False) == [], "in-process sharing is unchanged"
     assert leases.holders(lease_dir)["0"]["profile"] == "a"
     assert theirs.acquire("c", groups, 2, block=False) == [1]
-    with pytest.raises(ClusterError, match=rf"device 0: profile 'a', pid {os.getpid()}.*GPU_TASKS_LEASE_TIMEOUT"):
+    with pytest.raises(
+        ClusterError, match=rf"device 0: profile 'a', pid {os.getpid()}.*GPU_TASKS_LEASE_TIMEOUT"
+    ):
         theirs.acquire("d", groups[:1], 1, block=True)
     mine.release("a", ["0"])
     assert leases.holders(lease_dir)["0"] is None
@@ -196,8 +201,11 @@ def _env(lease_dir: Path, **extra: str) -> dict[str, str]:
     import prefect.settings
 
     return {
-        **os.environ, "GPU_TASKS_EMULATED_GPUS": "1", "GPU_TASKS_LEASE_DIR": str(lease_dir),
-        "PREFECT_API_URL": str(prefect.settings.PREFECT_API_URL.value()), **extra,
+        **os.environ,
+        "GPU_TASKS_EMULATED_GPUS": "1",
+        "GPU_TASKS_LEASE_DIR": str(lease_dir),
+        "PREFECT_API_URL": str(prefect.settings.PREFECT_API_URL.value()),
+        **extra,
     }
 
 
@@ -208,9 +216,19 @@ def test_two_flow_runs_never_share_a_device(tmp_path, lease_dir):
     names = ("a", "b")
     procs = {
         n: subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / f"{n}.json"), str(tmp_path / f"{n}.started"),
-             str(tmp_path / f"{'b' if n == 'a' else 'a'}.started"), str(tmp_path / f"{'b' if n == 'a' else 'a'}.json")],
-            env=_env(lease_dir), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                str(script),
+                str(tmp_path / f"{n}.json"),
+                str(tmp_path / f"{n}.started"),
+                str(tmp_path / f"{'b' if n == 'a' else 'a'}.started"),
+                str(tmp_path / f"{'b' if n == 'a' else 'a'}.json"),
+            ],
+            env=_env(lease_dir),
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for n in names
     }

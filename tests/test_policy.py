@@ -39,8 +39,14 @@ def _dev(i: int, name: str = "NVIDIA H100 80GB HBM3", memory: int | None = 80 * 
 # --------------------------------------------------------- matching_devices
 @pytest.mark.parametrize(
     ("model", "expected"),
-    [("H100", ["0", "1"]), ("h100", ["0", "1"]), ("l4", ["2"]), ("a10", ["3"]), ("emulated", ["0", "1", "2", "3"]),
-     ("A100", [])],
+    [
+        ("H100", ["0", "1"]),
+        ("h100", ["0", "1"]),
+        ("l4", ["2"]),
+        ("a10", ["3"]),
+        ("emulated", ["0", "1", "2", "3"]),
+        ("A100", []),
+    ],
 )
 def test_matching_by_model_is_a_case_insensitive_substring(model, expected):
     prof = ResourceProfile(name="g", gpus=1, gpu_model=model)
@@ -49,8 +55,13 @@ def test_matching_by_model_is_a_case_insensitive_substring(model, expected):
 
 @pytest.mark.parametrize(
     ("memory", "expected"),
-    [(None, ["0", "1", "2", "3"]), ("24GiB", ["0", "1", "2", "3"]), ("25GiB", ["0", "1"]), ("80GiB", ["0", "1"]),
-     ("81GiB", [])],
+    [
+        (None, ["0", "1", "2", "3"]),
+        ("24GiB", ["0", "1", "2", "3"]),
+        ("25GiB", ["0", "1"]),
+        ("80GiB", ["0", "1"]),
+        ("81GiB", []),
+    ],
 )
 def test_matching_by_memory_is_a_minimum(memory, expected):
     prof = ResourceProfile(name="g", gpus=1, gpu_memory=memory)
@@ -66,7 +77,9 @@ def test_matching_by_model_and_memory_together():
 
 def test_unknown_memory_never_satisfies_a_memory_request():
     inv = Inventory(devices=(_dev(0, memory=None), _dev(1)), source="command")
-    assert [d.address for d in matching_devices(ResourceProfile(name="g", gpus=1, gpu_memory="1GiB"), inv)] == ["1"]
+    assert [
+        d.address for d in matching_devices(ResourceProfile(name="g", gpus=1, gpu_memory="1GiB"), inv)
+    ] == ["1"]
     assert len(matching_devices(ResourceProfile(name="g", gpus=1), inv)) == 2
 
 
@@ -253,8 +266,12 @@ def test_zero_timeout_closes_at_once():
 
 
 def test_nothing_to_close():
-    assert close_reason(IdleView(running=False, outstanding=0, idle_since=0.0, idle_timeout=1), now=99) is None
-    assert close_reason(IdleView(running=True, outstanding=0, idle_since=None, idle_timeout=1), now=99) is None
+    assert (
+        close_reason(IdleView(running=False, outstanding=0, idle_since=0.0, idle_timeout=1), now=99) is None
+    )
+    assert (
+        close_reason(IdleView(running=True, outstanding=0, idle_since=None, idle_timeout=1), now=99) is None
+    )
 
 
 @given(

@@ -57,7 +57,9 @@ def test_invalid_gpus_fail_naming_profile_field_and_value(name, value):
     assert repr(value) in msg
 
 
-@pytest.mark.parametrize("value", [0.3, 0.6, 1.5, 2.25, -1.0, 1 / 65, 1 / 100, 0.7, float("nan"), float("inf")])
+@pytest.mark.parametrize(
+    "value", [0.3, 0.6, 1.5, 2.25, -1.0, 1 / 65, 1 / 100, 0.7, float("nan"), float("inf")]
+)
 def test_known_bad_gpus(value):
     with pytest.raises(ProfileError, match=r"profile 'p': gpus .*got"):
         ResourceProfile(name="p", gpus=value)
@@ -128,7 +130,9 @@ def test_positive_cpus_pass(value):
 @FAST
 @given(
     value=st.one_of(
-        st.sampled_from(["", "   ", "GiB", "lots", "16 foos", "1.2.3GB", "-5GiB", "0", "0.1", "1e400", "nan GB", "."]),
+        st.sampled_from(
+            ["", "   ", "GiB", "lots", "16 foos", "1.2.3GB", "-5GiB", "0", "0.1", "1e400", "nan GB", "."]
+        ),
         st.text(alphabet="abcxyz!@#", min_size=1, max_size=10),
         st.floats(allow_nan=True, allow_infinity=True).filter(lambda v: not (math.isfinite(v) and v >= 1)),
         st.integers(max_value=0),
@@ -171,7 +175,9 @@ def test_unknown_fields_fail_naming_the_field(field):
 
 
 def test_unknown_cuda_option_lists_cuda_fields():
-    with pytest.raises(ProfileError, match=r"cuda.pool is not a profile field \(known fields: enable_cudf_spill"):
+    with pytest.raises(
+        ProfileError, match=r"cuda.pool is not a profile field \(known fields: enable_cudf_spill"
+    ):
         ResourceProfile(name="u", gpus=1, cuda={"pool": 1})
 
 
@@ -245,7 +251,8 @@ def test_profile_tag_literal():
 
 
 @pytest.mark.parametrize(
-    "name", ["", " gpu", "gpu ", "has space", "-lead", "_lead", "a" * 64, "gpu\n", "profile:gpu", "gpü", 5, None]
+    "name",
+    ["", " gpu", "gpu ", "has space", "-lead", "_lead", "a" * 64, "gpu\n", "profile:gpu", "gpü", 5, None],
 )
 def test_invalid_profile_names_are_rejected(name):
     with pytest.raises(ProfileError, match="profile name .* is not valid"):
@@ -427,7 +434,9 @@ def test_settings_read_env(monkeypatch, tmp_path):
     assert s.idle_timeout == 2.5
     assert s.emulated_gpus == "H100:80GiB"
     assert s.discovery_command == "echo {}"
-    assert "data_dir" not in type(s).model_fields  # GPU_TASKS_DATA_DIR is the pipeline's (gpu_tasks.pipeline.settings)
+    assert (
+        "data_dir" not in type(s).model_fields
+    )  # GPU_TASKS_DATA_DIR is the pipeline's (gpu_tasks.pipeline.settings)
     assert s.provision_timeout == 7
     assert s.dashboard is True
     assert resolve(None, "idle_timeout", s) == 2.5

@@ -13,7 +13,6 @@ import pytest
 from prefect import flow, tags, task, unmapped
 from prefect.context import FlowRunContext
 from prefect.futures import as_completed, wait
-
 from prefect_api import api
 
 from gpu_tasks import (
@@ -46,8 +45,14 @@ def hold(seconds: float, tag: int = 0, meet: str | None = None, n: int = 0) -> d
     start = time.time()
     time.sleep(seconds)
     return {
-        "tag": tag, "profile": a.profile, "devices": a.devices, "fraction": a.fraction,
-        "emulated": a.emulated, "pid": os.getpid(), "start": start, "end": time.time(),
+        "tag": tag,
+        "profile": a.profile,
+        "devices": a.devices,
+        "fraction": a.fraction,
+        "emulated": a.emulated,
+        "pid": os.getpid(),
+        "start": start,
+        "end": time.time(),
         "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
     }
 
@@ -81,8 +86,12 @@ def test_whole_devices_are_never_shared(tmp_path: Path):
     def f():
         # the first two tasks wait for each other: a second one can only run on the other device,
         # so both devices are used however long the second worker takes to start
-        return [fut.result() for fut in gpu_hold.map([0.2] * 8, tag=list(range(8)), meet=unmapped(str(tmp_path)),
-                                                     n=unmapped(2))]
+        return [
+            fut.result()
+            for fut in gpu_hold.map(
+                [0.2] * 8, tag=list(range(8)), meet=unmapped(str(tmp_path)), n=unmapped(2)
+            )
+        ]
 
     rows = f()
     by_device = defaultdict(list)
@@ -248,7 +257,10 @@ def test_unknown_profile_fails_at_submit_listing_known_profiles():
     "prof, words",
     [
         (ResourceProfile(name="big", gpus=4), ["gpus=4", "2 matching", "H100"]),
-        (ResourceProfile(name="a100", gpus=1, gpu_model="A100"), ["gpu_model='A100'", "no device matches", "H100"]),
+        (
+            ResourceProfile(name="a100", gpus=1, gpu_model="A100"),
+            ["gpu_model='A100'", "no device matches", "H100"],
+        ),
         (ResourceProfile(name="huge", gpus=1, gpu_memory="200GiB"), ["gpu_memory", "no device matches"]),
     ],
 )
@@ -303,8 +315,10 @@ def test_fallback_is_announced_when_the_profile_comes_from_a_tags_block(caplog):
     with caplog.at_level(logging.WARNING):
         row, run_id = f()
     assert row["profile"] == "cpu"
-    assert any("asks for profile 'a100'" in r.getMessage() and "fallback='cpu'" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        "asks for profile 'a100'" in r.getMessage() and "fallback='cpu'" in r.getMessage()
+        for r in caplog.records
+    )
 
     async def read():
         async with get_client() as client:
@@ -422,7 +436,9 @@ def test_failed_upstream_stops_downstream_on_another_profile(tmp_path: Path):
     up, down, down_name, after = f()
     assert up == "FAILED"
     assert down != "COMPLETED" and after != "COMPLETED"
-    assert down_name == "NotReady", "Prefect marks tasks with failed upstreams NotReady, as with its own runners"
+    assert down_name == "NotReady", (
+        "Prefect marks tasks with failed upstreams NotReady, as with its own runners"
+    )
     assert not ran.exists(), "a downstream task ran on failed upstream data"
 
 
@@ -554,9 +570,12 @@ def test_flow_run_gets_a_resource_ledger_artifact():
 
     async def read():
         async with get_client() as client:
-            return await client.read_artifacts(artifact_filter=ArtifactFilter(
-                key=ArtifactFilterKey(any_=["resource-ledger"]), flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]),
-            ))
+            return await client.read_artifacts(
+                artifact_filter=ArtifactFilter(
+                    key=ArtifactFilterKey(any_=["resource-ledger"]),
+                    flow_run_id=ArtifactFilterFlowRunId(any_=[run_id]),
+                )
+            )
 
     arts = [a.model_dump() for a in asyncio.run(read())]
     assert len(arts) == 1 and arts[0]["type"] == "table"
@@ -587,15 +606,18 @@ def test_cluster_lifecycle_events_relate_to_the_flow_run():
 
     async def read():
         async with get_client() as client:
-            response = await client._client.post("/events/filter", json={
-                "filter": {
-                    "event": {"prefix": ["gpu-tasks.cluster."]},
-                    "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
-                    "occurred": {"since": "2000-01-01T00:00:00Z"},
-                    "order": "ASC",
+            response = await client._client.post(
+                "/events/filter",
+                json={
+                    "filter": {
+                        "event": {"prefix": ["gpu-tasks.cluster."]},
+                        "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
+                        "occurred": {"since": "2000-01-01T00:00:00Z"},
+                        "order": "ASC",
+                    },
+                    "limit": 50,
                 },
-                "limit": 50,
-            })
+            )
             response.raise_for_status()
             return response.json()["events"]
 
@@ -608,9 +630,18 @@ def test_cluster_lifecycle_events_relate_to_the_flow_run():
     names = [e["event"] for e in events]
     assert names == ["gpu-tasks.cluster.provisioned", "gpu-tasks.cluster.closed"], names
     closed = events[1]
-    code, body = api("POST", "/events/filter", json={"filter": {
-        "event": {"prefix": ["gpu-tasks.device."]}, "occurred": {"since": "2000-01-01T00:00:00Z"},
-        "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]}, "order": "ASC"}})
+    code, body = api(
+        "POST",
+        "/events/filter",
+        json={
+            "filter": {
+                "event": {"prefix": ["gpu-tasks.device."]},
+                "occurred": {"since": "2000-01-01T00:00:00Z"},
+                "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
+                "order": "ASC",
+            }
+        },
+    )
     lease_events = [(e["event"], e["resource"]["prefect.resource.name"]) for e in body["events"]]
     device = f"gpu:{closed['payload']['devices'][0]}"
     assert lease_events == [("gpu-tasks.device.leased", device), ("gpu-tasks.device.released", device)]
@@ -650,8 +681,11 @@ def test_dashboard_link_artifact_when_dashboards_are_on(monkeypatch):
 
     run_id, link = f()
     assert link and link.startswith("http://127.0.0.1:")
-    code, arts = api("POST", "/artifacts/filter", json={"artifacts": {
-        "flow_run_id": {"any_": [str(run_id)]}, "key": {"any_": ["dask-dashboard-gpu"]}}})
+    code, arts = api(
+        "POST",
+        "/artifacts/filter",
+        json={"artifacts": {"flow_run_id": {"any_": [str(run_id)]}, "key": {"any_": ["dask-dashboard-gpu"]}}},
+    )
     assert code == 200 and len(arts) == 1, arts
     assert link in arts[0]["data"]
 
@@ -682,9 +716,14 @@ def probe(i: int) -> dict:
 
     settings = get_current_settings()
     return {
-        "i": i, "pid": os.getpid(), "flow_run_id": str(runtime.flow_run.id), "flow_name": runtime.flow_run.flow_name,
-        "task_run_id": str(TaskRunContext.get().task_run.id), "tags": sorted(TagsContext.get().current_tags),
-        "level": settings.logging.level, "api_url": str(settings.api.url),
+        "i": i,
+        "pid": os.getpid(),
+        "flow_run_id": str(runtime.flow_run.id),
+        "flow_name": runtime.flow_run.flow_name,
+        "task_run_id": str(TaskRunContext.get().task_run.id),
+        "tags": sorted(TagsContext.get().current_tags),
+        "level": settings.logging.level,
+        "api_url": str(settings.api.url),
         "profile": current_allocation().profile,
     }
 
@@ -719,12 +758,17 @@ def test_process_workers_get_each_flow_runs_own_context_and_settings():
     assert first_id != second_id
     assert {row["pid"] for row, _ in a + b} - {os.getpid()}, "tasks ran in worker processes"
     for rows, run_id, flow_name, want_level, tag in (
-        (a, first_id, "first", level, "batch-a"), (b, first_id, "first", "ERROR", "batch-b"),
+        (a, first_id, "first", level, "batch-a"),
+        (b, first_id, "first", "ERROR", "batch-b"),
         (c, second_id, "second", "CRITICAL", None),
     ):
         for row, task_run_id in rows:
             assert row["pid"] != os.getpid() and row["profile"] == "quarter"
-            assert (row["flow_run_id"], row["flow_name"], row["task_run_id"]) == (run_id, flow_name, task_run_id)
+            assert (row["flow_run_id"], row["flow_name"], row["task_run_id"]) == (
+                run_id,
+                flow_name,
+                task_run_id,
+            )
             assert row["level"] == want_level and row["api_url"] == api_url
             assert "profile:quarter" in row["tags"] and (tag is None or tag in row["tags"])
             assert not {"batch-a", "batch-b"} - {tag} & set(row["tags"]), row["tags"]
@@ -770,13 +814,17 @@ def test_tag_limit_checks_are_cached_longer_in_flow_and_worker_processes(monkeyp
     import cachetools
     from prefect.concurrency import services
 
-    monkeypatch.setattr(services, "_no_limits_cache", cachetools.TTLCache(maxsize=1000, ttl=5.0))  # as shipped
+    monkeypatch.setattr(
+        services, "_no_limits_cache", cachetools.TTLCache(maxsize=1000, ttl=5.0)
+    )  # as shipped
     monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "45")
 
     @flow(task_runner=runner(QUARTER))
     def f():
-        return (no_limits_cache_ttl.with_options(tags=[profile("quarter")]).submit().result(),
-                no_limits_cache_ttl.submit().result())
+        return (
+            no_limits_cache_ttl.with_options(tags=[profile("quarter")]).submit().result(),
+            no_limits_cache_ttl.submit().result(),
+        )
 
     on_worker, in_flow_process = f()
     assert on_worker == 45 and in_flow_process == 45
@@ -791,6 +839,7 @@ def test_an_existing_tag_concurrency_limit_is_still_enforced_on_process_workers(
     status, body = api("POST", "/v2/concurrency_limits/", json={"name": f"tag:{tag}", "limit": 1})
     assert status == 201, body
     try:
+
         @flow(task_runner=runner(QUARTER))
         def f():
             limited = hold.with_options(tags=[profile("quarter"), tag])
@@ -799,6 +848,7 @@ def test_an_existing_tag_concurrency_limit_is_still_enforced_on_process_workers(
         rows = f()
         assert all(r["profile"] == "quarter" for r in rows)
         assert _overlaps([(r["start"], r["end"]) for r in rows]) == 1, rows
+
         # without the limit the same four tasks share the device's four quarter slots at once
         @flow(task_runner=runner(QUARTER))
         def g():

@@ -86,7 +86,9 @@ def test_untagged_tasks_run_on_the_added_cpu_profile_in_the_flow_process():
 
 def test_an_undefined_default_other_than_cpu_is_an_error_naming_it_and_the_known_profiles():
     runner = ProfileTaskRunner(profiles=[CPU, GPU], default="small")
-    with pytest.raises(UnknownProfileError, match=r"default profile 'small' is not defined; known profiles: cpu, gpu"):
+    with pytest.raises(
+        UnknownProfileError, match=r"default profile 'small' is not defined; known profiles: cpu, gpu"
+    ):
         runner.resolve_profiles()
 
 
@@ -111,7 +113,9 @@ def test_the_default_must_be_a_cpu_profile():
 
 def test_on_oom_must_name_a_profile_the_runner_knows():
     small = ResourceProfile(name="small", gpus=0.5, on_oom="large")
-    with pytest.raises(UnknownProfileError, match=r"profile 'small' sets on_oom='large'.*known profiles: cpu, small"):
+    with pytest.raises(
+        UnknownProfileError, match=r"profile 'small' sets on_oom='large'.*known profiles: cpu, small"
+    ):
         ProfileTaskRunner(profiles=[CPU, small]).resolve_profiles()
 
 
@@ -120,7 +124,9 @@ def test_a_file_profile_replaces_the_code_profile_of_that_name_as_a_whole(tmp_pa
     _write(tmp_path, monkeypatch, "[profiles.gpu]\ngpus = 0.5\n[profiles.etl]\ncpus = 2\n")
     profiles, default = ProfileTaskRunner(profiles=[CPU, GPU]).resolve_profiles()
     assert set(profiles) == {"cpu", "gpu", "etl"} and default == "cpu"
-    assert profiles["gpu"] == ResourceProfile(name="gpu", gpus=0.5), "fields are not merged with the code profile"
+    assert profiles["gpu"] == ResourceProfile(name="gpu", gpus=0.5), (
+        "fields are not merged with the code profile"
+    )
     assert profiles["cpu"] == CPU, "profiles the file does not name stay as in code"
 
 
@@ -241,4 +247,6 @@ def test_idle_timeout_default_is_60_seconds(monkeypatch):
     assert ProfileTaskRunner(profiles=[CPU]).idle_timeout == 60.0
     monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "7")
     assert ProfileTaskRunner(profiles=[CPU]).idle_timeout == 7.0
-    assert ProfileTaskRunner(profiles=[CPU], idle_timeout=0).idle_timeout == 0, "0 is an argument, not 'unset'"
+    assert ProfileTaskRunner(profiles=[CPU], idle_timeout=0).idle_timeout == 0, (
+        "0 is an argument, not 'unset'"
+    )

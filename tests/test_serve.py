@@ -21,13 +21,23 @@ GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
 def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Path, prefect_server):
     import prefect.settings
 
-    env = {k: v for k, v in os.environ.items() if k == "GPU_TASKS_LEASE_DIR" or not k.startswith("GPU_TASKS_")}
-    env.update(PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()), GPU_TASKS_EMULATED_GPUS="2",
-               GPU_TASKS_DATA_DIR=str(tmp_path), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    env = {
+        k: v for k, v in os.environ.items() if k == "GPU_TASKS_LEASE_DIR" or not k.startswith("GPU_TASKS_")
+    }
+    env.update(
+        PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()),
+        GPU_TASKS_EMULATED_GPUS="2",
+        GPU_TASKS_DATA_DIR=str(tmp_path),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
     name = f"serve-test-{os.getpid()}"
     proc = subprocess.Popen(
         [str(GPU_TASKS), "serve", "--name", name, "--cron", "0 2 * * *", "--limit", "15000", "--rounds", "3"],
-        env=env, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
     )
     try:

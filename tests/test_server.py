@@ -10,8 +10,7 @@ from pathlib import Path
 
 from faults._procs import clean_env
 
-
-IDLE_CLOSE_SCRIPT = '''
+IDLE_CLOSE_SCRIPT = """
 import json, time
 from prefect import flow, task
 from prefect.context import FlowRunContext
@@ -53,7 +52,7 @@ if __name__ == "__main__":
         print(json.dumps({"url": url, "reasons": reasons,
                           "server_db_timeout": server_settings["server"]["database"]["timeout"],
                           "client_max_retries": get_current_settings().client.max_retries}))
-'''
+"""
 
 
 def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
@@ -62,22 +61,30 @@ def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
     and no second, ephemeral Prefect server is started for them."""
     script = tmp_path / "idle_close.py"
     script.write_text(IDLE_CLOSE_SCRIPT)
-    env = clean_env(uuid.uuid4().hex, PREFECT_HOME=str(tmp_path / "prefect-home"), GPU_TASKS_EMULATED_GPUS="1",
-                     PREFECT_LOGGING_LEVEL="INFO")
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          timeout=240, cwd=tmp_path)
+    env = clean_env(
+        uuid.uuid4().hex,
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        GPU_TASKS_EMULATED_GPUS="1",
+        PREFECT_LOGGING_LEVEL="INFO",
+    )
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     port = out["url"].split(":")[2].split("/")[0]
-    other_servers = [line for line in proc.stderr.splitlines()
-                     if "temporary server on http" in line and f"127.0.0.1:{port}" not in line]
+    other_servers = [
+        line
+        for line in proc.stderr.splitlines()
+        if "temporary server on http" in line and f"127.0.0.1:{port}" not in line
+    ]
     assert not other_servers, other_servers[:5]
     assert any(r.startswith("scaled down: idle") for r in out["reasons"]), out
     # the embedded SQLite server waits on its writer instead of answering 503 under load
     assert out["server_db_timeout"] == 60 and out["client_max_retries"] == 10, out
 
 
-RECORDED_SCRIPT = '''
+RECORDED_SCRIPT = """
 import os, sqlite3, json
 from prefect import flow, task
 from gpu_tasks._server import embedded_server
@@ -95,7 +102,7 @@ if __name__ == "__main__":
         many()
     con = sqlite3.connect(os.path.join(os.environ["PREFECT_HOME"], "prefect.db"))
     print(json.dumps(dict(con.execute("select state_type, count(*) from task_run group by state_type").fetchall())))
-'''
+"""
 
 
 def test_embedded_server_stops_only_after_recording_every_task_run(tmp_path: Path):
@@ -104,7 +111,8 @@ def test_embedded_server_stops_only_after_recording_every_task_run(tmp_path: Pat
     script = tmp_path / "many.py"
     script.write_text(RECORDED_SCRIPT)
     env = clean_env(uuid.uuid4().hex, PREFECT_HOME=str(tmp_path / "prefect-home"))
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
-                          timeout=240, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"COMPLETED": 300}

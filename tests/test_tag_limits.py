@@ -18,7 +18,7 @@ from prefect.concurrency import services
 from prefect_api import api
 from test_runner import gather
 
-from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+from gpu_tasks import ProfileTaskRunner, ResourceProfile
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes", "emulated")
 
@@ -101,7 +101,9 @@ def test_a_limit_created_after_the_first_check_waits_for_the_cache(monkeypatch, 
         assert code == 201, body
         # two tasks that only finish together: under a limit of 1 they could never meet
         met = gather.with_options(tags=[tag])
-        return [x.result() for x in met.map(unmapped(str(tmp_path)), range(2), unmapped(2), limit=unmapped(20))]
+        return [
+            x.result() for x in met.map(unmapped(str(tmp_path)), range(2), unmapped(2), limit=unmapped(20))
+        ]
 
     try:
         rows = f()

@@ -22,8 +22,14 @@ def test_readme_example_runs(tmp_path: Path, prefect_server):
     assert blocks, "README has a python example"
     example = tmp_path / "example.py"
     example.write_text(blocks[0])
-    env = clean_env(uuid.uuid4().hex, GPU_TASKS_EMULATED_GPUS="2", PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()))
-    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, env=env, timeout=200)
+    env = clean_env(
+        uuid.uuid4().hex,
+        GPU_TASKS_EMULATED_GPUS="2",
+        PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()),
+    )
+    proc = subprocess.run(
+        [sys.executable, str(example)], capture_output=True, text=True, env=env, timeout=200
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     last = proc.stdout.strip().splitlines()[-1]
     assert "'emulated': True" in last and "'n': 1000" in last
@@ -56,8 +62,12 @@ def test_unguarded_script_fails_with_a_clear_error_instead_of_hanging(tmp_path: 
         "p()\n"
     )
     marker = uuid.uuid4().hex
-    env = clean_env(marker, GPU_TASKS_EMULATED_GPUS="1", GPU_TASKS_PROVISION_TIMEOUT="10",
-                    PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()))
+    env = clean_env(
+        marker,
+        GPU_TASKS_EMULATED_GPUS="1",
+        GPU_TASKS_PROVISION_TIMEOUT="10",
+        PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()),
+    )
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=150)
     assert proc.returncode != 0
     assert "ClusterError: profile 'gpu': could not start 1 worker(s)" in proc.stderr

@@ -226,7 +226,9 @@ def ingest(
             that cannot be converted to Parquet. Nothing is left behind in that case.
     """
     scale = validate_scale(scale)
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1):
+    if limit is not None and (
+        isinstance(limit, bool) or not isinstance(limit, (int, np.integer)) or limit < 1
+    ):
         raise PipelineInputError(f"limit must be None or an int >= 1, got {limit!r}")
     tables = dict(load_tables() if tables is None else tables)
     missing = [name for name in TABLE_NAMES if name not in tables]

@@ -41,9 +41,9 @@ from typing import Any
 
 import dask.config
 import dask.dataframe as dd
-from dask.base import compute as dask_compute
 import numpy as np
 import pandas as pd
+from dask.base import compute as dask_compute
 
 from gpu_tasks import _gpu
 from gpu_tasks.pipeline._io import (
@@ -150,7 +150,9 @@ def _table_files(raw_dir: Path, table: str) -> list[Path]:
     if not files:
         raise PipelineInputError(f"input table {table!r} at {path} holds no .parquet files")
     for file in files:
-        _check_columns(table, read_schema_names(file, f"of table {table!r} (corrupt or not Parquet)"), where=file)
+        _check_columns(
+            table, read_schema_names(file, f"of table {table!r} (corrupt or not Parquet)"), where=file
+        )
     return files
 
 
@@ -354,13 +356,19 @@ def build_features(
     files = {table: _table_files(raw_dir, table) for table in REQUIRED_COLUMNS}
     flight_rows = sum(parquet_row_count(f) for f in files["flights"])
     if flight_rows == 0:
-        raise PipelineInputError(f"flights table under {raw_dir} is empty (0 rows in {len(files['flights'])} file(s))")
+        raise PipelineInputError(
+            f"flights table under {raw_dir} is empty (0 rows in {len(files['flights'])} file(s))"
+        )
     if backend == "cudf":
         _gpu.load("dask_cudf")  # fail clearly, naming the missing library, before any work
 
     test_months = list(range(13 - holdout_months, 13))
     logger.info(
-        "building features from %s (%d flights, backend %s, test months %s)", raw_dir, flight_rows, backend, test_months
+        "building features from %s (%d flights, backend %s, test months %s)",
+        raw_dir,
+        flight_rows,
+        backend,
+        test_months,
     )
     out_dir.mkdir(parents=True, exist_ok=True)
     manifest_path = out_dir / FEATURES_MANIFEST_NAME

@@ -44,8 +44,10 @@ def baseline_rates(train: pd.DataFrame, test: pd.DataFrame, label: str) -> np.nd
     global_rate = float(train[label].mean())
     pair = train.groupby([carrier, hour])[label].mean().rename("pair_rate").reset_index()
     by_carrier = train.groupby(carrier)[label].mean().rename("carrier_rate").reset_index()
-    looked_up = test[[carrier, hour]].merge(pair, how="left", on=[carrier, hour]).merge(
-        by_carrier, how="left", on=carrier
+    looked_up = (
+        test[[carrier, hour]]
+        .merge(pair, how="left", on=[carrier, hour])
+        .merge(by_carrier, how="left", on=carrier)
     )
     rates = looked_up["pair_rate"].fillna(looked_up["carrier_rate"]).fillna(global_rate)
     return rates.to_numpy(dtype="float64")
@@ -53,7 +55,9 @@ def baseline_rates(train: pd.DataFrame, test: pd.DataFrame, label: str) -> np.nd
 
 def _scores(y: np.ndarray, p: np.ndarray, what: str) -> tuple[float, float]:
     if len(np.unique(y)) < 2:
-        raise PipelineInputError(f"test split has a single class ({np.unique(y).tolist()}); AUC of the {what} is undefined")
+        raise PipelineInputError(
+            f"test split has a single class ({np.unique(y).tolist()}); AUC of the {what} is undefined"
+        )
     return float(roc_auc_score(y, p)), float(log_loss(y, np.clip(p, 1e-7, 1 - 1e-7), labels=[0, 1]))
 
 
@@ -89,12 +93,16 @@ def evaluate(features_dir: Path, model_path: Path, out_dir: Path | None = None) 
     try:
         predictions = booster.inplace_predict(test[columns])
     except ValueError as exc:  # feature names/count differ from the model's
-        raise PipelineInputError(f"model {model_path} does not match the features in {test_dir}: {exc}") from exc
+        raise PipelineInputError(
+            f"model {model_path} does not match the features in {test_dir}: {exc}"
+        ) from exc
     auc, logloss = _scores(y, np.asarray(predictions, dtype="float64"), "model")
     baseline_auc, baseline_logloss = _scores(y, baseline_rates(train, test, label), "baseline")
 
     metrics_path = (
-        Path(out_dir) / "metrics.json" if out_dir is not None else model_path.with_name(model_path.stem + METRICS_SUFFIX)
+        Path(out_dir) / "metrics.json"
+        if out_dir is not None
+        else model_path.with_name(model_path.stem + METRICS_SUFFIX)
     )
     result: dict[str, Any] = {
         "auc": auc,

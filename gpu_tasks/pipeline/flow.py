@@ -57,9 +57,13 @@ def etl_train(
     base = Path(data_dir) if data_dir else get_pipeline_settings().data_dir
     run_dir = base / f"scale-{scale}"
     raw = ingest_task.submit(str(run_dir), scale=scale, seed=seed, limit=limit).result()
-    features = etl_task.submit(raw["raw_dir"], str(run_dir / "features"), holdout_months=holdout_months).result()
+    features = etl_task.submit(
+        raw["raw_dir"], str(run_dir / "features"), holdout_months=holdout_months
+    ).result()
     model_path = str(run_dir / "model" / f"model-{uuid.uuid4().hex[:8]}.json")
-    trained = train_task.submit(features["features_dir"], model_path, num_rounds=num_rounds, seed=seed).result()
+    trained = train_task.submit(
+        features["features_dir"], model_path, num_rounds=num_rounds, seed=seed
+    ).result()
     metrics = evaluate_task.submit(features["features_dir"], trained["model_path"]).result()
     ctx = FlowRunContext.get()
     assert ctx is not None and ctx.flow_run is not None, "etl_train runs as a flow"

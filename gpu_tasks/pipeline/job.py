@@ -15,8 +15,14 @@ from gpu_tasks._emulation import ensure_devices
 from gpu_tasks._server import embedded_server
 
 
-def run_pipeline(scale: int = 1, num_rounds: int = 60, seed: int = 0, limit: int | None = None,
-                 data_dir: str | None = None, announce: Any = print) -> dict[str, Any]:
+def run_pipeline(
+    scale: int = 1,
+    num_rounds: int = 60,
+    seed: int = 0,
+    limit: int | None = None,
+    data_dir: str | None = None,
+    announce: Any = print,
+) -> dict[str, Any]:
     """Run the pipeline flow once and return its summary (plus wall time and server URL)."""
     from gpu_tasks.pipeline.flow import etl_train
 

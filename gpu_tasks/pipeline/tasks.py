@@ -36,7 +36,13 @@ def _placement(alloc: Allocation) -> dict[str, Any]:
 def _announce(stage: str, alloc: Allocation, engine: str) -> None:
     log = get_run_logger()
     if alloc.devices and alloc.emulated:
-        log.warning("%s on EMULATED devices %s (profile %r): %s, not a GPU result", stage, alloc.label(), alloc.profile, engine)
+        log.warning(
+            "%s on EMULATED devices %s (profile %r): %s, not a GPU result",
+            stage,
+            alloc.label(),
+            alloc.profile,
+            engine,
+        )
     elif alloc.devices:
         log.info("%s on GPU %s (profile %r): %s", stage, alloc.label(), alloc.profile, engine)
     else:
@@ -65,23 +71,28 @@ def etl_task(raw_dir: str, out_dir: str, holdout_months: int = 2) -> dict[str, A
     alloc = current_allocation()
     backend = "cudf" if alloc.has_gpu else "pandas"
     if backend == "cudf" and not _gpu.available("dask_cudf"):
-        get_run_logger().warning("real GPU allocated but dask-cuDF is missing (%s); using pandas", _gpu.why_unavailable("dask_cudf"))
+        get_run_logger().warning(
+            "real GPU allocated but dask-cuDF is missing (%s); using pandas",
+            _gpu.why_unavailable("dask_cudf"),
+        )
         backend = "pandas"
     _announce("etl", alloc, f"dask.dataframe on the {backend} backend")
     t0 = time.perf_counter()
     out = build_features(Path(raw_dir), Path(out_dir), backend=backend, holdout_months=holdout_months)
     seconds = time.perf_counter() - t0
-    get_run_logger().info("features: %d train rows, %d test rows in %.1fs", out["train_rows"], out["test_rows"], seconds)
+    get_run_logger().info(
+        "features: %d train rows, %d test rows in %.1fs", out["train_rows"], out["test_rows"], seconds
+    )
     return {**out, "seconds": seconds, "placement": _placement(alloc)}
 
 
 @task(name="train", tags=[profile(TRAIN_PROFILE)])
 def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: int = 0) -> dict[str, Any]:
     """XGBoost on the allocated devices; data-parallel (a gang) when it holds several."""
+    from prefect.artifacts import create_progress_artifact, update_progress_artifact
+
     from gpu_tasks.backends import per_device_client
     from gpu_tasks.pipeline.train import train_model
-
-    from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
     alloc = current_allocation()
     device = "cuda" if alloc.has_gpu else "cpu"
@@ -100,12 +111,25 @@ def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: i
     if len(alloc.devices) > 1:
         _announce("train", alloc, f"xgboost.dask across {len(alloc.devices)} workers, device={device}")
         with per_device_client(alloc) as client:
-            out = train_model(Path(features_dir), Path(model_path), device=device, seed=seed,
-                              num_rounds=num_rounds, on_round=on_round, client=client)
+            out = train_model(
+                Path(features_dir),
+                Path(model_path),
+                device=device,
+                seed=seed,
+                num_rounds=num_rounds,
+                on_round=on_round,
+                client=client,
+            )
     else:
         _announce("train", alloc, f"xgboost device={device}")
-        out = train_model(Path(features_dir), Path(model_path), device=device, seed=seed,
-                          num_rounds=num_rounds, on_round=on_round)
+        out = train_model(
+            Path(features_dir),
+            Path(model_path),
+            device=device,
+            seed=seed,
+            num_rounds=num_rounds,
+            on_round=on_round,
+        )
     return {**out, "placement": _placement(alloc)}
 
 
@@ -122,14 +146,24 @@ def evaluate_task(features_dir: str, model_path: str) -> dict[str, Any]:
     create_table_artifact(
         key="model-metrics",
         table=[
-            {"metric": "AUC", "model": round(out["auc"], 4), "baseline (carrier x hour)": round(out["baseline_auc"], 4)},
-            {"metric": "log loss", "model": round(out["logloss"], 4),
-             "baseline (carrier x hour)": round(out["baseline_logloss"], 4)},
+            {
+                "metric": "AUC",
+                "model": round(out["auc"], 4),
+                "baseline (carrier x hour)": round(out["baseline_auc"], 4),
+            },
+            {
+                "metric": "log loss",
+                "model": round(out["logloss"], 4),
+                "baseline (carrier x hour)": round(out["baseline_logloss"], 4),
+            },
         ],
         description=f"Held-out months, {out['test_rows']:,} flights; model {out['model_path']}",
     )
     get_run_logger().info(
         "AUC %.4f (baseline %.4f), log loss %.4f (baseline %.4f)",
-        out["auc"], out["baseline_auc"], out["logloss"], out["baseline_logloss"],
+        out["auc"],
+        out["baseline_auc"],
+        out["logloss"],
+        out["baseline_logloss"],
     )
     return {**out, "placement": _placement(alloc)}

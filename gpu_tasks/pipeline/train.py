@@ -37,7 +37,13 @@ import xgboost as xgb
 from xgboost.callback import TrainingCallback
 
 from gpu_tasks import _gpu
-from gpu_tasks.pipeline._io import atomic_file, parquet_files, parquet_row_count, read_parquet_frame, read_schema_names
+from gpu_tasks.pipeline._io import (
+    atomic_file,
+    parquet_files,
+    parquet_row_count,
+    read_parquet_frame,
+    read_schema_names,
+)
 from gpu_tasks.pipeline.errors import PipelineInputError
 from gpu_tasks.pipeline.etl import FEATURE_COLUMNS, LABEL, read_manifest
 
@@ -157,7 +163,9 @@ def feature_split(features_dir: Path, split: str) -> tuple[Path, list[str], str]
     label = str(manifest.get("label", LABEL))
     path = features_dir / split
     if not path.is_dir():
-        raise PipelineInputError(f"{split} features directory {path} does not exist (run the ETL stage first)")
+        raise PipelineInputError(
+            f"{split} features directory {path} does not exist (run the ETL stage first)"
+        )
     files = parquet_files(path)
     if not files:
         raise PipelineInputError(f"{split} features directory {path} holds no .parquet files")
@@ -249,7 +257,9 @@ def train_model(
         train_rows = parquet_row_count(train_dir)
         if train_rows == 0:
             raise PipelineInputError(f"train features in {train_dir} have no rows")
-        booster, history = _train_dask(client, params, train_dir, columns, label, num_rounds, on_round, device)
+        booster, history = _train_dask(
+            client, params, train_dir, columns, label, num_rounds, on_round, device
+        )
 
     save_model(booster, model_path)
     seconds = time.perf_counter() - started
@@ -286,7 +296,11 @@ def _train_dask(
     # the feature and the label projections, and XGBoost needs them partition-aligned.
     ddf = client.persist(ddf)
     dtrain = dxgb.DaskQuantileDMatrix(client, ddf[columns], ddf[label])
-    kwargs: dict[str, Any] = {"num_boost_round": num_rounds, "evals": [(dtrain, "train")], "verbose_eval": False}
+    kwargs: dict[str, Any] = {
+        "num_boost_round": num_rounds,
+        "evals": [(dtrain, "train")],
+        "verbose_eval": False,
+    }
     if on_round is None:
         output = dxgb.train(client, params, dtrain, **kwargs)
         return output["booster"], _flatten_history(output["history"])
@@ -304,7 +318,9 @@ def _train_dask(
     client.subscribe_topic(topic, lambda event: events.put(event[1]))
     try:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="xgboost-dask-train") as pool:
-            future = pool.submit(dxgb.train, client, params, dtrain, callbacks=[DaskRoundPublisher(topic)], **kwargs)
+            future = pool.submit(
+                dxgb.train, client, params, dtrain, callbacks=[DaskRoundPublisher(topic)], **kwargs
+            )
             while True:
                 try:
                     deliver(events.get(timeout=0.1))

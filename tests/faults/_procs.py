@@ -16,8 +16,11 @@ __all__ = ["clean_env", "ctrl_c", "db_rows", "kill_marked", "marked", "server_ta
 
 def clean_env(marker: str, **extra: str) -> dict[str, str]:
     """This environment less gpu-tasks and Prefect API settings, plus a marker every child inherits."""
-    env = {k: v for k, v in os.environ.items()
-           if k == "GPU_TASKS_LEASE_DIR" or not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k == "GPU_TASKS_LEASE_DIR" or not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))
+    }
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     env["GPU_TASKS_TEST_MARKER"] = marker
     env.update(extra)
@@ -38,8 +41,9 @@ def settled(run: dict[str, Any]) -> bool:
     return run.get("state_type") not in ("RUNNING", "PENDING", "SCHEDULED")
 
 
-def server_task_run(task_run_id: Any, want: Callable[[dict[str, Any]], bool] = settled,
-                    timeout: float = 20.0) -> dict[str, Any]:
+def server_task_run(
+    task_run_id: Any, want: Callable[[dict[str, Any]], bool] = settled, timeout: float = 20.0
+) -> dict[str, Any]:
     """The task run as the test server recorded it, once ``want`` holds (states arrive as events)."""
     from prefect_api import api
 

@@ -34,7 +34,9 @@ def figures() -> dict[str, Any]:
         except psutil.Error:
             continue
     return {
-        "fds": me.num_fds(), "threads": me.num_threads(), "children": children,
+        "fds": me.num_fds(),
+        "threads": me.num_threads(),
+        "children": children,
         "rss_mb": round(me.memory_info().rss / 2**20, 1),
     }
 
@@ -55,8 +57,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     def square(i: int) -> int:
         return i * i
 
-    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="half", gpus=0.5,
-                                                                  idle_timeout=IDLE_TIMEOUT)]))
+    @flow(
+        task_runner=ProfileTaskRunner(
+            profiles=[ResourceProfile(name="half", gpus=0.5, idle_timeout=IDLE_TIMEOUT)]
+        )
+    )
     def soak_run() -> dict[str, Any]:
         from prefect.context import FlowRunContext
 

@@ -26,18 +26,31 @@ ENDED = {"CRASHED", "CANCELLED"}
 
 def _env(tmp_path: Path, marker: str, **extra: str) -> dict[str, str]:
     """The caller's environment less gpu-tasks and Prefect API settings, plus a marker to find our processes."""
-    env = {k: v for k, v in os.environ.items()
-           if k == "GPU_TASKS_LEASE_DIR" or not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))}
-    env.update(PREFECT_SERVER_ANALYTICS_ENABLED="false", GPU_TASKS_EMULATED_GPUS="2",
-               GPU_TASKS_TEST_MARKER=marker, PREFECT_HOME=str(tmp_path / "prefect-home"))
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k == "GPU_TASKS_LEASE_DIR" or not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))
+    }
+    env.update(
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        GPU_TASKS_EMULATED_GPUS="2",
+        GPU_TASKS_TEST_MARKER=marker,
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+    )
     env.update(extra)
     return env
 
 
 def _start(args: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.Popen[bytes]:
     """Start ``args`` as a terminal would: leader of a process group of its own."""
-    return subprocess.Popen(args, env=env, cwd=tmp_path, start_new_session=True,
-                            stdout=(tmp_path / "stdout").open("wb"), stderr=(tmp_path / "stderr").open("wb"))
+    return subprocess.Popen(
+        args,
+        env=env,
+        cwd=tmp_path,
+        start_new_session=True,
+        stdout=(tmp_path / "stdout").open("wb"),
+        stderr=(tmp_path / "stderr").open("wb"),
+    )
 
 
 def _ours(marker: str, group: int) -> list[psutil.Process]:
@@ -93,12 +106,27 @@ def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
     marker = uuid.uuid4().hex
     db = tmp_path / "prefect-home" / "prefect.db"
     # a few thousand flights keep ingest and ETL short; a million rounds keep training busy
-    proc = _start([sys.executable, "-m", "gpu_tasks.cli", "run", "--limit", "5000", "--rounds", "1000000",
-                   "--data-dir", str(tmp_path / "data")], _env(tmp_path, marker), tmp_path)
+    proc = _start(
+        [
+            sys.executable,
+            "-m",
+            "gpu_tasks.cli",
+            "run",
+            "--limit",
+            "5000",
+            "--rounds",
+            "1000000",
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        _env(tmp_path, marker),
+        tmp_path,
+    )
     try:
         deadline = time.monotonic() + 180
-        while not _rows(db, "select id from task_run where state_type = 'RUNNING' "
-                            "and tags like '%\"profile:gpu-train\"%'"):
+        while not _rows(
+            db, "select id from task_run where state_type = 'RUNNING' and tags like '%\"profile:gpu-train\"%'"
+        ):
             assert proc.poll() is None, f"the run ended before training started:\n{_tail(tmp_path)}"
             assert time.monotonic() < deadline, f"training never started:\n{_tail(tmp_path)}"
             time.sleep(0.3)
@@ -156,8 +184,9 @@ def _final_states(flow_run_id: str, wait: float = 5.0) -> tuple[str, dict[str, s
     while True:
         status, flow_run = api("GET", f"/flow_runs/{flow_run_id}")
         assert status == 200, flow_run
-        status, task_runs = api("POST", "/task_runs/filter",
-                                json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
+        status, task_runs = api(
+            "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}
+        )
         assert status == 200, task_runs
         states = {t["name"]: t["state_type"] for t in task_runs}
         if time.monotonic() > deadline or not {"RUNNING", "PENDING"} & set(states.values()):
@@ -226,7 +255,9 @@ def test_embedded_server_dies_with_its_parent_even_on_sigkill(tmp_path: Path):
             assert proc.poll() is None, _tail(tmp_path)
             assert time.monotonic() < deadline, f"the server never started:\n{_tail(tmp_path)}"
             time.sleep(0.2)
-        servers = [p for p in _ours(marker, proc.pid) if p.pid != proc.pid and "uvicorn" in " ".join(p.cmdline())]
+        servers = [
+            p for p in _ours(marker, proc.pid) if p.pid != proc.pid and "uvicorn" in " ".join(p.cmdline())
+        ]
         assert len(servers) == 1, servers
         assert os.getsid(servers[0].pid) == servers[0].pid != os.getsid(proc.pid), "a session of its own"
         proc.kill()

@@ -39,12 +39,18 @@ def test_default_ephemeral_api_records_every_task_run_and_leaves_no_server(tmp_p
     home = tmp_path / "prefect-home"
     env = clean_env(marker, PREFECT_HOME=str(home), GPU_TASKS_EMULATED_GPUS="2")
     try:
-        proc = subprocess.run([sys.executable, "newcomer.py"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=240)
+        proc = subprocess.run(
+            [sys.executable, "newcomer.py"],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "Server process did not start" not in proc.stderr
         result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
-        assert result and len(json.loads(result[0][len("RESULT "):])) == 8
+        assert result and len(json.loads(result[0][len("RESULT ") :])) == 8
         # nothing outlives the script: no worker, no uvicorn server started by a worker
         _, left = wait_gone(marker, timeout=10)
         assert not left, f"processes outlived the script: {left}"

@@ -18,8 +18,8 @@ import pytest
 from prefect import flow, task, unmapped
 from prefect.context import FlowRunContext
 
-from gpu_tasks import ProfileTaskRunner, ResourceProfile, leases, profile
 from faults._procs import marked as _marked
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, leases, profile
 from gpu_tasks._worker_guard import MODULE, preload_options
 
 SCRIPT = textwrap.dedent(
@@ -125,7 +125,9 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
         _, run = api("GET", f"/flow_runs/{flow_run_id}")
         _, tasks = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
         states = sorted(t["state_type"] for t in tasks)
-        if (run["state_type"] == "CRASHED" and states == ["CRASHED", "CRASHED"]) or time.monotonic() > deadline:
+        if (
+            run["state_type"] == "CRASHED" and states == ["CRASHED", "CRASHED"]
+        ) or time.monotonic() > deadline:
             break
         time.sleep(0.25)
     assert run["state_type"] == "CRASHED" and "died" in run["state"]["message"], run["state"]
@@ -138,7 +140,9 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
     t0 = time.monotonic()
     (tmp_path / "meet").mkdir()
     devices, waited = next_run(str(tmp_path / "meet"))
-    print(f"next flow run: devices {devices}, waited {waited:.3f}s for devices, {time.monotonic() - t0:.1f}s in all")
+    print(
+        f"next flow run: devices {devices}, waited {waited:.3f}s for devices, {time.monotonic() - t0:.1f}s in all"
+    )
     assert sorted(devices) == ["0", "1"]
     assert waited < 1.0
 
@@ -172,7 +176,11 @@ def test_guard_without_dask_exits_with_its_parent_and_ignores_sigint():
     env = {**os.environ, "GPU_TASKS_TEST_MARKER": marker}
     # an intermediate parent that starts the guarded process, then sleeps
     parent = subprocess.Popen(
-        [sys.executable, "-c", f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {GUARDED!r}]); time.sleep(300)"],
+        [
+            sys.executable,
+            "-c",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {GUARDED!r}]); time.sleep(300)",
+        ],
         env=env,
     )
     try:
@@ -183,7 +191,9 @@ def test_guard_without_dask_exits_with_its_parent_and_ignores_sigint():
         guarded = next(p for p in _marked(marker) if p.ppid() == parent.pid)
         guarded.send_signal(signal.SIGINT)
         time.sleep(0.5)
-        assert guarded.is_running() and guarded.status() != psutil.STATUS_ZOMBIE, "SIGINT ended the guarded process"
+        assert guarded.is_running() and guarded.status() != psutil.STATUS_ZOMBIE, (
+            "SIGINT ended the guarded process"
+        )
 
         killed = time.monotonic()
         parent.send_signal(signal.SIGKILL)

@@ -8,11 +8,11 @@ import time
 import pytest
 from prefect import flow, task
 from prefect.states import StateType
+from prefect_api import api
 
 from faults._procs import server_task_run
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
 from gpu_tasks.errors import ProfileError, UnknownProfileError
-from prefect_api import api
 
 pytestmark = pytest.mark.usefixtures("emulated", "no_leaked_processes")
 
@@ -78,11 +78,17 @@ def test_on_oom_reruns_the_task_once_on_the_larger_profile(which: str):
     escalated: list = []
     deadline = time.monotonic() + 30  # events are persisted in batches
     while not escalated and time.monotonic() < deadline:
-        _, events = api("POST", "/events/filter", json={
-            "filter": {"event": {"prefix": ["gpu-tasks.task.escalated"]},
-                       "related": {"id": [f"prefect.task-run.{task_run_id}"]}},
-            "limit": 50,
-        })
+        _, events = api(
+            "POST",
+            "/events/filter",
+            json={
+                "filter": {
+                    "event": {"prefix": ["gpu-tasks.task.escalated"]},
+                    "related": {"id": [f"prefect.task-run.{task_run_id}"]},
+                },
+                "limit": 50,
+            },
+        )
         escalated = events["events"]
         time.sleep(0.5)
     assert len(escalated) == 1 and escalated[0]["payload"]["to_profile"] == "big", events

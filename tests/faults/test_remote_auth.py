@@ -49,11 +49,18 @@ def test_workers_report_to_an_authenticated_server_with_the_flow_runs_credential
     marker = uuid.uuid4().hex
     port = _port()
     url = f"http://127.0.0.1:{port}/api"
-    server_env = clean_env(marker, PREFECT_HOME=str(tmp_path / "server-home"),
-                           PREFECT_SERVER_API_AUTH_STRING=AUTH, PREFECT_UI_ENABLED="false")
+    server_env = clean_env(
+        marker,
+        PREFECT_HOME=str(tmp_path / "server-home"),
+        PREFECT_SERVER_API_AUTH_STRING=AUTH,
+        PREFECT_UI_ENABLED="false",
+    )
     server = subprocess.Popen(
         [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=server_env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        env=server_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     try:
         deadline = time.monotonic() + 120
@@ -70,19 +77,31 @@ def test_workers_report_to_an_authenticated_server_with_the_flow_runs_credential
         assert httpx.post(f"{url}/flow_runs/filter", json={}, timeout=10).status_code == 401
 
         (tmp_path / "authed.py").write_text(SCRIPT)
-        env = clean_env(marker, PREFECT_HOME=str(tmp_path / "client-home"), PREFECT_API_URL=url,
-                        PREFECT_API_AUTH_STRING=AUTH, GPU_TASKS_EMULATED_GPUS="1")
-        proc = subprocess.run([sys.executable, "authed.py"], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=240)
+        env = clean_env(
+            marker,
+            PREFECT_HOME=str(tmp_path / "client-home"),
+            PREFECT_API_URL=url,
+            PREFECT_API_AUTH_STRING=AUTH,
+            GPU_TASKS_EMULATED_GPUS="1",
+        )
+        proc = subprocess.run(
+            [sys.executable, "authed.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         assert "RESULT 12" in proc.stdout
-        flow_run_id = next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("FLOW_RUN"))
+        flow_run_id = next(
+            line.split()[1] for line in proc.stdout.splitlines() if line.startswith("FLOW_RUN")
+        )
 
         user, password = AUTH.split(":")
         deadline = time.monotonic() + 30
         while True:
-            runs = httpx.post(f"{url}/task_runs/filter", auth=(user, password), timeout=10,
-                              json={"flow_runs": {"id": {"any_": [flow_run_id]}}}).json()
+            runs = httpx.post(
+                f"{url}/task_runs/filter",
+                auth=(user, password),
+                timeout=10,
+                json={"flow_runs": {"id": {"any_": [flow_run_id]}}},
+            ).json()
             states = sorted(r["state_type"] for r in runs)
             if states == ["COMPLETED"] * 4 or time.monotonic() > deadline:
                 break

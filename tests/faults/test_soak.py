@@ -24,8 +24,13 @@ def test_twenty_flow_runs_leave_fds_threads_children_and_rss_flat():
         "GPU_TASKS_EMULATED_GPUS": "2",
         "PREFECT_API_URL": str(get_current_settings().api.url),
     }
-    done = subprocess.run([sys.executable, str(SCRIPT), "--runs", "20", "--json"], env=env,
-                          capture_output=True, text=True, timeout=540)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), "--runs", "20", "--json"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=540,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     for r in rows:

@@ -12,10 +12,10 @@ import pytest
 from prefect import flow, task
 from prefect.context import FlowRunContext
 from prefect.states import StateType
+from prefect_api import api
 
 from faults._procs import server_task_run
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
-from prefect_api import api
 
 pytestmark = pytest.mark.usefixtures("emulated", "no_leaked_processes")
 

@@ -84,7 +84,9 @@ def test_replicated_weather_still_joins(small: dict[str, pd.DataFrame]) -> None:
     flights, weather = small["flights"], small["weather"]
     hits = []
     for rep in replicate_flights(flights, weather, scale=3):
-        joined = rep.flights.merge(rep.weather[["origin", "time_hour", "temp"]], how="left", on=["origin", "time_hour"])
+        joined = rep.flights.merge(
+            rep.weather[["origin", "time_hour", "temp"]], how="left", on=["origin", "time_hour"]
+        )
         assert len(joined) == len(flights)
         hits.append(int(joined["temp"].notna().sum()))
     assert hits[0] > 0.9 * len(flights)

@@ -106,7 +106,9 @@ def test_codes_follow_a_sorted_vocabulary(frames: dict[str, pd.DataFrame]) -> No
     expected = kept["origin"].map({v: i for i, v in enumerate(vocab["origin"])}).to_numpy()
     np.testing.assert_array_equal(feats["origin_code"].to_numpy(), expected)
     # A slice that lacks some carriers still uses the same codes when given the vocabulary.
-    part = featurize(kept[kept["carrier"] == vocab["carrier"][-1]], frames["weather"], frames["planes"], vocab)
+    part = featurize(
+        kept[kept["carrier"] == vocab["carrier"][-1]], frames["weather"], frames["planes"], vocab
+    )
     assert set(part["carrier_code"]) == {len(vocab["carrier"]) - 1}
 
 
@@ -135,7 +137,9 @@ def test_featurize_names_missing_columns(frames: dict[str, pd.DataFrame]) -> Non
 # --------------------------------------------------------------------------- build_features
 
 
-def test_build_features_splits_by_month(raw_dir: Path, frames: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+def test_build_features_splits_by_month(
+    raw_dir: Path, frames: dict[str, pd.DataFrame], tmp_path: Path
+) -> None:
     result = build_features(raw_dir, tmp_path / "features", holdout_months=2)
     out = Path(result["features_dir"])
     assert result["label"] == LABEL and result["backend"] == "pandas"
@@ -210,7 +214,9 @@ def test_empty_part_file_does_not_break_the_build(
     assert result["train_rows"] + result["test_rows"] == _not_cancelled(frames["flights"])
 
 
-def test_empty_flights_table_is_an_error(raw_copy: Path, frames: dict[str, pd.DataFrame], tmp_path: Path) -> None:
+def test_empty_flights_table_is_an_error(
+    raw_copy: Path, frames: dict[str, pd.DataFrame], tmp_path: Path
+) -> None:
     for part in (raw_copy / "flights").glob("*.parquet"):
         frames["flights"].iloc[:0].to_parquet(part, index=False)
     with pytest.raises(PipelineInputError, match="empty"):

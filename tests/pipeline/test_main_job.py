@@ -11,9 +11,9 @@ import uuid
 from pathlib import Path
 
 import pytest
+from faults._procs import clean_env, marked
 from typer.testing import CliRunner
 
-from faults._procs import clean_env, marked
 from gpu_tasks.cli import app
 
 GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
@@ -29,7 +29,11 @@ def test_run_command_on_embedded_server_with_announced_emulation(tmp_path: Path)
     env = _clean_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
     proc = subprocess.run(
         [str(GPU_TASKS), "run", "--limit", "20000", "--rounds", "5", "--data-dir", str(tmp_path), "--json"],
-        capture_output=True, text=True, env=env, timeout=280, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EMULATING 2 devices" in proc.stderr and "not GPU results" in proc.stderr
@@ -57,7 +61,11 @@ def test_run_command_human_output_on_a_given_server(tmp_path: Path, prefect_serv
     env = _clean_env(PREFECT_API_URL=url, GPU_TASKS_EMULATED_GPUS="2")
     proc = subprocess.run(
         [str(GPU_TASKS), "run", "--limit", "15000", "--rounds", "3", "--data-dir", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=280, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=280,
+        cwd=tmp_path,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"on {url}" in proc.stdout
@@ -75,8 +83,9 @@ def test_run_command_human_output_on_a_given_server(tmp_path: Path, prefect_serv
         (["--limit", "-5"], "--limit"),
     ],
 )
-def test_run_command_rejects_bad_input_before_starting_anything(tmp_path: Path, args: list[str], needle: str,
-                                                               monkeypatch: pytest.MonkeyPatch):
+def test_run_command_rejects_bad_input_before_starting_anything(
+    tmp_path: Path, args: list[str], needle: str, monkeypatch: pytest.MonkeyPatch
+):
     # every process this invocation starts inherits the marker: none may be found
     marker = uuid.uuid4().hex
     monkeypatch.setenv("GPU_TASKS_TEST_MARKER", marker)

@@ -44,7 +44,9 @@ def test_pipeline_runs_each_stage_on_its_profile(tmp_path: Path):
 def _artifacts(flow_run_id: str) -> list[dict]:
     from prefect_api import api
 
-    code, body = api("POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}})
+    code, body = api(
+        "POST", "/artifacts/filter", json={"artifacts": {"flow_run_id": {"any_": [flow_run_id]}}}
+    )
     assert code == 200, body
     return body
 

@@ -10,7 +10,9 @@ from gpu_tasks.pipeline.settings import PipelineSettings, get_pipeline_settings
 from gpu_tasks.settings import get_settings
 
 
-def test_data_dir_is_read_from_its_variable_and_the_plugin_ignores_it(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+def test_data_dir_is_read_from_its_variable_and_the_plugin_ignores_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+):
     monkeypatch.setenv("GPU_TASKS_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "3")
     assert get_pipeline_settings().data_dir == tmp_path / "data"

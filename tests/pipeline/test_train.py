@@ -44,7 +44,9 @@ def test_same_seed_gives_identical_predictions(
 ) -> None:
     a = train_model(features_dir, tmp_path / "a.json", seed=3, num_rounds=10)
     b = train_model(features_dir, tmp_path / "b.json", seed=3, num_rounds=10)
-    np.testing.assert_array_equal(_predict(tmp_path / "a.json", test_features), _predict(tmp_path / "b.json", test_features))
+    np.testing.assert_array_equal(
+        _predict(tmp_path / "a.json", test_features), _predict(tmp_path / "b.json", test_features)
+    )
     assert a["history"] == b["history"]
 
 
@@ -71,7 +73,9 @@ def test_saved_model_loads_and_predicts_probabilities(
 
 def test_on_round_is_called_after_every_round(features_dir: Path, tmp_path: Path) -> None:
     calls: list[tuple[int, dict[str, float]]] = []
-    result = train_model(features_dir, tmp_path / "m.json", num_rounds=7, on_round=lambda i, m: calls.append((i, m)))
+    result = train_model(
+        features_dir, tmp_path / "m.json", num_rounds=7, on_round=lambda i, m: calls.append((i, m))
+    )
     assert [i for i, _ in calls] == list(range(7))
     assert all(set(m) == {"train-auc", "train-logloss"} for _, m in calls)
     assert [m["train-auc"] for _, m in calls] == result["history"]["train-auc"]
@@ -117,7 +121,11 @@ def test_dask_data_parallel_training(features_dir: Path, test_features: pd.DataF
         Client(cluster) as client,
     ):
         result = train_model(
-            features_dir, tmp_path / "dask.json", num_rounds=4, client=client, on_round=lambda i, m: calls.append(i)
+            features_dir,
+            tmp_path / "dask.json",
+            num_rounds=4,
+            client=client,
+            on_round=lambda i, m: calls.append(i),
         )
     assert calls == [0, 1, 2, 3]
     assert result["train_rows"] == len(pd.read_parquet(features_dir / "train", columns=["delayed"]))
