@@ -238,7 +238,7 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
             except Exception as exc:
                 raise translated(exc)  # noqa: B904 (the cause is set, or exc is re-raised as is)
 
-    wrapped.__gpu_tasks_oom__ = True  # type: ignore[attr-defined]
+    wrapped.__gpu_tasks_oom__ = True  # type: ignore[attr-defined]  # a marker on the function
     out = copy.copy(task)
     out.fn = wrapped
     return out

@@ -173,8 +173,9 @@ class DeviceBook:
                 if new and lease is None:
                     foreign.update(new)
                     continue
-                for address in new:
-                    self.leases[address] = lease  # type: ignore[assignment]
+                if lease is not None:
+                    for address in new:
+                        self.leases[address] = lease
                 for d in g:
                     self.holders[d.address] = owner
                 free.append(i)

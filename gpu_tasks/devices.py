@@ -13,7 +13,7 @@ import logging
 import re
 import shlex
 import subprocess
-from typing import Literal
+from typing import Any, Literal
 
 from dask.utils import format_bytes, parse_bytes
 from pydantic import BaseModel, ConfigDict
@@ -223,7 +223,7 @@ def nvml_devices() -> tuple[tuple[Device, ...], str]:
             logger.warning("nvmlShutdown failed", exc_info=True)
 
 
-def _mig_instances(nvml, handle, index: int, name: str, cc: str) -> list[Device]:  # type: ignore[no-untyped-def]
+def _mig_instances(nvml: Any, handle: Any, index: int, name: str, cc: str) -> list[Device]:
     """MIG instances of a device as devices of their own (empty when MIG is off)."""
     try:
         current, _pending = nvml.nvmlDeviceGetMigMode(handle)

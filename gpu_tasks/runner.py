@@ -158,7 +158,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(  # type: ignore[misc]
+        self.__init__(  # type: ignore[misc]  # rebuilt from its pickled arguments
             profiles=state["_profiles_arg"],
             default=state["_default_arg"],
             idle_timeout=state["_idle_timeout_arg"],

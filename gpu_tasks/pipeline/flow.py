@@ -31,8 +31,9 @@ PIPELINE_PROFILES = [
 
 @flow(
     name="etl-train",
-    # Prefect types task_runner invariantly: its own ThreadPoolTaskRunner fails this check too
-    task_runner=ProfileTaskRunner(profiles=PIPELINE_PROFILES, default=CPU_PROFILE),  # type: ignore[arg-type]
+    task_runner=ProfileTaskRunner(  # type: ignore[arg-type]  # Prefect types it invariantly (ThreadPool fails too)
+        profiles=PIPELINE_PROFILES, default=CPU_PROFILE
+    ),
     log_prints=True,
 )
 def etl_train(
