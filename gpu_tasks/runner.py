@@ -89,8 +89,11 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         profiles: The profiles tasks may name with ``profile:<name>`` tags. Profiles
             from ``GPU_TASKS_PROFILES_FILE`` are added and override same-named ones, so a
             deployment can change hardware without a code change.
-        default: Profile of untagged tasks (default ``"cpu"``; a plain CPU profile is
-            added when no profile of that name exists).
+        default: Profile of untagged tasks (default: the file's ``default``, else
+            ``"cpu"``, added as a plain CPU profile when no profile has that name). Any
+            other name must be defined in code or in the file; as the file is read when
+            the flow run's first task is submitted (a deployment may set it), an unknown
+            default fails there, with the known profiles, and in ``status()``.
         idle_timeout: Seconds a cluster may sit idle before it is closed, for profiles
             that do not set their own; ``None`` takes ``GPU_TASKS_IDLE_TIMEOUT``.
 
