@@ -75,7 +75,8 @@ def task_states(url: str, task_run_id: str) -> list[dict]:
 def runs_under(
     url: str, flow_run_ids: list[str] | None = None, flow_name: str | None = None, wait: float = SETTLE_S
 ) -> list[dict]:
-    """Task runs of these flow runs (or of every run of ``flow_name``), once none is unfinished (or ``wait`` s)."""
+    """Task runs of these flow runs (or of every run of ``flow_name``), once none is unfinished
+    (or after ``wait`` s)."""
     body: dict[str, Any] = {"limit": 200}
     if flow_run_ids is not None:
         body["flow_runs"] = {"id": {"any_": flow_run_ids}}
@@ -245,7 +246,9 @@ def ephemeral_api(ctx: Ctx) -> dict:
             time.sleep(0.2)
             return [i, list(current_allocation().devices)]
 
-        @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="quarter", gpus=0.25, idle_timeout=1)]))
+        QUARTER = ResourceProfile(name="quarter", gpus=0.25, idle_timeout=1)
+
+        @flow(task_runner=ProfileTaskRunner(profiles=[QUARTER]))
         def newcomer():
             return {"flow_run_id": flow_run_id(), "results": [f.result() for f in hold.map(range(8))]}
 
@@ -264,7 +267,8 @@ def ephemeral_api(ctx: Ctx) -> dict:
     completed = [r for r in runs if r[1] == "COMPLETED"]
     missing = [f"task {i}: no COMPLETED record" for i in range(8 - len(completed))]
     return {
-        "sees": f"flow run {flows[0][1] if flows else 'not recorded'}; {len(completed)}/8 task runs COMPLETED "
+        "sees": f"flow run {flows[0][1] if flows else 'not recorded'}; {len(completed)}/8 task runs "
+        "COMPLETED "
         "in the flow's own (ephemeral) server" + (f'; "{msg(flows[0][2])}"' if flows and flows[0][2] else ""),
         "recovery_s": None,
         "recovery": "no fault injected: Prefect's default API, no PREFECT_API_URL",
@@ -292,10 +296,13 @@ def worker_sigkill_once(ctx: Ctx) -> dict:
                 os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer would
             return list(current_allocation().devices)
 
-        @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, max_workers=1, idle_timeout=30)]))
+        GPU = ResourceProfile(name="gpu", gpus=1, max_workers=1, idle_timeout=30)
+
+        @flow(task_runner=ProfileTaskRunner(profiles=[GPU]))
         def one_death():
             future = dies_once.submit()
-            return {"flow_run_id": flow_run_id(), "task_run_id": str(future.task_run_id), "devices": future.result()}
+            devices = future.result()
+            return {"flow_run_id": flow_run_id(), "task_run_id": str(future.task_run_id), "devices": devices}
 
         if __name__ == "__main__":
             report(one_death())
@@ -374,7 +381,9 @@ def _raises(exc: str) -> Callable[[Ctx], dict]:
             def fine():
                 return 7
 
-            @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, max_workers=1)]))
+            GPU = ResourceProfile(name="gpu", gpus=1, max_workers=1)
+
+            @flow(task_runner=ProfileTaskRunner(profiles=[GPU]))
             def interrupted_task():
                 future = interrupts.submit()
                 future.wait()
@@ -441,7 +450,8 @@ def nested_one_slot(ctx: Ctx) -> dict:
     runs = runs_under(ctx.url, [out["flow_run_id"]])
     done = sum(r["state_type"] == "COMPLETED" for r in runs)
     return {
-        "sees": f"both chains return 140; {done}/{len(runs)} task runs COMPLETED (top → middle → 2 leaves, per profile)",
+        "sees": f"both chains return 140; {done}/{len(runs)} task runs COMPLETED (top → middle → 2 leaves, "
+        "per profile)",
         "recovery_s": out["seconds"],
         "recovery": "no fault: time for both nested chains (no deadlock)",
         "lost": lost(runs)
@@ -472,7 +482,8 @@ def hog():
 def cuda_oom():
     if current_allocation().profile == "small":
         run = TaskRunContext.get().task_run
-        (HERE / "ids").write_text(json.dumps({"flow_run_id": str(run.flow_run_id), "task_run_id": str(run.id)}))
+        ids = {"flow_run_id": str(run.flow_run_id), "task_run_id": str(run.id)}
+        (HERE / "ids").write_text(json.dumps(ids))
         stamp("raised")
         raise MemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     return current_allocation().profile
@@ -555,7 +566,8 @@ UNPICKLE_NOTE = (
     "the task's GpuOutOfMemoryError reached the flow process but could not be unpickled there: distributed "
     "imports tblib's pickling support, which registers a reducer for every exception class defined by then; "
     "a script that imports gpu_tasks before distributed (as any user script does) gets one for "
-    "GpuOutOfMemoryError(GpuTasksError, MemoryError), and its unpickler calls MemoryError.__new__ on it (TypeError)"
+    "GpuOutOfMemoryError(GpuTasksError, MemoryError), and its unpickler calls MemoryError.__new__ on it "
+    "(TypeError)"
 )
 
 
@@ -578,7 +590,8 @@ def oom_escalated(ctx: Ctx) -> dict:
                                                       ResourceProfile(name="big", gpus=1, max_workers=1)]))
         def escalates():
             future = cuda_oom.submit()
-            return {"flow_run_id": flow_run_id(), "task_run_id": str(future.task_run_id), "result": future.result()}
+            result = future.result()
+            return {"flow_run_id": flow_run_id(), "task_run_id": str(future.task_run_id), "result": result}
 
         if __name__ == "__main__":
             report(escalates())
@@ -623,7 +636,8 @@ def flow_sigkilled(ctx: Ctx) -> dict:
         @task(tags=[profile("gpu")])
         def gpu_task_with_a_child(i):
             child = subprocess.Popen(["sleep", "300"])
-            (HERE / "ready" / f"task-{i}").write_text(f"{os.getpid()} {child.pid} {TaskRunContext.get().task_run.flow_run_id}")
+            flow_run = TaskRunContext.get().task_run.flow_run_id
+            (HERE / "ready" / f"task-{i}").write_text(f"{os.getpid()} {child.pid} {flow_run}")
             time.sleep(300)
 
         @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
@@ -674,7 +688,8 @@ def flow_sigkilled(ctx: Ctx) -> dict:
             meet = tempfile.mkdtemp()
             devices = [f.result() for f in visible_device.map(range(2), unmapped(meet))]
             startup = FlowRunContext.get().task_runner.status()["gpu"]["startup"]
-            return {"flow_run_id": flow_run_id(), "devices": devices, "wait_devices_s": startup["wait_devices_s"]}
+            waited = startup["wait_devices_s"]
+            return {"flow_run_id": flow_run_id(), "devices": devices, "wait_devices_s": waited}
 
         if __name__ == "__main__":
             report(next_run())
@@ -684,7 +699,8 @@ def flow_sigkilled(ctx: Ctx) -> dict:
     killed_flow_run = flow_run(ctx.url, killed_flow)
     stale = lost(killed_runs)
     return {
-        "sees": f"all {len(before)} worker and `sleep` child processes gone in {took:.2f} s; next run got devices "
+        "sees": f"all {len(before)} worker and `sleep` child processes gone in {took:.2f} s; next run got "
+        "devices "
         f"{sorted(out['devices'])} after {out['wait_devices_s']:.3f} s; the killed run's records: flow run "
         f"{killed_flow_run['state_type']}, task runs {sorted(r['state_type'] for r in killed_runs)}",
         "recovery_s": took,
@@ -950,23 +966,31 @@ def render(results: dict[str, Any]) -> str:
         "edit bench/faults.py, not this file -->",
         "",
         f"Every fault we tried, from one run of `python -m bench.faults` on {suite['finished']} "
-        f"(commit {suite['commit']}), {suite['seconds']:.0f} s in all: **{n_ok} of {len(rows)} scenarios passed**. "
+        f"(commit {suite['commit']}), {suite['seconds']:.0f} s in all: **{n_ok} of {len(rows)} scenarios "
+        "passed**. "
         f"Machine: {describe(suite['machine'])}. Raw results: [results/faults.json](results/faults.json).",
         "",
-        "**Devices were EMULATED** (`GPU_TASKS_EMULATED_GPUS=2`: real Dask worker processes, each with its own "
-        '`CUDA_VISIBLE_DEVICES`, compute on the CPU). The "CUDA out of memory" faults are raised errors, not a '
-        "real GPU running out of memory. Nothing here is a GPU measurement; it tests processes, signals and the "
+        "**Devices were EMULATED** (`GPU_TASKS_EMULATED_GPUS=2`: real Dask worker processes, each with its "
+        "own "
+        '`CUDA_VISIBLE_DEVICES`, compute on the CPU). The "CUDA out of memory" faults are raised errors, '
+        "not a "
+        "real GPU running out of memory. Nothing here is a GPU measurement; it tests processes, signals and "
+        "the "
         "states Prefect records.",
         "",
         "Each scenario is a fresh flow script (or `gpu-tasks run`) in a subprocess, as a user would run it, "
-        "against one Prefect server (the first and the `gpu-tasks run` ones use their own, as a user's would). "
-        "*What the user sees* is what the server recorded: the state names in order and the first 120 characters "
+        "against one Prefect server (the first and the `gpu-tasks run` ones use their own, as a user's "
+        "would). "
+        "*What the user sees* is what the server recorded: the state names in order and the first 120 "
+        "characters "
         "of the message. *Processes leaked*: processes of the scenario (found by an environment marker every "
-        "descendant inherits) still alive 10 s after it ended. *Tasks lost*: task runs left Running/Pending on the "
+        "descendant inherits) still alive 10 s after it ended. *Tasks lost*: task runs left Running/Pending "
+        "on the "
         "server, or results missing. Both must be 0 for a row to pass, as must the scenario's own checks "
         "(listed below the table).",
         "",
-        "| # | Fault | What the user sees | Recovery (s) | Recovery measured as | Processes leaked | Tasks lost | Result |",
+        "| # | Fault | What the user sees | Recovery (s) | Recovery measured as | Processes leaked | Tasks "
+        "lost | Result |",
         "| ---: | --- | --- | ---: | --- | ---: | ---: | --- |",
     ]
     for i, r in enumerate(rows, 1):
@@ -983,7 +1007,8 @@ def render(results: dict[str, Any]) -> str:
             "",
             "## Soak: one process, many flow runs",
             "",
-            "`tests/faults/soak_script.py --runs 20`: each flow run provisions a `gpus=0.5` profile, runs 4 tasks "
+            "`tests/faults/soak_script.py --runs 20`: each flow run provisions a `gpus=0.5` profile, runs 4 "
+            "tasks "
             "and lets the cluster idle out (0.3 s) inside the flow. The process's own figures after run N "
             "(children less multiprocessing's resource tracker):",
             "",
@@ -1011,10 +1036,13 @@ def render(results: dict[str, Any]) -> str:
         "",
         "## How to regenerate",
         "",
-        "`python -m bench.faults` (or `python -m bench --only faults`; a plain `python -m bench` leaves it out) "
+        "`python -m bench.faults` (or `python -m bench --only faults`; a plain `python -m bench` leaves it "
+        "out) "
         "reruns every scenario and rewrites this page and `docs/results/faults.json`, in about "
-        f"{max(1, round(suite['seconds'] / 60))} minutes here; `--only KEY ...` runs some (and writes only those), "
-        "`--report-only` re-renders. The same faults are asserted in `tests/faults/` (`./scripts/test -m faults`).",
+        f"{max(1, round(suite['seconds'] / 60))} minutes here; `--only KEY ...` runs some (and writes only "
+        "those), "
+        "`--report-only` re-renders. The same faults are asserted in `tests/faults/` (`./scripts/test -m "
+        "faults`).",
         "",
     ]
     return "\n".join(out)
@@ -1065,7 +1093,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"== {key}", flush=True)
             row = run_scenario(key, fault, fn, url, root, base_env)
             print(
-                f"   {'pass' if row['ok'] else 'FAIL'} in {row['seconds']:.0f}s: recovery {row.get('recovery_s')} s, "
+                f"   {'pass' if row['ok'] else 'FAIL'} in {row['seconds']:.0f}s: recovery "
+                f"{row.get('recovery_s')} s, "
                 f"leaked {row['leaked']}, lost {len(row['lost'])}"
                 + (f"; {row['error']}" if row.get("error") else ""),
                 flush=True,

@@ -75,7 +75,8 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
         for label, (make, tag) in runners(2).items():
             tagged = inc.with_options(tags=[profile(tag)]) if tag else inc
 
-            def once(n: int) -> float:
+            # the loop's values bound now (once runs within this iteration anyway)
+            def once(n: int, make: Any = make, tagged: Any = tagged, label: str = label) -> float:
                 @flow(task_runner=make(), log_prints=False)
                 def overhead_flow() -> tuple[float, list[int]]:
                     # provisioning (every worker: a profile grows one worker at a time as tasks

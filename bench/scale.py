@@ -115,7 +115,8 @@ def run(sizes: list[int], repeats: int, reference: bool = True) -> dict[str, Any
                     row = json.loads(out.read_text())
                 rows[ref].setdefault(str(n), []).append(row)
                 print(
-                    f"  {_label(ref):20s} N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} ms/task  "
+                    f"  {_label(ref):20s} N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} "
+                    "ms/task  "
                     f"peak RSS {row['peak_rss_mib']:.0f} MiB",
                     flush=True,
                 )

@@ -95,7 +95,8 @@ def run(scales: list[int], rounds: int, repeats: int, gpu: bool) -> dict[str, An
                 rows.setdefault(label, {}).setdefault(str(scale), []).append(r)
                 print(
                     f"  {label}: scale {scale}: ETL {r['etl_rows_per_s']:,.0f} rows/s ({r['etl_s']:.1f}s), "
-                    f"train {r['train_rows_per_s']:,.0f} rows/s ({r['train_s']:.1f}s), flow {r['flow_s']:.1f}s",
+                    f"train {r['train_rows_per_s']:,.0f} rows/s ({r['train_s']:.1f}s), flow "
+                    f"{r['flow_s']:.1f}s",
                     flush=True,
                 )
     summary = {

@@ -1,4 +1,7 @@
-"""Emulated devices when there is no GPU: :func:`ensure_devices` (``gpu-tasks run``/``serve``, the benchmarks)."""
+"""Emulated devices when there is no GPU: :func:`ensure_devices`.
+
+Used by ``gpu-tasks run`` / ``serve`` and the benchmarks.
+"""
 
 from __future__ import annotations
 

@@ -67,7 +67,11 @@ class ProfileState:
             self.idle_since = None
 
     def leave(self, dispatched: bool = False) -> None:
-        """A task of this profile finished (or moved away); ``dispatched``: it had been handed to the cluster."""
+        """A task of this profile finished (or moved away).
+
+        Args:
+            dispatched: it had been handed to the cluster.
+        """
         with self.lock:
             self.outstanding -= 1
             if dispatched:

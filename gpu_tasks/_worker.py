@@ -122,7 +122,8 @@ def _report_orphaned(flow_pid: int) -> None:
                         uuid.UUID(flow_run_id),
                         Crashed(
                             message=(
-                                f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its tasks "
+                                f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its "
+                                "tasks "
                                 "(reported by a worker)"
                             )
                         ),
@@ -215,7 +216,8 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
         if alloc.devices and alloc.emulated:
             where += " (emulated)"
         error = GpuOutOfMemoryError(
-            f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. Lower the task's "
+            f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. Lower the "
+            "task's "
             "memory use, or give the profile on_oom='<a larger profile>' to re-run it there once"
         )
         error.__cause__ = exc

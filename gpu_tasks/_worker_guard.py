@@ -156,7 +156,10 @@ def _orphaned(parent: int, wait: float) -> bool:
 
 
 def on_orphaned(hook: Callable[[int], None]) -> None:
-    """Call ``hook(flow_pid)`` (bounded by the hook itself) when this worker exits because its flow process died."""
+    """Call ``hook(flow_pid)`` when this worker exits because its flow process died.
+
+    The hook bounds its own time.
+    """
     if hook not in _ORPHAN_HOOKS:
         _ORPHAN_HOOKS.append(hook)
 

@@ -43,7 +43,8 @@ EXIT_USAGE = 2
 
 app = typer.Typer(
     name="gpu-tasks",
-    help="GPU-aware Prefect task runner: run the ETL -> train pipeline, inspect devices and resource profiles.",
+    help="GPU-aware Prefect task runner: run the ETL -> train pipeline, inspect devices and resource "
+    "profiles.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -178,7 +179,8 @@ def devices(
 def _load_profiles(
     file: Path | None, settings: GpuTasksSettings
 ) -> tuple[dict[str, ResourceProfile], str, Path | None]:
-    """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE, resolved as the runner resolves them, and the default."""
+    """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE, resolved as the runner resolves them,
+    and the default."""
     path = file if file is not None else settings.profiles_file
     try:
         profiles, default = resolve_profiles(path=path)
@@ -203,7 +205,8 @@ def _profile_fit(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
 
 def _uses_text(prof: ResourceProfile, place: dict[str, Any]) -> str:
     if not prof.is_gpu:
-        return f"CPU only (no devices): {place['workers']} worker(s), {place['tasks_per_worker']} task(s) at once each"
+        workers, slots = place["workers"], place["tasks_per_worker"]
+        return f"CPU only (no devices): {workers} worker(s), {slots} task(s) at once each"
     if not place["can_run"]:
         fallback = "; falls back to the CPU profile" if prof.fallback == "cpu" else ""
         return f"CANNOT RUN{fallback} (see below)"

@@ -204,7 +204,10 @@ class ProfileCluster:
         return self.backend.submit(fn, *args, key=key, resources=resources)
 
     def record(self, worker: str, start: float, end: float) -> None:
-        """Record that a task ran on ``worker`` (see :func:`gpu_tasks.ledger.worker_key`) from ``start`` to ``end``."""
+        """Record that a task ran on ``worker`` from ``start`` to ``end``.
+
+        ``worker`` is :func:`gpu_tasks.ledger.worker_key` of its devices.
+        """
         self.usage.record(worker, start, end)
 
     def drain(self) -> None:

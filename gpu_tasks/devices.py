@@ -164,7 +164,8 @@ def run_discovery_command(command: str, timeout: float = 30.0) -> tuple[Device, 
         data = json.loads(proc.stdout)
     except json.JSONDecodeError as exc:
         raise DeviceDiscoveryError(
-            f'{where} must print JSON like {{"name": "gpu", "addresses": ["0"]}}; got {proc.stdout.strip()[:200]!r}'
+            f'{where} must print JSON like {{"name": "gpu", "addresses": ["0"]}}; got '
+            f"{proc.stdout.strip()[:200]!r}"
         ) from exc
     addresses = data.get("addresses") if isinstance(data, dict) else None
     if not isinstance(addresses, list) or not all(isinstance(a, (str, int)) for a in addresses):
@@ -262,7 +263,8 @@ def discover(settings: GpuTasksSettings | None = None) -> Inventory:
         return Inventory(
             devices=devices,
             source="emulated",
-            detail=f"GPU_TASKS_EMULATED_GPUS={settings.emulated_gpus!r}: pandas instead of cuDF, XGBoost on CPU",
+            detail=f"GPU_TASKS_EMULATED_GPUS={settings.emulated_gpus!r}: pandas instead of cuDF, XGBoost on "
+            "CPU",
         )
     if settings.discovery_command:
         devices = run_discovery_command(settings.discovery_command)

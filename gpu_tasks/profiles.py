@@ -197,7 +197,8 @@ class ResourceProfile(BaseModel):
             raise ValueError("processes=False is not possible with gpus > 0: each GPU worker is a process")
         if self.on_oom is not None and (self.on_oom == self.name or not _NAME_RE.match(self.on_oom)):
             raise ValueError(
-                f"on_oom must name another profile (a larger one to re-run out-of-memory tasks on); got {self.on_oom!r}"
+                "on_oom must name another profile (a larger one to re-run out-of-memory tasks on); got "
+                f"{self.on_oom!r}"
             )
         if self.gang and self.max_workers is None:
             raise ValueError("gang needs max_workers: the number of workers to start together")
@@ -377,8 +378,10 @@ def resolve_profiles(
     for p in in_force.values():
         if p.on_oom is not None and p.on_oom not in in_force:
             raise UnknownProfileError(
-                f"profile {p.name!r} sets on_oom={p.on_oom!r}, which this runner does not know; known profiles: "
-                f"{', '.join(sorted(in_force))}. Add a ResourceProfile(name={p.on_oom!r}, ...) or remove on_oom"
+                f"profile {p.name!r} sets on_oom={p.on_oom!r}, which this runner does not know; known "
+                "profiles: "
+                f"{', '.join(sorted(in_force))}. Add a ResourceProfile(name={p.on_oom!r}, ...) or remove "
+                "on_oom"
             )
     if in_force[name].is_gpu:
         raise ProfileError(

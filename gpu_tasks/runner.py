@@ -200,7 +200,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         prof = live.profiles.get(name)
         if prof is None:
             raise UnknownProfileError(
-                f"task {task.name!r} asks for profile {name!r}, which this runner does not know; known profiles: "
+                f"task {task.name!r} asks for profile {name!r}, which this runner does not know; known "
+                "profiles: "
                 f"{', '.join(sorted(live.profiles))}. Add a ResourceProfile(name={name!r}, ...) to "
                 "ProfileTaskRunner(profiles=[...]) or to GPU_TASKS_PROFILES_FILE"
             )

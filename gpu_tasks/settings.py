@@ -60,7 +60,8 @@ class GpuTasksSettings(BaseSettings):
     lease_timeout: float = Field(
         default=600.0,
         ge=0,
-        description="Seconds a profile waits for devices that another process (flow run) leases before failing.",
+        description="Seconds a profile waits for devices that another process (flow run) leases before "
+        "failing.",
     )
 
 

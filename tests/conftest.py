@@ -69,3 +69,12 @@ def emulated(monkeypatch):
     monkeypatch.delenv("GPU_TASKS_PROFILES_FILE", raising=False)
     monkeypatch.delenv("GPU_TASKS_DISCOVERY_COMMAND", raising=False)
     return "H100:80GiB,H100:80GiB"
+
+
+@pytest.fixture
+def lease_dir(tmp_path, monkeypatch):
+    """A fresh device lease directory (GPU_TASKS_LEASE_DIR) and no lease timeout override."""
+    path = tmp_path / "leases"
+    monkeypatch.setenv("GPU_TASKS_LEASE_DIR", str(path))
+    monkeypatch.delenv("GPU_TASKS_LEASE_TIMEOUT", raising=False)
+    return path

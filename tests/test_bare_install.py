@@ -48,13 +48,14 @@ if __name__ == "__main__":
     out = bare()
     out["flow_pid"] = os.getpid()
     out["gpu_tasks_file"] = __import__("gpu_tasks").__file__
-    out["absent"] = [m for m in %r if importlib.util.find_spec(m) is None]
+    out["absent"] = [m for m in PIPELINE_ONLY if importlib.util.find_spec(m) is None]
     print(json.dumps(out))
-""" % (PIPELINE_ONLY,)
+""".replace("PIPELINE_ONLY", repr(PIPELINE_ONLY))
 
 
 def _pip_install(venv: Path, source: Path) -> None:
-    """Install ``source`` into ``venv`` with this interpreter's pip (``pip --python``: the venv needs none)."""
+    """Install ``source`` into ``venv`` with this interpreter's pip (``pip --python``: the venv needs
+    none)."""
     proc = subprocess.run(
         [
             sys.executable,

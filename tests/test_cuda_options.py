@@ -38,11 +38,13 @@ FAKE_DASK_CUDA = textwrap.dedent(
     from distributed import LocalCluster
 
     class LocalCUDACluster(LocalCluster):
-        def __init__(self, CUDA_VISIBLE_DEVICES=None, n_workers=None, threads_per_worker=1, memory_limit="auto",
-                     protocol=None, rmm_pool_size=None, rmm_async=False, enable_cudf_spill=False, **kwargs):
+        def __init__(self, CUDA_VISIBLE_DEVICES=None, n_workers=None, threads_per_worker=1,
+                     memory_limit="auto", protocol=None, rmm_pool_size=None, rmm_async=False,
+                     enable_cudf_spill=False, **kwargs):
             record = dict(kwargs, CUDA_VISIBLE_DEVICES=CUDA_VISIBLE_DEVICES, n_workers=n_workers,
-                          threads_per_worker=threads_per_worker, memory_limit=memory_limit, protocol=protocol,
-                          rmm_pool_size=rmm_pool_size, rmm_async=rmm_async, enable_cudf_spill=enable_cudf_spill)
+                          threads_per_worker=threads_per_worker, memory_limit=memory_limit,
+                          protocol=protocol, rmm_pool_size=rmm_pool_size, rmm_async=rmm_async,
+                          enable_cudf_spill=enable_cudf_spill)
             with open(os.environ["FAKE_DASK_CUDA_RECORD"], "a") as fh:
                 fh.write(json.dumps(record, default=repr) + "\\n")
             self.cuda_visible_devices = [str(d) for d in CUDA_VISIBLE_DEVICES]
@@ -57,7 +59,8 @@ FAKE_DASK_CUDA = textwrap.dedent(
             spec = copy.deepcopy(self.new_spec)
             i = self.cuda_visible_devices.index(name)
             rotated = self.cuda_visible_devices[i:] + self.cuda_visible_devices[:i]
-            spec["options"]["env"] = {"CUDA_VISIBLE_DEVICES": ",".join(rotated)}  # every device, its own first
+            # every device, its own first
+            spec["options"]["env"] = {"CUDA_VISIBLE_DEVICES": ",".join(rotated)}
             return {name: spec}
     '''
 )
@@ -76,8 +79,8 @@ FLOW = textwrap.dedent(
     @task(tags=[profile("gpu")])
     def where():
         a = current_allocation()
-        return {"devices": list(a.devices), "emulated": a.emulated, "visible": os.environ["CUDA_VISIBLE_DEVICES"],
-                "pid": os.getpid()}
+        visible = os.environ["CUDA_VISIBLE_DEVICES"]
+        return {"devices": list(a.devices), "emulated": a.emulated, "visible": visible, "pid": os.getpid()}
 
     GPU = ResourceProfile(name="gpu", gpus=1, memory="3GiB", idle_timeout=30, cuda=CudaOptions(**CUDA))
 

@@ -18,7 +18,7 @@ import dask
 import pytest
 from prefect import flow, task
 from prefect.context import FlowRunContext
-from test_leases import _holder, _stop, lease_dir  # noqa: F401 (lease_dir is a fixture)
+from test_leases import _holder, _stop
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
 

@@ -60,7 +60,8 @@ def test_gpu_libraries_stay_unimported_even_where_they_are_installed(tmp_path):
     code = (
         "import gpu_tasks\n"
         "from gpu_tasks import CudaOptions, ProfileTaskRunner, ResourceProfile\n"
-        "gpu = ResourceProfile(name='gpu', gpus=1, cuda=CudaOptions(rmm_pool_size='1GiB', enable_cudf_spill=True))\n"
+        "gpu = ResourceProfile(name='gpu', gpus=1, cuda=CudaOptions(rmm_pool_size='1GiB', "
+        "enable_cudf_spill=True))\n"
         "ProfileTaskRunner(profiles=[gpu]).resolve_profiles()\n"
         "import gpu_tasks.cli\n"
     )
@@ -85,7 +86,8 @@ def test_gpu_libraries_stay_unimported_even_where_they_are_installed(tmp_path):
 
 
 def test_plugin_modules_never_import_the_pipeline_at_module_level():
-    """Every plugin module (gpu_tasks/ outside gpu_tasks/pipeline/) imports without the pipeline or its libraries."""
+    """Every plugin module (gpu_tasks/ outside gpu_tasks/pipeline/) imports without the pipeline or its
+    libraries."""
     import pathlib
 
     import gpu_tasks

@@ -18,7 +18,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from test_leases import _env, _stop, _wait_for, lease_dir  # noqa: F401 (lease_dir is a fixture)
+from test_leases import _env, _stop, _wait_for
 
 from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
 from gpu_tasks.device_book import DeviceBook
@@ -90,7 +90,8 @@ STRESS = textwrap.dedent(
     def work(seconds):
         start = time.time()
         time.sleep(seconds)
-        return {"pid": os.getpid(), "device": current_allocation().devices[0], "start": start, "end": time.time()}
+        device = current_allocation().devices[0]
+        return {"pid": os.getpid(), "device": device, "start": start, "end": time.time()}
 
     GPU = ResourceProfile(name="gpu", gpus=1, idle_timeout=0.2)
 
@@ -315,7 +316,7 @@ def test_four_flow_runs_never_share_a_device(tmp_path, lease_dir):
     assert set(by_device) <= {"0", "1"}
     for device, intervals in by_device.items():
         intervals.sort()
-        for (s1, e1, run1), (s2, e2, run2) in zip(intervals, intervals[1:]):
+        for (_s1, e1, run1), (s2, _e2, run2) in zip(intervals, intervals[1:], strict=False):
             assert run1 == run2 or e1 <= s2, f"flow runs {run1} and {run2} used device {device} at once"
     assert leases.waiters(lease_dir) == []
 

@@ -77,14 +77,6 @@ TWO_RUNS = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def lease_dir(tmp_path, monkeypatch) -> Path:
-    path = tmp_path / "leases"
-    monkeypatch.setenv("GPU_TASKS_LEASE_DIR", str(path))
-    monkeypatch.delenv("GPU_TASKS_LEASE_TIMEOUT", raising=False)
-    return path
-
-
 def _info(name: str = "p") -> dict:
     return leases.owner_info(name)
 
@@ -319,5 +311,5 @@ def test_all_or_nothing_takes_never_deadlock_in_random_orders(lease_dir, seed):
     assert len(intervals) == 4 * 10 * 2
     for address in "0123":
         spans = sorted((s, e, w) for a, s, e, w in intervals if a == address)
-        for (s1, e1, w1), (s2, e2, w2) in zip(spans, spans[1:]):
+        for (_s1, e1, w1), (s2, _e2, w2) in zip(spans, spans[1:], strict=False):
             assert s2 >= e1, f"device {address} held by run{w1} and run{w2} at once"

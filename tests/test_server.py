@@ -40,7 +40,8 @@ if __name__ == "__main__":
         for _ in range(40):
             with get_client(sync_client=True) as client:
                 r = client._client.post("/events/filter", json={"filter": {
-                    "event": {"prefix": ["gpu-tasks.cluster.closed"]}, "occurred": {"since": "2000-01-01T00:00:00Z"},
+                    "event": {"prefix": ["gpu-tasks.cluster.closed"]},
+                    "occurred": {"since": "2000-01-01T00:00:00Z"},
                     "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]}}})
             reasons = [e["payload"]["reason"] for e in r.json()["events"]]
             if len(reasons) >= 2:
@@ -56,9 +57,10 @@ if __name__ == "__main__":
 
 
 def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
-    """The embedded server is tuned for many short tasks, and an idle scale-down runs on a runner thread; its events still reach the flow run's server
-    when that server's URL lives in a settings context (embedded server), not the environment,
-    and no second, ephemeral Prefect server is started for them."""
+    """The embedded server is tuned for many short tasks, and an idle scale-down runs on a runner
+    thread; its events still reach the flow run's server when that server's URL lives in a
+    settings context (embedded server), not the environment, and no second, ephemeral Prefect
+    server is started for them."""
     script = tmp_path / "idle_close.py"
     script.write_text(IDLE_CLOSE_SCRIPT)
     env = clean_env(
@@ -101,7 +103,8 @@ if __name__ == "__main__":
     with embedded_server():
         many()
     con = sqlite3.connect(os.path.join(os.environ["PREFECT_HOME"], "prefect.db"))
-    print(json.dumps(dict(con.execute("select state_type, count(*) from task_run group by state_type").fetchall())))
+    rows = con.execute("select state_type, count(*) from task_run group by state_type").fetchall()
+    print(json.dumps(dict(rows)))
 """
 
 

@@ -1,4 +1,5 @@
-"""Helpers for fault tests: run a flow script as a user would, find its processes, read the server's records."""
+"""Helpers for fault tests: run a flow script as a user would, find its processes, read the server's
+records."""
 
 from __future__ import annotations
 

@@ -25,7 +25,8 @@ ENDED = {"CRASHED", "CANCELLED"}
 
 
 def _env(tmp_path: Path, marker: str, **extra: str) -> dict[str, str]:
-    """The caller's environment less gpu-tasks and Prefect API settings, plus a marker to find our processes."""
+    """The caller's environment less gpu-tasks and Prefect API settings, plus a marker to find our
+    processes."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -54,7 +55,8 @@ def _start(args: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.P
 
 
 def _ours(marker: str, group: int) -> list[psutil.Process]:
-    """Live processes of ``group`` or carrying the marker (the embedded server runs in a session of its own)."""
+    """Live processes of ``group`` or carrying the marker (the embedded server runs in a session of its
+    own)."""
     found = []
     for p in psutil.process_iter():
         try:
@@ -177,7 +179,8 @@ FLOW_SCRIPT = textwrap.dedent(
 
 
 def _final_states(flow_run_id: str, wait: float = 5.0) -> tuple[str, dict[str, str]]:
-    """The flow run's state type and its task runs' (by name), once no task run is Running (at most ``wait`` s)."""
+    """The flow run's state type and its task runs' (by name), once no task run is Running (at most ``wait``
+    s)."""
     from prefect_api import api
 
     deadline = time.monotonic() + wait

@@ -23,7 +23,9 @@ SCRIPT = textwrap.dedent(
         assert "PREFECT_API_URL" in os.environ
         return [i, list(current_allocation().devices)]
 
-    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="quarter", gpus=0.25, idle_timeout=1)]))
+    QUARTER = ResourceProfile(name="quarter", gpus=0.25, idle_timeout=1)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[QUARTER]))
     def newcomer():
         return [f.result() for f in hold.map(range(8))]
 

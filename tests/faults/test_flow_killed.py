@@ -141,7 +141,8 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
     (tmp_path / "meet").mkdir()
     devices, waited = next_run(str(tmp_path / "meet"))
     print(
-        f"next flow run: devices {devices}, waited {waited:.3f}s for devices, {time.monotonic() - t0:.1f}s in all"
+        f"next flow run: devices {devices}, waited {waited:.3f}s for devices, {time.monotonic() - t0:.1f}s "
+        "in all"
     )
     assert sorted(devices) == ["0", "1"]
     assert waited < 1.0
@@ -179,7 +180,8 @@ def test_guard_without_dask_exits_with_its_parent_and_ignores_sigint():
         [
             sys.executable,
             "-c",
-            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {GUARDED!r}]); time.sleep(300)",
+            f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {GUARDED!r}]); "
+            "time.sleep(300)",
         ],
         env=env,
     )

@@ -1,4 +1,5 @@
-"""A remote Prefect server that requires authentication: workers report there with the flow run's credentials."""
+"""A remote Prefect server that requires authentication: workers report there with the flow run's
+credentials."""
 
 from __future__ import annotations
 

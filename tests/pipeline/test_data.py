@@ -1,4 +1,5 @@
-"""Tests for the ingest stage (gpu_tasks.pipeline.data) and the shared I/O helpers (gpu_tasks.pipeline._io)."""
+"""Tests for the ingest stage (gpu_tasks.pipeline.data) and the shared I/O helpers
+(gpu_tasks.pipeline._io)."""
 
 from __future__ import annotations
 
