@@ -139,25 +139,26 @@ class ProfileCluster:
         )
 
     def _acquire_gang(self, n_workers: int) -> list[int]:
-        """All ``n_workers`` device groups at once, or none: a gang never starts partly."""
-        deadline = time.monotonic() + self.book.lease_timeout
-        while True:
-            indexes = self.book.acquire(
-                self.profile.name, self.groups, n_workers, block=True, priority=self.profile.priority
+        """All ``n_workers`` device groups at once, or none: a gang never starts partly.
+
+        It waits in the device queue for all of them (by priority, then arrival), so two
+        gangs never each hold half of what they need and a gang is not starved by
+        single-device profiles.
+        """
+        try:
+            return self.book.acquire(
+                self.profile.name,
+                self.groups,
+                n_workers,
+                block=True,
+                priority=self.profile.priority,
+                at_least=n_workers,
             )
-            if len(indexes) >= n_workers:
-                return indexes
-            # give back the part we got, so two gangs never each hold half of what they need
-            self.book.release(self.profile.name, [d.address for i in indexes for d in self.groups[i]])
-            if time.monotonic() >= deadline:
-                missing = [d.address for i, g in enumerate(self.groups) if i not in indexes for d in g]
-                raise ClusterError(
-                    f"profile {self.profile.name!r} is a gang of {n_workers} workers but only "
-                    f"{len(indexes)} device group(s) came free within {self.book.lease_timeout:g}s "
-                    f"(GPU_TASKS_LEASE_TIMEOUT); it starts all of them or none. Held: "
-                    f"{self.book.holders_text(missing)}"
-                )
-            time.sleep(0.25)
+        except ClusterError as exc:
+            raise ClusterError(
+                f"profile {self.profile.name!r} is a gang of {n_workers} workers; it starts all of them "
+                f"or none: {exc}"
+            ) from exc
 
     def scale_to(self, n_workers: int) -> int:
         """Grow a GPU profile to ``n_workers`` (never shrinks while running); returns the new count.

@@ -66,12 +66,15 @@ class DeviceBook:
         n: int,
         block: bool,
         priority: int = 0,
+        at_least: int = 1,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
-        With ``block``, waits until at least one group is free (or the runner stops),
-        queued by ``priority`` (higher first), then arrival, behind earlier waiters of
-        this book and of other processes.
+        With ``block``, waits until at least ``at_least`` groups are free (or the runner
+        stops), queued by ``priority`` (higher first), then arrival, behind earlier
+        waiters of this book and of other processes. Fewer than ``at_least`` free groups
+        are never taken (a gang starts all of its workers or none): the waiter keeps its
+        place in the queue for all of them, and idle holders are asked to give theirs back.
 
         Raises:
             ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
@@ -92,6 +95,9 @@ class DeviceBook:
             while True:
                 with self.cond:
                     free, foreign, first = self._take_free(owner, groups, n, me)
+                    if len(free) < at_least:  # all or none: give the part back, keep waiting
+                        self._give_back(owner, [groups[i] for i in free])
+                        free = []
                     if free or not block or n <= 0:
                         if free and time.monotonic() - waited_since > 0.5:
                             logger.info(
@@ -180,12 +186,17 @@ class DeviceBook:
                     self.holders[d.address] = owner
                 free.append(i)
         except OSError as exc:
-            for i in free:
-                for d in groups[i]:
-                    self.holders.pop(d.address, None)
-                    leases.release(self.leases.pop(d.address, None), [d.address])
+            self._give_back(owner, [groups[i] for i in free])
             raise self._lease_error(owner, exc) from exc
         return free, foreign, sorted(first.values(), key=leases.rank)
+
+    def _give_back(self, owner: str, groups: list[tuple[Device, ...]]) -> None:
+        """Undo a take of ``groups`` by ``owner`` (under ``cond``)."""
+        for g in groups:
+            for d in g:
+                if self.holders.get(d.address) == owner:
+                    del self.holders[d.address]
+                    leases.release(self.leases.pop(d.address, None), [d.address])
 
     def _rivals(self, owner: str) -> list[dict[str, Any]]:
         """Other profiles' waiters in this book, and the live waiters of other books (processes)."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import textwrap
 
 import dask
+import distributed  # noqa: F401  (its config defaults load before the dask.config.set below)
 import pytest
 from prefect import flow, task
 from prefect.context import FlowRunContext
@@ -101,8 +102,8 @@ def test_a_gang_that_cannot_get_all_its_devices_in_time_fails_naming_profile_and
     finally:
         _stop(holder)
     assert error.startswith("ClusterError: "), error
-    assert "profile 'gang' is a gang of 2 workers but only 1 device group(s) came free within 1s" in error
-    assert "GPU_TASKS_LEASE_TIMEOUT" in error and "all of them or none" in error
+    assert "profile 'gang' is a gang of 2 workers; it starts all of them or none" in error
+    assert "waited 1." in error and "GPU_TASKS_LEASE_TIMEOUT (now 1s)" in error
     assert status["state"] == "absent" and status["workers"] == 0
     assert held["0"] is None, "the device the gang could get was given back"
     assert held["1"] is not None and held["1"]["pid"] == holder.pid
@@ -123,3 +124,24 @@ def test_gang_timeout_error_names_who_holds_the_missing_device(tmp_path, lease_d
         _stop(holder)
     assert "ClusterError" in error
     assert "device 1: " in error and "holder-run" in error and f"pid {holder.pid}" in error, error
+
+
+def test_a_waiting_gang_gets_devices_an_idle_profile_of_its_run_holds_at_once(lease_dir, monkeypatch):
+    """The gang queues for all of its devices like any profile: an idle holder gives its device
+    back at once (not after its idle timeout), and the gang never takes part of them meanwhile."""
+    monkeypatch.setenv("GPU_TASKS_LEASE_TIMEOUT", "5")
+    lazy = ResourceProfile(name="single", gpus=1, max_workers=1, idle_timeout=300)
+    gang = GANG.model_copy(update={"idle_timeout": 60.0})  # still up when the flow looks
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU, gang, lazy]))
+    def f():
+        runner = FlowRunContext.get().task_runner
+        first = devices.with_options(tags=[profile("single")]).submit().result()
+        gang = devices.with_options(tags=[profile("gang")]).submit().result()
+        return first, gang, runner.status()["gang"], [r.as_dict() for r in runner.ledger]
+
+    first, gang, status, ledger = f()
+    assert len(first) == 1 and len(gang) == 1
+    assert status["workers"] == 2 and sorted(status["devices"]) == ["0", "1"], status
+    single = [r for r in ledger if r["profile"] == "single"]
+    assert single and "released its devices early: profile 'gang' is waiting for them" in single[0]["reason"]
