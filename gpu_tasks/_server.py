@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import datetime
 import os
 import signal
 import socket
@@ -101,6 +102,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     ):
         server = server_in_own_session_class(die_with_parent_hook())(port=_free_port())
         server.start(timeout=timeout)
+    started = datetime.datetime.now(datetime.UTC)  # task runs of this server's life start after this
     try:
         with temporary_settings(
             updates={
@@ -117,7 +119,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
             finally:
                 drain_s, record_s = (INTERRUPT_DRAIN_S, INTERRUPT_RECORD_S) if interrupted else (5.0, 15.0)
                 _drain(timeout=drain_s)
-                _wait_until_recorded(timeout=record_s)
+                _wait_until_recorded(timeout=record_s, since=started)
     finally:
         server.stop()
 
@@ -131,8 +133,10 @@ def _drain(timeout: float = 5) -> None:
     APILogWorker.drain_all(timeout=timeout)
 
 
-def _wait_until_recorded(timeout: float) -> bool:
-    """Wait, at most ``timeout`` s, until the server has recorded the task runs' final states.
+def _wait_until_recorded(timeout: float, since: datetime.datetime) -> bool:
+    """Wait, at most ``timeout`` s, until the server has recorded the final states of the task
+    runs that started ``since`` (those of this server's life: its database may hold older ones
+    that will stay "Running" for good, from a process killed long ago).
 
     Task run states reach the server as events and are written by its task-run
     recorder in batches; stopping the server in the middle leaves the last task runs
@@ -141,14 +145,15 @@ def _wait_until_recorded(timeout: float) -> bool:
     """
     from prefect.client.orchestration import get_client
 
-    running = {"task_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}
+    recent = {"start_time": {"after_": since.isoformat()}}
+    running = {"task_runs": {**recent, "state": {"type": {"any_": ["RUNNING"]}}}}
     deadline = time.monotonic() + timeout
     last = -1
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             try:
                 busy = count_task_runs(client, running)
-                total = count_task_runs(client, {})
+                total = count_task_runs(client, {"task_runs": recent})
             except Exception:  # the run is over; an unreachable server is not its failure
                 return False
             if busy == 0 and total == last:

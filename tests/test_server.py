@@ -119,3 +119,32 @@ def test_embedded_server_stops_only_after_recording_every_task_run(tmp_path: Pat
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"COMPLETED": 300}
+
+
+def test_waiting_for_records_ignores_task_runs_older_than_the_server(prefect_server):
+    """A task run left Running in the database by a process killed long ago (the embedded
+    server's database outlives runs) must not hold every later `gpu-tasks run` for 15 s."""
+    import datetime
+    import time
+
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    from gpu_tasks._server import _wait_until_recorded
+
+    @task
+    def stale() -> None: ...
+
+    @flow
+    def killed_long_ago() -> None: ...
+
+    before = datetime.datetime.now(datetime.UTC)
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(killed_long_ago)
+        stuck = client.create_task_run(stale, run.id, dynamic_key="0", state=Running())
+        assert client.read_task_run(stuck.id).state_type.value == "RUNNING"
+    time.sleep(0.05)
+    after = datetime.datetime.now(datetime.UTC)
+    assert _wait_until_recorded(timeout=30, since=after), "a task run older than the server held the wait"
+    assert not _wait_until_recorded(timeout=0.5, since=before), "the Running task run was not counted"
