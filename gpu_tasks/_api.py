@@ -76,5 +76,43 @@ def for_workers(serialized: dict[str, Any], api_url: str) -> dict[str, Any]:
     settings = copy.deepcopy(dict(out.get("settings") or {}))
     settings.setdefault("api", {})["url"] = api_url
     settings.setdefault("server", {}).setdefault("ephemeral", {})["enabled"] = False
+    from prefect.settings import get_current_settings
+
+    key = get_current_settings().api.key
+    if key is not None:  # workers on other hosts have no PREFECT_API_KEY of their own
+        settings["api"]["key"] = key.get_secret_value()
     out["settings"] = settings
     return out
+
+
+def loopback_api_error(profile: str, api_url: str, scheduler: str) -> str | None:
+    """Why workers of ``scheduler`` cannot reach ``api_url``, or ``None`` when they can.
+
+    A Prefect API on a loopback address (``127.0.0.1``, ``localhost``) is reachable only
+    from this host; a scheduler on another address has workers elsewhere.
+    """
+    from urllib.parse import urlsplit
+
+    api_host = urlsplit(api_url).hostname or ""
+    if not _is_loopback(api_host):
+        return None
+    sched_host = urlsplit(scheduler if "://" in scheduler else f"tcp://{scheduler}").hostname or ""
+    if _is_loopback(sched_host):
+        return None  # scheduler and workers on this host, as in a test or a workstation
+    return (
+        f"profile {profile!r} runs tasks on workers of {scheduler}, which report to this flow run's Prefect "
+        f"API at {api_url}, but that address is reachable only from this host. Expose the API on an "
+        "address the workers can reach: start the server with `prefect server start --host 0.0.0.0` (or "
+        "behind a proxy) and set PREFECT_API_URL=http://<this host's name>:4200/api, or use Prefect Cloud"
+    )
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host in ("localhost", "localhost.localdomain") or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -142,6 +142,7 @@ class Dispatcher:
                     task,
                     kwargs,
                     settings_key,
+                    not prof.is_local,
                     key=key,
                     resources=task_resources(prof),
                 )

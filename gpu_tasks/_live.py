@@ -29,6 +29,7 @@ from gpu_tasks.events import emit_cluster_event, emit_task_event
 from gpu_tasks.ledger import LedgerRow
 from gpu_tasks.policy import IdleView, close_reason
 from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.remote import AddressCluster, remote_cluster
 from gpu_tasks.settings import get_settings
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -163,14 +164,26 @@ class Live:
                     self.worker_env = worker_env(api_url)
                     self.context.api_url = api_url
                 timeout = prof.idle_timeout if prof.idle_timeout is not None else self.idle_timeout
-                cluster = ProfileCluster(
-                    prof,
-                    self.inventory if prof.is_gpu else Inventory(),
-                    self.worker_env or {},
-                    self.settings.provision_timeout,
-                    dashboard=self.settings.dashboard,
-                    book=self.book,
-                )
+                cluster: ProfileCluster
+                if prof.is_local:
+                    cluster = ProfileCluster(
+                        prof,
+                        self.inventory if prof.is_gpu else Inventory(),
+                        self.worker_env or {},
+                        self.settings.provision_timeout,
+                        dashboard=self.settings.dashboard,
+                        book=self.book,
+                    )
+                else:
+                    cluster = remote_cluster(
+                        prof,
+                        self.worker_env or {},
+                        self.settings.provision_timeout,
+                        self.settings.dashboard,
+                        self.context.api_url,
+                    )
+                    if isinstance(cluster, AddressCluster):
+                        cluster.check_reachable()  # at submit: workers elsewhere need the API
                 st = self.states[prof.name] = ProfileState(cluster, timeout)
                 self._start_monitor()
             return st
@@ -281,6 +294,12 @@ class Live:
         for st in list(self.states.values()):
             with st.lock:
                 self.close_cluster(st, reason, hurry=hurry)
+                try:
+                    st.cluster.shutdown()
+                except Exception:
+                    logger.warning(
+                        "profile %r: error while shutting down", st.cluster.profile.name, exc_info=True
+                    )
         self._crash_unfinished(running, reason)
 
     def _crash_unfinished(self, jobs: list[Job], reason: str) -> None:

@@ -14,6 +14,7 @@ import concurrent.futures
 import contextvars
 import logging
 import os
+import socket
 import threading
 import time
 import uuid
@@ -45,13 +46,24 @@ _WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect cli
 
 
 def run_on_worker(
-    profile_name: str, fraction: float, task: Any, kwargs: dict[str, Any], settings_key: str
+    profile_name: str,
+    fraction: float,
+    task: Any,
+    kwargs: dict[str, Any],
+    settings_key: str,
+    remote: bool = False,
 ) -> tuple[Any, float, float, str]:
     """Run the Prefect task engine in a worker process (context travels serialized).
 
     The serialized settings are validated once per worker process and settings key, and
     each worker thread keeps one open sync Prefect client per settings key; the task
     engine finds it through Prefect's ``SyncClientContext`` as it would its own.
+
+    Args:
+        remote: a worker the runner did not start (``address`` / ``cluster_class``
+            profiles): its devices come from its own environment, and a task that its
+            scheduler re-runs after a worker died is reported ``Crashed`` first
+            (:func:`_after_lost_worker`).
     """
     from distributed import get_worker
     from prefect.context import SettingsContext, SyncClientContext
@@ -62,7 +74,8 @@ def run_on_worker(
         address = None
     settings = _worker_settings(settings_key, kwargs["context"]["settings_context"])
     kwargs = {**kwargs, "context": {**kwargs["context"], "settings_context": settings}}
-    alloc = worker_allocation(profile_name, fraction, address)
+    host = socket.gethostname() if remote else None
+    alloc = worker_allocation(profile_name, fraction, address, host=host)
     _worker_guard.on_orphaned(_report_orphaned)  # once per worker process (idempotent)
     flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run") or {}
     running = (task, flow_run.get("id"), alloc, set(task.tags))
@@ -73,10 +86,59 @@ def run_on_worker(
             SettingsContext(**settings),
             SyncClientContext.model_construct(client=_thread_client(settings_key)),
         ):
+            if remote:
+                after = _after_lost_worker(task, kwargs, flow_run.get("id"), alloc)
+                if isinstance(after, tuple):
+                    task, kwargs = after
+                elif after is not None:  # no retries left: the Crashed state is final
+                    now = time.time()
+                    return after, now, now, worker_key(alloc.device_keys)
             return run_engine(alloc, task, kwargs)
     finally:
         with _RUNNING_LOCK:
             _RUNNING.pop(kwargs["task_run_id"], None)
+
+
+def _after_lost_worker(
+    task: Any, kwargs: dict[str, Any], flow_run_id: Any, alloc: Allocation
+) -> tuple[Any, dict[str, Any]] | Any | None:
+    """A shared scheduler re-runs a task whose worker died (its ``allowed-failures``): follow the
+    runner's rules instead, as for a worker of its own.
+
+    Returns ``None`` for a first run, ``(task, kwargs)`` to run it again as a retry of the same
+    task run (the crash reported, one retry used), or the ``Crashed`` state when no retry is left.
+    """
+    from prefect.client.schemas.objects import StateType
+    from prefect.context import SyncClientContext
+    from prefect.exceptions import ObjectNotFound
+
+    from gpu_tasks._crash import await_retry, crash_task_run
+
+    ctx = SyncClientContext.get()
+    try:
+        task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None
+    except ObjectNotFound:
+        return None
+    if task_run is None or task_run.state is None or task_run.state.type != StateType.RUNNING:
+        return None  # a first run, or the runner's own retry (AwaitingRetry)
+    flow_run = uuid.UUID(str(flow_run_id)) if flow_run_id else None
+    message = (
+        f"the worker process running this task on profile {alloc.profile!r} died; its Dask scheduler "
+        f"re-ran it on {alloc.worker} ({alloc.label()})"
+    )
+    state, task_run = crash_task_run(kwargs["task_run_id"], task, flow_run, message, tags=set(task.tags))
+    attempts = max(1, int(getattr(task_run, "run_count", 0) or 0))
+    retries = int(task.retries or 0)
+    if task_run is None or attempts > retries:
+        logger.error(
+            "task run %s crashed: %s; no retries left (%d allowed)", kwargs["task_run_id"], message, retries
+        )
+        return state
+    await_retry(task_run, flow_run)
+    logger.warning(
+        "task run %r crashed: %s; retrying it (retry %d of %d)", task_run.name, message, attempts, retries
+    )
+    return task.with_options(retries=max(0, retries - attempts)), {**kwargs, "task_run": task_run}
 
 
 # Task runs this worker process is running now, for a crash report if the flow process dies.
@@ -195,7 +257,7 @@ def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[An
         # has reported the run Crashed and re-raises; raised further it would abort the flow
         # process (in-process profiles) or kill the Dask worker (which Dask then re-runs).
         state = _crashed_by(exc, kwargs.get("task_run_id"))
-    return state, start, time.time(), worker_key(alloc.devices)
+    return state, start, time.time(), worker_key(alloc.device_keys)
 
 
 def _oom_translated(task: Any, alloc: Allocation) -> Any:

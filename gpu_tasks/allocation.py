@@ -27,6 +27,8 @@ class Allocation(BaseModel):
         worker: Address of the Dask worker running the task.
         emulated: Whether the devices are emulated (no real GPU: pandas, XGBoost on CPU).
         device_names: Names of the devices, in the order of ``devices``.
+        host: The worker's host, for a worker of an ``address`` or ``cluster_class``
+            profile (``None`` on this host's own workers).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -37,6 +39,7 @@ class Allocation(BaseModel):
     worker: str | None = None
     emulated: bool = False
     device_names: tuple[str, ...] = ()
+    host: str | None = None
 
     @property
     def in_profile(self) -> bool:
@@ -48,16 +51,22 @@ class Allocation(BaseModel):
         """Whether the task holds real (not emulated) devices."""
         return bool(self.devices) and not self.emulated
 
+    @property
+    def device_keys(self) -> tuple[str, ...]:
+        """The devices as the ledger and tags name them: ``<host>:<id>`` on another host's worker."""
+        return tuple(f"{self.host}:{d}" for d in self.devices) if self.host else self.devices
+
     def label(self) -> str:
         """Short text for logs and tags, e.g. ``gpu:0,1 (emulated)`` or ``cpu``."""
         if not self.devices:
             return "cpu"
-        text = "gpu:" + ",".join(self.devices)
+        text = "gpu:" + ",".join(self.device_keys)
         return f"{text} (emulated)" if self.emulated else text
 
     def placement_tags(self) -> set[str]:
-        """Task-run tags naming the devices: ``gpu:<id>`` each, plus ``gpu-tasks:emulated``."""
-        tags = {f"gpu:{d}" for d in self.devices}
+        """Task-run tags naming the devices: ``gpu:<id>`` each (``gpu:<host>:<id>`` on another
+        host's worker), plus ``gpu-tasks:emulated``."""
+        tags = {f"gpu:{d}" for d in self.device_keys}
         if tags and self.emulated:
             tags.add(EMULATED_TAG)
         return tags
@@ -90,8 +99,29 @@ def allocated(alloc: Allocation) -> Iterator[Allocation]:
         _CURRENT.reset(token)
 
 
-def worker_allocation(profile: str, fraction: float, worker: str | None) -> Allocation:
-    """Build the allocation of a task on a GPU worker process from its environment."""
+def worker_allocation(
+    profile: str, fraction: float, worker: str | None, host: str | None = None
+) -> Allocation:
+    """Build the allocation of a task on a worker process from its environment.
+
+    Args:
+        host: set for a worker the runner did not start (an ``address`` or
+            ``cluster_class`` profile's): its devices, names and emulation come from
+            :func:`gpu_tasks.devices.worker_devices`, not from variables the runner set.
+    """
+    if host is not None:
+        from gpu_tasks.devices import worker_devices
+
+        ids, device_names, emulated = worker_devices() if fraction > 0 else ((), (), False)
+        return Allocation(
+            profile=profile,
+            devices=ids,
+            fraction=fraction,
+            worker=worker,
+            emulated=emulated,
+            device_names=device_names,
+            host=host,
+        )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     names = os.environ.get(WORKER_ENV_DEVICES, "")
     return Allocation(

@@ -245,6 +245,9 @@ class ProfileCluster:
         self.usage.reset()
         return row
 
+    def shutdown(self) -> None:
+        """Release what outlives an idle close (after :meth:`close`, when the flow run ends)."""
+
     def worker_devices(self, name: str) -> tuple[str, ...] | None:
         """Device addresses of the worker called ``name`` (``None``: no such worker of ours)."""
         spec = next((s for s in self.specs if s.name == name), None)

@@ -8,8 +8,10 @@ which source it came from, and emulated devices are always marked as such.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
+import os
 import re
 import shlex
 import subprocess
@@ -271,3 +273,36 @@ def discover(settings: GpuTasksSettings | None = None) -> Inventory:
         return Inventory(devices=devices, source="command", detail=settings.discovery_command)
     devices, note = nvml_devices()
     return Inventory(devices=devices, source="nvml" if devices else "none", detail=note)
+
+
+@functools.lru_cache(maxsize=1)
+def visible_devices() -> Inventory:
+    """The devices this process may use: those of ``CUDA_VISIBLE_DEVICES`` (every discovered
+    device when it is unset), described from :func:`discover`.
+
+    For workers the runner did not start (``address`` and ``cluster_class`` profiles): a
+    device keeps its ``CUDA_VISIBLE_DEVICES`` id as ``address``; one that discovery does
+    not know is named ``unknown``. Read once per process.
+    """
+    try:
+        inventory = discover()
+    except DeviceDiscoveryError as exc:
+        inventory = Inventory(detail=str(exc))
+    if "CUDA_VISIBLE_DEVICES" in os.environ:
+        visible = [d.strip() for d in os.environ["CUDA_VISIBLE_DEVICES"].split(",") if d.strip()]
+    else:
+        visible = [d.address for d in inventory.devices]
+    known = {d.address: d for d in inventory.devices} | {d.uuid: d for d in inventory.devices if d.uuid}
+    devices = tuple(
+        known[v].model_copy(update={"address": v, "index": i})
+        if v in known
+        else Device(address=v, index=i, name="unknown", emulated=inventory.emulated)
+        for i, v in enumerate(visible)
+    )
+    return Inventory(devices=devices, source=inventory.source, detail=inventory.detail)
+
+
+def worker_devices() -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """``(ids, names, emulated)`` of :func:`visible_devices`."""
+    inv = visible_devices()
+    return tuple(d.address for d in inv.devices), tuple(d.name for d in inv.devices), inv.emulated

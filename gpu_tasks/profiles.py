@@ -26,6 +26,11 @@ DEFAULT_PROFILE = "cpu"  # untagged tasks run here; added as a plain CPU profile
 MAX_SHARE = 64
 # \Z, not $: "$" also matches before a trailing newline, which let "gpu\n" through.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
+# a Dask scheduler address: [tcp|tls|ucx|ucxx|ws|wss://]host:port (host may be [IPv6])
+_ADDRESS_RE = re.compile(
+    r"^(?:(tcp|tls|ucx|ucxx|ws|wss)://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})\Z"
+)
+_IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+\Z")
 
 
 def _parse_size(value: Any, field: str) -> int | None:
@@ -69,6 +74,20 @@ class CudaOptions(BaseModel):
         return _parse_size(value, "rmm_pool_size")
 
 
+class TlsOptions(BaseModel):
+    """Certificates for a ``tls://`` scheduler address (Dask's ``Security``).
+
+    Unset fields fall back to ``GPU_TASKS_TLS_CA_FILE``, ``GPU_TASKS_TLS_CERT`` and
+    ``GPU_TASKS_TLS_KEY``, then to Dask's own ``distributed.comm.tls`` configuration.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    ca_file: str | None = Field(default=None, description="CA certificate (PEM) that signed the scheduler's.")
+    cert: str | None = Field(default=None, description="Client certificate (PEM).")
+    key: str | None = Field(default=None, description="Client private key (PEM); may be in ``cert``.")
+
+
 class ResourceProfile(BaseModel):
     """What each task of a stage needs, and how its cluster behaves.
 
@@ -96,6 +115,16 @@ class ResourceProfile(BaseModel):
             an out-of-memory error (CUDA, RMM, cuDF, ``MemoryError``). Logged and sent as a
             ``gpu-tasks.task.escalated`` event; ``None`` (the default) reports the failure.
         cuda: dask-cuda options (RMM pool, cuDF spilling, protocol), validated here.
+        address: Run on an existing Dask cluster, by its scheduler's address
+            (``tls://gpu-scheduler:8786``): the runner connects a client and never
+            starts or closes the cluster; the scheduler's ``GPU`` resources arbitrate.
+        security: Certificates for a ``tls://`` address (:class:`TlsOptions`).
+        cluster_class: Import path of a Dask cluster class (``dask_jobqueue.SLURMCluster``,
+            ``dask_kubernetes.operator.KubeCluster``, ...) the runner creates on the
+            profile's first task, scales to the queued tasks, scales to zero when idle
+            and closes at the end of the flow run. Needs ``max_workers``.
+        cluster_kwargs: Keyword arguments for ``cluster_class``; its workers must
+            advertise the Dask resource ``GPU`` (for GPU profiles).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -114,6 +143,10 @@ class ResourceProfile(BaseModel):
     priority: int = 0
     on_oom: str | None = None
     cuda: CudaOptions = Field(default_factory=CudaOptions)
+    address: str | None = None
+    security: TlsOptions | None = None
+    cluster_class: str | None = None
+    cluster_kwargs: dict[str, Any] = Field(default_factory=dict)
 
     def __init__(self, **data: Any) -> None:
         try:
@@ -185,6 +218,28 @@ class ResourceProfile(BaseModel):
             raise ValueError("must be a number of seconds >= 0, or left unset for GPU_TASKS_IDLE_TIMEOUT")
         return value
 
+    @field_validator("address")
+    @classmethod
+    def _address(cls, value: str | None) -> str | None:
+        if value is None:
+            return None
+        value = value.strip()
+        match = _ADDRESS_RE.match(value)
+        if not match or not 0 < int(match.group(3)) < 65536:
+            raise ValueError(
+                "must be a Dask scheduler address such as 'tcp://gpu-scheduler:8786' or 'tls://10.0.0.5:8786'"
+            )
+        return value
+
+    @field_validator("cluster_class")
+    @classmethod
+    def _cluster_class(cls, value: str | None) -> str | None:
+        if value is not None and not _IMPORT_PATH_RE.match(value.strip()):
+            raise ValueError(
+                "must be the import path of a Dask cluster class, such as 'dask_jobqueue.SLURMCluster'"
+            )
+        return value.strip() if value is not None else None
+
     @model_validator(mode="after")
     def _consistent(self) -> ResourceProfile:
         if self.gpus == 0:
@@ -202,7 +257,45 @@ class ResourceProfile(BaseModel):
             )
         if self.gang and self.max_workers is None:
             raise ValueError("gang needs max_workers: the number of workers to start together")
+        self._consistent_placement()
         return self
+
+    def _consistent_placement(self) -> None:
+        """Rules for ``address`` and ``cluster_class`` profiles."""
+        if self.address is not None and self.cluster_class is not None:
+            raise ValueError(
+                "address and cluster_class exclude each other: use address for a cluster that is already "
+                "running, cluster_class for one the runner starts"
+            )
+        if self.cluster_kwargs and self.cluster_class is None:
+            raise ValueError("cluster_kwargs needs cluster_class (the class they are passed to)")
+        if self.security is not None and self.address is None:
+            raise ValueError(
+                "security applies to an address profile; for a cluster_class pass the class's own "
+                "security argument in cluster_kwargs"
+            )
+        if self.is_local:
+            return
+        where = "address" if self.address is not None else "cluster_class"
+        if self.processes is False:
+            raise ValueError(
+                f"processes=False is not possible with {where}: tasks run on that cluster's workers"
+            )
+        if self.fallback == "cpu":
+            raise ValueError(
+                f"fallback='cpu' applies to this host's devices, not to a profile with {where}; remove "
+                "fallback or add a CPU profile for that work"
+            )
+        if self.address is not None and self.gang:
+            raise ValueError(
+                "gang needs workers the runner starts (local devices or cluster_class); an existing "
+                "cluster at address cannot be started as a gang"
+            )
+        if self.cluster_class is not None and self.max_workers is None:
+            raise ValueError(
+                "cluster_class needs max_workers: the most workers the cluster manager may start for "
+                "this profile"
+            )
 
     # ----------------------------------------------------------------- derived
     @property
@@ -234,7 +327,19 @@ class ResourceProfile(BaseModel):
     @property
     def uses_processes(self) -> bool:
         """Whether workers run as separate processes."""
-        return True if self.is_gpu else bool(self.processes)
+        return True if self.is_gpu or not self.is_local else bool(self.processes)
+
+    @property
+    def is_local(self) -> bool:
+        """Whether the runner starts this profile's workers on this host's devices (the default)."""
+        return self.address is None and self.cluster_class is None
+
+    @property
+    def kind(self) -> Literal["local", "address", "cluster_class"]:
+        """Where the profile's workers come from."""
+        if self.address is not None:
+            return "address"
+        return "cluster_class" if self.cluster_class is not None else "local"
 
 
 def _describe(exc: ValidationError, name: Any) -> str:
@@ -245,7 +350,8 @@ def _describe(exc: ValidationError, name: Any) -> str:
         field = ".".join(str(p) for p in err["loc"]) or "profile"
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            model = CudaOptions if err["loc"][0] == "cuda" else ResourceProfile
+            nested: dict[str, type[BaseModel]] = {"cuda": CudaOptions, "security": TlsOptions}
+            model = nested.get(str(err["loc"][0]), ResourceProfile)
             known = ", ".join(sorted(model.model_fields))
             msg = f"is not a profile field (known fields: {known})"
         if err["type"] == "missing":

@@ -205,7 +205,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 f"{', '.join(sorted(live.profiles))}. Add a ResourceProfile(name={name!r}, ...) to "
                 "ProfileTaskRunner(profiles=[...]) or to GPU_TASKS_PROFILES_FILE"
             )
-        reason = unsatisfiable_reason(prof, live.inventory) if prof.is_gpu else None
+        # an address or cluster_class profile's workers are checked when its cluster starts
+        reason = unsatisfiable_reason(prof, live.inventory) if prof.is_gpu and prof.is_local else None
         if reason is None:
             return prof, name, None
         if prof.fallback == "cpu":

@@ -57,6 +57,11 @@ class GpuTasksSettings(BaseSettings):
         "(Prefect's own: 5). Longer keeps thousands of tagged tasks from queueing behind a busy server; "
         "a tag limit created mid-run applies within this time. 0 keeps Prefect's.",
     )
+    tls_ca_file: Path | None = Field(
+        default=None, description="CA certificate (PEM) for tls:// scheduler addresses of address profiles."
+    )
+    tls_cert: Path | None = Field(default=None, description="Client certificate (PEM) for tls:// addresses.")
+    tls_key: Path | None = Field(default=None, description="Client private key (PEM) for tls:// addresses.")
     lease_timeout: float = Field(
         default=600.0,
         ge=0,

@@ -1,0 +1,611 @@
+"""Profiles whose workers are not this host's leased devices.
+
+- :class:`AddressCluster` (``address=``): an existing Dask cluster. The runner connects
+  a client and never starts or closes the cluster; the shared scheduler's ``GPU``
+  resources arbitrate between flow runs and hosts. An idle close closes the client.
+- :class:`ManagedCluster` (``cluster_class=`` + ``cluster_kwargs``): any Dask cluster
+  class (dask-jobqueue, dask-kubernetes, dask-gateway, ``LocalCUDACluster``) created on
+  the profile's first task, scaled to the queued tasks (at most ``max_workers``),
+  scaled to zero when idle and closed when the flow run ends.
+
+Both act like :class:`~gpu_tasks.clusters.ProfileCluster` towards the runner; device
+leases (:mod:`gpu_tasks.leases`) do not apply: they cover one host's devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_tasks._api import loopback_api_error
+from gpu_tasks.backends import _non_daemon_workers, _within
+from gpu_tasks.clusters import ProfileCluster
+from gpu_tasks.devices import Inventory
+from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
+from gpu_tasks.ledger import LedgerRow, union_seconds
+from gpu_tasks.policy import GPU_RESOURCE
+from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.settings import get_settings
+
+logger = logging.getLogger("gpu_tasks.runner")
+
+_WAIT_LOG_EVERY = 30.0
+
+
+# ---------------------------------------------------------------- what a worker is
+def worker_facts() -> dict[str, Any]:
+    """Run on a worker (``Client.run``): its host and the devices it may use."""
+    from gpu_tasks.devices import visible_devices
+
+    inv = visible_devices()
+    return {
+        "host": socket.gethostname(),
+        "devices": [d.address for d in inv.devices],
+        "names": [d.name for d in inv.devices],
+        "memory": [d.memory_total for d in inv.devices],
+        "emulated": inv.emulated,
+    }
+
+
+@dataclass(frozen=True)
+class RemoteWorker:
+    """One worker of a remote scheduler, as the runner sees it."""
+
+    address: str
+    name: str
+    host: str
+    gpus: float  # its Dask GPU resource
+    devices: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES ids, when the worker told us
+    names: tuple[str, ...] = ()
+    memory: tuple[int | None, ...] = ()
+    emulated: bool = False
+
+    @property
+    def device_keys(self) -> tuple[str, ...]:
+        """``<host>:<id>`` of each device, as tags and the ledger name them."""
+        return tuple(f"{self.host}:{d}" for d in self.devices)
+
+    def describe(self) -> str:
+        """``gpu-host-1 (tcp://...): GPU=1, H100 (emulated)``."""
+        what = f"GPU={self.gpus:g}" if self.gpus else "no GPU resource"
+        if self.names:
+            what += ", " + "/".join(self.names)
+        return f"{self.name} on {self.host}: {what}"
+
+    def why_not(self, profile: ResourceProfile) -> str | None:
+        """Why this worker can never run a task of ``profile`` (``None``: it can)."""
+        if not profile.is_gpu:
+            return None
+        need = float(profile.gpus) if profile.gpus >= 1 else float(profile.share)
+        if self.gpus + 1e-9 < need:
+            return f"GPU={self.gpus:g} < {need:g}"
+        if profile.gpu_model:
+            if not self.names:
+                return "publishes no device names (gpu_model)"
+            if not all(profile.gpu_model.lower() in n.lower() for n in self.names):
+                return f"devices {'/'.join(self.names)} do not match gpu_model={profile.gpu_model!r}"
+        if profile.gpu_memory:
+            if not self.memory or any(m is None for m in self.memory):
+                return "publishes no device memory (gpu_memory)"
+            if any(m is not None and m < profile.gpu_memory for m in self.memory):
+                return f"device memory below gpu_memory={profile.gpu_memory / 2**30:.1f}GiB"
+        return None
+
+
+def read_workers(client: Any) -> dict[str, RemoteWorker]:
+    """The scheduler's workers: their ``GPU`` resources and, where they can tell, their devices."""
+    info = client.scheduler_info(n_workers=-1)["workers"]
+    facts: dict[str, Any] = {}
+    if info:
+        with contextlib.suppress(Exception):  # workers without gpu-tasks cannot describe their devices
+            facts = client.run(worker_facts, on_error="return")
+    out = {}
+    for address, w in info.items():
+        f = facts.get(address)
+        f = f if isinstance(f, dict) else {}
+        out[address] = RemoteWorker(
+            address=address,
+            name=str(w.get("name") or address),
+            host=str(f.get("host") or w.get("host") or address),
+            gpus=float((w.get("resources") or {}).get(GPU_RESOURCE, 0.0)),
+            devices=tuple(f.get("devices") or ()),
+            names=tuple(f.get("names") or ()),
+            memory=tuple(f.get("memory") or ()),
+            emulated=bool(f.get("emulated")),
+        )
+    return out
+
+
+def security_for(profile: ResourceProfile) -> Any:
+    """Dask ``Security`` for a ``tls://`` address: the profile's files, then GPU_TASKS_TLS_*, then
+    Dask's ``distributed.comm.tls`` configuration."""
+    from distributed import Security
+
+    settings = get_settings()
+    tls = profile.security
+    ca = (tls.ca_file if tls else None) or settings.tls_ca_file
+    cert = (tls.cert if tls else None) or settings.tls_cert
+    key = (tls.key if tls else None) or settings.tls_key
+    if ca is None and cert is None:
+        return Security()  # Dask's own configuration (distributed.comm.tls.*)
+    for what, path in (("ca_file", ca), ("cert", cert), ("key", key)):
+        if path is not None:
+            try:
+                open(path, "rb").close()
+            except OSError as exc:
+                raise ClusterError(
+                    f"profile {profile.name!r}: security.{what} {str(path)!r} cannot be read: "
+                    f"{exc.strerror}; point it (or GPU_TASKS_TLS_*) at a PEM file"
+                ) from exc
+    return Security(
+        tls_ca_file=str(ca) if ca else None,
+        tls_client_cert=str(cert) if cert else None,
+        tls_client_key=str(key) if key else None,
+        require_encryption=True,
+    )
+
+
+def load_cluster_class(profile: ResourceProfile) -> type:
+    """The class ``profile.cluster_class`` names, checked to be a Dask cluster class.
+
+    Raises:
+        ClusterError: the module or class cannot be imported, or it is not a Dask cluster.
+    """
+    from distributed.deploy.cluster import Cluster
+
+    path = profile.cluster_class
+    assert path is not None
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ClusterError(
+            f"profile {profile.name!r}: cluster_class {path!r} cannot be imported ({exc}); install the "
+            "package that provides it (e.g. pip install dask-jobqueue) in the flow run's environment, "
+            "or fix the path"
+        ) from exc
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ClusterError(
+            f"profile {profile.name!r}: cluster_class {path!r}: module {module_name!r} has no {attr!r}; "
+            "fix the class name"
+        )
+    if not (isinstance(cls, type) and issubclass(cls, Cluster)):
+        raise ClusterError(
+            f"profile {profile.name!r}: cluster_class {path!r} is not a Dask cluster class (a subclass of "
+            "distributed.deploy.Cluster, such as dask_jobqueue.SLURMCluster); fix cluster_class"
+        )
+    return cls
+
+
+# ---------------------------------------------------------------- shared by both kinds
+class RemoteCluster(ProfileCluster):
+    """What address and cluster_class profiles share: a client, remote workers, the ledger."""
+
+    def __init__(
+        self,
+        profile: ResourceProfile,
+        worker_env: dict[str, str],
+        provision_timeout: float,
+        dashboard: bool = False,
+        api_url: str | None = None,
+    ) -> None:
+        super().__init__(profile, Inventory(), worker_env, provision_timeout, dashboard)
+        self.api_url = api_url
+        self.client: Any = None
+        self.remote: dict[str, RemoteWorker] = {}
+        self.limit = profile.max_workers or 1
+        self._busy: dict[str, list[tuple[float, float]]] = {}
+        self._tasks = 0
+        self._busy_lock = threading.Lock()
+        self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory)
+
+    # ------------------------------------------------------------ properties
+    @property
+    def running(self) -> bool:
+        return self.client is not None
+
+    @property
+    def emulated(self) -> bool:
+        return bool(self.profile.is_gpu and any(w.emulated for w in self.remote.values()))
+
+    @property
+    def dashboard_link(self) -> str | None:
+        return self.client.dashboard_link if self.client is not None and self.dashboard else None
+
+    @property
+    def scheduler_address(self) -> str:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ tasks
+    def submit(self, fn: Any, *args: Any, key: str, resources: dict[str, float] | None) -> Any:
+        if self.client is None:
+            raise ClusterError(f"profile {self.profile.name!r}: its cluster is not running")
+        where: dict[str, Any] = {}
+        if self._allowed is not None:
+            where = {"workers": self._allowed, "allow_other_workers": False}
+        return self.client.submit(fn, *args, key=key, pure=False, resources=resources, **where)
+
+    def record(self, worker: str, start: float, end: float) -> None:
+        with self._busy_lock:
+            self._busy.setdefault(worker, []).append((start, end))
+            self._tasks += 1
+
+    def worker_devices(self, name: str) -> tuple[str, ...] | None:
+        w = next((w for w in self.remote.values() if w.name == name or w.address == name), None)
+        return None if w is None else w.device_keys
+
+    def retire(self, name: str, reason: str) -> LedgerRow | None:
+        """A remote worker died under a task: nothing of ours to give back (its cluster replaces it)."""
+        logger.warning(
+            "profile %r: worker %r of %s died (%s)", self.profile.name, name, self._where(), reason
+        )
+        self.remote = {a: w for a, w in self.remote.items() if w.name != name and a != name}
+        return None
+
+    def shutdown(self) -> None:
+        """Close the client (the flow run ended)."""
+        client, self.client = self.client, None
+        if client is not None:
+            with contextlib.suppress(Exception):
+                client.close()
+
+    # ------------------------------------------------------------ internals
+    def _connected_workers(self, want: int, deadline: float, what: str) -> dict[str, RemoteWorker]:
+        """Wait until the scheduler has ``want`` workers (or the deadline); their facts."""
+        assert self.client is not None
+        next_log = time.monotonic() + _WAIT_LOG_EVERY
+        while True:
+            workers = read_workers(self.client)
+            if len(workers) >= want:
+                return workers
+            now = time.monotonic()
+            if now >= deadline:
+                raise ClusterError(
+                    f"profile {self.profile.name!r}: {what}: {len(workers)} of {want} worker(s) joined "
+                    f"{self.scheduler_address} within {self.provision_timeout:g}s "
+                    "(GPU_TASKS_PROVISION_TIMEOUT); check that workers can start and reach the scheduler"
+                )
+            if now >= next_log:
+                logger.info(
+                    "profile %r: waiting for %d worker(s) to join %s (%d so far)",
+                    self.profile.name,
+                    want,
+                    self.scheduler_address,
+                    len(workers),
+                )
+                next_log = now + _WAIT_LOG_EVERY
+            time.sleep(0.1)
+
+    def _check_workers(self, workers: dict[str, RemoteWorker]) -> list[RemoteWorker]:
+        """The workers that can run this profile's tasks; fail when none ever can."""
+        fit = [w for w in workers.values() if w.why_not(self.profile) is None]
+        if not fit and workers:
+            lines = "; ".join(f"{w.describe()} ({w.why_not(self.profile)})" for w in workers.values())
+            raise UnsatisfiableProfileError(
+                f"profile {self.profile.name!r} asks for gpus={self.profile.gpus:g}"
+                + (f", gpu_model={self.profile.gpu_model!r}" if self.profile.gpu_model else "")
+                + f", but no worker of {self.scheduler_address} can ever run it: {lines}. Lower the request, "
+                "or start workers with `--resources GPU=<n>` on the right devices"
+            )
+        return fit
+
+    def _check_api(self) -> None:
+        if self.api_url is None or not self.profile.uses_processes:
+            return
+        why = loopback_api_error(self.profile.name, self.api_url, self.scheduler_address)
+        if why is not None:
+            raise ClusterError(why)
+
+    def _busy_row(self, held: float | None, workers: int, reason: str, closed: float) -> LedgerRow:
+        with self._busy_lock:
+            busy_by = {k: union_seconds(v) for k, v in self._busy.items()}
+            tasks, self._tasks = self._tasks, 0
+            self._busy.clear()
+        per = max(1, self.profile.devices_per_worker)
+        busy = sum(busy_by.values()) * (per if self.profile.is_gpu else 1)
+        devices = tuple(k for k in busy_by if k != "cpu")
+        started = self.usage.provisioned_at or closed
+        return LedgerRow(
+            profile=self.profile.name,
+            workers=workers,
+            devices=devices,
+            emulated=self.emulated,
+            provisioned_at=started,
+            closed_at=closed,
+            held_seconds=busy if held is None else held,
+            busy_seconds=busy if held is None else min(busy, held),
+            tasks=tasks,
+            reason=reason,
+        )
+
+
+# ---------------------------------------------------------------- an existing cluster
+class AddressCluster(RemoteCluster):
+    """A client to an existing Dask cluster; the cluster is never started or closed here."""
+
+    @property
+    def scheduler_address(self) -> str:
+        assert self.profile.address is not None
+        return self.profile.address
+
+    @property
+    def worker_count(self) -> int:
+        return len(self._fit) if self.client is not None else 0
+
+    def check_reachable(self) -> None:
+        """Fail at submit when workers of the address cannot reach the Prefect API."""
+        self._check_api()
+
+    def start(self, n_workers: int) -> None:
+        from distributed import Client
+
+        t0 = time.monotonic()
+        deadline = t0 + self.provision_timeout
+        self._check_api()
+        address = self.scheduler_address
+        security = security_for(self.profile) if address.startswith("tls://") else None
+        try:
+            client = _within(
+                self.provision_timeout,
+                lambda: Client(
+                    address,
+                    security=security,
+                    timeout=self.provision_timeout,
+                    set_as_default=False,
+                    name=f"gpu-tasks:{self.profile.name}",
+                ),
+                f"client of profile {self.profile.name!r}",
+            )
+        except Exception as exc:
+            hint = (
+                "check the scheduler's certificates and the profile's security (or GPU_TASKS_TLS_*)"
+                if address.startswith("tls://")
+                else "if the scheduler uses TLS, use a tls:// address with security"
+            )
+            raise ClusterError(
+                f"profile {self.profile.name!r}: cannot connect to the Dask scheduler at {address} within "
+                f"{self.provision_timeout:g}s: {type(exc).__name__}: {exc}. Check that the scheduler runs "
+                f"and this host can reach it (address, port, firewall); {hint}"
+            ) from exc
+        self.client = client
+        try:
+            workers = self._connected_workers(1, deadline, "waiting for workers")
+            self._fit = self._check_workers(workers)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.remote = workers
+        restricted = bool(self.profile.gpu_model or self.profile.gpu_memory)
+        self._allowed = [w.address for w in self._fit] if restricted else None
+        self.usage.provisioned_at = time.time()
+        self.startup = {"wait_devices_s": 0.0, "start_workers_s": time.monotonic() - t0}
+        busy = [w for w in self._fit if w.gpus]
+        logger.info(
+            "profile %r: connected to %s; %d worker(s) can run its tasks (%s); tasks wait in that "
+            "scheduler's queue while other work uses their GPU resources",
+            self.profile.name,
+            address,
+            len(self._fit),
+            "; ".join(w.describe() for w in (busy or self._fit)),
+        )
+
+    _fit: list[RemoteWorker] = []
+
+    def scale_to(self, n_workers: int) -> int:
+        return self.worker_count  # the cluster's owner scales it
+
+    def close(self, reason: str, hurry: bool = False) -> LedgerRow | None:
+        """Close our client (the cluster keeps running); the row counts device time our tasks used."""
+        if self.client is None:
+            return None
+        row = self._busy_row(None, len(self._fit), reason, time.time())
+        self.shutdown()
+        logger.info(
+            "profile %r: closed its client of %s (%s); its tasks used %.1f device-s",
+            self.profile.name,
+            self.scheduler_address,
+            reason,
+            row.busy_seconds,
+        )
+        self.usage.reset()
+        return row
+
+    def _where(self) -> str:
+        return f"the cluster at {self.scheduler_address}"
+
+
+# ---------------------------------------------------------------- a cluster manager's cluster
+class ManagedCluster(RemoteCluster):
+    """A cluster of ``profile.cluster_class``, created on the first task and scaled with the queue."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.manager: Any = None
+        self._asked: list[float] = []  # when each requested worker was asked for (wall clock)
+        self._seen: dict[str, RemoteWorker] = {}  # every worker of this lifetime
+
+    @property
+    def scheduler_address(self) -> str:
+        return str(getattr(self.manager, "scheduler_address", None) or self.profile.cluster_class)
+
+    @property
+    def running(self) -> bool:
+        return self.client is not None and bool(self._asked)
+
+    @property
+    def worker_count(self) -> int:
+        return len(self._asked)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(k for w in self.remote.values() for k in w.device_keys)
+
+    def start(self, n_workers: int) -> None:
+        t0 = time.monotonic()
+        if self.manager is None:
+            self._create()
+        want = self.limit if self.profile.gang else max(1, min(n_workers, self.limit))
+        self._ask(want)
+        try:
+            workers = self._connected_workers(
+                want if self.profile.gang else 1, t0 + self.provision_timeout, f"scaled to {want}"
+            )
+            self._check_resources(workers)
+            self._check_workers(workers)
+        except BaseException:
+            self.close("provisioning failed")
+            self.shutdown()
+            raise
+        self._note(workers)
+        self.startup = {"wait_devices_s": 0.0, "start_workers_s": time.monotonic() - t0}
+        logger.info(
+            "profile %r: %s asked for %d worker(s); %d up after %.2fs (%s)",
+            self.profile.name,
+            self.profile.cluster_class,
+            want,
+            len(workers),
+            self.startup["start_workers_s"],
+            "; ".join(w.describe() for w in workers.values()),
+        )
+
+    def _create(self) -> None:
+        import dask
+
+        cls = load_cluster_class(self.profile)
+        name = self.profile.cluster_class
+
+        def make() -> Any:
+            # a task whose worker died is reported by the runner, not re-run by the scheduler
+            # (for schedulers in this process: dask-jobqueue, LocalCUDACluster)
+            with _non_daemon_workers(), dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+                return cls(**self.profile.cluster_kwargs)
+
+        try:
+            manager = _within(self.provision_timeout, make, f"cluster of profile {self.profile.name!r}")
+        except TypeError as exc:
+            raise ClusterError(
+                f"profile {self.profile.name!r}: {name} rejected cluster_kwargs "
+                f"{sorted(self.profile.cluster_kwargs)}: {exc}; fix cluster_kwargs to match {name}'s "
+                "arguments"
+            ) from exc
+        except Exception as exc:
+            raise ClusterError(
+                f"profile {self.profile.name!r}: could not create {name}(**cluster_kwargs): "
+                f"{type(exc).__name__}: {exc}; fix cluster_kwargs or the cluster manager's configuration"
+            ) from exc
+        self.manager = manager
+        try:
+            self._check_api()
+            from distributed import Client
+
+            self.client = Client(manager, set_as_default=False, timeout=self.provision_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _ask(self, n: int) -> None:
+        """Scale the cluster manager to ``n`` workers; held time starts now for the new ones."""
+        now = time.time()
+        if self.usage.provisioned_at is None:
+            self.usage.provisioned_at = now
+        with _non_daemon_workers():
+            self.manager.scale(n)
+        self._asked = (self._asked + [now] * n)[:n]
+
+    def _check_resources(self, workers: dict[str, RemoteWorker]) -> None:
+        if not self.profile.is_gpu:
+            return
+        missing = [w for w in workers.values() if not w.gpus]
+        if missing:
+            raise ClusterError(
+                f"profile {self.profile.name!r}: the workers of {self.profile.cluster_class} advertise no "
+                f"Dask resource {GPU_RESOURCE!r} ({'; '.join(w.describe() for w in missing)}), so no GPU "
+                "task could ever be placed. Make its workers advertise it: for dask-jobqueue "
+                'cluster_kwargs worker_extra_args = ["--resources", "GPU=1"], for the dask operator\'s '
+                'KubeCluster resources = {"limits": {"nvidia.com/gpu": 1}} with worker_command '
+                '"dask cuda worker --resources GPU=1"'
+            )
+
+    def _note(self, workers: dict[str, RemoteWorker]) -> None:
+        self.remote = workers
+        self._seen.update(workers)
+
+    def scale_to(self, n_workers: int) -> int:
+        n = min(n_workers, self.limit)
+        if self.manager is None or not self._asked or n <= len(self._asked):
+            return len(self._asked)
+        self._ask(n)
+        with contextlib.suppress(Exception):
+            self._note(read_workers(self.client))
+        logger.info(
+            "profile %r: asked %s for %d worker(s) because tasks were waiting",
+            self.profile.name,
+            self.profile.cluster_class,
+            n,
+        )
+        return n
+
+    def close(self, reason: str, hurry: bool = False) -> LedgerRow | None:
+        """Scale to zero (the cluster object stays for the next task) and write the ledger row."""
+        if self.manager is None or not self._asked:
+            return None
+        closed = time.time()
+        with contextlib.suppress(Exception):
+            self._note(read_workers(self.client))
+        per = max(1, self.profile.devices_per_worker)
+        held = sum(closed - t for t in self._asked) * per
+        row = self._busy_row(held, len(self._asked), reason, closed)
+        if not row.devices:
+            row.devices = tuple(k for w in self._seen.values() for k in w.device_keys)
+        try:
+            with _non_daemon_workers():
+                self.manager.scale(0)
+        except Exception:
+            logger.warning("profile %r: error while scaling to zero", self.profile.name, exc_info=True)
+        self._asked = []
+        self.remote = {}
+        self._seen = {}
+        self.usage.reset()
+        logger.info(
+            "profile %r: scaled %s to zero (%s); held %.1f device-s, busy %.1f device-s",
+            self.profile.name,
+            self.profile.cluster_class,
+            reason,
+            row.held_seconds,
+            row.busy_seconds,
+        )
+        return row
+
+    def shutdown(self) -> None:
+        """Close the client and the cluster manager's cluster (the flow run ended)."""
+        super().shutdown()
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            try:
+                manager.close()
+            except Exception:
+                logger.warning(
+                    "profile %r: error while closing its cluster", self.profile.name, exc_info=True
+                )
+
+    def _where(self) -> str:
+        return f"{self.profile.cluster_class} at {self.scheduler_address}"
+
+
+def remote_cluster(
+    profile: ResourceProfile,
+    worker_env: dict[str, str],
+    provision_timeout: float,
+    dashboard: bool,
+    api_url: str | None,
+) -> RemoteCluster:
+    """The cluster of an ``address`` or ``cluster_class`` profile."""
+    cls = AddressCluster if profile.address is not None else ManagedCluster
+    return cls(profile, worker_env, provision_timeout, dashboard, api_url)

@@ -1,0 +1,51 @@
+"""Fixtures for profiles on clusters the runner does not own: stand-in GPU hosts (a ``dask
+scheduler`` and ``dask worker --resources GPU=1`` processes) and a job-queue cluster."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from remote_clusters.hosts import Hosts, make_tls_files, start_hosts
+
+# what each stand-in host says it has: two H100s, one of them visible to its worker
+HOST_GPUS = "H100:80GiB,H100:80GiB"
+
+
+def host_env(n: int = 2) -> list[dict[str, str]]:
+    """One environment per worker: its own device, emulated H100s announced as such."""
+    return [{"CUDA_VISIBLE_DEVICES": str(i), "GPU_TASKS_EMULATED_GPUS": HOST_GPUS} for i in range(n)]
+
+
+def _hosts(tmp: Path, tls: dict[str, str] | None = None) -> Iterator[Hosts]:
+    hosts = start_hosts(tmp, tls, n_workers=2, worker_env=host_env())
+    try:
+        yield hosts
+    finally:
+        hosts.stop()
+
+
+@pytest.fixture(scope="module")
+def gpu_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
+    """Two stand-in GPU hosts on one tcp scheduler, shared by a module's tests."""
+    yield from _hosts(tmp_path_factory.mktemp("hosts"))
+
+
+@pytest.fixture
+def own_gpu_hosts(tmp_path: Path) -> Iterator[Hosts]:
+    """Two stand-in GPU hosts for one test (it may kill a worker)."""
+    yield from _hosts(tmp_path / "hosts")
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A CA and a certificate for 127.0.0.1, made for this test module."""
+    return make_tls_files(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture(scope="module")
+def tls_hosts(tmp_path_factory: pytest.TempPathFactory, tls_files: dict[str, str]) -> Iterator[Hosts]:
+    """Two stand-in GPU hosts on a tls:// scheduler that requires those certificates."""
+    yield from _hosts(tmp_path_factory.mktemp("tls-hosts"), tls_files)

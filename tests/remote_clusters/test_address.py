@@ -1,0 +1,222 @@
+"""Address profiles: flow runs on an existing Dask cluster (stand-in GPU hosts on 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from prefect import flow, task
+from prefect.settings import get_current_settings
+from prefect_api import api
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
+from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
+from remote_clusters.hosts import Hosts
+
+pytestmark = pytest.mark.slow
+
+SCRIPT = Path(__file__).with_name("flow_script.py")
+
+
+def _task_runs(flow_run_id: str) -> list[dict]:
+    _, runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    return runs
+
+
+def _settled_task_runs(flow_run_id: str, n: int, timeout: float = 20.0) -> list[dict]:
+    deadline = time.monotonic() + timeout
+    runs: list[dict] = []
+    while time.monotonic() < deadline:
+        runs = _task_runs(flow_run_id)
+        if len(runs) >= n and all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") for r in runs):
+            return runs
+        time.sleep(0.25)
+    return runs
+
+
+def _overlaps(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals that overlap at one instant."""
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = now = 0
+    for _, step in points:
+        now += step
+        most = max(most, now)
+    return most
+
+
+def _two_flow_runs(hosts: Hosts, gpus: float, n: int, seconds: float, tmp_path: Path) -> list[dict]:
+    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url)}
+    env.pop("GPU_TASKS_EMULATED_GPUS", None)  # the flow's host has no devices: the workers do
+    outs = [tmp_path / f"run{i}.json" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(SCRIPT), hosts.address, str(gpus), str(n), str(seconds), str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for out in outs
+    ]
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    return [json.loads(out.read_text()) for out in outs]
+
+
+def test_two_flow_runs_share_two_hosts_one_task_per_device(gpu_hosts: Hosts, prefect_server, tmp_path: Path):
+    runs = _two_flow_runs(gpu_hosts, 1, 4, 1.5, tmp_path)
+    tasks = [t for r in runs for t in r["tasks"]]
+    assert len(tasks) == 8
+    by_device: dict[str, list[tuple[float, float]]] = {}
+    for t in tasks:
+        # each task saw exactly its own worker's device, announced as emulated, with its host
+        assert len(t["devices"]) == 1 and t["cvd"] in ("0", "1"), t
+        assert t["devices"] == [f"{t['host']}:{t['cvd']}"] and t["emulated"] is True
+        assert t["names"] == ["H100 (emulated)"]
+        by_device.setdefault(t["devices"][0], []).append((t["start"], t["end"]))
+    assert len(by_device) == 2  # both hosts were used
+    for device, intervals in by_device.items():
+        # exclusivity across the two flow runs: never two whole-GPU tasks on one device at once
+        assert _overlaps(intervals) == 1, (device, sorted(intervals))
+    for r in runs:
+        records = _settled_task_runs(r["flow_run_id"], 4)
+        assert [x["state_type"] for x in records] == ["COMPLETED"] * 4
+        for x in records:
+            gpu_tags = [t for t in x["tags"] if t.startswith("gpu:")]
+            assert len(gpu_tags) == 1 and gpu_tags[0].count(":") == 2, x["tags"]  # gpu:<host>:<id>
+            assert "gpu-tasks:emulated" in x["tags"]
+
+
+def test_fractional_tasks_pack_two_per_device(gpu_hosts: Hosts, prefect_server, tmp_path: Path):
+    runs = _two_flow_runs(gpu_hosts, 0.5, 4, 2.0, tmp_path)
+    by_device: dict[str, list[tuple[float, float]]] = {}
+    for t in (t for r in runs for t in r["tasks"]):
+        assert t["fraction"] == 0.5 and len(t["devices"]) == 1
+        by_device.setdefault(t["devices"][0], []).append((t["start"], t["end"]))
+    most = {d: _overlaps(iv) for d, iv in by_device.items()}
+    assert max(most.values()) == 2, most  # two halves share a device ...
+    assert all(m <= 2 for m in most.values()), most  # ... and never more
+
+
+def _address_flow(profile: ResourceProfile, n: int = 1, seconds: float = 0.1):
+    @task(tags=[f"profile:{profile.name}"])
+    def where(i: int) -> dict:
+        alloc = current_allocation()
+        time.sleep(seconds)
+        return {"devices": alloc.device_keys, "host": alloc.host, "pid": os.getpid()}
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[profile]))
+    def on_address():
+        futures = [where.submit(i) for i in range(n)]
+        return [f.result(raise_on_failure=False) for f in futures]
+
+    return on_address
+
+
+def test_a_request_no_worker_can_satisfy_fails_fast_naming_the_workers(gpu_hosts: Hosts, prefect_server):
+    prof = ResourceProfile(name="too-big", gpus=2, address=gpu_hosts.address)
+    started = time.monotonic()
+    [error] = _address_flow(prof)()
+    assert time.monotonic() - started < 60
+    assert isinstance(error, UnsatisfiableProfileError), error
+    assert "no worker of" in str(error) and "GPU=1 < 2" in str(error) and "--resources GPU=" in str(error)
+
+
+def test_gpu_model_selects_workers_by_the_devices_they_publish(gpu_hosts: Hosts, prefect_server):
+    ok = ResourceProfile(name="h100", gpus=1, gpu_model="H100", address=gpu_hosts.address)
+    results = _address_flow(ok, n=2)()
+    assert all(r["devices"] for r in results)
+    wrong = ResourceProfile(name="a100", gpus=1, gpu_model="A100", address=gpu_hosts.address)
+    [error] = _address_flow(wrong)()
+    assert isinstance(error, UnsatisfiableProfileError)
+    assert "do not match gpu_model='A100'" in str(error), error
+
+
+def test_an_unreachable_address_fails_within_the_provision_timeout(prefect_server, monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_PROVISION_TIMEOUT", "4")
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    prof = ResourceProfile(name="nowhere", gpus=1, address=f"tcp://127.0.0.1:{port}")
+    started = time.monotonic()
+    [error] = _address_flow(prof)()
+    assert time.monotonic() - started < 30
+    assert isinstance(error, ClusterError)
+    assert "cannot connect to the Dask scheduler at tcp://127.0.0.1" in str(error), error
+    assert "'nowhere'" in str(error)
+
+
+def test_a_loopback_api_with_workers_elsewhere_fails_at_submit(prefect_server):
+    # the test server listens on 127.0.0.1; a scheduler on another address has workers elsewhere
+    prof = ResourceProfile(name="elsewhere", gpus=1, address="tcp://10.255.255.1:8786")
+    with pytest.raises(ClusterError, match="reachable only from this host") as info:
+        _address_flow(prof)()
+    assert "prefect server start --host 0.0.0.0" in str(info.value)
+
+
+def _kill_when_running(marker: Path, hosts: Hosts) -> threading.Thread:
+    def kill() -> None:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+        marker.unlink()
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
+    own_gpu_hosts: Hosts, prefect_server, tmp_path: Path, retries: int
+):
+    marker = tmp_path / "running"  # the task writes its worker's pid here, once
+    prof = ResourceProfile(name="doomed", gpus=1, address=own_gpu_hosts.address)
+
+    @task(tags=["profile:doomed"], retries=retries)
+    def long_task() -> int:
+        if not Path(str(marker) + ".done").exists():
+            Path(str(marker) + ".done").write_text("")
+            marker.write_text(str(os.getpid()))
+            time.sleep(30)
+        return os.getpid()
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def killed_worker():
+        return long_task.submit()
+
+    killer = _kill_when_running(marker, own_gpu_hosts)
+    state = killed_worker(return_state=True)
+    killer.join(5)
+    future_state = state.result(raise_on_failure=False)
+    task_run_id = future_state.state_details.task_run_id
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        _, run = api("GET", f"/task_runs/{task_run_id}")
+        if run["state_type"] in ("COMPLETED", "CRASHED"):
+            break
+        time.sleep(0.25)
+    _, history = api("GET", "/task_run_states/", params={"task_run_id": str(task_run_id)})
+    crashed = [h for h in history if h["type"] == "CRASHED"]
+    assert crashed and "died; its Dask scheduler re-ran it" in crashed[0]["message"], history
+    if retries:
+        assert run["state_type"] == "COMPLETED", run
+        assert run["run_count"] == 2
+    else:
+        assert run["state_type"] == "CRASHED", run
+        assert "died" in run["state"]["message"]
+    # no process of ours was left on the hosts but the restarted worker
+    assert all(p.poll() is None for p in own_gpu_hosts.procs)
+    assert psutil.pid_exists(own_gpu_hosts.scheduler.pid)
