@@ -17,7 +17,14 @@ from gpu_tasks.errors import (
     UnknownProfileError,
     UnsatisfiableProfileError,
 )
-from gpu_tasks.profiles import CudaOptions, ResourceProfile, load_profiles_file, profile, use_profile
+from gpu_tasks.profiles import (
+    CudaOptions,
+    ResourceProfile,
+    TlsOptions,
+    load_profiles_file,
+    profile,
+    use_profile,
+)
 from gpu_tasks.runner import ProfileFuture, ProfileTaskRunner
 from gpu_tasks.settings import GpuTasksSettings, get_settings
 
@@ -28,6 +35,7 @@ __all__ = [
     "Allocation",
     "ClusterError",
     "CudaOptions",
+    "TlsOptions",
     "Device",
     "DeviceDiscoveryError",
     "GpuTasksError",

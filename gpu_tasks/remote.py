@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +153,28 @@ def security_for(profile: ResourceProfile) -> Any:
     )
 
 
+@contextlib.contextmanager
+def _signal_handlers_kept() -> Iterator[None]:
+    """Import a cluster manager's module without letting it replace signal handlers.
+
+    ``dask_jobqueue.runner`` sets a SIGINT handler when it is imported: on a thread other
+    than the main one that import raises ``ValueError``, and on the main thread it would
+    replace Prefect's Ctrl-C handling with ``sys.exit()``. During the import,
+    ``signal.signal`` leaves handlers as they are.
+    """
+    real = signal.signal
+
+    def keep(signum: Any, handler: Any) -> Any:
+        logger.debug("gpu-tasks: kept the handler of signal %s while importing a cluster class", signum)
+        return signal.getsignal(signum)
+
+    signal.signal = keep  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        signal.signal = real
+
+
 def load_cluster_class(profile: ResourceProfile) -> type:
     """The class ``profile.cluster_class`` names, checked to be a Dask cluster class.
 
@@ -163,7 +187,8 @@ def load_cluster_class(profile: ResourceProfile) -> type:
     assert path is not None
     module_name, _, attr = path.rpartition(".")
     try:
-        module = importlib.import_module(module_name)
+        with _signal_handlers_kept():
+            module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ClusterError(
             f"profile {profile.name!r}: cluster_class {path!r} cannot be imported ({exc}); install the "
@@ -489,16 +514,14 @@ class ManagedCluster(RemoteCluster):
 
         try:
             manager = _within(self.provision_timeout, make, f"cluster of profile {self.profile.name!r}")
-        except TypeError as exc:
-            raise ClusterError(
-                f"profile {self.profile.name!r}: {name} rejected cluster_kwargs "
-                f"{sorted(self.profile.cluster_kwargs)}: {exc}; fix cluster_kwargs to match {name}'s "
-                "arguments"
-            ) from exc
         except Exception as exc:
+            # TypeError or ValueError for arguments the class does not take; anything else its own
+            rejected = isinstance(exc, (TypeError, ValueError))
             raise ClusterError(
-                f"profile {self.profile.name!r}: could not create {name}(**cluster_kwargs): "
-                f"{type(exc).__name__}: {exc}; fix cluster_kwargs or the cluster manager's configuration"
+                f"profile {self.profile.name!r}: {name}(**cluster_kwargs) "
+                + (f"rejected cluster_kwargs {sorted(self.profile.cluster_kwargs)}" if rejected else "failed")
+                + f": {type(exc).__name__}: {exc}; fix cluster_kwargs to match {name}'s arguments"
+                + ("" if rejected else " or the cluster manager's configuration")
             ) from exc
         self.manager = manager
         try:

@@ -11,6 +11,7 @@ import threading
 import time
 from pathlib import Path
 
+import cloudpickle
 import psutil
 import pytest
 from prefect import flow, task
@@ -22,6 +23,8 @@ from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
 from remote_clusters.hosts import Hosts
 
 pytestmark = pytest.mark.slow
+# the workers cannot import this test module: its flows and tasks travel by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 SCRIPT = Path(__file__).with_name("flow_script.py")
 

@@ -1,0 +1,170 @@
+"""cluster_class profiles, on dask-jobqueue's job-queue cluster that runs its jobs as local
+processes (``dask_jobqueue.local.LocalCluster``): the job-queue machinery without Slurm."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import cloudpickle
+import psutil
+import pytest
+from prefect import flow, task
+from prefect.context import FlowRunContext
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
+from gpu_tasks.errors import ClusterError
+from remote_clusters import jobqueue_local
+from remote_clusters.jobqueue_local import DrainedLocalJob
+
+pytestmark = pytest.mark.slow
+# the workers cannot import this test module: its flows and tasks travel by value
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(jobqueue_local)  # the runner, its profiles included, travels too
+
+JOBQUEUE = "dask_jobqueue.local.LocalCluster"
+
+
+def job_kwargs(resources: bool = True, **extra: Any) -> dict[str, Any]:
+    """One worker per job on 127.0.0.1 advertising GPU=1; each job is an emulated one-GPU host.
+
+    LocalCluster runs its job script without a shell, so the job's environment goes in
+    front of the interpreter with env(1).
+    """
+    args = ["--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0"]
+    if resources:
+        args = ["--resources", "GPU=1", *args]
+    return {
+        "cores": 1,
+        "memory": "1GiB",
+        "processes": 1,
+        "python": f"env CUDA_VISIBLE_DEVICES=0 GPU_TASKS_EMULATED_GPUS=H100:80GiB {sys.executable}",
+        "job_cls": DrainedLocalJob,
+        "worker_extra_args": args,
+        "scheduler_options": {"host": "127.0.0.1", "dashboard_address": "127.0.0.1:0"},
+        **extra,
+    }
+
+
+def job_workers() -> list[psutil.Process]:
+    """This test process's dask-jobqueue job processes that still run."""
+    out = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE and "dask_worker" in " ".join(p.cmdline()):
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
+def test_provision_scale_up_scale_to_zero_and_reprovision(prefect_server, no_leaked_processes):
+    prof = ResourceProfile(
+        name="queue",
+        gpus=1,
+        cluster_class=JOBQUEUE,
+        cluster_kwargs=job_kwargs(),
+        max_workers=2,
+        idle_timeout=1,
+    )
+
+    @task(tags=["profile:queue"])
+    def train(i: int) -> dict:
+        import os
+
+        time.sleep(1.5)
+        alloc = current_allocation()
+        return {"pid": os.getpid(), "devices": alloc.device_keys, "emulated": alloc.emulated}
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def queued() -> dict:
+        runner = FlowRunContext.get().task_runner
+        first = [f.result() for f in [train.submit(i) for i in range(4)]]
+        deadline = time.monotonic() + 30
+        while not runner.ledger and time.monotonic() < deadline:
+            time.sleep(0.2)
+        between = {"rows": len(runner.ledger), "workers": len(job_workers()), **runner.status()["queue"]}
+        second = [f.result() for f in [train.submit(i) for i in range(2)]]
+        return {"first": first, "between": between, "second": second}
+
+    out = queued()
+    first, between, second = out["first"], out["between"], out["second"]
+    # scaled up to the queue: the four tasks ran on two workers (max_workers), devices emulated
+    assert len({r["pid"] for r in first}) == 2, first
+    assert all(r["emulated"] and len(r["devices"]) == 1 for r in first + second)
+    # scaled to zero when idle: a ledger row, no job process left, the profile closed
+    assert between["rows"] == 1 and between["workers"] == 0 and between["state"] == "closed", between
+    # re-provisioned by the next tasks, on new workers
+    assert not {r["pid"] for r in second} & {r["pid"] for r in first}
+    assert job_workers() == []
+
+
+def test_ledger_counts_held_time_from_the_request(prefect_server):
+    prof = ResourceProfile(
+        name="ledger", gpus=1, cluster_class=JOBQUEUE, cluster_kwargs=job_kwargs(), max_workers=1
+    )
+
+    @task(tags=["profile:ledger"])
+    def nap() -> None:
+        time.sleep(1.0)
+
+    runner_box: list = []
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def one():
+        runner_box.append(FlowRunContext.get().task_runner)
+        nap.submit().result()
+
+    one()
+    [row] = runner_box[0].ledger
+    assert row.profile == "ledger" and row.tasks == 1 and row.workers == 1
+    assert row.busy_seconds >= 1.0 and row.held_seconds > row.busy_seconds  # start-up counts as held
+    assert row.emulated and row.devices and row.reason.startswith("flow run ended")
+
+
+def _fails(prof: ResourceProfile) -> BaseException:
+    @task(tags=[f"profile:{prof.name}"])
+    def never() -> None:
+        raise AssertionError("must not run")
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def bad():
+        return never.submit().result(raise_on_failure=False)
+
+    started = time.monotonic()
+    error = bad()
+    assert time.monotonic() - started < 60
+    assert isinstance(error, ClusterError), error
+    assert f"profile {prof.name!r}" in str(error)
+    assert job_workers() == []
+    return error
+
+
+@pytest.mark.parametrize(
+    ("path", "kwargs", "says"),
+    [
+        ("dask_nowhere.SLURMCluster", {}, "cannot be imported"),
+        ("dask_jobqueue.NoSuchCluster", {}, "has no 'NoSuchCluster'"),
+        ("collections.OrderedDict", {}, "is not a Dask cluster class"),
+        (JOBQUEUE, {"bogus": 1}, "rejected cluster_kwargs"),
+    ],
+)
+def test_bad_cluster_class_or_kwargs_is_a_clear_error(
+    prefect_server, no_leaked_processes, path, kwargs, says
+):
+    prof = ResourceProfile(name="bad", gpus=1, cluster_class=path, cluster_kwargs=kwargs, max_workers=1)
+    assert says in str(_fails(prof))
+
+
+def test_workers_without_gpu_resources_fail_at_start_up_with_the_fix(prefect_server, no_leaked_processes):
+    prof = ResourceProfile(
+        name="nogpu",
+        gpus=1,
+        cluster_class=JOBQUEUE,
+        cluster_kwargs=job_kwargs(resources=False),
+        max_workers=1,
+    )
+    error = _fails(prof)
+    assert "advertise no Dask resource 'GPU'" in str(error)
+    assert 'worker_extra_args = ["--resources", "GPU=1"]' in str(error)
