@@ -15,6 +15,7 @@ leases (:mod:`gpu_tasks.leases`) do not apply: they cover one host's devices.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import logging
 import signal
@@ -389,6 +390,9 @@ class AddressCluster(RemoteCluster):
                 f"client of profile {self.profile.name!r}",
             )
         except Exception as exc:
+            # a Client whose constructor raised sits in a reference cycle; collected while another
+            # client starts, it can hang that one (distributed 2026.7): collect it now
+            gc.collect()
             hint = (
                 "check the scheduler's certificates and the profile's security (or GPU_TASKS_TLS_*)"
                 if address.startswith("tls://")

@@ -1,0 +1,184 @@
+"""address / cluster_class profiles: validation, the TOML file, the loopback-API rule, worker fit."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, TlsOptions
+from gpu_tasks._api import loopback_api_error
+from gpu_tasks.errors import ClusterError, ProfileError
+from gpu_tasks.profiles import load_profiles_file
+from gpu_tasks.remote import RemoteWorker, load_cluster_class
+
+
+def test_kinds_and_what_they_imply():
+    local = ResourceProfile(name="l", gpus=1)
+    shared = ResourceProfile(name="s", gpus=1, address="tls://gpu-scheduler:8786")
+    managed = ResourceProfile(
+        name="m",
+        gpus=1,
+        cluster_class="dask_jobqueue.SLURMCluster",
+        cluster_kwargs={"queue": "gpu"},
+        max_workers=8,
+    )
+    cpu_remote = ResourceProfile(name="c", address="10.0.0.5:8786")
+    assert (local.kind, shared.kind, managed.kind) == ("local", "address", "cluster_class")
+    assert local.is_local and not shared.is_local and not managed.is_local
+    assert cpu_remote.uses_processes  # a CPU profile on a cluster runs on its worker processes
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"address": "gpu-scheduler"}, "address must be a Dask scheduler address"),
+        ({"address": "tcp://host:99999"}, "address must be a Dask scheduler address"),
+        ({"address": "http://host:8786"}, "address must be a Dask scheduler address"),
+        ({"cluster_class": "SLURMCluster", "max_workers": 1}, "must be the import path"),
+        ({"cluster_class": "a.B"}, "cluster_class needs max_workers"),
+        ({"address": "tcp://h:1", "cluster_class": "a.B", "max_workers": 1}, "exclude each other"),
+        ({"cluster_kwargs": {"queue": "gpu"}}, "cluster_kwargs needs cluster_class"),
+        ({"security": {"ca_file": "ca.pem"}}, "security applies to an address profile"),
+        ({"address": "tcp://h:1", "fallback": "cpu"}, "fallback='cpu' applies to this host's devices"),
+        ({"address": "tcp://h:1", "gang": True, "max_workers": 2}, "cannot be started as a gang"),
+        ({"address": "tcp://h:1", "security": {"ca": "x"}}, "security.ca is not a profile field"),
+    ],
+)
+def test_bad_placement_fields_name_the_field_and_the_fix(fields, says):
+    with pytest.raises(ProfileError, match="profile 'p'") as info:
+        ResourceProfile(name="p", gpus=1, **fields)
+    assert says in str(info.value)
+
+
+def test_processes_false_is_refused_on_a_cluster():
+    with pytest.raises(ProfileError, match="processes=False is not possible with address"):
+        ResourceProfile(name="p", processes=False, address="tcp://h:1")
+
+
+def test_the_issue_examples_load_from_a_toml_file(tmp_path: Path):
+    path = tmp_path / "profiles.toml"
+    path.write_text(
+        textwrap.dedent(
+            """
+            [profiles.gpu-shared]
+            gpus = 1
+            address = "tls://gpu-scheduler:8786"
+            [profiles.gpu-shared.security]
+            ca_file = "/etc/dask/ca.pem"
+            cert = "/etc/dask/client.pem"
+            key = "/etc/dask/client.key"
+
+            [profiles.gpu-slurm]
+            gpus = 1
+            cluster_class = "dask_jobqueue.SLURMCluster"
+            max_workers = 8
+            idle_timeout = 120
+            [profiles.gpu-slurm.cluster_kwargs]
+            queue = "gpu"
+            job_extra_directives = ["--gres=gpu:1"]
+            cores = 8
+            memory = "64GiB"
+            worker_extra_args = ["--resources", "GPU=1"]
+            """
+        )
+    )
+    profiles, _ = load_profiles_file(path)
+    shared, slurm = profiles["gpu-shared"], profiles["gpu-slurm"]
+    assert shared.address == "tls://gpu-scheduler:8786"
+    assert shared.security == TlsOptions(
+        ca_file="/etc/dask/ca.pem", cert="/etc/dask/client.pem", key="/etc/dask/client.key"
+    )
+    assert slurm.cluster_kwargs["job_extra_directives"] == ["--gres=gpu:1"] and slurm.max_workers == 8
+    assert slurm == ResourceProfile(
+        name="gpu-slurm",
+        gpus=1,
+        cluster_class="dask_jobqueue.SLURMCluster",
+        cluster_kwargs={
+            "queue": "gpu",
+            "job_extra_directives": ["--gres=gpu:1"],
+            "cores": 8,
+            "memory": "64GiB",
+            "worker_extra_args": ["--resources", "GPU=1"],
+        },
+        max_workers=8,
+        idle_timeout=120,
+    )
+
+
+def test_a_runner_with_remote_profiles_pickles_and_compares():
+    import cloudpickle
+
+    runner = ProfileTaskRunner(
+        profiles=[
+            ResourceProfile(name="s", gpus=1, address="tcp://h:8786"),
+            ResourceProfile(name="m", gpus=1, cluster_class="a.B", cluster_kwargs={"x": [1]}, max_workers=2),
+        ]
+    )
+    assert cloudpickle.loads(cloudpickle.dumps(runner)) == runner
+    assert runner.duplicate() == runner
+
+
+@pytest.mark.parametrize(
+    ("api", "scheduler", "blocked"),
+    [
+        ("http://127.0.0.1:4200/api", "tcp://127.0.0.1:8786", False),  # all on this host
+        ("http://localhost:4200/api", "tcp://[::1]:8786", False),
+        ("http://127.0.0.1:4200/api", "tls://gpu-scheduler:8786", True),
+        ("http://localhost:4200/api", "10.0.0.5:8786", True),
+        ("http://[::1]:4200/api", "tcp://10.0.0.5:8786", True),
+        ("http://prefect.internal:4200/api", "tls://gpu-scheduler:8786", False),
+        ("https://api.prefect.cloud/api/accounts/a/workspaces/w", "tcp://10.0.0.5:8786", False),
+    ],
+)
+def test_loopback_api_rule(api, scheduler, blocked):
+    why = loopback_api_error("p", api, scheduler)
+    assert (why is not None) == blocked
+    if blocked:
+        assert "prefect server start --host 0.0.0.0" in why and "PREFECT_API_URL" in why
+
+
+def _worker(**kw) -> RemoteWorker:
+    return RemoteWorker(**{"address": "tcp://h:1", "name": "w", "host": "h", "gpus": 1.0, **kw})
+
+
+def test_which_remote_workers_fit_a_profile():
+    h100 = _worker(devices=("0",), names=("NVIDIA H100 80GB HBM3",), memory=(80 * 2**30,))
+    assert h100.why_not(ResourceProfile(name="p", gpus=1)) is None
+    assert h100.why_not(ResourceProfile(name="p", gpus=0.25)) is None
+    assert h100.why_not(ResourceProfile(name="p", gpus=2)) == "GPU=1 < 2"
+    assert h100.why_not(ResourceProfile(name="p", gpus=1, gpu_model="h100")) is None
+    assert "do not match" in h100.why_not(ResourceProfile(name="p", gpus=1, gpu_model="A100"))
+    assert "below gpu_memory" in h100.why_not(ResourceProfile(name="p", gpus=1, gpu_memory="96GiB"))
+    silent = _worker()  # a worker without gpu-tasks cannot describe its devices
+    assert "publishes no device names" in silent.why_not(ResourceProfile(name="p", gpus=1, gpu_model="H100"))
+    assert _worker(gpus=0).why_not(ResourceProfile(name="p", gpus=0.5)) == "GPU=0 < 0.5"
+    assert h100.device_keys == ("h:0",)
+
+
+@pytest.mark.parametrize(
+    ("path", "says"),
+    [
+        ("no_such_package_xyz.Cluster", "cannot be imported"),
+        ("distributed.NoSuchCluster", "has no 'NoSuchCluster'"),
+        ("collections.OrderedDict", "is not a Dask cluster class"),
+        ("os.path.join", "is not a Dask cluster class"),
+    ],
+)
+def test_load_cluster_class_errors(path, says):
+    prof = ResourceProfile(name="p", gpus=1, cluster_class=path, max_workers=1)
+    with pytest.raises(ClusterError, match="profile 'p'") as info:
+        load_cluster_class(prof)
+    assert says in str(info.value)
+
+
+def test_load_cluster_class_keeps_signal_handlers():
+    import signal
+
+    before = signal.getsignal(signal.SIGINT)
+    prof = ResourceProfile(name="p", gpus=1, cluster_class="dask_jobqueue.SLURMCluster", max_workers=1)
+    from distributed.deploy.cluster import Cluster
+
+    assert issubclass(load_cluster_class(prof), Cluster)
+    assert signal.getsignal(signal.SIGINT) is before  # dask_jobqueue.runner sets one at import
