@@ -190,7 +190,18 @@ def _load_profiles(
 
 
 def _profile_fit(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
-    """Which devices ``prof`` may use on ``inventory``, and why it can never run if so."""
+    """Which devices ``prof`` may use on ``inventory``, and why it can never run if so.
+
+    An address or cluster_class profile's workers are elsewhere: checked when its first task runs.
+    """
+    if not prof.is_local:
+        return {
+            "can_run": None,
+            "reason": None,
+            "matching_devices": [],
+            "workers": prof.max_workers,
+            "tasks_per_worker": slots_per_worker(prof) if prof.is_gpu else None,
+        }
     reason = unsatisfiable_reason(prof, inventory)
     matching = matching_devices(prof, inventory) if prof.is_gpu else []
     groups = device_groups(prof, matching) if reason is None else []
@@ -204,6 +215,10 @@ def _profile_fit(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
 
 
 def _uses_text(prof: ResourceProfile, place: dict[str, Any]) -> str:
+    if prof.address is not None:
+        return f"workers of the Dask cluster at {prof.address} (checked when its first task runs)"
+    if prof.cluster_class is not None:
+        return f"workers that {prof.cluster_class} starts, up to {prof.max_workers}"
     if not prof.is_gpu:
         workers, slots = place["workers"], place["tasks_per_worker"]
         return f"CPU only (no devices): {workers} worker(s), {slots} task(s) at once each"
@@ -234,6 +249,14 @@ def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tupl
         ("idle_timeout", idle),
         ("fallback", prof.fallback),
         ("gang", "yes" if prof.gang else "no"),
+        (
+            "runs on",
+            {
+                "local": "this host",
+                "address": "an existing Dask cluster",
+                "cluster_class": "a cluster manager",
+            }[prof.kind],
+        ),
     ]
 
 
@@ -265,6 +288,7 @@ def profiles(
                 "profiles": [
                     {
                         **prof.model_dump(mode="json"),
+                        "kind": prof.kind,
                         "tag": prof.tag,
                         "default": name == default,
                         **placements[name],

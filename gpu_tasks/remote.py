@@ -231,6 +231,9 @@ class RemoteCluster(ProfileCluster):
         self._tasks = 0
         self._busy_lock = threading.Lock()
         self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory)
+        self._pending: dict[str, float] = {}  # keys submitted and not done: when
+        self._watch_stop = threading.Event()
+        self._watcher: threading.Thread | None = None
 
     # ------------------------------------------------------------ properties
     @property
@@ -256,7 +259,63 @@ class RemoteCluster(ProfileCluster):
         where: dict[str, Any] = {}
         if self._allowed is not None:
             where = {"workers": self._allowed, "allow_other_workers": False}
-        return self.client.submit(fn, *args, key=key, pure=False, resources=resources, **where)
+        with self._busy_lock:
+            self._pending[key] = time.monotonic()
+        future = self.client.submit(fn, *args, key=key, pure=False, resources=resources, **where)
+        future.add_done_callback(lambda f: self._done(key))
+        self._watch()
+        return future
+
+    def _done(self, key: str) -> None:
+        with self._busy_lock:
+            self._pending.pop(key, None)
+
+    # ------------------------------------------------------------ waiting, logged
+    wait_log_every = _WAIT_LOG_EVERY  # seconds a task waits in the scheduler's queue before it is logged
+
+    def _watch(self) -> None:
+        if self._watcher is None or self._watch_stop.is_set():
+            self._watch_stop = threading.Event()  # one per watcher: an old one may still be exiting
+            self._watcher = threading.Thread(
+                target=self._log_waits,
+                args=(self._watch_stop,),
+                name=f"gpu-tasks-wait-{self.profile.name}",
+                daemon=True,
+            )
+            self._watcher.start()
+
+    def _log_waits(self, stop: threading.Event) -> None:
+        """Every ``wait_log_every`` s: log the tasks that waited that long in the queue, and why."""
+        while not stop.wait(self.wait_log_every):
+            client = self.client
+            now = time.monotonic()
+            with self._busy_lock:
+                old = {k: t for k, t in self._pending.items() if now - t >= self.wait_log_every}
+            if client is None or not old:
+                continue
+            try:
+                running = {k for keys in client.processing().values() for k in keys}
+            except Exception:
+                continue
+            queued = [k for k in old if k not in running]
+            if queued:
+                logger.info(
+                    "profile %r: %d task(s) have waited up to %.0fs in the queue of %s for %s; %s",
+                    self.profile.name,
+                    len(queued),
+                    max(now - old[k] for k in queued),
+                    self.scheduler_address,
+                    f"GPU={self.profile.gpus:g}" if self.profile.is_gpu else "a worker thread",
+                    self._wait_reason(),
+                )
+
+    def _wait_reason(self) -> str:
+        fit = [w for w in self.remote.values() if w.why_not(self.profile) is None]
+        return (
+            f"the {len(fit)} worker(s) that fit are busy with other work"
+            if fit
+            else "no worker that fits is up"
+        )
 
     def record(self, worker: str, start: float, end: float) -> None:
         with self._busy_lock:
@@ -277,6 +336,7 @@ class RemoteCluster(ProfileCluster):
 
     def shutdown(self) -> None:
         """Close the client (the flow run ended)."""
+        self._watch_stop.set()
         client, self.client = self.client, None
         if client is not None:
             with contextlib.suppress(Exception):

@@ -223,3 +223,55 @@ def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
     # no process of ours was left on the hosts but the restarted worker
     assert all(p.poll() is None for p in own_gpu_hosts.procs)
     assert psutil.pid_exists(own_gpu_hosts.scheduler.pid)
+
+
+def test_a_task_that_must_wait_is_logged_with_what_it_waits_for(
+    gpu_hosts: Hosts, prefect_server, caplog, monkeypatch
+):
+    import logging
+
+    from gpu_tasks.remote import RemoteCluster
+
+    monkeypatch.setattr(RemoteCluster, "wait_log_every", 0.5)
+    caplog.set_level(logging.INFO, logger="gpu_tasks.runner")
+    prof = ResourceProfile(name="patient", gpus=1, address=gpu_hosts.address)
+    with gpu_hosts.client() as other:  # another user holds both GPUs for a while
+        busy = [other.submit(time.sleep, 4, resources={"GPU": 1}, pure=False) for _ in range(2)]
+        while len({k for keys in other.processing().values() for k in keys}) < 2:
+            time.sleep(0.05)
+        [result] = _address_flow(prof)()
+        other.gather(busy)
+    assert result["devices"]
+    waits = [r.getMessage() for r in caplog.records if "in the queue of" in r.getMessage()]
+    assert waits, [r.getMessage() for r in caplog.records]
+    assert "for GPU=1" in waits[0] and "busy with other work" in waits[0]
+
+
+def test_a_plain_script_on_prefects_ephemeral_api(gpu_hosts: Hosts, tmp_path: Path):
+    """No server started, no PREFECT_API_URL: the ephemeral API is on 127.0.0.1, as the scheduler."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "GPU_TASKS_EMULATED"))}
+    env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    out = tmp_path / "out.json"
+    before = _servers()
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), gpu_hosts.address, "1", "2", "0.2", str(out)],
+        env=env,
+        capture_output=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
+    tasks = json.loads(out.read_text())["tasks"]
+    assert len(tasks) == 2 and all(t["devices"] and t["emulated"] for t in tasks)
+    # the ephemeral server ended with the script; the hosts are still up
+    assert _servers() - before == set()
+    assert all(p.poll() is None for p in gpu_hosts.procs)
+
+
+def _servers() -> set[int]:
+    """Prefect API server processes on this machine."""
+    out = set()
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if "uvicorn" in cmd or "prefect.server" in cmd:
+            out.add(p.pid)
+    return out
