@@ -54,6 +54,7 @@ def emit_cluster_event(
                 "gpu-tasks.profile": name,
                 "gpu-tasks.devices": ",".join(devices) or "-",
                 "gpu-tasks.emulated": str(cluster.emulated).lower(),
+                "gpu-tasks.kind": cluster.profile.kind,
             },
             related=related,
             payload=payload,
@@ -61,10 +62,12 @@ def emit_cluster_event(
         lease_event = _DEVICE_EVENTS.get(what)
         host = socket.gethostname()
         for address in devices if lease_event else ():
+            # a remote profile's devices are <host>:<id> (gpu_tasks.allocation.Allocation.device_keys)
+            where, _, device = address.rpartition(":") if ":" in address else (host, "", address)
             emit_event(
                 event=f"gpu-tasks.device.{lease_event}",
                 resource={
-                    "prefect.resource.id": f"gpu-tasks.device.{host}.{address}",
+                    "prefect.resource.id": f"gpu-tasks.device.{where}.{device}",
                     "prefect.resource.name": f"gpu:{address}",
                     "gpu-tasks.profile": name,
                 },

@@ -3,6 +3,7 @@ processes (``dask_jobqueue.local.LocalCluster``): the job-queue machinery withou
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from typing import Any
@@ -12,6 +13,7 @@ import psutil
 import pytest
 from prefect import flow, task
 from prefect.context import FlowRunContext
+from prefect_api import api
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.errors import ClusterError
@@ -115,12 +117,41 @@ def test_ledger_counts_held_time_from_the_request(prefect_server):
     def one():
         runner_box.append(FlowRunContext.get().task_runner)
         nap.submit().result()
+        return FlowRunContext.get().flow_run.id
 
-    one()
+    run_id = one()
     [row] = runner_box[0].ledger
     assert row.profile == "ledger" and row.tasks == 1 and row.workers == 1
     assert row.busy_seconds >= 1.0 and row.held_seconds > row.busy_seconds  # start-up counts as held
     assert row.emulated and row.devices and row.reason.startswith("flow run ended")
+    # the same row in the flow run's resource-ledger artifact, and events on both ends
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=10)
+    deadline, events, artifacts = time.monotonic() + 15, [], []
+    while time.monotonic() < deadline and (len(events) < 2 or not artifacts):
+        _, body = api(
+            "POST",
+            "/events/filter",
+            json={
+                "filter": {
+                    "event": {"prefix": ["gpu-tasks.cluster."]},
+                    "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
+                    "occurred": {"since": "2000-01-01T00:00:00Z"},
+                    "order": "ASC",
+                }
+            },
+        )
+        events = body["events"]
+        by_run = {"artifacts": {"flow_run_id": {"any_": [str(run_id)]}}}
+        _, artifacts = api("POST", "/artifacts/filter", json=by_run)
+        time.sleep(0.25)
+    assert [e["event"] for e in events] == ["gpu-tasks.cluster.provisioned", "gpu-tasks.cluster.closed"]
+    assert events[0]["resource"]["gpu-tasks.kind"] == "cluster_class"
+    assert events[1]["payload"]["held_s"] == round(row.held_seconds, 3)
+    [ledger] = [a for a in artifacts if a["key"] == "resource-ledger"]
+    [published] = ledger["data"] if isinstance(ledger["data"], list) else json.loads(ledger["data"])
+    assert published["profile"] == "ledger" and published["held_s"] == round(row.held_seconds, 3)
 
 
 def _fails(prof: ResourceProfile) -> BaseException:
