@@ -56,6 +56,11 @@ def worker_facts() -> dict[str, Any]:
     }
 
 
+def executing_keys(dask_worker: Any) -> list[str]:
+    """Run on a worker (``Client.run``): the keys of the tasks it is executing now."""
+    return [str(k) for k, ts in dask_worker.state.tasks.items() if ts.state in ("executing", "long-running")]
+
+
 @dataclass(frozen=True)
 class RemoteWorker:
     """One worker of a remote scheduler, as the runner sees it."""
@@ -294,7 +299,13 @@ class RemoteCluster(ProfileCluster):
             if client is None or not old:
                 continue
             try:
-                running = {k for keys in client.processing().values() for k in keys}
+                # "processing" on the scheduler includes tasks a worker holds back for resources
+                running = {
+                    k
+                    for keys in client.run(executing_keys, on_error="return").values()
+                    if isinstance(keys, list)
+                    for k in keys
+                }
             except Exception:
                 continue
             queued = [k for k in old if k not in running]

@@ -236,8 +236,9 @@ def test_a_task_that_must_wait_is_logged_with_what_it_waits_for(
     caplog.set_level(logging.INFO, logger="gpu_tasks.runner")
     prof = ResourceProfile(name="patient", gpus=1, address=gpu_hosts.address)
     with gpu_hosts.client() as other:  # another user holds both GPUs for a while
-        busy = [other.submit(time.sleep, 4, resources={"GPU": 1}, pure=False) for _ in range(2)]
-        while len({k for keys in other.processing().values() for k in keys}) < 2:
+        workers = list(other.scheduler_info(n_workers=-1)["workers"])
+        busy = [other.submit(time.sleep, 4, resources={"GPU": 1}, workers=[w], pure=False) for w in workers]
+        while not all(other.processing().get(w) for w in workers):
             time.sleep(0.05)
         [result] = _address_flow(prof)()
         other.gather(busy)

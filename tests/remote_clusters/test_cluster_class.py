@@ -199,3 +199,42 @@ def test_workers_without_gpu_resources_fail_at_start_up_with_the_fix(prefect_ser
     error = _fails(prof)
     assert "advertise no Dask resource 'GPU'" in str(error)
     assert 'worker_extra_args = ["--resources", "GPU=1"]' in str(error)
+
+
+def test_a_job_worker_killed_mid_task_is_reported_and_retried(prefect_server, tmp_path):
+    import os
+    import signal
+    import threading
+    from pathlib import Path
+
+    marker = tmp_path / "running"
+    prof = ResourceProfile(
+        name="fragile", gpus=1, cluster_class=JOBQUEUE, cluster_kwargs=job_kwargs(), max_workers=1
+    )
+
+    @task(tags=["profile:fragile"], retries=1)
+    def once_killed() -> int:
+        done = Path(str(marker) + ".done")
+        if not done.exists():
+            done.write_text("")
+            marker.write_text(str(os.getpid()))
+            time.sleep(30)
+        return os.getpid()
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def killed():
+        return once_killed.submit().result()
+
+    def kill() -> None:
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    pid = killed()
+    killer.join(5)
+    assert pid != int(marker.read_text())  # the retry ran in a new worker process
+    assert job_workers() == []
