@@ -312,9 +312,11 @@ class Live:
             if cf.done() and not cf.cancelled() and cf.exception() is None:
                 continue  # it finished while the clusters closed
             prof = job.profile
-            message = (
-                f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; "
+            message = f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; " + (
                 "its worker was closed"
+                if prof.is_local
+                else "the runner cancelled it on its cluster (a task already running on a worker there runs "
+                "to its end, and its result is not collected)"
             )
             state, _ = crash_task_run(
                 job.task_run_id,

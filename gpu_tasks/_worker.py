@@ -69,13 +69,19 @@ def run_on_worker(
     from prefect.context import SettingsContext, SyncClientContext
 
     try:
-        address = get_worker().address
+        dask_worker: Any = get_worker()
     except ValueError:  # pragma: no cover - not on a worker
-        address = None
+        dask_worker = None
+    address = dask_worker.address if dask_worker is not None else None
     settings = _worker_settings(settings_key, kwargs["context"]["settings_context"])
     kwargs = {**kwargs, "context": {**kwargs["context"], "settings_context": settings}}
-    host = socket.gethostname() if remote else None
-    alloc = worker_allocation(profile_name, fraction, address, host=host)
+    if remote:
+        from gpu_tasks.remote import owned_devices
+
+        own = owned_devices(dask_worker)
+        alloc = worker_allocation(profile_name, fraction, address, host=socket.gethostname(), own=own)
+    else:
+        alloc = worker_allocation(profile_name, fraction, address)
     _worker_guard.on_orphaned(_report_orphaned)  # once per worker process (idempotent)
     flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run") or {}
     running = (task, flow_run.get("id"), alloc, set(task.tags))

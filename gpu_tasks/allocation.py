@@ -100,7 +100,7 @@ def allocated(alloc: Allocation) -> Iterator[Allocation]:
 
 
 def worker_allocation(
-    profile: str, fraction: float, worker: str | None, host: str | None = None
+    profile: str, fraction: float, worker: str | None, host: str | None = None, own: int | None = None
 ) -> Allocation:
     """Build the allocation of a task on a worker process from its environment.
 
@@ -108,11 +108,12 @@ def worker_allocation(
         host: set for a worker the runner did not start (an ``address`` or
             ``cluster_class`` profile's): its devices, names and emulation come from
             :func:`gpu_tasks.devices.worker_devices`, not from variables the runner set.
+        own: how many of its visible devices such a worker owns (its ``GPU`` resource).
     """
     if host is not None:
         from gpu_tasks.devices import worker_devices
 
-        ids, device_names, emulated = worker_devices() if fraction > 0 else ((), (), False)
+        ids, device_names, emulated = worker_devices(own) if fraction > 0 else ((), (), False)
         return Allocation(
             profile=profile,
             devices=ids,

@@ -302,7 +302,8 @@ def visible_devices() -> Inventory:
     return Inventory(devices=devices, source=inventory.source, detail=inventory.detail)
 
 
-def worker_devices() -> tuple[tuple[str, ...], tuple[str, ...], bool]:
-    """``(ids, names, emulated)`` of :func:`visible_devices`."""
+def worker_devices(own: int | None = None) -> tuple[tuple[str, ...], tuple[str, ...], bool]:
+    """``(ids, names, emulated)`` of the first ``own`` of :func:`visible_devices` (all: ``None``)."""
     inv = visible_devices()
-    return tuple(d.address for d in inv.devices), tuple(d.name for d in inv.devices), inv.emulated
+    devices = inv.devices[:own]
+    return tuple(d.address for d in devices), tuple(d.name for d in devices), inv.emulated

@@ -18,6 +18,7 @@ import contextlib
 import gc
 import importlib
 import logging
+import math
 import signal
 import socket
 import threading
@@ -42,18 +43,30 @@ _WAIT_LOG_EVERY = 30.0
 
 
 # ---------------------------------------------------------------- what a worker is
-def worker_facts() -> dict[str, Any]:
-    """Run on a worker (``Client.run``): its host and the devices it may use."""
+def worker_facts(dask_worker: Any = None) -> dict[str, Any]:
+    """Run on a worker (``Client.run``): its host and the devices it owns.
+
+    A worker owns the first ``GPU``-resource-many of its ``CUDA_VISIBLE_DEVICES``
+    (``dask cuda worker`` shows each worker every device, its own first).
+    """
     from gpu_tasks.devices import visible_devices
 
-    inv = visible_devices()
+    own = owned_devices(dask_worker)
+    devices = visible_devices().devices[:own]
     return {
         "host": socket.gethostname(),
-        "devices": [d.address for d in inv.devices],
-        "names": [d.name for d in inv.devices],
-        "memory": [d.memory_total for d in inv.devices],
-        "emulated": inv.emulated,
+        "devices": [d.address for d in devices],
+        "names": [d.name for d in devices],
+        "memory": [d.memory_total for d in devices],
+        "emulated": visible_devices().emulated,
     }
+
+
+def owned_devices(dask_worker: Any) -> int | None:
+    """How many devices a worker owns: its ``GPU`` resource, rounded up (``None``: all it sees)."""
+    total = getattr(getattr(dask_worker, "state", None), "total_resources", None) or {}
+    gpus = float(total.get(GPU_RESOURCE, 0) or 0)
+    return max(1, math.ceil(gpus - 1e-9)) if gpus > 0 else None
 
 
 def executing_keys(dask_worker: Any) -> list[str]:
@@ -73,6 +86,7 @@ class RemoteWorker:
     names: tuple[str, ...] = ()
     memory: tuple[int | None, ...] = ()
     emulated: bool = False
+    error: str = ""  # why it cannot run gpu-tasks tasks (it failed to describe itself), if so
 
     @property
     def device_keys(self) -> tuple[str, ...]:
@@ -88,6 +102,8 @@ class RemoteWorker:
 
     def why_not(self, profile: ResourceProfile) -> str | None:
         """Why this worker can never run a task of ``profile`` (``None``: it can)."""
+        if self.error:
+            return f"cannot run gpu-tasks tasks ({self.error}); install gpu-tasks, same version, on it"
         if not profile.is_gpu:
             return None
         need = float(profile.gpus) if profile.gpus >= 1 else float(profile.share)
@@ -116,6 +132,8 @@ def read_workers(client: Any) -> dict[str, RemoteWorker]:
     out = {}
     for address, w in info.items():
         f = facts.get(address)
+        # a worker that cannot import gpu-tasks answers with the exception: a task would break it
+        error = f"{type(f).__name__}: {f}" if isinstance(f, BaseException) else ""
         f = f if isinstance(f, dict) else {}
         out[address] = RemoteWorker(
             address=address,
@@ -126,6 +144,7 @@ def read_workers(client: Any) -> dict[str, RemoteWorker]:
             names=tuple(f.get("names") or ()),
             memory=tuple(f.get("memory") or ()),
             emulated=bool(f.get("emulated")),
+            error=error,
         )
     return out
 
@@ -207,10 +226,15 @@ def load_cluster_class(profile: ResourceProfile) -> type:
             f"profile {profile.name!r}: cluster_class {path!r}: module {module_name!r} has no {attr!r}; "
             "fix the class name"
         )
-    if not (isinstance(cls, type) and issubclass(cls, Cluster)):
+    # dask-gateway's GatewayCluster is no Cluster subclass but acts as one: scale, close, an address
+    acts_as_one = all(callable(getattr(cls, m, None)) for m in ("scale", "close")) and hasattr(
+        cls, "scheduler_address"
+    )
+    if not (isinstance(cls, type) and (issubclass(cls, Cluster) or acts_as_one)):
         raise ClusterError(
             f"profile {profile.name!r}: cluster_class {path!r} is not a Dask cluster class (a subclass of "
-            "distributed.deploy.Cluster, such as dask_jobqueue.SLURMCluster); fix cluster_class"
+            "distributed.deploy.Cluster such as dask_jobqueue.SLURMCluster, or a class with scale(), close() "
+            "and scheduler_address such as dask_gateway.GatewayCluster); fix cluster_class"
         )
     return cls
 
@@ -237,6 +261,7 @@ class RemoteCluster(ProfileCluster):
         self._busy_lock = threading.Lock()
         self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory)
         self._pending: dict[str, float] = {}  # keys submitted and not done: when
+        self._futures: dict[str, Any] = {}  # their futures
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
 
@@ -262,18 +287,55 @@ class RemoteCluster(ProfileCluster):
         if self.client is None:
             raise ClusterError(f"profile {self.profile.name!r}: its cluster is not running")
         where: dict[str, Any] = {}
+        if self._allowed is not None and time.monotonic() - self._placed_at > self.replace_every:
+            # workers come and go (a restarted worker has a new address): place on those up now
+            with contextlib.suppress(Exception):
+                self._place(read_workers(self.client))
         if self._allowed is not None:
             where = {"workers": self._allowed, "allow_other_workers": False}
         with self._busy_lock:
             self._pending[key] = time.monotonic()
         future = self.client.submit(fn, *args, key=key, pure=False, resources=resources, **where)
+        with self._busy_lock:
+            self._futures[key] = future
         future.add_done_callback(lambda f: self._done(key))
         self._watch()
         return future
 
+    def _place(self, workers: dict[str, RemoteWorker]) -> None:
+        """Send tasks only to the workers that fit, when some do not (gpu_model, gpu_memory, or
+        a worker without gpu-tasks, which a task would break)."""
+        fit = [w for w in workers.values() if w.why_not(self.profile) is None]
+        unfit = [w for w in workers.values() if w.why_not(self.profile) is not None]
+        for w in unfit:
+            if w.error and w.address not in self.remote:
+                logger.warning(
+                    "profile %r: worker %s of %s gets none of its tasks: %s",
+                    self.profile.name,
+                    w.name,
+                    self.scheduler_address,
+                    w.why_not(self.profile),
+                )
+        self.remote = workers
+        self._allowed = [w.address for w in fit] if unfit else None
+        self._placed_at = time.monotonic()
+
+    _placed_at = 0.0
+    replace_every = 5.0  # seconds before a submit re-reads the workers a restricted profile may use
+
     def _done(self, key: str) -> None:
         with self._busy_lock:
             self._pending.pop(key, None)
+            self._futures.pop(key, None)
+
+    def _cancel_unfinished(self) -> None:
+        """Cancel our tasks on the cluster (the flow run stopped): queued ones never start; one
+        already running on a worker runs to its end there (Dask cannot interrupt it)."""
+        with self._busy_lock:
+            futures = list(self._futures.values())
+        if futures and self.client is not None:
+            with contextlib.suppress(Exception):
+                self.client.cancel(futures)
 
     # ------------------------------------------------------------ waiting, logged
     wait_log_every = _WAIT_LOG_EVERY  # seconds a task waits in the scheduler's queue before it is logged
@@ -481,9 +543,7 @@ class AddressCluster(RemoteCluster):
         except BaseException:
             self.shutdown()
             raise
-        self.remote = workers
-        restricted = bool(self.profile.gpu_model or self.profile.gpu_memory)
-        self._allowed = [w.address for w in self._fit] if restricted else None
+        self._place(workers)
         self.usage.provisioned_at = time.time()
         self.startup = {"wait_devices_s": 0.0, "start_workers_s": time.monotonic() - t0}
         busy = [w for w in self._fit if w.gpus]
@@ -506,6 +566,7 @@ class AddressCluster(RemoteCluster):
         if self.client is None:
             return None
         row = self._busy_row(None, len(self._fit), reason, time.time())
+        self._cancel_unfinished()
         self.shutdown()
         logger.info(
             "profile %r: closed its client of %s (%s); its tasks used %.1f device-s",
@@ -626,9 +687,9 @@ class ManagedCluster(RemoteCluster):
                 f"profile {self.profile.name!r}: the workers of {self.profile.cluster_class} advertise no "
                 f"Dask resource {GPU_RESOURCE!r} ({'; '.join(w.describe() for w in missing)}), so no GPU "
                 "task could ever be placed. Make its workers advertise it: for dask-jobqueue "
-                'cluster_kwargs worker_extra_args = ["--resources", "GPU=1"], for the dask operator\'s '
-                'KubeCluster resources = {"limits": {"nvidia.com/gpu": 1}} with worker_command '
-                '"dask cuda worker --resources GPU=1"'
+                'cluster_kwargs worker_extra_args = ["--resources", "GPU=1"] (and processes = 1); for the '
+                "dask operator's KubeCluster a worker command with --resources GPU=1 in its cluster spec "
+                "(docs/distributed.md)"
             )
 
     def _note(self, workers: dict[str, RemoteWorker]) -> None:

@@ -182,3 +182,36 @@ def test_load_cluster_class_keeps_signal_handlers():
 
     assert issubclass(load_cluster_class(prof), Cluster)
     assert signal.getsignal(signal.SIGINT) is before  # dask_jobqueue.runner sets one at import
+
+
+def test_the_shipped_distributed_profiles_file_loads():
+    from gpu_tasks.profiles import resolve_profiles
+
+    path = Path(__file__).parents[1] / "infra" / "profiles-distributed.toml"
+    profiles, default = resolve_profiles(path=path)
+    assert default == "cpu"
+    kinds = {name: p.kind for name, p in profiles.items()}
+    assert kinds == {
+        "cpu": "local",
+        "gpu-shared": "address",
+        "gpu-slurm": "cluster_class",
+        "gpu-k8s": "cluster_class",
+    }
+    slurm = profiles["gpu-slurm"].cluster_kwargs
+    assert slurm["job_extra_directives"] == ["--gres=gpu:1"] and slurm["processes"] == 1
+    assert slurm["worker_extra_args"] == ["--resources", "GPU=1"]
+
+
+class ActsAsCluster:
+    """Like dask-gateway's GatewayCluster: no distributed Cluster subclass, but scale/close/address."""
+
+    scheduler_address = "tcp://127.0.0.1:1"
+
+    def scale(self, n: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def test_a_class_that_acts_as_a_dask_cluster_is_accepted():
+    prof = ResourceProfile(name="p", gpus=1, cluster_class=f"{__name__}.ActsAsCluster", max_workers=1)
+    assert load_cluster_class(prof) is ActsAsCluster

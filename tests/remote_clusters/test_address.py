@@ -276,3 +276,52 @@ def _servers() -> set[int]:
         if "uvicorn" in cmd or "prefect.server" in cmd:
             out.add(p.pid)
     return out
+
+
+def _own_hosts(tmp_path: Path, env: list[dict[str, str]]) -> Hosts:
+    from remote_clusters.hosts import start_hosts
+
+    return start_hosts(tmp_path / "hosts", None, n_workers=len(env), worker_env=env)
+
+
+def test_a_worker_without_gpu_tasks_gets_no_task_and_is_not_broken(prefect_server, tmp_path: Path, caplog):
+    import logging
+
+    from remote_clusters.conftest import host_env
+
+    shadow = tmp_path / "shadow" / "gpu_tasks"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text('raise ImportError("gpu-tasks is not installed on this worker")\n')
+    env = host_env()
+    env[1]["PYTHONPATH"] = str(shadow.parent)  # this worker cannot import gpu-tasks
+    caplog.set_level(logging.WARNING, logger="gpu_tasks.runner")
+    hosts = _own_hosts(tmp_path, env)
+    try:
+        prof = ResourceProfile(name="mixed", gpus=1, address=hosts.address)
+        results = _address_flow(prof, n=3, seconds=0.3)()
+        assert all(isinstance(r, dict) for r in results), results
+        assert {r["devices"][0].rsplit(":", 1)[1] for r in results} == {"0"}  # all on the worker that can
+        with hosts.client() as client:
+            assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2  # the other one is still up
+    finally:
+        hosts.stop()
+    warned = [r.getMessage() for r in caplog.records if "gets none of its tasks" in r.getMessage()]
+    assert warned and "gpu-tasks is not installed on this worker" in warned[0], warned
+
+
+def test_a_worker_that_sees_every_device_owns_its_first(prefect_server, tmp_path: Path):
+    """``dask cuda worker`` shows each worker every device, its own first; GPU=1 means the first."""
+    from remote_clusters.conftest import HOST_GPUS
+
+    env = [
+        {"CUDA_VISIBLE_DEVICES": "1,0", "GPU_TASKS_EMULATED_GPUS": HOST_GPUS},
+        {"CUDA_VISIBLE_DEVICES": "0,1", "GPU_TASKS_EMULATED_GPUS": HOST_GPUS},
+    ]
+    hosts = _own_hosts(tmp_path, env)
+    try:
+        prof = ResourceProfile(name="pinned", gpus=1, address=hosts.address)
+        results = _address_flow(prof, n=4, seconds=0.5)()
+    finally:
+        hosts.stop()
+    assert all(len(r["devices"]) == 1 for r in results), results
+    assert {r["devices"][0].rsplit(":", 1)[1] for r in results} == {"0", "1"}

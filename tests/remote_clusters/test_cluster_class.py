@@ -238,3 +238,21 @@ def test_a_job_worker_killed_mid_task_is_reported_and_retried(prefect_server, tm
     killer.join(5)
     assert pid != int(marker.read_text())  # the retry ran in a new worker process
     assert job_workers() == []
+
+
+def test_a_gang_starts_all_of_its_workers_before_its_first_task(prefect_server):
+    prof = ResourceProfile(
+        name="gang", gpus=1, gang=True, cluster_class=JOBQUEUE, cluster_kwargs=job_kwargs(), max_workers=2
+    )
+
+    @task(tags=["profile:gang"])
+    def first() -> int:
+        from distributed import get_client
+
+        return len(get_client().scheduler_info(n_workers=-1)["workers"])
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def gang_flow():
+        return first.submit().result()
+
+    assert gang_flow() == 2  # both workers were up when the first task ran
