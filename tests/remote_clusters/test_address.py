@@ -325,3 +325,41 @@ def test_a_worker_that_sees_every_device_owns_its_first(prefect_server, tmp_path
         hosts.stop()
     assert all(len(r["devices"]) == 1 for r in results), results
     assert {r["devices"][0].rsplit(":", 1)[1] for r in results} == {"0", "1"}
+
+
+def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, prefect_server, tmp_path: Path):
+    from faults._procs import ctrl_c
+
+    markers, ready = tmp_path / "started", tmp_path / "ready"
+    markers.mkdir()
+    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url)}
+    script = Path(__file__).with_name("ctrl_c_script.py")
+    with (tmp_path / "out").open("wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), gpu_hosts.address, str(markers), str(ready)],
+            env=env,
+            start_new_session=True,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(markers.iterdir())) < 2:  # two tasks run, the third waits for a GPU
+            assert proc.poll() is None, (tmp_path / "out").read_text()[-3000:]
+            assert time.monotonic() < deadline, (tmp_path / "out").read_text()[-3000:]
+            time.sleep(0.1)
+        started = time.time()
+        took = ctrl_c(proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert took < 15, f"exit took {took:.1f}s"
+    # the running tasks end on their workers (Dask cannot interrupt them); the queued one never starts
+    while time.time() < started + 16:
+        time.sleep(0.5)
+    assert len(list(markers.iterdir())) == 2, sorted(p.name for p in markers.iterdir())
+    _, runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [ready.read_text()]}}})
+    states = [r["state_type"] for r in runs]
+    assert runs and not set(states) & {"RUNNING", "PENDING"}, states
+    with gpu_hosts.client() as client:  # the shared cluster is unharmed
+        assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
