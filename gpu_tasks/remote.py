@@ -260,6 +260,7 @@ class RemoteCluster(ProfileCluster):
         self._tasks = 0
         self._busy_lock = threading.Lock()
         self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory)
+        self._fit: list[RemoteWorker] = []  # the workers that can run this profile's tasks
         self._pending: dict[str, float] = {}  # keys submitted and not done: when
         self._futures: dict[str, Any] = {}  # their futures
         self._watch_stop = threading.Event()
@@ -305,19 +306,20 @@ class RemoteCluster(ProfileCluster):
     def _place(self, workers: dict[str, RemoteWorker]) -> None:
         """Send tasks only to the workers that fit, when some do not (gpu_model, gpu_memory, or
         a worker without gpu-tasks, which a task would break)."""
-        fit = [w for w in workers.values() if w.why_not(self.profile) is None]
-        unfit = [w for w in workers.values() if w.why_not(self.profile) is not None]
-        for w in unfit:
-            if w.error and w.address not in self.remote:
+        why = {a: w.why_not(self.profile) for a, w in workers.items()}
+        for address, reason in why.items():
+            w = workers[address]
+            if reason is not None and w.error and address not in self.remote:
                 logger.warning(
                     "profile %r: worker %s of %s gets none of its tasks: %s",
                     self.profile.name,
                     w.name,
                     self.scheduler_address,
-                    w.why_not(self.profile),
+                    reason,
                 )
         self.remote = workers
-        self._allowed = [w.address for w in fit] if unfit else None
+        self._fit = [w for a, w in workers.items() if why[a] is None]
+        self._allowed = [w.address for w in self._fit] if len(self._fit) < len(workers) else None
         self._placed_at = time.monotonic()
 
     _placed_at = 0.0
@@ -539,7 +541,7 @@ class AddressCluster(RemoteCluster):
         self.client = client
         try:
             workers = self._connected_workers(1, deadline, "waiting for workers")
-            self._fit = self._check_workers(workers)
+            self._check_workers(workers)
         except BaseException:
             self.shutdown()
             raise
@@ -555,8 +557,6 @@ class AddressCluster(RemoteCluster):
             len(self._fit),
             "; ".join(w.describe() for w in (busy or self._fit)),
         )
-
-    _fit: list[RemoteWorker] = []
 
     def scale_to(self, n_workers: int) -> int:
         return self.worker_count  # the cluster's owner scales it

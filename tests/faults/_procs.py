@@ -3,16 +3,28 @@ records."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from bench.procs import ctrl_c, kill_marked, marked, wait_gone
 
-__all__ = ["clean_env", "ctrl_c", "db_rows", "kill_marked", "marked", "server_task_run", "wait_gone"]
+__all__ = [
+    "AUTH",
+    "authed_server",
+    "authed_task_states",
+    "clean_env",
+    "ctrl_c",
+    "db_rows",
+    "kill_marked",
+    "marked",
+    "server_task_run",
+    "wait_gone",
+]
 
 
 def clean_env(marker: str, **extra: str) -> dict[str, str]:
@@ -56,3 +68,76 @@ def server_task_run(
             return run
         time.sleep(0.25)
     return run
+
+
+AUTH = "gpu-tasks:s3cret"
+
+
+@contextlib.contextmanager
+def authed_server(tmp_path: Path, marker: str) -> Iterator[str]:
+    """A ``prefect server start`` on 127.0.0.1 that requires ``AUTH`` (basic auth); its API URL.
+
+    Checked to refuse requests without the credentials; stopped at the end of the block.
+    """
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = int(s.getsockname()[1])
+    url = f"http://127.0.0.1:{port}/api"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=clean_env(
+            marker,
+            PREFECT_HOME=str(tmp_path / "server-home"),
+            PREFECT_SERVER_API_AUTH_STRING=AUTH,
+            PREFECT_UI_ENABLED="false",
+        ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None, "the Prefect server exited"
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the Prefect server did not start"
+            time.sleep(0.5)
+        # the server refuses requests without the credentials
+        assert httpx.post(f"{url}/flow_runs/filter", json={}, timeout=10).status_code == 401
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+def authed_task_states(
+    url: str, flow_run_id: str, want: list[str], timeout: float = 30.0
+) -> list[dict[str, Any]]:
+    """The flow run's task runs on the authenticated server, once their state types are ``want`` (sorted)."""
+    import httpx
+
+    user, password = AUTH.split(":")
+    deadline = time.monotonic() + timeout
+    while True:
+        runs: list[dict[str, Any]] = httpx.post(
+            f"{url}/task_runs/filter",
+            auth=(user, password),
+            timeout=10,
+            json={"flow_runs": {"id": {"any_": [flow_run_id]}}},
+        ).json()
+        if sorted(r["state_type"] for r in runs) == want or time.monotonic() > deadline:
+            return runs
+        time.sleep(0.5)

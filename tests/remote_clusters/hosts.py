@@ -13,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,3 +347,18 @@ def start_hosts(
     except Exception as e:  # connection errors etc.
         fail(f"could not verify cluster at {address}: {type(e).__name__}: {e}")
     return hosts
+
+
+def kill_when_written(marker: Path, timeout: float = 60.0) -> threading.Thread:
+    """A thread that SIGKILLs the pid a task writes to ``marker`` (its worker process), once written."""
+
+    def kill() -> None:
+        deadline = time.monotonic() + timeout
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(int(marker.read_text()), signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread

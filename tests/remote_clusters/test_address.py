@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from prefect_api import api
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
-from remote_clusters.hosts import Hosts
+from remote_clusters.hosts import Hosts, kill_when_written
 
 pytestmark = pytest.mark.slow
 # the workers cannot import this test module: its flows and tasks travel by value
@@ -167,20 +165,6 @@ def test_a_loopback_api_with_workers_elsewhere_fails_at_submit(prefect_server):
     assert "prefect server start --host 0.0.0.0" in str(info.value)
 
 
-def _kill_when_running(marker: Path, hosts: Hosts) -> threading.Thread:
-    def kill() -> None:
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
-        os.kill(int(marker.read_text()), signal.SIGKILL)
-        marker.unlink()
-
-    thread = threading.Thread(target=kill, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.parametrize("retries", [1, 0])
 def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
     own_gpu_hosts: Hosts, prefect_server, tmp_path: Path, retries: int
@@ -200,7 +184,7 @@ def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
     def killed_worker():
         return long_task.submit()
 
-    killer = _kill_when_running(marker, own_gpu_hosts)
+    killer = kill_when_written(marker)
     state = killed_worker(return_state=True)
     killer.join(5)
     future_state = state.result(raise_on_failure=False)

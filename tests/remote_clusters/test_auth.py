@@ -3,23 +3,18 @@ credentials travel with each task (the workers have none of their own)."""
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
-import time
 import uuid
 from pathlib import Path
 
-import httpx
 import pytest
-from faults._procs import clean_env, kill_marked, wait_gone
+from faults._procs import AUTH, authed_server, authed_task_states, clean_env, kill_marked, wait_gone
 
 from remote_clusters.hosts import Hosts
 
 pytestmark = pytest.mark.slow
-
-AUTH = "gpu-tasks:s3cret"
 
 SCRIPT = textwrap.dedent(
     """
@@ -46,91 +41,31 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_remote_workers_report_to_an_authenticated_server(gpu_hosts: Hosts, tmp_path: Path):
     marker = uuid.uuid4().hex
-    url = f"http://127.0.0.1:{_port()}/api"
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "prefect",
-            "server",
-            "start",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            url.split(":")[2][:-4],
-        ],
-        env=clean_env(
-            marker,
-            PREFECT_HOME=str(tmp_path / "server-home"),
-            PREFECT_SERVER_API_AUTH_STRING=AUTH,
-            PREFECT_UI_ENABLED="false",
-        ),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
-    )
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert server.poll() is None, "the Prefect server exited"
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the Prefect server did not start"
-            time.sleep(0.5)
-        assert httpx.post(f"{url}/flow_runs/filter", json={}, timeout=10).status_code == 401
-        (tmp_path / "authed.py").write_text(SCRIPT)
-        env = clean_env(
-            marker,
-            PREFECT_HOME=str(tmp_path / "client-home"),
-            PREFECT_API_URL=url,
-            PREFECT_API_AUTH_STRING=AUTH,
-        )
-        proc = subprocess.run(
-            [sys.executable, "authed.py", gpu_hosts.address],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        assert "RESULT 12" in proc.stdout
-        flow_run_id = next(
-            line.split()[1] for line in proc.stdout.splitlines() if line.startswith("FLOW_RUN")
-        )
-        user, password = AUTH.split(":")
-        deadline = time.monotonic() + 30
-        while True:
-            runs = httpx.post(
-                f"{url}/task_runs/filter",
-                auth=(user, password),
-                timeout=10,
-                json={"flow_runs": {"id": {"any_": [flow_run_id]}}},
-            ).json()
+        with authed_server(tmp_path, marker) as url:
+            (tmp_path / "authed.py").write_text(SCRIPT)
+            home = str(tmp_path / "client-home")
+            env = clean_env(marker, PREFECT_HOME=home, PREFECT_API_URL=url, PREFECT_API_AUTH_STRING=AUTH)
+            proc = subprocess.run(
+                [sys.executable, "authed.py", gpu_hosts.address],
+                cwd=tmp_path,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=240,
+            )
+            assert proc.returncode == 0, proc.stderr[-4000:]
+            assert "RESULT 12" in proc.stdout
+            lines = proc.stdout.splitlines()
+            flow_run_id = next(line.split()[1] for line in lines if line.startswith("FLOW_RUN"))
+            runs = authed_task_states(url, flow_run_id, ["COMPLETED"] * 4)
             states = sorted(r["state_type"] for r in runs)
-            if states == ["COMPLETED"] * 4 or time.monotonic() > deadline:
-                break
-            time.sleep(0.5)
-        assert states == ["COMPLETED"] * 4, states
-        # recorded by the remote workers themselves: their runs carry the workers' device tags
-        assert all(any(t.startswith("gpu:") and t.count(":") == 2 for t in r["tags"]) for r in runs)
+            assert states == ["COMPLETED"] * 4, states
+            # recorded by the remote workers themselves: their runs carry the workers' device tags
+            assert all(any(t.startswith("gpu:") and t.count(":") == 2 for t in r["tags"]) for r in runs)
     finally:
-        server.terminate()
-        try:
-            server.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            server.kill()
         kill_marked(marker)
     _, left = wait_gone(marker, timeout=10)
     assert not left, left

@@ -18,6 +18,7 @@ from prefect_api import api, flow_run_events
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.errors import ClusterError
 from remote_clusters import jobqueue_local
+from remote_clusters.hosts import kill_when_written
 from remote_clusters.jobqueue_local import DrainedLocalJob
 
 pytestmark = pytest.mark.slow
@@ -191,8 +192,6 @@ def test_workers_without_gpu_resources_fail_at_start_up_with_the_fix(prefect_ser
 
 def test_a_job_worker_killed_mid_task_is_reported_and_retried(prefect_server, tmp_path):
     import os
-    import signal
-    import threading
     from pathlib import Path
 
     marker = tmp_path / "running"
@@ -213,15 +212,7 @@ def test_a_job_worker_killed_mid_task_is_reported_and_retried(prefect_server, tm
     def killed():
         return once_killed.submit().result()
 
-    def kill() -> None:
-        deadline = time.monotonic() + 60
-        while not marker.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        time.sleep(0.3)
-        os.kill(int(marker.read_text()), signal.SIGKILL)
-
-    killer = threading.Thread(target=kill, daemon=True)
-    killer.start()
+    killer = kill_when_written(marker)
     pid = killed()
     killer.join(5)
     assert pid != int(marker.read_text())  # the retry ran in a new worker process
