@@ -22,6 +22,7 @@ from prefect.futures import PrefectFuture
 from gpu_tasks._api import require_flow_api_url, worker_env
 from gpu_tasks._context import ContextSerializer
 from gpu_tasks._prefect_private import extend_no_limits_cache
+from gpu_tasks.backends import uses_warm_pool
 from gpu_tasks.clusters import ProfileCluster
 from gpu_tasks.device_book import DeviceBook
 from gpu_tasks.devices import Inventory, discover
@@ -141,6 +142,27 @@ class Live:
 
         ctx = FlowRunContext.get()  # the runner outlives the flow run context; remember the run
         self.flow_run_id = ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
+        self.pool = self._warm_pool()
+
+    def _warm_pool(self) -> Any:
+        """Start the warm worker processes (gpu_tasks._warm) when a profile's workers can use them.
+
+        Started with the runner's first task, so they import while earlier stages run; they
+        hold no device, and :meth:`close` ends them.
+        """
+        size = self.settings.warm_workers
+        local = [p for p in self.profiles.values() if p.is_local and p.uses_processes]
+        if size <= 0 or not local:
+            return None
+        emulated = self.inventory.emulated if any(p.is_gpu for p in local) else False
+        if not any(uses_warm_pool(p, emulated) for p in local):
+            return None
+        from gpu_tasks._warm import WarmPool
+
+        pool = WarmPool(size)
+        pool.start()
+        logger.info("gpu-tasks: %d warm worker process(es) starting (GPU_TASKS_WARM_WORKERS)", size)
+        return pool
 
     @property
     def inventory(self) -> Inventory:
@@ -173,6 +195,7 @@ class Live:
                         self.settings.provision_timeout,
                         dashboard=self.settings.dashboard,
                         book=self.book,
+                        pool=self.pool,
                     )
                 else:
                     cluster = remote_cluster(
@@ -300,6 +323,8 @@ class Live:
                     logger.warning(
                         "profile %r: error while shutting down", st.cluster.profile.name, exc_info=True
                     )
+        if self.pool is not None:
+            self.pool.close()
         self._crash_unfinished(running, reason)
 
     def _crash_unfinished(self, jobs: list[Job], reason: str) -> None:

@@ -81,26 +81,42 @@ def _record(address: str | None, **fields: Any) -> None:
         _EXITS[address] = WorkerExit(**merged)
 
 
+def remember_pid(address: str | None, pid: int | None) -> None:
+    """Note the process id of the live worker at ``address`` (for its crash report)."""
+    if address and pid:
+        with _EXITS_LOCK:
+            if len(_PIDS) > 1000:
+                _PIDS.clear()
+            _PIDS[address] = pid
+
+
+def record_exit(address: str | None, exitcode: int | None, pid: int | None = None) -> None:
+    """Note how the worker at ``address`` ended (:class:`gpu_tasks._warm.PooledWorker` has no nanny)."""
+    if not address:
+        return
+    with _EXITS_LOCK:
+        known = _PIDS.pop(address, None)
+    _record(address, exitcode=exitcode, pid=pid or known)
+
+
+def record_memory_kill(address: str | None, rss: int | None, pid: int | None) -> None:
+    """Note that the worker at ``address`` is being terminated for exceeding its memory limit."""
+    _record(address, memory_kill=True, rss=rss, pid=pid)
+
+
 class WatchedNanny(Nanny):
     """Dask's nanny, noting how its worker process ended (exit code, memory kill) for crash reports."""
 
     async def instantiate(self) -> Any:
         status = await super().instantiate()
-        pid = getattr(self.process, "pid", None)
-        if self.worker_address and pid:
-            with _EXITS_LOCK:
-                if len(_PIDS) > 1000:
-                    _PIDS.clear()
-                _PIDS[self.worker_address] = pid
+        remember_pid(self.worker_address, getattr(self.process, "pid", None))
         return status
 
     def _on_worker_exit_sync(self, exitcode: int) -> None:  # called by the nanny's process watcher
-        with _EXITS_LOCK:
-            pid = _PIDS.pop(self.worker_address, None) if self.worker_address else None
-        _record(self.worker_address, exitcode=exitcode, pid=pid)
+        record_exit(self.worker_address, exitcode)
         super()._on_worker_exit_sync(exitcode)  # type: ignore[no-untyped-call]  # distributed leaves it unannotated
 
     def log_event(self, topic: Any, msg: Any) -> None:
         if topic == "worker-restart-memory" and isinstance(msg, dict):
-            _record(msg.get("worker"), memory_kill=True, rss=msg.get("rss"), pid=msg.get("pid"))
+            record_memory_kill(msg.get("worker"), msg.get("rss"), msg.get("pid"))
         super().log_event(topic, msg)  # type: ignore[no-untyped-call]  # distributed leaves it unannotated

@@ -41,14 +41,19 @@ T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- specs
-def nanny_spec(spec: WorkerSpec, watched: bool = True) -> dict[str, Any]:
+def nanny_spec(
+    spec: WorkerSpec, watched: bool = True, pool: Any = None, timeout: float = 120.0
+) -> dict[str, Any]:
     """The ``SpecCluster`` entry of one worker: a nanny process with the spec's threads,
-    resources and environment.
+    resources and environment, or a warm process from ``pool`` given the same.
 
     Args:
         watched: a :class:`~gpu_tasks._nanny.WatchedNanny` (records how its worker
             ended) whose worker loads the guard that ends it with the flow process;
             otherwise a plain ``Nanny`` (a task's own short-lived cluster).
+        pool: a :class:`~gpu_tasks._warm.WarmPool`: the worker runs in one of its
+            processes (:class:`~gpu_tasks._warm.PooledWorker`) instead of a new one.
+        timeout: how long a pooled worker waits for its process.
     """
     from distributed import Nanny
 
@@ -67,6 +72,10 @@ def nanny_spec(spec: WorkerSpec, watched: bool = True) -> dict[str, Any]:
     }
     if watched:
         options.update(preload_options())  # workers exit with the flow process (gpu_tasks._worker_guard)
+    if pool is not None:
+        from gpu_tasks._warm import PooledWorker
+
+        return {"cls": PooledWorker, "options": {**options, "pool": pool, "timeout": timeout}}
     return {"cls": WatchedNanny if watched else Nanny, "options": options}
 
 
@@ -195,15 +204,19 @@ class ThreadBackend(Backend):
 class DaskBackend(Backend):
     """A Dask cluster of worker processes and the flow's client to it."""
 
-    def __init__(self, cluster: Any, n_workers: int, timeout: float, dashboard: bool) -> None:
+    def __init__(
+        self, cluster: Any, n_workers: int, timeout: float, dashboard: bool, pool: Any = None
+    ) -> None:
         from distributed import Client
 
         self.cluster = cluster
         self.timeout = timeout
+        self.pool = pool  # warm processes for the workers it adds (gpu_tasks._warm)
         self.client = None
         try:
             self.client = Client(cluster, set_as_default=False, timeout=timeout)
-            self.client.wait_for_workers(n_workers, timeout=timeout)
+            if n_workers:  # none yet: a warm pool's workers come with add(), after their lease
+                self.client.wait_for_workers(n_workers, timeout=timeout)
         except BaseException:
             self.close()
             raise
@@ -215,7 +228,7 @@ class DaskBackend(Backend):
 
     def add(self, specs: list[WorkerSpec], total: int) -> None:
         for s in specs:
-            self.cluster.worker_spec[s.name] = nanny_spec(s)
+            self.cluster.worker_spec[s.name] = nanny_spec(s, pool=self.pool, timeout=self.timeout)
         with _non_daemon_workers():
             _dask_private.correct_state(self.cluster)
         self._wait(total)
@@ -275,12 +288,16 @@ def start(
     emulated: bool,
     timeout: float,
     dashboard: bool,
+    pool: Any = None,
 ) -> Backend:
     """Start ``profile``'s workers for ``specs`` and wait until all are up.
 
     Args:
         every_spec: the specs of every worker the profile may ever have (dask-cuda
             needs all of its devices up front; it starts only those of ``specs``).
+        pool: warm processes (:class:`~gpu_tasks._warm.WarmPool`) for the workers of a
+            ``SpecCluster``; with one, ``specs`` may be empty (the scheduler starts
+            before any device is leased, the workers come with :meth:`DaskBackend.add`).
     """
     if not profile.uses_processes:
         return ThreadBackend(specs[0].nthreads, name=f"gpu-tasks-{profile.name}")
@@ -298,14 +315,20 @@ def start(
         cluster = _within(
             timeout,
             lambda: SpecCluster(
-                workers={s.name: nanny_spec(s) for s in specs},
+                workers={s.name: nanny_spec(s, pool=pool, timeout=timeout) for s in specs},
                 scheduler=scheduler_spec(dashboard),
                 name=f"gpu-tasks:{profile.name}",
                 silence_logs=logging.WARNING,
             ),
             what,
         )
-    return DaskBackend(cluster, len(specs), timeout, dashboard)
+    return DaskBackend(cluster, len(specs), timeout, dashboard, pool=pool)
+
+
+def uses_warm_pool(profile: ResourceProfile, emulated: bool) -> bool:
+    """Whether ``profile``'s workers can come from a warm pool: worker processes this host
+    starts in a ``SpecCluster`` (dask-cuda starts its own, through its nanny)."""
+    return profile.is_local and profile.uses_processes and not uses_dask_cuda(profile, emulated)
 
 
 def cuda_cluster_options(

@@ -42,8 +42,11 @@ class ProfileCluster:
         provision_timeout: float,
         dashboard: bool = False,
         book: DeviceBook | None = None,
+        pool: Any = None,
     ) -> None:
         self.profile = profile
+        # warm worker processes (gpu_tasks._warm), for the profiles whose workers can use them
+        self.pool = pool if backends.uses_warm_pool(profile, inventory.emulated) else None
         self.book = book or DeviceBook()
         self.inventory = inventory
         self.worker_env = worker_env
@@ -99,37 +102,44 @@ class ProfileCluster:
         """
         n_workers = max(1, min(n_workers, self.limit))
         asked = time.monotonic()
-        if self.profile.is_gpu and self.profile.gang:
-            indexes = self._acquire_gang(n_workers)
-        elif self.profile.is_gpu:
-            indexes = self.book.acquire(
-                self.profile.name, self.groups, n_workers, block=True, priority=self.profile.priority
-            )
-        else:
-            indexes = list(range(n_workers))
+        # With a warm pool, everything that needs no device happens before the lease: the
+        # processes finish importing and the scheduler starts; the lease then only binds them.
+        backend = self._start_before_lease(n_workers) if self.pool is not None else None
+        prepared = time.monotonic()
+        try:
+            indexes = self._acquire(n_workers)
+        except BaseException:
+            if backend is not None:
+                backend.close()
+            raise
         specs = [self._spec(i) for i in indexes]
         acquired = time.time()  # devices are held from here: start-up time counts as held
         t0 = time.monotonic()
         try:
-            self.backend = backends.start(
-                self.profile,
-                specs,
-                lambda: [self._spec(i) for i in range(len(self.groups))],
-                self.inventory.emulated,
-                self.provision_timeout,
-                self.dashboard,
-            )
+            if backend is None:
+                backend = backends.start(
+                    self.profile,
+                    specs,
+                    lambda: [self._spec(i) for i in range(len(self.groups))],
+                    self.inventory.emulated,
+                    self.provision_timeout,
+                    self.dashboard,
+                )
+            else:
+                backend.add(specs, len(specs))
         except Exception as exc:
+            if backend is not None:
+                backend.close()
             self.book.release(self.profile.name, _addresses(specs))
-            # a deadline only when one passed: a worker that dies while starting fails at once
-            within = f" within {self.provision_timeout:g}s" if isinstance(exc, TimeoutError) else ""
-            raise ClusterError(
-                f"profile {self.profile.name!r}: could not start {len(specs)} worker(s) "
-                f"(devices: {','.join(_addresses(specs)) or 'none'}){within}: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise self._start_error(len(specs), _addresses(specs), exc) from exc
+        self.backend = backend
         self.specs = specs
         self.usage.held(_held(specs), since=acquired)
-        self.startup = {"wait_devices_s": t0 - asked, "start_workers_s": time.monotonic() - t0}
+        self.startup = {
+            "prepare_s": prepared - asked,
+            "wait_devices_s": t0 - prepared,
+            "start_workers_s": time.monotonic() - t0,
+        }
         logger.info(
             "profile %r: provisioned %d worker(s) on %s in %.2fs",
             self.profile.name,
@@ -137,6 +147,41 @@ class ProfileCluster:
             self._where(),
             self.startup["start_workers_s"],
         )
+
+    def _start_before_lease(self, n_workers: int) -> backends.Backend:
+        """Warm processes ready for ``n_workers`` workers and a scheduler with none, before any lease."""
+        try:
+            assert self.pool is not None
+            self.pool.wait_ready(n_workers, self.provision_timeout)
+            return backends.start(
+                self.profile,
+                [],
+                lambda: [],
+                self.inventory.emulated,
+                self.provision_timeout,
+                self.dashboard,
+                pool=self.pool,
+            )
+        except Exception as exc:
+            raise self._start_error(n_workers, [], exc) from exc
+
+    def _start_error(self, n: int, devices: list[str], exc: BaseException) -> ClusterError:
+        # a deadline only when one passed: a worker that dies while starting fails at once
+        within = f" within {self.provision_timeout:g}s" if isinstance(exc, TimeoutError) else ""
+        return ClusterError(
+            f"profile {self.profile.name!r}: could not start {n} worker(s) "
+            f"(devices: {','.join(devices) or 'none'}){within}: {type(exc).__name__}: {exc}"
+        )
+
+    def _acquire(self, n_workers: int) -> list[int]:
+        """Indexes of the device groups leased for ``n_workers`` workers (CPU profiles: 0..n-1)."""
+        if self.profile.is_gpu and self.profile.gang:
+            return self._acquire_gang(n_workers)
+        if self.profile.is_gpu:
+            return self.book.acquire(
+                self.profile.name, self.groups, n_workers, block=True, priority=self.profile.priority
+            )
+        return list(range(n_workers))
 
     def _acquire_gang(self, n_workers: int) -> list[int]:
         """All ``n_workers`` device groups at once, or none: a gang never starts partly.

@@ -62,6 +62,14 @@ class GpuTasksSettings(BaseSettings):
     )
     tls_cert: Path | None = Field(default=None, description="Client certificate (PEM) for tls:// addresses.")
     tls_key: Path | None = Field(default=None, description="Client private key (PEM) for tls:// addresses.")
+    warm_workers: int = Field(
+        default=2,
+        ge=0,
+        description="Worker processes kept started and imported, holding no device, for profiles whose "
+        "workers this host starts (gpu_tasks._warm); a lease binds one, so a first task starts without "
+        "waiting for a process to spawn and import Prefect. 0: no pool, a process is spawned per worker "
+        "after its lease.",
+    )
     lease_timeout: float = Field(
         default=600.0,
         ge=0,

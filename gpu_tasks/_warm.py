@@ -1,0 +1,509 @@
+"""Warm worker processes: started, imported and holding no device until a lease binds one.
+
+A profile's first task used to pay, after its device was leased, for spawning a worker
+process and importing distributed and Prefect's task engine in it (1.4 s isolated, 2.4 s
+inside the pipeline on a 2-core machine). :class:`WarmPool` keeps ``GPU_TASKS_WARM_WORKERS``
+processes that have done that already and wait, unbound:
+
+- they are spawned with an empty ``CUDA_VISIBLE_DEVICES`` and import no CUDA library
+  of gpu-tasks' own (a flow script that imports cupy at its top is re-imported in them;
+  CUDA initialises lazily, and would see no device before the bind), so an unbound
+  process holds no device and can still be given any: its devices are set when it is
+  bound, before its worker starts;
+- they run gpu-tasks' worker guard (:mod:`gpu_tasks._worker_guard`) from the start, so
+  they exit with the flow process even when it is SIGKILLed; the runner closes the
+  pool when the flow run ends, so the pool never outlives it.
+
+A profile's cluster binds one per worker (:class:`PooledWorker`, the ``SpecCluster``
+entry that stands where Dask's ``Nanny`` stood): the process takes the worker's
+environment (its device, profile, Prefect API) and Dask config, then starts a Dask
+``Worker`` against the profile's scheduler. A bound process is never returned to the
+pool: its tasks may have initialised CUDA or left state behind. The pool starts a
+replacement as soon as one is taken.
+
+What the nanny did for its worker, :class:`PooledWorker` does from the flow process:
+it records how the process ended for crash reports (:mod:`gpu_tasks._nanny`) and
+terminates it past Dask's memory ``terminate`` fraction of its memory limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import time
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+import dask
+from distributed.core import Status
+from distributed.deploy.spec import ProcessInterface
+
+from gpu_tasks import _worker_guard
+
+logger = logging.getLogger(__name__)
+
+# modules whose import may initialise CUDA or grab a device: an unbound process has none
+CUDA_MODULES = (
+    "cupy",
+    "cudf",
+    "rmm",
+    "numba.cuda",
+    "torch",
+    "cuda",
+    "dask_cuda",
+    "cuml",
+    "jax",
+    "tensorflow",
+)
+# what a warm process imports before it says it is ready (the engine is most of a cold start)
+WARM_IMPORTS = ("distributed", "distributed.worker", "prefect.task_engine", "gpu_tasks._worker")
+CLOSE_GRACE_S = 3.0  # a bound process asked to close, before SIGTERM
+KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL
+MEMORY_POLL_S = 0.5
+
+
+def cuda_modules_loaded() -> list[str]:
+    """The CUDA-capable libraries imported in this process."""
+    return [m for m in CUDA_MODULES if m in sys.modules]
+
+
+# ---------------------------------------------------------------- the child process
+def _child_main(conn: Connection, parent: int) -> None:
+    """A warm process: import, say ready, wait for a bind (or close), run one Dask worker."""
+    _worker_guard.start(parent)  # exits with the flow process; SIGINT ignored, SIGTERM ends children
+    import importlib
+
+    for name in WARM_IMPORTS:
+        importlib.import_module(name)
+    try:
+        conn.send(("ready", os.getpid(), cuda_modules_loaded()))
+        msg = conn.recv()
+    except (EOFError, OSError):  # the pool closed
+        return
+    if msg[0] != "bind":
+        return
+    _, scheduler, worker_kwargs, env, config, silence_logs = msg
+    os.environ.update(env)  # its devices: CUDA reads CUDA_VISIBLE_DEVICES when it initialises
+    dask.config.refresh()
+    dask.config.set(config)
+    if silence_logs:
+        logging.getLogger("distributed").setLevel(silence_logs)
+    from distributed.compatibility import asyncio_run
+    from distributed.config import get_loop_factory
+
+    asyncio_run(_run_worker(conn, scheduler, worker_kwargs), loop_factory=get_loop_factory())
+
+
+async def _run_worker(conn: Connection, scheduler: str, worker_kwargs: dict[str, Any]) -> None:
+    from distributed import Worker
+
+    try:
+        worker = Worker(scheduler, **worker_kwargs)
+        await worker
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    conn.send(("up", worker.address))
+    loop = asyncio.get_running_loop()
+
+    def wait_for_close() -> None:
+        # "close" from the runner, or the pipe closing with the flow process
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()
+        loop.call_soon_threadsafe(
+            lambda: asyncio.ensure_future(worker.close(nanny=False, reason="gpu-tasks: closed by the runner"))
+        )
+
+    threading.Thread(target=wait_for_close, name="gpu-tasks-warm-close", daemon=True).start()
+    await worker.finished()
+
+
+# ---------------------------------------------------------------- the flow side
+class WarmProcess:
+    """One pool process, seen from the flow process."""
+
+    def __init__(self, ctx: Any) -> None:
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(
+            target=_child_main, args=(child, os.getpid()), name="gpu-tasks warm worker", daemon=False
+        )
+        self.process.start()
+        child.close()
+        _track(self)
+        self.ready = False
+        self._reading = threading.Lock()  # one reader of its pipe until it is bound
+
+    @property
+    def pid(self) -> int | None:
+        pid: int | None = self.process.pid
+        return pid
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait for the process to finish importing (one reader at a time: the pool's
+        ``wait_ready`` and a profile's ``take`` may wait for the same process).
+
+        Raises:
+            TimeoutError: not ready within ``timeout`` s.
+            RuntimeError: it exited while starting.
+        """
+        deadline = time.monotonic() + timeout
+        if not self._reading.acquire(timeout=max(0.0, timeout)):
+            raise TimeoutError(f"warm worker process {self.pid} did not finish importing within {timeout:g}s")
+        try:
+            if self.ready:
+                return
+            if not self.conn.poll(max(0.0, deadline - time.monotonic())):
+                if not self.process.is_alive():
+                    raise RuntimeError(self._died())
+                raise TimeoutError(
+                    f"warm worker process {self.pid} did not finish importing within {timeout:g}s"
+                )
+            try:
+                msg = self.conn.recv()
+            except (EOFError, OSError):
+                raise RuntimeError(self._died()) from None
+            if msg[0] != "ready":
+                raise RuntimeError(f"warm worker process {self.pid}: unexpected message {msg[0]!r}")
+            if msg[2]:  # e.g. the flow script imports cupy: harmless until CUDA initialises, lazily
+                logger.debug("warm worker process %s loaded %s before a device was bound", self.pid, msg[2])
+            self.ready = True
+        finally:
+            self._reading.release()
+
+    def ready_now(self) -> bool:
+        """Whether it has finished importing, without waiting."""
+        if self.ready:
+            return True
+        if not self._reading.acquire(blocking=False):
+            return False  # someone is reading its answer now
+        try:
+            ready = self.conn.poll(0)
+        finally:
+            self._reading.release()
+        return ready and self._try_ready()
+
+    def _try_ready(self) -> bool:
+        try:
+            self.wait_ready(0)
+        except (TimeoutError, RuntimeError):
+            return False
+        return True
+
+    def _died(self) -> str:
+        self.process.join(timeout=1)
+        from gpu_tasks._nanny import describe_exitcode
+
+        return (
+            f"warm worker process {self.pid} {describe_exitcode(self.process.exitcode)} while starting. "
+            "Worker processes are spawned and re-import the script that started the flow: guard the flow "
+            'call with `if __name__ == "__main__":`'
+        )
+
+    def stop(self) -> None:
+        """End the process (unbound: it exits when its pipe closes; bound: after the grace)."""
+        with contextlib.suppress(OSError):
+            self.conn.close()
+        _end(self.process, CLOSE_GRACE_S)
+
+
+_ALL: weakref.WeakSet[WarmProcess] = weakref.WeakSet()
+_ALL_LOCK = threading.Lock()
+
+
+def _track(proc: WarmProcess) -> None:
+    """Remember ``proc`` for :func:`_end_all` (registered at the first spawn: after
+    multiprocessing's own exit handler, so it runs before that one joins its children)."""
+    with _ALL_LOCK:
+        if not _ALL and not _ALL_REGISTERED:
+            atexit.register(_end_all)
+            _ALL_REGISTERED.append(True)
+        _ALL.add(proc)
+
+
+_ALL_REGISTERED: list[bool] = []
+
+
+def _end_all() -> None:  # pragma: no cover - interpreter exit
+    """At interpreter exit: end every warm process still running (bound or not)."""
+    with _ALL_LOCK:
+        procs = [p for p in _ALL if p.process.is_alive()]
+    for proc in procs:
+        with contextlib.suppress(OSError):
+            proc.conn.close()
+        proc.process.terminate()
+    for proc in procs:
+        _end(proc.process, KILL_GRACE_S)
+
+
+def _end(process: Any, grace: float) -> None:
+    """Wait ``grace`` s for ``process`` to exit, then SIGTERM, then SIGKILL."""
+    process.join(timeout=grace)
+    if process.is_alive():
+        process.terminate()  # its guard ends the processes its tasks started
+        process.join(timeout=KILL_GRACE_S)
+    if process.is_alive():
+        process.kill()
+        process.join(timeout=KILL_GRACE_S)
+
+
+class WarmPool:
+    """Up to ``size`` unbound, imported worker processes, replaced as they are taken."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._ctx = multiprocessing.get_context("spawn")
+        self._idle: list[WarmProcess] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.taken = 0  # processes bound so far (for status and tests)
+
+    def start(self) -> None:
+        """Start processes until ``size`` are idle (non-blocking: they import in the background)."""
+        self.ensure(self.size)
+
+    def ensure(self, n: int) -> None:
+        """At least ``n`` idle processes, started now if needed."""
+        with self._lock:
+            if self._closed:
+                return
+            self._prune()
+            missing = n - len(self._idle)
+            if missing > 0:
+                env = _pre_spawn_environ()
+                with _environ(env):
+                    self._idle.extend(WarmProcess(self._ctx) for _ in range(missing))
+
+    def wait_ready(self, n: int, timeout: float) -> None:
+        """Block until ``n`` idle processes are ready, starting more when fewer exist.
+
+        Best effort when profiles start at the same time: a process another profile takes
+        meanwhile is not replaced here (:meth:`take` starts one). A process that fails while
+        starting is dropped and replaced; the error is raised when a replacement fails too.
+
+        Raises:
+            TimeoutError: not ready within ``timeout`` s.
+            RuntimeError: processes exit while starting.
+        """
+        deadline = time.monotonic() + timeout
+        failed = 0
+        while True:
+            self.ensure(n)
+            with self._lock:
+                waiting = [p for p in self._idle[:n] if not p.ready]
+            if not waiting:
+                return
+            for proc in waiting:
+                try:
+                    proc.wait_ready(max(0.0, deadline - time.monotonic()))
+                except RuntimeError:
+                    failed += 1
+                    self._discard(proc)
+                    if failed > n:
+                        raise
+                    logger.warning("gpu-tasks warm pool: a process failed while starting", exc_info=True)
+
+    def take(self, timeout: float) -> WarmProcess:
+        """An idle process (the readiest first), or a new one; a replacement starts at once."""
+        with self._lock:
+            self._prune()
+            idle = list(self._idle)
+        found = next((p for p in idle if p.ready_now()), None) or (idle[0] if idle else None)
+        with self._lock:
+            if found is None or found not in self._idle:  # another profile took it meanwhile
+                found = None
+            else:
+                self._idle.remove(found)
+        proc = found or self._spawn_one()
+        self.taken += 1
+        self.ensure(self.size)  # the replacement imports while this one works
+        proc.wait_ready(timeout)
+        return proc
+
+    def pids(self) -> list[int]:
+        """Process ids of the idle processes."""
+        with self._lock:
+            return [p.pid for p in self._idle if p.pid is not None]
+
+    def close(self) -> None:
+        """End every idle process; later calls to ``ensure`` start nothing."""
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for proc in idle:
+            with contextlib.suppress(OSError):
+                proc.conn.close()
+        for proc in idle:
+            _end(proc.process, CLOSE_GRACE_S)
+
+    def _prune(self) -> None:
+        for proc in [p for p in self._idle if not p.process.is_alive()]:
+            self._idle.remove(proc)
+
+    def _discard(self, proc: WarmProcess) -> None:
+        with self._lock:
+            if proc in self._idle:
+                self._idle.remove(proc)
+        proc.stop()
+
+    def _spawn_one(self) -> WarmProcess:
+        with _environ(_pre_spawn_environ()):
+            return WarmProcess(self._ctx)
+
+
+def _pre_spawn_environ() -> dict[str, str]:
+    """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1`` and the like),
+    and an empty device list: an unbound process sees no device."""
+    from distributed.nanny import _get_env_variables
+
+    env = _get_env_variables("distributed.nanny.pre-spawn-environ")
+    if env.get("PYTHONHASHSEED") in (None, "0"):
+        env["PYTHONHASHSEED"] = "6640"  # as the nanny: the same hashing in every worker
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    env.setdefault("PREFECT_SERVER_EPHEMERAL_ENABLED", "false")
+    env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    return env
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]) -> Any:
+    """``os.environ`` with ``env`` while a child is spawned (it inherits the environment)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# ---------------------------------------------------------------- SpecCluster entry
+class PooledWorker(ProcessInterface):
+    """A ``SpecCluster`` worker entry that binds a warm process instead of spawning one.
+
+    Takes the options gpu-tasks gives Dask's ``Nanny`` (:func:`gpu_tasks.backends.nanny_spec`):
+    ``env`` and ``silence_logs`` are applied in the process, the rest go to its ``Worker``.
+    """
+
+    def __init__(
+        self,
+        scheduler: str,
+        *,
+        pool: WarmPool,
+        timeout: float,
+        env: dict[str, str] | None = None,
+        silence_logs: int | None = None,
+        **worker_kwargs: Any,
+    ) -> None:
+        super().__init__(scheduler=scheduler, name=worker_kwargs.get("name"))  # type: ignore[no-untyped-call]
+        self.scheduler = scheduler
+        self.pool = pool
+        self.timeout = timeout
+        self.env = dict(env or {})
+        self.silence_logs = silence_logs
+        self.worker_kwargs = worker_kwargs
+        self.name = worker_kwargs.get("name")
+        self.warm: WarmProcess | None = None
+        self.process: Any = None  # the multiprocessing.Process (its pid: the runner's terminate)
+        self.worker_address: str | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.warm = await asyncio.to_thread(self.pool.take, self.timeout)
+        self.process = self.warm.process
+        env = {**self.env}
+        config = dask.config.config
+        self.warm.conn.send(("bind", self.scheduler, self.worker_kwargs, env, config, self.silence_logs))
+        msg = await asyncio.to_thread(self._receive)
+        if msg[0] != "up":
+            await asyncio.to_thread(self.warm.stop)
+            raise RuntimeError(
+                f"worker {self.name!r} did not start in warm process {self.warm.pid}: {msg[1]}"
+            )
+        self.address = self.worker_address = msg[1]
+        from gpu_tasks._nanny import remember_pid
+
+        remember_pid(self.worker_address, self.warm.pid)
+        self._watch = asyncio.ensure_future(self._watch_process())
+        await super().start()  # type: ignore[no-untyped-call]
+
+    def _receive(self) -> tuple[Any, ...]:
+        assert self.warm is not None
+        if not self.warm.conn.poll(self.timeout):
+            return ("error", f"no answer within {self.timeout:g}s")
+        try:
+            msg: tuple[Any, ...] = self.warm.conn.recv()
+        except (EOFError, OSError):
+            return ("error", self.warm._died())
+        return msg
+
+    async def _watch_process(self) -> None:
+        """Record how the process ended; terminate it past the memory limit (the nanny's jobs)."""
+        from gpu_tasks._nanny import record_exit, record_memory_kill
+
+        assert self.warm is not None
+        proc = self.warm.process
+        limit = _terminate_at(self.worker_kwargs)
+        ps = None
+        if limit:
+            import psutil
+
+            with contextlib.suppress(psutil.Error):
+                ps = psutil.Process(proc.pid)
+        while proc.is_alive():
+            await asyncio.sleep(MEMORY_POLL_S if ps is not None else 0.2)
+            if ps is None or limit is None:
+                continue
+            try:
+                rss = ps.memory_info().rss
+            except Exception:
+                continue
+            if rss > limit:
+                logger.warning(
+                    "worker %r exceeded %d%% of its memory limit (%d MiB resident); terminating it",
+                    self.name,
+                    int(dask.config.get("distributed.worker.memory.terminate") * 100),
+                    rss // 2**20,
+                )
+                record_memory_kill(self.worker_address, rss, proc.pid)
+                proc.terminate()
+                break
+        await asyncio.to_thread(proc.join)
+        record_exit(self.worker_address, proc.exitcode, proc.pid)
+        self.status = Status.closed
+        self._event_finished.set()
+
+    async def close(self) -> None:
+        warm, self.warm = self.warm, None
+        if warm is not None:
+            with contextlib.suppress(OSError, ValueError):
+                warm.conn.send(("close",))
+            await asyncio.to_thread(_end, warm.process, CLOSE_GRACE_S)
+            with contextlib.suppress(OSError):
+                warm.conn.close()
+        if self._watch is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._watch), 1.0)
+        await super().close()  # type: ignore[no-untyped-call]
+
+
+def _terminate_at(worker_kwargs: dict[str, Any]) -> int | None:
+    """Bytes of resident memory past which the nanny would terminate this worker."""
+    fraction = dask.config.get("distributed.worker.memory.terminate")
+    if not fraction:
+        return None
+    from distributed.worker_memory import parse_memory_limit
+
+    limit = parse_memory_limit(
+        worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1, logger=logger
+    )
+    return int(limit * fraction) if limit else None
