@@ -326,10 +326,11 @@ class WarmPool:
         proc.wait_ready(timeout)
         return proc
 
-    def pids(self) -> list[int]:
-        """Process ids of the idle processes."""
+    def describe(self) -> list[dict[str, Any]]:
+        """The idle processes: ``pid`` and whether each is ``ready`` (done importing)."""
         with self._lock:
-            return [p.pid for p in self._idle if p.pid is not None]
+            idle = list(self._idle)
+        return [{"pid": p.pid, "ready": p.ready_now()} for p in idle if p.process.is_alive()]
 
     def close(self) -> None:
         """End every idle process; later calls to ``ensure`` start nothing."""

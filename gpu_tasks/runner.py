@@ -287,6 +287,19 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 out[name] = row
         return out
 
+    def warm_workers(self) -> list[dict[str, Any]]:
+        """The warm pool's idle worker processes, each ``{"pid": ..., "ready": ...}``.
+
+        Empty before the first task, after the flow run, with ``GPU_TASKS_WARM_WORKERS=0``
+        and when no profile's workers are processes this host starts. None of them holds
+        a device (docs/runner.md, "Warm workers").
+        """
+        live = self._live
+        if live is None or live.pool is None:
+            return []
+        described: list[dict[str, Any]] = live.pool.describe()
+        return described
+
     @property
     def ledger(self) -> list[LedgerRow]:
         """Closed cluster lifetimes so far (the ledger of the last run after exit)."""

@@ -1,0 +1,213 @@
+"""Warm worker processes (gpu_tasks._warm): they hold no device until a lease binds one,
+a GPU task runs in one, and none outlives its runner, even when the flow process is killed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from faults._procs import clean_env, kill_marked
+from prefect import flow, task
+from prefect.context import FlowRunContext
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+
+pytestmark = pytest.mark.usefixtures("prefect_server", "emulated")
+
+
+def _environ(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with."""
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode().split("=", 1) for item in raw if b"=" in item)
+
+
+def _until(check: Any, what: str, timeout: float = 60.0) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@task
+def cpu_step() -> int:
+    return os.getpid()
+
+
+@task(tags=[profile("gpu")])
+def where() -> dict[str, Any]:
+    return {
+        "pid": os.getpid(),
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "devices": list(current_allocation().devices),
+    }
+
+
+def _runner() -> ProfileTaskRunner:
+    return ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=30)])
+
+
+def test_a_warm_process_holds_no_device_until_a_lease_binds_it(lease_dir: Path, no_leaked_processes):
+    @flow(task_runner=_runner())
+    def f() -> dict[str, Any]:
+        runner = FlowRunContext.get().task_runner
+        cpu_step.submit().result()  # the runner's first task starts the pool
+        ready = lambda: [w for w in runner.warm_workers() if w["ready"]]  # noqa: E731
+        warm = _until(lambda: len(ready()) >= 2 and ready(), "2 ready warm processes")
+        seen = {
+            "warm": [w["pid"] for w in warm],
+            "visible": [_environ(w["pid"]).get("CUDA_VISIBLE_DEVICES") for w in warm],
+            "state": runner.status()["gpu"]["state"],
+            "held": leases.holders(lease_dir, ["0", "1"]),
+        }
+        seen["task"] = where.submit().result()
+        seen["held_by_task"] = runner.status()["gpu"]["devices"]
+        seen["after"] = [w["pid"] for w in runner.warm_workers()]
+        return seen
+
+    seen = f()
+    # warm and unbound: started with no visible device, no profile running, no device leased
+    assert seen["visible"] == ["", ""]
+    assert seen["state"] == "absent"
+    assert seen["held"] == {"0": None, "1": None}
+    # the GPU task ran in one of them, bound to the device its lease gave
+    task_ = seen["task"]
+    assert task_["pid"] in seen["warm"]
+    assert task_["visible"] == task_["devices"][0] and task_["devices"] == seen["held_by_task"]
+    # a bound process leaves the pool; another takes its place
+    assert task_["pid"] not in seen["after"]
+    # none of them outlives the flow run (the no_leaked_processes fixture checks the rest)
+    for pid in [*seen["warm"], *seen["after"]]:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_no_pool_when_warm_workers_is_zero(monkeypatch, no_leaked_processes):
+    monkeypatch.setenv("GPU_TASKS_WARM_WORKERS", "0")
+
+    @flow(task_runner=_runner())
+    def f() -> tuple[list[Any], dict[str, Any]]:
+        runner = FlowRunContext.get().task_runner
+        cpu_step.submit().result()
+        return runner.warm_workers(), where.submit().result()
+
+    warm, task_ = f()
+    assert warm == []
+    assert task_["visible"] == task_["devices"][0]  # the nanny path binds the same way
+
+
+BROKEN = textwrap.dedent(
+    """
+    import os, sys
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    if __name__ == "__mp_main__" and os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        sys.exit(3)  # a warm process re-imports this script: it fails while starting
+
+    @task(tags=[profile("gpu")])
+    def one():
+        return 1
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def broken():
+        return one.submit().result()
+
+    if __name__ == "__main__":
+        broken()
+    """
+)
+
+
+def test_a_warm_process_that_fails_to_start_fails_the_task_clearly(tmp_path: Path, no_leaked_processes):
+    from prefect.settings import get_current_settings
+
+    script = tmp_path / "broken_flow.py"
+    script.write_text(BROKEN)
+    env = clean_env(uuid.uuid4().hex, GPU_TASKS_EMULATED_GPUS="1")
+    env["PREFECT_API_URL"] = str(get_current_settings().api.url)
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert done.returncode != 0
+    assert "warm worker process" in done.stderr and "exited with status 3 while starting" in done.stderr
+    assert "could not start 1 worker(s)" in done.stderr
+    assert 'if __name__ == "__main__":' in done.stderr
+
+
+KILLED = textwrap.dedent(
+    """
+    import json, os, sys, time
+    from pathlib import Path
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    OUT = Path(sys.argv[1])
+
+    @task
+    def first():
+        return 1
+
+    @task(tags=[profile("gpu")])
+    def busy():
+        (OUT / "bound").write_text(str(os.getpid()))
+        time.sleep(300)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def doomed():
+        runner = FlowRunContext.get().task_runner
+        first.submit().result()
+        fut = busy.submit()
+        while not (OUT / "bound").exists():
+            time.sleep(0.05)
+        while len(runner.warm_workers()) < 2:
+            time.sleep(0.05)
+        (OUT / "warm.json").write_text(json.dumps([w["pid"] for w in runner.warm_workers()]))
+        fut.result()
+
+    if __name__ == "__main__":
+        doomed()
+    """
+)
+
+
+def test_warm_processes_exit_with_a_killed_flow_process(tmp_path: Path):
+    from prefect.settings import get_current_settings
+
+    marker = uuid.uuid4().hex
+    script = tmp_path / "doomed_flow.py"
+    script.write_text(KILLED)
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env(marker, GPU_TASKS_EMULATED_GPUS="1")
+    env["PREFECT_API_URL"] = str(get_current_settings().api.url)
+    proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env, cwd=tmp_path)
+    try:
+        _until(lambda: (out / "warm.json").exists() or proc.poll() is not None, "the pool's pids", 120)
+        assert proc.poll() is None, "the flow exited early"
+        pids = [*json.loads((out / "warm.json").read_text()), int((out / "bound").read_text())]
+        assert all(psutil.pid_exists(p) for p in pids)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(psutil.pid_exists(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = [p for p in pids if psutil.pid_exists(p)]
+        assert not left, f"warm or bound worker processes outlived the SIGKILLed flow by 10 s: {left}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        kill_marked(marker)
