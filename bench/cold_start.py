@@ -11,6 +11,11 @@ Measured, each ``--repeats`` times, on one emulated device:
 - **warm**: a task submitted while the cluster is up (for reference);
 - **DaskTaskRunner**: the first task of a flow on prefect-dask's runner with one
   worker process (it starts its cluster at the first submit, as gpu-tasks does);
+- **RayTaskRunner**: the first task of a flow on prefect-ray's runner, a local Ray
+  cluster with one CPU and one (emulated) GPU, the task asking for the GPU
+  (``remote_options(num_gpus=1)``). prefect-ray starts its cluster (``ray.init``) when
+  the flow starts, before any submit, so its first task waits for both: ``ray.init``,
+  then submit to task body. Skipped, with the reason, without the ``bench`` extra;
 - **by hand**: ``LocalCluster(n_workers=1)`` + ``Client`` + ``client.submit`` of a
   plain function, and of Prefect's task engine (what a runner must at least pay).
 
@@ -27,7 +32,7 @@ import os
 import time
 from typing import Any
 
-from bench.common import machine, setup, spread, write_json
+from bench.common import machine, ray_skipped, setup, spread, write_json
 
 
 def _started() -> dict[str, Any]:
@@ -101,6 +106,27 @@ def dask_task_runner_case() -> float:
     return f()
 
 
+def ray_task_runner_case() -> dict[str, float]:
+    """First task of a flow on prefect-ray's RayTaskRunner: ``ray.init`` at the flow's start,
+    then from submit to the task body."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from bench.ray_peer import local_ray, remote_options
+
+    started = task(_started, name="started")
+
+    @flow(task_runner=local_ray(num_cpus=1, num_gpus=1), name="cold-start-ray")
+    def f() -> dict[str, float]:
+        runner = FlowRunContext.get().task_runner
+        t0 = time.time()
+        with remote_options(num_gpus=1):
+            first = started.submit().result()["t"] - t0
+        return {"total_s": runner.init_s + first, "init_s": runner.init_s, "first_task_s": first}
+
+    return f()
+
+
 def by_hand_case() -> dict[str, float]:
     """LocalCluster + Client by hand: a plain function, then Prefect's engine, as first tasks."""
     from distributed import Client, LocalCluster
@@ -140,14 +166,20 @@ def run(repeats: int, idle_timeout: float) -> dict[str, Any]:
         "reprovision": [],
         "warm": [],
         "dask": [],
+        "ray": [],
         "by_hand": [],
     }
+    skipped = ray_skipped()
+    if skipped:
+        del rows["ray"]
     with embedded_server():
         for _ in range(repeats):
             out = gpu_tasks_cases(idle_timeout)
             for case in ("fresh", "reprovision", "warm"):
                 rows[case].append(out[case])
             rows["dask"].append({"total_s": dask_task_runner_case()})
+            if "ray" in rows:
+                rows["ray"].append(ray_task_runner_case())
             rows["by_hand"].append(by_hand_case())
             print("  " + ", ".join(f"{k} {v[-1]['total_s']:.2f}s" for k, v in rows.items()), flush=True)
     summary = {
@@ -159,6 +191,7 @@ def run(repeats: int, idle_timeout: float) -> dict[str, Any]:
         "machine": machine(),
         "runs": rows,
         "summary": summary,
+        "skipped": skipped,
     }
 
 

@@ -69,6 +69,37 @@ def child(
     return data
 
 
+def ray_missing() -> str | None:
+    """Why the benchmarks' Ray case cannot run here (a line to print and report), or None.
+
+    Ray and prefect-ray come from the ``bench`` extra, which the tests never install:
+    without them every benchmark runs its other cases and reports the Ray case skipped.
+    """
+    import importlib.util
+
+    # found, not imported: Ray reads its settings (bench/ray_peer.py sets them) at its first import
+    for module, dist in (("ray", "ray"), ("prefect_ray", "prefect-ray")):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # ValueError: a module set to None in sys.modules
+            found = False
+        if not found:
+            return f"skipped: {dist} not installed (the bench extra: ./scripts/bench installs it)"
+    return None
+
+
+RAY = "RayTaskRunner"  # the Ray case's name in every benchmark's results ("skipped", rows)
+
+
+def ray_skipped() -> dict[str, str]:
+    """``{RAY: reason}``, printed, when the Ray case cannot run here; ``{}`` when it can."""
+    reason = ray_missing()
+    if reason is None:
+        return {}
+    print(f"  {RAY}: {reason}", flush=True)
+    return {RAY: reason}
+
+
 def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
     """Write results (a benchmark module's ``--json``)."""
     if path:

@@ -1,4 +1,4 @@
-"""Device-seconds held versus busy: ProfileTaskRunner against one static Dask cluster.
+"""Device-seconds held versus busy: ProfileTaskRunner against a static Dask cluster and Ray.
 
     python -m bench.held_busy [--repeats 3] [--stage-seconds 1.0] [--json out.json]
 
@@ -12,7 +12,14 @@ two emulated devices, through
 - the static setup a user builds today: one ``DaskTaskRunner`` whose cluster has a
   CPU worker and one worker per GPU (``{"GPU": 1}`` resources, its own
   ``CUDA_VISIBLE_DEVICES``), GPU stages routed with ``dask.annotate(resources=...)``;
-  it holds every device from the cluster's start to the flow's end.
+  it holds every device from the cluster's start to the flow's end;
+- prefect-ray's ``RayTaskRunner`` on a local Ray cluster started with the devices as
+  its GPUs (``num_gpus``) and a CPU per device plus one, GPU stages submitted inside
+  ``remote_options(num_gpus=1)``. Ray hands its GPUs to tasks, but the cluster keeps
+  them from ``ray.init`` (the flow's start) to ``ray.shutdown()`` (its end): a local
+  Ray cluster never gives a GPU back while it runs, so it holds every device for its
+  whole life, as the static cluster does. Skipped, with the reason, without the
+  ``bench`` extra.
 
 Busy time is measured by the tasks themselves: the union, per device, of the
 intervals GPU-stage task bodies ran. On emulated devices the stage "kernels" are
@@ -23,11 +30,13 @@ so the figure measures scheduling, not CPU contention.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
-from bench.common import machine, setup, spread, write_json
+from bench.common import RAY, machine, ray_skipped, setup, spread, write_json
 from gpu_tasks.ledger import union_seconds  # the ledger's own union of busy intervals
 
 STAGES = {  # stage -> (profile, tasks, seconds per task at --stage-seconds 1)
@@ -38,11 +47,16 @@ STAGES = {  # stage -> (profile, tasks, seconds per task at --stage-seconds 1)
     "evaluate": ("cpu", 1, 2.0),
 }
 GPU_STAGES = ("etl", "train")
+PROFILE, STATIC = "ProfileTaskRunner", "static DaskTaskRunner"
 _STATIC_CLUSTER_STARTED: list[float] = []
 
 
-def _work(stage: str, part: int, seconds: float) -> dict[str, Any]:
-    """A stage's task body: hold the device for ``seconds``; report where and when."""
+def _work(stage: str, part: int, seconds: float, after: list[Any] | None = None) -> dict[str, Any]:
+    """A stage's task body: hold the device for ``seconds``; report where and when.
+
+    ``after``: the upstream stage's results, unused: given only where the runner orders
+    tasks by their arguments (see :func:`_pipeline`).
+    """
     from gpu_tasks import current_allocation
 
     alloc = current_allocation()
@@ -63,11 +77,22 @@ def _work(stage: str, part: int, seconds: float) -> dict[str, Any]:
     }
 
 
-def _pipeline(scale: float, annotate: bool) -> Any:
-    """The mixed pipeline as a Prefect flow body; GPU stages annotated for the static setup."""
-    import contextlib
+def _pipeline(
+    scale: float,
+    gpu_route: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
+    upstream_as_argument: bool = False,
+) -> Any:
+    """The mixed pipeline as a Prefect flow body; GPU stages are submitted inside ``gpu_route()``
+    (how a runner without profiles is told a task needs a GPU: Dask annotations, Ray options).
 
-    import dask
+    Every stage is submitted at once, each task waiting for the stage before it: by
+    ``wait_for=``, or with ``upstream_as_argument`` by taking the upstream futures as an
+    argument. prefect-ray needs the latter: it gives Ray only a task's arguments as
+    dependencies and waits for ``wait_for=`` futures inside the task, after Ray has started
+    it and given it its GPU; a training task started that way holds a GPU while it waits,
+    and two of them hold both while the ETL tasks they wait for queue for a GPU (a
+    deadlock this benchmark ran into). prefect-dask makes ``wait_for=`` Dask dependencies.
+    """
     from prefect import task
 
     from gpu_tasks import profile
@@ -77,9 +102,9 @@ def _pipeline(scale: float, annotate: bool) -> Any:
     def stage(name: str, upstream: list[Any]) -> list[Any]:
         prof, n, seconds = STAGES[name]
         t = work.with_options(name=name, tags=[profile(prof)])
-        gpu = annotate and name in GPU_STAGES
-        with dask.annotate(resources={"GPU": 1}) if gpu else contextlib.nullcontext():
-            futures = [t.submit(name, i, seconds * scale, wait_for=upstream) for i in range(n)]
+        with gpu_route() if name in GPU_STAGES else contextlib.nullcontext():
+            after: dict[str, Any] = {"after": upstream} if upstream_as_argument else {"wait_for": upstream}
+            futures = [t.submit(name, i, seconds * scale, **after) for i in range(n)]
         return futures
 
     def body() -> list[dict[str, Any]]:
@@ -127,10 +152,34 @@ def busy_by_device(tasks: list[dict[str, Any]]) -> dict[str, list[tuple[float, f
     return out
 
 
-def run_profile(scale: float, idle_timeout: float) -> dict[str, Any]:
-    """One run through ProfileTaskRunner; holds from its ledger, busy from the tasks."""
+def _run_flow(
+    runner: Any, body: Callable[[], list[dict[str, Any]]], name: str, keep_runner: bool = True
+) -> tuple[float, float, list[dict[str, Any]], Any]:
+    """Run ``body`` as a flow on ``runner``: its start and end (the end after the runner closed
+    its clusters, on leaving the flow), the tasks' reports, and (``keep_runner``) the runner
+    instance the flow run entered (Prefect runs a copy of the one given), else None.
+
+    Not with DaskTaskRunner: it pickles the flow run's context, this flow and its closure
+    included, with every task, and a kept runner (its Dask client) cannot be pickled.
+    """
     from prefect import flow
     from prefect.context import FlowRunContext
+
+    entered: list[Any] = []
+
+    @flow(task_runner=runner, name=name)
+    def f() -> list[dict[str, Any]]:
+        if keep_runner:
+            entered.append(FlowRunContext.get().task_runner)
+        return body()
+
+    t0 = time.time()
+    tasks = f()
+    return t0, time.time(), tasks, entered[0] if entered else None
+
+
+def run_profile(scale: float, idle_timeout: float) -> dict[str, Any]:
+    """One run through ProfileTaskRunner; holds from its ledger, busy from the tasks."""
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile
 
@@ -140,17 +189,7 @@ def run_profile(scale: float, idle_timeout: float) -> dict[str, Any]:
         ResourceProfile(name="gpu-train", gpus=1, idle_timeout=idle_timeout),
     ]
     runner = ProfileTaskRunner(profiles=profiles, default="cpu")
-    body = _pipeline(scale, annotate=False)
-    box: dict[str, Any] = {}
-
-    @flow(task_runner=runner, name="held-vs-busy-profile")
-    def f() -> list[dict[str, Any]]:
-        box["runner"] = FlowRunContext.get().task_runner
-        return body()
-
-    t0 = time.time()
-    tasks = f()
-    t1 = time.time()
+    t0, t1, tasks, entered = _run_flow(runner, _pipeline(scale), "held-vs-busy-profile")
     holds = [
         {
             "device": d,
@@ -159,37 +198,46 @@ def run_profile(scale: float, idle_timeout: float) -> dict[str, Any]:
             "end": row.closed_at,
             "reason": row.reason,
         }
-        for row in box["runner"].ledger
+        for row in entered.ledger
         for d in row.devices
     ]
-    idle_tails = sum(
-        idle_timeout for row in box["runner"].ledger for _ in row.devices if "idle" in row.reason
-    )
-    return _account("ProfileTaskRunner", t0, t1, tasks, holds, idle_tails)
+    idle_tails = sum(idle_timeout for row in entered.ledger for _ in row.devices if "idle" in row.reason)
+    return _account(PROFILE, t0, t1, tasks, holds, idle_tails)
 
 
 def run_static(scale: float, n_gpus: int) -> dict[str, Any]:
     """One run through the static DaskTaskRunner; it holds every device for the cluster's life."""
-    from prefect import flow
+    import dask
     from prefect_dask import DaskTaskRunner
 
     runner = DaskTaskRunner(cluster_class=static_cluster, cluster_kwargs={"n_gpus": n_gpus})
-    body = _pipeline(scale, annotate=True)
+    body = _pipeline(scale, gpu_route=lambda: dask.annotate(resources={"GPU": 1}))
     _STATIC_CLUSTER_STARTED.clear()
+    t0, t1, tasks, _ = _run_flow(runner, body, "held-vs-busy-static", keep_runner=False)
+    return _account(STATIC, t0, t1, tasks, _whole_life(_STATIC_CLUSTER_STARTED[0], t1, n_gpus, "static"), 0.0)
 
-    @flow(task_runner=runner, name="held-vs-busy-static")
-    def f() -> list[dict[str, Any]]:
-        return body()
 
-    t0 = time.time()
-    tasks = f()
-    t1 = time.time()  # the runner closed its cluster on leaving the flow
-    started = _STATIC_CLUSTER_STARTED[0]
-    holds = [
-        {"device": str(i), "profile": "static", "start": started, "end": t1, "reason": "flow ended"}
+def run_ray(scale: float, n_gpus: int) -> dict[str, Any]:
+    """One run through prefect-ray's RayTaskRunner; its local cluster holds every device for its life."""
+    from bench.ray_peer import local_ray, remote_options
+
+    # a CPU per device for its GPU tasks (a Ray task takes 1 CPU by default) and one for the
+    # CPU stages: the static cluster's three single-threaded workers
+    runner = local_ray(num_cpus=n_gpus + 1, num_gpus=n_gpus)
+    body = _pipeline(scale, gpu_route=lambda: remote_options(num_gpus=1), upstream_as_argument=True)
+    t0, t1, tasks, ray = _run_flow(runner, body, "held-vs-busy-ray")
+    return {
+        **_account(RAY, t0, t1, tasks, _whole_life(ray.init_started, t1, n_gpus, "ray"), 0.0),
+        "init_s": ray.init_s,
+    }
+
+
+def _whole_life(started: float, ended: float, n_gpus: int, label: str) -> list[dict[str, Any]]:
+    """Holds of a cluster that keeps every device from its start to the flow's end."""
+    return [
+        {"device": str(i), "profile": label, "start": started, "end": ended, "reason": "flow ended"}
         for i in range(n_gpus)
     ]
-    return _account("static DaskTaskRunner", t0, t1, tasks, holds, 0.0)
 
 
 def _account(
@@ -227,10 +275,18 @@ def run(repeats: int, scale: float, idle_timeout: float) -> dict[str, Any]:
     from gpu_tasks.devices import discover
 
     n_gpus = len(discover().devices)
+    setups: dict[str, Callable[[], dict[str, Any]]] = {
+        PROFILE: lambda: run_profile(scale, idle_timeout),
+        STATIC: lambda: run_static(scale, n_gpus),
+        RAY: lambda: run_ray(scale, n_gpus),
+    }
+    skipped = ray_skipped()
+    for name in skipped:
+        del setups[name]
     runs: list[dict[str, Any]] = []
     with embedded_server():
         for i in range(repeats):
-            for one in (lambda: run_profile(scale, idle_timeout), lambda: run_static(scale, n_gpus)):
+            for one in setups.values():
                 r = one()
                 r["repeat"] = i
                 runs.append(r)
@@ -240,7 +296,7 @@ def run(repeats: int, scale: float, idle_timeout: float) -> dict[str, Any]:
                     flush=True,
                 )
     summary = {}
-    for name in ("ProfileTaskRunner", "static DaskTaskRunner"):
+    for name in setups:
         mine = [r for r in runs if r["setup"] == name]
         summary[name] = {
             k: spread([r[k] for r in mine])
@@ -255,6 +311,7 @@ def run(repeats: int, scale: float, idle_timeout: float) -> dict[str, Any]:
         "machine": machine(),
         "runs": runs,
         "summary": summary,
+        "skipped": skipped,
     }
 
 

@@ -1,41 +1,54 @@
-"""Per-task overhead: the same N trivial tasks through four task runners, in one run.
+"""Per-task overhead: the same N trivial tasks through each task runner, in one run.
 
     python -m bench.overhead [--n 100 1000] [--repeats 3] [--json out.json]
 
 Times ``inc.map(range(N))`` through Prefect's ThreadPoolTaskRunner, prefect-dask's
-DaskTaskRunner and ProfileTaskRunner (a CPU profile: threads in the flow process;
-and a ``gpus=0.25`` profile on emulated devices: Dask worker processes). Eight warm-up
-tasks first in every flow bring up every worker, so cluster start-up (cold start,
-measured apart) is not counted as per-task overhead.
+DaskTaskRunner, prefect-ray's RayTaskRunner (plain tasks, and ``num_gpus=0.25`` tasks
+with worker processes reused, on a local Ray cluster with two emulated GPUs; skipped,
+with the reason, without the ``bench`` extra) and ProfileTaskRunner (a CPU profile:
+threads in the flow process; and a ``gpus=0.25`` profile on emulated devices: Dask
+worker processes). Eight warm-up tasks first in every flow bring up every worker, so
+cluster start-up (cold start, measured apart) is not counted as per-task overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
-from bench.common import machine, setup, spread, write_json
+from bench.common import RAY, machine, ray_missing, ray_skipped, setup, spread, write_json
 
 THREADS = "ThreadPoolTaskRunner"
 DASK = "DaskTaskRunner"
+RAY_GPU = "RayTaskRunner, num_gpus=0.25 (max_calls=0)"
 PROFILE_CPU = "ProfileTaskRunner, CPU profile"
 PROFILE_GPU = "ProfileTaskRunner, gpus=0.25 profile"
 WARM_TASKS = 8  # enough to bring up every worker: 2 emulated devices x 4 quarter-device slots
 
 
-def runners(n_gpu: int) -> dict[str, tuple[Callable[[], Any], str | None]]:
-    """Label -> (runner factory, profile tag or None); labels are stable keys of the results."""
+class Runner(NamedTuple):
+    """How one row's flows run: a fresh task runner per flow, and how its tasks are submitted."""
+
+    make: Callable[[], Any]
+    tag: str | None = None  # a gpu-tasks profile's tag on the tasks
+    around: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext  # wraps the map
+
+
+def runners(n_gpu: int) -> dict[str, Runner]:
+    """Label -> how its flows run; labels are stable keys of the results. The Ray rows are
+    left out when Ray is not installed (:func:`bench.common.ray_missing` says why)."""
     from prefect.task_runners import ThreadPoolTaskRunner
     from prefect_dask import DaskTaskRunner
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile
 
     cpu = ResourceProfile(name="cpu", cpus=0.25)  # 8 threads on a 2-core machine, as the thread pool
-    return {
-        THREADS: (lambda: ThreadPoolTaskRunner(max_workers=8), None),
-        DASK: (
+    out = {
+        THREADS: Runner(lambda: ThreadPoolTaskRunner(max_workers=8)),
+        DASK: Runner(
             lambda: DaskTaskRunner(
                 cluster_kwargs={
                     "n_workers": 2,
@@ -45,18 +58,31 @@ def runners(n_gpu: int) -> dict[str, tuple[Callable[[], Any], str | None]]:
                     "host": "127.0.0.1",
                 }
             ),
-            None,
         ),
-        PROFILE_CPU: (lambda: ProfileTaskRunner(profiles=[cpu], idle_timeout=600), None),
-        PROFILE_GPU: (
+        PROFILE_CPU: Runner(lambda: ProfileTaskRunner(profiles=[cpu], idle_timeout=600)),
+        PROFILE_GPU: Runner(
             lambda: ProfileTaskRunner(
                 profiles=[cpu, ResourceProfile(name="quarter", gpus=0.25, max_workers=n_gpu)],
                 default="cpu",
                 idle_timeout=600,
             ),
-            "quarter",
+            tag="quarter",
         ),
     }
+    if ray_missing() is None:
+        from bench.ray_peer import local_ray, remote_options
+
+        # Ray runs one task per worker process (at 1 CPU each by default): 4 logical CPUs run
+        # 4 at once, as DaskTaskRunner's 2 workers x 2 threads; the same cluster has the
+        # emulated GPUs, packed four num_gpus=0.25 tasks to a GPU. A task that asks for GPUs
+        # gets max_calls=1 from Ray unless told otherwise: its worker process exits after it,
+        # so every GPU task would start a process (cold start, measured apart; seconds per
+        # task here). max_calls=0 (no limit) keeps the workers, as the other rows do.
+        make_ray = lambda: local_ray(num_cpus=4, num_gpus=n_gpu)  # noqa: E731
+        out[RAY] = Runner(make_ray)
+        out[RAY_GPU] = Runner(make_ray, around=lambda: remote_options(num_gpus=0.25, max_calls=0))
+    order = (THREADS, DASK, RAY, RAY_GPU, PROFILE_CPU, PROFILE_GPU)  # the peers first, as in the report
+    return {label: out[label] for label in order if label in out}
 
 
 def run(sizes: list[int], repeats: int) -> dict[str, Any]:
@@ -71,19 +97,21 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
         return x + 1
 
     results: dict[str, dict[str, list[float]]] = {}
+    skipped = ray_skipped()
     with embedded_server():
-        for label, (make, tag) in runners(2).items():
-            tagged = inc.with_options(tags=[profile(tag)]) if tag else inc
+        for label, r in runners(2).items():
+            tagged = inc.with_options(tags=[profile(r.tag)]) if r.tag else inc
 
             # the loop's values bound now (once runs within this iteration anyway)
-            def once(n: int, make: Any = make, tagged: Any = tagged, label: str = label) -> float:
-                @flow(task_runner=make(), log_prints=False)
+            def once(n: int, r: Runner = r, tagged: Any = tagged, label: str = label) -> float:
+                @flow(task_runner=r.make(), log_prints=False)
                 def overhead_flow() -> tuple[float, list[int]]:
                     # provisioning (every worker: a profile grows one worker at a time as tasks
                     # queue) is cold start, measured apart, not per-task overhead
-                    [f.result() for f in tagged.map(range(WARM_TASKS))]
-                    t0 = time.perf_counter()
-                    values = [f.result() for f in tagged.map(range(n))]
+                    with r.around():
+                        [f.result() for f in tagged.map(range(WARM_TASKS))]
+                        t0 = time.perf_counter()
+                        values = [f.result() for f in tagged.map(range(n))]
                     return time.perf_counter() - t0, values
 
                 seconds, values = overhead_flow()
@@ -96,7 +124,13 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
                 times = [once(n) for _ in range(repeats)]
                 results.setdefault(str(n), {})[label] = times
                 print(f"  N={n:<6} {label:42s} median {spread(times)['median']:8.2f} ms/task", flush=True)
-    return {"sizes": sizes, "repeats": repeats, "machine": machine(), "ms_per_task": results}
+    return {
+        "sizes": sizes,
+        "repeats": repeats,
+        "machine": machine(),
+        "ms_per_task": results,
+        "skipped": skipped,
+    }
 
 
 def summary(res: dict[str, Any]) -> dict[str, dict[str, dict[str, float]]]:

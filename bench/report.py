@@ -40,26 +40,48 @@ def _s(x: dict[str, float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(x['median'])} ({fmt.format(x['min'])}-{fmt.format(x['max'])})"
 
 
+def _ratio(mine: float, theirs: float) -> str:
+    """``2.5x less`` or ``1.3x more``: ``mine`` said against ``theirs``."""
+    return f"{theirs / mine:.1f}x less" if mine <= theirs else f"{mine / theirs:.1f}x more"
+
+
+def _skipped(res: dict[str, Any]) -> list[str]:
+    """A line for each case the benchmark could not run here, with its reason."""
+    return [f"- {name}: {why}." for name, why in res.get("skipped", {}).items()]
+
+
 # ---------------------------------------------------------------- overhead
 def overhead(res: dict[str, Any], img: Path) -> list[str]:
-    from bench.overhead import DASK, PROFILE_CPU, PROFILE_GPU, THREADS
+    from bench.overhead import DASK, PROFILE_CPU, PROFILE_GPU, RAY, RAY_GPU, THREADS
 
     lines = [
         "## Per-task overhead",
         "",
         f"`inc.map(range(N))`, trivial tasks, through each runner in one run; {res['repeats']} timed "
         "repeat(s) per N after a warm-up flow; eight warm-up tasks in every flow bring up every worker, so "
-        "cluster start is not counted (see cold start). ms per task: median (min-max).",
+        "cluster start is not counted (see cold start). RayTaskRunner runs on a local Ray cluster "
+        "(a new one per flow, as prefect-ray starts it) with 4 CPUs, so 4 tasks at once as "
+        "DaskTaskRunner's 2 workers x 2 threads, and 2 emulated GPUs. ms per task: median (min-max).",
         "",
         "| N | runner | ms/task | x ThreadPool | DaskTaskRunner / this |",
         "| ---: | --- | ---: | ---: | ---: |",
     ]
     verdicts = []
+    peers = []
     for n, by_label in res["summary"].items():
         for label, row in by_label.items():
             lines.append(
                 f"| {int(n):,} | {label} | {_s(row)} | {row['vs_threads']:.2f}x | "
                 f"{row['dask_speedup']:.1f}x |"
+            )
+        if RAY in by_label and RAY_GPU in by_label:
+            ray, ray_gpu, prof = by_label[RAY], by_label[RAY_GPU], by_label[PROFILE_GPU]
+            peers.append(
+                f"- N = {int(n):,}, Ray: RayTaskRunner {ray['median']:.1f} ms per task, "
+                f"{ray['vs_threads']:.1f}x the thread pool and {1 / ray['dask_speedup']:.2f}x "
+                f"DaskTaskRunner's time; with num_gpus=0.25 tasks {ray_gpu['median']:.1f} ms, where "
+                f"ProfileTaskRunner's gpus=0.25 profile took {prof['median']:.1f} ms "
+                f"({_ratio(prof['median'], ray_gpu['median'])})."
             )
         for label in (PROFILE_CPU, PROFILE_GPU):
             row = by_label[label]
@@ -73,6 +95,8 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
     lines += [
         "",
         *verdicts,
+        *peers,
+        *_skipped(res),
         "",
         "Where the time goes. A CPU profile runs tasks on threads in the flow process, as the thread pool "
         "does, plus routing and accounting. A GPU profile runs them in Dask worker processes (one per "
@@ -91,14 +115,23 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         "the process boundary itself, so a GPU profile stays a few times the thread pool: batch tiny work "
         "into fewer tasks, or give it a CPU profile.",
         "",
+        "prefect-ray, like prefect-dask, serializes the flow run's context at every submit and runs "
+        "Prefect's task engine in a worker process, which builds that context again for every task; "
+        "it also wraps its task function with `ray.remote` anew at every submit, and a Ray worker process "
+        "runs one task at a time. A Ray task that asks for GPUs gets `max_calls=1` unless told otherwise: "
+        "its worker process exits after that one task, so every GPU task starts a new process and imports "
+        "Prefect in it (held versus busy shows what that does to a pipeline). The num_gpus row passes "
+        "`max_calls=0` (no limit), so its workers are kept, as every other row's are.",
+        "",
         "![per-task overhead](results/overhead.png)",
         "",
     ]
 
     plt = _plt()
-    labels = [THREADS, DASK, PROFILE_CPU, PROFILE_GPU]
+    present = next(iter(res["summary"].values()))
+    labels = [lab for lab in (THREADS, DASK, RAY, RAY_GPU, PROFILE_CPU, PROFILE_GPU) if lab in present]
     sizes = list(res["summary"])
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = plt.subplots(figsize=(1.5 * len(labels) + 1, 4))
     width = 0.8 / len(sizes)
     for i, n in enumerate(sizes):
         med = [res["summary"][n][lab]["median"] for lab in labels]
@@ -113,7 +146,13 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
             label=f"N={int(n):,}",
         )
     ax.set_xticks([x + width * (len(sizes) - 1) / 2 for x in range(len(labels))])
-    ax.set_xticklabels([lab.replace("ProfileTaskRunner, ", "Profile:\n") for lab in labels], fontsize=8)
+    ax.set_xticklabels(
+        [
+            lab.replace("ProfileTaskRunner, ", "Profile:\n").replace("RayTaskRunner, ", "Ray:\n")
+            for lab in labels
+        ],
+        fontsize=8,
+    )
     ax.set_yscale("log")
     ax.set_ylabel("ms per task (log)")
     ax.set_title("Per-task overhead (median, min-max)")
@@ -140,6 +179,34 @@ def _lease_to_first_task(res: dict[str, Any]) -> list[float]:
     return out
 
 
+def _ray_held(res: dict[str, Any]) -> list[str]:
+    """What the Ray run of held-versus-busy shows, from its figures (nothing when it did not run)."""
+    from bench.held_busy import GPU_STAGES, PROFILE, RAY, STATIC
+
+    if RAY not in res["summary"]:
+        return []
+    prof, static, ray = (res["summary"][name] for name in (PROFILE, STATIC, RAY))
+    run = next(r for r in res["runs"] if r["setup"] == RAY)
+    gpu = [t for t in run["tasks"] if t["stage"] in GPU_STAGES]
+    procs = len({t["pid"] for t in gpu})
+    why = (
+        " (one each: Ray gives a task that asks for GPUs `max_calls=1`, so its worker process exits "
+        "after it, and the next GPU task waits for a new process to start and import Prefect)"
+        if procs == len(gpu)
+        else ""
+    )
+    return [
+        f"- RayTaskRunner's local cluster held {ray['held_s']['median']:.1f} device-s for the same work: "
+        f"ProfileTaskRunner holds devices {ray['held_s']['median'] / prof['held_s']['median']:.2f}x less. "
+        "Ray gives a GPU to each task that asks for one (`remote_options(num_gpus=1)`) but its cluster keeps "
+        "every GPU from `ray.init` to the flow's end, as the static cluster does; it has no idle release. "
+        f"Its flow took {ray['flow_s']['median']:.1f}s (the static cluster's "
+        f"{static['flow_s']['median']:.1f}s): `ray.init` took {run['init_s']:.1f}s of it before the first "
+        f"task could start, and in the first repeat its {len(gpu)} GPU tasks ran in {procs} worker "
+        f"processes{why}."
+    ]
+
+
 def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None) -> list[str]:
     prof, static = res["summary"]["ProfileTaskRunner"], res["summary"]["static DaskTaskRunner"]
     stages = ", ".join(
@@ -151,8 +218,11 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
         "",
         f"The mixed pipeline on {res['gpus']} emulated devices: {stages}. Stage bodies sleep (device time "
         "that does not compete for the CPU), so this measures scheduling. Held: from the device lease to its "
-        "release (ProfileTaskRunner's ledger, start-up included), or the static cluster's whole life. Busy: "
-        "the "
+        "release (ProfileTaskRunner's ledger, start-up included), or the cluster's whole life (the static "
+        "Dask cluster; RayTaskRunner's local Ray cluster, from `ray.init` at the flow's start to its end, "
+        "with the devices as its GPUs and a CPU per device plus one; its tasks take the stage before as an "
+        "argument, since prefect-ray waits for `wait_for=` futures inside a task Ray has already given "
+        "its GPU, which deadlocked this pipeline: see bench/held_busy.py). Busy: the "
         f"union of GPU-stage task bodies per device. GPU profiles close after {res['idle_timeout']:g}s idle. "
         f"{res['repeats']} repeat(s), alternating; median (min-max).",
         "",
@@ -187,6 +257,8 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
         "with every stage 10x longer the same overhead would give about "
         f"{(10 * busy + fixed) / (10 * busy):.2f} "
         "held/busy (a projection from these figures, not a measurement).",
+        *_ray_held(res),
+        *_skipped(res),
     ]
     delays = _lease_to_first_task(res)
     if delays:
@@ -212,7 +284,12 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
             "tails "
             f"({long['summary']['ProfileTaskRunner']['held_over_busy']['median']:.2f} with them), "
             f"{_ok(lr <= HELD_TARGET)}; the static cluster: "
-            f"{long['summary']['static DaskTaskRunner']['held_over_busy']['median']:.2f}."
+            f"{long['summary']['static DaskTaskRunner']['held_over_busy']['median']:.2f}"
+            + (
+                f"; RayTaskRunner: {long['summary']['RayTaskRunner']['held_over_busy']['median']:.2f}."
+                if "RayTaskRunner" in long["summary"]
+                else "."
+            )
         )
     lines += [
         "",
@@ -223,7 +300,7 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
     plt = _plt()
     runs = {name: next(r for r in res["runs"] if r["setup"] == name) for name in res["summary"]}
     fig, axes = plt.subplots(len(runs), 1, figsize=(9, 1.6 + 1.2 * len(runs) * res["gpus"] / 2), sharex=True)
-    colors = {"gpu-etl": "tab:orange", "gpu-train": "tab:green", "static": "tab:gray"}
+    colors = {"gpu-etl": "tab:orange", "gpu-train": "tab:green", "static": "tab:gray", "ray": "tab:purple"}
     for ax, (name, run) in zip(axes, runs.items(), strict=True):
         t0 = run["t0"]
         devices = sorted({h["device"] for h in run["holds"]})
@@ -259,6 +336,23 @@ def held_busy(res: dict[str, Any], img: Path, long: dict[str, Any] | None = None
 
 
 # ---------------------------------------------------------------- cold start
+def _ray_cold(s: dict[str, Any]) -> list[str]:
+    """What the Ray row of cold start shows (nothing when it did not run)."""
+    if "ray" not in s:
+        return []
+    ray, dask = s["ray"], s["dask"]["total_s"]["median"]
+    return [
+        "- RayTaskRunner: prefect-ray starts its Ray cluster (`ray.init`: the GCS server and raylet, two "
+        "agents, a dashboard process even with the dashboard off, log and autoscaler monitors, and a "
+        "pre-started worker per CPU) when the flow starts, before any submit, so a flow's first task "
+        f"waits for it ({ray['init_s']['median']:.2f}s in the table's "
+        "worker-process column) and then for submit to task body "
+        f"({ray['first_task_s']['median']:.2f}s: Prefect's task engine run for the first time in a "
+        f"worker process): {ray['total_s']['median']:.2f}s in all, {_ratio(ray['total_s']['median'], dask)} "
+        "than DaskTaskRunner, which starts its cluster at the first submit.",
+    ]
+
+
 def cold_start(res: dict[str, Any], img: Path) -> list[str]:
     s = res["summary"]
     lines = [
@@ -276,9 +370,12 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         "reprovision": f"gpu-tasks, re-provision after idle close (idle_timeout {res['idle_timeout']:g}s)",
         "warm": "gpu-tasks, warm cluster (reference)",
         "dask": "DaskTaskRunner (1 worker process), first task",
+        "ray": "RayTaskRunner (local Ray, 1 CPU, 1 GPU), `ray.init` + first task",
         "by_hand": "by hand: LocalCluster + Client + plain function",
     }
     for case, title in names.items():
+        if case not in s:  # a case skipped in this run (_skipped says why)
+            continue
         row = s[case]
         cells = [_s(row["total_s"])]
         if case in ("fresh", "reprovision"):
@@ -289,6 +386,8 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
             ]
         elif case == "by_hand":
             cells += ["-", _s(row["cluster_s"]), _s(row["first_submit_s"], "{:.3f}")]
+        elif case == "ray":
+            cells += ["-", _s(row["init_s"]), _s(row["first_task_s"])]
         else:
             cells += ["-", "-", "-"]
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
@@ -307,6 +406,8 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         f"{imp:.2f}s (measured by hand), then the engine creates the task run through the API. A plain "
         "function on a cluster made by hand skips both, so it starts sooner; any runner that runs Prefect "
         "tasks in fresh worker processes pays them (DaskTaskRunner too, in the row above).",
+        *_ray_cold(s),
+        *_skipped(res),
         "",
         "![cold start](results/cold_start.png)",
         "",
@@ -327,6 +428,15 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
     ax.barh(
         ["DaskTaskRunner"], [s["dask"]["total_s"]["median"]], color="tab:gray", label="DaskTaskRunner (total)"
     )
+    if "ray" in s:
+        ax.barh(["RayTaskRunner"], [s["ray"]["init_s"]["median"]], color="tab:purple", label="ray.init")
+        ax.barh(
+            ["RayTaskRunner"],
+            [s["ray"]["first_task_s"]["median"]],
+            left=[s["ray"]["init_s"]["median"]],
+            color="tab:pink",
+            label="Ray: submit to task body",
+        )
     ax.barh(["by hand"], [s["by_hand"]["cluster_s"]["median"]], color="tab:orange")
     ax.barh(
         ["by hand"],
@@ -335,7 +445,7 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         color="tab:green",
     )
     ax.axvline(COLD_TARGET_S, color="red", linestyle="--", label=f"target {COLD_TARGET_S:g}s")
-    ax.set_xlabel("seconds from first submit to the task body running (median)")
+    ax.set_xlabel("seconds from first submit to the task body running (median; Ray: from ray.init)")
     ax.legend(fontsize=7, loc="lower right")
     _save(plt, fig, img / "cold_start.png")
     return lines

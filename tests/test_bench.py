@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from bench import report
-from bench.common import spread
+from bench.common import ray_missing, ray_skipped, spread
 from bench.held_busy import GPU_STAGES, busy_by_device, run_profile, run_static, union_seconds
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,14 +57,15 @@ def test_held_busy_accounting_on_both_setups(prefect_server, emulated, no_leaked
     assert len(life) == 1, "the static cluster holds both devices for the same span"
 
 
-def _results(tmp_path: Path) -> dict:
-    """Results shaped as the suite writes them, from a real held-vs-busy accounting of two runs."""
+def _results(tmp_path: Path, ray: bool = True) -> dict:
+    """Results shaped as the suite writes them, from a real held-vs-busy accounting of the runs;
+    without ``ray``, as a run without the bench extra writes them (the Ray case skipped)."""
 
     def tasks(t0: float) -> list[dict]:
         return [
-            {"stage": "etl", "devices": ["0"], "start": t0 + 1, "end": t0 + 2},
-            {"stage": "train", "devices": ["1"], "start": t0 + 3, "end": t0 + 5},
-            {"stage": "ingest", "devices": [], "start": t0, "end": t0 + 1},
+            {"stage": "etl", "devices": ["0"], "start": t0 + 1, "end": t0 + 2, "pid": 11},
+            {"stage": "train", "devices": ["1"], "start": t0 + 3, "end": t0 + 5, "pid": 12},
+            {"stage": "ingest", "devices": [], "start": t0, "end": t0 + 1, "pid": 10},
         ]
 
     from bench.held_busy import _account
@@ -88,6 +89,19 @@ def _results(tmp_path: Path) -> dict:
         [{"device": d, "profile": "static", "start": 0, "end": 6, "reason": "flow ended"} for d in "01"],
         0.0,
     )
+    ray_run = {
+        **_account(
+            "RayTaskRunner",
+            0,
+            8,
+            tasks(2),
+            [{"device": d, "profile": "ray", "start": 0, "end": 8, "reason": "flow ended"} for d in "01"],
+            0.0,
+        ),
+        "init_s": 2.0,
+    }
+    setups = [prof, static, ray_run] if ray else [prof, static]
+    skipped = {} if ray else {"RayTaskRunner": "skipped: ray not installed (the bench extra)"}
     one = lambda v: spread([v])  # noqa: E731
     m = {
         "arch": "x86_64",
@@ -99,10 +113,11 @@ def _results(tmp_path: Path) -> dict:
         "emulated": True,
         "gpu": False,
     }
-    from bench.overhead import DASK, PROFILE_CPU, PROFILE_GPU, THREADS
+    from bench.overhead import DASK, PROFILE_CPU, PROFILE_GPU, RAY, RAY_GPU, THREADS, summary
 
     ms = {THREADS: [4.0], DASK: [90.0], PROFILE_CPU: [7.0], PROFILE_GPU: [20.0]}
-    from bench.overhead import summary
+    if ray:
+        ms |= {RAY: [180.0], RAY_GPU: [50.0]}
 
     return {
         "suite": {"machine": m, "quick": True, "seconds": 60, "finished": "now"},
@@ -111,13 +126,15 @@ def _results(tmp_path: Path) -> dict:
             "machine": m,
             "ms_per_task": {"100": ms},
             "summary": summary({"ms_per_task": {"100": ms}}),
+            "skipped": skipped,
         },
         "held_busy": {
             "repeats": 1,
             "idle_timeout": 0.5,
             "gpus": 2,
             "machine": m,
-            "runs": [prof, static],
+            "runs": setups,
+            "skipped": skipped,
             "stages": {"etl": {"profile": "gpu-etl", "tasks": 1, "seconds": 1}},
             "summary": {
                 r["setup"]: {
@@ -130,13 +147,14 @@ def _results(tmp_path: Path) -> dict:
                         "flow_s",
                     )
                 }
-                for r in (prof, static)
+                for r in setups
             },
         },
         "cold_start": {
             "repeats": 1,
             "idle_timeout": 0.5,
             "machine": m,
+            "skipped": skipped,
             "summary": {
                 "fresh": {
                     "total_s": one(1.5),
@@ -152,6 +170,11 @@ def _results(tmp_path: Path) -> dict:
                 },
                 "warm": {"total_s": one(0.1)},
                 "dask": {"total_s": one(1.3)},
+                **(
+                    {"ray": {"total_s": one(3.9), "init_s": one(2.6), "first_task_s": one(1.3)}}
+                    if ray
+                    else {}
+                ),
                 "by_hand": {
                     "total_s": one(0.4),
                     "cluster_s": one(0.38),
@@ -246,9 +269,36 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
     assert (
         "| ProfileTaskRunner, stages 5x as long |" in text and "Measured with every stage 5x as long" in text
     )
+    # the Ray peer: its rows, and the comparisons read from its figures
+    assert "| 100 | RayTaskRunner | 180.00 | 45.00x | 0.5x |" in text
+    assert "gpus=0.25 profile took 20.0 ms (2.5x less)" in text
+    assert "| RayTaskRunner | 5.33 |" in text  # held 16 device-s (its life, 8 s, x 2) for 3 busy
+    assert (
+        "ProfileTaskRunner holds devices 3.20x less" in text and "ran in 2 worker processes (one each" in text
+    )
+    assert (
+        "`ray.init` + first task | 3.90 | - | 2.60 | 1.30 |" in text
+        and "3.0x more than DaskTaskRunner" in text
+    )
+    assert "skipped" not in text
     for png in ("overhead", "held_busy_timeline", "cold_start", "scale", "throughput"):
         data = (tmp_path / "results" / f"{png}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
+
+
+def test_without_ray_the_ray_case_is_skipped_with_its_reason(monkeypatch, capsys, tmp_path: Path):
+    """The tests never install Ray (the bench extra): each benchmark says the Ray case is skipped
+    and why, runs the others, and the report says so where the Ray rows would be."""
+    from bench.overhead import RAY, runners
+
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed, even where it is
+    assert ray_missing() == "skipped: ray not installed (the bench extra: ./scripts/bench installs it)"
+    assert ray_skipped() == {"RayTaskRunner": ray_missing()}
+    assert "RayTaskRunner: skipped: ray not installed" in capsys.readouterr().out
+    assert not [label for label in runners(2) if label.startswith(RAY)]
+    text = report.write(_results(tmp_path, ray=False), tmp_path).read_text()
+    assert text.count("- RayTaskRunner: skipped: ray not installed (the bench extra).") == 3
+    assert "| RayTaskRunner" not in text and "Ray:" not in text
 
 
 def test_report_renders_only_what_ran(tmp_path: Path):
