@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -20,6 +21,8 @@ from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, read_ta
 from gpu_tasks._futures import futures_to_states
 from gpu_tasks._live import Job, Live, ProfileState
 from gpu_tasks._logging import flow_logger
+from gpu_tasks._prefect_private import can_skip_engine_tag_slots
+from gpu_tasks._slotgate import SlotHold
 from gpu_tasks._worker import run_engine, run_on_worker
 from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import GpuOutOfMemoryError
@@ -30,6 +33,7 @@ from gpu_tasks.profiles import profile
 logger = logging.getLogger("gpu_tasks.runner")
 
 ESCALATED_TAG = "gpu-tasks:on-oom"
+SLOT_WAIT_REPORTED_S = 0.1  # a wait for a tag slot this long is logged and sent as an event
 
 
 def _is_worker_death(exc: BaseException) -> bool:
@@ -57,6 +61,47 @@ class Dispatcher:
 
     def __init__(self, live: Live) -> None:
         self.live = live
+
+    # ------------------------------------------------------------ admit
+    def admit(self, job: Job, then: Callable[[], Any]) -> None:
+        """Call ``then()`` (which dispatches ``job``) once ``job`` holds its tag concurrency slots.
+
+        A GPU task takes them here, in the flow process, before it leases a device, so that
+        waiting for a slot never holds one (:mod:`gpu_tasks._slotgate`); others go on at once.
+        """
+        if not job.profile.is_gpu or not can_skip_engine_tag_slots():
+            then()
+            return
+        from prefect.context import TagsContext
+
+        tags_ctx = job.ctx.run(TagsContext.get)
+        tags = job.tags | set(tags_ctx.current_tags if tags_ctx else ())
+        job.slots = SlotHold(tags, job.task_run_id, self.live.stop)
+
+        def acquired(waited: float) -> None:
+            if waited >= SLOT_WAIT_REPORTED_S:
+                job.ctx.run(
+                    flow_logger().info,
+                    "Task %r waited %.1fs for a Prefect concurrency slot (%s) and held no device meanwhile",
+                    job.task.name,
+                    waited,
+                    ", ".join(job.slots.names),
+                )
+                self.live.emit_task(
+                    "slot-waited", job, {"seconds": round(waited, 3), "limits": job.slots.names}
+                )
+            then()
+
+        def failed(exc: BaseException) -> None:
+            if isinstance(exc, Exception):
+                state = job.ctx.run(
+                    fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
+                )
+                self.finish(job, result=state)
+            else:
+                self.finish(job, exc=exc)
+
+        job.slots.start(acquired, failed)
 
     # ------------------------------------------------------------ dispatch
     def dispatch(self, job: Job) -> None:
@@ -143,6 +188,7 @@ class Dispatcher:
                     kwargs,
                     settings_key,
                     not prof.is_local,
+                    job.slots is not None,
                     key=key,
                     resources=task_resources(prof),
                 )
@@ -187,6 +233,8 @@ class Dispatcher:
     ) -> None:
         """Resolve ``job``'s future with its final state (or ``exc``) and account for it."""
         st, cf = job.st, job.cf
+        if job.slots is not None:
+            job.slots.release()
         with st.lock:
             if dispatched:
                 self.live.landed(job)

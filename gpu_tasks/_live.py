@@ -102,6 +102,7 @@ class Job:
     crashes: int = 0  # times its worker died under it
     task_run: Any = None  # the task run a re-run continues (run count, name)
     escalated_from: str | None = None  # the profile it ran out of memory on (on_oom re-runs once)
+    slots: Any = None  # the tag concurrency slots the flow process holds for it (gpu_tasks._slotgate)
 
     @property
     def profile(self) -> ResourceProfile:

@@ -34,9 +34,11 @@ see :func:`server_in_own_session_class`; **counting task runs** (the client's
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import subprocess
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -160,3 +162,110 @@ def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
     is reached through the client's private HTTP client ``_client`` (prefect 3.8.8).
     """
     return int(client._client.post("/task_runs/count", json=task_run_filter).json())
+
+
+# ---------------------------------------------------------------- tag slots the flow process holds
+# A GPU task must not hold a device while it waits for a Prefect tag concurrency slot. The flow
+# process takes the task run's `tag:<tag>` slots before it leases a device (gpu_tasks._slotgate) and
+# holds them until the task ends; the task engine on the worker would take them a second time (and
+# wait forever under a limit of 1), so inside `tag_slots_held_by_flow` the engine's own
+# acquisition for that task run is skipped. Prefect 3.8.8's task engine takes them with
+# `prefect.task_engine._concurrency` / `_aconcurrency(names=[...], holder=ConcurrencyLeaseHolder(
+# type="task_run", id=...))`, imported into that module under those private names.
+_FLOW_HOLDS: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "gpu_tasks_flow_holds_tag_slots", default=None
+)
+
+
+def can_skip_engine_tag_slots() -> bool:
+    """Whether this Prefect's task engine takes tag slots where gpu-tasks can skip them."""
+    import prefect.task_engine as engine
+
+    return callable(getattr(engine, "_concurrency", None)) and callable(
+        getattr(engine, "_aconcurrency", None)
+    )
+
+
+def _install_tag_slot_skip() -> None:
+    import prefect.task_engine as engine
+
+    if getattr(engine, "_gpu_tasks_tag_slot_skip", False):
+        return
+    sync_cm = getattr(engine, "_concurrency")  # noqa: B009 - not exported by Prefect
+    async_cm = getattr(engine, "_aconcurrency")  # noqa: B009
+
+    def held(holder: Any) -> bool:
+        return (
+            holder is not None
+            and _FLOW_HOLDS.get() is not None
+            and getattr(holder, "id", None) == _FLOW_HOLDS.get()
+        )
+
+    @contextlib.contextmanager
+    def concurrency(*args: Any, **kwargs: Any) -> Iterator[None]:
+        if held(kwargs.get("holder")):
+            yield
+            return
+        with sync_cm(*args, **kwargs):
+            yield
+
+    @contextlib.asynccontextmanager
+    async def aconcurrency(*args: Any, **kwargs: Any) -> AsyncIterator[None]:
+        if held(kwargs.get("holder")):
+            yield
+            return
+        async with async_cm(*args, **kwargs):
+            yield
+
+    setattr(engine, "_concurrency", concurrency)  # noqa: B010 - a private name of Prefect's module
+    setattr(engine, "_aconcurrency", aconcurrency)  # noqa: B010
+    setattr(engine, "_gpu_tasks_tag_slot_skip", True)  # noqa: B010
+
+
+@contextlib.contextmanager
+def tag_slots_held_by_flow(task_run_id: Any) -> Iterator[None]:
+    """Within the block, the task engine takes no tag slots for ``task_run_id`` (the flow holds them)."""
+    _install_tag_slot_skip()
+    token = _FLOW_HOLDS.set(task_run_id)
+    try:
+        yield
+    finally:
+        _FLOW_HOLDS.reset(token)
+
+
+@contextlib.contextmanager
+def hold_tag_slots(names: list[str], task_run_id: Any) -> Iterator[bool]:
+    """Take a task run's tag slots as Prefect's task engine does; yields whether any limit applied.
+
+    What ``prefect.concurrency._sync.concurrency`` (the engine's) does, less its warning for
+    tags without limits, and telling the caller whether there is anything to hold (no
+    limits: nothing to renew or give back, so the caller need not keep a thread waiting).
+    """
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+    from prefect.concurrency._events import (
+        emit_concurrency_acquisition_events,
+        emit_concurrency_release_events,
+    )
+    from prefect.concurrency._leases import maintain_concurrency_lease
+    from prefect.concurrency._sync import (
+        acquire_concurrency_slots_with_lease,
+        release_concurrency_slots_with_lease,
+    )
+
+    response = acquire_concurrency_slots_with_lease(
+        names,
+        1,
+        lease_duration=60,
+        holder=ConcurrencyLeaseHolder(type="task_run", id=task_run_id),
+        suppress_warnings=True,
+    )
+    if not response.limits:
+        yield False
+        return
+    emitted = emit_concurrency_acquisition_events(response.limits, 1)
+    try:
+        with maintain_concurrency_lease(response.lease_id, 60, suppress_warnings=True):
+            yield True
+    finally:
+        release_concurrency_slots_with_lease(response.lease_id)
+        emit_concurrency_release_events(response.limits, 1, emitted)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import os
@@ -22,7 +23,7 @@ from typing import Any
 
 from gpu_tasks import _dask_private, _worker_guard
 from gpu_tasks._futures import futures_to_states
-from gpu_tasks._prefect_private import extend_no_limits_cache
+from gpu_tasks._prefect_private import extend_no_limits_cache, tag_slots_held_by_flow
 from gpu_tasks._slots import SlotPool
 from gpu_tasks.allocation import (
     WORKER_ENV_PROFILE,
@@ -52,6 +53,7 @@ def run_on_worker(
     kwargs: dict[str, Any],
     settings_key: str,
     remote: bool = False,
+    slots_held: bool = False,
 ) -> tuple[Any, float, float, str]:
     """Run the Prefect task engine in a worker process (context travels serialized).
 
@@ -64,6 +66,8 @@ def run_on_worker(
             profiles): its devices come from its own environment, and a task that its
             scheduler re-runs after a worker died is reported ``Crashed`` first
             (:func:`_after_lost_worker`).
+        slots_held: the flow process holds the task run's tag concurrency slots
+            (:mod:`gpu_tasks._slotgate`): the engine does not take them again.
     """
     from distributed import get_worker
     from prefect.context import SettingsContext, SyncClientContext
@@ -99,7 +103,9 @@ def run_on_worker(
                 elif after is not None:  # no retries left: the Crashed state is final
                     now = time.time()
                     return after, now, now, worker_key(alloc.device_keys)
-            return run_engine(alloc, task, kwargs)
+            held = tag_slots_held_by_flow(kwargs["task_run_id"]) if slots_held else contextlib.nullcontext()
+            with held:
+                return run_engine(alloc, task, kwargs)
     finally:
         with _RUNNING_LOCK:
             _RUNNING.pop(kwargs["task_run_id"], None)

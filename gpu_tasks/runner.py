@@ -262,9 +262,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if not upstream and st.dispatcher is None:
             run()  # CPU profiles: dispatch right here, the cheapest path
         elif not upstream:
-            executor.submit(run)
+            dispatcher.admit(job, lambda: executor.submit(run))  # GPU: tag slots before devices
         else:
-            when_all_done(upstream, lambda: executor.submit(run))
+            when_all_done(upstream, lambda: dispatcher.admit(job, lambda: executor.submit(run)))
         return future
 
     # ------------------------------------------------------------ inspection

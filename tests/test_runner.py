@@ -630,19 +630,24 @@ def test_cluster_lifecycle_events_relate_to_the_flow_run():
     names = [e["event"] for e in events]
     assert names == ["gpu-tasks.cluster.provisioned", "gpu-tasks.cluster.closed"], names
     closed = events[1]
-    code, body = api(
-        "POST",
-        "/events/filter",
-        json={
-            "filter": {
-                "event": {"prefix": ["gpu-tasks.device."]},
-                "occurred": {"since": "2000-01-01T00:00:00Z"},
-                "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
-                "order": "ASC",
-            }
-        },
-    )
-    lease_events = [(e["event"], e["resource"]["prefect.resource.name"]) for e in body["events"]]
+    lease_events: list = []
+    for _ in range(40):  # persisted asynchronously, apart from the cluster events
+        code, body = api(
+            "POST",
+            "/events/filter",
+            json={
+                "filter": {
+                    "event": {"prefix": ["gpu-tasks.device."]},
+                    "occurred": {"since": "2000-01-01T00:00:00Z"},
+                    "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
+                    "order": "ASC",
+                }
+            },
+        )
+        lease_events = [(e["event"], e["resource"]["prefect.resource.name"]) for e in body["events"]]
+        if len(lease_events) >= 2:
+            break
+        time.sleep(0.25)
     device = f"gpu:{closed['payload']['devices'][0]}"
     assert lease_events == [("gpu-tasks.device.leased", device), ("gpu-tasks.device.released", device)]
     assert closed["resource"]["gpu-tasks.profile"] == "gpu"
