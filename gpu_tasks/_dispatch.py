@@ -33,7 +33,8 @@ from gpu_tasks.profiles import profile
 logger = logging.getLogger("gpu_tasks.runner")
 
 ESCALATED_TAG = "gpu-tasks:on-oom"
-SLOT_WAIT_REPORTED_S = 0.1  # a wait for a tag slot this long is logged and sent as an event
+# a wait for a tag slot this long is logged and sent as an event (shorter ones: the API round trip)
+SLOT_WAIT_REPORTED_S = 0.5
 
 
 def _is_worker_death(exc: BaseException) -> bool:
