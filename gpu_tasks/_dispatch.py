@@ -21,7 +21,7 @@ from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, read_ta
 from gpu_tasks._futures import futures_to_states
 from gpu_tasks._live import Job, Live, ProfileState
 from gpu_tasks._logging import flow_logger
-from gpu_tasks._prefect_private import can_skip_engine_tag_slots
+from gpu_tasks._prefect_private import can_skip_engine_tag_slots, known_without_limits
 from gpu_tasks._slotgate import SlotHold
 from gpu_tasks._worker import run_engine, run_on_worker
 from gpu_tasks.allocation import Allocation
@@ -78,6 +78,9 @@ class Dispatcher:
         tags_ctx = job.ctx.run(TagsContext.get)
         tags = job.tags | set(tags_ctx.current_tags if tags_ctx else ())
         job.slots = SlotHold(tags, job.task_run_id, self.live.stop)
+        if known_without_limits(job.slots.names):
+            then()  # the common case: no limit on these tags, nothing to take or wait for
+            return
 
         def acquired(waited: float) -> None:
             if waited >= SLOT_WAIT_REPORTED_S:

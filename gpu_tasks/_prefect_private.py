@@ -269,3 +269,19 @@ def hold_tag_slots(names: list[str], task_run_id: Any) -> Iterator[bool]:
     finally:
         release_concurrency_slots_with_lease(response.lease_id)
         emit_concurrency_release_events(response.limits, 1, emitted)
+
+
+def known_without_limits(names: list[str]) -> bool:
+    """Whether this process's cached answer says the concurrency limits ``names`` do not exist.
+
+    Prefect's ``prefect.concurrency.services._no_limits_cache`` (keyed by the frozenset of
+    names; see :func:`extend_no_limits_cache`). ``False`` when unknown or absent.
+    """
+    from prefect.concurrency import services
+
+    cache = getattr(services, "_no_limits_cache", None)
+    lock = getattr(services, "_cache_lock", None)
+    if cache is None or lock is None:
+        return False
+    with lock:
+        return bool(cache.get(frozenset(names), False))
