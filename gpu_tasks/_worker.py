@@ -44,6 +44,32 @@ logger = logging.getLogger(__name__)
 _WORKER_SETTINGS: dict[str, dict[str, Any]] = {}
 _WORKER_SETTINGS_LOCK = threading.Lock()
 _WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect client, by settings key
+_PROCESS_READY = threading.Event()
+_PROCESS_READY_LOCK = threading.Lock()
+
+
+def prepare_process() -> None:
+    """Configure Prefect's logging in this worker process once, before any task of it runs.
+
+    Prefect's task engine configures logging on a worker lazily, in the first task's
+    ``hydrated_context`` (``ensure_logging_setup``), with no lock of its own. When several
+    tasks start at once in a fresh worker process (a fractional profile's threads), one
+    thread can be inside ``logging.config.dictConfig`` holding logging's module lock,
+    which flushes Prefect's API log handler and so waits for Prefect's service-instance
+    lock, while another thread holds that lock creating the process's first
+    ``EventsWorker`` and waits for logging's lock (its logger, or the global event loop
+    thread it starts logging as it creates its loop): the worker hangs for good (prefect
+    3.8.8; seen as a stuck ``tests/faults/test_soak.py``). Doing the setup here, once,
+    while the other task threads wait, takes that inversion away.
+    """
+    if _PROCESS_READY.is_set():
+        return
+    with _PROCESS_READY_LOCK:
+        if not _PROCESS_READY.is_set():
+            from prefect.logging.configuration import ensure_logging_setup
+
+            ensure_logging_setup()
+            _PROCESS_READY.set()
 
 
 def run_on_worker(
@@ -72,6 +98,7 @@ def run_on_worker(
     from distributed import get_worker
     from prefect.context import SettingsContext, SyncClientContext
 
+    prepare_process()
     try:
         dask_worker: Any = get_worker()
     except ValueError:  # pragma: no cover - not on a worker
