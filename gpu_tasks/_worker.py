@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import contextvars
 import logging
 import os
@@ -79,7 +78,7 @@ def run_on_worker(
     kwargs: dict[str, Any],
     settings_key: str,
     remote: bool = False,
-    slots_held: bool = False,
+    slots_held: tuple[str, ...] = (),
 ) -> tuple[Any, float, float, str]:
     """Run the Prefect task engine in a worker process (context travels serialized).
 
@@ -92,8 +91,9 @@ def run_on_worker(
             profiles): its devices come from its own environment, and a task that its
             scheduler re-runs after a worker died is reported ``Crashed`` first
             (:func:`_after_lost_worker`).
-        slots_held: the flow process holds the task run's tag concurrency slots
-            (:mod:`gpu_tasks._slotgate`): the engine does not take them again.
+        slots_held: the tag concurrency limits (``tag:<tag>``) the flow process holds a slot
+            of for this task run, or knows do not exist (:mod:`gpu_tasks._slotgate`): the
+            engine does not take them again (it takes those of tags added here, ``gpu:<id>``).
     """
     from distributed import get_worker
     from prefect.context import SettingsContext, SyncClientContext
@@ -130,8 +130,7 @@ def run_on_worker(
                 elif after is not None:  # no retries left: the Crashed state is final
                     now = time.time()
                     return after, now, now, worker_key(alloc.device_keys)
-            held = tag_slots_held_by_flow(kwargs["task_run_id"]) if slots_held else contextlib.nullcontext()
-            with held:
+            with tag_slots_held_by_flow(kwargs["task_run_id"], slots_held):
                 return run_engine(alloc, task, kwargs)
     finally:
         with _RUNNING_LOCK:
