@@ -113,7 +113,7 @@ class SlotGate:
         with self._lock:  # scheduled under the lock: never after close() scheduled its shutdown
             if self._closed:
                 raise RuntimeError("the task runner is shutting down")
-            loop = self._start()
+            loop = self._start(hold.ctx)
             loop.call_soon_threadsafe(self._spawn, self._acquire(hold, on_ready, on_error), hold.ctx)
         return hold
 
@@ -145,8 +145,9 @@ class SlotGate:
             self._callbacks.shutdown(wait=False, cancel_futures=True)
 
     # ------------------------------------------------------------ the loop thread
-    def _start(self) -> asyncio.AbstractEventLoop:
-        """The gate's loop, started on first use (call under ``_lock``)."""
+    def _start(self, ctx: contextvars.Context) -> asyncio.AbstractEventLoop:
+        """The gate's loop, started on first use (call under ``_lock``); renewals run in ``ctx``
+        (the flow run's context, for its Prefect settings)."""
         if self._loop is not None:
             return self._loop
         loop = asyncio.new_event_loop()
@@ -167,7 +168,7 @@ class SlotGate:
         self._thread.start()
         ready.wait()
         self._loop = loop
-        self._spawn(self._renew_forever(), contextvars.copy_context(), threadsafe=True)
+        self._spawn(self._renew_forever(), ctx.copy(), threadsafe=True)
         return loop
 
     def _spawn(self, coro: Any, ctx: contextvars.Context, threadsafe: bool = False) -> None:
