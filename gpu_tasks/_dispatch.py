@@ -13,16 +13,24 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from gpu_tasks._cache import CacheOnly, cached_key, may_be_cached
 from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, read_task_run
 from gpu_tasks._futures import futures_to_states
 from gpu_tasks._live import Job, Live, ProfileState
 from gpu_tasks._logging import flow_logger
+from gpu_tasks._prefect_private import (
+    can_skip_engine_tag_slots,
+    known_without_limits,
+    tag_slots_held_by_flow,
+)
+from gpu_tasks._slotgate import Hold, slot_names
 from gpu_tasks._worker import run_engine, run_on_worker
 from gpu_tasks.allocation import Allocation
-from gpu_tasks.errors import GpuOutOfMemoryError
+from gpu_tasks.errors import GpuOutOfMemoryError, GpuTasksError
 from gpu_tasks.events import publish_dashboard
 from gpu_tasks.policy import desired_workers, task_resources
 from gpu_tasks.profiles import profile
@@ -30,6 +38,8 @@ from gpu_tasks.profiles import profile
 logger = logging.getLogger("gpu_tasks.runner")
 
 ESCALATED_TAG = "gpu-tasks:on-oom"
+# a wait for a tag slot this long is logged and sent as an event (shorter ones: the API round trip)
+SLOT_WAIT_REPORTED_S = 0.5
 
 
 def _is_worker_death(exc: BaseException) -> bool:
@@ -47,6 +57,11 @@ def _retry_delay(task: Any, attempt: int) -> float:
     return float(delay or 0)
 
 
+def _say(job: Job, level: int, msg: str, *args: Any) -> None:
+    """A line in the flow run's logs (from any thread: the logger is looked up in the job's context)."""
+    job.ctx.copy().run(lambda: flow_logger().log(level, msg, *args))
+
+
 def _off_thread(job: Job, fn: Any, *args: Any, name: str) -> None:
     """``fn(*args)`` in the job's context on a thread of its own (it may wait on the server or devices)."""
     threading.Thread(target=job.ctx.copy().run, args=(fn, *args), name=name, daemon=True).start()
@@ -57,6 +72,163 @@ class Dispatcher:
 
     def __init__(self, live: Live) -> None:
         self.live = live
+
+    # ------------------------------------------------------------ admit
+    def admit(self, job: Job, then: Callable[[], Any]) -> None:
+        """Call ``then()`` (which dispatches ``job``) once nothing but devices stands in its way.
+
+        A GPU task first looks for its cached result (:mod:`gpu_tasks._cache`; found, it runs
+        in the flow process and never reaches ``then``) and takes its Prefect tag concurrency
+        slots (:mod:`gpu_tasks._slotgate`), so that neither ever holds a device. The common
+        case (no cache policy, tags without limits) costs a few attribute reads and one cached
+        answer. CPU tasks go on at once.
+        """
+        if not job.profile.is_gpu:
+            then()
+            return
+        if may_be_cached(job.task):  # resolving inputs and reading storage: off the caller's thread
+            self.live.executor.submit(self._settled, job, self._look_up_cache, job, then)
+            return
+        self._take_slots(job, then)
+
+    def _settled(self, job: Job, step: Callable[..., Any], *args: Any) -> None:
+        """``step(*args)`` for ``job`` on an executor thread; an error fails the task run, never loses it."""
+        try:
+            step(*args)
+        except Exception as exc:
+            if job.hold is not None:
+                self.live.gate.release(job.hold)
+            state = job.ctx.copy().run(
+                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
+            )
+            self.finish(job, result=state)
+        except BaseException as exc:
+            self.finish(job, exc=exc)
+
+    def _look_up_cache(self, job: Job, then: Callable[[], Any]) -> None:
+        key = job.ctx.run(cached_key, job.task, job.task_run_id, futures_to_states(job.parameters))
+        if key is None:
+            self._take_slots(job, then)
+            return
+        run_cached = partial(self.live.executor.submit, self._settled, job, self._run_cached, job, key, then)
+        self._take_slots(job, run_cached)
+
+    def _take_slots(self, job: Job, then: Callable[[], Any]) -> None:
+        """``then()`` once ``job`` holds its tag slots (at once when its tags have no limits)."""
+        if not can_skip_engine_tag_slots():
+            then()  # this Prefect takes them where gpu-tasks cannot skip them: on the worker
+            return
+        from prefect.context import TagsContext
+
+        tags_ctx = job.ctx.run(TagsContext.get)
+        names = slot_names(job.tags | set(tags_ctx.current_tags if tags_ctx else ()))
+        job.slot_names = tuple(names)
+        if known_without_limits(names):
+            then()  # the common case: no limit on these tags, nothing to take or wait for
+            return
+        st = job.st
+        st.count(waiting_for_slots=1)
+
+        def ready(hold: Hold) -> None:  # on the gate's callback thread
+            st.count(waiting_for_slots=-1)
+            self._slots_taken(job, hold, then)
+
+        def failed(exc: BaseException) -> None:
+            st.count(waiting_for_slots=-1)
+            _off_thread(job, self._slots_failed, job, exc, name=f"gpu-tasks-slots-{job.profile.name}")
+
+        try:
+            job.hold = self.live.gate.take(names, job.task_run_id, job.ctx, ready, failed)
+        except BaseException:
+            st.count(waiting_for_slots=-1)
+            raise
+
+    def _slots_taken(self, job: Job, hold: Hold, then: Callable[[], Any]) -> None:
+        if hold.limits:
+            job.slot_waited = hold.waited
+            if hold.waited >= SLOT_WAIT_REPORTED_S:
+                _say(
+                    job,
+                    logging.INFO,
+                    "Task %r waited %.1fs for a Prefect concurrency slot (%s) and held no device meanwhile",
+                    job.task.name,
+                    hold.waited,
+                    ", ".join(hold.limits),
+                )
+                self.live.emit_task(
+                    "slot-waited", job, {"seconds": round(hold.waited, 3), "limits": hold.limits}
+                )
+        try:
+            then()
+        except RuntimeError as exc:  # the runner is stopping: its executors take no more work
+            _off_thread(job, self.finish, job, None, exc, name=f"gpu-tasks-slots-{job.profile.name}")
+
+    def _slots_failed(self, job: Job, exc: BaseException) -> None:
+        if not isinstance(exc, Exception):
+            self.finish(job, exc=exc)
+            return
+        error = GpuTasksError(
+            f"task {job.task.name!r} (profile {job.profile.name!r}) could not take its Prefect tag "
+            f"concurrency slots ({', '.join(job.slot_names)}): {type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        state = job.ctx.run(fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, error, job.tags)
+        self.finish(job, result=state)
+
+    # ------------------------------------------------------------ cached results
+    def _run_cached(self, job: Job, key: str, then: Callable[[], Any]) -> None:
+        """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device).
+
+        If the record is gone by then (expired between the check and the run), the run ends
+        ``Crashed`` and ``then()`` runs it again on the profile's workers, as a retry of the
+        same task run.
+        """
+        prof = job.profile
+        only = CacheOnly(job.task)
+        kwargs: dict[str, Any] = dict(
+            task_run_id=job.task_run_id,
+            parameters=futures_to_states(job.parameters),
+            wait_for=futures_to_states(list(job.wait_for)) if job.wait_for else None,
+            dependencies=job.dependencies,
+            return_type="state",
+        )
+
+        def run() -> Any:
+            from prefect import tags
+
+            with tags(*job.extra_tags), tag_slots_held_by_flow(job.task_run_id, job.slot_names):
+                return run_engine(Allocation(profile=prof.name, worker="in-process"), only.task, kwargs)[0]
+
+        state = job.ctx.run(run)
+        if only.called:
+            task_run = job.ctx.run(
+                read_task_run, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 2.0
+            )
+            await_retry(task_run, self.live.flow_run_id)
+            job.task_run = task_run
+            _say(
+                job,
+                logging.WARNING,
+                "Task %r: its cached result (Prefect cache key %s) was gone when the run started; running "
+                "it on profile %r",
+                job.task.name,
+                key,
+                prof.name,
+            )
+            then()
+            return
+        job.st.count(cache_hits=1)
+        _say(
+            job,
+            logging.INFO,
+            "Task %r: result found in Prefect's cache (key %s); read in the flow process, no device "
+            "leased on profile %r",
+            job.task.name,
+            key,
+            prof.name,
+        )
+        self.live.emit_task("cache-hit", job, {"cache_key": key, "state": state.name})
+        self.finish(job, result=state)
 
     # ------------------------------------------------------------ dispatch
     def dispatch(self, job: Job) -> None:
@@ -80,6 +252,7 @@ class Dispatcher:
         want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit)
         if not cluster.running:
             cluster.start(want)
+            cluster.usage.waited(devices=cluster.startup.get("wait_devices_s", 0.0))
             st.ever_provisioned = True
             self.live.emit(
                 "provisioned",
@@ -108,6 +281,8 @@ class Dispatcher:
                 raise RuntimeError("the task runner is shutting down")
             self._provision(st)
             live.running(job)
+            st.cluster.usage.waited(slots=job.slot_waited)
+            job.slot_waited = 0.0  # counted once, not again on a re-run
         task = job.task
         kwargs: dict[str, Any] = dict(
             task_run_id=job.task_run_id,
@@ -143,6 +318,7 @@ class Dispatcher:
                     kwargs,
                     settings_key,
                     not prof.is_local,
+                    job.slot_names,
                     key=key,
                     resources=task_resources(prof),
                 )
@@ -187,6 +363,8 @@ class Dispatcher:
     ) -> None:
         """Resolve ``job``'s future with its final state (or ``exc``) and account for it."""
         st, cf = job.st, job.cf
+        if job.hold is not None:
+            self.live.gate.release(job.hold)
         with st.lock:
             if dispatched:
                 self.live.landed(job)

@@ -22,6 +22,7 @@ from prefect.futures import PrefectFuture
 from gpu_tasks._api import require_flow_api_url, worker_env
 from gpu_tasks._context import ContextSerializer
 from gpu_tasks._prefect_private import extend_no_limits_cache
+from gpu_tasks._slotgate import SlotGate
 from gpu_tasks.backends import uses_warm_pool
 from gpu_tasks.clusters import ProfileCluster
 from gpu_tasks.device_book import DeviceBook
@@ -39,17 +40,23 @@ logger = logging.getLogger("gpu_tasks.runner")
 class ProfileState:
     """Book-keeping for one profile within one entered runner.
 
-    ``outstanding`` counts tasks submitted and not finished (waiting on upstream,
-    queued or running); ``dispatched`` those handed to the cluster. Both change only
-    through the methods below, under ``lock``.
+    ``outstanding`` counts tasks submitted and not finished (waiting on upstream or for
+    Prefect tag slots, queued or running); ``dispatched`` those handed to the cluster;
+    ``waiting_for_slots`` those waiting for tag slots now, which hold no device and do not
+    keep a cluster from idling out. They change only through the methods below: the first
+    two under ``lock``, and all of them, with ``idle_since``, under ``counts_lock`` (a lock
+    that no one holds while waiting, unlike ``lock``, held while devices are awaited).
     """
 
     def __init__(self, cluster: ProfileCluster, idle_timeout: float):
         self.cluster = cluster
         self.idle_timeout = idle_timeout
         self.lock = threading.RLock()
+        self.counts_lock = threading.Lock()
         self.outstanding = 0
         self.dispatched = 0
+        self.waiting_for_slots = 0
+        self.cache_hits = 0  # tasks whose result Prefect had cached: run in the flow process, no device
         self.idle_since: float | None = None
         self.ever_provisioned = False
         # GPU profiles dispatch on a thread of their own: waiting for devices another
@@ -64,9 +71,9 @@ class ProfileState:
 
     def arrive(self) -> None:
         """A task of this profile was submitted (or moved here)."""
-        with self.lock:
+        with self.lock, self.counts_lock:
             self.outstanding += 1
-            self.idle_since = None
+            self._active_changed()
 
     def leave(self, dispatched: bool = False) -> None:
         """A task of this profile finished (or moved away).
@@ -74,16 +81,31 @@ class ProfileState:
         Args:
             dispatched: it had been handed to the cluster.
         """
-        with self.lock:
+        with self.lock, self.counts_lock:
             self.outstanding -= 1
             if dispatched:
                 self.dispatched -= 1
-            if self.outstanding == 0:
-                self.idle_since = time.monotonic()
+            self._active_changed()
+
+    def count(self, waiting_for_slots: int = 0, cache_hits: int = 0) -> None:
+        """A task began (+1) or ended (-1) waiting for tag slots; a task's result came from the cache."""
+        with self.counts_lock:
+            self.waiting_for_slots += waiting_for_slots
+            self.cache_hits += cache_hits
+            self._active_changed()
+
+    def _active_changed(self) -> None:
+        # idle from the moment nothing but slot waits is outstanding (call under counts_lock)
+        if self.outstanding - self.waiting_for_slots > 0:
+            self.idle_since = None
+        elif self.idle_since is None:
+            self.idle_since = time.monotonic()
 
     def idle_view(self) -> IdleView:
-        """What the idle policy needs to decide."""
-        return IdleView(self.cluster.running, self.outstanding, self.idle_since, self.idle_timeout)
+        """What the idle policy needs to decide (a task waiting for tag slots is not work)."""
+        with self.counts_lock:
+            active = self.outstanding - self.waiting_for_slots
+            return IdleView(self.cluster.running, active, self.idle_since, self.idle_timeout)
 
 
 @dataclass(eq=False)
@@ -102,6 +124,11 @@ class Job:
     crashes: int = 0  # times its worker died under it
     task_run: Any = None  # the task run a re-run continues (run count, name)
     escalated_from: str | None = None  # the profile it ran out of memory on (on_oom re-runs once)
+    # tag concurrency limits the flow process holds a slot of for it, or knows do not exist: its
+    # worker's engine does not take them again (gpu_tasks._slotgate)
+    slot_names: tuple[str, ...] = ()
+    hold: Any = None  # its gpu_tasks._slotgate.Hold: the slots, from the wait until the task ends
+    slot_waited: float = 0.0  # seconds it waited for its slots (holding no device), for the ledger
 
     @property
     def profile(self) -> ResourceProfile:
@@ -130,6 +157,7 @@ class Live:
             max_workers=4, thread_name_prefix="gpu-tasks-dispatch"
         )
         self.monitor: threading.Thread | None = None
+        self.gate = SlotGate()  # the tag concurrency slots of GPU tasks (its thread starts on first use)
         self.worker_env: dict[str, str] | None = None
         self.context = ContextSerializer()
         self.book = DeviceBook(
@@ -266,7 +294,7 @@ class Live:
             if not st.lock.acquire(blocking=False):  # busy dispatching; try again next round
                 continue
             try:
-                if st.cluster.running and st.outstanding == 0:
+                if st.cluster.running and st.idle_view().outstanding == 0:
                     self.close_cluster(st, f"released its devices early: profile {by!r} is waiting for them")
             finally:
                 st.lock.release()
@@ -325,6 +353,8 @@ class Live:
                     )
         if self.pool is not None:
             self.pool.close()
+        # after the clusters: a task still running holds its slots until its worker is gone
+        self.gate.close(timeout=2.0 if hurry else 10.0)
         self._crash_unfinished(running, reason)
 
     def _crash_unfinished(self, jobs: list[Job], reason: str) -> None:

@@ -21,6 +21,13 @@ answers are cached; a limit created in the middle of a run applies within that m
 seconds instead of 5. The cache is a private part of Prefect: when it is not found
 (another Prefect release), nothing is changed and Prefect behaves as it ships.
 
+**Tag slots the flow process holds** (``prefect.task_engine._concurrency`` and
+``_aconcurrency``): see :func:`tag_slots_held_by_flow`; the "no limits" cache is read and
+written as the engine does (:func:`known_without_limits`, :func:`remember_without_limits`).
+**Cache keys computed before a device is leased** (``gpu_tasks._cache``) follow the
+engine's ``compute_transaction_key`` and call ``ResultStore.update_for_task(task,
+_sync=True)`` as the engine does (its ``async_dispatch`` keyword).
+
 **The in-process ephemeral server** (``SubprocessASGIServer._instances``): see
 :func:`ephemeral_server_url`.
 
@@ -34,9 +41,11 @@ see :func:`server_in_own_session_class`; **counting task runs** (the client's
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import subprocess
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -160,3 +169,109 @@ def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
     is reached through the client's private HTTP client ``_client`` (prefect 3.8.8).
     """
     return int(client._client.post("/task_runs/count", json=task_run_filter).json())
+
+
+# ---------------------------------------------------------------- tag slots the flow process holds
+# A GPU task must not hold a device while it waits for a Prefect tag concurrency slot. The flow
+# process takes the task run's `tag:<tag>` slots before it leases a device (gpu_tasks._slotgate) and
+# holds them until the task ends; the task engine on the worker would take them a second time (and
+# wait forever under a limit of 1), so inside `tag_slots_held_by_flow` the engine's own
+# acquisition for that task run leaves out the names the flow holds (it still takes the others,
+# such as the `gpu:<id>` tags a worker adds). Prefect 3.8.8's task engine takes them with
+# `prefect.task_engine._concurrency` / `_aconcurrency(names=[...], holder=ConcurrencyLeaseHolder(
+# type="task_run", id=...))`, imported into that module under those private names.
+_FLOW_HOLDS: contextvars.ContextVar[tuple[Any, frozenset[str]] | None] = contextvars.ContextVar(
+    "gpu_tasks_flow_holds_tag_slots", default=None
+)
+
+
+def can_skip_engine_tag_slots() -> bool:
+    """Whether this Prefect's task engine takes tag slots where gpu-tasks can skip them."""
+    import prefect.task_engine as engine
+
+    return callable(getattr(engine, "_concurrency", None)) and callable(
+        getattr(engine, "_aconcurrency", None)
+    )
+
+
+def _left_to_take(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The engine's ``_concurrency`` arguments less the names the flow process holds for its holder."""
+    held = _FLOW_HOLDS.get()
+    holder = kwargs.get("holder")
+    if held is None or holder is None or getattr(holder, "id", None) != held[0]:
+        return args, kwargs
+    names = kwargs.get("names", args[0] if args else [])
+    names = [names] if isinstance(names, str) else list(names)
+    left = [n for n in names if n not in held[1]]
+    return (), {**kwargs, "names": left}
+
+
+def _install_tag_slot_skip() -> None:
+    import prefect.task_engine as engine
+
+    if getattr(engine, "_gpu_tasks_tag_slot_skip", False):
+        return
+    sync_cm = getattr(engine, "_concurrency")  # noqa: B009 - not exported by Prefect
+    async_cm = getattr(engine, "_aconcurrency")  # noqa: B009
+
+    @contextlib.contextmanager
+    def concurrency(*args: Any, **kwargs: Any) -> Iterator[None]:
+        args, kwargs = _left_to_take(args, kwargs)
+        with sync_cm(*args, **kwargs):  # no names left: Prefect's returns at once
+            yield
+
+    @contextlib.asynccontextmanager
+    async def aconcurrency(*args: Any, **kwargs: Any) -> AsyncIterator[None]:
+        args, kwargs = _left_to_take(args, kwargs)
+        async with async_cm(*args, **kwargs):
+            yield
+
+    setattr(engine, "_concurrency", concurrency)  # noqa: B010 - a private name of Prefect's module
+    setattr(engine, "_aconcurrency", aconcurrency)  # noqa: B010
+    setattr(engine, "_gpu_tasks_tag_slot_skip", True)  # noqa: B010
+
+
+@contextlib.contextmanager
+def tag_slots_held_by_flow(task_run_id: Any, names: Iterable[str]) -> Iterator[None]:
+    """Within the block, the task engine takes no slot of ``names`` for ``task_run_id`` (the flow
+    process holds them, or knows they have no limit)."""
+    held = frozenset(names)
+    if not held:
+        yield
+        return
+    _install_tag_slot_skip()
+    token = _FLOW_HOLDS.set((task_run_id, held))
+    try:
+        yield
+    finally:
+        _FLOW_HOLDS.reset(token)
+
+
+def _no_limits() -> tuple[Any, Any] | None:
+    """Prefect's "no limits for this tag set" cache and its lock (``None`` on another release)."""
+    from prefect.concurrency import services
+
+    cache = getattr(services, "_no_limits_cache", None)
+    lock = getattr(services, "_cache_lock", None)
+    return None if cache is None or lock is None else (cache, lock)
+
+
+def known_without_limits(names: list[str]) -> bool:
+    """Whether this process's cached answer says the concurrency limits ``names`` do not exist.
+
+    Prefect's ``prefect.concurrency.services._no_limits_cache`` (keyed by the frozenset of
+    names; see :func:`extend_no_limits_cache`). ``False`` when unknown or absent.
+    """
+    found = _no_limits()
+    if found is None:
+        return False
+    with found[1]:
+        return bool(found[0].get(frozenset(names), False))
+
+
+def remember_without_limits(names: list[str]) -> None:
+    """Record in that cache that the limits ``names`` do not exist, as Prefect's engine does."""
+    found = _no_limits()
+    if found is not None:
+        with found[1]:
+            found[0][frozenset(names)] = True

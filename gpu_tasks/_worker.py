@@ -22,7 +22,7 @@ from typing import Any
 
 from gpu_tasks import _dask_private, _worker_guard
 from gpu_tasks._futures import futures_to_states
-from gpu_tasks._prefect_private import extend_no_limits_cache
+from gpu_tasks._prefect_private import extend_no_limits_cache, tag_slots_held_by_flow
 from gpu_tasks._slots import SlotPool
 from gpu_tasks.allocation import (
     WORKER_ENV_PROFILE,
@@ -43,6 +43,32 @@ logger = logging.getLogger(__name__)
 _WORKER_SETTINGS: dict[str, dict[str, Any]] = {}
 _WORKER_SETTINGS_LOCK = threading.Lock()
 _WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect client, by settings key
+_PROCESS_READY = threading.Event()
+_PROCESS_READY_LOCK = threading.Lock()
+
+
+def prepare_process() -> None:
+    """Configure Prefect's logging in this worker process once, before any task of it runs.
+
+    Prefect's task engine configures logging on a worker lazily, in the first task's
+    ``hydrated_context`` (``ensure_logging_setup``), with no lock of its own. When several
+    tasks start at once in a fresh worker process (a fractional profile's threads), one
+    thread can be inside ``logging.config.dictConfig`` holding logging's module lock,
+    which flushes Prefect's API log handler and so waits for Prefect's service-instance
+    lock, while another thread holds that lock creating the process's first
+    ``EventsWorker`` and waits for logging's lock (its logger, or the global event loop
+    thread it starts logging as it creates its loop): the worker hangs for good (prefect
+    3.8.8; seen as a stuck ``tests/faults/test_soak.py``). Doing the setup here, once,
+    while the other task threads wait, takes that inversion away.
+    """
+    if _PROCESS_READY.is_set():
+        return
+    with _PROCESS_READY_LOCK:
+        if not _PROCESS_READY.is_set():
+            from prefect.logging.configuration import ensure_logging_setup
+
+            ensure_logging_setup()
+            _PROCESS_READY.set()
 
 
 def run_on_worker(
@@ -52,6 +78,7 @@ def run_on_worker(
     kwargs: dict[str, Any],
     settings_key: str,
     remote: bool = False,
+    slots_held: tuple[str, ...] = (),
 ) -> tuple[Any, float, float, str]:
     """Run the Prefect task engine in a worker process (context travels serialized).
 
@@ -64,10 +91,14 @@ def run_on_worker(
             profiles): its devices come from its own environment, and a task that its
             scheduler re-runs after a worker died is reported ``Crashed`` first
             (:func:`_after_lost_worker`).
+        slots_held: the tag concurrency limits (``tag:<tag>``) the flow process holds a slot
+            of for this task run, or knows do not exist (:mod:`gpu_tasks._slotgate`): the
+            engine does not take them again (it takes those of tags added here, ``gpu:<id>``).
     """
     from distributed import get_worker
     from prefect.context import SettingsContext, SyncClientContext
 
+    prepare_process()
     try:
         dask_worker: Any = get_worker()
     except ValueError:  # pragma: no cover - not on a worker
@@ -99,7 +130,8 @@ def run_on_worker(
                 elif after is not None:  # no retries left: the Crashed state is final
                     now = time.time()
                     return after, now, now, worker_key(alloc.device_keys)
-            return run_engine(alloc, task, kwargs)
+            with tag_slots_held_by_flow(kwargs["task_run_id"], slots_held):
+                return run_engine(alloc, task, kwargs)
     finally:
         with _RUNNING_LOCK:
             _RUNNING.pop(kwargs["task_run_id"], None)

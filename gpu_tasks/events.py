@@ -5,7 +5,8 @@ Events (best effort: never fail a run over one):
 - ``gpu-tasks.cluster.<provisioned|scaled|closed|crashed>``, resource
   ``gpu-tasks.cluster.<flow run id>.<profile>``, related to the flow run;
 - ``gpu-tasks.device.<leased|released>``, resource ``gpu-tasks.device.<host>.<address>``;
-- ``gpu-tasks.task.<what>`` (``escalated``), resource ``gpu-tasks.task.<task run id>``.
+- ``gpu-tasks.task.<what>`` (``escalated``, ``slot-waited``, ``cache-hit``), resource
+  ``gpu-tasks.task.<task run id>``.
 """
 
 from __future__ import annotations

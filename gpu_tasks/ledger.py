@@ -35,6 +35,10 @@ class LedgerRow:
     busy_seconds: float
     tasks: int
     reason: str
+    # waits, apart from held time (held starts at the lease): the cluster's start waiting for devices,
+    # and its tasks waiting for Prefect tag concurrency slots, holding no device
+    wait_devices_seconds: float = 0.0
+    wait_slots_seconds: float = 0.0
 
     @property
     def utilization(self) -> float:
@@ -54,6 +58,8 @@ class LedgerRow:
             "busy_s": round(self.busy_seconds, 3),
             "utilization": round(self.utilization, 3),
             "tasks": self.tasks,
+            "wait_devices_s": round(self.wait_devices_seconds, 3),
+            "wait_slots_s": round(self.wait_slots_seconds, 3),
             "reason": self.reason,
         }
 
@@ -90,7 +96,20 @@ class Usage:
         self._started: dict[str, float] = {}
         self._busy: dict[str, list[tuple[float, float]]] = {}
         self._tasks = 0
+        self._waits = {"devices": 0.0, "slots": 0.0}
         self._lock = threading.Lock()
+
+    def waited(self, devices: float = 0.0, slots: float = 0.0) -> None:
+        """The cluster's start waited ``devices`` s for devices; a task of it waited ``slots`` s for
+        Prefect tag slots before it reached the cluster."""
+        with self._lock:
+            self._waits["devices"] += devices
+            self._waits["slots"] += slots
+
+    def waits(self) -> dict[str, float]:
+        """``{"wait_devices_seconds": ..., "wait_slots_seconds": ...}`` so far, for a ledger row."""
+        with self._lock:
+            return {f"wait_{k}_seconds": v for k, v in self._waits.items()}
 
     def held(self, workers: Iterable[Held], since: float) -> None:
         """``workers`` are held from ``since`` (when their devices were acquired)."""
@@ -116,6 +135,7 @@ class Usage:
     ) -> LedgerRow:
         """The ledger row for ``workers`` at ``closed`` (``whole``: all of the cluster's workers)."""
         held = busy = 0.0
+        waits = self.waits() if whole else {}
         with self._lock:
             if whole:
                 tasks = self._tasks
@@ -138,6 +158,7 @@ class Usage:
             busy_seconds=min(busy, held),
             tasks=tasks,
             reason=reason,
+            **waits,
         )
 
     def forget(self, worker: Held) -> None:
@@ -153,6 +174,7 @@ class Usage:
             self._started.clear()
             self._busy.clear()
             self._tasks = 0
+            self._waits = {"devices": 0.0, "slots": 0.0}
 
 
 def publish_ledger(rows: list[LedgerRow], flow_run_id: uuid.UUID | None) -> None:

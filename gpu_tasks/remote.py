@@ -484,6 +484,7 @@ class RemoteCluster(ProfileCluster):
             busy_seconds=busy if held is None else min(busy, held),
             tasks=tasks,
             reason=reason,
+            **self.usage.waits(),
         )
 
 

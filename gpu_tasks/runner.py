@@ -262,9 +262,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if not upstream and st.dispatcher is None:
             run()  # CPU profiles: dispatch right here, the cheapest path
         elif not upstream:
-            executor.submit(run)
+            dispatcher.admit(job, lambda: executor.submit(run))  # GPU: tag slots before devices
         else:
-            when_all_done(upstream, lambda: executor.submit(run))
+            when_all_done(upstream, lambda: dispatcher.admit(job, lambda: executor.submit(run)))
         return future
 
     # ------------------------------------------------------------ inspection
@@ -278,13 +278,16 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         for name, prof in live.profiles.items():
             st = live.states.get(name)
             if st is None or not st.ever_provisioned:
-                out[name] = _status_row("absent", prof, None, st.outstanding if st else 0)
+                row = _status_row("absent", prof, None, st.outstanding if st else 0)
             elif st.cluster.running:
-                out[name] = _status_row("running", prof, st.cluster, st.outstanding)
+                row = _status_row("running", prof, st.cluster, st.outstanding)
             else:
                 row = _status_row("closed", prof, None, st.outstanding)
                 row["emulated"] = st.cluster.emulated
-                out[name] = row
+            if st is not None:
+                # tasks waiting for Prefect tag slots now (no device held), and answered from cache
+                row["waiting_for_slots"], row["cache_hits"] = st.waiting_for_slots, st.cache_hits
+            out[name] = row
         return out
 
     def warm_workers(self) -> list[dict[str, Any]]:
@@ -326,4 +329,6 @@ def _status_row(
         "dashboard": cluster.dashboard_link if cluster else None,
         # seconds the last start spent waiting for devices and starting workers
         "startup": dict(cluster.startup) if cluster else {},
+        "waiting_for_slots": 0,
+        "cache_hits": 0,
     }

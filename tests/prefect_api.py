@@ -20,3 +20,31 @@ def api(method: str, path: str, **kw: Any) -> tuple[int, Any]:
             return response.status_code, (response.json() if response.content else None)
 
     return asyncio.run(call())
+
+
+def flow_run_events(
+    flow_run_id: Any, event: dict[str, Any], at_least: int = 1, timeout: float = 15.0
+) -> list[Any]:
+    """Events related to the flow run that match ``event`` (``{"prefix": [...]}`` or ``{"name": [...]}``),
+    oldest first, once at least ``at_least`` are stored (the server persists them asynchronously)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        _, body = api(
+            "POST",
+            "/events/filter",
+            json={
+                "filter": {
+                    "event": event,
+                    "related": {"resources_in_roles": [[f"prefect.flow-run.{flow_run_id}", "flow-run"]]},
+                    "occurred": {"since": "2000-01-01T00:00:00Z"},
+                    "order": "ASC",
+                },
+                "limit": 50,
+            },
+        )
+        events = list(body["events"])
+        if len(events) >= at_least or time.monotonic() > deadline:
+            return events
+        time.sleep(0.25)

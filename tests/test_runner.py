@@ -13,7 +13,7 @@ import pytest
 from prefect import flow, tags, task, unmapped
 from prefect.context import FlowRunContext
 from prefect.futures import as_completed, wait
-from prefect_api import api
+from prefect_api import api, flow_run_events
 
 from gpu_tasks import (
     ProfileTaskRunner,
@@ -630,19 +630,8 @@ def test_cluster_lifecycle_events_relate_to_the_flow_run():
     names = [e["event"] for e in events]
     assert names == ["gpu-tasks.cluster.provisioned", "gpu-tasks.cluster.closed"], names
     closed = events[1]
-    code, body = api(
-        "POST",
-        "/events/filter",
-        json={
-            "filter": {
-                "event": {"prefix": ["gpu-tasks.device."]},
-                "occurred": {"since": "2000-01-01T00:00:00Z"},
-                "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
-                "order": "ASC",
-            }
-        },
-    )
-    lease_events = [(e["event"], e["resource"]["prefect.resource.name"]) for e in body["events"]]
+    body_events = flow_run_events(run_id, {"prefix": ["gpu-tasks.device."]}, at_least=2)
+    lease_events = [(e["event"], e["resource"]["prefect.resource.name"]) for e in body_events]
     device = f"gpu:{closed['payload']['devices'][0]}"
     assert lease_events == [("gpu-tasks.device.leased", device), ("gpu-tasks.device.released", device)]
     assert closed["resource"]["gpu-tasks.profile"] == "gpu"

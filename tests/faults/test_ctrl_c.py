@@ -230,6 +230,100 @@ def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
     assert not {n: s for n, s in task_states.items() if s in {"RUNNING", "PENDING"}}, task_states
 
 
+SLOT_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    READY, TAG = Path(sys.argv[1]), sys.argv[2]
+
+    @task(tags=[profile("gpu"), TAG])
+    def takes_the_slot():
+        READY.write_text("running")
+        time.sleep(300)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def interrupted():
+        running, waiting = takes_the_slot.submit(), takes_the_slot.submit()
+        running.result(), waiting.result()
+
+    if __name__ == "__main__":
+        interrupted()
+    """
+)
+
+
+def _active_slots(name: str) -> int:
+    from prefect_api import api
+
+    status, limit = api("GET", f"/v2/concurrency_limits/{name}")
+    assert status == 200, limit
+    return int(limit["active_slots"])
+
+
+@pytest.mark.usefixtures("prefect_server", "emulated", "lease_dir")
+def test_ctrl_c_while_a_gpu_task_waits_for_a_tag_slot_gives_the_slot_back(tmp_path: Path):
+    """Limit 1 on a tag: one GPU task holds the slot and runs, the other waits for it holding no
+    device; Ctrl-C gives the slot back at once (not when its 60 s lease expires) and the next run
+    takes it."""
+    from prefect import flow, task
+    from prefect.settings import get_current_settings
+    from prefect_api import api
+
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, leases, profile
+
+    tag = f"serial-{uuid.uuid4().hex[:8]}"
+    name = f"tag:{tag}"
+    status, body = api("POST", "/v2/concurrency_limits/", json={"name": name, "limit": 1})
+    assert status == 201, body
+    marker = uuid.uuid4().hex
+    script = tmp_path / "slot_script.py"
+    script.write_text(SLOT_SCRIPT)
+    ready = tmp_path / "ready"
+    lease_dir = tmp_path / "leases"
+    env = _env(
+        tmp_path,
+        marker,
+        PREFECT_API_URL=str(get_current_settings().api.url),
+        GPU_TASKS_LEASE_DIR=str(lease_dir),
+    )
+    proc = _start([sys.executable, str(script), str(ready), tag], env, tmp_path)
+    try:
+        try:
+            deadline = time.monotonic() + 120
+            while not ready.exists():
+                assert proc.poll() is None, f"the flow exited before its GPU task started:\n{_tail(tmp_path)}"
+                assert time.monotonic() < deadline, f"the GPU task never started:\n{_tail(tmp_path)}"
+                time.sleep(0.2)
+            time.sleep(1.0)  # the second task is waiting for the slot by now
+            held = [a for a, info in leases.holders(lease_dir).items() if info is not None]
+            assert len(held) == 1, held  # the waiting task leased no device (two are free)
+            assert _active_slots(name) == 1
+            took = ctrl_c(proc)
+            survivors = _survivors(marker, proc.pid)
+        finally:
+            _cleanup(proc, marker)
+        err = _tail(tmp_path)
+        assert took < EXIT_WITHIN_S, f"exit took {took:.1f}s:\n{err}"
+        assert not survivors, f"processes outlived the interrupted flow: {survivors}"
+        assert _active_slots(name) == 0, err  # given back on the way out, not left to the lease
+
+        @task(tags=[profile("gpu"), tag])
+        def next_one() -> str:
+            return "ran"
+
+        @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+        def next_run() -> str:
+            return next_one.submit().result()
+
+        assert next_run() == "ran"
+        assert _active_slots(name) == 0
+    finally:
+        api("DELETE", f"/v2/concurrency_limits/{name}")
+
+
 SERVER_SCRIPT = textwrap.dedent(
     """
     import time

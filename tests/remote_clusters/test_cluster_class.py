@@ -13,7 +13,7 @@ import psutil
 import pytest
 from prefect import flow, task
 from prefect.context import FlowRunContext
-from prefect_api import api
+from prefect_api import api, flow_run_events
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.errors import ClusterError
@@ -129,21 +129,9 @@ def test_ledger_counts_held_time_from_the_request(prefect_server):
     from prefect.events.worker import EventsWorker
 
     EventsWorker.drain_all(timeout=10)
-    deadline, events, artifacts = time.monotonic() + 15, [], []
-    while time.monotonic() < deadline and (len(events) < 2 or not artifacts):
-        _, body = api(
-            "POST",
-            "/events/filter",
-            json={
-                "filter": {
-                    "event": {"prefix": ["gpu-tasks.cluster."]},
-                    "related": {"resources_in_roles": [[f"prefect.flow-run.{run_id}", "flow-run"]]},
-                    "occurred": {"since": "2000-01-01T00:00:00Z"},
-                    "order": "ASC",
-                }
-            },
-        )
-        events = body["events"]
+    events = flow_run_events(run_id, {"prefix": ["gpu-tasks.cluster."]}, at_least=2)
+    deadline, artifacts = time.monotonic() + 15, []
+    while time.monotonic() < deadline and not artifacts:
         by_run = {"artifacts": {"flow_run_id": {"any_": [str(run_id)]}}}
         _, artifacts = api("POST", "/artifacts/filter", json=by_run)
         time.sleep(0.25)
