@@ -19,10 +19,17 @@ Measured, each ``--repeats`` times, on one emulated device:
 - **by hand**: ``LocalCluster(n_workers=1)`` + ``Client`` + ``client.submit`` of a
   plain function, and of Prefect's task engine (what a runner must at least pay).
 
-Where the time goes, for the gpu-tasks cases: waiting for the device lease,
-starting the worker process (``runner.status()["startup"]``), and the rest, from
-workers being up to the task body running (the Prefect task engine's first run in
-a new process: imports, context, creating the task run through the API).
+Where the time goes, for the gpu-tasks cases (``runner.status()["startup"]``):
+preparing with no device held (waiting for a warm worker process of the pool, which
+the runner starts at its first submit, and starting the profile's scheduler), waiting
+for the device lease, binding warm processes to the device and starting their Dask
+workers, and the rest, from workers being up to the task body running (the Prefect
+task engine's first run in that process: context, creating the task run through the
+API). ``lease_to_body_s``, the last two, is measured directly: from the lease (the
+ledger's ``provisioned_at``) to the task body's clock, the time a device is held before
+the task that leased it starts. ``before_lease_other_s`` is the rest before the lease:
+handing the task to its profile and, on re-provision, waiting for the idle cluster's
+close to end (its processes exit before its device is given back).
 """
 
 from __future__ import annotations
@@ -56,7 +63,14 @@ def gpu_tasks_cases(idle_timeout: float) -> dict[str, Any]:
         status = runner.status()["gpu"]
         total = body["t"] - t0
         startup = status.get("startup") or {}
-        return {"total_s": total, **startup, "pid": body["pid"]}
+        return {"total_s": total, **startup, "pid": body["pid"], "body_at": body["t"]}
+
+    def closed(runner: Any) -> None:
+        deadline = time.monotonic() + 60
+        while runner.status()["gpu"]["state"] != "closed":
+            if time.monotonic() > deadline:
+                raise RuntimeError("the idle cluster was not closed within 60s")
+            time.sleep(0.05)
 
     @flow(task_runner=ProfileTaskRunner(profiles=[gpu]), name="cold-start")
     def f() -> dict[str, Any]:
@@ -64,21 +78,31 @@ def gpu_tasks_cases(idle_timeout: float) -> dict[str, Any]:
         fresh = timed()
         t0 = time.time()
         warm = started.submit().result()["t"] - t0
-        deadline = time.monotonic() + 60
-        while runner.status()["gpu"]["state"] != "closed":
-            if time.monotonic() > deadline:
-                raise RuntimeError("the idle cluster was not closed within 60s")
-            time.sleep(0.05)
+        closed(runner)
         again = timed()
         if again["pid"] == fresh["pid"]:
             raise RuntimeError("re-provisioning reused the old worker process")
-        return {"fresh": fresh, "reprovision": again, "warm": {"total_s": warm}}
+        # the ledger's rows, one per cluster life (written once its close ends): when its
+        # device was leased (wall clock)
+        deadline = time.monotonic() + 60
+        while len(leased := [row.provisioned_at for row in runner.ledger if row.profile == "gpu"]) < 2:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the ledger has {len(leased)} of the 2 cluster lives within 60s")
+            time.sleep(0.05)
+        return {"fresh": fresh, "reprovision": again, "warm": {"total_s": warm}, "leased_at": leased}
 
     out = f()
-    for case in ("fresh", "reprovision"):
+    leased = out.pop("leased_at")
+    for case, leased_at in zip(("fresh", "reprovision"), leased, strict=True):
         row = out[case]
-        if "start_workers_s" in row:
-            row["engine_first_task_s"] = row["total_s"] - row["wait_devices_s"] - row["start_workers_s"]
+        row["lease_to_body_s"] = row.pop("body_at") - leased_at
+        row["prepare_s"] = row.get("prepare_s", 0.0)
+        row["engine_first_task_s"] = row["lease_to_body_s"] - row["start_workers_s"]
+        # before the lease, besides preparing and the device wait: handing the task to the
+        # profile, and (re-provision) waiting for the idle cluster's close to end
+        row["before_lease_other_s"] = max(
+            0.0, row["total_s"] - row["lease_to_body_s"] - row["prepare_s"] - row["wait_devices_s"]
+        )
     return out
 
 

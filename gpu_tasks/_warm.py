@@ -99,6 +99,22 @@ def _child_main(conn: Connection, parent: int) -> None:
     from distributed.config import get_loop_factory
 
     asyncio_run(_run_worker(conn, scheduler, worker_kwargs), loop_factory=get_loop_factory())
+    _exit_now()
+
+
+def _exit_now() -> None:
+    """End a bound process as soon as its exit handlers have run.
+
+    The runner gives the device back once the process is gone. Its exit handlers (Prefect's
+    among them: they send what is left of the task runs' logs and events) run here; the
+    interpreter's teardown after them only frees memory, yet took about 0.3 s per process
+    on a 2-core machine, device time held for nothing.
+    """
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(0)
 
 
 async def _run_worker(conn: Connection, scheduler: str, worker_kwargs: dict[str, Any]) -> None:
@@ -461,7 +477,8 @@ class PooledWorker(ProcessInterface):
             with contextlib.suppress(psutil.Error):
                 ps = psutil.Process(proc.pid)
         while proc.is_alive():
-            await asyncio.sleep(MEMORY_POLL_S if ps is not None else 0.2)
+            # wakes as soon as the process exits (its sentinel), else every poll interval
+            await asyncio.to_thread(multiprocessing.connection.wait, [proc.sentinel], MEMORY_POLL_S)
             if ps is None or limit is None:
                 continue
             try:

@@ -158,15 +158,21 @@ def _results(tmp_path: Path, ray: bool = True) -> dict:
             "summary": {
                 "fresh": {
                     "total_s": one(1.5),
+                    "prepare_s": one(0.0),
                     "wait_devices_s": one(0.0),
+                    "before_lease_other_s": one(0.0),
                     "start_workers_s": one(0.4),
                     "engine_first_task_s": one(1.1),
+                    "lease_to_body_s": one(0.4 + 1.1),
                 },
                 "reprovision": {
                     "total_s": one(2.5),
+                    "prepare_s": one(0.0),
                     "wait_devices_s": one(0.0),
+                    "before_lease_other_s": one(0.0),
                     "start_workers_s": one(0.4),
                     "engine_first_task_s": one(2.1),
+                    "lease_to_body_s": one(0.4 + 2.1),
                 },
                 "warm": {"total_s": one(0.1)},
                 "dask": {"total_s": one(1.3)},
@@ -257,6 +263,9 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
     )
     assert "ProfileTaskRunner, gpus=0.25 profile: 5.00x the thread pool" in text and "**missed**" in text
     assert "re-provision 2.50s: **missed**" in text  # the slower case decides
+    # a device's lease to the task body: start worker + first task (0.4 + 1.1, 0.4 + 2.1)
+    assert "re-provisioned): 1.50s and 2.50s: **missed**, 2.20s over" in text
+    assert "gpus=0.25 profile: 5.00x the thread pool" in text and "2.5x the target, see below" in text
     assert "10x the tasks took 12.00x the time: **missed**" in text
     assert (
         "| ThreadPoolTaskRunner (reference) | 100 | 9.5 |" in text and "took 19.00x the time for 10x" in text
@@ -277,7 +286,7 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
         "ProfileTaskRunner holds devices 3.20x less" in text and "ran in 2 worker processes (one each" in text
     )
     assert (
-        "`ray.init` + first task | 3.90 | - | 2.60 | 1.30 |" in text
+        "`ray.init` + first task | 3.90 | - | - | - | 2.60 | 1.30 | - |" in text
         and "3.0x more than DaskTaskRunner" in text
     )
     assert "skipped" not in text
