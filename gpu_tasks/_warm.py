@@ -67,6 +67,7 @@ WARM_IMPORTS = ("distributed", "distributed.worker", "prefect.task_engine", "gpu
 CLOSE_GRACE_S = 3.0  # a bound process asked to close, before SIGTERM
 KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL
 MEMORY_POLL_S = 0.5
+REFILL_DELAY_S = 2.0  # from taking warm processes to starting their replacements
 
 
 def cuda_modules_loaded() -> list[str]:
@@ -338,9 +339,17 @@ class WarmPool:
                 self._idle.remove(found)
         proc = found or self._spawn_one()
         self.taken += 1
-        self.ensure(self.size)  # the replacement imports while this one works
+        self._refill_later()
         proc.wait_ready(timeout)
         return proc
+
+    def _refill_later(self) -> None:
+        """Start the replacements :data:`REFILL_DELAY_S` after a take, not at once: importing
+        Prefect takes about a core-second, which the first tasks of the workers just bound
+        need more (a profile that needs more processes meanwhile starts them itself)."""
+        timer = threading.Timer(REFILL_DELAY_S, self.ensure, [self.size])
+        timer.daemon = True
+        timer.start()
 
     def describe(self) -> list[dict[str, Any]]:
         """The idle processes: ``pid`` and whether each is ``ready`` (done importing)."""
