@@ -23,7 +23,7 @@ from typing import Any
 from bench.common import ROOT, child, machine, setup
 from bench.common import commit as _commit
 
-SUITE = ("overhead", "held_busy", "held_busy_long", "cold_start", "scale", "throughput")
+SUITE = ("overhead", "held_busy", "held_busy_long", "cold_start", "waits", "scale", "throughput")
 APART = ("faults",)  # asked for by name only; runs as a process of its own and writes its own page
 MODULE = {"held_busy_long": "held_busy"}  # result key -> bench module, where they differ
 
@@ -32,6 +32,7 @@ FULL = {
     "held_busy": ["--repeats", "3", "--stage-seconds", "1.0", "--idle-timeout", "1.0"],
     "held_busy_long": ["--repeats", "1", "--stage-seconds", "5.0", "--idle-timeout", "1.0"],
     "cold_start": ["--repeats", "5"],
+    "waits": ["--repeats", "3"],
     "scale": ["--n", "1000", "10000", "--repeats", "1"],
     "throughput": ["--scale", "1", "10", "--repeats", "1"],
 }
@@ -40,6 +41,7 @@ QUICK = {
     "held_busy": ["--repeats", "1", "--stage-seconds", "0.25", "--idle-timeout", "0.5"],
     "held_busy_long": ["--repeats", "1", "--stage-seconds", "0.5", "--idle-timeout", "0.5"],
     "cold_start": ["--repeats", "1"],
+    "waits": ["--repeats", "1", "--seconds", "0.5"],
     "scale": ["--n", "60", "600", "--repeats", "1"],
     "throughput": ["--scale", "1", "--repeats", "1", "--rounds", "10"],
 }

@@ -13,6 +13,7 @@ HELD_TARGET = 1.15  # held/busy, plus idle timeouts
 COLD_TARGET_S = 2.0
 LEASE_TO_BODY_TARGET_S = 0.3  # a device's lease to the first task body, fresh and re-provisioned
 SCALE_TARGET = 11.0  # wall-time ratio for 10x the tasks
+WAITS_TARGET = 0.0  # device-seconds held by tasks waiting for a slot or served from cache
 
 
 def _plt() -> Any:
@@ -491,6 +492,91 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- waits
+def waits(res: dict[str, Any], img: Path) -> list[str]:
+    from bench.held_busy import PROFILE
+
+    s = res["summary"]
+    lines = [
+        "## Waiting without a device",
+        "",
+        f"Slot wait: a Prefect tag concurrency limit of 1 and two whole-GPU tasks with that tag submitted "
+        f"together (bodies sleep {res['seconds']:g}s) on {res['gpus']} emulated devices, one free for "
+        "each. Cache hit: a whole-GPU task with `cache_policy=INPUTS`, run once to fill the cache, then "
+        "called again with the same inputs in a second flow run (state `Cached`). Devices held by tasks: "
+        "ProfileTaskRunner's lease book, the static Dask cluster's task stream (each task's run on its GPU "
+        "worker), the GPUs Ray has given to tasks; the device-seconds held while waiting are those held "
+        "beyond the one device one-at-a-time work can use, from the submit to the waiting task's start "
+        f"(see bench/waits.py). {res['repeats']} repeat(s), alternating; median (min-max).",
+        "",
+        "| runner | slot wait s | device-s held while waiting for the slot | devices leased (most at once) | "
+        "cache hit: device-s | workers started for the cached task |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, row in s.items():
+        slot, cache = row["slot"], row["cache"]
+        lines.append(
+            f"| {name} | {_s(slot['slot_wait_s'])} | {_s(slot['held_while_waiting_s'])} | "
+            f"{_s(slot['devices_leased'], '{:.0f}')} | {_s(cache['device_s'])} | "
+            f"{_s(cache['workers_started'], '{:.0f}')} |"
+        )
+    prof = s[PROFILE]
+    worst = max(prof["slot"]["held_while_waiting_s"]["max"], prof["cache"]["device_s"]["max"])
+    peers = [
+        f"{name} {row['slot']['held_while_waiting_s']['median']:.2f} device-s while waiting and "
+        f"{row['cache']['device_s']['median']:.2f} for the cached task"
+        for name, row in s.items()
+        if name != PROFILE
+    ]
+    lines += [
+        "",
+        "- Target (zero device-seconds held by tasks waiting for a concurrency slot or served from "
+        f"cache): ProfileTaskRunner {prof['slot']['held_while_waiting_s']['max']:.2f} device-s while "
+        f"waiting and {prof['cache']['device_s']['max']:.2f} for the cached task (most over the repeats), "
+        f"{_ok(worst <= WAITS_TARGET)}" + (f"; in the same run {'; '.join(peers)}." if peers else "."),
+        "- ProfileTaskRunner takes a GPU task's tag slots in the flow process before leasing a device, so "
+        "the waiting task has neither device nor worker, and the profile leases one device; it answers a "
+        "cached GPU task in the flow process (no device, no worker). Prefect's engine on a Dask or Ray "
+        "worker takes the slots only after the task was given its GPU: the second task sits on the second "
+        "GPU for the first task's whole run, and a cached task still takes a GPU worker for the engine's "
+        "run (short, but not zero). The static cluster and Ray's local cluster hold both devices from "
+        "their start to the flow's end anyway (held versus busy). Workers started for the cached task: "
+        "the profile's (none), the static cluster's GPU workers (started with it for the flow, cached task "
+        "or not), and the Ray worker processes started while it ran (Ray runs it in an idle worker its "
+        "cluster started at `ray.init`, when there is one).",
+        "- Hand-off, the first body's end to the second body's start: "
+        + ", ".join(f"{name} {_s(row['slot']['handoff_s'])}s" for name, row in s.items())
+        + ". One device is held meanwhile on every runner (by the idle profile cluster on "
+        "ProfileTaskRunner, by the waiting task on the others); it is device time held and not busy, "
+        "counted in held versus busy, not in the column above.",
+        *_skipped(res),
+        "",
+        "![waiting without a device](results/waits.png)",
+        "",
+    ]
+    plt = _plt()
+    names = list(s)
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    width = 0.38
+    for i, (key, part, label) in enumerate(
+        (
+            ("held_while_waiting_s", "slot", "held while waiting for a slot"),
+            ("device_s", "cache", "held for a cached task"),
+        )
+    ):
+        med = [s[n][part][key]["median"] for n in names]
+        lo = [m - s[n][part][key]["min"] for m, n in zip(med, names, strict=True)]
+        hi = [s[n][part][key]["max"] - m for m, n in zip(med, names, strict=True)]
+        ax.bar([x + i * width for x in range(len(names))], med, width, yerr=[lo, hi], capsize=3, label=label)
+    ax.set_xticks([x + width / 2 for x in range(len(names))])
+    ax.set_xticklabels(names, fontsize=8)
+    ax.set_ylabel("device-seconds (median, min-max)")
+    ax.set_title("Device-seconds held by tasks that wait or are served from cache (target: 0)")
+    ax.legend(fontsize=8)
+    _save(plt, fig, img / "waits.png")
+    return lines
+
+
 # ---------------------------------------------------------------- scale
 def scale(res: dict[str, Any], img: Path) -> list[str]:
     lines = [
@@ -616,6 +702,7 @@ SECTIONS = {
     "overhead": overhead,
     "held_busy": held_busy,
     "cold_start": cold_start,
+    "waits": waits,
     "scale": scale,
     "throughput": throughput,
 }

@@ -12,6 +12,7 @@ import pytest
 from bench import report
 from bench.common import ray_missing, ray_skipped, spread
 from bench.held_busy import GPU_STAGES, busy_by_device, run_profile, run_static, union_seconds
+from bench.waits import cache_hit, excess_seconds, most, slot_wait, steps_from_intervals, value_at
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +56,40 @@ def test_held_busy_accounting_on_both_setups(prefect_server, emulated, no_leaked
     assert sorted(h["device"] for h in static["holds"]) == ["0", "1"]
     life = {(h["start"], h["end"]) for h in static["holds"]}
     assert len(life) == 1, "the static cluster holds both devices for the same span"
+
+
+def test_waits_counts_devices_held_beyond_the_need():
+    held = steps_from_intervals([(0, 4), (1, 3), (5, 6)])  # two devices from 1 to 3
+    assert [value_at(held, t) for t in (-1, 0, 1.5, 3.5, 5.5, 7)] == [0, 1, 2, 1, 1, 0]
+    assert most(held, 0, 6) == 2 and most(held, 3.5, 4.5) == 1
+    assert excess_seconds(held, [(0, 1)], 0, 6) == pytest.approx(2.0)  # beyond one device
+    assert excess_seconds(held, [], 0, 6) == pytest.approx(7.0)  # every device-second
+    assert excess_seconds(held, [(0, 1)], 2, 2.5) == pytest.approx(0.5)  # only within the window
+    assert excess_seconds([], [(0, 1)], 0, 6) == 0  # never below zero
+
+
+@pytest.mark.slow
+def test_waits_profile_runner_holds_nothing_for_waiting_or_cached_tasks(
+    prefect_server, emulated, lease_dir, no_leaked_processes, tmp_path
+):
+    """Under a tag limit of 1 the waiting task holds no device (one device leased in all); a cached
+    task leases none and starts no worker. The static Dask cluster, in the same conditions, has the
+    waiting task on the second GPU and the cached task on a GPU worker."""
+    from bench.held_busy import PROFILE, STATIC
+
+    slot = slot_wait(PROFILE, 0.3)
+    assert slot["devices_leased"] == 1 and len(slot["leased_devices"]) == 1, slot
+    assert slot["held_while_waiting_s"] == 0 and slot["slot_wait_s"] > 0
+    assert slot["second"]["start"] >= slot["first"]["end"]  # the limit held: one at a time
+    cache = cache_hit(PROFILE, tmp_path / "results")
+    assert cache["device_s"] == 0 and cache["devices_leased"] == 0 and cache["leased_devices"] == []
+    assert cache["workers_started"] == 0 and cache["cache_hits"] == 1, cache
+
+    static = slot_wait(STATIC, 0.3)
+    assert static["devices_leased"] == 2 and static["held_while_waiting_s"] > 0, static
+    assert static["first"]["devices"] != static["second"]["devices"]  # the waiter sat on the other GPU
+    cached = cache_hit(STATIC, tmp_path / "results")
+    assert cached["devices_leased"] == 1 and cached["device_s"] > 0 and cached["workers_started"] == 2
 
 
 def _results(tmp_path: Path, ray: bool = True) -> dict:
@@ -189,6 +224,35 @@ def _results(tmp_path: Path, ray: bool = True) -> dict:
                 },
             },
         },
+        "waits": {
+            "repeats": 1,
+            "seconds": 2.0,
+            "gpus": 2,
+            "machine": m,
+            "skipped": skipped,
+            "summary": {
+                name: {
+                    "slot": {
+                        "slot_wait_s": one(w),
+                        "held_while_waiting_s": one(h),
+                        "devices_leased": one(d),
+                        "handoff_s": one(0.4),
+                        "flow_s": one(6.0),
+                    },
+                    "cache": {
+                        "device_s": one(c),
+                        "devices_leased": one(min(d, 1) if c else 0),
+                        "workers_started": one(k),
+                        "hit_s": one(0.2),
+                    },
+                }
+                for name, w, h, d, c, k in (
+                    ("ProfileTaskRunner", 4.0, 0.0, 1, 0.0, 0),
+                    ("static DaskTaskRunner", 2.1, 2.05, 2, 0.11, 2),
+                    ("RayTaskRunner", 1.9, 2.0, 2, 0.9, 0),
+                )[: 3 if ray else 2]
+            },
+        },
         "scale": {
             "repeats": 1,
             "machine": m,
@@ -251,6 +315,7 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
         "## Per-task overhead",
         "## Device-seconds held versus busy",
         "## Cold start",
+        "## Waiting without a device",
         "## Scale",
         "## Pipeline throughput",
     ):
@@ -289,8 +354,15 @@ def test_report_writes_markdown_with_verdicts_and_plots(tmp_path: Path):
         "`ray.init` + first task | 3.90 | - | - | - | 2.60 | 1.30 | - |" in text
         and "3.0x more than DaskTaskRunner" in text
     )
+    # waiting without a device: the target follows ProfileTaskRunner's figures; the peers beside them
+    assert (
+        "ProfileTaskRunner 0.00 device-s while waiting and 0.00 for the cached task (most over the "
+        "repeats), **met**; in the same run static DaskTaskRunner 2.05 device-s while waiting" in text
+    )
+    assert "| static DaskTaskRunner | 2.10 | 2.05 | 2 | 0.11 | 2 |" in text
+    assert "| RayTaskRunner | 1.90 | 2.00 | 2 | 0.90 | 0 |" in text
     assert "skipped" not in text
-    for png in ("overhead", "held_busy_timeline", "cold_start", "scale", "throughput"):
+    for png in ("overhead", "held_busy_timeline", "cold_start", "waits", "scale", "throughput"):
         data = (tmp_path / "results" / f"{png}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, png
 
@@ -306,7 +378,7 @@ def test_without_ray_the_ray_case_is_skipped_with_its_reason(monkeypatch, capsys
     assert "RayTaskRunner: skipped: ray not installed" in capsys.readouterr().out
     assert not [label for label in runners(2) if label.startswith(RAY)]
     text = report.write(_results(tmp_path, ray=False), tmp_path).read_text()
-    assert text.count("- RayTaskRunner: skipped: ray not installed (the bench extra).") == 3
+    assert text.count("- RayTaskRunner: skipped: ray not installed (the bench extra).") == 4
     assert "| RayTaskRunner" not in text and "Ray:" not in text
 
 
