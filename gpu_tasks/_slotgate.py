@@ -87,6 +87,7 @@ class SlotGate:
         self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
         self._client: Any = None
         self._client_lock: asyncio.Lock | None = None
+        self._send_lock: asyncio.Lock | None = None
         self._holds: set[Hold] = set()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._closed = False
@@ -196,6 +197,14 @@ class SlotGate:
         except Exception:
             logger.warning("gpu-tasks: a tag slot callback failed", exc_info=True)
 
+    def _one_at_a_time(self) -> asyncio.Lock:
+        """The gate's requests go out one at a time: two slot writes at once on a Prefect server's
+        SQLite database kept the second waiting about 2 s for the first one's write lock (prefect
+        3.8.8), which a task waiting for a slot then added to its wait."""
+        if self._send_lock is None:
+            self._send_lock = asyncio.Lock()
+        return self._send_lock
+
     async def _api(self) -> Any:
         """The gate's Prefect client, built on first use (in the flow run's context, as every task
         on the loop runs in it)."""
@@ -247,17 +256,19 @@ class SlotGate:
         holder = ConcurrencyLeaseHolder(type="task_run", id=hold.holder_id)
         assert hold._wake is not None
         while not hold.releasing():
+            # cleared before the request: a slot given back while it is out wakes the next try
+            hold._wake.clear()
             try:
-                response = await client.increment_concurrency_slots_with_lease(
-                    names=hold.names, slots=1, mode="concurrency", lease_duration=LEASE_S, holder=holder
-                )
+                async with self._one_at_a_time():
+                    response = await client.increment_concurrency_slots_with_lease(
+                        names=hold.names, slots=1, mode="concurrency", lease_duration=LEASE_S, holder=holder
+                    )
                 return dict(response.json())
             except httpx.HTTPStatusError as exc:
                 if exc.response.status_code != 423:  # 423: a limit is full
                     raise
                 delay = _retry_after(exc.response.headers.get("Retry-After"))
-            hold._wake.clear()
-            if hold.releasing():  # asked while the request was out: the wake was cleared above
+            if hold.releasing():
                 break
             try:
                 await asyncio.wait_for(hold._wake.wait(), delay)
@@ -283,7 +294,8 @@ class SlotGate:
         if lease_id is not None:
             try:
                 client = await self._api()
-                await client.release_concurrency_slots_with_lease(lease_id)
+                async with self._one_at_a_time():
+                    await client.release_concurrency_slots_with_lease(lease_id)
             except Exception:
                 logger.warning(
                     "gpu-tasks: could not give back the Prefect concurrency slots of task run %s (%s); "
@@ -316,7 +328,8 @@ class SlotGate:
             return
         try:
             client = await self._api()
-            await client.renew_concurrency_lease(lease_id, LEASE_S)
+            async with self._one_at_a_time():
+                await client.renew_concurrency_lease(lease_id, LEASE_S)
         except Exception:
             logger.warning(
                 "gpu-tasks: renewing the Prefect concurrency slots of task run %s (%s) failed; other "
