@@ -548,7 +548,11 @@ def waits(res: dict[str, Any], img: Path) -> list[str]:
         + ", ".join(f"{name} {_s(row['slot']['handoff_s'])}s" for name, row in s.items())
         + ". One device is held meanwhile on every runner (by the idle profile cluster on "
         "ProfileTaskRunner, by the waiting task on the others); it is device time held and not busy, "
-        "counted in held versus busy, not in the column above.",
+        "counted in held versus busy, not in the column above. On ProfileTaskRunner the hand-off is the "
+        "first task's result reaching the flow process, its slot given back, the waiting task's next "
+        "request granted and the task sent to the running worker; in some runs that request waits about "
+        "2 s at the Prefect server (the embedded server's SQLite database, the write queued behind the "
+        "first task's own state writes; seen by timing each request, not fixed here).",
         *_skipped(res),
         "",
         "![waiting without a device](results/waits.png)",
