@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -168,6 +168,9 @@ class Live:
             lease_timeout=self.settings.lease_timeout,
         )
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
+        # events are sent in the flow run's context, also after Prefect left it (exit-time events):
+        # Prefect's events worker adds related resources from the sending context
+        self.ctx = contextvars.copy_context()
         self.flow_run_id = self.run.id
         RunLogs.enter(self.flow_run_id, self.settings.dask_log_level)  # lines to the run's logs
         try:
@@ -330,14 +333,25 @@ class Live:
     # ------------------------------------------------------------ events
     def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
         """A ``gpu-tasks.cluster.<what>`` event related to this flow run."""
-        emit_cluster_event(what, cluster, self.run, payload, devices)
+        self.in_run_context(emit_cluster_event, what, cluster, self.run, payload, devices)
 
     def emit_task(self, what: str, job: Job, payload: dict[str, Any]) -> None:
         """A ``gpu-tasks.task.<what>`` event about ``job``'s task run."""
         task_run_name = getattr(job.task_run, "name", None)
-        emit_task_event(
-            what, job.task_run_id, job.task.name, job.profile.name, self.run, payload, task_run_name
+        self.in_run_context(
+            emit_task_event,
+            what,
+            job.task_run_id,
+            job.task.name,
+            job.profile.name,
+            self.run,
+            payload,
+            task_run_name,
         )
+
+    def in_run_context(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` in the flow run's context as it was when the runner started (any thread)."""
+        return self.ctx.copy().run(fn, *args)
 
     # ------------------------------------------------------------ close
     def close(self, reason: str, hurry: bool = False) -> None:
