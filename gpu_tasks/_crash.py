@@ -103,6 +103,25 @@ def crash_task_run(
     return _report(Crashed(message=message), task_run_id, task, flow_run_id, tags, wait)
 
 
+PREEMPTED = "Preempted"  # the name of a preempted task run's Scheduled state
+
+
+def preempt_task_run(
+    task_run_id: uuid.UUID,
+    task: Any,
+    flow_run_id: uuid.UUID | None,
+    message: str,
+    tags: set[str] | None = None,
+) -> tuple[Any, Any]:
+    """Report the task run ``Preempted`` (a ``Scheduled`` state: it runs again when devices free).
+
+    Returns ``(state, task_run)``; the task run carries the state for the re-run to continue.
+    """
+    from prefect.states import Scheduled
+
+    return _report(Scheduled(name=PREEMPTED, message=message), task_run_id, task, flow_run_id, tags, wait=2.0)
+
+
 def fail_task_run(
     task_run_id: uuid.UUID,
     task: Any,

@@ -13,12 +13,13 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from gpu_tasks._cache import CacheOnly, cached_key, may_be_cached
-from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, read_task_run
+from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, preempt_task_run, read_task_run
 from gpu_tasks._futures import futures_to_states
 from gpu_tasks._live import Job, Live, ProfileState
 from gpu_tasks._logging import flow_logger
@@ -72,6 +73,7 @@ class Dispatcher:
 
     def __init__(self, live: Live) -> None:
         self.live = live
+        live.preempt = self.preempt
 
     # ------------------------------------------------------------ admit
     def admit(self, job: Job, then: Callable[[], Any]) -> None:
@@ -294,7 +296,8 @@ class Dispatcher:
         if job.task_run is not None:  # a re-run after a crash continues the same task run
             kwargs["task_run"] = job.task_run
             task = task.with_options(retries=max(0, (task.retries or 0) - job.crashes))
-        key = f"{task.name}-{job.task_run_id.hex}-{job.crashes}"
+        job.attempt += 1
+        key = job.key = f"{task.name}-{job.task_run_id.hex}-{job.attempt}"
         with tags(*job.extra_tags):
             if not prof.uses_processes:
                 alloc = Allocation(profile=prof.name, worker="in-process")
@@ -322,11 +325,13 @@ class Dispatcher:
                     key=key,
                     resources=task_resources(prof),
                 )
-        dfut.add_done_callback(partial(self._on_done, job))
+        dfut.add_done_callback(partial(self._on_done, job, job.attempt))
 
     # ------------------------------------------------------------ collect
-    def _on_done(self, job: Job, dfut: Any) -> None:
+    def _on_done(self, job: Job, attempt: int, dfut: Any) -> None:
         live = self.live
+        if attempt != job.attempt:
+            return  # it was preempted: re-queued, its worker's end is not its end
         try:
             state, start, end, wkey = dfut.result()
         except BaseException as exc:
@@ -415,6 +420,78 @@ class Dispatcher:
         live.emit_task(
             "escalated", job, {"from_profile": source.name, "to_profile": target.name, "reason": why}
         )
+        self.dispatch(job)
+
+    # ------------------------------------------------------------ preemption
+    def preempt(self, st: ProfileState, addresses: list[str], waiter: dict[str, Any]) -> None:
+        """Stop ``st``'s workers on ``addresses`` for ``waiter``; re-queue the tasks they ran.
+
+        Runs on a thread of its own (gpu_tasks._live checks the queue). The tasks end
+        ``Preempted`` and are dispatched again, as the same task runs with their retries
+        intact; they wait for devices like any task of the profile (without
+        ``GPU_TASKS_LEASE_TIMEOUT``).
+        """
+        from gpu_tasks.preemption import describe_waiter
+
+        live = self.live
+        waited = time.time() - float(waiter["arrived"])
+        reason = f"preempted by {describe_waiter(waiter)}, waiting {waited:.1f}s"
+        by = {
+            k: waiter.get(k)
+            for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "arrived")
+        }
+        with st.lock:
+            cluster = st.cluster
+            names = cluster.workers_on(addresses)
+            if not cluster.running or not names:
+                return
+            jobs = [j for j in live.inflight.values() if j.st is st]
+            keys = None if cluster.whole_stop(names) else cluster.running_keys(names)
+            if keys is None:  # the whole cluster stops (or Dask cannot tell which ran where)
+                names = [s.name for s in cluster.specs]
+            else:
+                jobs = [j for j in jobs if j.key in keys]
+            for j in jobs:
+                j.attempt += 1  # what its worker reports now is not its outcome
+                live.landed(j)
+            logger.warning(
+                "profile %r: stopping worker(s) %s on device(s) %s, %d task(s) re-queued: %s",
+                cluster.profile.name,
+                ", ".join(names),
+                ",".join(addresses),
+                len(jobs),
+                reason,
+            )
+            for row in cluster.stop_workers(names, reason):
+                live.gave_back(st, row, "preempted", {"by": dict(by, waited_s=round(waited, 3))})
+        for j in jobs:
+            _off_thread(j, self._requeue, j, reason, by, name=f"gpu-tasks-requeue-{j.profile.name}")
+
+    def _requeue(self, job: Job, reason: str, by: dict[str, Any]) -> None:
+        """Report ``job`` ``Preempted`` and dispatch it again (devices permitting)."""
+        try:
+            state, task_run = preempt_task_run(
+                job.task_run_id, job.task, self.live.flow_run_id, f"Preempted: {reason}", job.tags
+            )
+            job.preemptions += 1
+            job.task_run = task_run
+            _say(
+                job,
+                logging.WARNING,
+                "Task run %r was %s; it runs again when devices free (no retry used)",
+                getattr(task_run, "name", job.task_run_id),
+                reason,
+            )
+            self.live.emit_task(
+                "preempted", job, {"reason": reason, "preemptions": job.preemptions, "by": by}
+            )
+            if self.live.stop.is_set():
+                self.finish(job, result=state)
+                return
+        except BaseException as err:  # never leave the future unresolved
+            logger.warning("gpu-tasks: could not re-queue a preempted task", exc_info=True)
+            self.finish(job, exc=err)
+            return
         self.dispatch(job)
 
     # ------------------------------------------------------------ dead workers

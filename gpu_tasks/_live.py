@@ -37,6 +37,8 @@ from gpu_tasks.settings import get_settings
 
 logger = logging.getLogger("gpu_tasks.runner")
 
+PREEMPTION_CHECK_S = 0.5  # how often a runner with preemptible clusters reads the device queue
+
 
 class ProfileState:
     """Book-keeping for one profile within one entered runner.
@@ -130,6 +132,9 @@ class Job:
     slot_names: tuple[str, ...] = ()
     hold: Any = None  # its gpu_tasks._slotgate.Hold: the slots, from the wait until the task ends
     slot_waited: float = 0.0  # seconds it waited for its slots (holding no device), for the ledger
+    attempt: int = 0  # its hand-offs to a cluster; a preempted one's late outcome is ignored
+    key: str = ""  # the Dask key of its current hand-off
+    preemptions: int = 0  # times it was stopped for a higher-priority waiter (no retry used)
 
     @property
     def profile(self) -> ResourceProfile:
@@ -166,7 +171,12 @@ class Live:
             stop=self.stop,
             lease_dir=self.settings.lease_dir,
             lease_timeout=self.settings.lease_timeout,
+            preemption_grace=self.settings.preemption_grace,
+            on_preempting=self._on_preempting,
         )
+        # preempt(st, addresses, waiter): stop st's workers on addresses (gpu_tasks._dispatch)
+        self.preempt: Callable[[ProfileState, list[str], dict[str, Any]], None] | None = None
+        self.preempting: dict[str, threading.Thread] = {}  # profile -> the thread preempting it
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
         # events are sent in the flow run's context, also after Prefect left it (exit-time events):
         # Prefect's events worker adds related resources from the sending context
@@ -272,7 +282,11 @@ class Live:
 
     def _watch(self) -> None:
         closing: dict[str, threading.Thread] = {}
+        next_preemption_check = 0.0
         while not self.stop.wait(self._interval()):
+            if time.monotonic() >= next_preemption_check:
+                next_preemption_check = time.monotonic() + PREEMPTION_CHECK_S
+                self._check_preemption()
             for name, st in list(self.states.items()):
                 if name in closing and closing[name].is_alive():
                     continue
@@ -294,6 +308,58 @@ class Live:
             if reason and not self.stop.is_set():
                 self.close_cluster(st, f"scaled down: {reason}")
 
+    # ------------------------------------------------------------ preemption
+    def _check_preemption(self) -> None:
+        """Stop preemptible workers whose devices a higher-priority waiter has waited for too long."""
+        busy = {n for n, t in self.preempting.items() if t.is_alive()}
+        preemptible = {
+            name
+            for name, st in self.states.items()
+            if st.cluster.profile.preemptible and st.cluster.running and name not in busy
+        }
+        if not preemptible or self.preempt is None:
+            return
+        try:
+            due = self.book.preemption_due(preemptible)
+        except Exception:
+            logger.warning("gpu-tasks: could not read the device queue for preemption", exc_info=True)
+            return
+        if due is None:
+            return
+        waiter, addresses = due
+        for name in sorted({o for a in addresses if (o := self.book.holders.get(a)) in preemptible}):
+            st = self.states[name]
+            mine = [a for a in addresses if self.book.holders.get(a) == name]
+            self.preempting[name] = thread = threading.Thread(
+                target=contextvars.copy_context().run,
+                args=(self.preempt, st, mine, waiter),
+                name=f"gpu-tasks-preempt-{name}",
+                daemon=True,
+            )
+            thread.start()
+
+    def _on_preempting(self, owner: str, holders: list[dict[str, Any]]) -> None:
+        """Profile ``owner`` waited past its grace; ``holders`` give devices back (the waiter's event)."""
+        st = self.states.get(owner)
+        if st is None:
+            return
+        self.emit(
+            "preempting",
+            st.cluster,
+            {
+                "priority": st.cluster.profile.priority,
+                "devices": [h["address"] for h in holders],
+                "holders": [
+                    {
+                        k: h.get(k)
+                        for k in ("address", "profile", "priority", "flow_run_name", "flow_run_id", "pid")
+                    }
+                    for h in holders
+                ],
+            },
+            [h["address"] for h in holders],
+        )
+
     def _reclaim(self, wanted: set[str], by: str) -> None:
         """Close idle clusters that hold devices profile ``by`` waits for (before their timeout)."""
         for name, st in list(self.states.items()):
@@ -313,22 +379,29 @@ class Live:
 
     def close_cluster(self, st: ProfileState, reason: str, hurry: bool = False) -> None:
         """Close ``st``'s cluster, write its ledger row and say so in an event."""
-        devices = st.cluster.devices
         row = st.cluster.close(reason, hurry=hurry)
         if row is not None:
-            self.ledger.append(row)
-            self.emit(
-                "closed",
-                st.cluster,
-                {
-                    "reason": reason,
-                    "devices": list(devices),
-                    "held_s": round(row.held_seconds, 3),
-                    "busy_s": round(row.busy_seconds, 3),
-                    "tasks": row.tasks,
-                },
-                devices,
-            )
+            self.gave_back(st, row, "closed")
+
+    def gave_back(
+        self, st: ProfileState, row: LedgerRow, what: str, extra: dict[str, Any] | None = None
+    ) -> None:
+        """Ledger ``row`` of devices ``st``'s cluster gave back, and its event (``closed``, ``preempted``)."""
+        devices = list(row.devices)
+        self.ledger.append(row)
+        self.emit(
+            what,
+            st.cluster,
+            {
+                "reason": row.reason,
+                "devices": devices,
+                "held_s": round(row.held_seconds, 3),
+                "busy_s": round(row.busy_seconds, 3),
+                "tasks": row.tasks,
+                **(extra or {}),
+            },
+            devices,
+        )
 
     # ------------------------------------------------------------ events
     def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:

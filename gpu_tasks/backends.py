@@ -177,8 +177,16 @@ class Backend:
     def drain(self) -> None:
         """Let running tasks finish, start no queued one (before the runner closes)."""
 
-    def terminate(self) -> None:
-        """SIGTERM every worker process (the flow was interrupted)."""
+    def worker_names(self) -> set[str]:
+        """Names of the workers it can stop one by one."""
+        return set()
+
+    def processing(self, names: list[str]) -> set[str] | None:
+        """Keys of the tasks handed to the workers ``names`` (``None``: cannot tell)."""
+        return None
+
+    def terminate(self, names: list[str] | None = None) -> None:
+        """SIGTERM the worker processes ``names`` (all: the flow was interrupted)."""
 
     def close(self) -> None:
         """Stop every worker; nothing of this backend runs afterwards."""
@@ -249,8 +257,24 @@ class DaskBackend(Backend):
         self.cluster.worker_spec.pop(name, None)
         _dask_private.correct_state(self.cluster)  # stops that worker's nanny
 
-    def terminate(self) -> None:
-        for nanny in list(getattr(self.cluster, "workers", {}).values()):
+    def worker_names(self) -> set[str]:
+        return {str(n) for n in getattr(self.cluster, "workers", {})}
+
+    def processing(self, names: list[str]) -> set[str] | None:
+        assert self.client is not None
+        try:
+            info = self.client.scheduler_info(n_workers=-1)["workers"]
+            addresses = [a for a, w in info.items() if str(w.get("name")) in set(names)]
+            return {str(k) for keys in self.client.processing(addresses).values() for k in keys}
+        except Exception:
+            logger.warning("could not read which tasks workers %s run", names, exc_info=True)
+            return None
+
+    def terminate(self, names: list[str] | None = None) -> None:
+        workers = getattr(self.cluster, "workers", {})
+        for name, nanny in list(workers.items()):
+            if names is not None and name not in names:
+                continue
             pid = getattr(getattr(nanny, "process", None), "pid", None)
             if pid:
                 with contextlib.suppress(OSError):

@@ -63,6 +63,7 @@ class ProfileCluster:
         self.usage = Usage()
         # seconds the last start() spent waiting for devices and starting workers
         self.startup: dict[str, float] = {}
+        self.preemptions = 0  # times its workers were stopped for a higher-priority waiter
 
     # ------------------------------------------------------------ properties
     @property
@@ -181,7 +182,7 @@ class ProfileCluster:
             return self._acquire_gang(n_workers)
         if self.profile.is_gpu:
             return self.book.acquire(
-                self.profile.name, self.groups, n_workers, block=True, priority=self.profile.priority
+                self.profile.name, self.groups, n_workers, block=True, **self._queueing()
             )
         return list(range(n_workers))
 
@@ -198,8 +199,8 @@ class ProfileCluster:
                 self.groups,
                 n_workers,
                 block=True,
-                priority=self.profile.priority,
                 at_least=n_workers,
+                **self._queueing(),
             )
         except ClusterError as exc:
             raise ClusterError(
@@ -220,7 +221,7 @@ class ProfileCluster:
             self.groups,
             n_workers - len(self.specs),
             block=False,
-            priority=self.profile.priority,
+            **self._queueing(),
         )
         if not indexes:
             return len(self.specs)  # other profiles hold the rest: tasks queue on the workers we have
@@ -332,6 +333,52 @@ class ProfileCluster:
             row.busy_seconds,
         )
         return row
+
+    def _queueing(self) -> dict[str, Any]:
+        """How this profile waits in the device queue (gpu_tasks.device_book.DeviceBook.acquire)."""
+        return {
+            "priority": self.profile.priority,
+            "preemptible": self.profile.preemptible,
+            # its preempted tasks wait for devices without GPU_TASKS_LEASE_TIMEOUT
+            "patient": self.preemptions > 0,
+        }
+
+    # ------------------------------------------------------------ preemption
+    def workers_on(self, addresses: Any) -> list[str]:
+        """Names of the workers holding any of ``addresses``."""
+        wanted = set(addresses)
+        return [s.name for s in self.specs if wanted.intersection(d.address for d in s.devices)]
+
+    def whole_stop(self, names: list[str]) -> bool:
+        """Whether stopping the workers ``names`` stops the whole cluster: a gang, all of its
+        workers, or workers it cannot stop one by one (dask-cuda names its own)."""
+        return (
+            self.profile.gang
+            or set(names) >= {s.name for s in self.specs}
+            or self.backend is None
+            or not self.backend.worker_names().issuperset(names)
+        )
+
+    def running_keys(self, names: list[str]) -> set[str] | None:
+        """Keys of the tasks Dask has handed to the workers ``names`` (``None``: cannot tell)."""
+        if self.backend is None:
+            return set()
+        return self.backend.processing(names)
+
+    def stop_workers(self, names: list[str], reason: str) -> list[LedgerRow]:
+        """Stop the workers ``names`` at once (their tasks are killed) and give their devices back.
+
+        All of them: the cluster closes (a gang always closes whole). Returns the ledger rows.
+        """
+        if self.backend is None or not names:
+            return []
+        self.preemptions += 1
+        if self.whole_stop(names):
+            row = self.close(reason, hurry=True)
+            return [row] if row is not None else []
+        self.backend.terminate(names)
+        rows = [self.retire(name, reason) for name in names]
+        return [r for r in rows if r is not None]
 
     # ------------------------------------------------------------ internals
     def _where(self) -> str:

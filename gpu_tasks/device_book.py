@@ -12,12 +12,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_tasks import leases
+from gpu_tasks import leases, preemption
 from gpu_tasks.devices import Device
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.settings import get_settings, resolve
 
 logger = logging.getLogger(__name__)
+
+# what a waiter file carries beyond leases.enqueue's own fields, for gpu_tasks.preemption
+_SHARED_WAITER_FIELDS = ("groups", "need", "preemptible", "preemption_grace")
 
 
 class DeviceBook:
@@ -47,15 +50,23 @@ class DeviceBook:
         log_every: float = 30.0,
         lease_dir: Path | None = None,
         lease_timeout: float | None = None,
+        preemption_grace: float | None = None,
+        on_preempting: Any = None,
     ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
         self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
         self.stop = stop or threading.Event()
         self.log_every = log_every
-        settings = get_settings() if lease_dir is None or lease_timeout is None else None
+        settings = (
+            get_settings() if lease_dir is None or lease_timeout is None or preemption_grace is None else None
+        )
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
         self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
+        self.preemption_grace = float(resolve(preemption_grace, "preemption_grace", settings))
+        # on_preempting(owner, holders) -> None: a waiter past its grace asks preemptible holders
+        self.on_preempting = on_preempting
+        self.held_info: dict[str, dict[str, Any]] = {}  # profile -> its priority, preemptible
         self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
         self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
 
@@ -67,6 +78,8 @@ class DeviceBook:
         block: bool,
         priority: int = 0,
         at_least: int = 1,
+        preemptible: bool = False,
+        patient: bool = False,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
@@ -75,6 +88,13 @@ class DeviceBook:
         waiters of this book and of other processes. Fewer than ``at_least`` free groups
         are never taken (a gang starts all of its workers or none): the waiter keeps its
         place in the queue for all of them, and idle holders are asked to give theirs back.
+        After ``preemption_grace`` seconds of waiting, preemptible holders of lower priority
+        give back what the waiter needs (:mod:`gpu_tasks.preemption`; they do it themselves).
+
+        Args:
+            preemptible: ``owner``'s devices may be taken back for higher-priority waiters
+                (recorded with its leases, for every process to see).
+            patient: wait without ``lease_timeout`` (re-queued preempted tasks).
 
         Raises:
             ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
@@ -85,6 +105,10 @@ class DeviceBook:
             "priority": int(priority),
             "arrived": time.time(),
             "addresses": sorted(wanted),
+            "groups": [[d.address for d in g] for g in groups],
+            "need": max(1, at_least),
+            "preemptible": preemptible,
+            "preemption_grace": self.preemption_grace,
             "local": True,
         }
         waiter: leases.Waiter | None = None
@@ -118,13 +142,15 @@ class DeviceBook:
                     foreign_since = None
                 elif foreign_since is None:
                     foreign_since = now
-                if foreign_since is not None and now - foreign_since >= self.lease_timeout:
+                if not patient and foreign_since is not None and now - foreign_since >= self.lease_timeout:
                     raise ClusterError(
                         self._timeout_message(owner, sorted(wanted), now - foreign_since, first)
                     )
                 if self.reclaim is not None:
                     self.reclaim(wanted, owner)
                 log.waiting(now, held_by, foreign, first)
+                if not log.asked and preemption.due(me, self.preemption_grace):
+                    log.asked = self._ask_preemptible_holders(owner, me)
                 with self.cond:
                     self.cond.wait(timeout=0.5)
         finally:
@@ -175,7 +201,8 @@ class DeviceBook:
                     foreign.update(d.address for d in g if any(not w.get("local") for w in before))
                     continue
                 new = [d.address for d in g if d.address not in self.holders]
-                lease = leases.take(new, leases.owner_info(owner), self.lease_dir) if new else None
+                info = dict(leases.owner_info(owner), priority=me["priority"], preemptible=me["preemptible"])
+                lease = leases.take(new, info, self.lease_dir) if new else None
                 if new and lease is None:
                     foreign.update(new)
                     continue
@@ -184,6 +211,7 @@ class DeviceBook:
                         self.leases[address] = lease
                 for d in g:
                     self.holders[d.address] = owner
+                self.held_info[owner] = {"priority": me["priority"], "preemptible": me["preemptible"]}
                 free.append(i)
         except OSError as exc:
             self._give_back(owner, [groups[i] for i in free])
@@ -207,14 +235,77 @@ class DeviceBook:
     def _enqueue(self, owner: str, me: dict[str, Any]) -> leases.Waiter:
         """Register ``me`` as a waiter file, so other processes let it go first when it ranks first."""
         try:
-            waiter = leases.enqueue(
-                me["addresses"], leases.owner_info(owner), me["priority"], me["arrived"], self.lease_dir
-            )
+            info = dict(leases.owner_info(owner), **{k: me[k] for k in _SHARED_WAITER_FIELDS})
+            waiter = leases.enqueue(me["addresses"], info, me["priority"], me["arrived"], self.lease_dir)
         except OSError as exc:
             raise self._lease_error(owner, exc) from exc
         with self.cond:
             me["file"] = waiter.name
         return waiter
+
+    # ------------------------------------------------------------ preemption
+    def _holder_of(self) -> preemption.HolderOf:
+        """Who holds a device now: a profile of this book, another process's lease, or ``None``."""
+        with self.cond:
+            mine = {
+                a: {"profile": o, "local": True, **self.held_info.get(o, {})} for a, o in self.holders.items()
+            }
+        cache: dict[str, dict[str, Any] | None] = {}
+
+        def holder_of(address: str) -> dict[str, Any] | None:
+            if address in mine:
+                return mine[address]
+            if address not in cache:
+                cache[address] = leases.holders(self.lease_dir, [address]).get(address)
+            return cache[address]
+
+        return holder_of
+
+    def _ask_preemptible_holders(self, owner: str, me: dict[str, Any]) -> bool:
+        """Past its grace: say which preemptible holders give devices back to ``owner`` (once a wait)."""
+        holder_of = self._holder_of()
+        victims = preemption.plan(me, holder_of)
+        if not victims:
+            return False
+        holders = [{"address": a, **(holder_of(a) or {})} for a in victims]
+        text = "; ".join(
+            f"device {h['address']}: "
+            + (f"profile {h.get('profile')!r} of this flow run" if h.get("local") else leases.describe(h))
+            + f" (priority {int(h.get('priority') or 0)})"
+            for h in holders
+        )
+        logger.info(
+            "profile %r (priority %d) waited %.1fs (GPU_TASKS_PREEMPTION_GRACE %gs): preemptible work gives "
+            "its devices back: %s",
+            owner,
+            me["priority"],
+            time.time() - me["arrived"],
+            me["preemption_grace"],
+            text,
+        )
+        if self.on_preempting is not None:
+            self.on_preempting(owner, holders)
+        return True
+
+    def preemption_due(self, preemptible: set[str]) -> tuple[dict[str, Any], list[str]] | None:
+        """The first-ranked waiter past its grace that devices of this book's ``preemptible``
+        profiles must be given back to, and those devices; ``None`` when there is none."""
+        with self.cond:
+            if not any(o in preemptible for o in self.holders.values()):
+                return None
+            local = [dict(w) for w in self.waiting.values()]
+        files = {w.get("file") for w in local}
+        rivals = local + [w for w in leases.waiters(self.lease_dir) if w["file"] not in files]
+        now = time.time()
+        holder_of: preemption.HolderOf | None = None
+        for waiter in sorted(rivals, key=leases.rank):
+            if not preemption.due(waiter, self.preemption_grace, now):
+                continue
+            holder_of = holder_of or self._holder_of()
+            ours = [a for a in preemption.plan(waiter, holder_of) if self.holders.get(a) in preemptible]
+            if ours:
+                return waiter, ours
+        return None
 
     def _lease_error(self, owner: str, exc: OSError) -> ClusterError:
         return ClusterError(
@@ -265,6 +356,7 @@ class _WaitLog:
         self.book, self.owner, self.priority, self.wanted = book, owner, priority, wanted
         self.last_wait: float | None = None
         self.last_yield: float | None = None
+        self.asked = False  # said (once a wait) that preemptible holders give devices back
 
     def waiting(self, now: float, held_by: set[str], foreign: set[str], first: list[dict[str, Any]]) -> None:
         every = self.book.log_every

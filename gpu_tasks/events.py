@@ -47,7 +47,13 @@ logger = logging.getLogger(__name__)
 Resource = dict[str, str]
 
 # the device event that each cluster event implies for the devices it names
-_DEVICE_EVENTS = {"provisioned": "leased", "scaled": "leased", "closed": "released", "crashed": "released"}
+_DEVICE_EVENTS = {
+    "provisioned": "leased",
+    "scaled": "leased",
+    "closed": "released",
+    "crashed": "released",
+    "preempted": "released",
+}
 
 # payload keys that are also resource labels (strings), so automations can match on them
 _LABELS = {
@@ -160,6 +166,14 @@ def cluster_sentence(what: str, who: str, payload: Mapping[str, Any], devices: b
         return text + (f", after waiting {wait:.1f} s for devices" if wait >= 0.05 else "")
     if what == "scaled":
         return f"{who}: added, {_plural(int(payload.get('workers', 0)), 'worker')} now"
+    if what == "preempting":
+        holders = "; ".join(
+            f"{h.get('profile')}"
+            + (f" of flow run {h['flow_run_name']}" if h.get("flow_run_name") else "")
+            + f" (priority {h.get('priority') or 0})"
+            for h in payload.get("holders") or ()
+        )
+        return f"{who}: preempting {holders}"
     if "held_s" in payload and "busy_s" in payload:
         usage = usage_phrase(
             float(payload["held_s"]), float(payload["busy_s"]), payload.get("tasks"), devices
@@ -229,6 +243,9 @@ def task_sentence(what: str, task_name: str, profile: str, payload: Mapping[str,
         )
     if what == "cache-hit":
         return f"{task_name} on profile {profile}: result from Prefect's cache, no device leased"
+    if what == "preempted":
+        why = payload.get("reason", "preempted")
+        return f"{task_name} on profile {profile}: {why}; runs again when devices free"
     return f"{task_name} on profile {profile}: {what}"
 
 

@@ -110,6 +110,9 @@ class ResourceProfile(BaseModel):
         gang: Start all ``max_workers`` workers before the first task runs (for
             data-parallel training); provisioning fails as a whole if one cannot start.
         priority: Higher goes first when profiles wait for devices.
+        preemptible: Its workers may be stopped, and its running tasks re-queued, when a
+            waiter of higher priority has waited ``GPU_TASKS_PREEMPTION_GRACE`` seconds for
+            the devices it holds (docs/leases.md, Preemption). Local GPU profiles only.
         on_oom: Name of a (larger) profile to re-run a task on, once, when it runs out of
             memory here: its worker is killed for exceeding ``memory``, or the task raises
             an out-of-memory error (CUDA, RMM, cuDF, ``MemoryError``). Logged and sent as a
@@ -141,6 +144,7 @@ class ResourceProfile(BaseModel):
     processes: bool | None = None
     gang: bool = False
     priority: int = 0
+    preemptible: bool = False
     on_oom: str | None = None
     cuda: CudaOptions = Field(default_factory=CudaOptions)
     address: str | None = None
@@ -254,6 +258,11 @@ class ResourceProfile(BaseModel):
             raise ValueError(
                 "on_oom must name another profile (a larger one to re-run out-of-memory tasks on); got "
                 f"{self.on_oom!r}"
+            )
+        if self.preemptible and (self.gpus == 0 or not self.is_local):
+            raise ValueError(
+                "preemptible applies to profiles holding this host's GPUs (gpus > 0, no address or "
+                "cluster_class); remove preemptible"
             )
         if self.gang and self.max_workers is None:
             raise ValueError("gang needs max_workers: the number of workers to start together")

@@ -76,6 +76,12 @@ class GpuTasksSettings(BaseSettings):
         description="Seconds a profile waits for devices that another process (flow run) leases before "
         "failing.",
     )
+    preemption_grace: float = Field(
+        default=30.0,
+        ge=0,
+        description="Seconds a waiter of higher priority waits for devices that preemptible profiles hold "
+        "before their workers are stopped and their tasks re-queued (docs/leases.md, Preemption).",
+    )
     dask_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         default="WARNING",
         description="Level of Dask's distributed loggers in the flow process while a runner is entered and "

@@ -1,0 +1,346 @@
+"""Preemption: preemptible work gives its devices back to a higher-priority waiter after its grace.
+
+The rule (gpu_tasks.preemption.plan) is tested pure; the behaviour with real flow runs on
+emulated devices: in one flow run, and across flow-run processes against the session's
+Prefect server, whose records (task run states, events) are read back.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from prefect_api import api, flow_run_events
+from test_leases import _env, _stop
+
+from gpu_tasks import ProfileError, ResourceProfile
+from gpu_tasks.preemption import due, plan
+
+# One flow run: `tasks` tasks of one GPU profile, each sleeping `seconds`. Every start of a
+# task body leaves a file in `starts` (a preempted task starts twice); the flow's outcome
+# and the times it submitted and finished go to `out`.
+RUN = textwrap.dedent(
+    """
+    import json, logging, os, sys, time
+    from pathlib import Path
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+
+    CFG = json.loads(sys.argv[1])
+    STARTS = Path(CFG["starts"])
+
+    @task
+    def work(i, seconds):
+        start = time.time()
+        (STARTS / f"{CFG['name']}-{i}-{start:.6f}").write_text(",".join(current_allocation().devices))
+        time.sleep(seconds)
+        devices = list(current_allocation().devices)
+        return {"i": i * 10, "devices": devices, "start": start, "end": time.time()}
+
+    GPU = ResourceProfile(**CFG["profile"])
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="cpu", cpus=0.5), GPU], default="cpu"))
+    def run():
+        submitted = time.time()
+        gpu_work = work.with_options(tags=[profile(GPU.name)])
+        futures = [gpu_work.submit(i, CFG["seconds"]) for i in range(CFG["tasks"])]
+        results = [f.result() for f in futures]
+        return {
+            "flow_run_id": str(FlowRunContext.get().flow_run.id),
+            "task_run_ids": [str(f.task_run_id) for f in futures],
+            "submitted": submitted,
+            "results": results,
+        }
+
+    if __name__ == "__main__":
+        logging.getLogger("gpu_tasks").addHandler(logging.StreamHandler())
+        logging.getLogger("gpu_tasks").setLevel(logging.INFO)
+        Path(CFG["out"]).write_text(json.dumps(run()))
+    """
+)
+
+GRACE = 1.0
+
+
+# ------------------------------------------------------------------ the rule
+def _waiter(priority: int = 5, groups=(("0",), ("1",)), need: int = 1, arrived: float = 0.0) -> dict:
+    return {
+        "profile": "urgent",
+        "priority": priority,
+        "groups": [list(g) for g in groups],
+        "need": need,
+        "arrived": arrived,
+        "addresses": sorted({a for g in groups for a in g}),
+    }
+
+
+def _holders(**by_address: dict | None):
+    return lambda address: by_address.get(f"d{address}")
+
+
+BATCH = {"profile": "batch", "priority": 0, "preemptible": True}
+STEADY = {"profile": "steady", "priority": 0, "preemptible": False}
+
+
+def test_plan_takes_back_only_what_the_waiter_needs():
+    # one device is enough: the free one needs no preemption, else one preemptible holder's
+    assert plan(_waiter(), _holders(d0=BATCH, d1=None)) == []
+    assert plan(_waiter(), _holders(d0=BATCH, d1=BATCH)) == ["0"]
+    assert plan(_waiter(), _holders(d0=STEADY, d1=BATCH)) == ["1"]
+    # a gang waiter needs both groups
+    assert plan(_waiter(need=2), _holders(d0=BATCH, d1=BATCH)) == ["0", "1"]
+    assert plan(_waiter(need=2), _holders(d0=STEADY, d1=BATCH)) == []
+    # a two-device group is taken back whole or not at all
+    assert plan(_waiter(groups=(("0", "1"),)), _holders(d0=BATCH, d1=STEADY)) == []
+
+
+def test_plan_never_touches_equal_or_higher_priority_or_non_preemptible_work():
+    assert plan(_waiter(priority=0), _holders(d0=BATCH, d1=BATCH)) == []
+    assert plan(_waiter(), _holders(d0=dict(BATCH, priority=7), d1=STEADY)) == []
+    assert plan(_waiter(), _holders(d0=STEADY, d1=STEADY)) == []
+
+
+def test_grace_is_the_waiters_own():
+    w = _waiter(arrived=100.0)
+    assert not due(w, default_grace=5, now=104.0) and due(w, default_grace=5, now=105.0)
+    assert due(dict(w, preemption_grace=1), default_grace=5, now=101.0)
+
+
+def test_preemptible_needs_local_gpus():
+    with pytest.raises(ProfileError, match="preemptible"):
+        ResourceProfile(name="cpu", cpus=1, preemptible=True)
+    with pytest.raises(ProfileError, match="preemptible"):
+        ResourceProfile(name="far", gpus=1, preemptible=True, address="tcp://10.0.0.5:8786")
+    assert ResourceProfile(name="batch", gpus=1, preemptible=True).preemptible
+
+
+# ------------------------------------------------------------------ flow runs
+def _start(tmp_path: Path, lease_dir: Path, name: str, profile: dict, tasks: int, seconds: float, **env):
+    cfg = {
+        "name": name,
+        "profile": profile,
+        "tasks": tasks,
+        "seconds": seconds,
+        "starts": str(tmp_path / "starts"),
+        "out": str(tmp_path / f"{name}.json"),
+    }
+    (tmp_path / "starts").mkdir(exist_ok=True)
+    script = tmp_path / "run.py"
+    script.write_text(RUN)
+    extra = {"GPU_TASKS_PREEMPTION_GRACE": str(GRACE), "GPU_TASKS_IDLE_TIMEOUT": "0.5", **env}
+    return subprocess.Popen(
+        [sys.executable, str(script), json.dumps(cfg)],
+        env=_env(lease_dir, **extra),
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def _starts(tmp_path: Path, name: str) -> dict[int, list[float]]:
+    """When each task of flow run ``name`` started its body, by task index."""
+    out: dict[int, list[float]] = {}
+    for f in (tmp_path / "starts").glob(f"{name}-*"):
+        _, i, at = f.name.rsplit("-", 2)
+        out.setdefault(int(i), []).append(float(at))
+    return {i: sorted(v) for i, v in out.items()}
+
+
+def _wait_started(tmp_path: Path, name: str, n: int, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while len(_starts(tmp_path, name)) < n:
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"{name}'s tasks never started"
+        time.sleep(0.05)
+
+
+def _finish(procs: dict[str, subprocess.Popen], tmp_path: Path) -> dict[str, dict]:
+    outs = {}
+    try:
+        for name, proc in procs.items():
+            log, _ = proc.communicate(timeout=120)
+            (tmp_path / f"{name}.log").write_text(log)
+            assert proc.returncode == 0, log[-4000:]
+            outs[name] = dict(json.loads((tmp_path / f"{name}.json").read_text()), log=log)
+    finally:
+        for proc in procs.values():
+            _stop(proc)
+    return outs
+
+
+def _state_names(task_run_id: str) -> list[str]:
+    """The task run's states on the server, oldest first, once it is Completed there."""
+    deadline = time.monotonic() + 20
+    while True:
+        status, states = api("GET", "/task_run_states/", params={"task_run_id": task_run_id})
+        assert status == 200, states
+        names = [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
+        if names and names[-1] == "Completed" or time.monotonic() > deadline:
+            return names
+
+
+def _epoch(iso: str) -> float:
+    import datetime
+
+    return datetime.datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+
+
+def _events(flow_run_id: str, name: str) -> list[dict]:
+    return flow_run_events(flow_run_id, {"name": [name]})
+
+
+def _run_pair(tmp_path, lease_dir, holder: dict, tasks: int, devices: str, seconds: float = 8.0):
+    """A flow run of ``holder`` starts ``tasks`` long tasks; then an urgent one (priority 5) wants
+    a device."""
+    env = {"GPU_TASKS_EMULATED_GPUS": devices}
+    batch = _start(tmp_path, lease_dir, "batch", holder, tasks, seconds, **env)
+    try:
+        _wait_started(tmp_path, "batch", tasks, batch)
+    except BaseException:
+        _stop(batch)
+        raise
+    urgent = _start(
+        tmp_path,
+        lease_dir,
+        "urgent",
+        {"name": "urgent", "gpus": 1, "priority": 5, "idle_timeout": 0},
+        1,
+        0.5,
+        **env,
+    )
+    return _finish({"batch": batch, "urgent": urgent}, tmp_path)
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_one_flow_run_preempts_its_own_preemptible_profile(tmp_path, lease_dir, monkeypatch):
+    """Profiles of one flow run: the urgent one waits its grace, the preemptible one gives its
+    device back, and its task runs again later and returns its result."""
+    from prefect import flow, task
+
+    from gpu_tasks import ProfileTaskRunner, profile
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    monkeypatch.setenv("GPU_TASKS_PREEMPTION_GRACE", str(GRACE))
+
+    started = tmp_path / "batch-started"
+
+    @task
+    def work(name: str, seconds: float) -> str:
+        if name == "b" and not started.exists():
+            started.write_text("")
+        time.sleep(seconds)
+        return name.upper()
+
+    batch = ResourceProfile(name="batch", gpus=1, preemptible=True, idle_timeout=30)
+    urgent = ResourceProfile(name="urgent", gpus=1, priority=5, idle_timeout=0)
+
+    @flow(
+        task_runner=ProfileTaskRunner(
+            profiles=[ResourceProfile(name="cpu", cpus=0.5), batch, urgent], default="cpu"
+        )
+    )
+    def mixed():
+        from prefect.context import FlowRunContext
+
+        b = work.with_options(tags=[profile("batch")]).submit("b", 6.0)
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        submitted = time.time()
+        u = work.with_options(tags=[profile("urgent")]).submit("u", 0.2)
+        u.wait()
+        got_u = time.time()
+        return FlowRunContext.get().flow_run.id, b.task_run_id, submitted, got_u, u.result(), b.result()
+
+    run_id, b_id, submitted, got_u, u_result, b_result = mixed()
+    assert (u_result, b_result) == ("U", "B")
+    assert got_u - submitted <= GRACE + 2 + 0.2 + 1.0  # grace + 2 s to free it, the task, its result
+    names = _state_names(str(b_id))
+    assert "Preempted" in names and names[-1] == "Completed", names
+    assert names.index("Preempted") < len(names) - 1
+    assert _events(str(run_id), "gpu-tasks.cluster.preempted")
+    assert _events(str(run_id), "gpu-tasks.task.preempted")
+    assert _events(str(run_id), "gpu-tasks.cluster.preempting")
+
+
+@pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
+def test_another_flow_run_preempts_within_the_grace_and_the_task_runs_again(tmp_path, lease_dir):
+    holder = {"name": "batch", "gpus": 1, "preemptible": True, "idle_timeout": 30}
+    out = _run_pair(tmp_path, lease_dir, holder, tasks=1, devices="1")
+    batch, urgent = out["batch"], out["urgent"]
+    [u] = urgent["results"]
+    # the device was given back within the grace plus 2 s of the urgent profile's wait, and the
+    # urgent task started after that
+    [gave_back] = _events(batch["flow_run_id"], "gpu-tasks.cluster.preempted")
+    assert gave_back["payload"]["devices"] == ["0"] and gave_back["payload"]["by"]["profile"] == "urgent"
+    freed = _epoch(gave_back["occurred"])
+    assert freed - gave_back["payload"]["by"]["arrived"] <= GRACE + 2, gave_back["payload"]
+    assert freed <= u["start"]
+    # the batch task started, was stopped, and ran again once the urgent one was done
+    [b] = batch["results"]
+    assert b["i"] == 0 and b["devices"] == ["0"]
+    first, again = _starts(tmp_path, "batch")[0]
+    assert first < u["start"] and again >= u["end"] and b["start"] == pytest.approx(again, abs=1e-3)
+    [b_id] = batch["task_run_ids"]
+    names = _state_names(b_id)
+    assert names.count("Preempted") == 1 and names[-1] == "Completed", names
+    assert "Failed" not in names and "Crashed" not in names and "AwaitingRetry" not in names, names
+    # an event on both sides
+    [preempted] = _events(batch["flow_run_id"], "gpu-tasks.task.preempted")
+    assert "preempted by profile 'urgent' of flow run" in preempted["payload"]["reason"], preempted
+    [asked] = _events(urgent["flow_run_id"], "gpu-tasks.cluster.preempting")
+    assert [h["profile"] for h in asked["payload"]["holders"]] == ["batch"]
+    assert "preemptible work gives its devices back" in urgent["log"]
+
+
+@pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
+def test_work_that_is_not_preemptible_is_never_stopped(tmp_path, lease_dir):
+    holder = {"name": "batch", "gpus": 1, "idle_timeout": 0}
+    out = _run_pair(tmp_path, lease_dir, holder, tasks=1, devices="1", seconds=4.0)
+    [b], [u] = out["batch"]["results"], out["urgent"]["results"]
+    assert _starts(tmp_path, "batch") == {0: [pytest.approx(b["start"], abs=1e-3)]}  # started once
+    assert u["start"] >= b["end"]  # the urgent task waited for it
+    assert "Preempted" not in _state_names(out["batch"]["task_run_ids"][0])
+    assert not _events(out["batch"]["flow_run_id"], "gpu-tasks.task.preempted")
+
+
+@pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
+def test_only_the_worker_on_the_needed_device_is_stopped(tmp_path, lease_dir):
+    holder = {"name": "batch", "gpus": 1, "max_workers": 2, "preemptible": True, "idle_timeout": 30}
+    out = _run_pair(tmp_path, lease_dir, holder, tasks=2, devices="2")
+    starts = _starts(tmp_path, "batch")
+    assert sorted(len(v) for v in starts.values()) == [1, 2], starts  # one task ran on, one again
+    assert sorted(r["i"] for r in out["batch"]["results"]) == [0, 10]
+    [gave_back] = _events(out["batch"]["flow_run_id"], "gpu-tasks.cluster.preempted")
+    assert len(gave_back["payload"]["devices"]) == 1
+
+
+@pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
+def test_a_preempted_gang_restarts_whole(tmp_path, lease_dir):
+    holder = {
+        "name": "batch",
+        "gpus": 1,
+        "max_workers": 2,
+        "gang": True,
+        "preemptible": True,
+        "idle_timeout": 30,
+    }
+    out = _run_pair(tmp_path, lease_dir, holder, tasks=2, devices="2")
+    [u] = out["urgent"]["results"]
+    starts = _starts(tmp_path, "batch")
+    assert sorted(len(v) for v in starts.values()) == [2, 2], starts  # both stopped, both again
+    results = out["batch"]["results"]
+    assert sorted(r["i"] for r in results) == [0, 10]
+    assert sorted(d for r in results for d in r["devices"]) == ["0", "1"]  # on both devices again
+    assert all(r["start"] >= u["end"] for r in results)
+    [gave_back] = _events(out["batch"]["flow_run_id"], "gpu-tasks.cluster.preempted")
+    assert sorted(gave_back["payload"]["devices"]) == ["0", "1"]
+    provisioned = _events(out["batch"]["flow_run_id"], "gpu-tasks.cluster.provisioned")
+    assert [e["payload"]["workers"] for e in provisioned] == [2, 2]
