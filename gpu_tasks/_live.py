@@ -166,6 +166,7 @@ class Live:
             stop=self.stop,
             lease_dir=self.settings.lease_dir,
             lease_timeout=self.settings.lease_timeout,
+            priority_aging=self.settings.priority_aging,
         )
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
         self.flow_run_id = self.run.id
@@ -328,6 +329,14 @@ class Live:
             )
 
     # ------------------------------------------------------------ events
+    def priorities(self) -> dict[str, int]:
+        """The priority each profile that queues for this host's devices waited at (by name)."""
+        return {
+            name: st.cluster.queue_priority
+            for name, st in self.states.items()
+            if st.cluster.queue_priority is not None
+        }
+
     def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
         """A ``gpu-tasks.cluster.<what>`` event related to this flow run."""
         emit_cluster_event(what, cluster, self.run, payload, devices)

@@ -35,9 +35,10 @@ class DeviceBook:
 
     Waiters are queued: a profile that has to wait registers, in this book and as a
     waiter file in ``lease_dir`` (:func:`gpu_tasks.leases.enqueue`), and a group is
-    not taken while a waiter that ranks before the taker (higher ``priority``, then
+    not taken while a waiter that ranks before the taker (higher effective priority, then
     earlier arrival; :func:`gpu_tasks.leases.rank`), of this book or of any process,
-    wants one of its devices.
+    wants one of its devices. A waiter's effective priority grows by one for every
+    ``priority_aging`` seconds it waits (``GPU_TASKS_PRIORITY_AGING``; 0: never).
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class DeviceBook:
         log_every: float = 30.0,
         lease_dir: Path | None = None,
         lease_timeout: float | None = None,
+        priority_aging: float | None = None,
     ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
@@ -56,6 +58,7 @@ class DeviceBook:
         settings = get_settings() if lease_dir is None or lease_timeout is None else None
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
         self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
+        self.priority_aging = float(resolve(priority_aging, "priority_aging", settings))
         self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
         self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
 
@@ -85,6 +88,7 @@ class DeviceBook:
             "priority": int(priority),
             "arrived": time.time(),
             "addresses": sorted(wanted),
+            "aging": self.priority_aging,
             "local": True,
         }
         waiter: leases.Waiter | None = None
@@ -160,6 +164,7 @@ class DeviceBook:
         foreign: set[str] = set()
         first: dict[int, dict[str, Any]] = {}
         rivals: list[dict[str, Any]] | None = None
+        now = time.time()  # one instant for every effective priority compared in this round
         try:
             for i, g in enumerate(groups):
                 if len(free) >= n:
@@ -169,13 +174,14 @@ class DeviceBook:
                     continue
                 if rivals is None:
                     rivals = self._rivals(owner)
-                before = leases.ahead(me, rivals, [d.address for d in g])
+                before = leases.ahead(me, rivals, [d.address for d in g], now)
                 if before:
                     first.update((id(w), w) for w in before)
                     foreign.update(d.address for d in g if any(not w.get("local") for w in before))
                     continue
                 new = [d.address for d in g if d.address not in self.holders]
-                lease = leases.take(new, leases.owner_info(owner), self.lease_dir) if new else None
+                holder = leases.owner_info(owner, me["priority"]) if new else {}
+                lease = leases.take(new, holder, self.lease_dir) if new else None
                 if new and lease is None:
                     foreign.update(new)
                     continue
@@ -188,7 +194,7 @@ class DeviceBook:
         except OSError as exc:
             self._give_back(owner, [groups[i] for i in free])
             raise self._lease_error(owner, exc) from exc
-        return free, foreign, sorted(first.values(), key=leases.rank)
+        return free, foreign, sorted(first.values(), key=lambda w: leases.rank(w, now))
 
     def _give_back(self, owner: str, groups: list[tuple[Device, ...]]) -> None:
         """Undo a take of ``groups`` by ``owner`` (under ``cond``)."""
@@ -208,7 +214,12 @@ class DeviceBook:
         """Register ``me`` as a waiter file, so other processes let it go first when it ranks first."""
         try:
             waiter = leases.enqueue(
-                me["addresses"], leases.owner_info(owner), me["priority"], me["arrived"], self.lease_dir
+                me["addresses"],
+                leases.owner_info(owner),
+                me["priority"],
+                me["arrived"],
+                self.lease_dir,
+                aging=me["aging"],
             )
         except OSError as exc:
             raise self._lease_error(owner, exc) from exc
@@ -224,14 +235,23 @@ class DeviceBook:
 
     @staticmethod
     def waiters_text(waiters: list[dict[str, Any]]) -> str:
-        """``profile 'x' of this flow run (priority 5, waiting 3.0s for devices 0,1); ...``."""
+        """``profile 'x' of this flow run (priority 5, waiting 3.0s for devices 0,1); ...``.
+
+        A waiter whose wait has raised its effective priority says so: ``(priority 0, aged to 2, ...``.
+        """
         now = time.time()
         parts = []
         for w in waiters:
-            who = f"profile {w.get('profile')!r} of this flow run" if w.get("local") else leases.describe(w)
+            who = (
+                f"profile {w.get('profile')!r} of this flow run"
+                if w.get("local")
+                else leases.describe(w, priority=False)
+            )
             waited = max(0.0, now - float(w.get("arrived", now)))
+            base, effective = int(w.get("priority") or 0), leases.effective_priority(w, now)
+            aged = f", aged to {effective}" if effective != base else ""
             parts.append(
-                f"{who} (priority {w.get('priority', 0)}, waiting {waited:.1f}s for devices "
+                f"{who} (priority {base}{aged}, waiting {waited:.1f}s for devices "
                 f"{','.join(w.get('addresses') or ())})"
             )
         return "; ".join(parts)

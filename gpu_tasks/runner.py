@@ -187,7 +187,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             self._last_ledger = list(live.ledger)
             remember_ended(live.flow_run_id, self._last_ledger)
             publish_run_artifacts(self._last_ledger, live.flow_run_id)
-            emit_run_summary(self._last_ledger, live.run, AlertThresholds.from_settings(live.settings))
+            emit_run_summary(
+                self._last_ledger, live.run, AlertThresholds.from_settings(live.settings), live.priorities()
+            )
 
     def _ensure_live(self) -> tuple[Live, Dispatcher]:
         if not self._started:

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prefect_api import api
+from prefect_api import api, flow_run_events
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS = ROOT / "infra" / "work-pools"
@@ -127,11 +127,20 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
         assert "GPU profiles: gpu-etl: 1 GPU per task" in dep["description"], dep["description"]
         assert "gpu-profile:gpu-train" in dep["tags"] and any(t.startswith("gpus:") for t in dep["tags"])
 
-    # one run of the nightly deployment through a process worker, on emulated devices
+    # one run of the nightly deployment through a process worker, on emulated devices, at the
+    # deployment's GPU_TASKS_PRIORITY; a second one overrides it for that run, as
+    # `prefect deployment run --job-variable env='{"GPU_TASKS_PRIORITY": "20"}'` does
     code, dep = api("GET", "/deployments/name/etl-train/nightly")
+    assert dep["job_variables"]["env"]["GPU_TASKS_PRIORITY"] == "10", dep["job_variables"]
     params = {"limit": 15000, "num_rounds": 3, "data_dir": str(tmp_path)}
     code, run = api("POST", f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params})
     assert code == 201, run
+    urgent = {
+        "parameters": dict(params, data_dir=str(tmp_path / "urgent")),
+        "job_variables": {"env": {"GPU_TASKS_PRIORITY": "20"}},
+    }
+    code, urgent_run = api("POST", f"/deployments/{dep['id']}/create_flow_run", json=urgent)
+    assert code == 201, urgent_run
     worker = subprocess.run(
         [str(prefect_cli), "worker", "start", "--pool", "gpu-tasks-process", "--run-once"],
         cwd=tmp_path,
@@ -143,6 +152,14 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
     code, body = api("GET", f"/flow_runs/{run['id']}")
     assert body["state"]["type"] == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]
     assert list(tmp_path.glob("scale-1/model/*.metrics.json"))
+    code, urgent_body = api("GET", f"/flow_runs/{urgent_run['id']}")
+    assert urgent_body["state"]["type"] == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]
+    # the job variable reached each flow run's process: its profiles queued at that priority
+    for flow_run_id, priority in ((run["id"], "10"), (urgent_run["id"], "20")):
+        [summary] = flow_run_events(flow_run_id, {"name": ["gpu-tasks.flow-run.summary"]})
+        labels = summary["resource"]
+        assert labels["gpu-tasks.priority"] == priority, labels
+        assert labels["gpu-tasks.priorities"] == f"gpu-etl={priority},gpu-train={priority}", labels
     # the flow run carries its deployment's tags; they never route a task (profile: tags do)
     assert "gpus:2" in body["tags"], body["tags"]
     code, task_runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
