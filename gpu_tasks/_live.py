@@ -173,6 +173,7 @@ class Live:
             lease_timeout=self.settings.lease_timeout,
             preemption_grace=self.settings.preemption_grace,
             on_preempting=self._on_preempting,
+            priority_aging=self.settings.priority_aging,
         )
         # preempt(st, addresses, waiter): stop st's workers on addresses (gpu_tasks._dispatch)
         self.preempt: Callable[[ProfileState, list[str], dict[str, Any]], None] | None = None
@@ -347,7 +348,7 @@ class Live:
             "preempting",
             st.cluster,
             {
-                "priority": st.cluster.profile.priority,
+                "priority": st.cluster.priority,
                 "devices": [h["address"] for h in holders],
                 "holders": [
                     {
@@ -404,6 +405,14 @@ class Live:
         )
 
     # ------------------------------------------------------------ events
+    def priorities(self) -> dict[str, int]:
+        """The priority each profile that queues for this host's devices waited at (by name)."""
+        return {
+            name: st.cluster.queue_priority
+            for name, st in self.states.items()
+            if st.cluster.queue_priority is not None
+        }
+
     def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
         """A ``gpu-tasks.cluster.<what>`` event related to this flow run."""
         self.in_run_context(emit_cluster_event, what, cluster, self.run, payload, devices)

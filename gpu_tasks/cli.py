@@ -16,6 +16,7 @@ the existing ones, read settings with :func:`_settings` and devices with
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -127,6 +128,41 @@ def _lease_holders(inventory: Inventory, settings: GpuTasksSettings) -> dict[str
         return dict.fromkeys(addresses, {"error": f"cannot read leases in {settings.lease_dir}: {exc}"})
 
 
+def _lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
+    """The profiles queued for this host's devices (GPU_TASKS_LEASE_DIR), first-ranked first, each
+    with its ``effective_priority`` and ``waited_s`` now; ``[]`` when the queue cannot be read."""
+    now = time.time()
+    try:
+        queued = leases.waiters(settings.lease_dir)
+    except OSError:
+        return []
+    return [
+        {
+            **w,
+            "effective_priority": leases.effective_priority(w, now),
+            "waited_s": round(max(0.0, now - float(w.get("arrived", now))), 1),
+        }
+        for w in queued
+    ]
+
+
+def _waiters_table(queued: list[dict[str, Any]]) -> Table:
+    table = Table(title="Waiting for devices (first-ranked first)")
+    for column in ("Profile", "Flow run", "Pid", "Priority", "Effective", "Waited", "Devices"):
+        table.add_column(column, overflow="fold")
+    for w in queued:
+        table.add_row(
+            Text(str(w.get("profile") or "-")),
+            Text(str(w.get("flow_run_name") or "-")),
+            str(w.get("pid", "?")),
+            str(w.get("priority", 0)),
+            str(w["effective_priority"]),
+            f"{w['waited_s']:.1f}s",
+            Text(",".join(w.get("addresses") or ()) or "-"),
+        )
+    return table
+
+
 def _held_by_text(info: dict[str, Any] | None) -> str:
     if info is not None and "error" in info:
         return "unknown"
@@ -141,6 +177,7 @@ def devices(
     settings = _settings()
     inventory = _inventory(settings)
     held = _lease_holders(inventory, settings)
+    queued = _lease_waiters(settings)
     if as_json:
         _echo_json(
             {
@@ -148,6 +185,7 @@ def devices(
                 "emulated": inventory.emulated,
                 "detail": inventory.detail,
                 "devices": [_device_json(d, held[d.address]) for d in inventory.devices],
+                "waiters": queued,
             }
         )
         return
@@ -172,6 +210,8 @@ def devices(
         console.print(table)
     else:
         _say("No devices.")
+    if queued:
+        console.print(_waiters_table(queued))
     _say(_source_line(inventory))
 
 

@@ -19,6 +19,7 @@ from gpu_tasks.errors import ClusterError
 from gpu_tasks.ledger import Held, LedgerRow, Usage
 from gpu_tasks.policy import WorkerSpec, device_groups, matching_devices, max_worker_count, worker_spec
 from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.settings import GpuTasksSettings, get_settings
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,13 @@ def _held(specs: list[WorkerSpec]) -> list[Held]:
     return [
         Held(s.name, tuple(d.address for d in s.devices), tuple(d.model() for d in s.devices)) for s in specs
     ]
+
+
+def run_priority(profile: ResourceProfile, settings: GpuTasksSettings | None = None) -> int:
+    """The priority ``profile`` waits for devices at in this flow run: ``GPU_TASKS_PRIORITY``
+    when set (per deployment or flow run), else the profile's own ``priority``."""
+    override = (settings or get_settings()).priority
+    return profile.priority if override is None else override
 
 
 def _addresses(specs: list[WorkerSpec]) -> list[str]:
@@ -47,6 +55,7 @@ class ProfileCluster:
         pool: Any = None,
     ) -> None:
         self.profile = profile
+        self.priority = run_priority(profile)  # what it waits for devices at and holds them with
         # warm worker processes (gpu_tasks._warm), for the profiles whose workers can use them
         self.pool = pool if backends.uses_warm_pool(profile, inventory.emulated) else None
         self.book = book or DeviceBook()
@@ -85,6 +94,12 @@ class ProfileCluster:
     def emulated(self) -> bool:
         """Whether the devices it schedules on are emulated."""
         return bool(self.profile.is_gpu and self.inventory.emulated)
+
+    @property
+    def queue_priority(self) -> int | None:
+        """The priority it waits for and holds this host's devices at (:func:`run_priority`);
+        ``None`` for profiles that never queue for devices here (CPU, address, cluster_class)."""
+        return self.priority if self.profile.is_gpu and self.profile.is_local else None
 
     @property
     def provisioned_at(self) -> float | None:
@@ -337,7 +352,7 @@ class ProfileCluster:
     def _queueing(self) -> dict[str, Any]:
         """How this profile waits in the device queue (gpu_tasks.device_book.DeviceBook.acquire)."""
         return {
-            "priority": self.profile.priority,
+            "priority": self.priority,
             "preemptible": self.profile.preemptible,
             # its preempted tasks wait for devices without GPU_TASKS_LEASE_TIMEOUT
             "patient": self.preemptions > 0,

@@ -38,9 +38,10 @@ class DeviceBook:
 
     Waiters are queued: a profile that has to wait registers, in this book and as a
     waiter file in ``lease_dir`` (:func:`gpu_tasks.leases.enqueue`), and a group is
-    not taken while a waiter that ranks before the taker (higher ``priority``, then
+    not taken while a waiter that ranks before the taker (higher effective priority, then
     earlier arrival; :func:`gpu_tasks.leases.rank`), of this book or of any process,
-    wants one of its devices.
+    wants one of its devices. A waiter's effective priority grows by one for every
+    ``priority_aging`` seconds it waits (``GPU_TASKS_PRIORITY_AGING``; 0: never).
     """
 
     def __init__(
@@ -52,21 +53,22 @@ class DeviceBook:
         lease_timeout: float | None = None,
         preemption_grace: float | None = None,
         on_preempting: Any = None,
+        priority_aging: float | None = None,
     ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
         self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
         self.stop = stop or threading.Event()
         self.log_every = log_every
-        settings = (
-            get_settings() if lease_dir is None or lease_timeout is None or preemption_grace is None else None
-        )
+        given = (lease_dir, lease_timeout, preemption_grace, priority_aging)
+        settings = get_settings() if any(v is None for v in given) else None
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
         self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
         self.preemption_grace = float(resolve(preemption_grace, "preemption_grace", settings))
         # on_preempting(owner, holders) -> None: a waiter past its grace asks preemptible holders
         self.on_preempting = on_preempting
         self.held_info: dict[str, dict[str, Any]] = {}  # profile -> its priority, preemptible
+        self.priority_aging = float(resolve(priority_aging, "priority_aging", settings))
         self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
         self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
 
@@ -109,6 +111,7 @@ class DeviceBook:
             "need": max(1, at_least),
             "preemptible": preemptible,
             "preemption_grace": self.preemption_grace,
+            "aging": self.priority_aging,
             "local": True,
         }
         waiter: leases.Waiter | None = None
@@ -186,6 +189,7 @@ class DeviceBook:
         foreign: set[str] = set()
         first: dict[int, dict[str, Any]] = {}
         rivals: list[dict[str, Any]] | None = None
+        now = time.time()  # one instant for every effective priority compared in this round
         try:
             for i, g in enumerate(groups):
                 if len(free) >= n:
@@ -195,13 +199,13 @@ class DeviceBook:
                     continue
                 if rivals is None:
                     rivals = self._rivals(owner)
-                before = leases.ahead(me, rivals, [d.address for d in g])
+                before = leases.ahead(me, rivals, [d.address for d in g], now)
                 if before:
                     first.update((id(w), w) for w in before)
                     foreign.update(d.address for d in g if any(not w.get("local") for w in before))
                     continue
                 new = [d.address for d in g if d.address not in self.holders]
-                info = dict(leases.owner_info(owner), priority=me["priority"], preemptible=me["preemptible"])
+                info = dict(leases.owner_info(owner, me["priority"]), preemptible=me["preemptible"])
                 lease = leases.take(new, info, self.lease_dir) if new else None
                 if new and lease is None:
                     foreign.update(new)
@@ -216,7 +220,7 @@ class DeviceBook:
         except OSError as exc:
             self._give_back(owner, [groups[i] for i in free])
             raise self._lease_error(owner, exc) from exc
-        return free, foreign, sorted(first.values(), key=leases.rank)
+        return free, foreign, sorted(first.values(), key=lambda w: leases.rank(w, now))
 
     def _give_back(self, owner: str, groups: list[tuple[Device, ...]]) -> None:
         """Undo a take of ``groups`` by ``owner`` (under ``cond``)."""
@@ -236,7 +240,9 @@ class DeviceBook:
         """Register ``me`` as a waiter file, so other processes let it go first when it ranks first."""
         try:
             info = dict(leases.owner_info(owner), **{k: me[k] for k in _SHARED_WAITER_FIELDS})
-            waiter = leases.enqueue(me["addresses"], info, me["priority"], me["arrived"], self.lease_dir)
+            waiter = leases.enqueue(
+                me["addresses"], info, me["priority"], me["arrived"], self.lease_dir, aging=me["aging"]
+            )
         except OSError as exc:
             raise self._lease_error(owner, exc) from exc
         with self.cond:
@@ -298,7 +304,7 @@ class DeviceBook:
         rivals = local + [w for w in leases.waiters(self.lease_dir) if w["file"] not in files]
         now = time.time()
         holder_of: preemption.HolderOf | None = None
-        for waiter in sorted(rivals, key=leases.rank):
+        for waiter in sorted(rivals, key=lambda w: leases.rank(w, now)):
             if not preemption.due(waiter, self.preemption_grace, now):
                 continue
             holder_of = holder_of or self._holder_of()
@@ -315,14 +321,23 @@ class DeviceBook:
 
     @staticmethod
     def waiters_text(waiters: list[dict[str, Any]]) -> str:
-        """``profile 'x' of this flow run (priority 5, waiting 3.0s for devices 0,1); ...``."""
+        """``profile 'x' of this flow run (priority 5, waiting 3.0s for devices 0,1); ...``.
+
+        A waiter whose wait has raised its effective priority says so: ``(priority 0, aged to 2, ...``.
+        """
         now = time.time()
         parts = []
         for w in waiters:
-            who = f"profile {w.get('profile')!r} of this flow run" if w.get("local") else leases.describe(w)
+            who = (
+                f"profile {w.get('profile')!r} of this flow run"
+                if w.get("local")
+                else leases.describe(w, priority=False)
+            )
             waited = max(0.0, now - float(w.get("arrived", now)))
+            base, effective = int(w.get("priority") or 0), leases.effective_priority(w, now)
+            aged = f", aged to {effective}" if effective != base else ""
             parts.append(
-                f"{who} (priority {w.get('priority', 0)}, waiting {waited:.1f}s for devices "
+                f"{who} (priority {base}{aged}, waiting {waited:.1f}s for devices "
                 f"{','.join(w.get('addresses') or ())})"
             )
         return "; ".join(parts)

@@ -19,7 +19,9 @@ its name (else its id); other labels show on the Raw tab alone (Prefect 3.8.8's 
 ``.../event-details-page/event-details-display.tsx``; docs/operations.md). So each
 event's resource name is a sentence fragment with the facts (profile, devices, held,
 busy, reason), the flow run related by its name, and the same facts stay
-machine-readable as ``gpu-tasks.*`` resource labels (strings) for automations.
+machine-readable as ``gpu-tasks.*`` resource labels (strings) for automations. Cluster
+events of GPU profiles on this host and the summary also carry the priority the flow
+run queued for devices at (``gpu-tasks.priority``; ``GPU_TASKS_PRIORITY`` or the profile's).
 
 The builders (``*_resource``, ``*_sentence``, :func:`payload_labels`) are pure; the
 ``emit_*`` functions send.
@@ -72,6 +74,7 @@ _LABELS = {
     "from_profile": "gpu-tasks.from-profile",
     "to_profile": "gpu-tasks.to-profile",
     "state": "gpu-tasks.state",
+    "priority": "gpu-tasks.priority",
 }
 
 
@@ -274,9 +277,26 @@ def summary_sentence(run_name: str | None, totals: RunTotals, alerts: Sequence[s
     return text + (f"; alert: {', '.join(alerts)}" if alerts else "")
 
 
-def summary_resource(run: RunRef, totals: RunTotals, thresholds: AlertThresholds) -> Resource:
+def run_priorities(totals: RunTotals, priorities: Mapping[str, int] | None) -> dict[str, int]:
+    """The priorities (by profile) that the run's device-holding profiles queued for devices at."""
+    return {p: int(priorities[p]) for p in totals.profiles if priorities and p in priorities}
+
+
+def _priority_labels(priorities: Mapping[str, int]) -> Resource:
+    if not priorities:
+        return {}
+    return {
+        "gpu-tasks.priority": str(max(priorities.values())),
+        "gpu-tasks.priorities": ",".join(f"{p}={v}" for p, v in priorities.items()),
+    }
+
+
+def summary_resource(
+    run: RunRef, totals: RunTotals, thresholds: AlertThresholds, priorities: Mapping[str, int] | None = None
+) -> Resource:
     """The resource of a ``gpu-tasks.flow-run.summary`` event; ``gpu-tasks.alert`` is what the
-    shipped automation matches on."""
+    shipped automation matches on. ``gpu-tasks.priority`` is the highest priority a profile of
+    the run queued for devices at (``priorities``, by profile; ``gpu-tasks.priorities`` lists them)."""
     alerts = run_alerts(totals, thresholds)
     return {
         "prefect.resource.id": f"gpu-tasks.flow-run.{run.id or 'local'}",
@@ -291,12 +311,17 @@ def summary_resource(run: RunRef, totals: RunTotals, thresholds: AlertThresholds
         "gpu-tasks.device-wait-seconds": _number(totals.longest_device_wait),
         "gpu-tasks.tasks": str(totals.tasks),
         "gpu-tasks.alert": alert_label(alerts),
+        **_priority_labels(run_priorities(totals, priorities)),
     }
 
 
-def summary_payload(totals: RunTotals, thresholds: AlertThresholds) -> dict[str, Any]:
-    """The numbers of a ``gpu-tasks.flow-run.summary`` event, with the thresholds they met."""
+def summary_payload(
+    totals: RunTotals, thresholds: AlertThresholds, priorities: Mapping[str, int] | None = None
+) -> dict[str, Any]:
+    """The numbers of a ``gpu-tasks.flow-run.summary`` event, with the thresholds they met and the
+    priorities its profiles queued for devices at (``priority``: the highest)."""
     held_busy = totals.held_per_busy
+    ran_at = run_priorities(totals, priorities)
     return {
         "held_s": round(totals.held_seconds, 3),
         "busy_s": round(totals.busy_seconds, 3),
@@ -307,6 +332,8 @@ def summary_payload(totals: RunTotals, thresholds: AlertThresholds) -> dict[str,
         "profiles": list(totals.profiles),
         "tasks": totals.tasks,
         "alerts": list(run_alerts(totals, thresholds)),
+        "priority": max(ran_at.values()) if ran_at else None,
+        "priorities": ran_at,
         "thresholds": {
             "held_busy": thresholds.held_busy,
             "device_wait_s": thresholds.device_wait_seconds,
@@ -349,6 +376,8 @@ def emit_cluster_event(
 
         name = cluster.profile.name
         devices = tuple(cluster.devices if devices is None else devices)
+        if cluster.queue_priority is not None:  # the priority this flow run queued for devices at
+            payload = {**payload, "priority": cluster.queue_priority}
         related = run.related()
         emit_event(
             event=f"gpu-tasks.cluster.{what}",
@@ -407,8 +436,14 @@ def emit_task_event(
         logger.debug("could not emit gpu-tasks.task.%s", what, exc_info=True)
 
 
-def emit_run_summary(rows: Sequence[LedgerRow], run: RunRef, thresholds: AlertThresholds) -> None:
-    """``gpu-tasks.flow-run.summary`` for a run whose ledger ``rows`` held devices (none otherwise)."""
+def emit_run_summary(
+    rows: Sequence[LedgerRow],
+    run: RunRef,
+    thresholds: AlertThresholds,
+    priorities: Mapping[str, int] | None = None,
+) -> None:
+    """``gpu-tasks.flow-run.summary`` for a run whose ledger ``rows`` held devices (none otherwise);
+    ``priorities``: what each profile queued for devices at (:attr:`ProfileCluster.queue_priority`)."""
     totals = RunTotals.of(rows)
     if not totals.devices:
         return
@@ -417,9 +452,9 @@ def emit_run_summary(rows: Sequence[LedgerRow], run: RunRef, thresholds: AlertTh
 
         emit_event(
             event="gpu-tasks.flow-run.summary",
-            resource=summary_resource(run, totals, thresholds),
+            resource=summary_resource(run, totals, thresholds, priorities),
             related=run.related(),
-            payload=summary_payload(totals, thresholds),
+            payload=summary_payload(totals, thresholds, priorities),
         )
     except Exception:  # events are for watching; never fail the run over one
         logger.debug("could not emit gpu-tasks.flow-run.summary", exc_info=True)

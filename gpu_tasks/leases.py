@@ -13,9 +13,13 @@ a cross-host lock): leases coordinate flow runs on one machine, not a cluster.
 Waiting is queued: a process that waits for devices registers a waiter file
 ``<lease_dir>/queue/<unique>.json`` (:func:`enqueue`), exclusively locked for as long
 as it waits, and before it leases a device it lets any live waiter that wants that
-device and ranks before it (:func:`rank`: higher priority, then earlier arrival, then
-file name) go first (:func:`ahead`). A waiter file nobody has locked belongs to a dead
-process: :func:`waiters` ignores and deletes it.
+device and ranks before it (:func:`rank`: higher effective priority, then earlier
+arrival, then file name) go first (:func:`ahead`). A waiter file nobody has locked
+belongs to a dead process: :func:`waiters` ignores and deletes it.
+
+A waiter's effective priority grows with its wait, one step per ``aging`` seconds
+(:func:`effective_priority`); each waiter file carries its own ``aging``, so every
+process ranks a waiter the same way whatever its own setting.
 """
 
 from __future__ import annotations
@@ -93,8 +97,12 @@ def lock_path(lease_dir: Path, address: str) -> Path:
     return Path(lease_dir) / f"{PREFIX}{quote(address, safe='')}{SUFFIX}"
 
 
-def owner_info(profile: str | None = None) -> dict[str, Any]:
-    """Who is taking a lease now: this process, its flow run (when in one), ``profile``."""
+def owner_info(profile: str | None = None, priority: int | None = None) -> dict[str, Any]:
+    """Who is taking a lease now: this process, its flow run (when in one), ``profile``.
+
+    ``priority``, when given, is the priority the profile runs at in this flow run
+    (:func:`gpu_tasks.clusters.run_priority`); ``gpu-tasks devices`` shows it.
+    """
     info: dict[str, Any] = {
         "pid": os.getpid(),
         "hostname": socket.gethostname(),
@@ -102,6 +110,8 @@ def owner_info(profile: str | None = None) -> dict[str, Any]:
         "flow_run_id": None,
         "profile": profile,
     }
+    if priority is not None:
+        info["priority"] = int(priority)
     try:
         from prefect.context import FlowRunContext
 
@@ -165,11 +175,13 @@ def enqueue(
     priority: int = 0,
     arrived: float | None = None,
     lease_dir: Path | None = None,
+    aging: float = 0.0,
 ) -> Waiter:
     """Register as a waiter for ``addresses`` until :func:`dequeue`.
 
-    The file's JSON is ``owner_info`` plus ``priority``, ``arrived`` (``time.time()``
-    when the wait began; default now) and ``addresses``. It is written and locked
+    The file's JSON is ``owner_info`` plus ``priority`` (the base priority), ``arrived``
+    (``time.time()`` when the wait began; default now), ``addresses`` and ``aging``
+    (seconds of waiting per +1 of effective priority; 0: none). It is written and locked
     under a hidden temporary name and renamed into place, so a reader never sees a
     live waiter's file unlocked or half written. Raises ``OSError`` when the queue
     directory cannot be written.
@@ -180,6 +192,7 @@ def enqueue(
         priority=int(priority),
         arrived=time.time() if arrived is None else float(arrived),
         addresses=sorted(set(addresses)),
+        aging=float(aging),
     )
     name = f"{uuid.uuid4().hex}.json"
     tmp = queue / f".{name}.tmp"
@@ -215,6 +228,7 @@ def waiters(lease_dir: Path | None = None) -> list[dict[str, Any]]:
     by SIGKILL): it is left out and deleted.
     """
     queue = _lease_dir(lease_dir) / QUEUE
+    now = time.time()
     out = []
     for path in sorted(queue.glob("*.json")) if queue.is_dir() else []:
         try:
@@ -231,27 +245,51 @@ def waiters(lease_dir: Path | None = None) -> list[dict[str, Any]]:
                 path.unlink()  # dead (or has just left): names are never reused
         finally:
             os.close(fd)
-    return sorted(out, key=rank)
+    return sorted(out, key=lambda w: rank(w, now))
 
 
-def rank(info: dict[str, Any]) -> tuple[int, float, str]:
-    """Sort key of a waiter (lower goes first): higher ``priority``, earlier ``arrived``, ``file`` name.
+def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
+    """A waiter's ``priority`` plus one for every full ``aging`` seconds it has waited by ``now``.
 
-    A waiter without a file (one that has not registered) comes after every same-priority,
+    ``priority + floor((now - arrived) / aging)``, with the waiter's own ``aging`` (its
+    file's; missing or 0: no aging, the base priority). Among waiters of one base
+    priority and one ``aging`` the earlier arrival never has the lower effective priority,
+    so aging keeps them first-come-first-served.
+    """
+    base = int(info.get("priority") or 0)
+    aging = float(info.get("aging") or 0.0)
+    arrived = float(info.get("arrived", math.inf))
+    waited = (time.time() if now is None else now) - arrived
+    if aging <= 0 or not math.isfinite(waited) or waited <= 0:
+        return base
+    return base + math.floor(waited / aging)
+
+
+def rank(info: dict[str, Any], now: float | None = None) -> tuple[int, float, str]:
+    """Sort key of a waiter at ``now`` (lower goes first): higher :func:`effective_priority`,
+    earlier ``arrived``, ``file`` name.
+
+    Compare keys taken at one ``now`` (as :func:`ahead` and :func:`waiters` do). A waiter
+    without a file (one that has not registered) comes after every same-priority,
     same-arrival waiter with one.
     """
     return (
-        -int(info.get("priority") or 0),
+        -effective_priority(info, now),
         float(info.get("arrived", math.inf)),
         str(info.get("file") or "\uffff"),
     )
 
 
-def ahead(me: dict[str, Any], others: Iterable[dict[str, Any]], addresses: Any) -> list[dict[str, Any]]:
-    """The waiters of ``others`` that rank before ``me`` and want any of ``addresses``, first first."""
-    key, wanted = rank(me), set(addresses)
+def ahead(
+    me: dict[str, Any], others: Iterable[dict[str, Any]], addresses: Any, now: float | None = None
+) -> list[dict[str, Any]]:
+    """The waiters of ``others`` that rank before ``me`` at ``now`` (default: now) and want any of
+    ``addresses``, first first."""
+    now = time.time() if now is None else now
+    key, wanted = rank(me, now), set(addresses)
     return sorted(
-        (w for w in others if rank(w) < key and wanted.intersection(w.get("addresses") or ())), key=rank
+        (w for w in others if rank(w, now) < key and wanted.intersection(w.get("addresses") or ())),
+        key=lambda w: rank(w, now),
     )
 
 
@@ -297,11 +335,15 @@ def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
         os.close(fd)
 
 
-def describe(info: dict[str, Any] | None, with_id: bool = True) -> str:
-    """``profile 'p', flow run 'x' (id ...), pid 12`` for a holder's info; ``free`` for ``None``."""
+def describe(info: dict[str, Any] | None, with_id: bool = True, priority: bool = True) -> str:
+    """``profile 'p' (priority 5), flow run 'x' (id ...), pid 12`` for a holder's info; ``free`` for
+    ``None``. The priority shows when the info has one and ``priority`` is true."""
     if info is None:
         return "free"
-    parts = [f"profile {info['profile']!r}"] if info.get("profile") else []
+    parts = []
+    if info.get("profile"):
+        runs_at = f" (priority {info['priority']})" if priority and info.get("priority") is not None else ""
+        parts.append(f"profile {info['profile']!r}{runs_at}")
     if info.get("flow_run_name") or info.get("flow_run_id"):
         run = f"flow run {info.get('flow_run_name')!r}"
         parts.append(f"{run} (id {info.get('flow_run_id') or '?'})" if with_id else run)

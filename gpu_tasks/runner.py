@@ -188,7 +188,11 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             remember_ended(live.flow_run_id, self._last_ledger)
             publish_run_artifacts(self._last_ledger, live.flow_run_id)
             live.in_run_context(
-                emit_run_summary, self._last_ledger, live.run, AlertThresholds.from_settings(live.settings)
+                emit_run_summary,
+                self._last_ledger,
+                live.run,
+                AlertThresholds.from_settings(live.settings),
+                live.priorities(),
             )
 
     def _ensure_live(self) -> tuple[Live, Dispatcher]:

@@ -82,6 +82,17 @@ class GpuTasksSettings(BaseSettings):
         description="Seconds a waiter of higher priority waits for devices that preemptible profiles hold "
         "before their workers are stopped and their tasks re-queued (docs/leases.md, Preemption).",
     )
+    priority: int | None = Field(
+        default=None,
+        description="Priority this flow run's GPU profiles wait for devices at, replacing each profile's "
+        "own priority (set per deployment or flow run with the job variable env). Unset: the profiles'.",
+    )
+    priority_aging: float = Field(
+        default=60.0,
+        ge=0,
+        description="Seconds of waiting for devices per +1 of a waiter's effective priority, so a "
+        "low-priority waiter is not starved by a stream of higher-priority ones. 0: no aging.",
+    )
     dask_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         default="WARNING",
         description="Level of Dask's distributed loggers in the flow process while a runner is entered and "

@@ -111,6 +111,7 @@ def test_devices_when_there_are_none(env, runner):
         "emulated": False,
         "detail": "no NVIDIA driver (NVMLError_LibraryNotFound)",
         "devices": [],
+        "waiters": [],
     }
 
 

@@ -32,6 +32,7 @@ from gpu_tasks.events import (
     device_resource,
     feed_url,
     payload_labels,
+    summary_payload,
     summary_resource,
     task_resource,
 )
@@ -197,6 +198,23 @@ def test_the_summary_reads_as_a_sentence():
     assert resource["gpu-tasks.alert"] == "held-busy-over-2" and resource["gpu-tasks.held-busy"] == "30.71"
 
 
+def test_the_summary_carries_the_priorities_its_profiles_queued_at():
+    totals = RunTotals.of(
+        [row("etl", ("0",), 10.0, 5.0), row("fit", ("1",), 10.0, 5.0), row("cpu", (), 1.0, 1.0)]
+    )
+    ran_at = {"etl": 0, "fit": 5, "never-held": 9}
+    resource = summary_resource(RUN, totals, AlertThresholds(), ran_at)
+    assert resource["gpu-tasks.priority"] == "5" and resource["gpu-tasks.priorities"] == "etl=0,fit=5"
+    assert (
+        resource["prefect.resource.name"]
+        == summary_resource(RUN, totals, AlertThresholds())["prefect.resource.name"]
+    ), "the sentence is unchanged"
+    payload = summary_payload(totals, AlertThresholds(), ran_at)
+    assert payload["priority"] == 5 and payload["priorities"] == {"etl": 0, "fit": 5}
+    assert "gpu-tasks.priority" not in summary_resource(RUN, totals, AlertThresholds())
+    assert summary_payload(totals, AlertThresholds())["priority"] is None
+
+
 # ---------------------------------------------------------------- pure: the automation and the feed URL
 def _trigger_matches(resource: dict[str, str]) -> bool:
     """Whether the shipped automation's trigger matches an event about ``resource``, by the
@@ -289,6 +307,7 @@ def test_cluster_events_carry_a_readable_name_and_labels():
     labels = closed["resource"]
     assert labels["gpu-tasks.profile"] == "gpu-etl" and labels["gpu-tasks.devices"] == device
     assert labels["gpu-tasks.reason"] == "flow run ended" and labels["gpu-tasks.tasks"] == "1"
+    assert labels["gpu-tasks.priority"] == "0" and closed["payload"]["priority"] == 0, "the profile's own"
     assert float(labels["gpu-tasks.held-seconds"]) == closed["payload"]["held_s"] > 0
     assert float(labels["gpu-tasks.busy-seconds"]) == closed["payload"]["busy_s"] >= 0.2
     started = by_name["gpu-tasks.cluster.provisioned"]["resource"]["prefect.resource.name"]
@@ -300,6 +319,7 @@ def test_cluster_events_carry_a_readable_name_and_labels():
         f"flow run {run_name}: gpu-etl on GPU {device} (emulated)"
     )
     assert summary["gpu-tasks.held-seconds"] == labels["gpu-tasks.held-seconds"]
+    assert summary["gpu-tasks.priorities"] == "gpu-etl=0"
 
 
 @pytest.mark.usefixtures("no_leaked_processes", "emulated")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import uuid
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from prefect_api import api
+from prefect_api import api, flow_run_events
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS = ROOT / "infra" / "work-pools"
@@ -109,14 +110,18 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
         "GPU_TASKS_HOME": str(ROOT),
     }
     prefect_cli = Path(sys.executable).with_name("prefect")
-    proc = subprocess.run(
-        [str(prefect_cli), "--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+
+    def prefect(*args: str, cwd: Path = tmp_path, **extra_env: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [str(prefect_cli), *args],
+            cwd=cwd,
+            env={**env, **extra_env},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+
+    proc = prefect("--no-prompt", "deploy", "--all", "--prefect-file", "infra/prefect.yaml", cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     for name, cron in (("nightly", "0 2 * * *"), ("nightly-h100-gang", "30 2 * * *")):
         code, dep = api("GET", f"/deployments/name/etl-train/{name}")
@@ -127,22 +132,41 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
         assert "GPU profiles: gpu-etl: 1 GPU per task" in dep["description"], dep["description"]
         assert "gpu-profile:gpu-train" in dep["tags"] and any(t.startswith("gpus:") for t in dep["tags"])
 
-    # one run of the nightly deployment through a process worker, on emulated devices
+    # one run of the nightly deployment through a process worker, on emulated devices, at the
+    # deployment's GPU_TASKS_PRIORITY; a second one, started with the command docs/leases.md
+    # gives, overrides it for that run
     code, dep = api("GET", "/deployments/name/etl-train/nightly")
+    assert dep["job_variables"]["env"]["GPU_TASKS_PRIORITY"] == "10", dep["job_variables"]
     params = {"limit": 15000, "num_rounds": 3, "data_dir": str(tmp_path)}
     code, run = api("POST", f"/deployments/{dep['id']}/create_flow_run", json={"parameters": params})
     assert code == 201, run
-    worker = subprocess.run(
-        [str(prefect_cli), "worker", "start", "--pool", "gpu-tasks-process", "--run-once"],
-        cwd=tmp_path,
-        env={**env, "GPU_TASKS_EMULATED_GPUS": "2"},
-        capture_output=True,
-        text=True,
-        timeout=240,
+    urgent = prefect(
+        "deployment",
+        "run",
+        "etl-train/nightly",
+        "--params",
+        json.dumps(dict(params, data_dir=str(tmp_path / "urgent"))),
+        "--job-variable",
+        'env={"GPU_TASKS_PRIORITY": "20"}',
+    )
+    assert urgent.returncode == 0, urgent.stdout[-2000:] + urgent.stderr[-2000:]
+    found = re.search(r"UUID: ([0-9a-f-]{36})", urgent.stdout)
+    assert found, urgent.stdout
+    urgent_run = {"id": found[1]}
+    worker = prefect(
+        "worker", "start", "--pool", "gpu-tasks-process", "--run-once", GPU_TASKS_EMULATED_GPUS="2"
     )
     code, body = api("GET", f"/flow_runs/{run['id']}")
     assert body["state"]["type"] == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]
     assert list(tmp_path.glob("scale-1/model/*.metrics.json"))
+    code, urgent_body = api("GET", f"/flow_runs/{urgent_run['id']}")
+    assert urgent_body["state"]["type"] == "COMPLETED", worker.stdout[-3000:] + worker.stderr[-3000:]
+    # the job variable reached each flow run's process: its profiles queued at that priority
+    for flow_run_id, priority in ((run["id"], "10"), (urgent_run["id"], "20")):
+        [summary] = flow_run_events(flow_run_id, {"name": ["gpu-tasks.flow-run.summary"]})
+        labels = summary["resource"]
+        assert labels["gpu-tasks.priority"] == priority, labels
+        assert labels["gpu-tasks.priorities"] == f"gpu-etl={priority},gpu-train={priority}", labels
     # the flow run carries its deployment's tags; they never route a task (profile: tags do)
     assert "gpus:2" in body["tags"], body["tags"]
     code, task_runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})

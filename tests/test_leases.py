@@ -161,7 +161,8 @@ def test_device_book_leases_and_times_out(lease_dir):
     assert leases.holders(lease_dir)["0"]["profile"] == "a"
     assert theirs.acquire("c", groups, 2, block=False) == [1]
     with pytest.raises(
-        ClusterError, match=rf"device 0: profile 'a', pid {os.getpid()}.*GPU_TASKS_LEASE_TIMEOUT"
+        ClusterError,
+        match=rf"device 0: profile 'a' \(priority 0\), pid {os.getpid()}.*GPU_TASKS_LEASE_TIMEOUT",
     ):
         theirs.acquire("d", groups[:1], 1, block=True)
     mine.release("a", ["0"])
