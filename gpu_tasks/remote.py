@@ -304,7 +304,11 @@ class RemoteCluster(ProfileCluster):
             where = {"workers": self._allowed, "allow_other_workers": False}
         with self._busy_lock:
             self._pending[key] = time.monotonic()
-        future = self.client.submit(fn, *args, key=key, pure=False, resources=resources, **where)
+        # a shared scheduler's workers start the higher-priority task first among those waiting for
+        # their GPU resources: this flow run's priority (GPU_TASKS_PRIORITY, else the profile's)
+        future = self.client.submit(
+            fn, *args, key=key, pure=False, resources=resources, priority=self.priority, **where
+        )
         with self._busy_lock:
             self._futures[key] = future
         future.add_done_callback(lambda f: self._done(key))

@@ -347,3 +347,45 @@ def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, pre
     assert runs and not set(states) & {"RUNNING", "PENDING"}, states
     with gpu_hosts.client() as client:  # the shared cluster is unharmed
         assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
+
+
+PRIORITY_SCRIPT = Path(__file__).with_name("priority_script.py")
+
+
+def _prioritized_run(hosts: Hosts, name: str, n: int, seconds: float, tmp_path: Path, priority: int):
+    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url)}
+    env.pop("GPU_TASKS_EMULATED_GPUS", None)
+    env["GPU_TASKS_PRIORITY"] = str(priority)
+    (tmp_path / "starts").mkdir(exist_ok=True)
+    args = [hosts.address, str(n), str(seconds), str(tmp_path / f"{name}.json"), str(tmp_path / "starts")]
+    return subprocess.Popen(
+        [sys.executable, str(PRIORITY_SCRIPT), *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+@pytest.mark.parametrize("urgent_priority", [10, 0])
+def test_a_higher_priority_flow_run_goes_first_on_a_shared_scheduler(
+    gpu_hosts: Hosts, prefect_server, tmp_path: Path, urgent_priority: int
+):
+    """Two workers with GPU=1; a priority-0 run queues four 8 s tasks, then another run queues
+    two: at priority 10 its tasks start when the first two end, ahead of the queued ones; at
+    priority 0 they wait their turn behind them (Dask's order of arrival)."""
+    batch = _prioritized_run(gpu_hosts, "batch", 4, 8.0, tmp_path, priority=0)
+    deadline = time.monotonic() + 120
+    while len(list((tmp_path / "starts").glob("batch-*"))) < 2:  # both workers busy, two queued
+        assert batch.poll() is None and time.monotonic() < deadline, batch.communicate()[0][-3000:]
+        time.sleep(0.1)
+    urgent = _prioritized_run(gpu_hosts, "urgent", 2, 0.5, tmp_path, priority=urgent_priority)
+    for proc in (batch, urgent):
+        log = proc.communicate(timeout=240)[0].decode(errors="replace")
+        assert proc.returncode == 0, log[-3000:]
+    batch_starts = sorted(t["start"] for t in json.loads((tmp_path / "batch.json").read_text()))
+    urgent_starts = sorted(t["start"] for t in json.loads((tmp_path / "urgent.json").read_text()))
+    assert urgent_starts[0] > batch_starts[1], "the urgent run arrived after the first two started"
+    if urgent_priority > 0:
+        assert urgent_starts[-1] < batch_starts[2], (batch_starts, urgent_starts)
+    else:
+        assert urgent_starts[0] > batch_starts[2], (batch_starts, urgent_starts)
