@@ -462,7 +462,15 @@ class Dispatcher:
                 len(jobs),
                 reason,
             )
-            for row in cluster.stop_workers(names, reason):
+            try:
+                rows = cluster.stop_workers(names, reason)
+            except Exception:  # its tasks are re-queued whatever happens: stop it all instead
+                logger.warning(
+                    "profile %r: could not stop workers %s", cluster.profile.name, names, exc_info=True
+                )
+                whole = cluster.close(reason, hurry=True)
+                rows = [whole] if whole is not None else []
+            for row in rows:
                 live.gave_back(st, row, "preempted", {"by": dict(by, waited_s=round(waited, 3))})
         for j in jobs:
             _off_thread(j, self._requeue, j, reason, by, name=f"gpu-tasks-requeue-{j.profile.name}")

@@ -287,7 +287,10 @@ class Live:
         while not self.stop.wait(self._interval()):
             if time.monotonic() >= next_preemption_check:
                 next_preemption_check = time.monotonic() + PREEMPTION_CHECK_S
-                self._check_preemption()
+                try:
+                    self._check_preemption()
+                except Exception:  # the idle monitor must go on
+                    logger.warning("gpu-tasks: preemption check failed", exc_info=True)
             for name, st in list(self.states.items()):
                 if name in closing and closing[name].is_alive():
                     continue
@@ -315,16 +318,12 @@ class Live:
         busy = {n for n, t in self.preempting.items() if t.is_alive()}
         preemptible = {
             name
-            for name, st in self.states.items()
+            for name, st in list(self.states.items())
             if st.cluster.profile.preemptible and st.cluster.running and name not in busy
         }
         if not preemptible or self.preempt is None:
             return
-        try:
-            due = self.book.preemption_due(preemptible)
-        except Exception:
-            logger.warning("gpu-tasks: could not read the device queue for preemption", exc_info=True)
-            return
+        due = self.book.preemption_due(preemptible)
         if due is None:
             return
         waiter, addresses = due
