@@ -276,8 +276,11 @@ class DeviceBook:
         holders = [{"address": a, **(holder_of(a) or {})} for a in victims]
         text = "; ".join(
             f"device {h['address']}: "
-            + (f"profile {h.get('profile')!r} of this flow run" if h.get("local") else leases.describe(h))
-            + f" (priority {int(h.get('priority') or 0)})"
+            + (
+                f"profile {h.get('profile')!r} of this flow run (priority {int(h.get('priority') or 0)})"
+                if h.get("local")
+                else leases.describe(h)
+            )
             for h in holders
         )
         logger.info(

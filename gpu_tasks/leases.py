@@ -336,14 +336,16 @@ def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
 
 
 def describe(info: dict[str, Any] | None, with_id: bool = True, priority: bool = True) -> str:
-    """``profile 'p' (priority 5), flow run 'x' (id ...), pid 12`` for a holder's info; ``free`` for
-    ``None``. The priority shows when the info has one and ``priority`` is true."""
+    """``profile 'p' (priority 5, preemptible), flow run 'x' (id ...), pid 12`` for a holder's info;
+    ``free`` for ``None``. The priority shows when the info has one and ``priority`` is true."""
     if info is None:
         return "free"
     parts = []
     if info.get("profile"):
-        runs_at = f" (priority {info['priority']})" if priority and info.get("priority") is not None else ""
-        parts.append(f"profile {info['profile']!r}{runs_at}")
+        notes = [f"priority {info['priority']}"] if priority and info.get("priority") is not None else []
+        if info.get("preemptible"):
+            notes.append("preemptible")
+        parts.append(f"profile {info['profile']!r}" + (f" ({', '.join(notes)})" if notes else ""))
     if info.get("flow_run_name") or info.get("flow_run_id"):
         run = f"flow run {info.get('flow_run_name')!r}"
         parts.append(f"{run} (id {info.get('flow_run_id') or '?'})" if with_id else run)

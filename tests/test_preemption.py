@@ -297,7 +297,10 @@ def test_another_flow_run_preempts_within_the_grace_and_the_task_runs_again(tmp_
     assert "preempted by profile 'urgent' of flow run" in preempted["payload"]["reason"], preempted
     [asked] = _events(urgent["flow_run_id"], "gpu-tasks.cluster.preempting")
     assert [h["profile"] for h in asked["payload"]["holders"]] == ["batch"]
-    assert "preemptible work gives its devices back" in urgent["log"]
+    assert (
+        "preemptible work gives its devices back: device 0: profile 'batch' (priority 0, preemptible)"
+        in (urgent["log"])
+    )
 
 
 @pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
