@@ -347,3 +347,60 @@ def test_a_preempted_gang_restarts_whole(tmp_path, lease_dir):
     assert sorted(gave_back["payload"]["devices"]) == ["0", "1"]
     provisioned = _events(out["batch"]["flow_run_id"], "gpu-tasks.cluster.provisioned")
     assert [e["payload"]["workers"] for e in provisioned] == [2, 2]
+
+
+@pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
+@pytest.mark.parametrize("seed", [1, 2])
+def test_randomized_flow_runs_with_preemption_lose_nothing_and_never_share_a_device(
+    tmp_path, lease_dir, seed
+):
+    """Four flow runs at two priorities, some preemptible, with random sizes, lengths and start
+    times, on two emulated devices: something is preempted, every task's result comes back, no
+    two flow runs ever ran on one device at once, and work that is not preemptible ran each
+    task once."""
+    import random
+
+    rng = random.Random(seed)
+    # two preemptible priority-0 runs hold the devices first (random sizes and lengths), then a
+    # priority-5 run and a priority-0 run that is not preemptible arrive, in random order
+    low = [(0, True), (0, True)]
+    rest = [(5, rng.random() < 0.5), (0, False)]
+    rng.shuffle(rest)
+    runs = {}
+    for n, (priority, preemptible) in enumerate(low + rest):
+        runs[f"run{n}"] = {
+            "name": f"p{n}",
+            "gpus": 1,
+            "max_workers": rng.choice([1, 2]),
+            "priority": priority,
+            "preemptible": preemptible,
+            "idle_timeout": 0.5,
+        }
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        for n, (name, holder) in enumerate(runs.items()):
+            if n == 2:  # both devices held by the preemptible runs before the others arrive
+                for first in ("run0", "run1"):
+                    _wait_started(tmp_path, first, 1, procs[first])
+            seconds = rng.uniform(3.0, 5.0) if n < 2 else rng.uniform(0.5, 2.0)
+            procs[name] = _start(tmp_path, lease_dir, name, holder, 3, seconds, GPU_TASKS_EMULATED_GPUS="2")
+            time.sleep(rng.uniform(0.0, 1.0))
+    except BaseException:
+        for proc in procs.values():
+            _stop(proc)
+        raise
+    outs = _finish(procs, tmp_path)
+    starts = {name: _starts(tmp_path, name) for name in runs}
+    spans: dict[str, list[tuple[float, float, str]]] = {"0": [], "1": []}
+    for name, out in outs.items():
+        assert sorted(r["i"] for r in out["results"]) == [0, 10, 20], (name, out["results"])
+        for r in out["results"]:
+            [device] = r["devices"]
+            spans[device].append((r["start"], r["end"], name))
+        if not runs[name]["preemptible"]:
+            assert all(len(v) == 1 for v in starts[name].values()), (name, starts[name])
+    assert sum(out["log"].count("re-queued: preempted by") for out in outs.values()) >= 1
+    for device, intervals in spans.items():
+        intervals.sort()
+        for (s1, e1, n1), (s2, _, n2) in zip(intervals, intervals[1:], strict=False):
+            assert s2 >= e1 - 1e-3, f"device {device}: {n1} ran {s1:.3f}-{e1:.3f} and {n2} from {s2:.3f}"
