@@ -462,6 +462,7 @@ class Live:
                     )
         if self.pool is not None:
             self.pool.close()
+        self.book.close()  # quota leases left (the clusters gave their devices back)
         # after the clusters: a task still running holds its slots until its worker is gone
         self.gate.close(timeout=2.0 if hurry else 10.0)
         self._crash_unfinished(running, reason)

@@ -354,6 +354,7 @@ class ProfileCluster:
         return {
             "priority": self.priority,
             "preemptible": self.profile.preemptible,
+            "quota": self.profile.quota,
             # its preempted tasks wait for devices without GPU_TASKS_LEASE_TIMEOUT
             "patient": self.preemptions > 0,
         }

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_tasks import leases, preemption
+from gpu_tasks import leases, preemption, quotas
 from gpu_tasks.devices import Device
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.settings import get_settings, resolve
@@ -54,13 +54,14 @@ class DeviceBook:
         preemption_grace: float | None = None,
         on_preempting: Any = None,
         priority_aging: float | None = None,
+        quota_lease_seconds: float | None = None,
     ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
         self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
         self.stop = stop or threading.Event()
         self.log_every = log_every
-        given = (lease_dir, lease_timeout, preemption_grace, priority_aging)
+        given = (lease_dir, lease_timeout, preemption_grace, priority_aging, quota_lease_seconds)
         settings = get_settings() if any(v is None for v in given) else None
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
         self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
@@ -70,6 +71,9 @@ class DeviceBook:
         self.held_info: dict[str, dict[str, Any]] = {}  # profile -> its priority, preemptible
         self.priority_aging = float(resolve(priority_aging, "priority_aging", settings))
         self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
+        self.quota_lease_seconds = float(resolve(quota_lease_seconds, "quota_lease_seconds", settings))
+        self.quotas: quotas.QuotaSlots | None = None
+        self.quota_leases: dict[str, Any] = {}  # address -> the quota lease its group holds
         self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
 
     def acquire(
@@ -82,6 +86,7 @@ class DeviceBook:
         at_least: int = 1,
         preemptible: bool = False,
         patient: bool = False,
+        quota: str | None = None,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
@@ -97,11 +102,16 @@ class DeviceBook:
             preemptible: ``owner``'s devices may be taken back for higher-priority waiters
                 (recorded with its leases, for every process to see).
             patient: wait without ``lease_timeout`` (re-queued preempted tasks).
+            quota: count ``owner``'s devices against this quota (:mod:`gpu_tasks.quotas`); a
+                group is taken only with room for it there, a wait for room is logged and
+                counts towards ``lease_timeout``, and a need larger than the quota fails fast.
 
         Raises:
             ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
         """
         wanted = {d.address for g in groups for d in g}
+        if quota is not None and groups and n > 0:
+            self.quota_slots().check(owner, quota, len(groups[0]) * max(1, at_least))
         me: dict[str, Any] = {
             "profile": owner,
             "priority": int(priority),
@@ -112,6 +122,7 @@ class DeviceBook:
             "preemptible": preemptible,
             "preemption_grace": self.preemption_grace,
             "aging": self.priority_aging,
+            "quota": quota,
             "local": True,
         }
         waiter: leases.Waiter | None = None
@@ -151,7 +162,7 @@ class DeviceBook:
                     )
                 if self.reclaim is not None:
                     self.reclaim(wanted, owner)
-                log.waiting(now, held_by, foreign, first)
+                log.waiting(now, held_by, foreign, first, me.pop("quota_full", None))
                 if not log.asked and preemption.due(me, self.preemption_grace):
                     log.asked = self._ask_preemptible_holders(owner, me)
                 with self.cond:
@@ -170,6 +181,7 @@ class DeviceBook:
                 if self.holders.get(address) == owner:
                     del self.holders[address]
                     leases.release(self.leases.pop(address, None), [address])
+                    self._release_quota(address)
             self.cond.notify_all()
 
     def _take_free(
@@ -205,10 +217,15 @@ class DeviceBook:
                     foreign.update(d.address for d in g if any(not w.get("local") for w in before))
                     continue
                 new = [d.address for d in g if d.address not in self.holders]
-                info = dict(leases.owner_info(owner, me["priority"]), preemptible=me["preemptible"])
+                info = dict(
+                    leases.owner_info(owner, me["priority"]), preemptible=me["preemptible"], quota=me["quota"]
+                )
                 lease = leases.take(new, info, self.lease_dir) if new else None
                 if new and lease is None:
                     foreign.update(new)
+                    continue
+                if lease is not None and me["quota"] is not None and not self._take_quota(me, new, lease):
+                    foreign.update(new)  # other flow runs use the quota's room
                     continue
                 if lease is not None:
                     for address in new:
@@ -229,6 +246,7 @@ class DeviceBook:
                 if self.holders.get(d.address) == owner:
                     del self.holders[d.address]
                     leases.release(self.leases.pop(d.address, None), [d.address])
+                    self._release_quota(d.address)
 
     def _rivals(self, owner: str) -> list[dict[str, Any]]:
         """Other profiles' waiters in this book, and the live waiters of other books (processes)."""
@@ -248,6 +266,40 @@ class DeviceBook:
         with self.cond:
             me["file"] = waiter.name
         return waiter
+
+    # ------------------------------------------------------------ quotas
+    def quota_slots(self) -> quotas.QuotaSlots:
+        """This book's quota leases (made on first use, in the flow run's context)."""
+        if self.quotas is None:
+            self.quotas = quotas.QuotaSlots(self.quota_lease_seconds, _flow_run_id())
+        return self.quotas
+
+    def _take_quota(self, me: dict[str, Any], new: list[str], lease: leases.Lease) -> bool:
+        """Room in ``me``'s quota for the devices ``new`` just leased (else the lease is given back)."""
+        try:
+            lease_id = self.quota_slots().take(me["quota"], len(new))
+        except Exception:
+            leases.release(lease, new)
+            raise
+        if lease_id is None:
+            leases.release(lease, new)
+            me["quota_full"] = me["quota"]
+            return False
+        for address in new:
+            self.quota_leases[address] = lease_id
+        return True
+
+    def _release_quota(self, address: str) -> None:
+        """Give back the quota slots of ``address``'s group once none of its devices is held
+        (under ``cond``)."""
+        lease_id = self.quota_leases.pop(address, None)
+        if lease_id is not None and lease_id not in self.quota_leases.values():
+            self.quota_slots().release(lease_id)
+
+    def close(self) -> None:
+        """Give back what outlives the holders' releases (quota leases, their renewal)."""
+        if self.quotas is not None:
+            self.quotas.close()
 
     # ------------------------------------------------------------ preemption
     def _holder_of(self) -> preemption.HolderOf:
@@ -345,6 +397,24 @@ class DeviceBook:
             )
         return "; ".join(parts)
 
+    def quota_text(self, quota: str) -> str:
+        """``2 of 2 devices in use; on this host: device 0: profile 'a' ..., pid 12`` for ``quota``."""
+        try:
+            limit = self.quota_slots().limit(quota)
+            use = f"{limit.active_slots} of {limit.limit} device(s) in use"
+        except Exception:
+            use = "use unknown"
+        here = [
+            f"device {a}: {leases.describe(info, with_id=False)}"
+            for a, info in leases.holders(self.lease_dir).items()
+            if info and info.get("quota") == quota
+        ] + [
+            f"device {a}: profile {o!r} of this flow run"
+            for a, o in self.holders.items()
+            if a in self.quota_leases
+        ]
+        return use + ("; held on this host by " + "; ".join(here) if here else "; none of it on this host")
+
     def holders_text(self, addresses: list[str]) -> str:
         """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
         foreign = leases.holders(self.lease_dir, [a for a in addresses if a not in self.holders])
@@ -367,6 +437,14 @@ class DeviceBook:
         )
 
 
+def _flow_run_id() -> Any:
+    """The id of the flow run of the current Prefect context, if any."""
+    from prefect.context import FlowRunContext
+
+    ctx = FlowRunContext.get()
+    return ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
+
+
 class _WaitLog:
     """What a waiting ``acquire`` says, at most once per ``log_every`` seconds for each kind of wait."""
 
@@ -375,8 +453,16 @@ class _WaitLog:
         self.last_wait: float | None = None
         self.last_yield: float | None = None
         self.asked = False  # said (once a wait) that preemptible holders give devices back
+        self.last_quota: float | None = None
 
-    def waiting(self, now: float, held_by: set[str], foreign: set[str], first: list[dict[str, Any]]) -> None:
+    def waiting(
+        self,
+        now: float,
+        held_by: set[str],
+        foreign: set[str],
+        first: list[dict[str, Any]],
+        quota: str | None = None,
+    ) -> None:
         every = self.book.log_every
         if first and (self.last_yield is None or now - self.last_yield >= every):
             self.last_yield = now
@@ -386,6 +472,18 @@ class _WaitLog:
                 self.priority,
                 self.book.waiters_text(first),
             )
+        if quota is not None and (self.last_quota is None or now - self.last_quota >= every):
+            self.last_quota = now
+            logger.info(
+                "profile %r: waiting for room in quota %r (%s); giving up after %gs "
+                "(GPU_TASKS_LEASE_TIMEOUT)",
+                self.owner,
+                quota,
+                self.book.quota_text(quota),
+                self.book.lease_timeout,
+            )
+        if quota is not None:
+            foreign = set()  # free devices: the quota is what stands in the way (said above)
         if self.last_wait is not None and now - self.last_wait < every:
             return
         self.last_wait = now

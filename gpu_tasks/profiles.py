@@ -26,6 +26,13 @@ DEFAULT_PROFILE = "cpu"  # untagged tasks run here; added as a plain CPU profile
 MAX_SHARE = 64
 # \Z, not $: "$" also matches before a trailing newline, which let "gpu\n" through.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
+
+
+def is_valid_name(name: str) -> bool:
+    """Whether ``name`` may name a profile or a quota: letters, digits, '_', '.', '-', at most 63."""
+    return bool(_NAME_RE.match(name))
+
+
 # a Dask scheduler address: [tcp|tls|ucx|ucxx|ws|wss://]host:port (host may be [IPv6])
 _ADDRESS_RE = re.compile(
     r"^(?:(tcp|tls|ucx|ucxx|ws|wss)://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})\Z"
@@ -113,6 +120,9 @@ class ResourceProfile(BaseModel):
         preemptible: Its workers may be stopped, and its running tasks re-queued, when a
             waiter of higher priority has waited ``GPU_TASKS_PREEMPTION_GRACE`` seconds for
             the devices it holds (docs/leases.md, Preemption). Local GPU profiles only.
+        quota: Count the devices its workers hold against this quota: at most N devices at
+            once across all flow runs, N being the Prefect global concurrency limit
+            ``gpu-quota:<quota>`` (docs/leases.md, Quotas). Local GPU profiles only.
         on_oom: Name of a (larger) profile to re-run a task on, once, when it runs out of
             memory here: its worker is killed for exceeding ``memory``, or the task raises
             an out-of-memory error (CUDA, RMM, cuDF, ``MemoryError``). Logged and sent as a
@@ -145,6 +155,7 @@ class ResourceProfile(BaseModel):
     gang: bool = False
     priority: int = 0
     preemptible: bool = False
+    quota: str | None = None
     on_oom: str | None = None
     cuda: CudaOptions = Field(default_factory=CudaOptions)
     address: str | None = None
@@ -258,6 +269,16 @@ class ResourceProfile(BaseModel):
             raise ValueError(
                 "on_oom must name another profile (a larger one to re-run out-of-memory tasks on); got "
                 f"{self.on_oom!r}"
+            )
+        if self.quota is not None and (self.gpus == 0 or not self.is_local):
+            raise ValueError(
+                "quota applies to profiles holding this host's GPUs (gpus > 0, no address or "
+                "cluster_class); remove quota"
+            )
+        if self.quota is not None and not _NAME_RE.match(self.quota):
+            raise ValueError(
+                "quota must be a name of letters, digits, '_', '.', '-' (at most 63 characters); got "
+                f"{self.quota!r}"
             )
         if self.preemptible and (self.gpus == 0 or not self.is_local):
             raise ValueError(

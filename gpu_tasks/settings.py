@@ -93,6 +93,13 @@ class GpuTasksSettings(BaseSettings):
         description="Seconds of waiting for devices per +1 of a waiter's effective priority, so a "
         "low-priority waiter is not starved by a stream of higher-priority ones. 0: no aging.",
     )
+    quota_lease_seconds: float = Field(
+        default=60.0,
+        ge=60,
+        description="Lease of the Prefect global-concurrency slots a profile with a quota holds (renewed "
+        "every third of it while held): a flow run killed without giving them back frees them this long "
+        "after. At least 60 (Prefect's minimum).",
+    )
     dask_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         default="WARNING",
         description="Level of Dask's distributed loggers in the flow process while a runner is entered and "

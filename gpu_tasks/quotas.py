@@ -1,0 +1,209 @@
+"""Team quotas: at most N devices held at once, across flow runs, per quota name.
+
+A profile with ``quota="team-a"`` counts the devices its workers hold against the
+Prefect global concurrency limit ``gpu-quota:team-a`` (one slot per device), so the
+limit is seen and changed in the Prefect UI (Concurrency) or with ``gpu-tasks quotas``.
+Slots are taken with a Prefect lease when a worker group's devices are taken
+(:class:`gpu_tasks.device_book.DeviceBook`), renewed while held, and given back with
+the devices; a flow run that dies without giving them back loses them when its lease
+expires (``GPU_TASKS_QUOTA_LEASE_SECONDS``, at least 60 s: Prefect's minimum).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import threading
+import uuid
+from typing import Any
+
+from gpu_tasks.errors import ClusterError
+
+logger = logging.getLogger(__name__)
+
+PREFIX = "gpu-quota:"
+
+
+def limit_name(quota: str) -> str:
+    """The Prefect global concurrency limit that keeps ``quota``: ``gpu-quota:<quota>``."""
+    return f"{PREFIX}{quota}"
+
+
+def how_to_set(quota: str, n: int | str = "N") -> str:
+    """How to create or change ``quota``'s limit, for error messages."""
+    return (
+        f"`gpu-tasks quotas set {quota} {n}` (or a global concurrency limit {limit_name(quota)!r} "
+        "in the Prefect UI)"
+    )
+
+
+class QuotaSlots:
+    """The quota slots one device book (one flow run) holds, by Prefect lease.
+
+    ``take`` never waits: it returns ``None`` when the quota has no room now.
+    Leases are renewed on a thread of its own, in the context the first slots
+    were taken in (the flow run's Prefect API).
+    """
+
+    def __init__(self, lease_seconds: float, flow_run_id: uuid.UUID | None = None) -> None:
+        self.lease_seconds = max(60.0, float(lease_seconds))
+        self.flow_run_id = flow_run_id
+        self.leases: dict[uuid.UUID, str] = {}  # lease id -> quota
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.renewer: threading.Thread | None = None
+
+    # ------------------------------------------------------------ limits
+    def limit(self, quota: str) -> Any:
+        """The quota's global concurrency limit; ``ClusterError`` when it does not exist."""
+        from prefect.client.orchestration import get_client
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            with get_client(sync_client=True) as client:
+                return client.read_global_concurrency_limit_by_name(limit_name(quota))
+        except ObjectNotFound:
+            raise ClusterError(f"quota {quota!r} has no limit: create it with {how_to_set(quota)}") from None
+
+    def check(self, owner: str, quota: str, need: int) -> int:
+        """Fail fast when ``owner`` needs more devices at once than ``quota`` allows; its limit."""
+        limit = self.limit(quota)
+        if need > int(limit.limit):
+            raise ClusterError(
+                f"profile {owner!r} needs {need} device(s) at once but quota {quota!r} allows "
+                f"{limit.limit}: it can never start. Raise the quota with {how_to_set(quota, need)}, "
+                "or ask for fewer devices"
+            )
+        return int(limit.limit)
+
+    # ------------------------------------------------------------ slots
+    def take(self, quota: str, slots: int) -> uuid.UUID | None:
+        """Hold ``slots`` of ``quota`` now (a lease id), or ``None`` when it has no room."""
+        from prefect.client.orchestration import get_client
+        from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+        from prefect.exceptions import PrefectHTTPStatusError
+
+        holder = ConcurrencyLeaseHolder(type="flow_run", id=self.flow_run_id) if self.flow_run_id else None
+        try:
+            with get_client(sync_client=True) as client:
+                response = client.increment_concurrency_slots_with_lease(
+                    names=[limit_name(quota)],
+                    slots=slots,
+                    mode="concurrency",
+                    lease_duration=self.lease_seconds,
+                    holder=holder,
+                )
+        except PrefectHTTPStatusError as exc:
+            if exc.response.status_code == 423:  # Locked: no room now
+                return None
+            raise
+        lease_id = uuid.UUID(str(response.json()["lease_id"]))
+        with self.lock:
+            self.leases[lease_id] = quota
+            if self.renewer is None:
+                self.renewer = threading.Thread(
+                    target=contextvars.copy_context().run,
+                    args=(self._renew,),
+                    name="gpu-tasks-quota-leases",
+                    daemon=True,
+                )
+                self.renewer.start()
+        return lease_id
+
+    def release(self, lease_id: uuid.UUID | None) -> None:
+        """Give the slots of ``lease_id`` back (best effort: an unreachable server lets it expire)."""
+        if lease_id is None:
+            return
+        with self.lock:
+            quota = self.leases.pop(lease_id, None)
+        if quota is None:
+            return
+        try:
+            from prefect.client.orchestration import get_client
+
+            with get_client(sync_client=True) as client:
+                client.release_concurrency_slots_with_lease(lease_id)
+        except Exception:
+            logger.warning(
+                "quota %r: could not give back lease %s; its slots come back when it expires (%gs)",
+                quota,
+                lease_id,
+                self.lease_seconds,
+                exc_info=True,
+            )
+
+    def close(self) -> None:
+        """Give every slot back and stop renewing."""
+        self.stop.set()
+        for lease_id in list(self.leases):
+            self.release(lease_id)
+
+    def _renew(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        while not self.stop.wait(self.lease_seconds / 3):
+            with self.lock:
+                held = list(self.leases)
+            if not held:
+                continue
+            try:
+                with get_client(sync_client=True) as client:
+                    for lease_id in held:
+                        client.renew_concurrency_lease(lease_id, self.lease_seconds)
+            except Exception:
+                logger.warning("could not renew quota leases %s", held, exc_info=True)
+
+
+def usage(lease_dir: Any = None) -> list[dict[str, Any]]:
+    """Every ``gpu-quota:*`` limit: quota, limit, devices in use, and this host's holders."""
+    from prefect.client.orchestration import get_client
+
+    from gpu_tasks import leases
+
+    limits = []
+    offset = 0
+    with get_client(sync_client=True) as client:
+        while True:
+            page = client.read_global_concurrency_limits(limit=200, offset=offset)
+            limits.extend(page)
+            if len(page) < 200:
+                break
+            offset += 200
+    holders = leases.holders(lease_dir)
+    out = []
+    for limit in sorted(limits, key=lambda x: x.name):
+        if not limit.name.startswith(PREFIX):
+            continue
+        quota = limit.name[len(PREFIX) :]
+        here = [dict(info, address=a) for a, info in holders.items() if info and info.get("quota") == quota]
+        out.append(
+            {
+                "quota": quota,
+                "limit": int(limit.limit),
+                "in_use": int(limit.active_slots),
+                "active": bool(limit.active),
+                "holders_here": here,
+            }
+        )
+    return out
+
+
+def set_limit(quota: str, n: int) -> None:
+    """Create ``quota``'s limit with ``n`` devices, or change it."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(limit_name(quota), n)
+
+
+def delete_limit(quota: str) -> bool:
+    """Delete ``quota``'s limit; whether it existed."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        with get_client(sync_client=True) as client:
+            client.delete_global_concurrency_limit_by_name(limit_name(quota))
+        return True
+    except ObjectNotFound:
+        return False

@@ -1,0 +1,156 @@
+"""Team quotas kept in Prefect global concurrency limits: validation, the CLI, fail-fast, and
+four flow-run processes that never hold more of a quota's devices than its limit.
+
+Every test runs against the session's real Prefect server; subprocess flow runs use the
+script of tests/test_preemption.py.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import pytest
+from prefect import flow, task
+from test_preemption import _finish, _start
+from typer.testing import CliRunner
+
+from gpu_tasks import ClusterError, ProfileError, ProfileTaskRunner, ResourceProfile, profile, quotas
+from gpu_tasks.cli import app
+
+CPU = ResourceProfile(name="cpu", cpus=0.5)
+
+
+def _cli(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(app, list(args))
+    return result.exit_code, result.output
+
+
+@pytest.fixture
+def quota(prefect_server, request):
+    """A fresh quota name for the test; deleted afterwards."""
+    name = f"q-{request.node.name[:20].replace('_', '-')}-{random.randrange(10**6)}"
+    yield name
+    quotas.delete_limit(name)
+
+
+def test_quota_needs_a_local_gpu_profile_and_a_plain_name():
+    with pytest.raises(ProfileError, match="quota applies to profiles holding this host's GPUs"):
+        ResourceProfile(name="cpu", cpus=1, quota="team-a")
+    with pytest.raises(ProfileError, match="quota applies"):
+        ResourceProfile(name="far", gpus=1, quota="team-a", address="tcp://10.0.0.5:8786")
+    with pytest.raises(ProfileError, match="quota must be a name"):
+        ResourceProfile(name="gpu", gpus=1, quota="team a/b")
+    assert ResourceProfile(name="gpu", gpus=1, quota="team-a").quota == "team-a"
+
+
+def test_cli_sets_lists_and_deletes_a_quota(quota):
+    code, out = _cli("quotas", "set", quota, "3")
+    assert code == 0 and f"quota {quota!r}: at most 3 device(s)" in out, out
+    code, out = _cli("quotas", "--json")
+    assert code == 0, out
+    import json
+
+    [row] = [q for q in json.loads(out)["quotas"] if q["quota"] == quota]
+    assert (row["limit"], row["in_use"], row["holders_here"]) == (3, 0, [])
+    code, out = _cli("quotas", "set", quota, "2")  # changed, not duplicated
+    assert code == 0 and [q["limit"] for q in quotas.usage() if q["quota"] == quota] == [2]
+    code, out = _cli("quotas", "set", quota, "0")
+    assert code == 2 and "at least 1" in out
+    code, out = _cli("quotas", "delete", quota)
+    assert code == 0 and quota not in [q["quota"] for q in quotas.usage()]
+    code, out = _cli("quotas", "delete", quota)
+    assert code == 1 and "no quota" in out
+
+
+@task
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@pytest.mark.usefixtures("no_leaked_processes", "emulated")
+def test_a_request_larger_than_its_quota_fails_fast_naming_the_fix(quota):
+    quotas.set_limit(quota, 1)
+    gang = ResourceProfile(name="gang", gpus=1, max_workers=2, gang=True, quota=quota)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU, gang], default="cpu"))
+    def too_big():
+        return nap.with_options(tags=[profile("gang")]).submit(0.1).result()
+
+    started = time.monotonic()
+    with pytest.raises(ClusterError) as err:
+        too_big()
+    assert time.monotonic() - started < 60  # no waiting for room that can never come
+    assert f"needs 2 device(s) at once but quota {quota!r} allows 1" in str(err.value)
+    assert f"gpu-tasks quotas set {quota} 2" in str(err.value)
+
+
+@pytest.mark.usefixtures("no_leaked_processes", "emulated")
+def test_a_quota_without_a_limit_says_how_to_create_it(quota):
+    gpu = ResourceProfile(name="gpu", gpus=1, quota=quota)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU, gpu], default="cpu"))
+    def no_limit():
+        return nap.with_options(tags=[profile("gpu")]).submit(0.1).result()
+
+    with pytest.raises(
+        ClusterError, match=rf"quota {quota!r} has no limit: create it with `gpu-tasks quotas set"
+    ):
+        no_limit()
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_dir):
+    """Four flow runs of one quota (limit 2) on four emulated devices, with random sizes, task
+    lengths and start times: never more than 2 of the quota's devices in use (task bodies
+    and the limit's own count, sampled), no deadlock, every result back, nothing left held."""
+    quotas.set_limit(quota, 2)
+    rng = random.Random(7)
+    samples: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.1):
+            rows = [q for q in quotas.usage(lease_dir) if q["quota"] == quota]
+            if rows:
+                samples.append(rows[0]["in_use"])
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    procs = {}
+    try:
+        for n in range(4):
+            holder = {
+                "name": f"t{n}",
+                "gpus": 1,
+                "max_workers": rng.choice([1, 2]),
+                "quota": quota,
+                "idle_timeout": 0.3,
+            }
+            procs[f"run{n}"] = _start(
+                tmp_path, lease_dir, f"run{n}", holder, 3, rng.uniform(0.3, 1.2), GPU_TASKS_EMULATED_GPUS="4"
+            )
+            time.sleep(rng.uniform(0.0, 0.8))
+        outs = _finish(procs, tmp_path)
+    finally:
+        stop.set()
+        sampler.join(timeout=10)
+    spans = []
+    for name, out in outs.items():
+        assert sorted(r["i"] for r in out["results"]) == [0, 10, 20], (name, out["results"])
+        spans += [(r["start"], r["end"]) for r in out["results"]]
+    points = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans])
+    running = most = 0
+    for _, step in points:
+        running += step
+        most = max(most, running)
+    assert most <= 2, f"{most} tasks of quota {quota!r} ran at once"
+    assert samples and max(samples) <= 2, samples
+    assert max(samples) == 2  # the quota was used up at times: the runs had to share it
+    waited = [out["log"] for out in outs.values() if f"waiting for room in quota {quota!r}" in out["log"]]
+    assert waited, "no flow run waited for the quota"
+    assert "held on this host by device" in waited[0]
+    [row] = [q for q in quotas.usage(lease_dir) if q["quota"] == quota]
+    assert row["in_use"] == 0 and row["holders_here"] == []
