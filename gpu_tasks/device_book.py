@@ -237,6 +237,9 @@ class DeviceBook:
         except OSError as exc:
             self._give_back(owner, [groups[i] for i in free])
             raise self._lease_error(owner, exc) from exc
+        except BaseException:  # a quota the API could not answer for, an interrupt: nothing kept
+            self._give_back(owner, [groups[i] for i in free])
+            raise
         return free, foreign, sorted(first.values(), key=lambda w: leases.rank(w, now))
 
     def _give_back(self, owner: str, groups: list[tuple[Device, ...]]) -> None:
@@ -278,9 +281,12 @@ class DeviceBook:
         """Room in ``me``'s quota for the devices ``new`` just leased (else the lease is given back)."""
         try:
             lease_id = self.quota_slots().take(me["quota"], len(new))
-        except Exception:
+        except Exception as exc:
             leases.release(lease, new)
-            raise
+            raise ClusterError(
+                f"profile {me['profile']!r}: could not take room in quota {me['quota']!r} "
+                f"({quotas.limit_name(me['quota'])}) from the Prefect API: {type(exc).__name__}: {exc}"
+            ) from exc
         if lease_id is None:
             leases.release(lease, new)
             me["quota_full"] = me["quota"]
