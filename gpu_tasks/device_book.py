@@ -411,9 +411,8 @@ class DeviceBook:
         except Exception:
             use = "use unknown"
         here = [
-            f"device {a}: {leases.describe(info, with_id=False)}"
-            for a, info in leases.holders(self.lease_dir).items()
-            if info and info.get("quota") == quota
+            f"device {h['address']}: {leases.describe(h, with_id=False)}"
+            for h in quotas.holders_here(quota, leases.holders(self.lease_dir))
         ] + [
             f"device {a}: profile {o!r} of this flow run"
             for a, o in self.holders.items()

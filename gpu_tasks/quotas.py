@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -22,11 +23,17 @@ from gpu_tasks.errors import ClusterError
 logger = logging.getLogger(__name__)
 
 PREFIX = "gpu-quota:"
+CHECK_AGAIN_S = 5.0  # how long a need that fitted its quota is not read from the API again
 
 
 def limit_name(quota: str) -> str:
     """The Prefect global concurrency limit that keeps ``quota``: ``gpu-quota:<quota>``."""
     return f"{PREFIX}{quota}"
+
+
+def holders_here(quota: str, holders: dict[str, Any]) -> list[dict[str, Any]]:
+    """The lease infos of :func:`gpu_tasks.leases.holders` that count against ``quota``, with addresses."""
+    return [dict(info, address=a) for a, info in holders.items() if info and info.get("quota") == quota]
 
 
 def how_to_set(quota: str, n: int | str = "N") -> str:
@@ -52,6 +59,7 @@ class QuotaSlots:
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.renewer: threading.Thread | None = None
+        self.checked: dict[tuple[str, int], float] = {}  # (quota, need) -> when it last fitted
 
     # ------------------------------------------------------------ limits
     def limit(self, quota: str) -> Any:
@@ -65,8 +73,13 @@ class QuotaSlots:
         except ObjectNotFound:
             raise ClusterError(f"quota {quota!r} has no limit: create it with {how_to_set(quota)}") from None
 
-    def check(self, owner: str, quota: str, need: int) -> int:
-        """Fail fast when ``owner`` needs more devices at once than ``quota`` allows; its limit."""
+    def check(self, owner: str, quota: str, need: int) -> None:
+        """Fail fast when ``owner`` needs more devices at once than ``quota`` allows.
+
+        A need that fitted is not read again for ``CHECK_AGAIN_S`` (a growing profile asks often).
+        """
+        if time.monotonic() - self.checked.get((quota, need), -CHECK_AGAIN_S) < CHECK_AGAIN_S:
+            return
         limit = self.limit(quota)
         if need > int(limit.limit):
             raise ClusterError(
@@ -74,7 +87,7 @@ class QuotaSlots:
                 f"{limit.limit}: it can never start. Raise the quota with {how_to_set(quota, need)}, "
                 "or ask for fewer devices"
             )
-        return int(limit.limit)
+        self.checked[(quota, need)] = time.monotonic()
 
     # ------------------------------------------------------------ slots
     def take(self, quota: str, slots: int) -> uuid.UUID | None:
@@ -175,7 +188,7 @@ def usage(lease_dir: Any = None) -> list[dict[str, Any]]:
         if not limit.name.startswith(PREFIX):
             continue
         quota = limit.name[len(PREFIX) :]
-        here = [dict(info, address=a) for a, info in holders.items() if info and info.get("quota") == quota]
+        here = holders_here(quota, holders)
         out.append(
             {
                 "quota": quota,
