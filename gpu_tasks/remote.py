@@ -130,6 +130,16 @@ class RemoteWorker:
         return None
 
 
+def is_leaving(answer: object) -> bool:
+    """Whether a worker's answer to ``Client.run`` says it is closing or gone, not that it lacks gpu-tasks.
+
+    A worker being scaled down stays in the scheduler's list for a moment; asking it fails with a
+    comm error (``CommClosedError`` and timeouts are ``OSError``), while a worker without gpu-tasks
+    answers with its ``ImportError``.
+    """
+    return isinstance(answer, OSError)
+
+
 def read_workers(client: Any) -> dict[str, RemoteWorker]:
     """The scheduler's workers: their ``GPU`` resources and, where they can tell, their devices."""
     info = client.scheduler_info(n_workers=-1)["workers"]
@@ -140,6 +150,8 @@ def read_workers(client: Any) -> dict[str, RemoteWorker]:
     out = {}
     for address, w in info.items():
         f = facts.get(address)
+        if is_leaving(f):
+            continue  # closing or gone (a scale-down the scheduler has not finished): not a worker to use
         # a worker that cannot import gpu-tasks answers with the exception: a task would break it
         error = f"{type(f).__name__}: {f}" if isinstance(f, BaseException) else ""
         f = f if isinstance(f, dict) else {}

@@ -11,7 +11,7 @@ from gpu_tasks import ProfileTaskRunner, ResourceProfile, TlsOptions
 from gpu_tasks._api import loopback_api_error
 from gpu_tasks.errors import ClusterError, ProfileError
 from gpu_tasks.profiles import load_profiles_file
-from gpu_tasks.remote import RemoteWorker, load_cluster_class
+from gpu_tasks.remote import RemoteWorker, is_leaving, load_cluster_class
 
 
 def test_kinds_and_what_they_imply():
@@ -155,6 +155,16 @@ def test_which_remote_workers_fit_a_profile():
     assert "publishes no device names" in silent.why_not(ResourceProfile(name="p", gpus=1, gpu_model="H100"))
     assert _worker(gpus=0).why_not(ResourceProfile(name="p", gpus=0.5)) == "GPU=0 < 0.5"
     assert h100.device_keys == ("h:0",)
+
+
+def test_a_worker_that_is_closing_is_not_mistaken_for_one_without_gpu_tasks():
+    # what Client.run(on_error="return") gives for a worker being scaled down, and for one without gpu-tasks
+    from distributed.comm.core import CommClosedError
+
+    assert is_leaving(CommClosedError("in <TCP (closed) Scheduler Broadcast>: ConnectionResetError"))
+    assert is_leaving(TimeoutError("timed out")) and is_leaving(ConnectionResetError(104, "reset"))
+    assert not is_leaving(ModuleNotFoundError("No module named 'gpu_tasks'"))
+    assert not is_leaving({"host": "h", "devices": ["0"]})
 
 
 @pytest.mark.parametrize(
