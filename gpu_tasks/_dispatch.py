@@ -18,6 +18,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from gpu_tasks import quotas
 from gpu_tasks._cache import CacheOnly, cached_key, may_be_cached
 from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, preempt_task_run, read_task_run
 from gpu_tasks._futures import futures_to_states
@@ -177,6 +178,41 @@ class Dispatcher:
         state = job.ctx.run(fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, error, job.tags)
         self.finish(job, result=state)
 
+    # ------------------------------------------------------------ quotas of shared schedulers
+    def _take_task_quota(self, job: Job) -> None:
+        """Hold room in an ``address`` profile's quota for ``job``'s task before it is handed off.
+
+        Its task holds its devices while it runs on the shared cluster: it takes
+        :func:`gpu_tasks.quotas.task_need` slots, waiting (logged, holding nothing) while the
+        quota is full; a re-queued preempted task waits without ``GPU_TASKS_LEASE_TIMEOUT``.
+        """
+        live, prof = self.live, job.profile
+        assert prof.quota is not None
+        said: list[str] = []
+
+        def say(line: str) -> None:
+            said.append(line)
+            _say(job, logging.INFO, "%s", line)
+
+        lease, waited = quotas.wait_for_room(
+            live.book.quota_slots(),
+            prof.name,
+            prof.quota,
+            quotas.task_need(prof.gpus),
+            live.stop,
+            None if job.preemptions else live.settings.lease_timeout,
+            say,
+        )
+        job.quota_lease = lease
+        if said:
+            live.emit_task("quota-waited", job, {"quota": prof.quota, "seconds": round(waited, 3)})
+
+    def _release_task_quota(self, job: Job) -> None:
+        """Give back ``job``'s quota slots (off the caller's thread: it is an API call)."""
+        lease, job.quota_lease = job.quota_lease, None
+        if lease is not None:
+            _off_thread(job, self.live.book.quota_slots().release, lease, name="gpu-tasks-quota-release")
+
     # ------------------------------------------------------------ cached results
     def _run_cached(self, job: Job, key: str, then: Callable[[], Any]) -> None:
         """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device).
@@ -278,6 +314,8 @@ class Dispatcher:
         live, st, prof = self.live, job.st, job.profile
         parameters = futures_to_states(job.parameters)
         wait_for = futures_to_states(list(job.wait_for)) if job.wait_for else None
+        if prof.quota is not None and not prof.is_local and job.quota_lease is None:
+            self._take_task_quota(job)
         with st.lock:
             if live.stop.is_set():
                 raise RuntimeError("the task runner is shutting down")
@@ -332,6 +370,7 @@ class Dispatcher:
         live = self.live
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
+        self._release_task_quota(job)
         try:
             state, start, end, wkey = dfut.result()
         except BaseException as exc:
@@ -370,6 +409,7 @@ class Dispatcher:
         st, cf = job.st, job.cf
         if job.hold is not None:
             self.live.gate.release(job.hold)
+        self._release_task_quota(job)
         with st.lock:
             if dispatched:
                 self.live.landed(job)

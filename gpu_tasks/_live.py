@@ -135,6 +135,7 @@ class Job:
     attempt: int = 0  # its hand-offs to a cluster; a preempted one's late outcome is ignored
     key: str = ""  # the Dask key of its current hand-off
     preemptions: int = 0  # times it was stopped for a higher-priority waiter (no retry used)
+    quota_lease: Any = None  # an address profile's quota slots while its task is handed off
 
     @property
     def profile(self) -> ResourceProfile:

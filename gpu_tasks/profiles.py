@@ -270,10 +270,10 @@ class ResourceProfile(BaseModel):
                 "on_oom must name another profile (a larger one to re-run out-of-memory tasks on); got "
                 f"{self.on_oom!r}"
             )
-        if self.quota is not None and (self.gpus == 0 or not self.is_local):
+        if self.quota is not None and (self.gpus == 0 or self.cluster_class is not None):
             raise ValueError(
-                "quota applies to profiles holding this host's GPUs (gpus > 0, no address or "
-                "cluster_class); remove quota"
+                "quota applies to GPU profiles (gpus > 0) on this host's devices or on a shared scheduler "
+                "(address), not to cluster_class profiles, whose cluster manager grants devices; remove quota"
             )
         if self.quota is not None and not _NAME_RE.match(self.quota):
             raise ValueError(

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import contextvars
 import logging
+import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from gpu_tasks.errors import ClusterError
@@ -24,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 PREFIX = "gpu-quota:"
 CHECK_AGAIN_S = 5.0  # how long a need that fitted its quota is not read from the API again
+WAIT_LOG_EVERY = 30.0  # seconds between the lines that say a task still waits for its quota
 
 
 def limit_name(quota: str) -> str:
@@ -220,3 +223,63 @@ def delete_limit(quota: str) -> bool:
         return True
     except ObjectNotFound:
         return False
+
+
+def task_need(gpus: float) -> int:
+    """The devices one task of a shared-scheduler profile counts against its quota: ``gpus``
+    rounded up (a fractional task counts one whole device: which share of it others use is not
+    known here)."""
+    return max(1, math.ceil(float(gpus) - 1e-9))
+
+
+def wait_for_room(
+    slots: QuotaSlots,
+    owner: str,
+    quota: str,
+    need: int,
+    stop: threading.Event,
+    timeout: float | None,
+    say: Callable[[str], None],
+) -> tuple[uuid.UUID, float]:
+    """Take ``need`` slots of ``quota`` for one task of profile ``owner``, waiting for room.
+
+    Used by ``address`` profiles, whose tasks hold their devices while they run: the slots
+    are taken before the task is handed to the shared scheduler and given back when it
+    ends. A wait is told through ``say`` when it begins and every ``WAIT_LOG_EVERY`` s, with
+    the quota's use. Returns ``(lease id, seconds waited)``.
+
+    Raises:
+        ClusterError: the need can never fit the quota, or it waited ``timeout`` seconds.
+        RuntimeError: ``stop`` was set (the runner is stopping).
+    """
+    slots.check(owner, quota, need)
+    t0 = time.monotonic()
+    next_log = t0
+    delay = 0.1
+    while True:
+        lease = slots.take(quota, need)
+        if lease is not None:
+            return lease, time.monotonic() - t0
+        now = time.monotonic()
+        limit = slots.limit(quota)
+        use = f"{int(limit.active_slots)} of {int(limit.limit)} device(s) in use"
+        if timeout is not None and now - t0 >= timeout:
+            raise ClusterError(
+                f"profile {owner!r} waited {now - t0:.0f}s for room for {need} device(s) in quota {quota!r} "
+                f"({use}): GPU_TASKS_LEASE_TIMEOUT (now {timeout:g}s). Raise it, or the quota with "
+                f"{how_to_set(quota)}"
+            )
+        if now >= next_log:
+            say(
+                f"profile {owner!r}: a task waits for room for {need} device(s) in quota {quota!r} "
+                f"({limits_text(limit)}: {use}), holding no device"
+            )
+            next_log = now + WAIT_LOG_EVERY
+        if stop.wait(delay):
+            raise RuntimeError("the task runner is shutting down")
+        delay = min(1.0, delay * 1.5)
+
+
+def limits_text(limit: Any) -> str:
+    """``gpu-quota:team-a`` (and ``inactive`` when the limit is switched off)."""
+    return str(limit.name) + ("" if getattr(limit, "active", True) else ", inactive")

@@ -362,3 +362,44 @@ def kill_when_written(marker: Path, timeout: float = 60.0) -> threading.Thread:
     thread = threading.Thread(target=kill, daemon=True)
     thread.start()
     return thread
+
+
+PRIORITY_SCRIPT = Path(__file__).with_name("priority_script.py")
+
+
+def prioritized_run(
+    hosts: Hosts,
+    name: str,
+    n: int,
+    seconds: float,
+    tmp_path: Path,
+    priority: int,
+    env_extra: dict[str, str] | None = None,
+    **profile: object,
+) -> subprocess.Popen:
+    """A flow-run process of ``n`` tasks of ``seconds`` on ``hosts`` (priority_script.py); its
+    results land in ``tmp_path/<name>.json`` and each task start in ``tmp_path/starts``."""
+    from prefect.settings import get_current_settings
+
+    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url)}
+    env.pop("GPU_TASKS_EMULATED_GPUS", None)  # the flow's host has no devices: the workers do
+    env["GPU_TASKS_PRIORITY"] = str(priority)
+    env.update(env_extra or {})
+    (tmp_path / "starts").mkdir(exist_ok=True)
+    args = [hosts.address, str(n), str(seconds), str(tmp_path / f"{name}.json"), str(tmp_path / "starts")]
+    return subprocess.Popen(
+        [sys.executable, str(PRIORITY_SCRIPT), *args, json.dumps(profile)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def overlaps(intervals: list[tuple[float, float]]) -> int:
+    """The most intervals that overlap at one instant."""
+    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
+    most = now = 0
+    for _, step in points:
+        now += step
+        most = max(most, now)
+    return most

@@ -1,7 +1,11 @@
-"""A flow run of N tasks on an address profile: ``python priority_script.py ADDRESS N SECONDS OUT STARTS``.
+"""A flow run of N tasks on an address profile (priority, quota and preemption tests).
+
+``python priority_script.py ADDRESS N SECONDS OUT STARTS [OPTIONS]``.
 
 Each task leaves a file in ``STARTS`` when its body starts; the run's priority is
-``GPU_TASKS_PRIORITY`` from the environment.
+``GPU_TASKS_PRIORITY`` from the environment. ``OPTIONS`` is JSON of more profile fields
+(``quota``, ``preemptible``). A task sleeps in short steps, so a preemption interrupts it
+within one.
 """
 
 from __future__ import annotations
@@ -12,19 +16,20 @@ import time
 from pathlib import Path
 
 
-def main(address: str, n: int, seconds: float, out: str, starts: str) -> None:
+def main(address: str, n: int, seconds: float, out: str, starts: str, options: str = "{}") -> None:
     from prefect import flow, task
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile
 
-    shared = ResourceProfile(name="shared", gpus=1, address=address, idle_timeout=5)
+    shared = ResourceProfile(name="shared", gpus=1, address=address, idle_timeout=5, **json.loads(options))
     name = Path(out).stem
 
     @task(tags=["profile:shared"])
     def hold(i: int) -> dict:
         start = time.time()
-        (Path(starts) / f"{name}-{i}").write_text(str(start))
-        time.sleep(seconds)
+        (Path(starts) / f"{name}-{i}-{start}").write_text(str(start))
+        while time.time() - start < seconds:
+            time.sleep(0.05)
         return {"i": i, "start": start, "end": time.time()}
 
     @flow(task_runner=ProfileTaskRunner(profiles=[shared]))
@@ -35,4 +40,4 @@ def main(address: str, n: int, seconds: float, out: str, starts: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5])
+    main(*sys.argv[1:2], int(sys.argv[2]), float(sys.argv[3]), *sys.argv[4:])

@@ -18,7 +18,7 @@ from prefect_api import api
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
-from remote_clusters.hosts import Hosts, kill_when_written
+from remote_clusters.hosts import Hosts, kill_when_written, overlaps, prioritized_run
 
 pytestmark = pytest.mark.slow
 # the workers cannot import this test module: its flows and tasks travel by value
@@ -41,16 +41,6 @@ def _settled_task_runs(flow_run_id: str, n: int, timeout: float = 20.0) -> list[
             return runs
         time.sleep(0.25)
     return runs
-
-
-def _overlaps(intervals: list[tuple[float, float]]) -> int:
-    """The most intervals that overlap at one instant."""
-    points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])
-    most = now = 0
-    for _, step in points:
-        now += step
-        most = max(most, now)
-    return most
 
 
 def _two_flow_runs(hosts: Hosts, gpus: float, n: int, seconds: float, tmp_path: Path) -> list[dict]:
@@ -86,7 +76,7 @@ def test_two_flow_runs_share_two_hosts_one_task_per_device(gpu_hosts: Hosts, pre
     assert len(by_device) == 2  # both hosts were used
     for device, intervals in by_device.items():
         # exclusivity across the two flow runs: never two whole-GPU tasks on one device at once
-        assert _overlaps(intervals) == 1, (device, sorted(intervals))
+        assert overlaps(intervals) == 1, (device, sorted(intervals))
     for r in runs:
         records = _settled_task_runs(r["flow_run_id"], 4)
         assert [x["state_type"] for x in records] == ["COMPLETED"] * 4
@@ -102,7 +92,7 @@ def test_fractional_tasks_pack_two_per_device(gpu_hosts: Hosts, prefect_server, 
     for t in (t for r in runs for t in r["tasks"]):
         assert t["fraction"] == 0.5 and len(t["devices"]) == 1
         by_device.setdefault(t["devices"][0], []).append((t["start"], t["end"]))
-    most = {d: _overlaps(iv) for d, iv in by_device.items()}
+    most = {d: overlaps(iv) for d, iv in by_device.items()}
     assert max(most.values()) == 2, most  # two halves share a device ...
     assert all(m <= 2 for m in most.values()), most  # ... and never more
 
@@ -349,23 +339,6 @@ def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, pre
         assert len(client.scheduler_info(n_workers=-1)["workers"]) == 2
 
 
-PRIORITY_SCRIPT = Path(__file__).with_name("priority_script.py")
-
-
-def _prioritized_run(hosts: Hosts, name: str, n: int, seconds: float, tmp_path: Path, priority: int):
-    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url)}
-    env.pop("GPU_TASKS_EMULATED_GPUS", None)
-    env["GPU_TASKS_PRIORITY"] = str(priority)
-    (tmp_path / "starts").mkdir(exist_ok=True)
-    args = [hosts.address, str(n), str(seconds), str(tmp_path / f"{name}.json"), str(tmp_path / "starts")]
-    return subprocess.Popen(
-        [sys.executable, str(PRIORITY_SCRIPT), *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-    )
-
-
 @pytest.mark.parametrize("urgent_priority", [10, 0])
 def test_a_higher_priority_flow_run_goes_first_on_a_shared_scheduler(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, urgent_priority: int
@@ -373,12 +346,12 @@ def test_a_higher_priority_flow_run_goes_first_on_a_shared_scheduler(
     """Two workers with GPU=1; a priority-0 run queues four 8 s tasks, then another run queues
     two: at priority 10 its tasks start when the first two end, ahead of the queued ones; at
     priority 0 they wait their turn behind them (Dask's order of arrival)."""
-    batch = _prioritized_run(gpu_hosts, "batch", 4, 8.0, tmp_path, priority=0)
+    batch = prioritized_run(gpu_hosts, "batch", 4, 8.0, tmp_path, priority=0)
     deadline = time.monotonic() + 120
     while len(list((tmp_path / "starts").glob("batch-*"))) < 2:  # both workers busy, two queued
         assert batch.poll() is None and time.monotonic() < deadline, batch.communicate()[0][-3000:]
         time.sleep(0.1)
-    urgent = _prioritized_run(gpu_hosts, "urgent", 2, 0.5, tmp_path, priority=urgent_priority)
+    urgent = prioritized_run(gpu_hosts, "urgent", 2, 0.5, tmp_path, priority=urgent_priority)
     for proc in (batch, urgent):
         log = proc.communicate(timeout=240)[0].decode(errors="replace")
         assert proc.returncode == 0, log[-3000:]

@@ -1,0 +1,96 @@
+"""Quotas and preemption on a shared Dask scheduler (address profiles; stand-in GPU hosts)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import cloudpickle
+import pytest
+from prefect import flow, task
+from prefect_api import api
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, quotas
+from gpu_tasks.errors import ClusterError
+from remote_clusters.hosts import Hosts, overlaps, prioritized_run
+
+pytestmark = pytest.mark.slow
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+def _in_use(quota: str) -> int:
+    _, limit = api("GET", f"/v2/concurrency_limits/{quotas.limit_name(quota)}")
+    return int(limit["active_slots"])
+
+
+def _finish(procs) -> list[str]:
+    logs = [p.communicate(timeout=240)[0].decode(errors="replace") for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-4000:]
+    return logs
+
+
+def test_a_quota_holds_across_flow_runs_on_a_shared_scheduler(
+    gpu_hosts: Hosts, prefect_server, tmp_path: Path
+):
+    """Two flow runs of three 1.5 s tasks on two workers with GPU=1, quota of one device: never
+    more than one task runs at once (spans and sampled use), all six complete, nothing is left."""
+    quotas.set_limit("shared-team", 1)
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(0.2):
+            seen.append(_in_use("shared-team"))
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        runs = [
+            prioritized_run(gpu_hosts, f"run{i}", 3, 1.5, tmp_path, 0, quota="shared-team") for i in range(2)
+        ]
+        logs = _finish(runs)
+    finally:
+        stop.set()
+        sampler.join()
+    spans = [
+        (t["start"], t["end"]) for i in range(2) for t in json.loads((tmp_path / f"run{i}.json").read_text())
+    ]
+    assert len(spans) == 6
+    assert overlaps(spans) == 1, sorted(spans)
+    assert seen and max(seen) <= 1, seen
+    assert any("waits for room for 1 device(s) in quota 'shared-team'" in log for log in logs), logs[0][
+        -2000:
+    ]
+    deadline = time.monotonic() + 10  # slots go back off the task's callback thread
+    while _in_use("shared-team") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _in_use("shared-team") == 0
+    quotas.delete_limit("shared-team")
+
+
+@task(tags=["profile:shared"])
+def _one() -> int:
+    return 1
+
+
+def test_a_shared_scheduler_quota_that_cannot_fit_fails_fast(gpu_hosts: Hosts, prefect_server):
+    shared = ResourceProfile(name="shared", gpus=1, address=gpu_hosts.address, quota="nobody")
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[shared]))
+    def no_limit() -> int:
+        return _one.submit().result()
+
+    with pytest.raises(
+        ClusterError, match="quota 'nobody' has no limit: create it with `gpu-tasks quotas set"
+    ):
+        no_limit()
+    quotas.set_limit("nobody", 0)
+    try:
+        with pytest.raises(ClusterError, match="needs 1 device.s. at once but quota 'nobody' allows 0"):
+            no_limit()
+    finally:
+        quotas.delete_limit("nobody")
