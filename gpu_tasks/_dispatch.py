@@ -35,6 +35,7 @@ from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import GpuOutOfMemoryError, GpuTasksError
 from gpu_tasks.events import publish_dashboard
 from gpu_tasks.policy import desired_workers, task_resources
+from gpu_tasks.preemption import PreemptedRun, describe_waiter
 from gpu_tasks.profiles import profile
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -381,6 +382,14 @@ class Dispatcher:
             self.finish(job, exc=exc, dispatched=True)
             return
         job.st.cluster.record(wkey, start, end)
+        if isinstance(state, PreemptedRun):  # interrupted on a shared scheduler for a waiter
+            by = job.st.cluster.preempted_by(job.key)
+            with job.st.lock:
+                live.landed(job)
+            reason = f"preempted by {describe_waiter(by)}, queued {float(by.get('waited_s') or 0):.1f}s"
+            fields = {k: by.get(k) for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority")}
+            _off_thread(job, self._requeue, job, reason, fields, name=f"gpu-tasks-requeue-{job.profile.name}")
+            return
         prof = job.profile
         if (
             prof.on_oom
@@ -471,8 +480,6 @@ class Dispatcher:
         intact; they wait for devices like any task of the profile (without
         ``GPU_TASKS_LEASE_TIMEOUT``).
         """
-        from gpu_tasks.preemption import describe_waiter
-
         live = self.live
         waited = time.time() - float(waiter["arrived"])
         reason = f"preempted by {describe_waiter(waiter)}, waiting {waited:.1f}s"

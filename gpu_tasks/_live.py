@@ -15,6 +15,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prefect.futures import PrefectFuture
@@ -256,6 +257,8 @@ class Live:
                     if isinstance(cluster, AddressCluster):
                         cluster.check_reachable()  # at submit: workers elsewhere need the API
                 st = self.states[prof.name] = ProfileState(cluster, timeout)
+                if isinstance(cluster, AddressCluster):
+                    cluster.on_board = partial(self._on_board, st)
                 self._start_monitor()
             return st
 
@@ -360,6 +363,33 @@ class Live:
             },
             [h["address"] for h in holders],
         )
+
+    def _on_board(self, st: ProfileState, what: str, info: dict[str, Any]) -> None:
+        """An address profile's preemption on its shared scheduler (gpu_tasks._shared_board):
+        ``preempting`` (it waited past its grace: its entry went up) or ``preempted`` (we
+        interrupted tasks for another's entry)."""
+        keep = (
+            "profile",
+            "flow_run_name",
+            "flow_run_id",
+            "pid",
+            "hostname",
+            "priority",
+            "waited_s",
+            "workers",
+        )
+        if what == "preempting":
+            payload = {k: info.get(k) for k in ("priority", "waited_s", "workers", "need", "queued")}
+        else:
+            st.cluster.preemptions += 1
+            by = info.get("by") or {}
+            payload = {
+                "by": {k: by.get(k) for k in keep},
+                "worker": info.get("worker"),
+                "tasks": len(info.get("keys") or ()),
+                "interrupted": len(info.get("interrupted") or ()),
+            }
+        self.emit(what, st.cluster, payload)
 
     def _reclaim(self, wanted: set[str], by: str) -> None:
         """Close idle clusters that hold devices profile ``by`` waits for (before their timeout)."""

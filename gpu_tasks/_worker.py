@@ -31,7 +31,7 @@ from gpu_tasks.allocation import (
     current_allocation,
     worker_allocation,
 )
-from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError
+from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
 from gpu_tasks.ledger import worker_key
 from gpu_tasks.profiles import profile, profile_from_tags, requested_profile
 from gpu_tasks.settings import get_settings
@@ -131,10 +131,67 @@ def run_on_worker(
                     now = time.time()
                     return after, now, now, worker_key(alloc.device_keys)
             with tag_slots_held_by_flow(kwargs["task_run_id"], slots_held):
-                return run_engine(alloc, task, kwargs)
+                if not remote:
+                    return run_engine(alloc, task, kwargs)
+                return _interruptible(dask_worker, alloc, task, kwargs)
     finally:
         with _RUNNING_LOCK:
             _RUNNING.pop(kwargs["task_run_id"], None)
+
+
+# Threads of this worker process running a shared cluster's task, by ident: its Dask key
+# (gpu_tasks._shared_board preempts them with interrupt_tasks).
+_INTERRUPTIBLE: dict[int, str] = {}
+_INTERRUPTIBLE_LOCK = threading.Lock()
+
+
+def _interruptible(
+    dask_worker: Any, alloc: Allocation, task: Any, kwargs: dict[str, Any]
+) -> tuple[Any, float, float, str]:
+    """``run_engine`` in a thread :func:`interrupt_tasks` may interrupt; a ``PreemptedRun`` if it did.
+
+    The thread is registered and unregistered under the lock that ``interrupt_tasks``
+    raises under, inside the ``try`` that catches it: a ``TaskPreempted`` raised while the
+    thread was registered is caught here, never by Dask.
+    """
+    from gpu_tasks.preemption import PreemptedRun
+
+    key = str(dask_worker.get_current_task()) if dask_worker is not None else ""
+    ident = threading.get_ident()
+    start = time.time()
+    try:
+        with _INTERRUPTIBLE_LOCK:
+            _INTERRUPTIBLE[ident] = key
+        try:
+            return run_engine(alloc, task, kwargs)
+        finally:
+            with _INTERRUPTIBLE_LOCK:
+                _INTERRUPTIBLE.pop(ident, None)
+    except TaskPreempted:
+        logger.warning("task run %s was preempted on %s", kwargs.get("task_run_id"), alloc.worker)
+        end, wkey = time.time(), worker_key(alloc.device_keys)
+        return PreemptedRun(start, end, wkey), start, end, wkey
+
+
+def interrupt_tasks(keys: list[str]) -> list[str]:
+    """Run on a worker (``Client.run``): raise ``TaskPreempted`` in the threads running ``keys``.
+
+    Python code in the task stops at once; a task inside one long call into C (a CUDA
+    kernel, ``time.sleep``) stops when that call returns. Returns the keys interrupted.
+    """
+    import ctypes
+
+    wanted = set(keys)
+    done = []
+    with _INTERRUPTIBLE_LOCK:
+        for ident, key in _INTERRUPTIBLE.items():
+            if key in wanted:
+                hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(
+                    ctypes.c_ulong(ident), ctypes.py_object(TaskPreempted)
+                )
+                if hit == 1:
+                    done.append(key)
+    return done
 
 
 def _after_lost_worker(
@@ -288,7 +345,7 @@ def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[An
                 state = asyncio.run(run_task_async(task=task, **kwargs))
             else:
                 state = run_task_sync(task=task, **kwargs)
-    except Exception:
+    except (Exception, TaskPreempted):
         raise
     except BaseException as exc:
         # KeyboardInterrupt, SystemExit and the like raised by the task itself: Prefect's engine

@@ -375,6 +375,11 @@ class ProfileCluster:
             or not self.backend.worker_names().issuperset(names)
         )
 
+    def preempted_by(self, key: str) -> dict[str, Any]:
+        """The waiter a shared scheduler's task ``key`` was interrupted for (gpu_tasks.remote);
+        a local profile's workers are stopped instead, so: ``{}``."""
+        return {}
+
     def running_keys(self, names: list[str]) -> set[str] | None:
         """Keys of the tasks Dask has handed to the workers ``names`` (``None``: cannot tell)."""
         if self.backend is None:

@@ -40,3 +40,9 @@ class GpuOutOfMemoryError(GpuTasksError, RuntimeError):
     Not a ``MemoryError`` subclass: distributed's traceback pickling (tblib) cannot
     rebuild one in the flow process when gpu-tasks was imported before distributed.
     """
+
+
+class TaskPreempted(BaseException):
+    """Raised in a running task's thread on a shared cluster's worker to preempt it
+    (gpu_tasks._shared_board); a ``BaseException`` so that neither the task's own
+    ``except Exception`` nor Prefect's retries take it for the task's failure."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 HolderOf = Callable[[str], "dict[str, Any] | None"]
@@ -74,3 +75,12 @@ def describe_waiter(waiter: dict[str, Any]) -> str:
     where = f" of flow run {run!r}" if run else (" of this flow run" if waiter.get("local") else "")
     pid = f"pid {waiter['pid']}, " if waiter.get("pid") and not waiter.get("local") else ""
     return f"profile {waiter.get('profile')!r}{where} ({pid}priority {int(waiter.get('priority') or 0)})"
+
+
+@dataclass(frozen=True)
+class PreemptedRun:
+    """What a shared cluster's worker returns for a task interrupted for a higher-priority waiter."""
+
+    started: float
+    ended: float
+    worker: str

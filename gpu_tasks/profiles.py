@@ -119,10 +119,12 @@ class ResourceProfile(BaseModel):
         priority: Higher goes first when profiles wait for devices.
         preemptible: Its workers may be stopped, and its running tasks re-queued, when a
             waiter of higher priority has waited ``GPU_TASKS_PREEMPTION_GRACE`` seconds for
-            the devices it holds (docs/leases.md, Preemption). Local GPU profiles only.
-        quota: Count the devices its workers hold against this quota: at most N devices at
-            once across all flow runs, N being the Prefect global concurrency limit
-            ``gpu-quota:<quota>`` (docs/leases.md, Quotas). Local GPU profiles only.
+            the devices it holds (docs/leases.md, Preemption); on a shared scheduler
+            (``address``), its running tasks are interrupted. Not for ``cluster_class``.
+        quota: Count the devices its workers hold (``address``: its running tasks use)
+            against this quota: at most N devices at once across all flow runs, N being the
+            Prefect global concurrency limit ``gpu-quota:<quota>`` (docs/leases.md, Quotas).
+            Not for ``cluster_class``.
         on_oom: Name of a (larger) profile to re-run a task on, once, when it runs out of
             memory here: its worker is killed for exceeding ``memory``, or the task raises
             an out-of-memory error (CUDA, RMM, cuDF, ``MemoryError``). Logged and sent as a
@@ -280,10 +282,10 @@ class ResourceProfile(BaseModel):
                 "quota must be a name of letters, digits, '_', '.', '-' (at most 63 characters); got "
                 f"{self.quota!r}"
             )
-        if self.preemptible and (self.gpus == 0 or not self.is_local):
+        if self.preemptible and (self.gpus == 0 or self.cluster_class is not None):
             raise ValueError(
-                "preemptible applies to profiles holding this host's GPUs (gpus > 0, no address or "
-                "cluster_class); remove preemptible"
+                "preemptible applies to GPU profiles (gpus > 0) on this host's devices or on a shared "
+                "scheduler (address), not to cluster_class profiles; remove preemptible"
             )
         if self.gang and self.max_workers is None:
             raise ValueError("gang needs max_workers: the number of workers to start together")

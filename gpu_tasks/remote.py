@@ -23,23 +23,27 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from gpu_tasks._api import loopback_api_error
+from gpu_tasks._shared_board import SharedBoard
+from gpu_tasks._worker import interrupt_tasks
 from gpu_tasks.backends import _non_daemon_workers, _within
 from gpu_tasks.clusters import ProfileCluster
 from gpu_tasks.devices import Inventory, model_text
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
 from gpu_tasks.ledger import DeviceSpan, LedgerRow, device_spans, union_seconds
-from gpu_tasks.policy import GPU_RESOURCE
+from gpu_tasks.policy import GPU_RESOURCE, task_resources
+from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.settings import get_settings
 
 logger = logging.getLogger("gpu_tasks.runner")
 
 _WAIT_LOG_EVERY = 30.0
+BOARD_STEP_S = 0.5  # how often an address GPU profile looks at the shared scheduler's waiter board
 
 
 # ---------------------------------------------------------------- what a worker is
@@ -285,6 +289,11 @@ class RemoteCluster(ProfileCluster):
         self._futures: dict[str, Any] = {}  # their futures
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
+        # preemption on a shared scheduler (address GPU profiles; gpu_tasks._shared_board)
+        self.board: SharedBoard | None = None
+        self.me: dict[str, Any] | None = None  # who we are on the board (flow run, priority)
+        self.preempted: dict[str, dict[str, Any]] = {}  # key interrupted -> the waiter it was for
+        self.on_board: Callable[[str, dict[str, Any]], None] | None = None  # events (gpu_tasks._live)
 
     # ------------------------------------------------------------ properties
     @property
@@ -314,6 +323,10 @@ class RemoteCluster(ProfileCluster):
                 self._place(read_workers(self.client))
         if self._allowed is not None:
             where = {"workers": self._allowed, "allow_other_workers": False}
+        if self.board is not None and self.me is None:
+            from gpu_tasks.leases import owner_info
+
+            self.me = owner_info(self.profile.name, self.priority)  # in the flow run's context
         with self._busy_lock:
             self._pending[key] = time.monotonic()
         # a shared scheduler's workers start the higher-priority task first among those waiting for
@@ -370,43 +383,117 @@ class RemoteCluster(ProfileCluster):
         if self._watcher is None or self._watch_stop.is_set():
             self._watch_stop = threading.Event()  # one per watcher: an old one may still be exiting
             self._watcher = threading.Thread(
-                target=self._log_waits,
+                target=self._watch_queue,
                 args=(self._watch_stop,),
                 name=f"gpu-tasks-wait-{self.profile.name}",
                 daemon=True,
             )
             self._watcher.start()
 
-    def _log_waits(self, stop: threading.Event) -> None:
-        """Every ``wait_log_every`` s: log the tasks that waited that long in the queue, and why."""
-        while not stop.wait(self.wait_log_every):
+    def _watch_queue(self, stop: threading.Event) -> None:
+        """Log the tasks that waited ``wait_log_every`` s in the queue, and why; with a board,
+        every ``BOARD_STEP_S`` s also be a waiter or a holder on it (gpu_tasks._shared_board)."""
+        step = min(self.wait_log_every, BOARD_STEP_S) if self.board is not None else self.wait_log_every
+        next_log = time.monotonic() + self.wait_log_every
+        while not stop.wait(step):
             client = self.client
-            now = time.monotonic()
+            if client is None:
+                continue
+            if time.monotonic() >= next_log:
+                next_log = time.monotonic() + self.wait_log_every
+                self._log_waits(client)
+            if self.board is not None:
+                try:
+                    self._board_step(client, self.board)
+                except Exception:  # a scheduler that went away: the wait log says the rest
+                    logger.debug("profile %r: board step failed", self.profile.name, exc_info=True)
+
+    def _executing(self, client: Any) -> dict[str, list[str]]:
+        """The keys each worker is executing now (not those it holds back for resources)."""
+        return {
+            str(w): [str(k) for k in keys]
+            for w, keys in client.run(executing_keys, on_error="return").items()
+            if isinstance(keys, list)
+        }
+
+    def _log_waits(self, client: Any) -> None:
+        now = time.monotonic()
+        with self._busy_lock:
+            old = {k: t for k, t in self._pending.items() if now - t >= self.wait_log_every}
+        if not old:
+            return
+        try:
+            running = {k for keys in self._executing(client).values() for k in keys}
+        except Exception:
+            return
+        queued = [k for k in old if k not in running]
+        if queued:
+            logger.info(
+                "profile %r: %d task(s) have waited up to %.0fs in the queue of %s for %s; %s",
+                self.profile.name,
+                len(queued),
+                max(now - old[k] for k in queued),
+                self.scheduler_address,
+                f"GPU={self.profile.gpus:g}" if self.profile.is_gpu else "a worker thread",
+                self._wait_reason(),
+            )
+
+    def _board_step(self, client: Any, board: SharedBoard) -> None:
+        """Put up (or take down) our waiter entry; as a preemptible holder, interrupt our running
+        tasks that a higher-priority waiter on the same workers needs."""
+        with self._busy_lock:
+            pending = dict(self._pending)
+        grace = get_settings().preemption_grace
+        posted = board.wait_step(
+            client,
+            dict(self.me or {}, priority=self.priority),
+            pending,
+            grace,
+            lambda: {k for keys in self._executing(client).values() for k in keys},
+        )
+        if posted is not None and self.on_board is not None:
+            self.on_board("preempting", posted)
+        if not self.profile.preemptible or not pending:
+            return
+        waiters = board.due_waiters(client, self.priority)
+        if not waiters:
+            return
+        mine = {w: [k for k in keys if k in pending] for w, keys in self._executing(client).items()}
+        per_task = float((task_resources(self.profile) or {}).get(GPU_RESOURCE, 1.0))
+        for waiter in waiters:
+            pick = board.victims(waiter, mine, per_task)
+            if pick is None:
+                continue
+            worker, keys = pick
             with self._busy_lock:
-                old = {k: t for k, t in self._pending.items() if now - t >= self.wait_log_every}
-            if client is None or not old:
-                continue
-            try:
-                # "processing" on the scheduler includes tasks a worker holds back for resources
-                running = {
-                    k
-                    for keys in client.run(executing_keys, on_error="return").values()
-                    if isinstance(keys, list)
-                    for k in keys
-                }
-            except Exception:
-                continue
-            queued = [k for k in old if k not in running]
-            if queued:
-                logger.info(
-                    "profile %r: %d task(s) have waited up to %.0fs in the queue of %s for %s; %s",
-                    self.profile.name,
-                    len(queued),
-                    max(now - old[k] for k in queued),
-                    self.scheduler_address,
-                    f"GPU={self.profile.gpus:g}" if self.profile.is_gpu else "a worker thread",
-                    self._wait_reason(),
+                for key in keys:
+                    self.preempted[key] = waiter
+            hit = client.run(interrupt_tasks, keys, workers=[worker], on_error="return").get(worker)
+            mine[worker] = [k for k in mine[worker] if k not in keys]
+            logger.warning(
+                "profile %r: preempting %d task(s) on worker %s of %s for %s, queued %.1fs there",
+                self.profile.name,
+                len(keys),
+                worker,
+                self.scheduler_address,
+                describe_waiter(waiter),
+                float(waiter.get("waited_s") or 0),
+            )
+            if self.on_board is not None:
+                self.on_board(
+                    "preempted",
+                    {
+                        "by": waiter,
+                        "worker": worker,
+                        "keys": keys,
+                        "interrupted": hit if isinstance(hit, list) else [],
+                    },
                 )
+
+    def preempted_by(self, key: str) -> dict[str, Any]:
+        """The waiter ``key`` was interrupted for (``{}`` when not known)."""
+        with self._busy_lock:
+            return self.preempted.pop(key, {})
 
     def _wait_reason(self) -> str:
         fit = [w for w in self.remote.values() if w.why_not(self.profile) is None]
@@ -437,6 +524,8 @@ class RemoteCluster(ProfileCluster):
         """Close the client (the flow run ended)."""
         self._watch_stop.set()
         client, self.client = self.client, None
+        if client is not None and self.board is not None:
+            self.board.take_down(client)
         if client is not None:
             with contextlib.suppress(Exception):
                 client.close()
@@ -537,6 +626,12 @@ class RemoteCluster(ProfileCluster):
 # ---------------------------------------------------------------- an existing cluster
 class AddressCluster(RemoteCluster):
     """A client to an existing Dask cluster; the cluster is never started or closed here."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.profile.is_gpu:  # waits, and preemptible work, go on the scheduler's waiter board
+            need = float((task_resources(self.profile) or {}).get(GPU_RESOURCE, 1.0))
+            self.board = SharedBoard(self.profile.name, need, self.profile.preemptible)
 
     @property
     def scheduler_address(self) -> str:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 def main(address: str, n: int, seconds: float, out: str, starts: str, options: str = "{}") -> None:
     from prefect import flow, task
+    from prefect.context import get_run_context
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile
 
@@ -27,13 +28,21 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
     @task(tags=["profile:shared"])
     def hold(i: int) -> dict:
         start = time.time()
-        (Path(starts) / f"{name}-{i}-{start}").write_text(str(start))
+        (Path(starts) / f"{name}-{i}-{start}.start").write_text(str(start))
         while time.time() - start < seconds:
             time.sleep(0.05)
-        return {"i": i, "start": start, "end": time.time()}
+        run = get_run_context().task_run
+        return {
+            "i": i,
+            "start": start,
+            "end": time.time(),
+            "task_run": str(run.id),
+            "flow_run": str(run.flow_run_id),
+        }
 
     @flow(task_runner=ProfileTaskRunner(profiles=[shared]))
     def prioritized() -> list[dict]:
+        (Path(starts) / f"{name}-submitted").write_text(str(time.time()))
         return [f.result() for f in [hold.submit(i) for i in range(n)]]
 
     Path(out).write_text(json.dumps(prioritized()))

@@ -348,7 +348,7 @@ def test_a_higher_priority_flow_run_goes_first_on_a_shared_scheduler(
     priority 0 they wait their turn behind them (Dask's order of arrival)."""
     batch = prioritized_run(gpu_hosts, "batch", 4, 8.0, tmp_path, priority=0)
     deadline = time.monotonic() + 120
-    while len(list((tmp_path / "starts").glob("batch-*"))) < 2:  # both workers busy, two queued
+    while len(list((tmp_path / "starts").glob("batch-*.start"))) < 2:  # both workers busy, two queued
         assert batch.poll() is None and time.monotonic() < deadline, batch.communicate()[0][-3000:]
         time.sleep(0.1)
     urgent = prioritized_run(gpu_hosts, "urgent", 2, 0.5, tmp_path, priority=urgent_priority)

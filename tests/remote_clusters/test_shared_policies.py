@@ -94,3 +94,48 @@ def test_a_shared_scheduler_quota_that_cannot_fit_fails_fast(gpu_hosts: Hosts, p
             no_limit()
     finally:
         quotas.delete_limit("nobody")
+
+
+def _states(task_run_id: str) -> list[str]:
+    _, states = api("GET", f"/task_run_states/?task_run_id={task_run_id}")
+    return [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
+
+
+@pytest.mark.parametrize("preemptible", [True, False])
+def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
+    gpu_hosts: Hosts, prefect_server, tmp_path: Path, preemptible: bool
+):
+    """Both workers (GPU=1) run a priority-0 run's 15 s tasks; a priority-10 run's 0.5 s task waits.
+    Preemptible: after its 1 s grace one batch task is interrupted, the urgent task starts within
+    grace + 2 s of its queueing, the interrupted task ends Preempted and completes later with its
+    result and no retry. Not preemptible: the urgent task waits for a batch task to end."""
+    grace = {"GPU_TASKS_PREEMPTION_GRACE": "1"}
+    batch = prioritized_run(gpu_hosts, "batch", 2, 15.0, tmp_path, 0, grace, preemptible=preemptible)
+    starts = tmp_path / "starts"
+    deadline = time.monotonic() + 120
+    while len(list(starts.glob("batch-*.start"))) < 2:  # both workers busy
+        assert batch.poll() is None and time.monotonic() < deadline, batch.communicate()[0][-3000:]
+        time.sleep(0.1)
+    urgent = prioritized_run(gpu_hosts, "urgent", 1, 0.5, tmp_path, 10, grace)
+    logs = _finish([batch, urgent])
+    [u] = json.loads((tmp_path / "urgent.json").read_text())
+    done = json.loads((tmp_path / "batch.json").read_text())
+    assert sorted(t["i"] for t in done) == [0, 1]
+    first_ends = sorted(float(p.read_text()) + 15.0 for p in starts.glob("batch-*.start"))[0]
+    submitted = float((starts / "urgent-submitted").read_text())
+    batch_starts = sorted(starts.glob("batch-*.start"))
+    if not preemptible:
+        assert len(batch_starts) == 2, [p.name for p in batch_starts]
+        assert u["start"] >= first_ends - 0.5, (u["start"], first_ends)
+        assert "preempting" not in logs[0]
+        return
+    # the urgent task started while the batch tasks would still run, within grace + 2 s (+ connect)
+    assert u["start"] - submitted <= 1.0 + 2.0 + 1.5, u["start"] - submitted
+    assert len(batch_starts) == 3, [p.name for p in batch_starts]  # one batch task ran twice
+    assert "preempting 1 task(s) on worker" in logs[0], logs[0][-3000:]
+    names = [_states(t["task_run"]) for t in done]
+    print("urgent started", round(u["start"] - submitted, 2), "s after it was submitted; states", names)
+    again = [n for n in names if "Preempted" in n]
+    assert len(again) == 1, names
+    assert again[0][-1] == "Completed" and not {"Failed", "AwaitingRetry", "Retrying"} & set(again[0]), again
+    assert again[0].index("Preempted") < len(again[0]) - 1

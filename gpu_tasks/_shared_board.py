@@ -1,0 +1,137 @@
+"""Preemption on a shared Dask scheduler (``address`` profiles): a board of waiters on the scheduler.
+
+Flow runs on other hosts share nothing but the scheduler, so the waiters are kept
+there, in the scheduler's metadata (``Client.set_metadata``) under ``gpu-tasks-waiters``:
+
+* a **waiter**, a profile one of whose tasks has waited ``GPU_TASKS_PREEMPTION_GRACE``
+  seconds in the scheduler's queue (not running), puts up an entry: its priority, its
+  flow run, how much ``GPU`` one task needs and the workers its waiting tasks are queued
+  on; it renews the entry while it waits (a beat count) and takes it down when it runs;
+* a **holder**, a ``preemptible`` profile of lower priority with tasks running on those
+  workers, interrupts enough of them there (:func:`gpu_tasks._worker.interrupt_tasks`:
+  ``TaskPreempted`` raised in the task's thread) to free what one waiting task needs.
+
+The interrupted tasks end ``Preempted`` and are handed to the scheduler again by their
+runner (gpu_tasks._dispatch), with their retries intact; the freed ``GPU`` resource goes
+to the higher-priority task, which Dask's workers start first. An entry whose beat has
+not moved for ``STALE_S`` (its flow run died) is ignored. The grace is judged by the
+waiter's own clock, so hosts need not agree on the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from gpu_tasks.preemption import may_preempt
+
+logger = logging.getLogger("gpu_tasks.runner")
+
+BOARD = "gpu-tasks-waiters"  # the scheduler metadata key of the entries
+STALE_S = 5.0  # an entry whose beat has not moved this long is a dead waiter's
+AGAIN_S = 5.0  # a holder preempts for the same waiter at most this often
+
+
+class SharedBoard:
+    """One address profile's side of the board: its entry as a waiter, its preemptions as a holder."""
+
+    def __init__(self, profile_name: str, need: float, preemptible: bool) -> None:
+        self.token = uuid.uuid4().hex
+        self.profile_name = profile_name
+        self.need = float(need)  # GPU resource one task of the profile asks for
+        self.preemptible = preemptible
+        self.beat = 0
+        self.posted: dict[str, Any] | None = None  # our entry while it is up
+        self.seen: dict[str, tuple[int, float]] = {}  # token -> (beat, when it last moved)
+        self.acted: dict[str, float] = {}  # token -> when we last preempted for it
+
+    # ------------------------------------------------------------ waiter
+    def wait_step(
+        self,
+        client: Any,
+        me: dict[str, Any],
+        pending: dict[str, float],
+        grace: float,
+        executing: Callable[[], set[str]],
+    ) -> dict[str, Any] | None:
+        """Put up, renew or take down our entry; the entry when it was just put up (for an event).
+
+        ``pending`` are our keys handed to the scheduler and not done (monotonic time of
+        hand-off); ``executing()`` the keys running on workers now (a broadcast: only asked
+        when some key is past the grace).
+        """
+        now = time.monotonic()
+        old = {k: t for k, t in pending.items() if now - t >= grace}
+        queued = [k for k in old if k not in executing()] if old else []
+        if not queued:
+            self.take_down(client)
+            return None
+        waited = now - min(old[k] for k in queued)
+        workers: list[str] = []
+        try:
+            processing = client.processing()
+            workers = sorted(str(w) for w, keys in processing.items() if set(map(str, keys)) & set(queued))
+        except Exception:  # where they are queued is a hint; without it any worker will do
+            pass
+        self.beat += 1
+        entry = {
+            **me,
+            "need": self.need,
+            "workers": workers,
+            "queued": len(queued),
+            "waited_s": round(waited, 3),
+            "preemption_grace": grace,
+            "beat": self.beat,
+        }
+        client.set_metadata([BOARD, self.token], entry)
+        first = self.posted is None
+        self.posted = entry
+        return entry if first else None
+
+    def take_down(self, client: Any) -> None:
+        """Take our entry down (we run, or the flow run ends)."""
+        if self.posted is not None:
+            self.posted = None
+            try:
+                client.set_metadata([BOARD, self.token], None)
+            except Exception:
+                logger.debug("could not take down the waiter entry of %r", self.profile_name, exc_info=True)
+
+    # ------------------------------------------------------------ holder
+    def due_waiters(self, client: Any, priority: int) -> list[dict[str, Any]]:
+        """Live entries of other profiles that outrank us (we are preemptible), highest first."""
+        board = client.get_metadata([BOARD], default=None) or {}
+        now = time.monotonic()
+        out = []
+        for token, entry in board.items():
+            if token == self.token or not isinstance(entry, dict):
+                continue
+            beat = int(entry.get("beat") or 0)
+            last = self.seen.get(token)
+            if last is None or last[0] != beat:
+                self.seen[token] = (beat, now)
+            elif now - last[1] > STALE_S:
+                continue  # its flow run stopped renewing it
+            if now - self.acted.get(token, -AGAIN_S) < AGAIN_S:
+                continue
+            if may_preempt(entry, {"preemptible": self.preemptible, "priority": priority}):
+                out.append(dict(entry, token=token))
+        return sorted(out, key=lambda e: (-int(e.get("priority") or 0), -float(e.get("waited_s") or 0)))
+
+    def victims(
+        self, waiter: dict[str, Any], mine: dict[str, list[str]], per_task: float
+    ) -> tuple[str, list[str]] | None:
+        """``(worker, keys)``: our running tasks to interrupt for ``waiter``, on one of the workers it
+        is queued on (any, when it did not say) where we run the most; ``None``: we run none there."""
+        allowed = set(waiter.get("workers") or ())
+        options = [(len(keys), w) for w, keys in mine.items() if keys and (not allowed or w in allowed)]
+        if not options:
+            return None
+        _, worker = max(options)
+        n = min(len(mine[worker]), max(1, math.ceil(float(waiter.get("need") or 1) / max(per_task, 1e-9))))
+        self.acted[str(waiter["token"])] = time.monotonic()
+        return worker, sorted(mine[worker])[:n]
