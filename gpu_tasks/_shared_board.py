@@ -48,6 +48,7 @@ class SharedBoard:
         self.posted: dict[str, Any] | None = None  # our entry while it is up
         self.seen: dict[str, tuple[int, float]] = {}  # token -> (beat, when it last moved)
         self.acted: dict[str, float] = {}  # token -> when we last preempted for it
+        self.stale_s = STALE_S
 
     # ------------------------------------------------------------ waiter
     def wait_step(
@@ -114,7 +115,7 @@ class SharedBoard:
             last = self.seen.get(token)
             if last is None or last[0] != beat:
                 self.seen[token] = (beat, now)
-            elif now - last[1] > STALE_S:
+            elif now - last[1] > self.stale_s:
                 continue  # its flow run stopped renewing it
             if now - self.acted.get(token, -AGAIN_S) < AGAIN_S:
                 continue

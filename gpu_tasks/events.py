@@ -6,7 +6,8 @@ shows in the flow run's event feed):
 - ``gpu-tasks.cluster.<provisioned|scaled|closed|crashed>``, resource
   ``gpu-tasks.cluster.<flow run id>.<profile>``;
 - ``gpu-tasks.device.<leased|released>``, resource ``gpu-tasks.device.<host>.<address>``;
-- ``gpu-tasks.task.<what>`` (``escalated``, ``slot-waited``, ``cache-hit``), resource
+- ``gpu-tasks.task.<what>`` (``escalated``, ``slot-waited``, ``quota-waited``, ``cache-hit``,
+  ``preempted``), resource
   ``gpu-tasks.task.<task run id>``, related to the task run too;
 - ``gpu-tasks.flow-run.summary`` when the runner exits, resource
   ``gpu-tasks.flow-run.<flow run id>``: the run's held and busy device-seconds, its longest
@@ -169,6 +170,18 @@ def cluster_sentence(what: str, who: str, payload: Mapping[str, Any], devices: b
         return text + (f", after waiting {wait:.1f} s for devices" if wait >= 0.05 else "")
     if what == "scaled":
         return f"{who}: added, {_plural(int(payload.get('workers', 0)), 'worker')} now"
+    if what == "preempting" and "holders" not in payload:  # on a shared scheduler's waiter board
+        return (
+            f"{who}: queued {float(payload.get('waited_s') or 0):.1f} s on a shared scheduler at priority "
+            f"{payload.get('priority') or 0}: asking preemptible work of lower priority for room"
+        )
+    if what == "preempted" and "by" in payload and "held_s" not in payload:  # tasks interrupted
+        by = payload["by"] or {}
+        run = f" of flow run {by['flow_run_name']}" if by.get("flow_run_name") else ""
+        return (
+            f"{who}: interrupted {_plural(int(payload.get('tasks') or 0), 'task')} on worker "
+            f"{payload.get('worker')} for {by.get('profile')}{run} (priority {by.get('priority') or 0})"
+        )
     if what == "preempting":
         holders = "; ".join(
             f"{h.get('profile')}"
@@ -243,6 +256,11 @@ def task_sentence(what: str, task_name: str, profile: str, payload: Mapping[str,
         return (
             f"{task_name} on profile {profile} waited {float(payload.get('seconds', 0)):.1f} s for {limits}, "
             "holding no device"
+        )
+    if what == "quota-waited":
+        return (
+            f"{task_name} on profile {profile} waited {float(payload.get('seconds', 0)):.1f} s for room in "
+            f"quota {payload.get('quota')}, holding no device"
         )
     if what == "cache-hit":
         return f"{task_name} on profile {profile}: result from Prefect's cache, no device leased"

@@ -469,6 +469,10 @@ class RemoteCluster(ProfileCluster):
                 for key in keys:
                     self.preempted[key] = waiter
             hit = client.run(interrupt_tasks, keys, workers=[worker], on_error="return").get(worker)
+            hit = hit if isinstance(hit, list) else []
+            with self._busy_lock:
+                for key in set(keys) - set(hit):  # it ended meanwhile (or the worker is gone)
+                    self.preempted.pop(key, None)
             mine[worker] = [k for k in mine[worker] if k not in keys]
             logger.warning(
                 "profile %r: preempting %d task(s) on worker %s of %s for %s, queued %.1fs there",
@@ -486,7 +490,7 @@ class RemoteCluster(ProfileCluster):
                         "by": waiter,
                         "worker": worker,
                         "keys": keys,
-                        "interrupted": hit if isinstance(hit, list) else [],
+                        "interrupted": hit,
                     },
                 )
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 from prefect import flow, task
-from prefect_api import api
+from prefect_api import api, flow_run_events
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, quotas
 from gpu_tasks.errors import ClusterError
@@ -139,3 +139,45 @@ def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
     assert len(again) == 1, names
     assert again[0][-1] == "Completed" and not {"Failed", "AwaitingRetry", "Retrying"} & set(again[0]), again
     assert again[0].index("Preempted") < len(again[0]) - 1
+    # an event on both sides: the waiter's entry went up, the holder interrupted a task for it
+    [asked] = flow_run_events(u["flow_run"], {"name": ["gpu-tasks.cluster.preempting"]})
+    assert asked["payload"]["priority"] == 10 and asked["payload"]["waited_s"] >= 1.0, asked["payload"]
+    [gave] = flow_run_events(done[0]["flow_run"], {"name": ["gpu-tasks.cluster.preempted"]})
+    assert gave["payload"]["by"]["flow_run_id"] == u["flow_run"] and gave["payload"]["interrupted"] == 1
+    assert "interrupted 1 task on worker tcp://127.0.0.1:" in gave["resource"]["prefect.resource.name"], gave
+    assert "for shared of flow run" in gave["resource"]["prefect.resource.name"]
+    assert "asking preemptible work" in asked["resource"]["prefect.resource.name"], asked
+    [task_event] = flow_run_events(done[0]["flow_run"], {"name": ["gpu-tasks.task.preempted"]})
+    assert "preempted by profile 'shared' of flow run" in task_event["payload"]["reason"]
+
+
+def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts):
+    """Entries go up and down through the scheduler's metadata; a holder sees only live entries
+    that outrank it, picks its tasks on a worker the waiter is queued on, and not twice at once."""
+    from gpu_tasks._shared_board import SharedBoard
+
+    with gpu_hosts.client() as client:
+        urgent = SharedBoard("urgent", need=1.0, preemptible=False)
+        batch = SharedBoard("batch", need=1.0, preemptible=True)
+        other = SharedBoard("other", need=1.0, preemptible=False)
+        old = {"k1": time.monotonic() - 5}
+        me = {"profile": "urgent", "priority": 10}
+        assert urgent.wait_step(client, me, old, 1.0, lambda: {"k1"}) is None  # it runs: no entry
+        posted = urgent.wait_step(client, me, old, 1.0, set)
+        assert posted is not None and posted["waited_s"] >= 5 and posted["queued"] == 1
+        assert urgent.wait_step(client, me, old, 1.0, set) is None  # renewed, not new
+        assert other.due_waiters(client, 20) == []  # outranks it
+        assert other.due_waiters(client, 0) == []  # not preemptible
+        [entry] = batch.due_waiters(client, 0)
+        assert entry["profile"] == "urgent" and entry["beat"] == 2
+        mine = {"tcp://a:1": ["b1"], "tcp://b:2": ["b2", "b3"]}
+        assert batch.victims(entry, mine, 1.0) == ("tcp://b:2", ["b2"])
+        assert batch.due_waiters(client, 0) == []  # acted on: not again at once
+        # a waiter whose beat stops (its flow run died) is ignored after stale_s
+        fresh = SharedBoard("batch2", need=1.0, preemptible=True)
+        fresh.stale_s = 0.3
+        assert fresh.due_waiters(client, 0)
+        time.sleep(0.5)
+        assert fresh.due_waiters(client, 0) == []
+        urgent.wait_step(client, me, {}, 1.0, set)  # nothing waits: taken down
+        assert SharedBoard("b3", 1.0, True).due_waiters(client, 0) == []
