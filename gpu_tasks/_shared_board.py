@@ -34,6 +34,35 @@ logger = logging.getLogger("gpu_tasks.runner")
 BOARD = "gpu-tasks-waiters"  # the scheduler metadata key of the entries
 STALE_S = 5.0  # an entry whose beat has not moved this long is a dead waiter's
 AGAIN_S = 5.0  # a holder preempts for the same waiter at most this often
+PRUNE_S = 60.0  # an entry whose beat has not moved this long is taken off the board
+
+
+def _dropper(token: str) -> Callable[..., None]:
+    """A function for ``Client.run_on_scheduler`` that removes ``token``'s entry (and cleared ones).
+
+    Made in a closure so that it travels by value: the scheduler needs no gpu-tasks.
+    """
+
+    def remove(dask_scheduler: Any = None) -> None:
+        board = dask_scheduler.task_metadata.get("gpu-tasks-waiters")
+        if isinstance(board, dict):
+            board.pop(token, None)
+            for key in [k for k, v in board.items() if v is None]:
+                board.pop(key, None)
+
+    return remove
+
+
+def drop(client: Any, token: str) -> None:
+    """Remove ``token``'s entry from the board (Dask has no call to delete metadata: the scheduler
+    runs a small function; where it may not, the entry is cleared to ``None``)."""
+    try:
+        client.run_on_scheduler(_dropper(token))
+    except Exception:
+        try:
+            client.set_metadata([BOARD, token], None)
+        except Exception:
+            logger.debug("could not take waiter entry %s off the board", token, exc_info=True)
 
 
 class SharedBoard:
@@ -97,10 +126,7 @@ class SharedBoard:
         """Take our entry down (we run, or the flow run ends)."""
         if self.posted is not None:
             self.posted = None
-            try:
-                client.set_metadata([BOARD, self.token], None)
-            except Exception:
-                logger.debug("could not take down the waiter entry of %r", self.profile_name, exc_info=True)
+            drop(client, self.token)
 
     # ------------------------------------------------------------ holder
     def due_waiters(self, client: Any, priority: int) -> list[dict[str, Any]]:
@@ -116,6 +142,9 @@ class SharedBoard:
             if last is None or last[0] != beat:
                 self.seen[token] = (beat, now)
             elif now - last[1] > self.stale_s:
+                if now - last[1] > PRUNE_S:
+                    drop(client, token)  # its flow run died long ago: clear it off the board
+                    self.seen.pop(token, None)
                 continue  # its flow run stopped renewing it
             if now - self.acted.get(token, -AGAIN_S) < AGAIN_S:
                 continue

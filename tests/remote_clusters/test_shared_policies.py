@@ -118,6 +118,8 @@ def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
         time.sleep(0.1)
     urgent = prioritized_run(gpu_hosts, "urgent", 1, 0.5, tmp_path, 10, grace)
     logs = _finish([batch, urgent])
+    with gpu_hosts.client() as client:  # every entry was taken off the board
+        assert client.get_metadata(["gpu-tasks-waiters"], default={}) == {}
     [u] = json.loads((tmp_path / "urgent.json").read_text())
     done = json.loads((tmp_path / "batch.json").read_text())
     assert sorted(t["i"] for t in done) == [0, 1]
@@ -151,10 +153,11 @@ def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
     assert "preempted by profile 'shared' of flow run" in task_event["payload"]["reason"]
 
 
-def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts):
+def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
     """Entries go up and down through the scheduler's metadata; a holder sees only live entries
     that outrank it, picks its tasks on a worker the waiter is queued on, and not twice at once."""
-    from gpu_tasks._shared_board import SharedBoard
+    from gpu_tasks import _shared_board as shared_board
+    from gpu_tasks._shared_board import BOARD, SharedBoard
 
     with gpu_hosts.client() as client:
         urgent = SharedBoard("urgent", need=1.0, preemptible=False)
@@ -179,5 +182,16 @@ def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts):
         assert fresh.due_waiters(client, 0)
         time.sleep(0.5)
         assert fresh.due_waiters(client, 0) == []
-        urgent.wait_step(client, me, {}, 1.0, set)  # nothing waits: taken down
+        urgent.wait_step(client, me, {}, 1.0, set)  # nothing waits: taken down, not left as None
         assert SharedBoard("b3", 1.0, True).due_waiters(client, 0) == []
+        assert client.get_metadata([BOARD], default={}) == {}
+        # an entry left by a waiter that died is taken off the board after PRUNE_S
+        dead = SharedBoard("dead", 1.0, False)
+        dead.wait_step(client, me, old, 1.0, set)
+        pruner = SharedBoard("pruner", 1.0, True)
+        pruner.stale_s = 0.0
+        assert pruner.due_waiters(client, 0)
+        monkeypatch.setattr(shared_board, "PRUNE_S", 0.2)
+        time.sleep(0.3)
+        assert pruner.due_waiters(client, 0) == []
+        assert client.get_metadata([BOARD], default={}) == {}
