@@ -509,10 +509,9 @@ class Live:
                 continue  # it finished while the clusters closed
             prof = job.profile
             message = f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; " + (
-                "its worker was closed"
-                if prof.is_local
-                else "the runner cancelled it on its cluster (a task already running on a worker there runs "
-                "to its end, and its result is not collected)"
+                "the runner interrupted it on the shared cluster (cancelled it there if it had not started)"
+                if prof.address is not None
+                else "its worker was closed"
             )
             state, _ = crash_task_run(
                 job.task_run_id,

@@ -171,24 +171,27 @@ def _interruptible(
         logger.warning("task run %s was preempted on %s", kwargs.get("task_run_id"), alloc.worker)
         end, wkey = time.time(), worker_key(alloc.device_keys)
         return PreemptedRun(start, end, wkey), start, end, wkey
+    except KeyboardInterrupt as exc:  # interrupt_tasks(..., "stop"): its flow run stopped
+        end, wkey = time.time(), worker_key(alloc.device_keys)
+        return _crashed_by(exc, kwargs.get("task_run_id")), start, end, wkey
 
 
-def interrupt_tasks(keys: list[str]) -> list[str]:
-    """Run on a worker (``Client.run``): raise ``TaskPreempted`` in the threads running ``keys``.
+def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
+    """Run on a worker (``Client.run``): raise ``TaskPreempted`` (``why="preempt"``) or
+    ``KeyboardInterrupt`` (``"stop"``: the flow run stopped) in the threads running ``keys``.
 
     Python code in the task stops at once; a task inside one long call into C (a CUDA
     kernel, ``time.sleep``) stops when that call returns. Returns the keys interrupted.
     """
     import ctypes
 
+    exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
     wanted = set(keys)
     done = []
     with _INTERRUPTIBLE_LOCK:
         for ident, key in _INTERRUPTIBLE.items():
             if key in wanted:
-                hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(
-                    ctypes.c_ulong(ident), ctypes.py_object(TaskPreempted)
-                )
+                hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
                 if hit == 1:
                     done.append(key)
     return done

@@ -368,13 +368,20 @@ class RemoteCluster(ProfileCluster):
             self._futures.pop(key, None)
 
     def _cancel_unfinished(self) -> None:
-        """Cancel our tasks on the cluster (the flow run stopped): queued ones never start; one
-        already running on a worker runs to its end there (Dask cannot interrupt it)."""
+        """Stop our tasks on the cluster (the flow run stopped): queued ones never start; running
+        ones are interrupted in their worker thread (``KeyboardInterrupt``: they end ``Crashed``,
+        "aborted by an interrupt signal", as on this host) and give the workers' GPUs back."""
         with self._busy_lock:
             futures = list(self._futures.values())
-        if futures and self.client is not None:
+            keys = list(self._futures)
+        client = self.client
+        if futures and client is not None:
             with contextlib.suppress(Exception):
-                self.client.cancel(futures)
+                _within(
+                    5.0, lambda: client.run(interrupt_tasks, keys, "stop", on_error="return"), "interrupt"
+                )
+            with contextlib.suppress(Exception):
+                client.cancel(futures)
 
     # ------------------------------------------------------------ waiting, logged
     wait_log_every = _WAIT_LOG_EVERY  # seconds a task waits in the scheduler's queue before it is logged

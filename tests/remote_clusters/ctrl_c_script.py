@@ -1,5 +1,6 @@
 """A user's flow script on an address profile, interrupted with Ctrl-C:
-``python ctrl_c_script.py ADDRESS MARKERS READY``. Three 12 s tasks on two GPUs: one queues."""
+``python ctrl_c_script.py ADDRESS MARKERS READY``. Three 12 s tasks on two GPUs: one queues.
+A task that ends writes ``end-<i>``."""
 
 from __future__ import annotations
 
@@ -18,8 +19,11 @@ def main(address: str, markers: str, ready: str) -> None:
 
     @task(tags=["profile:shared"])
     def long_gpu_task(i: int) -> int:
-        Path(markers, str(i)).write_text(str(time.time()))
-        time.sleep(12)
+        start = time.time()
+        Path(markers, str(i)).write_text(str(start))
+        while time.time() - start < 12:  # Python between short sleeps: an interrupt lands at once
+            time.sleep(0.1)
+        Path(markers, f"end-{i}").write_text(str(time.time()))
         return i
 
     @flow(task_runner=ProfileTaskRunner(profiles=[shared]))
