@@ -87,15 +87,18 @@ class SharedBoard:
         pending: dict[str, float],
         grace: float,
         executing: Callable[[], set[str]],
+        aging: float = 0.0,
     ) -> dict[str, Any] | None:
-        """Put up, renew or take down our entry; the entry when it was just put up (for an event).
+        """Put up, renew or take down our entry; the entry when it has just passed ``grace`` (the
+        ``preempting`` event).
 
         ``pending`` are our keys handed to the scheduler and not done (monotonic time of
         hand-off); ``executing()`` the keys running on workers now (a broadcast: only asked
-        when some key is past the grace).
+        when some key has waited ``grace``, or ``aging`` when that is shorter).
         """
         now = time.monotonic()
-        old = {k: t for k, t in pending.items() if now - t >= grace}
+        after = min(grace, aging) if aging > 0 else grace
+        old = {k: t for k, t in pending.items() if now - t >= after}
         queued = [k for k in old if k not in executing()] if old else []
         if not queued:
             self.take_down(client)
@@ -115,10 +118,11 @@ class SharedBoard:
             "queued": len(queued),
             "waited_s": round(waited, 3),
             "preemption_grace": grace,
+            "aging": aging,
             "beat": self.beat,
         }
         client.set_metadata([BOARD, self.token], entry)
-        first = self.posted is None
+        first = waited >= grace and (self.posted is None or self.posted["waited_s"] < grace)
         self.posted = entry
         return entry if first else None
 
@@ -129,11 +133,11 @@ class SharedBoard:
             drop(client, self.token)
 
     # ------------------------------------------------------------ holder
-    def due_waiters(self, client: Any, priority: int) -> list[dict[str, Any]]:
-        """Live entries of other profiles that outrank us (we are preemptible), highest first."""
+    def live_entries(self, client: Any) -> dict[str, dict[str, Any]]:
+        """Other profiles' entries whose beat still moves, by token."""
         board = client.get_metadata([BOARD], default=None) or {}
         now = time.monotonic()
-        out = []
+        out = {}
         for token, entry in board.items():
             if token == self.token or not isinstance(entry, dict):
                 continue
@@ -146,6 +150,30 @@ class SharedBoard:
                     drop(client, token)  # its flow run died long ago: clear it off the board
                     self.seen.pop(token, None)
                 continue  # its flow run stopped renewing it
+            out[token] = entry
+        return out
+
+    def aged_ahead(self, client: Any, priority: int) -> list[dict[str, Any]]:
+        """Waiters of lower priority whose effective priority (aging) now exceeds ``priority``:
+        a new task of ours should not be handed to the scheduler before them."""
+        out = []
+        for entry in self.live_entries(client).values():
+            base = int(entry.get("priority") or 0)
+            aging = float(entry.get("aging") or 0)
+            if base < priority and aging > 0:
+                effective = base + math.floor(float(entry.get("waited_s") or 0) / aging)
+                if effective > priority:
+                    out.append(dict(entry, effective_priority=effective))
+        return out
+
+    def due_waiters(self, client: Any, priority: int) -> list[dict[str, Any]]:
+        """Live entries of other profiles that waited their grace and outrank us (we are
+        preemptible), highest first."""
+        out = []
+        now = time.monotonic()
+        for token, entry in self.live_entries(client).items():
+            if float(entry.get("waited_s") or 0) < float(entry.get("preemption_grace") or 0):
+                continue  # up for aging, not yet for preemption
             if now - self.acted.get(token, -AGAIN_S) < AGAIN_S:
                 continue
             if may_preempt(entry, {"preemptible": self.preemptible, "priority": priority}):

@@ -9,7 +9,9 @@ this module only acts on them.
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gpu_tasks import backends
@@ -374,6 +376,11 @@ class ProfileCluster:
             or self.backend is None
             or not self.backend.worker_names().issuperset(names)
         )
+
+    def admit(self, stop: threading.Event, say: Callable[[str], None]) -> float:
+        """Seconds a new task was held back for aged waiters of a shared scheduler
+        (gpu_tasks.remote); a local profile's waiters age in the device queue: 0."""
+        return 0.0
 
     def preempted_by(self, key: str) -> dict[str, Any]:
         """The waiter a shared scheduler's task ``key`` was interrupted for (gpu_tasks.remote);

@@ -450,13 +450,14 @@ class RemoteCluster(ProfileCluster):
         tasks that a higher-priority waiter on the same workers needs."""
         with self._busy_lock:
             pending = dict(self._pending)
-        grace = get_settings().preemption_grace
+        settings = get_settings()
         posted = board.wait_step(
             client,
             dict(self.me or {}, priority=self.priority),
             pending,
-            grace,
+            settings.preemption_grace,
             lambda: {k for keys in self._executing(client).values() for k in keys},
+            settings.priority_aging,
         )
         if posted is not None and self.on_board is not None:
             self.on_board("preempting", posted)
@@ -500,6 +501,46 @@ class RemoteCluster(ProfileCluster):
                         "interrupted": hit,
                     },
                 )
+
+    def admit(self, stop: threading.Event, say: Callable[[str], None]) -> float:
+        """Hold a new task back while a waiter of lower priority on the board has aged past our
+        priority (``GPU_TASKS_PRIORITY_AGING``) and waits on workers we use: so a stream of our
+        tasks cannot starve it. Seconds held; tasks already with the scheduler keep their place.
+
+        Raises:
+            RuntimeError: ``stop`` was set (the runner is stopping).
+        """
+        board, client = self.board, self.client
+        if board is None or client is None or time.monotonic() - self._clear_at < BOARD_STEP_S:
+            return 0.0
+        t0 = next_log = time.monotonic()
+        ours = {w.address for w in self._fit}
+        while True:
+            try:
+                ahead = [
+                    e
+                    for e in board.aged_ahead(client, self.priority)
+                    if not e.get("workers") or not ours or set(e["workers"]) & ours
+                ]
+            except Exception:  # the board cannot be read: nothing to defer to
+                ahead = []
+            now = time.monotonic()
+            if not ahead:
+                self._clear_at = now
+                return now - t0
+            if now >= next_log:
+                first = max(ahead, key=lambda e: int(e["effective_priority"]))
+                say(
+                    f"profile {self.profile.name!r}: a task waits before going to {self.scheduler_address}: "
+                    f"{describe_waiter(first)} has waited {float(first.get('waited_s') or 0):.0f}s and its "
+                    f"effective priority {first['effective_priority']} exceeds this run's {self.priority} "
+                    "(GPU_TASKS_PRIORITY_AGING)"
+                )
+                next_log = now + self.wait_log_every
+            if stop.wait(BOARD_STEP_S):
+                raise RuntimeError("the task runner is shutting down")
+
+    _clear_at = -math.inf  # when the board last had no aged waiter ahead of us
 
     def preempted_by(self, key: str) -> dict[str, Any]:
         """The waiter ``key`` was interrupted for (``{}`` when not known)."""

@@ -110,9 +110,16 @@ def test_a_task_waiting_for_a_tag_slot_leases_no_device(serial_tag):
     # events: one device leased, and the slot wait as an event of its own
     leased = _events(run_id, "gpu-tasks.device.leased")
     assert len(leased) == 1, leased
-    waits = _events(run_id, "gpu-tasks.task.slot-waited")
-    [event] = [e for e in waits if e["payload"]["seconds"] >= 1.0]
-    assert event["payload"]["limits"] == [f"tag:{serial_tag}"]  # the limits that exist
+    # (the first task's wait is the API's answer time: under load it may pass 0.5 s and be sent too)
+    deadline = time.monotonic() + 15
+    while True:
+        waits = _events(run_id, "gpu-tasks.task.slot-waited")
+        longest = max(waits, key=lambda e: e["payload"]["seconds"])
+        if longest["payload"]["seconds"] >= 1.0 or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert longest["payload"]["seconds"] >= 1.0, waits
+    assert longest["payload"]["limits"] == [f"tag:{serial_tag}"]  # the limits that exist
     assert _logged(run_id, "held no device meanwhile")
 
 

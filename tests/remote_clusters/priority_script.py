@@ -4,8 +4,8 @@
 
 Each task leaves a file in ``STARTS`` when its body starts; the run's priority is
 ``GPU_TASKS_PRIORITY`` from the environment. ``OPTIONS`` is JSON of more profile fields
-(``quota``, ``preemptible``). A task sleeps in short steps, so a preemption interrupts it
-within one.
+(``quota``, ``preemptible``), and ``per_second``: submit that many tasks a second. A task
+sleeps in short steps, so a preemption interrupts it within one.
 """
 
 from __future__ import annotations
@@ -22,7 +22,9 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile
 
-    shared = ResourceProfile(name="shared", gpus=1, address=address, idle_timeout=5, **json.loads(options))
+    fields = json.loads(options)
+    per_second = int(fields.pop("per_second", 0))  # a stream: this many submits a second, not all at once
+    shared = ResourceProfile(name="shared", gpus=1, address=address, idle_timeout=5, **fields)
     name = Path(out).stem
 
     @task(tags=["profile:shared"])
@@ -43,7 +45,14 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
     @flow(task_runner=ProfileTaskRunner(profiles=[shared]))
     def prioritized() -> list[dict]:
         (Path(starts) / f"{name}-submitted").write_text(str(time.time()))
-        return [f.result() for f in [hold.submit(i) for i in range(n)]]
+        if not per_second:
+            return [f.result() for f in [hold.submit(i) for i in range(n)]]
+        futures = []
+        for i in range(n):
+            futures.append(hold.submit(i))
+            if (i + 1) % per_second == 0:
+                time.sleep(1.0)
+        return [f.result() for f in futures]
 
     Path(out).write_text(json.dumps(prioritized()))
 

@@ -182,6 +182,15 @@ def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
         assert fresh.due_waiters(client, 0)
         time.sleep(0.5)
         assert fresh.due_waiters(client, 0) == []
+        # aging: a low-priority waiter past its aging, not yet its grace, is up for aging only
+        low = SharedBoard("low", need=1.0, preemptible=False)
+        assert low.wait_step(client, {"profile": "low", "priority": 0}, old, 100.0, set, aging=1.0) is None
+        assert low.posted is not None  # up (for aging), with no preempting event: grace not reached
+        viewer = SharedBoard("viewer", need=1.0, preemptible=True)
+        assert [e["profile"] for e in viewer.due_waiters(client, -1)] == ["urgent"]  # low: grace not reached
+        assert [e["effective_priority"] for e in viewer.aged_ahead(client, 3)] == [5]  # 0 + floor(5 s / 1 s)
+        assert viewer.aged_ahead(client, 5) == [] and viewer.aged_ahead(client, 0) == []
+        low.take_down(client)
         urgent.wait_step(client, me, {}, 1.0, set)  # nothing waits: taken down, not left as None
         assert SharedBoard("b3", 1.0, True).due_waiters(client, 0) == []
         assert client.get_metadata([BOARD], default={}) == {}
@@ -195,3 +204,32 @@ def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
         time.sleep(0.3)
         assert pruner.due_waiters(client, 0) == []
         assert client.get_metadata([BOARD], default={}) == {}
+
+
+@pytest.mark.parametrize("aging", [1.0, 0.0])
+def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
+    gpu_hosts: Hosts, prefect_server, tmp_path: Path, aging: float
+):
+    """A priority-3 run submits three 1 s tasks a second for 10 s on two GPU=1 workers (its queue
+    grows); a priority-0 task queued behind it. With aging 1 s its effective priority passes 3
+    after 4 s: the stream's later tasks wait in their flow process, and it starts before them.
+    Without aging it starts after every task of the stream."""
+    env = {"GPU_TASKS_PRIORITY_AGING": str(aging), "GPU_TASKS_PREEMPTION_GRACE": "600"}
+    stream = prioritized_run(gpu_hosts, "stream", 30, 1.0, tmp_path, 3, env, per_second=3)
+    starts = tmp_path / "starts"
+    deadline = time.monotonic() + 120
+    while len(list(starts.glob("stream-*.start"))) < 2:  # both workers busy with the stream
+        assert stream.poll() is None and time.monotonic() < deadline, stream.communicate()[0][-3000:]
+        time.sleep(0.1)
+    low = prioritized_run(gpu_hosts, "low", 1, 0.5, tmp_path, 0, env)
+    logs = _finish([stream, low])
+    [l_run] = json.loads((tmp_path / "low.json").read_text())
+    stream_starts = sorted(t["start"] for t in json.loads((tmp_path / "stream.json").read_text()))
+    assert len(stream_starts) == 30
+    later = [s for s in stream_starts if s > l_run["start"]]
+    print(f"aging {aging}: the low task started after {30 - len(later)} of 30 stream tasks")
+    if aging:
+        assert len(later) >= 5, (l_run["start"], stream_starts)
+        assert "effective priority" in logs[0] and "exceeds this run's 3" in logs[0], logs[0][-3000:]
+    else:
+        assert later == [], (l_run["start"], stream_starts)
