@@ -716,3 +716,66 @@ def quotas_delete(name: Annotated[str, typer.Argument(help="The quota's name.")]
     if not _quota_api(f"delete quota {name!r}", quotas.delete_limit, name):
         _fail(f"no quota {name!r} ({quotas.limit_name(name)})", code=1)
     _say(f"quota {name!r} deleted")
+
+
+@app.command(
+    help="List the waiters on a shared Dask scheduler's board (address profiles whose tasks wait "
+    "there: priority, aging, preemption; docs/distributed.md)."
+)
+def waiters(
+    address: Annotated[str, typer.Argument(help="The scheduler, as in an address profile: tcp://host:8786.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the scheduler.")] = 10.0,
+) -> None:
+    import math
+
+    from distributed import Client
+
+    from gpu_tasks._shared_board import BOARD
+    from gpu_tasks.profiles import ResourceProfile
+    from gpu_tasks.remote import security_for
+
+    try:
+        shared = ResourceProfile(name="waiters", address=address)
+    except Exception as exc:
+        _fail(f"address {address!r}: {exc}")
+    security = security_for(shared) if address.startswith("tls://") else None
+    try:
+        with Client(address, security=security, timeout=timeout, set_as_default=False) as client:
+            board = client.get_metadata([BOARD], default=None) or {}
+    except Exception as exc:
+        _fail(f"could not read the waiter board of {address}: {type(exc).__name__}: {exc}", code=1)
+    rows = []
+    for token, entry in sorted(board.items()):
+        if not isinstance(entry, dict):
+            continue
+        base, aging = int(entry.get("priority") or 0), float(entry.get("aging") or 0)
+        waited = float(entry.get("waited_s") or 0)
+        rows.append(
+            dict(
+                entry,
+                token=token,
+                effective_priority=base + math.floor(waited / aging) if aging > 0 else base,
+            )
+        )
+    if as_json:
+        _echo_json({"address": address, "waiters": rows})
+        return
+    if not rows:
+        _say(f"No waiters on {address}: no task of an address profile has waited past its aging or grace.")
+        return
+    table = Table(title=f"Waiters on {address} (as of their last beat)")
+    for column in ("Profile", "Flow run", "Process", "Priority", "Effective", "Waited", "Queued", "Workers"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(
+            Text(str(row.get("profile"))),
+            Text(str(row.get("flow_run_name") or "-")),
+            Text(f"{row.get('hostname') or '?'}:{row.get('pid') or '?'}"),
+            str(int(row.get("priority") or 0)),
+            str(row["effective_priority"]),
+            f"{float(row.get('waited_s') or 0):.1f}s",
+            str(row.get("queued") or 0),
+            Text(", ".join(row.get("workers") or ()) or "-"),
+        )
+    console.print(table)

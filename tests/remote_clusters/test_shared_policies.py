@@ -233,3 +233,29 @@ def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
         assert "effective priority" in logs[0] and "exceeds this run's 3" in logs[0], logs[0][-3000:]
     else:
         assert later == [], (l_run["start"], stream_starts)
+
+
+def test_gpu_tasks_waiters_lists_the_board(gpu_hosts: Hosts):
+    from typer.testing import CliRunner
+
+    from gpu_tasks._shared_board import SharedBoard
+    from gpu_tasks.cli import app
+
+    cli = CliRunner()
+    empty = cli.invoke(app, ["waiters", gpu_hosts.address])
+    assert empty.exit_code == 0 and "No waiters on" in empty.output, empty.output
+    board = SharedBoard("low", need=1.0, preemptible=False)
+    me = {"profile": "low", "priority": 1, "flow_run_name": "slow-otter", "pid": 4242, "hostname": "h1"}
+    with gpu_hosts.client() as client:
+        board.wait_step(client, me, {"k": time.monotonic() - 7.5}, 30.0, set, aging=2.0)
+        try:
+            table = cli.invoke(app, ["waiters", gpu_hosts.address])
+            listed = cli.invoke(app, ["waiters", gpu_hosts.address, "--json"])
+        finally:
+            board.take_down(client)
+    assert table.exit_code == 0 and "h1:4242" in table.output and "7.5s" in table.output, table.output
+    [row] = json.loads(listed.output)["waiters"]
+    assert row["profile"] == "low" and row["flow_run_name"] == "slow-otter" and row["priority"] == 1
+    assert row["effective_priority"] == 4  # 1 + floor(7.5 s / 2 s)
+    bad = cli.invoke(app, ["waiters", "gpu-scheduler"])
+    assert bad.exit_code == 2 and "must be a Dask scheduler address" in bad.output, bad.output
