@@ -151,7 +151,8 @@ class WarmProcess:
         self.process = ctx.Process(
             target=_child_main, args=(child, os.getpid()), name="gpu-tasks warm worker", daemon=False
         )
-        self.process.start()
+        with _sigint_ignored_from_the_start():
+            self.process.start()
         child.close()
         _track(self)
         self.ready = False
@@ -395,6 +396,64 @@ def _pre_spawn_environ() -> dict[str, str]:
     env.setdefault("PREFECT_SERVER_EPHEMERAL_ENABLED", "false")
     env.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     return env
+
+
+_LAUNCHER: list[str] = []  # the launcher script of this flow process, once written
+_LAUNCHER_LOCK = threading.Lock()
+
+
+def _launcher() -> str | None:
+    """A two-line shell script that runs this Python with SIGINT ignored (``None`` without /bin/sh).
+
+    An ignored signal stays ignored across ``exec``, and Python leaves an ignored SIGINT
+    ignored, so the child is safe from a Ctrl-C from its first instruction.
+    """
+    with _LAUNCHER_LOCK:
+        if _LAUNCHER and os.path.exists(_LAUNCHER[0]):
+            return _LAUNCHER[0]
+        if not os.path.exists("/bin/sh"):
+            return None
+        import shlex
+        import tempfile
+
+        fd, path = tempfile.mkstemp(prefix="gpu-tasks-warm-", suffix=".sh")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"#!/bin/sh\ntrap '' INT\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+        os.chmod(path, 0o700)
+        atexit.register(_remove, path)
+        _LAUNCHER[:] = [path]
+        return path
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+@contextlib.contextmanager
+def _sigint_ignored_from_the_start() -> Any:
+    """Spawn a warm process that ignores SIGINT from its start, not only once it has imported.
+
+    A terminal Ctrl-C reaches the whole foreground process group; a warm process still
+    importing (``spawn_main`` unpickling its target, before its worker guard ignores
+    SIGINT) would die of it with a traceback on the terminal. While the child is spawned,
+    multiprocessing's spawn executable is :func:`_launcher` (held under a lock, like the
+    environment around it); the flow process itself keeps its own Ctrl-C handling. (A
+    Ctrl-C in the millisecond between the spawn and the launcher's ``trap`` still ends it.)
+    """
+    launcher = _launcher()
+    if launcher is None:
+        yield
+        return
+    from multiprocessing import spawn
+
+    with _LAUNCHER_LOCK:
+        old = spawn.get_executable()
+        spawn.set_executable(launcher)
+        try:
+            yield
+        finally:
+            spawn.set_executable(old)
 
 
 @contextlib.contextmanager

@@ -209,7 +209,10 @@ def _closed_reasons(names: list[str]) -> dict[str, str]:
     for name in names:
         where.with_options(tags=[profile(name)]).submit().result()
     deadline = time.monotonic() + 60
-    while {s["state"] for n, s in _runner().status().items() if n in names} != {"closed"}:
+    # closed, and its ledger row written (the row comes a moment after the state)
+    while {s["state"] for n, s in _runner().status().items() if n in names} != {"closed"} or not set(
+        names
+    ) <= {row.profile for row in _runner().ledger}:
         assert time.monotonic() < deadline, f"not closed within 60 s: {_runner().status()}"
         time.sleep(0.05)
     return {row.profile: row.reason for row in _runner().ledger if row.profile in names}

@@ -211,3 +211,26 @@ def test_warm_processes_exit_with_a_killed_flow_process(tmp_path: Path):
             proc.kill()
             proc.wait(timeout=10)
         kill_marked(marker)
+
+
+def test_a_warm_process_survives_a_ctrl_c_while_it_imports():
+    """A terminal Ctrl-C reaches the warm processes too: one still importing ignores it (it starts
+    with SIGINT ignored), prints no traceback, and becomes ready."""
+    import multiprocessing
+
+    from gpu_tasks._warm import WarmProcess
+
+    proc = WarmProcess(multiprocessing.get_context("spawn"))
+    try:
+        assert psutil.Process(proc.process.pid).is_running()
+        time.sleep(0.1)  # past the launcher's first line (`trap '' INT`, a millisecond after exec)
+        for _ in range(3):  # three times while it imports
+            os.kill(proc.process.pid, signal.SIGINT)
+            time.sleep(0.2)
+        proc.wait_ready(60)
+        os.kill(proc.process.pid, signal.SIGINT)  # ready: its worker guard ignores it
+        time.sleep(0.5)
+        assert proc.process.is_alive() and proc.process.exitcode is None
+    finally:
+        proc.process.kill()
+        proc.process.join(10)

@@ -210,12 +210,13 @@ def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
 def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, aging: float
 ):
-    """A priority-3 run submits three 1 s tasks a second for 10 s on two GPU=1 workers (its queue
+    """A priority-3 run submits three 1 s tasks a second for 12 s on two GPU=1 workers (its queue
     grows); a priority-0 task queued behind it. With aging 1 s its effective priority passes 3
     after 4 s: the stream's later tasks wait in their flow process, and it starts before them.
-    Without aging it starts after every task of the stream."""
+    Without aging it starts after (nearly) every task of the stream: under load the stream's
+    last submissions may come after a worker freed."""
     env = {"GPU_TASKS_PRIORITY_AGING": str(aging), "GPU_TASKS_PREEMPTION_GRACE": "600"}
-    stream = prioritized_run(gpu_hosts, "stream", 30, 1.0, tmp_path, 3, env, per_second=3)
+    stream = prioritized_run(gpu_hosts, "stream", 36, 1.0, tmp_path, 3, env, per_second=3)
     starts = tmp_path / "starts"
     deadline = time.monotonic() + 120
     while len(list(starts.glob("stream-*.start"))) < 2:  # both workers busy with the stream
@@ -225,14 +226,14 @@ def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     logs = _finish([stream, low])
     [l_run] = json.loads((tmp_path / "low.json").read_text())
     stream_starts = sorted(t["start"] for t in json.loads((tmp_path / "stream.json").read_text()))
-    assert len(stream_starts) == 30
+    assert len(stream_starts) == 36
     later = [s for s in stream_starts if s > l_run["start"]]
-    print(f"aging {aging}: the low task started after {30 - len(later)} of 30 stream tasks")
+    print(f"aging {aging}: the low task started after {36 - len(later)} of 36 stream tasks")
     if aging:
-        assert len(later) >= 5, (l_run["start"], stream_starts)
+        assert len(later) >= 6, (l_run["start"], stream_starts)
         assert "effective priority" in logs[0] and "exceeds this run's 3" in logs[0], logs[0][-3000:]
     else:
-        assert later == [], (l_run["start"], stream_starts)
+        assert len(later) <= 2, (l_run["start"], stream_starts)
 
 
 def test_gpu_tasks_waiters_lists_the_board(gpu_hosts: Hosts):
