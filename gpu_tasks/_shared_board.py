@@ -37,14 +37,25 @@ AGAIN_S = 5.0  # a holder preempts for the same waiter at most this often
 PRUNE_S = 60.0  # an entry whose beat has not moved this long is taken off the board
 
 
+def effective_priority(entry: dict[str, Any]) -> int:
+    """An entry's priority aged by its wait as of its last beat (:func:`gpu_tasks.leases.aged_priority`)."""
+    from gpu_tasks.leases import aged_priority
+
+    return aged_priority(
+        int(entry.get("priority") or 0), float(entry.get("aging") or 0), float(entry.get("waited_s") or 0)
+    )
+
+
 def _dropper(token: str) -> Callable[..., None]:
     """A function for ``Client.run_on_scheduler`` that removes ``token``'s entry (and cleared ones).
 
     Made in a closure so that it travels by value: the scheduler needs no gpu-tasks.
     """
 
+    board_key = BOARD  # a local: the closure carries the value
+
     def remove(dask_scheduler: Any = None) -> None:
-        board = dask_scheduler.task_metadata.get("gpu-tasks-waiters")
+        board = dask_scheduler.task_metadata.get(board_key)
         if isinstance(board, dict):
             board.pop(token, None)
             for key in [k for k, v in board.items() if v is None]:
@@ -158,12 +169,9 @@ class SharedBoard:
         a new task of ours should not be handed to the scheduler before them."""
         out = []
         for entry in self.live_entries(client).values():
-            base = int(entry.get("priority") or 0)
-            aging = float(entry.get("aging") or 0)
-            if base < priority and aging > 0:
-                effective = base + math.floor(float(entry.get("waited_s") or 0) / aging)
-                if effective > priority:
-                    out.append(dict(entry, effective_priority=effective))
+            effective = effective_priority(entry)
+            if int(entry.get("priority") or 0) < priority < effective:
+                out.append(dict(entry, effective_priority=effective))
         return out
 
     def due_waiters(self, client: Any, priority: int) -> list[dict[str, Any]]:

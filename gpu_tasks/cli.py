@@ -727,11 +727,9 @@ def waiters(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the scheduler.")] = 10.0,
 ) -> None:
-    import math
-
     from distributed import Client
 
-    from gpu_tasks._shared_board import BOARD
+    from gpu_tasks._shared_board import BOARD, effective_priority
     from gpu_tasks.profiles import ResourceProfile
     from gpu_tasks.remote import security_for
 
@@ -749,15 +747,7 @@ def waiters(
     for token, entry in sorted(board.items()):
         if not isinstance(entry, dict):
             continue
-        base, aging = int(entry.get("priority") or 0), float(entry.get("aging") or 0)
-        waited = float(entry.get("waited_s") or 0)
-        rows.append(
-            dict(
-                entry,
-                token=token,
-                effective_priority=base + math.floor(waited / aging) if aging > 0 else base,
-            )
-        )
+        rows.append(dict(entry, token=token, effective_priority=effective_priority(entry)))
     if as_json:
         _echo_json({"address": address, "waiters": rows})
         return

@@ -377,10 +377,9 @@ class ProfileCluster:
             or not self.backend.worker_names().issuperset(names)
         )
 
-    def admit(self, stop: threading.Event, say: Callable[[str], None]) -> float:
-        """Seconds a new task was held back for aged waiters of a shared scheduler
-        (gpu_tasks.remote); a local profile's waiters age in the device queue: 0."""
-        return 0.0
+    def admit(self, stop: threading.Event, say: Callable[[str], None]) -> None:
+        """Hold a new task back for aged waiters of a shared scheduler (gpu_tasks.remote); a local
+        profile's waiters age in the device queue: nothing to do here."""
 
     def preempted_by(self, key: str) -> dict[str, Any]:
         """The waiter a shared scheduler's task ``key`` was interrupted for (gpu_tasks.remote);

@@ -256,10 +256,17 @@ def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
     priority and one ``aging`` the earlier arrival never has the lower effective priority,
     so aging keeps them first-come-first-served.
     """
-    base = int(info.get("priority") or 0)
-    aging = float(info.get("aging") or 0.0)
     arrived = float(info.get("arrived", math.inf))
     waited = (time.time() if now is None else now) - arrived
+    return aged_priority(int(info.get("priority") or 0), float(info.get("aging") or 0.0), waited)
+
+
+def aged_priority(base: int, aging: float, waited: float) -> int:
+    """``base + floor(waited / aging)``; ``base`` without aging (``aging`` 0) or without a wait.
+
+    The one aging rule: the device queue here (:func:`effective_priority`) and the waiter
+    board of a shared scheduler (gpu_tasks._shared_board, ``gpu-tasks waiters``) use it.
+    """
     if aging <= 0 or not math.isfinite(waited) or waited <= 0:
         return base
     return base + math.floor(waited / aging)

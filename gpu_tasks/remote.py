@@ -502,18 +502,18 @@ class RemoteCluster(ProfileCluster):
                     },
                 )
 
-    def admit(self, stop: threading.Event, say: Callable[[str], None]) -> float:
+    def admit(self, stop: threading.Event, say: Callable[[str], None]) -> None:
         """Hold a new task back while a waiter of lower priority on the board has aged past our
         priority (``GPU_TASKS_PRIORITY_AGING``) and waits on workers we use: so a stream of our
-        tasks cannot starve it. Seconds held; tasks already with the scheduler keep their place.
+        tasks cannot starve it. Tasks already with the scheduler keep their place.
 
         Raises:
             RuntimeError: ``stop`` was set (the runner is stopping).
         """
         board, client = self.board, self.client
         if board is None or client is None or time.monotonic() - self._clear_at < BOARD_STEP_S:
-            return 0.0
-        t0 = next_log = time.monotonic()
+            return
+        next_log = time.monotonic()
         ours = {w.address for w in self._fit}
         while True:
             try:
@@ -527,7 +527,7 @@ class RemoteCluster(ProfileCluster):
             now = time.monotonic()
             if not ahead:
                 self._clear_at = now
-                return now - t0
+                return
             if now >= next_log:
                 first = max(ahead, key=lambda e: int(e["effective_priority"]))
                 say(
