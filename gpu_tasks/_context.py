@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from gpu_tasks._api import for_workers
+from gpu_tasks._blobs import Blob, Blobs
 from gpu_tasks._prefect_private import deployment_context
 
 
@@ -30,6 +31,8 @@ class ContextSerializer:
         )
         self._settings: tuple[Any, dict[str, Any], str] | None = None
         self._result_store: tuple[Any, dict[str, Any]] | None = None
+        self.blobs = Blobs()  # pickled once per runner: the flow run's context, its tasks
+        self._flow_runs: dict[int, tuple[Any, Any, Blob]] = {}  # id(ctx) -> (ctx, its flow run, blob)
 
     def serialize(self, asset_ctx_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
         """The serialized context, and a key that names its settings (equal keys, equal settings)."""
@@ -47,10 +50,10 @@ class ContextSerializer:
         tags_ctx = pctx.TagsContext.get()
         deployment_id, deployment_parameters = deployment_context()
         context = {
-            "flow_run_context": self._flow_run(flow_run_ctx) if flow_run_ctx else {},
+            "flow_run_context": self._flow_run_blob(flow_run_ctx) if flow_run_ctx else {},
             "task_run_context": task_run_ctx.serialize() if task_run_ctx else {},
             "tags_context": tags_ctx.serialize() if tags_ctx else {},
-            "settings_context": cached[1],
+            "settings_context": self.blobs.blob(cached[1]),
             "asset_context": (
                 pctx.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize()
                 if asset_ctx_kwargs
@@ -60,6 +63,23 @@ class ContextSerializer:
             "deployment_parameters": deployment_parameters,
         }
         return context, cached[2]
+
+    def _flow_run_blob(self, ctx: Any) -> Blob:
+        """The flow run context, serialized and pickled once per flow run (see :mod:`gpu_tasks._blobs`).
+
+        What its tasks see of it is what it was when the first of them was handed off,
+        as for all of them before: the flow, its parameters and the flow run (Running).
+        """
+        made = self._flow_runs.get(id(ctx))
+        if made is None or made[0] is not ctx or made[1] is not ctx.flow_run:
+            if len(self._flow_runs) >= 8:
+                self._flow_runs.clear()
+            made = self._flow_runs[id(ctx)] = (
+                ctx,
+                ctx.flow_run,
+                self.blobs.blob(self._flow_run(ctx), "flow_run_context"),
+            )
+        return made[2]
 
     def _flow_run(self, ctx: Any) -> dict[str, Any]:
         """``ctx.serialize()``, with its result store (a block: costly to dump) dumped once per store."""

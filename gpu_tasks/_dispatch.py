@@ -358,7 +358,7 @@ class Dispatcher:
                     run_on_worker,
                     prof.name,
                     float(prof.share),
-                    task,
+                    live.context.blobs.blob(task, "task"),
                     kwargs,
                     settings_key,
                     not prof.is_local,

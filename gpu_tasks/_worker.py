@@ -21,6 +21,7 @@ import uuid
 from typing import Any
 
 from gpu_tasks import _dask_private, _worker_guard
+from gpu_tasks._blobs import opened
 from gpu_tasks._futures import futures_to_states
 from gpu_tasks._prefect_private import extend_no_limits_cache, tag_slots_held_by_flow
 from gpu_tasks._slots import SlotPool
@@ -104,8 +105,10 @@ def run_on_worker(
     except ValueError:  # pragma: no cover - not on a worker
         dask_worker = None
     address = dask_worker.address if dask_worker is not None else None
-    settings = _worker_settings(settings_key, kwargs["context"]["settings_context"])
-    kwargs = {**kwargs, "context": {**kwargs["context"], "settings_context": settings}}
+    task = opened(task)
+    context = {k: opened(v) for k, v in kwargs["context"].items()}
+    settings = _worker_settings(settings_key, context["settings_context"])
+    kwargs = {**kwargs, "context": {**context, "settings_context": settings}}
     if remote:
         from gpu_tasks.remote import owned_devices
 
@@ -114,8 +117,8 @@ def run_on_worker(
     else:
         alloc = worker_allocation(profile_name, fraction, address)
     _worker_guard.on_orphaned(_report_orphaned)  # once per worker process (idempotent)
-    flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run") or {}
-    running = (task, flow_run.get("id"), alloc, set(task.tags))
+    flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run")  # validated (_blobs)
+    running = (task, getattr(flow_run, "id", None), alloc, set(task.tags))
     with _RUNNING_LOCK:
         _RUNNING[kwargs["task_run_id"]] = running
     try:
@@ -124,7 +127,7 @@ def run_on_worker(
             SyncClientContext.model_construct(client=_thread_client(settings_key)),
         ):
             if remote:
-                after = _after_lost_worker(task, kwargs, flow_run.get("id"), alloc)
+                after = _after_lost_worker(task, kwargs, running[1], alloc)
                 if isinstance(after, tuple):
                     task, kwargs = after
                 elif after is not None:  # no retries left: the Crashed state is final

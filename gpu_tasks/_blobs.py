@@ -1,0 +1,118 @@
+"""Objects pickled once in the flow process and loaded once per worker process.
+
+Every task a process profile hands to Dask carries its Prefect ``Task`` (its function
+pickled by value when it is defined in a script) and the flow run's serialized
+context (the flow, also by value). cloudpickle pickles a function by value by walking
+``sys.modules`` for the submodules its globals use, which in a flow process that has
+imported Prefect and Dask costs about a millisecond a task: the largest part of a
+GPU profile's per-task cost in the flow process (profiled with py-spy). The objects
+do not change between the tasks of a flow run, so :meth:`Blobs.blob` pickles each once and
+Dask sends the bytes; the worker process unpickles them once (:func:`_load`) and
+hands every later task the object it loaded, as the thread pool hands every thread
+the same ``Task``.
+
+Both caches are bounded (least recently used first out). The flow side's belongs
+to one runner (:class:`Blobs`) and keeps the objects it pickled alive, so an ``id``
+is never reused for another object while its bytes are cached.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+KEEP = 256  # objects per process: a flow run's tasks and contexts, and a few flow runs'
+
+
+class Blob:
+    """``obj`` pickled once; :meth:`open` gives the object, unpickled once per process.
+
+    A blob pickles as its bytes: it passes through Dask's scheduler (which unpickles a
+    task's arguments and pickles them again for the worker) without unpickling ``obj``.
+    """
+
+    __slots__ = ("data", "key", "kind")
+
+    def __init__(self, key: str, data: bytes, kind: str) -> None:
+        self.key, self.data, self.kind = key, data, kind
+
+    def __reduce__(self) -> tuple[Any, tuple[str, bytes, str]]:
+        return Blob, (self.key, self.data, self.kind)
+
+    def open(self) -> Any:
+        """The object, unpickled at the first call for this blob in this process."""
+        return _load(self.key, self.data, self.kind)
+
+
+def opened(value: Any) -> Any:
+    """``value``'s object if it is a :class:`Blob`, else ``value``."""
+    return value.open() if isinstance(value, Blob) else value
+
+
+KEEP_BYTES = 256 * 2**20  # and at most this many pickled bytes' worth of them
+
+_LOADED: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key -> (object loaded here, its bytes)
+_LOCK = threading.Lock()
+
+
+class Blobs:
+    """The flow side: one per runner, so what it keeps alive goes with the runner."""
+
+    def __init__(self) -> None:
+        self._made: OrderedDict[int, tuple[Any, Blob]] = OrderedDict()  # id(obj) -> (obj, its blob)
+        self._lock = threading.Lock()
+
+    def blob(self, obj: Any, kind: str = "") -> Blob:
+        """``obj``'s blob, pickled (cloudpickle) at the first call for this object.
+
+        ``obj`` must not change while its blob is in use: later changes do not reach workers.
+        """
+        import cloudpickle  # type: ignore[import-untyped]
+
+        with self._lock:
+            made = self._made.get(id(obj))
+            if made is not None and made[0] is obj:
+                self._made.move_to_end(id(obj))
+                return made[1]
+        out = Blob(uuid.uuid4().hex, cloudpickle.dumps(obj), kind)
+        with self._lock:
+            self._made[id(obj)] = (obj, out)
+            while len(self._made) > KEEP:
+                self._made.popitem(last=False)
+        return out
+
+
+def _load(key: str, data: bytes, kind: str) -> Any:
+    """The object a blob holds, unpickled at its first arrival in this process."""
+    import pickle
+
+    with _LOCK:
+        if key in _LOADED:
+            _LOADED.move_to_end(key)
+            return _LOADED[key][0]
+    obj = _prepared(pickle.loads(data), kind)  # our own flow process pickled it
+    with _LOCK:
+        obj = _LOADED.setdefault(key, (obj, len(data)))[0]  # two threads may load it at once: one wins
+        while len(_LOADED) > 1 and (
+            len(_LOADED) > KEEP or sum(size for _, size in _LOADED.values()) > KEEP_BYTES
+        ):
+            _LOADED.popitem(last=False)
+    return obj
+
+
+def _prepared(obj: Any, kind: str) -> Any:
+    """Work done once per loaded blob instead of in every task that uses it."""
+    if kind == "flow_run_context":
+        # Prefect's hydrated_context validates the flow run and the result store (a block)
+        # from their dicts for every task; pydantic keeps a model instance as it is
+        from prefect.client.schemas.objects import FlowRun
+        from prefect.results import ResultStore
+
+        obj = dict(obj)
+        if isinstance(obj.get("flow_run"), dict):
+            obj["flow_run"] = FlowRun.model_validate(obj["flow_run"])
+        if isinstance(obj.get("result_store"), dict):
+            obj["result_store"] = ResultStore.model_validate(obj["result_store"])
+    return obj
