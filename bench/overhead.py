@@ -9,7 +9,8 @@ with the reason, without the ``bench`` extra) and ProfileTaskRunner (a CPU profi
 threads in the flow process; and a ``gpus=0.25`` profile on emulated devices: Dask
 worker processes). One flow per runner and N: eight warm-up tasks first bring up every
 worker, then the timed repeats run one after another in that flow, so cluster start-up
-(cold start, measured apart) is not counted as per-task overhead; for
+(cold start, measured apart) is not counted as per-task overhead; each repeat starts
+once Prefect's server has recorded every task run before it (its writes lag behind); for
 ProfileTaskRunner the timing then also waits for its warm pool to be refilled (the
 processes it starts to replace those the warm-up bound import Prefect, CPU that is
 start-up, not per-task cost).
@@ -98,12 +99,73 @@ def _pool_refilled(timeout: float = 60.0) -> None:
     warm = getattr(ctx.task_runner if ctx else None, "warm_workers", None)
     if warm is None:
         return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    start = time.monotonic()
+    while time.monotonic() < start + timeout:
         idle = warm()
         if idle and all(w["ready"] for w in idle):
             return
+        if not idle and time.monotonic() > start + 2:
+            return  # no pool (a CPU-only runner): waiting longer would only idle its flow
         time.sleep(0.05)
+
+
+def _server_caught_up(expected: int, timeout: float = 180.0) -> None:
+    """Wait until Prefect's server has recorded this flow run's ``expected`` task runs as completed.
+
+    Its task-run recorder writes states from events, behind the runs themselves: a timed repeat
+    that started while the server still wrote an earlier row's (or repeat's) backlog would share
+    its CPU with that, and so each row and repeat starts with a server that has caught up.
+    """
+    from prefect.client.orchestration import get_client
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks._prefect_private import count_task_runs
+
+    ctx = FlowRunContext.get()
+    if ctx is None or ctx.flow_run is None:
+        return
+    done = {
+        "task_runs": {
+            "flow_run_id": {"any_": [str(ctx.flow_run.id)]},
+            "state": {"type": {"any_": ["COMPLETED"]}},
+        }
+    }
+    deadline = time.monotonic() + timeout
+    with get_client(sync_client=True) as client:
+        while count_task_runs(client, done) < expected:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"Prefect's server recorded fewer than {expected} task runs in {timeout:g}s"
+                )
+            time.sleep(0.1)
+
+
+def _machine_quiet(timeout: float = 60.0) -> None:
+    """Wait until the previous row's processes have gone and the CPUs are near idle.
+
+    A local Ray cluster's processes take seconds of CPU to stop after its flow ends; the
+    row after it would otherwise be timed while they do.
+    """
+    import psutil
+
+    deadline = time.monotonic() + timeout
+    me = psutil.Process()
+    while time.monotonic() < deadline:
+        others = [  # the Prefect server (uvicorn) stays; multiprocessing's tracker outlives its pools
+            p
+            for p in me.children(recursive=True)
+            if not any(word in " ".join(_cmdline(p)) for word in ("resource_tracker", "uvicorn"))
+        ]
+        if not others and psutil.cpu_percent(interval=0.5) < 25:
+            return
+        time.sleep(0.5)
+
+
+def _cmdline(proc: Any) -> list[str]:
+    try:
+        return list(proc.cmdline())
+    except Exception:  # gone, or not ours to read
+        return []
 
 
 def run(sizes: list[int], repeats: int) -> dict[str, Any]:
@@ -137,7 +199,8 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
                     with r.around():
                         [f.result() for f in tagged.map(range(WARM_TASKS))]
                         _pool_refilled()
-                        for _ in range(repeats):
+                        for i in range(repeats):
+                            _server_caught_up(WARM_TASKS + i * n)
                             t0 = time.perf_counter()
                             values = [f.result() for f in tagged.map(range(n))]
                             seconds = time.perf_counter() - t0
@@ -146,6 +209,7 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
                             out.append(seconds * 1000 / n)
                     return out
 
+                _machine_quiet()
                 return overhead_flow()
 
             once(20, 1)  # warm-up: imports and Prefect's first-flow costs are not per-task overhead

@@ -252,6 +252,8 @@ class SlotGate:
         import httpx
         from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
+        from gpu_tasks._prefect_private import known_without_limits
+
         client = await self._api()
         holder = ConcurrencyLeaseHolder(type="task_run", id=hold.holder_id)
         assert hold._wake is not None
@@ -260,6 +262,10 @@ class SlotGate:
             hold._wake.clear()
             try:
                 async with self._one_at_a_time():
+                    if known_without_limits(hold.names):
+                        # an answer that came while this hold waited its turn (a map's tasks all
+                        # queue here when the cached answer expires): no limit, nothing to take
+                        return {"limits": []}
                     response = await client.increment_concurrency_slots_with_lease(
                         names=hold.names, slots=1, mode="concurrency", lease_duration=LEASE_S, holder=holder
                     )

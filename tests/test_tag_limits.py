@@ -119,3 +119,39 @@ def test_a_prefect_without_the_cache_is_left_as_it_is(monkeypatch):
     monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
     _run(f"t-{uuid.uuid4().hex[:8]}")
     assert services._no_limits_cache is other
+
+
+def test_tasks_queued_at_the_slot_gate_ask_the_server_once_when_no_limit_exists(monkeypatch):
+    """When the cached "no limits" answer has expired, a map's GPU tasks all queue at the flow's
+    slot gate, whose requests go out one at a time: the first answer lets the others through
+    without a request each (700 requests in a row took a 1,000-task map from 7 to 28 s)."""
+    import concurrent.futures
+    import contextvars
+
+    from prefect.client.orchestration import PrefectClient
+
+    from gpu_tasks._slotgate import SlotGate, slot_names
+
+    _shipped_cache(monkeypatch)
+    asked: list[list[str]] = []
+    increment = PrefectClient.increment_concurrency_slots_with_lease
+
+    async def counted(self, *args, **kwargs):  # the real request, counted
+        asked.append(list(kwargs.get("names") or args[0]))
+        return await increment(self, *args, **kwargs)
+
+    monkeypatch.setattr(PrefectClient, "increment_concurrency_slots_with_lease", counted)
+    names = slot_names({f"no-limit-{uuid.uuid4().hex[:8]}", "gpu-tasks-test"})
+    gate = SlotGate()
+    ready: dict[uuid.UUID, concurrent.futures.Future] = {}
+    try:
+        for _ in range(40):
+            done: concurrent.futures.Future = concurrent.futures.Future()
+            holder = uuid.uuid4()
+            ready[holder] = done
+            gate.take(names, holder, contextvars.copy_context(), done.set_result, done.set_exception)
+        holds = [f.result(timeout=60) for f in ready.values()]
+    finally:
+        gate.close()
+    assert all(h.state in ("held", "released") and h.limits == [] for h in holds)
+    assert asked == [names]  # one request for all 40
