@@ -148,23 +148,29 @@ class Dispatcher:
             raise
 
     def _slots_taken(self, job: Job, hold: Hold, then: Callable[[], Any]) -> None:
+        """On the gate's callback thread: report a long wait, then ``then()``; whatever fails here,
+        the task goes on or ends, never left waiting (an error on this thread is only logged)."""
         if hold.limits:
             job.slot_waited = hold.waited
             if hold.waited >= SLOT_WAIT_REPORTED_S:
-                _say(
-                    job,
-                    logging.INFO,
-                    "Task %r waited %.1fs for a Prefect concurrency slot (%s) and held no device meanwhile",
-                    job.task.name,
-                    hold.waited,
-                    ", ".join(hold.limits),
-                )
-                self.live.emit_task(
-                    "slot-waited", job, {"seconds": round(hold.waited, 3), "limits": hold.limits}
-                )
+                try:
+                    _say(
+                        job,
+                        logging.INFO,
+                        "Task %r waited %.1fs for a Prefect concurrency slot (%s) and held no device "
+                        "meanwhile",
+                        job.task.name,
+                        hold.waited,
+                        ", ".join(hold.limits),
+                    )
+                    self.live.emit_task(
+                        "slot-waited", job, {"seconds": round(hold.waited, 3), "limits": hold.limits}
+                    )
+                except Exception:
+                    logger.warning("gpu-tasks: could not report a slot wait", exc_info=True)
         try:
             then()
-        except RuntimeError as exc:  # the runner is stopping: its executors take no more work
+        except BaseException as exc:  # RuntimeError: the runner is stopping, its executors take no work
             _off_thread(job, self.finish, job, None, exc, name=f"gpu-tasks-slots-{job.profile.name}")
 
     def _slots_failed(self, job: Job, exc: BaseException) -> None:

@@ -43,6 +43,7 @@ LEASE_S = 60.0  # the lease Prefect's task engine asks for on tag slots
 RENEW_EVERY_S = 20.0  # well inside the lease, so one slow renewal does not lose it
 RETRY_AFTER_DEFAULT_S = 1.0  # a full limit's answer without a usable Retry-After
 CLOSE_TIMEOUT_S = 10.0
+WAIT_LOGGED_S = 30.0  # a wait this long is logged (each RENEW_EVERY_S while it lasts)
 
 
 def slot_names(tags: Sequence[str] | set[str]) -> list[str]:
@@ -324,9 +325,27 @@ class SlotGate:
     async def _renew_forever(self) -> None:
         while True:
             await asyncio.sleep(RENEW_EVERY_S)
+            self._say_long_waits()
             held = [h for h in list(self._holds) if h.state == "held" and h.lease_id is not None]
             if held:
                 await asyncio.gather(*(self._renew(h) for h in held))
+
+    def _say_long_waits(self) -> None:
+        """Log the task runs that have waited over ``WAIT_LOGGED_S`` for their slots (nothing waits
+        unseen: a full limit, or a server that does not answer)."""
+        now = time.monotonic()
+        waiting: dict[tuple[str, ...], list[float]] = {}
+        for hold in list(self._holds):
+            if hold.state == "waiting" and now - hold._asked >= WAIT_LOGGED_S:
+                waiting.setdefault(tuple(hold.names), []).append(now - hold._asked)
+        for names, waits in waiting.items():
+            logger.info(
+                "gpu-tasks: %d task run(s) waiting for Prefect tag concurrency slots (%s), the longest "
+                "%.0fs; they hold no device meanwhile",
+                len(waits),
+                ", ".join(names),
+                max(waits),
+            )
 
     async def _renew(self, hold: Hold) -> None:
         lease_id = hold.lease_id

@@ -9,6 +9,7 @@ each test puts a fresh one in place with monkeypatch, as the runner's own test d
 
 from __future__ import annotations
 
+import time
 import uuid
 
 import cachetools
@@ -155,3 +156,48 @@ def test_tasks_queued_at_the_slot_gate_ask_the_server_once_when_no_limit_exists(
         gate.close()
     assert all(h.state in ("held", "released") and h.limits == [] for h in holds)
     assert asked == [names]  # one request for all 40
+
+
+def test_a_long_wait_at_the_slot_gate_is_logged_while_it_lasts(monkeypatch, caplog):
+    """A task run waiting for a full tag limit is logged while it waits (every 20 s after 30 s;
+    shortened here), then gets the slot once the holder gives it back."""
+    import concurrent.futures
+    import contextvars
+    import logging
+
+    from gpu_tasks import _slotgate
+    from gpu_tasks._slotgate import SlotGate, slot_names
+
+    monkeypatch.setattr(_slotgate, "RENEW_EVERY_S", 0.3)
+    monkeypatch.setattr(_slotgate, "WAIT_LOGGED_S", 0.5)
+    tag = f"serial-{uuid.uuid4().hex[:8]}"
+    code, body = api("POST", "/v2/concurrency_limits/", json={"name": f"tag:{tag}", "limit": 1})
+    assert code == 201, body
+    gate = SlotGate()
+    firsts: list[concurrent.futures.Future] = [concurrent.futures.Future() for _ in range(2)]
+    try:
+        with caplog.at_level(logging.INFO, logger="gpu_tasks.runner"):
+            for done in firsts:
+                gate.take(
+                    slot_names({tag}),
+                    uuid.uuid4(),
+                    contextvars.copy_context(),
+                    done.set_result,
+                    done.set_exception,
+                )
+            holder = firsts[0].result(timeout=30)
+            assert holder.limits == [f"tag:{tag}"]
+            deadline = time.monotonic() + 10
+            while (
+                "waiting for Prefect tag concurrency slots" not in caplog.text and time.monotonic() < deadline
+            ):
+                time.sleep(0.1)
+            assert not firsts[1].done()
+            gate.release(holder)
+            second = firsts[1].result(timeout=30)
+        assert second.limits == [f"tag:{tag}"] and second.waited >= 0.5
+        line = next(r.getMessage() for r in caplog.records if "waiting for Prefect tag" in r.getMessage())
+        assert f"1 task run(s) waiting for Prefect tag concurrency slots (tag:{tag})" in line
+    finally:
+        gate.close()
+        api("DELETE", f"/v2/concurrency_limits/tag:{tag}")
