@@ -92,7 +92,14 @@ def _load(key: str, data: bytes, kind: str) -> Any:
         if key in _LOADED:
             _LOADED.move_to_end(key)
             return _LOADED[key][0]
-    obj = _prepared(pickle.loads(data), kind)  # our own flow process pickled it
+    if threading.current_thread() is threading.main_thread():
+        loaded = pickle.loads(data)  # our own flow process pickled it
+    else:  # a worker thread: what it imports may not set signal handlers (dask_jobqueue.runner does)
+        from gpu_tasks.remote import signal_handlers_kept
+
+        with signal_handlers_kept():
+            loaded = pickle.loads(data)
+    obj = _prepared(loaded, kind)
     with _LOCK:
         obj = _LOADED.setdefault(key, (obj, len(data)))[0]  # two threads may load it at once: one wins
         while len(_LOADED) > 1 and (

@@ -203,25 +203,30 @@ def security_for(profile: ResourceProfile) -> Any:
 
 
 @contextlib.contextmanager
-def _signal_handlers_kept() -> Iterator[None]:
-    """Import a cluster manager's module without letting it replace signal handlers.
+def signal_handlers_kept() -> Iterator[None]:
+    """Import a cluster manager's module (or unpickle what refers to one: :mod:`gpu_tasks._blobs`)
+    without letting it replace signal handlers.
 
     ``dask_jobqueue.runner`` sets a SIGINT handler when it is imported: on a thread other
     than the main one that import raises ``ValueError``, and on the main thread it would
     replace Prefect's Ctrl-C handling with ``sys.exit()``. During the import,
     ``signal.signal`` leaves handlers as they are.
     """
-    real = signal.signal
+    with _SIGNAL_SWAP:  # one swap at a time: two threads' nested swaps could keep `keep` for good
+        real = signal.signal
 
-    def keep(signum: Any, handler: Any) -> Any:
-        logger.debug("gpu-tasks: kept the handler of signal %s while importing a cluster class", signum)
-        return signal.getsignal(signum)
+        def keep(signum: Any, handler: Any) -> Any:
+            logger.debug("gpu-tasks: kept the handler of signal %s while importing a cluster class", signum)
+            return signal.getsignal(signum)
 
-    signal.signal = keep  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        signal.signal = real
+        signal.signal = keep  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            signal.signal = real
+
+
+_SIGNAL_SWAP = threading.RLock()
 
 
 def load_cluster_class(profile: ResourceProfile) -> type:
@@ -236,7 +241,7 @@ def load_cluster_class(profile: ResourceProfile) -> type:
     assert path is not None
     module_name, _, attr = path.rpartition(".")
     try:
-        with _signal_handlers_kept():
+        with signal_handlers_kept():
             module = importlib.import_module(module_name)
     except ImportError as exc:
         raise ClusterError(
