@@ -141,11 +141,9 @@ def _server_caught_up(expected: int, timeout: float = 180.0) -> None:
 
 
 def _machine_quiet(timeout: float = 60.0) -> None:
-    """Wait until the previous row's processes have gone and the CPUs are near idle.
+    """Wait until the previous row's processes (a local Ray cluster's) have gone and the CPUs are
+    near idle, so that no row is timed while another row's processes stop (at most ``timeout``)."""
 
-    A local Ray cluster's processes take seconds of CPU to stop after its flow ends; the
-    row after it would otherwise be timed while they do.
-    """
     import psutil
 
     deadline = time.monotonic() + timeout
