@@ -41,6 +41,9 @@ from gpu_tasks.profiles import profile
 logger = logging.getLogger("gpu_tasks.runner")
 
 ESCALATED_TAG = "gpu-tasks:on-oom"
+# hand-offs a profile's dispatch thread sends to its Dask cluster as one graph, at most
+OUTBOX_MAX = 32
+_ON_DISPATCH_THREAD = threading.local()  # .st: the profile whose dispatch thread this is, while it dispatches
 # a wait for a tag slot this long is logged and sent as an event (shorter ones: the API round trip)
 SLOT_WAIT_REPORTED_S = 0.5
 
@@ -276,6 +279,74 @@ class Dispatcher:
         self.finish(job, result=state)
 
     # ------------------------------------------------------------ dispatch
+    def later(self, job: Job) -> None:
+        """Dispatch ``job`` on its profile's dispatch thread (a GPU profile's: waiting for devices
+        there blocks neither the flow nor other profiles).
+
+        Its hand-offs to a local Dask cluster leave in batches: each dispatch on that thread
+        adds its task to the profile's outbox, sent as one graph once no dispatch is queued
+        behind it, or at ``OUTBOX_MAX`` (:meth:`flush`). A lone task leaves at once; a burst
+        (``.map``) costs Dask one graph per batch, not per task.
+        """
+        st = job.st
+        assert st.dispatcher is not None
+        with st.counts_lock:
+            st.queued += 1
+        try:
+            st.dispatcher.submit(self._dispatch_queued, st, job)
+        except BaseException:
+            with st.counts_lock:
+                st.queued -= 1
+            raise
+
+    def _dispatch_queued(self, st: ProfileState, job: Job) -> None:
+        _ON_DISPATCH_THREAD.st = st
+        try:
+            self.dispatch(job)
+        finally:
+            _ON_DISPATCH_THREAD.st = None
+            with st.counts_lock:
+                st.queued -= 1
+                last = st.queued == 0
+            if last or len(st.outbox) >= OUTBOX_MAX:
+                self.flush(st)
+
+    def flush(self, st: ProfileState) -> None:
+        """Send ``st``'s outbox to its cluster as one graph (on its dispatch thread)."""
+        batch, st.outbox = st.outbox, []
+        batch = [b for b in batch if b[0].attempt == b[1]]  # one preempted meanwhile is queued again
+        if not batch:
+            return
+        try:
+            dfuts = st.cluster.submit_many(
+                run_on_worker,
+                [b[2] for b in batch],
+                [b[0].key for b in batch],
+                task_resources(st.cluster.profile),
+            )
+        except BaseException as exc:
+            for job, _, _ in batch:
+                self._not_handed_off(job, exc)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (job, attempt, _), dfut in zip(batch, dfuts, strict=True):
+            dfut.add_done_callback(partial(self._on_done, job, attempt))
+
+    def _not_handed_off(self, job: Job, exc: BaseException) -> None:
+        """``job`` was counted running but its cluster took no task: end it as :meth:`dispatch` does."""
+        if not isinstance(exc, Exception):
+            self.finish(job, exc=exc, dispatched=True)
+            return
+        try:
+            state = job.ctx.run(
+                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
+            )
+        except BaseException as err:  # never leave the future unresolved
+            self.finish(job, exc=err, dispatched=True)
+            return
+        self.finish(job, result=state, dispatched=True)
+
     def dispatch(self, job: Job) -> None:
         """Run ``job`` on its profile's cluster (its upstream futures are done)."""
         try:
@@ -290,6 +361,15 @@ class Dispatcher:
         except BaseException as exc:
             self.finish(job, exc=exc)
             raise
+
+    def _may_provision(self, st: ProfileState) -> bool:
+        """Whether the next dispatch of ``st`` starts or grows its cluster (a read without the lock)."""
+        cluster = st.cluster
+        if not cluster.running:
+            return True
+        return desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit) > (
+            cluster.worker_count
+        )
 
     def _provision(self, st: ProfileState) -> None:
         """Start ``st``'s cluster, or grow it, for one more task (call under ``st.lock``)."""
@@ -325,6 +405,8 @@ class Dispatcher:
             st.cluster.admit(live.stop, partial(_say, job, logging.INFO, "%s"))
         if prof.quota is not None and not prof.is_local and job.quota_lease is None:
             self._take_task_quota(job)
+        if st.outbox and self._may_provision(st):
+            self.flush(st)  # what is ready leaves before this dispatch waits for devices or workers
         with st.lock:
             if live.stop.is_set():
                 raise RuntimeError("the task runner is shutting down")
@@ -360,8 +442,7 @@ class Dispatcher:
                         "copy_to_child_ctx": True,
                     }
                 )
-                dfut = st.cluster.submit(
-                    run_on_worker,
+                args = (
                     prof.name,
                     float(prof.share),
                     live.context.blobs.blob(task, "task"),
@@ -369,9 +450,11 @@ class Dispatcher:
                     settings_key,
                     not prof.is_local,
                     job.slot_names,
-                    key=key,
-                    resources=task_resources(prof),
                 )
+                if prof.is_local and getattr(_ON_DISPATCH_THREAD, "st", None) is st:
+                    st.outbox.append((job, job.attempt, args))  # sent by flush(), on this thread
+                    return
+                dfut = st.cluster.submit(run_on_worker, *args, key=key, resources=task_resources(prof))
         dfut.add_done_callback(partial(self._on_done, job, job.attempt))
 
     # ------------------------------------------------------------ collect

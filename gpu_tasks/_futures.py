@@ -14,10 +14,44 @@ from typing import Any
 from prefect.futures import PrefectFuture
 from prefect.utilities.collections import visit_collection
 
+_ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
+_SEQUENCES = frozenset({list, tuple, set, frozenset})
+_PLAIN_DEPTH = 32
 
-def pending_futures(expr: Any) -> list[PrefectFuture[Any]]:
-    """The Prefect futures in ``expr`` (any nesting) that are not done yet."""
+
+def _plain_futures(expr: Any, found: list[PrefectFuture[Any]], depth: int = 0) -> bool:
+    """Add the Prefect futures in ``expr`` to ``found`` when ``expr`` is made of nothing but
+    built-in dicts, lists, tuples and sets of numbers, strings and futures; ``False`` (stop) at
+    anything else: Prefect's ``visit_collection`` then walks it, with its rules for models,
+    dataclasses, ``quote`` and ``allow_failure``.
+
+    The common case (``.map`` over numbers or paths) costs a few type checks: Prefect's walk
+    builds typing aliases at every level, a third of the flow process's CPU per task when
+    measured on a ``.map`` of 1,000 tasks.
+    """
+    kind = type(expr)
+    if kind in _ATOMS:
+        return True
+    if isinstance(expr, PrefectFuture):
+        found.append(expr)
+        return True
+    if depth >= _PLAIN_DEPTH:
+        return False
+    if kind is dict:
+        return all(
+            _plain_futures(k, found, depth + 1) and _plain_futures(v, found, depth + 1)
+            for k, v in expr.items()
+        )
+    if kind in _SEQUENCES:
+        return all(_plain_futures(x, found, depth + 1) for x in expr)
+    return False
+
+
+def _all_futures(expr: Any) -> list[PrefectFuture[Any]]:
     found: list[PrefectFuture[Any]] = []
+    if _plain_futures(expr, found):
+        return found
+    found.clear()
 
     def visit(x: Any) -> Any:
         if isinstance(x, PrefectFuture):
@@ -25,7 +59,12 @@ def pending_futures(expr: Any) -> list[PrefectFuture[Any]]:
         return x
 
     visit_collection(expr, visit_fn=visit, return_data=False)
-    return [f for f in found if not _is_done(f)]
+    return found
+
+
+def pending_futures(expr: Any) -> list[PrefectFuture[Any]]:
+    """The Prefect futures in ``expr`` (any nesting) that are not done yet."""
+    return [f for f in _all_futures(expr) if not _is_done(f)]
 
 
 def _is_done(f: PrefectFuture[Any]) -> bool:
@@ -53,6 +92,9 @@ def when_all_done(futures: list[PrefectFuture[Any]], then: Callable[[], Any]) ->
 
 def futures_to_states(expr: Any) -> Any:
     """Replace Prefect futures by their final states, which travel to any cluster."""
+    found: list[PrefectFuture[Any]] = []
+    if _plain_futures(expr, found) and not found:
+        return expr  # plain data without futures: nothing to replace (else Prefect's walk does it)
 
     def visit(x: Any) -> Any:
         if isinstance(x, PrefectFuture):

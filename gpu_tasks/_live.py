@@ -72,6 +72,10 @@ class ProfileState:
             if cluster.profile.is_gpu
             else None
         )
+        # hand-offs made on that thread and not yet sent to the cluster, and dispatches queued for
+        # it: the thread sends its hand-offs as one batch when none is left (gpu_tasks._dispatch)
+        self.outbox: list[tuple[Job, int, tuple[Any, ...]]] = []
+        self.queued = 0  # under counts_lock
 
     def arrive(self) -> None:
         """A task of this profile was submitted (or moved here)."""

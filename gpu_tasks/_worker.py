@@ -335,15 +335,39 @@ def _thread_client(key: str) -> Any:
     return client
 
 
-def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
-    from prefect.task_engine import run_task_async, run_task_sync
+# Tasks as run on an allocation (placement tags, out-of-memory errors translated), by the task's
+# id and the allocation: Task.with_options builds a new Task (its signature, docstring and key) at
+# about 8% of a worker's CPU per task; each entry keeps its task, so an id is never reused meanwhile.
+_PREPARED: dict[tuple[int, Allocation], tuple[Any, Any]] = {}
+_PREPARED_LOCK = threading.Lock()
+_PREPARED_KEEP = 256
 
+
+def _prepared(task: Any, alloc: Allocation) -> Any:
+    """``task`` as it runs on ``alloc``: tagged with its devices, its out-of-memory errors named."""
+    key = (id(task), alloc)
+    with _PREPARED_LOCK:
+        hit = _PREPARED.get(key)
+    if hit is not None and hit[0] is task:
+        return hit[1]
+    out = task
     placement = alloc.placement_tags()
     if placement and not placement <= set(task.tags):
         # the task run shows where it ran in the Prefect UI: gpu:<id> per device, emulated or not
-        task = task.with_options(tags=set(task.tags) | placement)
+        out = out.with_options(tags=set(out.tags) | placement)
     if alloc.profile:
-        task = _oom_translated(task, alloc)
+        out = _oom_translated(out, alloc)
+    with _PREPARED_LOCK:
+        if len(_PREPARED) >= _PREPARED_KEEP:
+            _PREPARED.clear()
+        _PREPARED[key] = (task, out)
+    return out
+
+
+def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
+    from prefect.task_engine import run_task_async, run_task_sync
+
+    task = _prepared(task, alloc)
     start = time.time()
     try:
         with allocated(alloc):

@@ -167,6 +167,19 @@ class Backend:
         """Run ``fn(*args)``; a future with ``add_done_callback`` and ``result``."""
         raise NotImplementedError
 
+    def submit_many(
+        self,
+        fn: Callable[..., Any],
+        argss: list[tuple[Any, ...]],
+        keys: list[str],
+        resources: dict[str, float] | None,
+    ) -> list[Any]:
+        """``submit`` for each of ``argss`` (under ``keys``): the futures, in that order."""
+        return [
+            self.submit(fn, *args, key=key, resources=resources)
+            for args, key in zip(argss, keys, strict=True)
+        ]
+
     def add(self, specs: list[WorkerSpec], total: int) -> None:
         """Start the workers of ``specs`` and wait until ``total`` workers are up."""
         raise ClusterError(f"{type(self).__name__} does not add workers")
@@ -241,6 +254,20 @@ class DaskBackend(Backend):
     def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
         assert self.client is not None
         return self.client.submit(fn, *args, key=key, pure=False, resources=resources)
+
+    def submit_many(
+        self,
+        fn: Callable[..., Any],
+        argss: list[tuple[Any, ...]],
+        keys: list[str],
+        resources: dict[str, float] | None,
+    ) -> list[Any]:
+        # one graph for the scheduler, not one each: Dask's per-graph cost (a client message, the
+        # scheduler's materialize and order steps on its offload thread) is paid once per batch
+        assert self.client is not None
+        if len(argss) == 1:
+            return [self.submit(fn, *argss[0], key=keys[0], resources=resources)]
+        return list(self.client.map(fn, *zip(*argss, strict=True), key=keys, pure=False, resources=resources))
 
     def add(self, specs: list[WorkerSpec], total: int) -> None:
         for s in specs:

@@ -269,6 +269,14 @@ class ProfileCluster:
             raise ClusterError(f"profile {self.profile.name!r}: its cluster is not running")
         return self.backend.submit(fn, *args, key=key, resources=resources)
 
+    def submit_many(
+        self, fn: Any, argss: list[tuple[Any, ...]], keys: list[str], resources: dict[str, float] | None
+    ) -> list[Any]:
+        """:meth:`submit` for each of ``argss`` at once (one graph on a Dask cluster)."""
+        if self.backend is None:
+            raise ClusterError(f"profile {self.profile.name!r}: its cluster is not running")
+        return self.backend.submit_many(fn, argss, keys, resources)
+
     def record(self, worker: str, start: float, end: float) -> None:
         """Record that a task ran on ``worker`` from ``start`` to ``end``.
 

@@ -15,7 +15,7 @@ import contextvars
 import logging
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -272,15 +272,18 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             ctx=contextvars.copy_context(),
         )
         future = ProfileFuture(job.task_run_id, job.cf, profile=prof.name)
-        run = partial(dispatcher.dispatch, job)
         upstream = pending_futures((parameters, list(wait_for or ())))
-        executor = st.dispatcher or live.executor
-        if not upstream and st.dispatcher is None:
-            run()  # CPU profiles: dispatch right here, the cheapest path
-        elif not upstream:
-            dispatcher.admit(job, lambda: executor.submit(run))  # GPU: tag slots before devices
+        run: Callable[[], Any]
+        if st.dispatcher is not None:
+            run = partial(dispatcher.later, job)  # on the profile's dispatch thread
         else:
-            when_all_done(upstream, lambda: dispatcher.admit(job, lambda: executor.submit(run)))
+            run = partial(live.executor.submit, dispatcher.dispatch, job)
+        if not upstream and st.dispatcher is None:
+            dispatcher.dispatch(job)  # CPU profiles: dispatch right here, the cheapest path
+        elif not upstream:
+            dispatcher.admit(job, run)  # GPU: tag slots before devices
+        else:
+            when_all_done(upstream, lambda: dispatcher.admit(job, run))
         return future
 
     # ------------------------------------------------------------ inspection

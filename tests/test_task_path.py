@@ -1,0 +1,145 @@
+"""The per-task path of a GPU profile: hand-offs to Dask in batches, inputs walked cheaply,
+tag checks answered from Prefect's cache, tasks prepared once per allocation."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import uuid
+
+import pytest
+from prefect import flow, task
+from prefect.client.schemas.objects import State
+from prefect.futures import PrefectConcurrentFuture
+from prefect.utilities.annotations import quote
+from pydantic import BaseModel
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+from gpu_tasks._futures import futures_to_states, pending_futures
+from gpu_tasks.allocation import Allocation
+from gpu_tasks.backends import DaskBackend
+
+PROFILES = [
+    ResourceProfile(name="cpu", cpus=0.5),
+    ResourceProfile(name="quarter", gpus=0.25, idle_timeout=30),
+]
+
+
+def _future(done: bool) -> PrefectConcurrentFuture[int]:
+    cf: concurrent.futures.Future[int] = concurrent.futures.Future()
+    if done:
+        cf.set_result(1)
+    return PrefectConcurrentFuture(task_run_id=uuid.uuid4(), wrapped_future=cf)
+
+
+class Holder(BaseModel):
+    model_config = {"arbitrary_types_allowed": True}
+    inner: object
+
+
+def test_pending_futures_finds_them_in_plain_data_and_in_what_only_prefects_walk_knows():
+    waiting, done = _future(False), _future(True)
+    assert pending_futures(({"x": 1, "ys": [2.0, "a", None, (waiting,)]}, [done])) == [waiting]
+    assert pending_futures(({"x": 1, "ys": [2, 3]}, [])) == []
+    # a pydantic model is walked by Prefect's visit_collection, which looks inside its fields
+    assert pending_futures(({"m": Holder(inner=waiting)}, [])) == [waiting]
+    # an annotation (quote, allow_failure) is unwrapped by Prefect's walk, as before
+    assert pending_futures(({"q": quote([waiting])}, [])) == [waiting]
+
+
+def test_futures_to_states_returns_plain_data_as_it_is_and_replaces_futures():
+    plain = {"x": 1, "ys": [1, 2, {"z": "a"}]}
+    assert futures_to_states(plain) is plain
+    done = _future(True)
+    out = futures_to_states({"x": [done, 3]})
+    assert out["x"][1] == 3 and isinstance(out["x"][0], State)  # the future became its state
+
+
+def test_a_task_is_prepared_once_per_allocation_on_a_worker():
+    from gpu_tasks._worker import _prepared
+
+    @task(tags=["mine"])
+    def work() -> int:
+        return 1
+
+    on0 = Allocation(profile="quarter", devices=("0",), fraction=0.25, worker="w0", emulated=True)
+    on1 = Allocation(profile="quarter", devices=("1",), fraction=0.25, worker="w1", emulated=True)
+    first = _prepared(work, on0)
+    assert {"mine", "gpu:0", "gpu-tasks:emulated"} <= set(first.tags)
+    assert _prepared(work, on0) is first  # not built again for the next task run
+    other = _prepared(work, on1)
+    assert other is not first and "gpu:1" in other.tags and "gpu:0" not in other.tags
+    assert "gpu:0" not in work.tags  # the submitted task is left as it was
+
+
+@pytest.mark.usefixtures("no_leaked_processes", "emulated")
+def test_a_map_reaches_the_cluster_in_batches_and_every_task_runs_once(monkeypatch):
+    sent: list[int] = []
+    real = DaskBackend.submit_many
+
+    def counted(self, fn, argss, keys, resources):
+        sent.append(len(argss))
+        return real(self, fn, argss, keys, resources)
+
+    monkeypatch.setattr(DaskBackend, "submit_many", counted)
+
+    @task(tags=[profile("quarter")])
+    def where(x: int) -> tuple[int, str]:
+        return x, current_allocation().worker
+
+    @flow(task_runner=ProfileTaskRunner(profiles=PROFILES))
+    def forty() -> list[tuple[int, str]]:
+        return [f.result() for f in where.map(range(40))]
+
+    out = forty()
+    assert sorted(x for x, _ in out) == list(range(40))
+    assert all(w != "in-process" for _, w in out)
+    # the tasks queued while the cluster started leave together: fewer graphs than tasks
+    assert sum(sent) == 40 and len(sent) < 40 and max(sent) > 1
+
+
+@pytest.mark.usefixtures("no_leaked_processes", "emulated")
+def test_a_batch_the_cluster_refuses_fails_its_tasks_with_the_reason(monkeypatch):
+    def refuse(self, fn, argss, keys, resources):
+        raise RuntimeError("scheduler refused the graph")
+
+    monkeypatch.setattr(DaskBackend, "submit_many", refuse)
+
+    @task(tags=[profile("quarter")])
+    def one(x: int) -> int:
+        return x
+
+    @flow(task_runner=ProfileTaskRunner(profiles=PROFILES))
+    def three() -> list:
+        return [f.wait() or f.state for f in one.map(range(3))]
+
+    states = three()
+    assert len(states) == 3
+    assert all(s.is_failed() and "scheduler refused the graph" in (s.message or "") for s in states)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_tag_checks_the_cache_answers_do_not_reach_prefects_slot_service(monkeypatch):
+    import prefect.concurrency._sync as slots
+
+    from gpu_tasks._prefect_private import tag_slots_held_by_flow
+
+    asked: list[list[str]] = []
+    real = slots.acquire_concurrency_slots_with_lease
+
+    def counted(names, *args, **kwargs):
+        asked.append(list(names))
+        return real(names, *args, **kwargs)
+
+    monkeypatch.setattr(slots, "acquire_concurrency_slots_with_lease", counted)
+    with tag_slots_held_by_flow(uuid.uuid4(), ()):  # installs gpu-tasks' check in the engine
+        pass
+    tag = f"gt-no-limit-{uuid.uuid4().hex[:8]}"
+
+    @task(tags=[tag])
+    def tagged() -> int:
+        return 7
+
+    assert tagged() == 7
+    assert asked == [[f"tag:{tag}"]]  # first: the server is asked, and says there is no limit
+    assert tagged() == 7 and tagged() == 7
+    assert asked == [[f"tag:{tag}"]]  # then Prefect's cached answer, with no request made
