@@ -32,6 +32,9 @@ task.
 engine's ``compute_transaction_key`` and call ``ResultStore.update_for_task(task,
 _sync=True)`` as the engine does (its ``async_dispatch`` keyword).
 
+**Names the serializers resolve** (``prefect.serializers.from_qualified_name``): see
+:func:`cache_qualified_names`.
+
 **The in-process ephemeral server** (``SubprocessASGIServer._instances``): see
 :func:`ephemeral_server_url`.
 
@@ -287,3 +290,47 @@ def remember_without_limits(names: list[str]) -> None:
     if found is not None:
         with found[1]:
             found[0][frozenset(names)] = True
+
+
+_QUALIFIED_KEEP = 512
+
+
+def cache_qualified_names() -> bool:
+    """Let Prefect's serializers in this process resolve each qualified name once.
+
+    ``JSONSerializer.dumps`` resolves its ``object_encoder``
+    (``prefect.serializers.prefect_json_object_encoder``) by name at every call, and
+    ``from_qualified_name`` first tries to import that name as a module: a failed import,
+    with the import lock and a search of ``sys.path``, for every cache key the task engine
+    computes (each task run with a cache policy: Prefect's default one). That was 10% of a
+    worker process's CPU per task. Called in gpu-tasks' worker processes only; the flow
+    process is left as Prefect ships. Returns whether the serializers now use the cache
+    (``False`` on a Prefect without that name: nothing changed).
+    """
+    import threading
+
+    try:
+        import prefect.serializers as serializers
+    except ImportError:  # pragma: no cover - part of every prefect
+        return False
+    resolve = getattr(serializers, "from_qualified_name", None)
+    if resolve is None:
+        return False
+    if getattr(resolve, "_gpu_tasks_cached", False):
+        return True
+    found: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def cached(name: str) -> Any:
+        with lock:
+            if name in found:
+                return found[name]
+        value = resolve(name)  # raises as Prefect's does for a name that does not resolve
+        with lock:
+            if len(found) < _QUALIFIED_KEEP:
+                found[name] = value
+        return value
+
+    cached._gpu_tasks_cached = True  # type: ignore[attr-defined]  # a marker on the function
+    setattr(serializers, "from_qualified_name", cached)  # noqa: B010 - not exported by Prefect
+    return True

@@ -23,7 +23,7 @@ from typing import Any
 from gpu_tasks import _dask_private, _worker_guard
 from gpu_tasks._blobs import opened
 from gpu_tasks._futures import futures_to_states
-from gpu_tasks._prefect_private import extend_no_limits_cache, tag_slots_held_by_flow
+from gpu_tasks._prefect_private import cache_qualified_names, extend_no_limits_cache, tag_slots_held_by_flow
 from gpu_tasks._slots import SlotPool
 from gpu_tasks.allocation import (
     WORKER_ENV_PROFILE,
@@ -69,6 +69,7 @@ def prepare_process() -> None:
             from prefect.logging.configuration import ensure_logging_setup
 
             ensure_logging_setup()
+            cache_qualified_names()
             _PROCESS_READY.set()
 
 
