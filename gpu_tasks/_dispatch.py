@@ -22,6 +22,7 @@ from gpu_tasks import quotas
 from gpu_tasks._cache import CacheOnly, cached_key, may_be_cached
 from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, preempt_task_run, read_task_run
 from gpu_tasks._futures import futures_to_states
+from gpu_tasks._landing import Landings
 from gpu_tasks._live import Job, Live, ProfileState
 from gpu_tasks._logging import flow_logger
 from gpu_tasks._prefect_private import (
@@ -79,6 +80,7 @@ class Dispatcher:
     def __init__(self, live: Live) -> None:
         self.live = live
         live.preempt = self.preempt
+        live.landings = Landings(self._landing, name="gpu-tasks-results")
 
     # ------------------------------------------------------------ admit
     def admit(self, job: Job, then: Callable[[], Any]) -> None:
@@ -459,12 +461,36 @@ class Dispatcher:
 
     # ------------------------------------------------------------ collect
     def _on_done(self, job: Job, attempt: int, dfut: Any) -> None:
+        """On Dask's callback thread (one per process): a local cluster's finished task has its
+        result fetched in a batch (:mod:`gpu_tasks._landing`), anything else here."""
+        if attempt != job.attempt:
+            return  # it was preempted: re-queued, its worker's end is not its end
+        if (
+            job.profile.is_local
+            and getattr(dfut, "status", None) == "finished"
+            and self.live.landings.put((job, attempt), dfut)
+        ):
+            return
+        try:
+            value = dfut.result()
+        except BaseException as exc:
+            self._landed(job, attempt, None, exc)
+            return
+        self._landed(job, attempt, value, None)
+
+    def _landing(self, item: tuple[Job, int], value: Any, error: BaseException | None) -> None:
+        self._landed(item[0], item[1], value, error)
+
+    def _landed(self, job: Job, attempt: int, value: Any, error: BaseException | None) -> None:
+        """``job``'s hand-off ended with ``value`` (its worker's result) or ``error``."""
         live = self.live
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
         self._release_task_quota(job)
         try:
-            state, start, end, wkey = dfut.result()
+            if error is not None:
+                raise error
+            state, start, end, wkey = value
         except BaseException as exc:
             if _is_worker_death(exc) and not live.stop.is_set():
                 # off Dask's callback thread: reporting may wait on the server, a retry on devices

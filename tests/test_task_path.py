@@ -167,3 +167,45 @@ def test_a_worker_process_resolves_each_serializer_name_once(monkeypatch):
     assert sorted(resolved) == sorted(set(resolved)) and len(resolved) == 2  # once each, not 3 times
     with pytest.raises(ImportError):  # a name that does not resolve fails as with Prefect's own
         serializers.JSONSerializer(jsonlib="no_such_module_here").dumps({})
+
+
+def test_finished_tasks_results_are_fetched_in_batches_and_each_reaches_its_task():
+    import threading
+
+    from distributed import Client, LocalCluster, wait
+
+    from gpu_tasks._landing import Landings
+
+    got: dict[int, tuple[object, BaseException | None]] = {}
+    fetches: list[int] = []
+    all_in = threading.Event()
+
+    def deliver(item, value, error):
+        got[item] = (value, error)
+        if len(got) == 21:
+            all_in.set()
+
+    def fails() -> None:
+        raise ValueError("task body failed")
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=2, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        landings = Landings(deliver, name="test-results")
+        real = landings._fetch
+        landings._fetch = lambda batch: (fetches.append(len(batch)), real(batch))[1]
+        futures = client.map(lambda x: x * 2, range(20), pure=False)
+        wait(futures)  # all finished before they are queued: they leave as one batch
+        bad = client.submit(fails, pure=False)
+        wait([bad])
+        for i, f in enumerate(futures):
+            assert landings.put(i, f)
+        assert landings.put(20, bad)
+        assert all_in.wait(30)
+        landings.close()
+        assert not landings.put(21, futures[0])  # closed: the caller fetches it itself
+    assert {i: got[i][0] for i in range(20)} == {i: i * 2 for i in range(20)}
+    assert got[20][0] is None and isinstance(got[20][1], ValueError)  # fetched on its own, its error
+    assert sum(fetches) == 21 and len(fetches) < 21
+    assert not any(t.name == "test-results" for t in threading.enumerate())  # the thread ended
