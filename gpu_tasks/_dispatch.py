@@ -281,6 +281,14 @@ class Dispatcher:
         self.finish(job, result=state)
 
     # ------------------------------------------------------------ dispatch
+    def soon(self, job: Job) -> None:
+        """Dispatch ``job`` off the caller's thread: a GPU profile's on its dispatch thread
+        (:meth:`later`), a CPU profile's on the runner's executor."""
+        if job.st.dispatcher is not None:
+            self.later(job)
+        else:
+            self.live.executor.submit(self.dispatch, job)
+
     def later(self, job: Job) -> None:
         """Dispatch ``job`` on its profile's dispatch thread (a GPU profile's: waiting for devices
         there blocks neither the flow nor other profiles).

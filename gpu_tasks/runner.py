@@ -15,7 +15,7 @@ import contextvars
 import logging
 import uuid
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -273,17 +273,12 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         )
         future = ProfileFuture(job.task_run_id, job.cf, profile=prof.name)
         upstream = pending_futures((parameters, list(wait_for or ())))
-        run: Callable[[], Any]
-        if st.dispatcher is not None:
-            run = partial(dispatcher.later, job)  # on the profile's dispatch thread
-        else:
-            run = partial(live.executor.submit, dispatcher.dispatch, job)
         if not upstream and st.dispatcher is None:
             dispatcher.dispatch(job)  # CPU profiles: dispatch right here, the cheapest path
         elif not upstream:
-            dispatcher.admit(job, run)  # GPU: tag slots before devices
+            dispatcher.admit(job, partial(dispatcher.soon, job))  # GPU: tag slots before devices
         else:
-            when_all_done(upstream, lambda: dispatcher.admit(job, run))
+            when_all_done(upstream, lambda: dispatcher.admit(job, partial(dispatcher.soon, job)))
         return future
 
     # ------------------------------------------------------------ inspection
