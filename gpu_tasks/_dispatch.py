@@ -476,6 +476,7 @@ class Dispatcher:
         if (
             job.profile.is_local
             and getattr(dfut, "status", None) == "finished"
+            and self.live.landings is not None
             and self.live.landings.put((job, attempt), dfut)
         ):
             return

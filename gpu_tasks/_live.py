@@ -185,7 +185,7 @@ class Live:
         # preempt(st, addresses, waiter): stop st's workers on addresses (gpu_tasks._dispatch)
         self.preempt: Callable[[ProfileState, list[str], dict[str, Any]], None] | None = None
         # results of local clusters' finished tasks, fetched in batches (the Dispatcher's)
-        self.landings = Landings(lambda item, value, error: None, name="gpu-tasks-results")
+        self.landings: Landings | None = None
         self.preempting: dict[str, threading.Thread] = {}  # profile -> the thread preempting it
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
         # events are sent in the flow run's context, also after Prefect left it (exit-time events):
@@ -490,7 +490,8 @@ class Live:
             st.cluster.drain()
         # results already fetched or queued reach their tasks before the clusters go (a task that
         # finished is never reported Crashed for the close); later ones are fetched one by one
-        self.landings.close(timeout=2.0 if hurry else 10.0)
+        if self.landings is not None:
+            self.landings.close(timeout=2.0 if hurry else 10.0)
         running = list(self.inflight.values())
         for st in list(self.states.values()):
             with st.lock:
