@@ -17,9 +17,11 @@ reported the same way, later than anything the dead worker managed to send.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,40 @@ def looks_like_oom(exc: BaseException | None) -> bool:
         exc = exc.__cause__ or exc.__context__
         seen += 1
     return False
+
+
+def api_unreachable(timeout: float = 2.0) -> str | None:
+    """Why the Prefect API cannot be reached now, or ``None`` when it answers (any HTTP reply).
+
+    One request, no retries: Prefect's client retries a refused connection for about a minute
+    per request, so reporting hundreds of task runs to a server that is gone (a plain script's
+    ephemeral server dies with the same Ctrl-C as its flow process) would hang for hours.
+    """
+    import httpx
+    from prefect.client.orchestration import get_client
+
+    try:
+        url = str(get_client(sync_client=True).api_url).rstrip("/")
+    except Exception as exc:
+        return f"no Prefect client ({type(exc).__name__}: {exc})"
+    try:
+        httpx.get(f"{url}/health", timeout=timeout)
+    except httpx.TransportError as exc:
+        return f"{url} ({type(exc).__name__}: {exc or 'no answer'})"
+    return None
+
+
+@contextlib.contextmanager
+def no_client_retries(on: bool = True) -> Iterator[None]:
+    """Prefect's client in this thread makes each request once (``on``): a refused connection
+    fails at once instead of after about a minute of retries."""
+    if not on:
+        yield
+        return
+    from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+
+    with temporary_settings(updates={PREFECT_CLIENT_MAX_RETRIES: 0}):
+        yield
 
 
 def read_task_run(

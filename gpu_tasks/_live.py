@@ -22,6 +22,7 @@ from prefect.futures import PrefectFuture
 
 from gpu_tasks._api import require_flow_api_url, worker_env
 from gpu_tasks._context import ContextSerializer
+from gpu_tasks._crash import api_unreachable
 from gpu_tasks._landing import Landings
 from gpu_tasks._logging import RunLogs
 from gpu_tasks._prefect_private import extend_no_limits_cache
@@ -192,6 +193,8 @@ class Live:
         # Prefect's events worker adds related resources from the sending context
         self.ctx = contextvars.copy_context()
         self.flow_run_id = self.run.id
+        # why the Prefect API could not be reached when an interrupted run closed (then no events)
+        self.api_down: str | None = None
         RunLogs.enter(self.flow_run_id, self.settings.dask_log_level)  # lines to the run's logs
         try:
             self.pool = self._warm_pool()
@@ -452,10 +455,13 @@ class Live:
 
     def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
         """A ``gpu-tasks.cluster.<what>`` event related to this flow run."""
-        self.in_run_context(emit_cluster_event, what, cluster, self.run, payload, devices)
+        if self.api_down is None:  # else it would only fail, 7 s later, and hold up the exit
+            self.in_run_context(emit_cluster_event, what, cluster, self.run, payload, devices)
 
     def emit_task(self, what: str, job: Job, payload: dict[str, Any]) -> None:
         """A ``gpu-tasks.task.<what>`` event about ``job``'s task run."""
+        if self.api_down is not None:
+            return
         task_run_name = getattr(job.task_run, "name", None)
         self.in_run_context(
             emit_task_event,
@@ -467,6 +473,12 @@ class Live:
             payload,
             task_run_name,
         )
+
+    def api_answers(self) -> bool:
+        """Whether the Prefect API answered when this run closed and still does (probed once more)."""
+        if self.api_down is None:
+            self.api_down = api_unreachable()
+        return self.api_down is None
 
     def in_run_context(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the flow run's context as it was when the runner started (any thread)."""
@@ -481,6 +493,8 @@ class Live:
 
     def _close(self, reason: str, hurry: bool) -> None:
         self.stop.set()
+        if hurry:  # a plain script's ephemeral server dies with the Ctrl-C that stopped its flow
+            self.api_down = api_unreachable()
         if self.monitor is not None:
             self.monitor.join(timeout=5)
         self.executor.shutdown(wait=False, cancel_futures=True)
@@ -507,32 +521,65 @@ class Live:
         self.book.close()  # quota leases left (the clusters gave their devices back)
         # after the clusters: a task still running holds its slots until its worker is gone
         self.gate.close(timeout=2.0 if hurry else 10.0)
-        self._crash_unfinished(running, reason)
+        self._crash_unfinished(running, reason, hurry)
 
-    def _crash_unfinished(self, jobs: list[Job], reason: str) -> None:
-        """Report task runs that were running when their cluster closed ``Crashed`` (never left Running)."""
-        from gpu_tasks._crash import crash_task_run
+    def _crash_unfinished(self, jobs: list[Job], reason: str, hurry: bool) -> None:
+        """Report task runs that were running when their cluster closed ``Crashed`` (never left Running).
 
-        first = True
-        for job in jobs:
-            cf = job.cf
-            if cf.done() and not cf.cancelled() and cf.exception() is None:
-                continue  # it finished while the clusters closed
+        With the Prefect API gone (a plain script's ephemeral server dies with the Ctrl-C that
+        stops its flow), the states are only set here and one line says which runs the server
+        still shows ``Running``: reporting each, Prefect's client would retry for about a minute
+        apiece. After an interrupt requests are not retried, and the API is probed again every
+        16 reports, so a server that dies mid-way costs at most 16 failed reports.
+        """
+        from prefect.states import Crashed
+
+        from gpu_tasks._crash import crash_task_run, no_client_retries
+
+        unfinished = [
+            j for j in jobs if not (j.cf.done() and not j.cf.cancelled() and j.cf.exception() is None)
+        ]
+        down = (self.api_down or api_unreachable()) if unfinished else None
+        unreported: list[Job] = []
+        for i, job in enumerate(unfinished):  # the others finished while the clusters closed
             prof = job.profile
             message = f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; " + (
                 "the runner interrupted it on the shared cluster (cancelled it there if it had not started)"
                 if prof.address is not None
                 else "its worker was closed"
             )
-            state, _ = crash_task_run(
-                job.task_run_id,
-                job.task,
-                self.flow_run_id,
-                message,
-                tags=job.tags,
-                wait=1.0 if first else 0.0,
+            if down is None and i and i % 16 == 0 and hurry:
+                down = api_unreachable()
+            if down is None:
+                with no_client_retries(hurry):
+                    state, _ = crash_task_run(
+                        job.task_run_id,
+                        job.task,
+                        self.flow_run_id,
+                        message,
+                        tags=job.tags,
+                        wait=0.0 if i else 1.0,
+                    )
+                logger.warning("task run %s of profile %r: %s", job.task_run_id, prof.name, message)
+            else:
+                unreported.append(job)
+                state = Crashed(message=message)
+                state.state_details.task_run_id = job.task_run_id
+                state.state_details.flow_run_id = self.flow_run_id
+            if not job.cf.done():
+                job.cf.set_result(state)
+        self.api_down = down
+        if unreported:
+            ids = ", ".join(str(j.task_run_id) for j in unreported[:5])
+            logger.warning(
+                "the Prefect API is unreachable: %s. %d task run(s) that were running when the flow run "
+                "stopped (%s) could not be reported Crashed and stay 'Running' in that server's records "
+                "(%s%s). A plain script on Prefect's ephemeral API loses its server to the same Ctrl-C; "
+                "to keep the records, start a server (`prefect server start`, then PREFECT_API_URL) or "
+                "use `gpu-tasks run`",
+                down,
+                len(unreported),
+                reason,
+                ids,
+                ", ..." if len(unreported) > 5 else "",
             )
-            first = False
-            logger.warning("task run %s of profile %r: %s", job.task_run_id, prof.name, message)
-            if not cf.done():
-                cf.set_result(state)

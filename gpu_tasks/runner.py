@@ -186,14 +186,15 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             live.close(reason, hurry=hurry)
             self._last_ledger = list(live.ledger)
             remember_ended(live.flow_run_id, self._last_ledger)
-            publish_run_artifacts(self._last_ledger, live.flow_run_id)
-            live.in_run_context(
-                emit_run_summary,
-                self._last_ledger,
-                live.run,
-                AlertThresholds.from_settings(live.settings),
-                live.priorities(),
-            )
+            if not hurry or live.api_answers():  # not to a server gone with the Ctrl-C (a minute of retries)
+                publish_run_artifacts(self._last_ledger, live.flow_run_id)
+                live.in_run_context(
+                    emit_run_summary,
+                    self._last_ledger,
+                    live.run,
+                    AlertThresholds.from_settings(live.settings),
+                    live.priorities(),
+                )
 
     def _ensure_live(self) -> tuple[Live, Dispatcher]:
         if not self._started:

@@ -7,6 +7,7 @@ flow run as Crashed or Cancelled and no task run as left Running.
 from __future__ import annotations
 
 import os
+import signal
 import sqlite3
 import subprocess
 import sys
@@ -161,21 +162,30 @@ FLOW_SCRIPT = textwrap.dedent(
     from prefect.context import TaskRunContext
     from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
 
-    READY = Path(sys.argv[1])
+    READY, TASKS, GPUS = Path(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3])
 
     @task(tags=[profile("gpu")])
-    def long_gpu_task():
+    def long_gpu_task(i):
         READY.write_text(str(TaskRunContext.get().task_run.flow_run_id))
         time.sleep(300)
 
-    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=GPUS)]))
     def interrupted():
-        long_gpu_task.submit().result()
+        [f.result() for f in long_gpu_task.map(range(TASKS))]
 
     if __name__ == "__main__":
         interrupted()
     """
 )
+
+
+def _wait_started(proc: subprocess.Popen[bytes], ready: Path, tmp_path: Path) -> None:
+    """Until the flow's first task wrote ``ready`` (at most 120 s; fails if the flow exits first)."""
+    deadline = time.monotonic() + 120
+    while not ready.exists() or not ready.read_text():
+        assert proc.poll() is None, f"the flow exited before its GPU task started:\n{_tail(tmp_path)}"
+        assert time.monotonic() < deadline, f"the GPU task never started:\n{_tail(tmp_path)}"
+        time.sleep(0.2)
 
 
 def _final_states(flow_run_id: str, wait: float = 5.0) -> tuple[str, dict[str, str]]:
@@ -206,13 +216,9 @@ def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
     script.write_text(FLOW_SCRIPT)
     ready = tmp_path / "ready"
     env = _env(tmp_path, marker, PREFECT_API_URL=str(get_current_settings().api.url))
-    proc = _start([sys.executable, str(script), str(ready)], env, tmp_path)
+    proc = _start([sys.executable, str(script), str(ready), "1", "1"], env, tmp_path)
     try:
-        deadline = time.monotonic() + 120
-        while not ready.exists() or not ready.read_text():
-            assert proc.poll() is None, f"the flow exited before its GPU task started:\n{_tail(tmp_path)}"
-            assert time.monotonic() < deadline, f"the GPU task never started:\n{_tail(tmp_path)}"
-            time.sleep(0.2)
+        _wait_started(proc, ready, tmp_path)
         time.sleep(0.5)
         took = ctrl_c(proc)
         survivors = _survivors(marker, proc.pid)
@@ -292,11 +298,7 @@ def test_ctrl_c_while_a_gpu_task_waits_for_a_tag_slot_gives_the_slot_back(tmp_pa
     proc = _start([sys.executable, str(script), str(ready), tag], env, tmp_path)
     try:
         try:
-            deadline = time.monotonic() + 120
-            while not ready.exists():
-                assert proc.poll() is None, f"the flow exited before its GPU task started:\n{_tail(tmp_path)}"
-                assert time.monotonic() < deadline, f"the GPU task never started:\n{_tail(tmp_path)}"
-                time.sleep(0.2)
+            _wait_started(proc, ready, tmp_path)
             time.sleep(1.0)  # the second task is waiting for the slot by now
             held = [a for a, info in leases.holders(lease_dir).items() if info is not None]
             assert len(held) == 1, held  # the waiting task leased no device (two are free)
@@ -363,3 +365,63 @@ def test_embedded_server_dies_with_its_parent_even_on_sigkill(tmp_path: Path):
     finally:
         _cleanup(proc, marker)
     assert not survivors, f"the embedded server outlived its SIGKILLed parent: {survivors}"
+
+
+def _workers(marker: str, group: int, leader: int) -> list[str]:
+    """Processes of the run other than the flow process and multiprocessing's resource tracker."""
+    out = []
+    for p in _ours(marker, group):
+        try:
+            cmd = " ".join(p.cmdline())
+        except psutil.Error:
+            continue
+        if p.pid != leader and "resource_tracker" not in cmd:
+            out.append(f"{p.pid}: {cmd[:150]}")
+    return out
+
+
+def test_ctrl_c_on_a_plain_script_on_prefects_ephemeral_api(tmp_path: Path):
+    """No server started, no PREFECT_API_URL: Prefect's ephemeral server is in the terminal's process
+    group, so the same Ctrl-C stops it. The runner must not then retry each of its task runs against
+    the dead API (about a minute apiece: 24 task runs made that half an hour): its close returns at
+    once, says which task runs stay Running in that server's records, and leaves no worker.
+
+    Prefect itself then retries recording the flow run's state and drains its log and event queues
+    (about two minutes, as for a flow on Prefect's own thread pool); the test does not wait for that.
+    """
+    marker = uuid.uuid4().hex
+    script = tmp_path / "flow_script.py"
+    script.write_text(FLOW_SCRIPT)
+    ready = tmp_path / "ready"
+    proc = _start([sys.executable, str(script), str(ready), "24", "0.25"], _env(tmp_path, marker), tmp_path)
+
+    def output() -> str:
+        return b"".join((tmp_path / name).read_bytes() for name in ("stdout", "stderr")).decode(
+            errors="replace"
+        )
+
+    try:
+        _wait_started(proc, ready, tmp_path)
+        time.sleep(1.0)  # eight running (two devices, four slots each), sixteen queued
+        assert _workers(marker, proc.pid, proc.pid), "the profile's workers are running"
+        os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + 60
+        while "Crash detected" not in output():  # Prefect's line, once the runner's close returned
+            assert proc.poll() is None or "Crash detected" in output(), output()[-3000:]
+            assert time.monotonic() < deadline, f"the runner's close did not return:\n{output()[-3000:]}"
+            time.sleep(0.25)
+        workers = _workers(marker, proc.pid, proc.pid)
+        deadline = time.monotonic() + 5
+        while workers and time.monotonic() < deadline:
+            time.sleep(0.25)
+            workers = _workers(marker, proc.pid, proc.pid)
+    finally:
+        _cleanup(proc, marker)
+        proc.wait()
+    text = output()
+    assert not workers, f"worker processes outlived the interrupted flow's runner: {workers}"
+    assert "the Prefect API is unreachable" in text, text[-3000:]
+    said = text[text.index("the Prefect API is unreachable") :].splitlines()[0]
+    assert "could not be reported Crashed and stay 'Running'" in said, said
+    assert "prefect server start" in said, said  # and how to keep the records next time
+    assert "Traceback" not in text[: text.index("Crash detected")], text[-3000:]
