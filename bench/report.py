@@ -454,6 +454,11 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         f"{imp:.2f}s in a new process (measured by hand), which DaskTaskRunner's first task pays (the row "
         "above) and which a gpu-tasks profile paid after its lease before the pool "
         "(`GPU_TASKS_WARM_WORKERS=0` still does).",
+        "- On real GPUs (unverified on GPU: these figures are emulated devices): one-device profiles over "
+        "`tcp` bind warm processes the same way; after the bind the worker also loads dask-cuda's setup "
+        "(CPU affinity, RMM pool, cuDF spilling) and makes its CUDA context on the leased device, which "
+        "no emulated run measures; over `ucx` dask-cuda's `LocalCUDACluster` still spawns its workers "
+        "after the lease (docs/runner.md, Warm workers).",
         *_ray_cold(s),
         *_skipped(res),
         "",

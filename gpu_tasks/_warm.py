@@ -90,7 +90,7 @@ def _child_main(conn: Connection, parent: int) -> None:
         return
     if msg[0] != "bind":
         return
-    _, scheduler, worker_kwargs, env, config, silence_logs = msg
+    _, scheduler, worker_kwargs, env, config, silence_logs, cuda = msg
     os.environ.update(env)  # its devices: CUDA reads CUDA_VISIBLE_DEVICES when it initialises
     dask.config.refresh()
     dask.config.set(config)
@@ -99,7 +99,7 @@ def _child_main(conn: Connection, parent: int) -> None:
     from distributed.compatibility import asyncio_run
     from distributed.config import get_loop_factory
 
-    asyncio_run(_run_worker(conn, scheduler, worker_kwargs), loop_factory=get_loop_factory())
+    asyncio_run(_run_worker(conn, scheduler, worker_kwargs, cuda), loop_factory=get_loop_factory())
     _exit_now()
 
 
@@ -118,10 +118,16 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-async def _run_worker(conn: Connection, scheduler: str, worker_kwargs: dict[str, Any]) -> None:
+async def _run_worker(
+    conn: Connection, scheduler: str, worker_kwargs: dict[str, Any], cuda: dict[str, Any] | None
+) -> None:
     from distributed import Worker
 
     try:
+        if cuda is not None:  # a real GPU: dask-cuda's worker setup, now that the device is set
+            from gpu_tasks._gpu import dask_cuda_worker_options
+
+            worker_kwargs = {**worker_kwargs, **dask_cuda_worker_options(cuda, worker_kwargs)}
         worker = Worker(scheduler, **worker_kwargs)
         await worker
     except Exception as exc:
@@ -487,6 +493,7 @@ class PooledWorker(ProcessInterface):
         timeout: float,
         env: dict[str, str] | None = None,
         silence_logs: int | None = None,
+        cuda: dict[str, Any] | None = None,
         **worker_kwargs: Any,
     ) -> None:
         super().__init__(scheduler=scheduler, name=worker_kwargs.get("name"))  # type: ignore[no-untyped-call]
@@ -495,6 +502,7 @@ class PooledWorker(ProcessInterface):
         self.timeout = timeout
         self.env = dict(env or {})
         self.silence_logs = silence_logs
+        self.cuda = cuda  # dask-cuda's worker setup, applied once bound (gpu_tasks._gpu)
         self.worker_kwargs = worker_kwargs
         self.name = worker_kwargs.get("name")
         self.warm: WarmProcess | None = None
@@ -507,7 +515,9 @@ class PooledWorker(ProcessInterface):
         self.process = self.warm.process
         env = {**self.env}
         config = dask.config.config
-        self.warm.conn.send(("bind", self.scheduler, self.worker_kwargs, env, config, self.silence_logs))
+        self.warm.conn.send(
+            ("bind", self.scheduler, self.worker_kwargs, env, config, self.silence_logs, self.cuda)
+        )
         msg = await asyncio.to_thread(self._receive)
         if msg[0] != "up":
             await asyncio.to_thread(self.warm.stop)

@@ -6,9 +6,10 @@ A profile's workers run on one of three backends, chosen by :func:`start`:
   ``processes``), a slot pool instead of a Dask scheduler;
 - :class:`DaskBackend`: a ``SpecCluster`` of worker processes, one per
   :class:`~gpu_tasks.policy.WorkerSpec` (CPU process profiles, emulated devices,
-  several devices per worker);
-- :class:`CudaBackend`: dask-cuda's ``LocalCUDACluster`` on real GPUs, each worker
-  shown only the device it was leased.
+  several devices per worker, and real GPUs whose workers come from the warm pool:
+  each set up as dask-cuda's own once bound to its device);
+- :class:`CudaBackend`: dask-cuda's ``LocalCUDACluster`` on real GPUs without a warm
+  pool or over UCX, each worker shown only the device it was leased.
 
 :func:`per_device_client` builds the short-lived cluster a task starts over the
 devices it holds (distributed training). Every worker listens on 127.0.0.1.
@@ -50,7 +51,11 @@ def dask_log_level() -> int:
 
 
 def nanny_spec(
-    spec: WorkerSpec, watched: bool = True, pool: Any = None, timeout: float = 120.0
+    spec: WorkerSpec,
+    watched: bool = True,
+    pool: Any = None,
+    timeout: float = 120.0,
+    cuda: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``SpecCluster`` entry of one worker: a nanny process with the spec's threads,
     resources and environment, or a warm process from ``pool`` given the same.
@@ -62,6 +67,8 @@ def nanny_spec(
         pool: a :class:`~gpu_tasks._warm.WarmPool`: the worker runs in one of its
             processes (:class:`~gpu_tasks._warm.PooledWorker`) instead of a new one.
         timeout: how long a pooled worker waits for its process.
+        cuda: a real-GPU profile's :class:`~gpu_tasks.profiles.CudaOptions` (as a dict):
+            the pooled worker sets itself up as dask-cuda's would, once bound to its device.
     """
     from distributed import Nanny
 
@@ -83,7 +90,9 @@ def nanny_spec(
     if pool is not None:
         from gpu_tasks._warm import PooledWorker
 
-        return {"cls": PooledWorker, "options": {**options, "pool": pool, "timeout": timeout}}
+        if cuda is not None:  # as dask-cuda does: no RAPIDS library creates a context on import
+            options["env"] = {**spec.env, "RAPIDS_NO_INITIALIZE": "True"}
+        return {"cls": PooledWorker, "options": {**options, "pool": pool, "timeout": timeout, "cuda": cuda}}
     return {"cls": WatchedNanny if watched else Nanny, "options": options}
 
 
@@ -234,13 +243,20 @@ class DaskBackend(Backend):
     """A Dask cluster of worker processes and the flow's client to it."""
 
     def __init__(
-        self, cluster: Any, n_workers: int, timeout: float, dashboard: bool, pool: Any = None
+        self,
+        cluster: Any,
+        n_workers: int,
+        timeout: float,
+        dashboard: bool,
+        pool: Any = None,
+        cuda: dict[str, Any] | None = None,
     ) -> None:
         from distributed import Client
 
         self.cluster = cluster
         self.timeout = timeout
         self.pool = pool  # warm processes for the workers it adds (gpu_tasks._warm)
+        self.cuda = cuda  # dask-cuda's worker setup for them (real GPUs), as nanny_spec takes it
         self.client = None
         try:
             self.client = Client(cluster, set_as_default=False, timeout=timeout)
@@ -271,7 +287,9 @@ class DaskBackend(Backend):
 
     def add(self, specs: list[WorkerSpec], total: int) -> None:
         for s in specs:
-            self.cluster.worker_spec[s.name] = nanny_spec(s, pool=self.pool, timeout=self.timeout)
+            self.cluster.worker_spec[s.name] = nanny_spec(
+                s, pool=self.pool, timeout=self.timeout, cuda=self.cuda
+            )
         with _non_daemon_workers():
             _dask_private.correct_state(self.cluster)
         self._wait(total)
@@ -361,7 +379,10 @@ def start(
     if not profile.uses_processes:
         return ThreadBackend(specs[0].nthreads, name=f"gpu-tasks-{profile.name}")
     what = f"cluster of profile {profile.name!r}"
-    if uses_dask_cuda(profile, emulated):
+    cuda = None
+    if uses_dask_cuda(profile, emulated) and pool is not None:
+        cuda = _dask_cuda_for_warm_workers(profile)
+    elif uses_dask_cuda(profile, emulated):
         next_devices = [s.devices[0].address for s in specs]
         with _non_daemon_workers():
             cluster = _within(
@@ -374,20 +395,42 @@ def start(
         cluster = _within(
             timeout,
             lambda: SpecCluster(
-                workers={s.name: nanny_spec(s, pool=pool, timeout=timeout) for s in specs},
+                workers={s.name: nanny_spec(s, pool=pool, timeout=timeout, cuda=cuda) for s in specs},
                 scheduler=scheduler_spec(dashboard),
                 name=f"gpu-tasks:{profile.name}",
                 silence_logs=dask_log_level(),
             ),
             what,
         )
-    return DaskBackend(cluster, len(specs), timeout, dashboard, pool=pool)
+    return DaskBackend(cluster, len(specs), timeout, dashboard, pool=pool, cuda=cuda)
 
 
 def uses_warm_pool(profile: ResourceProfile, emulated: bool) -> bool:
     """Whether ``profile``'s workers can come from a warm pool: worker processes this host
-    starts in a ``SpecCluster`` (dask-cuda starts its own, through its nanny)."""
-    return profile.is_local and profile.uses_processes and not uses_dask_cuda(profile, emulated)
+    starts in a ``SpecCluster``.
+
+    Real-GPU profiles too, over ``tcp``: a bound warm process sets itself up as dask-cuda's
+    ``LocalCUDACluster`` would (:func:`gpu_tasks._gpu.dask_cuda_worker_options`). Over
+    ``ucx``/``ucxx`` dask-cuda starts its own workers (UCX is configured as they start).
+    """
+    if not (profile.is_local and profile.uses_processes):
+        return False
+    return not uses_dask_cuda(profile, emulated) or profile.cuda.protocol == "tcp"
+
+
+def _dask_cuda_for_warm_workers(profile: ResourceProfile) -> dict[str, Any]:
+    """Check that dask-cuda imports here, and apply in this process what ``LocalCUDACluster``
+    would; the options its warm workers set themselves up with."""
+    try:
+        _gpu.load("dask_cuda")
+        if profile.cuda.enable_cudf_spill:  # as dask-cuda does: spilling on in the client process too
+            cudf = _gpu.load("cudf")
+            cudf.set_option("spill", True)
+            cudf.set_option("spill_stats", False)
+    except _gpu.GpuLibraryUnavailable as exc:
+        raise ClusterError(f"profile {profile.name!r} needs dask-cuda on real GPUs: {exc.reason}") from exc
+    os.environ["RAPIDS_NO_INITIALIZE"] = "True"  # as LocalCUDACluster sets it
+    return profile.cuda.model_dump()
 
 
 def cuda_cluster_options(

@@ -30,12 +30,90 @@ from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, profile
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
+# the parts of dask-cuda a warm worker uses (gpu_tasks._gpu.dask_cuda_worker_options); each
+# records what it was given, in which process, and which devices that process saw then
+FAKE_MODULES = {
+    "_record.py": textwrap.dedent(
+        """
+        import json, os
+
+        def record(kind, **fields):
+            fields.update(kind=kind, pid=os.getpid(), visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+                          rapids_no_initialize=os.environ.get("RAPIDS_NO_INITIALIZE"))
+            with open(os.environ["FAKE_DASK_CUDA_WORKER_RECORD"], "a") as fh:
+                fh.write(json.dumps(fields, default=repr) + "\\n")
+        """
+    ),
+    "utils.py": textwrap.dedent(
+        """
+        def nvml_device_index(i, CUDA_VISIBLE_DEVICES):
+            visible = CUDA_VISIBLE_DEVICES
+            return int((visible.split(",") if isinstance(visible, str) else visible)[i])
+
+        def parse_device_memory_limit(device_memory_limit, device_index=0, alignment_size=1):
+            return 1000 + device_index if device_memory_limit == "default" else device_memory_limit
+        """
+    ),
+    "worker_common.py": textwrap.dedent(
+        """
+        from distributed.diagnostics.plugin import WorkerPlugin
+        from ._record import record
+
+        class Recorder(WorkerPlugin):
+            name = "fake-dask-cuda"
+
+            def __init__(self, kwargs):
+                self.kwargs = kwargs
+
+            def setup(self, worker):
+                record("plugin", kwargs=self.kwargs)
+
+        def worker_data_function(device_memory_limit=None, memory_limit=None, enable_cudf_spill=False):
+            def data(device_index):
+                record("data", device_index=device_index, device_memory_limit=device_memory_limit,
+                       memory_limit=memory_limit, enable_cudf_spill=enable_cudf_spill)
+                return {}
+            return data
+
+        def worker_plugins(**kwargs):
+            return {Recorder(kwargs)}
+        """
+    ),
+    "initialize.py": textwrap.dedent(
+        """
+        import click
+        from ._record import record
+
+        @click.command()
+        @click.option("--create-cuda-context/--no-create-cuda-context", default=False)
+        def dask_setup(worker, create_cuda_context):
+            record("initialize", create_cuda_context=create_cuda_context)
+        """
+    ),
+}
+
+# cudf.set_option, which a profile with enable_cudf_spill calls in the flow process
+FAKE_CUDF = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, __path__[0] + "/..")
+    from dask_cuda._record import record
+
+    def set_option(name, value):
+        record("cudf.set_option", name=name, value=value)
+    """
+)
+
 FAKE_DASK_CUDA = textwrap.dedent(
     '''
     """Stand-in for dask-cuda: records LocalCUDACluster's arguments, then runs plain Dask workers."""
     import copy, json, os
 
     from distributed import LocalCluster
+
+    from ._record import record
+
+    record("import")
 
     class LocalCUDACluster(LocalCluster):
         def __init__(self, CUDA_VISIBLE_DEVICES=None, n_workers=None, threads_per_worker=1,
@@ -69,24 +147,37 @@ DISCOVER = 'import json; print(json.dumps({"name": "gpu", "addresses": ["0", "1"
 
 FLOW = textwrap.dedent(
     """
-    import json, os, sys
+    import json, multiprocessing, os, sys, time
     from prefect import flow, task
+    from prefect.context import FlowRunContext
     from gpu_tasks import CudaOptions, ProfileTaskRunner, ResourceProfile, current_allocation, profile
 
     OUT = sys.argv[1]
     CUDA = json.loads(sys.argv[2])
 
+    @task
+    def first():  # the runner's first task starts its warm pool, if it keeps one
+        return 0
+
     @task(tags=[profile("gpu")])
     def where():
         a = current_allocation()
         visible = os.environ["CUDA_VISIBLE_DEVICES"]
-        return {"devices": list(a.devices), "emulated": a.emulated, "visible": visible, "pid": os.getpid()}
+        return {"devices": list(a.devices), "emulated": a.emulated, "visible": visible, "pid": os.getpid(),
+                "process": multiprocessing.current_process().name}
 
     GPU = ResourceProfile(name="gpu", gpus=1, memory="3GiB", idle_timeout=30, cuda=CudaOptions(**CUDA))
 
     @flow(task_runner=ProfileTaskRunner(profiles=[GPU]))
     def on_cuda():
-        return where.submit().result()
+        first.submit().result()
+        runner, deadline = FlowRunContext.get().task_runner, time.monotonic() + 60
+        while os.environ.get("GPU_TASKS_WARM_WORKERS") != "0" and time.monotonic() < deadline:
+            if sum(w["ready"] for w in runner.warm_workers()) >= 2:
+                break
+            time.sleep(0.05)
+        warm = [w["pid"] for w in runner.warm_workers()]  # started, imported, no device
+        return dict(where.submit().result(), warm=warm)
 
     if __name__ == "__main__":
         row = on_cuda()
@@ -96,16 +187,21 @@ FLOW = textwrap.dedent(
 )
 
 
-def _run_on_stand_in(tmp_path: Path, cuda: dict) -> tuple[dict, list[dict]]:
-    """Run FLOW with the stand-in dask_cuda; the task's row and the recorded constructor calls."""
+def _run_on_stand_in(tmp_path: Path, cuda: dict, warm_workers: int) -> tuple[dict, list[dict], list[dict]]:
+    """Run FLOW with the stand-in dask_cuda; the task's row, the recorded ``LocalCUDACluster``
+    calls and what the stand-in's other parts recorded (FAKE_MODULES)."""
     from prefect.settings import get_current_settings
 
     fake = tmp_path / "fake"
     (fake / "dask_cuda").mkdir(parents=True)
+    (fake / "cudf").mkdir()
     (fake / "dask_cuda" / "__init__.py").write_text(FAKE_DASK_CUDA)
+    for name, text in FAKE_MODULES.items():
+        (fake / "dask_cuda" / name).write_text(text)
+    (fake / "cudf" / "__init__.py").write_text(FAKE_CUDF)
     (tmp_path / "discover.py").write_text(DISCOVER)
     (tmp_path / "on_cuda.py").write_text(FLOW)
-    record, out = tmp_path / "record.jsonl", tmp_path / "out.json"
+    record, out, workers = tmp_path / "record.jsonl", tmp_path / "out.json", tmp_path / "workers.jsonl"
     env = {
         k: v for k, v in os.environ.items() if k not in ("GPU_TASKS_EMULATED_GPUS", "GPU_TASKS_PROFILES_FILE")
     }
@@ -113,6 +209,8 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict) -> tuple[dict, list[dict]]:
         PYTHONPATH=os.pathsep.join([str(fake), *filter(None, [os.environ.get("PYTHONPATH")])]),
         GPU_TASKS_DISCOVERY_COMMAND=f"{sys.executable} {tmp_path / 'discover.py'}",
         FAKE_DASK_CUDA_RECORD=str(record),
+        FAKE_DASK_CUDA_WORKER_RECORD=str(workers),
+        GPU_TASKS_WARM_WORKERS=str(warm_workers),
         PREFECT_API_URL=str(get_current_settings().api.url),
     )
     proc = subprocess.run(
@@ -124,8 +222,11 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict) -> tuple[dict, list[dict]]:
         timeout=300,
     )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    calls = [json.loads(line) for line in record.read_text().splitlines()]
-    return json.loads(out.read_text())["row"], calls
+    calls, records = (
+        [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        for path in (record, workers)
+    )
+    return json.loads(out.read_text())["row"], calls, records
 
 
 @pytest.mark.parametrize(
@@ -140,7 +241,10 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict) -> tuple[dict, list[dict]]:
     ids=["every-option-set", "defaults"],
 )
 def test_cuda_options_reach_local_cuda_cluster(tmp_path, cuda, expected):
-    row, calls = _run_on_stand_in(tmp_path, cuda)
+    """Without a warm pool (or over UCX at any pool size) dask-cuda starts the workers."""
+    row, calls, _ = _run_on_stand_in(
+        tmp_path, cuda, warm_workers=0 if cuda.get("protocol", "tcp") == "tcp" else 2
+    )
     assert len(calls) == 1, "one LocalCUDACluster for the profile's one worker"
     (call,) = calls
     for name, value in expected.items():
@@ -152,6 +256,37 @@ def test_cuda_options_reach_local_cuda_cluster(tmp_path, cuda, expected):
     # the worker sees only the device leased to it, not dask-cuda's "all of them, its own first"
     assert row["devices"] == [row["visible"]] and row["visible"] in {"0", "1"}
     assert row["emulated"] is False
+
+
+def test_a_real_gpu_worker_comes_from_the_warm_pool_set_up_as_dask_cudas(tmp_path):
+    """Over tcp with a warm pool (the default), a real GPU's worker is a warm process bound to
+    its device, then given dask-cuda's worker setup: no ``LocalCUDACluster``, and nothing of
+    dask-cuda imported in that process before its ``CUDA_VISIBLE_DEVICES`` was set."""
+    cuda = {"rmm_pool_size": "1GiB", "rmm_async": True, "enable_cudf_spill": True}
+    row, calls, records = _run_on_stand_in(tmp_path, cuda, warm_workers=2)
+    assert calls == [], "dask-cuda's LocalCUDACluster is not started"
+    device = row["visible"]
+    assert row["devices"] == [device] and device in {"0", "1"} and row["emulated"] is False
+    # the task ran in a process of the warm pool, started before its lease
+    assert row["pid"] in row["warm"] and row["process"] == "gpu-tasks warm worker"
+    mine = [r for r in records if r["pid"] == row["pid"]]
+    kinds = [r["kind"] for r in mine]
+    assert kinds.count("import") == 1 and kinds.index("import") < kinds.index("data")
+    # dask-cuda first loaded in that process once bound: its device set, RAPIDS told not to initialise
+    for r in mine:
+        assert r["visible"] == device and r["rapids_no_initialize"] == "True", r
+    (data,) = [r for r in mine if r["kind"] == "data"]
+    assert data["device_index"] == int(device) and data["device_memory_limit"] == 1000 + int(device)
+    assert data["memory_limit"] == 3 * 2**30 and data["enable_cudf_spill"] is True
+    (plugin,) = [r["kwargs"] for r in mine if r["kind"] == "plugin"]
+    assert plugin["device_index"] == int(device) and plugin["rmm_initial_pool_size"] == 2**30
+    assert plugin["rmm_async_alloc"] is True and plugin["enable_cudf_spill"] is True
+    (init,) = [r for r in mine if r["kind"] == "initialize"]
+    assert init["create_cuda_context"] is True  # dask-cuda's preload makes the worker's context
+    # cuDF spilling is switched on in the flow process too, as LocalCUDACluster does
+    flow_side = [r for r in records if r["kind"] == "cudf.set_option"]
+    assert {(r["name"], r["value"]) for r in flow_side} >= {("spill", True)}
+    assert all(r["pid"] != row["pid"] for r in flow_side)
 
 
 def test_every_cuda_option_is_checked_by_this_module():
@@ -167,8 +302,10 @@ def test_every_cuda_option_is_checked_by_this_module():
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_real_devices_without_dask_cuda_fail_the_task_with_cluster_error(tmp_path, monkeypatch):
-    """No stand-in on the path: dask-cuda is not installed here, so the task fails clearly."""
+@pytest.mark.parametrize("warm_workers", ["0", "2"])
+def test_real_devices_without_dask_cuda_fail_the_task_with_cluster_error(tmp_path, monkeypatch, warm_workers):
+    """No stand-in on the path: dask-cuda is not installed here, so the task fails clearly,
+    whether dask-cuda would start the worker or a warm process would."""
     from prefect import flow, task
 
     try:
@@ -180,6 +317,7 @@ def test_real_devices_without_dask_cuda_fail_the_task_with_cluster_error(tmp_pat
     (tmp_path / "discover.py").write_text(DISCOVER)
     monkeypatch.delenv("GPU_TASKS_EMULATED_GPUS", raising=False)
     monkeypatch.delenv("GPU_TASKS_PROFILES_FILE", raising=False)
+    monkeypatch.setenv("GPU_TASKS_WARM_WORKERS", warm_workers)
     monkeypatch.setenv("GPU_TASKS_DISCOVERY_COMMAND", f"{sys.executable} {tmp_path / 'discover.py'}")
 
     @task(tags=[profile("gpu")])
