@@ -104,6 +104,11 @@ class ProfileCluster:
         return self.priority if self.profile.is_gpu and self.profile.is_local else None
 
     @property
+    def _unit(self) -> str:
+        """What its ledger counts: device-seconds, or worker-seconds for a CPU profile."""
+        return "device-s" if self.profile.is_gpu else "worker-s"
+
+    @property
     def provisioned_at(self) -> float | None:
         """When the running cluster's devices were acquired (``None`` when not running)."""
         return self.usage.provisioned_at
@@ -308,11 +313,13 @@ class ProfileCluster:
             logger.warning("profile %r: error while closing its workers", self.profile.name, exc_info=True)
         self.book.release(self.profile.name, self.devices)
         logger.info(
-            "profile %r: closed cluster (%s); held %.1f device-s, busy %.1f device-s",
+            "profile %r: closed cluster (%s); held %.1f %s, busy %.1f %s",
             self.profile.name,
             reason,
             row.held_seconds,
+            self._unit,
             row.busy_seconds,
+            self._unit,
         )
         self.specs = []
         self.usage.reset()
@@ -350,12 +357,14 @@ class ProfileCluster:
         self.usage.forget(held)
         self.book.release(self.profile.name, list(held.devices))
         logger.info(
-            "profile %r: removed worker %r (%s); held %.1f device-s, busy %.1f device-s",
+            "profile %r: removed worker %r (%s); held %.1f %s, busy %.1f %s",
             self.profile.name,
             name,
             reason,
             row.held_seconds,
+            self._unit,
             row.busy_seconds,
+            self._unit,
         )
         return row
 
