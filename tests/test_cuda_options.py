@@ -172,8 +172,9 @@ FLOW = textwrap.dedent(
     def on_cuda():
         first.submit().result()
         runner, deadline = FlowRunContext.get().task_runner, time.monotonic() + 60
-        while os.environ.get("GPU_TASKS_WARM_WORKERS") != "0" and time.monotonic() < deadline:
-            if sum(w["ready"] for w in runner.warm_workers()) >= 2:
+        while time.monotonic() < deadline:  # no pool (none listed), or both of its processes ready
+            listed = runner.warm_workers()
+            if not listed or (len(listed) >= 2 and all(w["ready"] for w in listed)):
                 break
             time.sleep(0.05)
         warm = [w["pid"] for w in runner.warm_workers()]  # started, imported, no device
