@@ -108,16 +108,15 @@ def dask_cuda_worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]
         enable_cudf_spill=cuda["enable_cudf_spill"],
         cudf_spill_stats=False,
     )
-    preload = list(worker_kwargs.get("preload") or [])
-    argv = list(worker_kwargs.get("preload_argv") or [])
-    # dask-cuda gives its flat argv to every preload; a list of lists has one entry per preload
-    if argv and not isinstance(argv[0], str):
-        argv.append(["--create-cuda-context"])
-    else:
-        argv.append("--create-cuda-context")
+    from gpu_tasks._worker_guard import add_preload
+
     return {
         **({"data": data} if data is not None else {}),
         "plugins": set(plugins) | set(worker_kwargs.get("plugins") or ()),
-        "preload": [*preload, "dask_cuda.initialize"],
-        "preload_argv": argv,
+        **add_preload(
+            worker_kwargs.get("preload"),
+            worker_kwargs.get("preload_argv"),
+            "dask_cuda.initialize",
+            ("--create-cuda-context",),
+        ),
     }

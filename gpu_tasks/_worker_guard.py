@@ -61,12 +61,24 @@ def preload_options(preload: Any = None, preload_argv: Any = None) -> dict[str, 
     if preload_argv is None:
         preload_argv = dask.config.get("distributed.worker.preload-argv", [])
     preload = [preload] if isinstance(preload, str) else list(preload)
-    argv = list(preload_argv)
-    if MODULE not in preload:
-        preload.append(MODULE)
-        if argv and not isinstance(argv[0], str):
-            argv.append([])
-    return {"preload": preload, "preload_argv": argv}
+    if MODULE in preload:
+        return {"preload": preload, "preload_argv": list(preload_argv)}
+    return add_preload(preload, preload_argv, MODULE)
+
+
+def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``preload``/``preload_argv`` with ``module`` appended, given ``args``.
+
+    Dask gives a flat ``preload_argv`` to every preload, so ``args`` join it (as dask-cuda
+    adds its own); a list of lists has one entry per preload, so ``args`` become one.
+    """
+    preload = [preload] if isinstance(preload, str) else list(preload or [])
+    argv = list(preload_argv or [])
+    if argv and not isinstance(argv[0], str):
+        argv.append(list(args))
+    else:
+        argv.extend(args)
+    return {"preload": [*preload, module], "preload_argv": argv}
 
 
 def dask_setup(worker: Any) -> None:

@@ -382,7 +382,7 @@ def start(
     cuda = None
     if uses_dask_cuda(profile, emulated) and pool is not None:
         cuda = _dask_cuda_for_warm_workers(profile)
-    elif uses_dask_cuda(profile, emulated):
+    elif uses_dask_cuda(profile, emulated):  # dask-cuda starts the workers
         next_devices = [s.devices[0].address for s in specs]
         with _non_daemon_workers():
             cluster = _within(
@@ -418,17 +418,27 @@ def uses_warm_pool(profile: ResourceProfile, emulated: bool) -> bool:
     return not uses_dask_cuda(profile, emulated) or profile.cuda.protocol == "tcp"
 
 
+def _load_dask_cuda(profile: ResourceProfile) -> Any:
+    """dask-cuda, or a ``ClusterError`` saying why ``profile`` cannot have it."""
+    try:
+        return _gpu.load("dask_cuda")
+    except _gpu.GpuLibraryUnavailable as exc:
+        raise ClusterError(f"profile {profile.name!r} needs dask-cuda on real GPUs: {exc.reason}") from exc
+
+
 def _dask_cuda_for_warm_workers(profile: ResourceProfile) -> dict[str, Any]:
     """Check that dask-cuda imports here, and apply in this process what ``LocalCUDACluster``
     would; the options its warm workers set themselves up with."""
-    try:
-        _gpu.load("dask_cuda")
-        if profile.cuda.enable_cudf_spill:  # as dask-cuda does: spilling on in the client process too
+    _load_dask_cuda(profile)
+    if profile.cuda.enable_cudf_spill:  # as dask-cuda does: spilling on in the client process too
+        try:
             cudf = _gpu.load("cudf")
-            cudf.set_option("spill", True)
-            cudf.set_option("spill_stats", False)
-    except _gpu.GpuLibraryUnavailable as exc:
-        raise ClusterError(f"profile {profile.name!r} needs dask-cuda on real GPUs: {exc.reason}") from exc
+        except _gpu.GpuLibraryUnavailable as exc:
+            raise ClusterError(
+                f"profile {profile.name!r} sets cuda.enable_cudf_spill, which needs cuDF: {exc.reason}"
+            ) from exc
+        cudf.set_option("spill", True)
+        cudf.set_option("spill_stats", False)
     os.environ["RAPIDS_NO_INITIALIZE"] = "True"  # as LocalCUDACluster sets it
     return profile.cuda.model_dump()
 
@@ -462,10 +472,7 @@ def _cuda_cluster(
     """dask-cuda's LocalCUDACluster over every device of the profile, starting ``specs``'s workers."""
     import dask
 
-    try:
-        dask_cuda = _gpu.load("dask_cuda")
-    except _gpu.GpuLibraryUnavailable as exc:
-        raise ClusterError(f"profile {profile.name!r} needs dask-cuda on real GPUs: {exc.reason}") from exc
+    dask_cuda = _load_dask_cuda(profile)
     by_address = {spec.devices[0].address: spec for spec in every_spec}
     cls = _own_device_cluster_class(dask_cuda.LocalCUDACluster)
     # no silent re-run of a task whose worker died: the runner reports the crash (gpu_tasks._crash)

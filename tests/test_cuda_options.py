@@ -95,9 +95,7 @@ FAKE_MODULES = {
 # cudf.set_option, which a profile with enable_cudf_spill calls in the flow process
 FAKE_CUDF = textwrap.dedent(
     """
-    import sys
-    sys.path.insert(0, __path__[0] + "/..")
-    from dask_cuda._record import record
+    from dask_cuda._record import record  # the stand-in beside it, on the same PYTHONPATH
 
     def set_option(name, value):
         record("cudf.set_option", name=name, value=value)
