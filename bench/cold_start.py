@@ -46,14 +46,15 @@ def _started() -> dict[str, Any]:
     return {"t": time.time(), "pid": os.getpid()}
 
 
-def gpu_tasks_cases(idle_timeout: float) -> dict[str, Any]:
-    """fresh, re-provision and warm latencies through ProfileTaskRunner, with breakdowns."""
+def gpu_tasks_cases(idle_timeout: float, cuda: dict[str, Any] | None = None) -> dict[str, Any]:
+    """fresh, re-provision and warm latencies through ProfileTaskRunner, with breakdowns
+    (``cuda``: the profile's CUDA options, e.g. an RMM pool, as ``scripts/gpu-check`` measures)."""
     from prefect import flow, task
     from prefect.context import FlowRunContext
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
 
-    gpu = ResourceProfile(name="gpu", gpus=1, max_workers=1, idle_timeout=idle_timeout)
+    gpu = ResourceProfile(name="gpu", gpus=1, max_workers=1, idle_timeout=idle_timeout, cuda=cuda or {})
     started = task(_started, name="started", tags=[profile("gpu")])
 
     def timed() -> dict[str, Any]:

@@ -166,8 +166,11 @@ def _cmdline(proc: Any) -> list[str]:
         return []
 
 
-def run(sizes: list[int], repeats: int) -> dict[str, Any]:
-    """ms per task for each runner and N: ``{"ms_per_task": {str(N): {label: [..]}}}``."""
+def run(
+    sizes: list[int], repeats: int, only: tuple[str, ...] | None = None, n_gpu: int = 2
+) -> dict[str, Any]:
+    """ms per task for each runner and N: ``{"ms_per_task": {str(N): {label: [..]}}}``; ``only``:
+    these runners' labels alone; ``n_gpu``: devices the gpus=0.25 profile may use."""
     from prefect import flow, task
 
     from gpu_tasks import profile
@@ -180,7 +183,9 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
     results: dict[str, dict[str, list[float]]] = {}
     skipped = ray_skipped()
     with embedded_server():
-        for label, r in runners(2).items():
+        for label, r in runners(n_gpu).items():
+            if only is not None and label not in only:
+                continue
             tagged = inc.with_options(tags=[profile(r.tag)]) if r.tag else inc
 
             # the loop's values bound now (once runs within this iteration anyway)

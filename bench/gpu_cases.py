@@ -1,0 +1,705 @@
+"""The checks of ``scripts/gpu-check``, one per process: ``python -m bench.gpu_cases NAME --out FILE``.
+
+Each check writes ``{"name", "passed", "figures", "detail"}`` to FILE. On a real GPU they use
+CuPy, RMM and NVML; under ``--dry-run`` (``GPU_CHECK_DRY_RUN=1``, emulated devices) the CUDA parts
+are stand-ins (:class:`StandIn`: NumPy compute, memory accounted in a file, holders from that
+file), so the sequence, the runner's paths and this code are rehearsed on a CPU-only machine.
+A stand-in figure is never a GPU figure: the driver marks the whole result ``emulated``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import multiprocessing
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+GiB = 2**30
+DRY = os.environ.get("GPU_CHECK_DRY_RUN") == "1"
+RMM_POOL = "2GiB"
+
+
+# ----------------------------------------------------------------------------- CUDA, or stand-ins
+class RealCuda:
+    """CuPy (plain ``cudaMalloc`` through its default pool; never managed memory) and NVML."""
+
+    emulated = False
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.cp = cupy
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        """Allocate ``nbytes`` on the current device and touch it; free it (and CuPy's cache) after."""
+        a = self.cp.empty(int(nbytes), dtype=self.cp.uint8)
+        a[:: 1 << 20] = 1  # touch one byte per MiB
+        self.cp.cuda.runtime.deviceSynchronize()
+        try:
+            yield
+        finally:
+            del a
+            self.cp.get_default_memory_pool().free_all_blocks()
+
+    def compute(self) -> float:
+        x = self.cp.arange(1 << 20, dtype=self.cp.float64)
+        return float((x * 2).sum())
+
+    def mem_info(self) -> tuple[int, int]:
+        free, total = self.cp.cuda.runtime.memGetInfo()
+        return int(free), int(total)
+
+    def device_uuid(self) -> str:
+        raw = self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.runtime.getDevice())["uuid"]
+        h = bytes(raw).hex()
+        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+    def rmm_resource(self) -> dict[str, Any]:
+        import rmm
+
+        mr = rmm.mr.get_current_device_resource()
+        out: dict[str, Any] = {"type": type(mr).__name__}
+        size = getattr(mr, "pool_size", None)
+        if callable(size):
+            out["pool_size"] = int(size())
+        return out
+
+
+class StandIn:
+    """The dry run's CUDA: NumPy compute; device memory accounted in a JSON file per device, with
+    the allocating pids, so packing, out-of-memory and lease overlap follow the same code paths."""
+
+    emulated = True
+
+    def __init__(self) -> None:
+        import numpy
+
+        self.np = numpy
+        self.dir = Path(os.environ["GPU_CHECK_STANDIN_DIR"])
+        self.capacity = int(os.environ.get("GPU_CHECK_STANDIN_MEMORY", str(80 * GiB)))
+        self.device = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+
+    @contextlib.contextmanager
+    def _book(self) -> Iterator[dict[str, int]]:
+        path = self.dir / f"device-{self.device}.json"
+        with open(self.dir / f"device-{self.device}.lock", "a+") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            book = json.loads(path.read_text()) if path.exists() else {}
+            yield book
+            path.write_text(json.dumps(book))
+
+    @contextlib.contextmanager
+    def hold(self, nbytes: int) -> Iterator[None]:
+        key = f"{os.getpid()}:{time.monotonic_ns()}"
+        with self._book() as book:
+            if sum(book.values()) + nbytes > self.capacity:
+                raise MemoryError(f"out of memory allocating {nbytes} bytes (stand-in device {self.device})")
+            book[key] = int(nbytes)
+        try:
+            yield
+        finally:
+            with self._book() as book:
+                book.pop(key, None)
+
+    def compute(self) -> float:
+        x = self.np.arange(1 << 20, dtype=self.np.float64)
+        return float((x * 2).sum())
+
+    def mem_info(self) -> tuple[int, int]:
+        with self._book() as book:
+            return self.capacity - sum(book.values()), self.capacity
+
+    def device_uuid(self) -> str:
+        return f"EMU-{self.device}"
+
+    def rmm_resource(self) -> dict[str, Any]:
+        return {"type": "not checked: stand-in (no RMM without CUDA)"}
+
+
+def cuda() -> RealCuda | StandIn:
+    return StandIn() if DRY else RealCuda()
+
+
+def holders() -> dict[int, dict[int, int]]:
+    """Device index -> {pid: bytes} of processes holding device memory: NVML's compute processes
+    (a CUDA context), or the stand-in's book."""
+    if DRY:
+        out: dict[int, dict[int, int]] = {}
+        for path in Path(os.environ["GPU_CHECK_STANDIN_DIR"]).glob("device-*.json"):
+            book = json.loads(path.read_text() or "{}")
+            pids: dict[int, int] = {}
+            for key, n in book.items():
+                pid = int(key.split(":")[0])
+                pids[pid] = pids.get(pid, 0) + n
+            out[int(path.stem.split("-")[1])] = pids
+        return out
+    import pynvml as nvml
+
+    nvml.nvmlInit()
+    try:
+        res = {}
+        for i in range(nvml.nvmlDeviceGetCount()):
+            h = nvml.nvmlDeviceGetHandleByIndex(i)
+            res[i] = {p.pid: int(p.usedGpuMemory or 0) for p in nvml.nvmlDeviceGetComputeRunningProcesses(h)}
+        return res
+    finally:
+        nvml.nvmlShutdown()
+
+
+def _devices() -> list[Any]:
+    from gpu_tasks.devices import discover
+
+    return list(discover().devices)
+
+
+# ----------------------------------------------------------------------------- task bodies
+def _on_device() -> dict[str, Any]:
+    from gpu_tasks import current_allocation
+
+    c = cuda()
+    a = current_allocation()
+    row: dict[str, Any] = {
+        "pid": os.getpid(),
+        "process": multiprocessing.current_process().name,
+        "visible": os.environ.get("CUDA_VISIBLE_DEVICES"),
+        "devices": list(a.devices),
+        "profile": a.profile,
+        "emulated": a.emulated,
+    }
+    row["compute_ok"] = c.compute() == float(2 * sum(range(1 << 20)))
+    row["uuid"] = c.device_uuid()
+    try:
+        row["rmm"] = c.rmm_resource()
+    except Exception as exc:
+        row["rmm"] = {"error": f"{type(exc).__name__}: {exc}"}
+    with c.hold(256 * 2**20):
+        row["holders"] = {str(k): v for k, v in holders().items()}
+    return row
+
+
+def _rendezvous(i: int, where: str, n: int, nbytes: int) -> dict[str, Any]:
+    """Allocate ``nbytes``, then wait until all ``n`` tasks hold theirs (they run at once, or time out)."""
+    from gpu_tasks import current_allocation
+
+    c = cuda()
+    t0 = time.time()
+    with c.hold(nbytes):
+        Path(where, f"in-{i}").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 60
+        while len(list(Path(where).glob("in-*"))) < n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"task {i}: only {len(list(Path(where).glob('in-*')))} of {n} ran at once")
+            time.sleep(0.02)
+        free, total = c.mem_info()
+        seen = holders()
+        time.sleep(0.3)  # let the slowest one see the rendezvous too
+    return {
+        "i": i,
+        "pid": os.getpid(),
+        "devices": list(current_allocation().devices),
+        "waited_s": time.time() - t0,
+        "free": free,
+        "total": total,
+        "holders": {str(k): v for k, v in seen.items()},
+    }
+
+
+def _hog(where: str, fraction: float) -> dict[str, Any]:
+    """Hold ``fraction`` of the device until the other task has tried (its marker) or 90 s."""
+    c = cuda()
+    _, total = c.mem_info()
+    with c.hold(int(total * fraction)):
+        Path(where, "hog-holding").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 90
+        while not Path(where, "big-tried").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return {"pid": os.getpid()}
+
+
+def _big(where: str, fraction: float) -> dict[str, Any]:
+    """Wait for the hog, then ask for ``fraction`` of the device with a plain allocation."""
+    from gpu_tasks import current_allocation
+
+    c = cuda()
+    deadline = time.monotonic() + 90
+    while not Path(where, "hog-holding").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    free, total = c.mem_info()
+    try:
+        with c.hold(int(total * fraction)):
+            ok = c.compute() == float(2 * sum(range(1 << 20)))
+    finally:
+        Path(where, "big-tried").write_text(str(os.getpid()))
+    a = current_allocation()
+    return {
+        "profile": a.profile,
+        "devices": list(a.devices),
+        "free_before": free,
+        "asked": int(total * fraction),
+        "ok": ok,
+    }
+
+
+def _leased_body(seconds: float) -> dict[str, Any]:
+    c = cuda()
+    t0 = time.time()
+    with c.hold(GiB):
+        time.sleep(seconds)
+    return {"pid": os.getpid(), "start": t0, "end": time.time()}
+
+
+# ----------------------------------------------------------------------------- checks
+def _runner(*profiles: Any, **kw: Any) -> Any:
+    from gpu_tasks import ProfileTaskRunner
+
+    return ProfileTaskRunner(profiles=list(profiles), **kw)
+
+
+def inventory() -> tuple[bool, dict[str, Any], str]:
+    """NVML's devices (gpu-tasks' discovery, and ``gpu-tasks devices --json``) equal nvidia-smi's."""
+    from gpu_tasks.devices import discover
+
+    inv = discover()
+    ours = [
+        {
+            "index": d.index,
+            "name": d.name,
+            "uuid": d.uuid,
+            "memory_mib": (d.memory_total or 0) // 2**20,
+            "mig": d.mig,
+        }
+        for d in inv.devices
+    ]
+    cli = json.loads(
+        subprocess.run(
+            [sys.executable, "-m", "gpu_tasks.cli", "devices", "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
+        or "{}"
+    )
+    if DRY:  # the stand-in for nvidia-smi: the emulation spec itself
+        smi = [
+            {
+                "index": d["index"],
+                "name": d["name"],
+                "uuid": d["uuid"],
+                "memory_mib": d["memory_mib"],
+                "mig": False,
+            }
+            for d in ours
+        ]
+        smi_raw = f"stand-in (GPU_TASKS_EMULATED_GPUS={os.environ.get('GPU_TASKS_EMULATED_GPUS')})"
+    else:
+        smi_raw = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=index,name,uuid,memory.total,mig.mode.current",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+        smi = []
+        for line in smi_raw.splitlines():
+            idx, name, uuid, mem, mig = [x.strip() for x in line.split(",")]
+            smi.append(
+                {
+                    "index": int(idx),
+                    "name": name,
+                    "uuid": uuid,
+                    "memory_mib": int(mem),
+                    "mig": mig == "Enabled",
+                }
+            )
+    same = len(ours) == len(smi) and all(
+        o["index"] == s["index"]
+        and o["name"] == s["name"]
+        and o["uuid"] == s["uuid"]
+        and abs(o["memory_mib"] - s["memory_mib"]) <= max(1, s["memory_mib"] // 200)  # NVML v1 vs v2 totals
+        and o["mig"] == s["mig"]
+        for o, s in zip(ours, smi, strict=False)
+    )
+    cli_same = [d.get("uuid") for d in cli.get("devices", [])] == [o["uuid"] for o in ours]
+    expected_source = "emulated" if DRY else "nvml"
+    passed = same and cli_same and inv.source == expected_source and inv.emulated == DRY and bool(ours)
+    figures = {
+        "source": inv.source,
+        "emulated": inv.emulated,
+        "nvml": ours,
+        "nvidia_smi": smi,
+        "cli_source": cli.get("source"),
+    }
+    detail = f"{len(ours)} device(s) from {inv.source}; nvidia-smi: {smi_raw}; gpu-tasks devices --json agrees: {cli_same}"
+    return passed, figures, detail
+
+
+def worker_path() -> tuple[bool, dict[str, Any], str]:
+    """A gpus=1 profile with an RMM pool, on the path GPU_TASKS_WARM_WORKERS selects (set by the driver)."""
+    from prefect import flow, task
+
+    from gpu_tasks import ResourceProfile, profile
+
+    warm = os.environ.get("GPU_TASKS_WARM_WORKERS", "2") != "0"
+    gpu = ResourceProfile(name="gpu", gpus=1, idle_timeout=5, cuda={"rmm_pool_size": RMM_POOL})
+    on_device = task(_on_device, name="on-device", tags=[profile("gpu")])
+
+    @flow(task_runner=_runner(gpu), name="gpu-check-worker-path")
+    def f() -> dict[str, Any]:
+        return on_device.submit().result()
+
+    row = f()
+    devices = {d.address: d for d in _devices()}
+    leased = devices.get(row["visible"] or "")
+    problems = []
+    if row["devices"] != [row["visible"]]:
+        problems.append(f"allocation {row['devices']} != CUDA_VISIBLE_DEVICES {row['visible']}")
+    if not row["compute_ok"]:
+        problems.append("the device computed a wrong sum")
+    if leased is None or (not DRY and leased.uuid != row["uuid"]):
+        problems.append(f"the task's device {row['uuid']} is not the leased {leased and leased.uuid}")
+    if row["emulated"] != DRY:
+        problems.append(f"current_allocation().emulated is {row['emulated']}")
+    if warm != (row["process"] == "gpu-tasks warm worker"):
+        problems.append(f"ran in process {row['process']!r} (warm pool expected: {warm})")
+    if not DRY:
+        rmm = row["rmm"]
+        if "Pool" not in str(rmm.get("type")):
+            problems.append(f"the current RMM resource is {rmm}, not a pool")
+        elif "pool_size" in rmm and rmm["pool_size"] < 2 * GiB:
+            problems.append(f"the RMM pool is {rmm['pool_size']} bytes, not {RMM_POOL}")
+        mine = {int(k): v.get(str(row["pid"]), v.get(row["pid"])) for k, v in row["holders"].items()}
+        if not any(mine.values()):
+            problems.append(f"NVML lists no memory of the worker (pid {row['pid']}): {row['holders']}")
+    path = "warm pool (tcp)" if warm else "LocalCUDACluster (GPU_TASKS_WARM_WORKERS=0)"
+    return (
+        not problems,
+        {"path": path, **row},
+        "; ".join(problems) or f"{path}: task on device {row['visible']} ({row['uuid']}), RMM {row['rmm']}",
+    )
+
+
+def contexts() -> tuple[bool, dict[str, Any], str]:
+    """Unbound warm processes hold no CUDA context; a bound worker's is on its device only."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks import ResourceProfile, profile
+
+    first = task(lambda: 0, name="first")
+    on_device = task(_on_device, name="on-device", tags=[profile("gpu")])
+
+    @flow(task_runner=_runner(ResourceProfile(name="gpu", gpus=1, idle_timeout=5)), name="gpu-check-contexts")
+    def f() -> dict[str, Any]:
+        runner = FlowRunContext.get().task_runner
+        first.submit().result()
+        deadline = time.monotonic() + 90
+        while sum(w["ready"] for w in runner.warm_workers()) < 2:
+            if time.monotonic() > deadline:
+                raise TimeoutError("warm processes not ready within 90 s")
+            time.sleep(0.1)
+        warm = [w["pid"] for w in runner.warm_workers()]
+        return {"warm": warm, "before": holders(), "task": on_device.submit().result()}
+
+    seen = f()
+    before = {int(k): set(v) for k, v in seen["before"].items()}
+    unbound_with_context = sorted(set(seen["warm"]) & set().union(*before.values())) if before else []
+    row = seen["task"]
+    pid = row["pid"]
+    # where the bound worker holds device memory (a CUDA context) while its task runs
+    on = sorted(int(i) for i, pids in row["holders"].items() if pid in pids or str(pid) in pids)
+    leased = [d.index for d in _devices() if d.address == row["visible"]]
+    problems = []
+    if unbound_with_context:
+        problems.append(f"unbound warm processes {unbound_with_context} hold a CUDA context")
+    if pid not in seen["warm"]:
+        problems.append(f"the task ran in pid {pid}, not one of the warm processes {seen['warm']}")
+    if on != leased:
+        problems.append(f"the bound worker's contexts are on {on}, the lease is {leased}")
+    figures = {
+        "warm_pids": seen["warm"],
+        "before": seen["before"],
+        "bound_pid": pid,
+        "context_on": on,
+        "leased": leased,
+    }
+    return (
+        not problems,
+        figures,
+        "; ".join(problems)
+        or f"unbound warm pids {seen['warm']}: no context; bound pid {pid}: context on device {on} only",
+    )
+
+
+def packing() -> tuple[bool, dict[str, Any], str]:
+    """Four tasks of a gpus=0.25 profile at once on one device, each holding 2 GiB."""
+    from prefect import flow, task
+
+    from gpu_tasks import ResourceProfile, profile
+
+    where = tempfile.mkdtemp(prefix="gpu-check-pack-")
+    quarter = ResourceProfile(name="quarter", gpus=0.25, idle_timeout=5)
+    t = task(_rendezvous, name="quarter-task", tags=[profile("quarter")])
+
+    @flow(task_runner=_runner(quarter), name="gpu-check-packing")
+    def f() -> list[dict[str, Any]]:
+        return [x.result() for x in [t.submit(i, where, 4, 2 * GiB) for i in range(4)]]
+
+    rows = f()
+    devices = sorted({tuple(r["devices"]) for r in rows})
+    min_free = min(r["free"] for r in rows)
+    held_by_tasks = max(r["total"] - r["free"] for r in rows)
+    problems = []
+    if len(rows) != 4:
+        problems.append(f"{len(rows)} of 4 tasks returned")
+    if len(devices) != 1:
+        problems.append(f"the tasks ran on {devices}, not one device")
+    if held_by_tasks < 8 * GiB:
+        problems.append(f"device memory in use at the rendezvous {held_by_tasks} < 4 x 2 GiB")
+    figures = {
+        "devices": devices,
+        "pids": sorted({r["pid"] for r in rows}),
+        "max_wait_to_rendezvous_s": max(r["waited_s"] for r in rows),
+        "used_at_rendezvous_gib": held_by_tasks / GiB,
+        "min_free_gib": min_free / GiB,
+    }
+    return (
+        not problems,
+        figures,
+        "; ".join(problems)
+        or f"4 x 2 GiB at once on device {devices[0]}, {len(figures['pids'])} worker process(es)",
+    )
+
+
+def oom() -> tuple[bool, dict[str, Any], str]:
+    """A real out-of-memory: GpuOutOfMemoryError naming profile and device; with on_oom, completed there."""
+    from prefect import flow, task
+
+    from gpu_tasks import ResourceProfile, profile
+    from gpu_tasks.errors import GpuOutOfMemoryError
+
+    fraction = 0.6
+    figures: dict[str, Any] = {}
+    problems = []
+
+    def run(on_oom: str | None) -> Any:
+        where = tempfile.mkdtemp(prefix="gpu-check-oom-")
+        half = ResourceProfile(name="half", gpus=0.5, idle_timeout=1, on_oom=on_oom)
+        whole = ResourceProfile(name="whole", gpus=1, idle_timeout=1)
+        hog = task(_hog, name="hog", tags=[profile("half")])
+        big = task(_big, name="big", tags=[profile("half")])
+
+        @flow(task_runner=_runner(half, whole), name=f"gpu-check-oom-{on_oom or 'plain'}")
+        def f() -> Any:
+            h = hog.submit(where, fraction)
+            b = big.submit(where, fraction)
+            h.result()
+            try:
+                return b.result()
+            except Exception as exc:
+                return {"error": f"{type(exc).__name__}: {exc}"}
+
+        return f()
+
+    t0 = time.time()
+    plain = run(None)
+    figures["plain_s"] = time.time() - t0
+    text = str(plain.get("error") or plain)
+    figures["error"] = text[:600]
+    if GpuOutOfMemoryError.__name__ not in text:
+        problems.append(f"no GpuOutOfMemoryError without on_oom: {text[:300]}")
+    elif "'half'" not in text or "device(s) 0" not in text:
+        problems.append(f"the error does not name profile 'half' and its device: {text[:300]}")
+    t0 = time.time()
+    escalated = run("whole")
+    figures["escalated_s"] = time.time() - t0
+    figures["escalated"] = escalated
+    if not (escalated.get("profile") == "whole" and escalated.get("ok")):
+        problems.append(f"with on_oom='whole' the task did not complete there: {escalated!r:.300}")
+    return (
+        not problems,
+        figures,
+        "; ".join(problems) or f"{text[:200]} ... then completed on 'whole' with on_oom",
+    )
+
+
+def lease_flow() -> tuple[bool, dict[str, Any], str]:
+    """One of the two flow processes of the ``leases`` check: a gpus=1 task holding 1 GiB for 2 s."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks import ResourceProfile, profile
+
+    body = task(_leased_body, name="leased", tags=[profile("gpu")])
+
+    @flow(task_runner=_runner(ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)), name="gpu-check-lease")
+    def f() -> dict[str, Any]:
+        row = body.submit(2.0).result()
+        return {**row, "runner": FlowRunContext.get().task_runner}
+
+    out = f()
+    runner = out.pop("runner")
+    deadline = time.monotonic() + 30
+    while not runner.ledger and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out["ledger"] = [{"provisioned_at": r.provisioned_at, "closed_at": r.closed_at} for r in runner.ledger]
+    return True, out, ""
+
+
+def leases() -> tuple[bool, dict[str, Any], str]:
+    """Two flow processes on the one device never overlap: device holders sampled every 50 ms."""
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-leases-"))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "bench.gpu_cases", "lease_flow", "--out", str(work / f"flow-{i}.json")],
+            stdout=subprocess.DEVNULL,
+            stderr=open(work / f"flow-{i}.log", "w"),
+        )
+        for i in range(2)
+    ]
+    samples: list[tuple[float, dict[int, dict[int, int]]]] = []
+    deadline = time.monotonic() + 150
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        samples.append((time.time(), holders()))
+        time.sleep(0.05)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    rows = []
+    for i in range(2):
+        path = work / f"flow-{i}.json"
+        rows.append(
+            json.loads(path.read_text())
+            if path.exists()
+            else {"passed": False, "detail": (work / f"flow-{i}.log").read_text()[-800:]}
+        )
+    problems = [f"flow {i}: {r.get('detail')}" for i, r in enumerate(rows) if not r.get("passed")]
+    if problems:
+        return False, {"samples": len(samples)}, "; ".join(problems)
+    pids = [r["figures"]["pid"] for r in rows]
+    both = [t for t, h in samples if all(any(p in d or str(p) in d for d in h.values()) for p in pids)]
+    seen = [sum(1 for _t, h in samples if any(p in d for d in h.values())) for p in pids]
+    spans = sorted((r["figures"]["start"], r["figures"]["end"]) for r in rows)
+    leases_ = sorted((lr["provisioned_at"], lr["closed_at"]) for r in rows for lr in r["figures"]["ledger"])
+    overlap = any(a[1] > b[0] for a, b in zip(leases_, leases_[1:], strict=False))
+    if both:
+        problems.append(f"both flows' workers held the device in {len(both)} samples")
+    if overlap:
+        problems.append(f"the ledgers' lease intervals overlap: {leases_}")
+    if not all(seen):
+        problems.append(f"a flow's worker was never seen holding the device ({seen} samples each)")
+    figures = {
+        "samples": len(samples),
+        "samples_holding": seen,
+        "samples_both": len(both),
+        "task_spans": spans,
+        "lease_intervals": leases_,
+        "gap_between_leases_s": (leases_[1][0] - leases_[0][1]) if len(leases_) >= 2 else None,
+    }
+    return (
+        not problems,
+        figures,
+        "; ".join(problems) or f"{len(samples)} samples, never both flows' workers on the device",
+    )
+
+
+def cold_start() -> tuple[bool, dict[str, Any], str]:
+    """Lease -> first task body, fresh and re-provisioned, with an RMM pool (and the CUDA context)."""
+    from bench.cold_start import gpu_tasks_cases
+
+    warm = os.environ.get("GPU_TASKS_WARM_WORKERS", "2") != "0"
+    out = gpu_tasks_cases(idle_timeout=1.0, cuda={"rmm_pool_size": RMM_POOL})
+    figures = {
+        "path": "warm pool (tcp)" if warm else "LocalCUDACluster (GPU_TASKS_WARM_WORKERS=0)",
+        **{
+            case: {k: v for k, v in out[case].items() if k != "pid"}
+            for case in ("fresh", "reprovision", "warm")
+        },
+    }
+    f, r = out["fresh"], out["reprovision"]
+    return (
+        True,
+        figures,
+        (
+            f"{figures['path']}: lease -> body {f['lease_to_body_s']:.2f} s fresh, {r['lease_to_body_s']:.2f} s "
+            f"re-provisioned; submit -> body {f['total_s']:.2f} / {r['total_s']:.2f} s"
+        ),
+    )
+
+
+def overhead() -> tuple[bool, dict[str, Any], str]:
+    """Per-task overhead of a gpus=0.25 profile against ThreadPoolTaskRunner, in one run."""
+    from bench.common import spread
+    from bench.overhead import PROFILE_GPU, THREADS, run
+
+    sizes = [20] if DRY else [100, 1000]
+    res = run(sizes, 1 if DRY else 3, only=(THREADS, PROFILE_GPU), n_gpu=1)
+    figures: dict[str, Any] = {}
+    for n, by in res["ms_per_task"].items():
+        med = {k: spread(v)["median"] for k, v in by.items()}
+        figures[n] = {
+            "threads_ms": med[THREADS],
+            "gpus_0.25_ms": med[PROFILE_GPU],
+            "ratio": med[PROFILE_GPU] / med[THREADS],
+        }
+    text = ", ".join(
+        f"N={n}: {v['gpus_0.25_ms']:.2f} ms vs {v['threads_ms']:.2f} ms ({v['ratio']:.2f}x)"
+        for n, v in figures.items()
+    )
+    return True, figures, f"gpus=0.25 per task vs ThreadPoolTaskRunner: {text}"
+
+
+CHECKS: dict[str, Callable[[], tuple[bool, dict[str, Any], str]]] = {
+    "inventory": inventory,
+    "worker_path": worker_path,
+    "contexts": contexts,
+    "packing": packing,
+    "oom": oom,
+    "lease_flow": lease_flow,
+    "leases": leases,
+    "cold_start": cold_start,
+    "overhead": overhead,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", choices=sorted(CHECKS))
+    parser.add_argument("--label", default=None, help="the name written to the result (default: name)")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    from bench.common import setup
+
+    setup()
+    t0 = time.time()
+    try:
+        passed, figures, detail = CHECKS[args.name]()
+    except BaseException as exc:  # the driver reads the reason from the result, not from a traceback
+        passed, figures, detail = False, {}, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()[-1500:]}"
+    result = {
+        "name": args.label or args.name,
+        "passed": bool(passed),
+        "figures": {**figures, "seconds": round(time.time() - t0, 2)},
+        "detail": detail,
+    }
+    Path(args.out).write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    if __package__ in (None, ""):
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    sys.exit(main())

@@ -1,0 +1,362 @@
+"""The prepared real-GPU check: every check of :mod:`bench.gpu_cases`, then docs/gpu.md from its JSON.
+
+    scripts/gpu-check                 # on the GPU machine: docs/results/gpu.json, docs/gpu.md
+    scripts/gpu-check --dry-run       # here: the same sequence on emulated devices (stand-ins for CUDA)
+    python -m bench.gpu_check --report-only   # re-render docs/gpu.md from docs/results/gpu.json
+
+Each check runs in a process of its own, against one Prefect server on 127.0.0.1 (a temporary
+PREFECT_HOME), with its own time limit inside one budget (8 minutes by default), so a hang costs
+one check, not the run. ``--only NAME ...`` re-runs some checks and keeps the others' results.
+Without an NVIDIA GPU (and without ``--dry-run``) it stops with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "docs" / "results" / "gpu.json"
+PAGE = ROOT / "docs" / "gpu.md"
+EMULATED_SPEC = "H100:80GiB"
+
+# label, check, environment, time limit (s), what it shows
+PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
+    ("inventory", "inventory", {}, 60, "NVML's devices equal nvidia-smi's (name, UUID, memory, MIG mode)"),
+    (
+        "worker_path_warm_pool",
+        "worker_path",
+        {"GPU_TASKS_WARM_WORKERS": "2"},
+        120,
+        "the warm pool over tcp: the task sees its CUDA_VISIBLE_DEVICES, CuPy computes there, an RMM pool",
+    ),
+    (
+        "worker_path_local_cuda_cluster",
+        "worker_path",
+        {"GPU_TASKS_WARM_WORKERS": "0"},
+        120,
+        "GPU_TASKS_WARM_WORKERS=0 (dask-cuda's LocalCUDACluster): the same",
+    ),
+    (
+        "cuda_contexts",
+        "contexts",
+        {"GPU_TASKS_WARM_WORKERS": "2"},
+        120,
+        "unbound warm processes hold no CUDA context; a bound worker's is on its device only",
+    ),
+    ("fractional_packing", "packing", {}, 120, "four gpus=0.25 tasks at once on one device, 2 GiB each"),
+    (
+        "out_of_memory",
+        "oom",
+        {},
+        150,
+        "a real CUDA OOM -> GpuOutOfMemoryError naming profile and device; on_oom completes it on the bigger profile",
+    ),
+    ("leases", "leases", {}, 120, "two flow processes on the one device never overlap (NVML-sampled)"),
+    (
+        "cold_start_warm_pool",
+        "cold_start",
+        {"GPU_TASKS_WARM_WORKERS": "2"},
+        120,
+        "lease -> first task body, fresh and re-provisioned, warm pool, RMM pool included",
+    ),
+    (
+        "cold_start_local_cuda_cluster",
+        "cold_start",
+        {"GPU_TASKS_WARM_WORKERS": "0"},
+        120,
+        "the same with LocalCUDACluster",
+    ),
+    (
+        "overhead",
+        "overhead",
+        {},
+        240,
+        "per-task overhead of a gpus=0.25 profile against ThreadPoolTaskRunner",
+    ),
+]
+
+# What cannot run on the GPU machine, and why: unverified on GPU.
+UNVERIFIED = [
+    (
+        "cuDF ETL (the example pipeline's feature stage on a GPU profile)",
+        "cuDF's wheels and libraries are far larger than the 64 MiB a device call can carry, and the GPU "
+        "machine reaches no package registry",
+    ),
+    (
+        "XGBoost training with device='cuda'",
+        "XGBoost's wheel (~230 MB with NCCL) cannot travel to the GPU machine",
+    ),
+    (
+        "more than one GPU (placement across devices, gang-started multi-GPU profiles, CPU affinity per device)",
+        "the GPU machine lent has one GPU",
+    ),
+    (
+        "MIG instances as devices",
+        "the lent GPU is not in MIG mode and the check does not change its settings",
+    ),
+    ("UCX / UCXX protocols for dask-cuda workers", "ucx-py / ucxx wheels are not carried"),
+    (
+        "cuDF spilling (cuda.enable_cudf_spill) and cuDF's RMM plugin",
+        "needs cuDF on the GPU machine (see above)",
+    ),
+]
+
+
+def gpu_present() -> str | None:
+    """Why there is no NVIDIA GPU to check, or ``None``."""
+    if shutil.which("nvidia-smi") is None:
+        return "no nvidia-smi on this machine"
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except Exception as exc:
+        return f"nvidia-smi failed: {exc}"
+    if out.returncode != 0 or "GPU" not in out.stdout:
+        return f"nvidia-smi lists no GPU ({(out.stderr or out.stdout).strip()[:200]})"
+    return None
+
+
+def device_info(dry: bool) -> dict[str, Any]:
+    if dry:
+        return {
+            "name": f"{EMULATED_SPEC.split(':')[0]} (emulated)",
+            "memory": EMULATED_SPEC.split(":")[1],
+            "driver": None,
+            "cuda": None,
+            "emulated": True,
+        }
+    import pynvml as nvml
+
+    nvml.nvmlInit()
+    try:
+        h = nvml.nvmlDeviceGetHandleByIndex(0)
+        name = nvml.nvmlDeviceGetName(h)
+        cuda = nvml.nvmlSystemGetCudaDriverVersion()
+        return {
+            "name": name.decode() if isinstance(name, bytes) else name,
+            "memory": f"{nvml.nvmlDeviceGetMemoryInfo(h).total / 2**30:.1f} GiB",
+            "count": nvml.nvmlDeviceGetCount(),
+            "driver": str(nvml.nvmlSystemGetDriverVersion()),
+            "cuda": f"{cuda // 1000}.{cuda % 1000 // 10}",
+            "emulated": False,
+        }
+    finally:
+        nvml.nvmlShutdown()
+
+
+def commit() -> str:
+    if os.environ.get("GPU_TASKS_COMMIT"):
+        return os.environ["GPU_TASKS_COMMIT"]
+    try:
+        from bench.common import commit as git_commit
+
+        return git_commit()
+    except Exception:
+        return "unknown"
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def run_check(label: str, check: str, env: dict[str, str], limit: float, log: Path) -> dict[str, Any]:
+    out = Path(tempfile.mkdtemp(prefix="gpu-check-")) / f"{label}.json"
+    t0 = time.time()
+    with open(log, "ab") as err:
+        err.write(f"\n===== {label} ({check}, limit {limit:.0f} s) =====\n".encode())
+        err.flush()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.gpu_cases", check, "--label", label, "--out", str(out)],
+            cwd=ROOT,
+            env={**os.environ, **env},
+            stdout=err,
+            stderr=err,
+            start_new_session=True,  # its workers and servers are killed with it
+        )
+        try:
+            proc.wait(timeout=limit)
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            _kill_group(proc)
+            proc.wait()
+    if out.exists():
+        return dict(json.loads(out.read_text()))
+    reason = (
+        f"timed out after {limit:.0f} s"
+        if time.time() - t0 >= limit - 1
+        else f"exit status {proc.returncode}"
+    )
+    return {
+        "name": label,
+        "passed": False,
+        "figures": {"seconds": round(time.time() - t0, 2)},
+        "detail": reason,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/gpu-check", description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--dry-run", action="store_true", help="emulated devices, stand-ins for CUDA (CPU-only)"
+    )
+    parser.add_argument(
+        "--only", nargs="+", choices=[p[0] for p in PLAN], help="these checks; keep the others"
+    )
+    parser.add_argument("--budget", type=float, default=480.0, help="seconds for all checks (default 480)")
+    parser.add_argument(
+        "--out-dir", default=None, help="where gpu.json and gpu.md go (default: docs/; dry run: a temp dir)"
+    )
+    parser.add_argument(
+        "--report-only", action="store_true", help="re-render docs/gpu.md from docs/results/gpu.json"
+    )
+    args = parser.parse_args(argv)
+
+    if args.report_only:
+        PAGE.write_text(render(json.loads(RESULTS.read_text())))
+        print(f"gpu-check: wrote {PAGE.relative_to(ROOT)} from {RESULTS.relative_to(ROOT)}")
+        return 0
+    if not args.dry_run and (why := gpu_present()):
+        print(f"gpu-check: no NVIDIA GPU here ({why}); use --dry-run to rehearse on emulated devices")
+        return 2
+    if args.out_dir:
+        results, page = Path(args.out_dir) / "results" / "gpu.json", Path(args.out_dir) / "gpu.md"
+    elif args.dry_run:
+        d = Path(tempfile.mkdtemp(prefix="gpu-check-dry-"))
+        results, page = d / "results" / "gpu.json", d / "gpu.md"
+    else:
+        results, page = RESULTS, PAGE
+    results.parent.mkdir(parents=True, exist_ok=True)
+    log = results.parent / "gpu-check.log"
+    log.write_text("")
+
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    os.environ["PYTHONUNBUFFERED"] = "1"
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="gpu-check-prefect-")
+    os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+    os.environ["GPU_TASKS_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpu-check-leases-")
+    if args.dry_run:
+        os.environ["GPU_CHECK_DRY_RUN"] = "1"
+        os.environ["GPU_TASKS_EMULATED_GPUS"] = EMULATED_SPEC
+        os.environ["GPU_CHECK_STANDIN_DIR"] = tempfile.mkdtemp(prefix="gpu-check-standin-")
+    else:
+        os.environ.pop("GPU_TASKS_EMULATED_GPUS", None)
+        os.environ.pop("GPU_CHECK_DRY_RUN", None)
+
+    device = device_info(args.dry_run)
+    print(
+        f"gpu-check: {device['name']}, {device['memory']}"
+        + (" (DRY RUN: emulated, stand-ins for CUDA)" if args.dry_run else ""),
+        flush=True,
+    )
+    previous = json.loads(results.read_text()) if (args.only and results.exists()) else {}
+    done = {c["name"]: c for c in previous.get("checks", [])}
+    start = time.monotonic()
+    from gpu_tasks._server import embedded_server
+
+    with embedded_server() as url:
+        os.environ["PREFECT_API_URL"] = url
+        print(f"gpu-check: Prefect server at {url} ({time.monotonic() - start:.1f} s)", flush=True)
+        for label, check, env, limit, _what in PLAN:
+            if args.only and label not in args.only:
+                continue
+            left = args.budget - (time.monotonic() - start)
+            if left < 15:
+                done[label] = {
+                    "name": label,
+                    "passed": False,
+                    "figures": {},
+                    "detail": "not run: the budget was spent",
+                }
+                print(f"  SKIP {label}: the budget was spent", flush=True)
+                continue
+            row = run_check(label, check, env, min(limit, left), log)
+            done[label] = row
+            first = str(row["detail"]).splitlines()[0] if row["detail"] else ""
+            print(
+                f"  {'PASS' if row['passed'] else 'FAIL'} {label} ({row['figures'].get('seconds', '?')} s): {first[:400]}",
+                flush=True,
+            )
+    data = {
+        "device": device,
+        "commit": commit(),
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "dry_run": args.dry_run,
+        "seconds": round(time.monotonic() - start, 1),
+        "checks": [done[p[0]] for p in PLAN if p[0] in done],
+    }
+    results.write_text(json.dumps(data, indent=2, default=str) + "\n")
+    page.write_text(render(data))
+    passed = sum(c["passed"] for c in data["checks"])
+    print(
+        f"gpu-check: {passed} of {len(data['checks'])} passed in {data['seconds']} s; wrote {results} and {page}"
+    )
+    if os.environ.get("OUT"):  # the device tool brings back what is under $OUT
+        for f in (results, page, log):
+            shutil.copy(f, Path(os.environ["OUT"]) / f.name)
+    return 0 if passed == len(data["checks"]) else 1
+
+
+def render(data: dict[str, Any]) -> str:
+    """docs/gpu.md from the check's JSON (nothing on the page is written by hand)."""
+    dev = data["device"]
+    what = {p[0]: p[4] for p in PLAN}
+    lines = ["# gpu-tasks on a real GPU", ""]
+    lines.append(
+        "<!-- generated by `python -m bench.gpu_check --report-only` from docs/results/gpu.json; do not edit -->"
+    )
+    lines.append("")
+    if dev.get("emulated"):
+        lines += [
+            "**DRY RUN on emulated devices with stand-ins for CUDA: these are not GPU results.**",
+            "",
+        ]
+    passed = sum(c["passed"] for c in data["checks"])
+    lines += [
+        f"Checked by `scripts/gpu-check` on **{dev['name']}** ({dev['memory']}; driver {dev.get('driver')}, "
+        f"CUDA {dev.get('cuda')}) at commit `{data['commit']}`, {data['date']}: **{passed} of "
+        f"{len(data['checks'])} checks passed** in {data['seconds']} s. Every real-GPU statement in the README "
+        "and docs/ points to a row below or says *unverified on GPU*.",
+        "",
+        "| check | what it shows | result |",
+        "| --- | --- | --- |",
+    ]
+    for c in data["checks"]:
+        result = "passed" if c["passed"] else "**FAILED**"
+        lines.append(
+            f"| [{c['name']}](#{c['name'].replace('_', '-')}) | {what.get(c['name'], '')} | {result} |"
+        )
+    lines += ["", "## Checks", ""]
+    for c in data["checks"]:
+        lines += [f"### {c['name'].replace('_', '-')}", ""]
+        lines += [f"{'Passed' if c['passed'] else 'FAILED'}: {str(c['detail']).strip()}", ""]
+        lines += ["```json", json.dumps(c["figures"], indent=1, default=str)[:3000], "```", ""]
+    lines += [
+        "## Unverified on GPU",
+        "",
+        "What the GPU machine cannot run, and why; everything here is **unverified on GPU** (emulated "
+        "devices and CPU fallbacks test the scheduling of it on every CI run).",
+        "",
+        "| what | why |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {w} | {why} |" for w, why in UNVERIFIED]
+    lines.append("")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
