@@ -46,7 +46,6 @@ def runners(n_gpu: int) -> dict[str, Runner]:
     """Label -> how its flows run; labels are stable keys of the results. The Ray rows are
     left out when Ray is not installed (:func:`bench.common.ray_missing` says why)."""
     from prefect.task_runners import ThreadPoolTaskRunner
-    from prefect_dask import DaskTaskRunner
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile
 
@@ -54,7 +53,7 @@ def runners(n_gpu: int) -> dict[str, Runner]:
     out = {
         THREADS: Runner(lambda: ThreadPoolTaskRunner(max_workers=8)),
         DASK: Runner(
-            lambda: DaskTaskRunner(
+            lambda: _dask_task_runner()(
                 cluster_kwargs={
                     "n_workers": 2,
                     "threads_per_worker": 2,
@@ -88,6 +87,13 @@ def runners(n_gpu: int) -> dict[str, Runner]:
         out[RAY_GPU] = Runner(make_ray, around=lambda: remote_options(num_gpus=0.25, max_calls=0))
     order = (THREADS, DASK, RAY, RAY_GPU, PROFILE_CPU, PROFILE_GPU)  # the peers first, as in the report
     return {label: out[label] for label in order if label in out}
+
+
+def _dask_task_runner() -> Any:
+    """prefect-dask's runner class, imported only for its row (the GPU machine has no prefect-dask)."""
+    from prefect_dask import DaskTaskRunner
+
+    return DaskTaskRunner
 
 
 def _pool_refilled(timeout: float = 60.0) -> None:

@@ -83,7 +83,9 @@ def dask_cuda_worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]
     from dask_cuda.utils import nvml_device_index, parse_device_memory_limit
     from dask_cuda.worker_common import worker_data_function, worker_plugins
 
-    device_index = nvml_device_index(0, os.environ["CUDA_VISIBLE_DEVICES"].split(","))
+    # the string, as LocalCUDACluster passes it: from a list dask-cuda returns the item as is ("0"),
+    # which its plugins then take for an index (TypeError on a real GPU, docs/gpu.md)
+    device_index = nvml_device_index(0, os.environ["CUDA_VISIBLE_DEVICES"])
     memory_limit = parse_memory_limit(
         worker_kwargs.get("memory_limit", "auto"),
         worker_kwargs.get("nthreads") or 1,

@@ -46,9 +46,13 @@ FAKE_MODULES = {
     ),
     "utils.py": textwrap.dedent(
         """
-        def nvml_device_index(i, CUDA_VISIBLE_DEVICES):
-            visible = CUDA_VISIBLE_DEVICES
-            return int((visible.split(",") if isinstance(visible, str) else visible)[i])
+        def nvml_device_index(i, CUDA_VISIBLE_DEVICES):  # as dask-cuda 26.10's: a list's item as is
+            if isinstance(CUDA_VISIBLE_DEVICES, str):
+                item = CUDA_VISIBLE_DEVICES.split(",")[i]
+                return int(item) if item.isnumeric() else item
+            elif isinstance(CUDA_VISIBLE_DEVICES, list):
+                return CUDA_VISIBLE_DEVICES[i]
+            raise ValueError("`CUDA_VISIBLE_DEVICES` must be `str` or `list`")
 
         def parse_device_memory_limit(device_memory_limit, device_index=0, alignment_size=1):
             return 1000 + device_index if device_memory_limit == "default" else device_memory_limit
