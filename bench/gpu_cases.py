@@ -62,7 +62,7 @@ class RealCuda:
 
     def device_uuid(self) -> str:
         raw = self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.runtime.getDevice())["uuid"]
-        h = bytes(raw).hex()
+        h = bytes(raw).ljust(16, b"\0").hex()  # a char[16]: CuPy cuts it at its first NUL byte
         return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
     def rmm_resource(self) -> dict[str, Any]:
