@@ -61,9 +61,17 @@ class RealCuda:
         return int(free), int(total)
 
     def device_uuid(self) -> str:
-        raw = self.cp.cuda.runtime.getDeviceProperties(self.cp.cuda.runtime.getDevice())["uuid"]
-        h = bytes(raw).ljust(16, b"\0").hex()  # a char[16]: CuPy cuts it at its first NUL byte
-        return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+        """NVML's UUID of the device CuPy computes on, found by its PCI bus id (CuPy's own UUID is a
+        char[16] cut at its first NUL byte)."""
+        import pynvml as nvml
+
+        bus = self.cp.cuda.Device().pci_bus_id
+        nvml.nvmlInit()
+        try:
+            uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByPciBusId_v2(bus))
+            return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+        finally:
+            nvml.nvmlShutdown()
 
     def rmm_resource(self) -> dict[str, Any]:
         import rmm
