@@ -68,7 +68,7 @@ class RealCuda:
         bus = self.cp.cuda.Device().pci_bus_id
         nvml.nvmlInit()
         try:
-            uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByPciBusId_v2(bus))
+            uuid = nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByPciBusId(bus.encode()))
             return uuid.decode() if isinstance(uuid, bytes) else str(uuid)
         finally:
             nvml.nvmlShutdown()
