@@ -351,7 +351,10 @@ def inventory() -> tuple[bool, dict[str, Any], str]:
         "nvidia_smi": smi,
         "cli_source": cli.get("source"),
     }
-    detail = f"{len(ours)} device(s) from {inv.source}; nvidia-smi: {smi_raw}; gpu-tasks devices --json agrees: {cli_same}"
+    detail = (
+        f"{len(ours)} device(s) from {inv.source}; nvidia-smi: {smi_raw}; "
+        f"gpu-tasks devices --json agrees: {cli_same}"
+    )
     return passed, figures, detail
 
 
@@ -642,8 +645,9 @@ def cold_start() -> tuple[bool, dict[str, Any], str]:
         True,
         figures,
         (
-            f"{figures['path']}: lease -> body {f['lease_to_body_s']:.2f} s fresh, {r['lease_to_body_s']:.2f} s "
-            f"re-provisioned; submit -> body {f['total_s']:.2f} / {r['total_s']:.2f} s"
+            f"{figures['path']}: lease -> body {f['lease_to_body_s']:.2f} s fresh, "
+            f"{r['lease_to_body_s']:.2f} s re-provisioned; "
+            f"submit -> body {f['total_s']:.2f} / {r['total_s']:.2f} s"
         ),
     )
 
