@@ -95,7 +95,7 @@ def _load(key: str, data: bytes, kind: str) -> Any:
     if threading.current_thread() is threading.main_thread():
         loaded = pickle.loads(data)  # our own flow process pickled it
     else:  # a worker thread: what it imports may not set signal handlers (dask_jobqueue.runner does)
-        from gpu_tasks.remote import signal_handlers_kept
+        from gpu_tasks.compat.cpython import signal_handlers_kept
 
         with signal_handlers_kept():
             loaded = pickle.loads(data)

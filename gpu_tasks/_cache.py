@@ -57,9 +57,10 @@ def cached_key(task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any]) ->
     from prefect.client.schemas.objects import TaskRun
     from prefect.context import FlowRunContext, TaskRunContext
     from prefect.results import get_result_store
-    from prefect.utilities.collections import visit_collection
-    from prefect.utilities.engine import resolve_to_final_result
 
+    from gpu_tasks.compat.prefect import engine_helpers, result_store_for_task
+
+    visit_collection, resolve_to_final_result = engine_helpers()
     flow_ctx = FlowRunContext.get()
     if flow_ctx is None or flow_ctx.flow_run is None:
         return None
@@ -75,7 +76,7 @@ def cached_key(task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any]) ->
             )
             for name, value in parameters.items()
         }  # as the engine resolves them (SyncTaskRunEngine._resolve_parameters)
-        store: Any = get_result_store().update_for_task(task, _sync=True)  # type: ignore[call-arg]
+        store: Any = result_store_for_task(get_result_store(), task)
         task_run = TaskRun(
             id=task_run_id,
             name=task.name,

@@ -13,7 +13,7 @@ from typing import Any
 
 from gpu_tasks._api import for_workers
 from gpu_tasks._blobs import Blob, Blobs
-from gpu_tasks._prefect_private import deployment_context
+from gpu_tasks.compat.prefect import deployment_context
 
 
 class ContextSerializer:

@@ -25,14 +25,14 @@ from gpu_tasks._futures import futures_to_states
 from gpu_tasks._landing import Landings
 from gpu_tasks._live import Job, Live, ProfileState
 from gpu_tasks._logging import flow_logger
-from gpu_tasks._prefect_private import (
+from gpu_tasks._slotgate import Hold, slot_names
+from gpu_tasks._worker import run_engine, run_on_worker
+from gpu_tasks.allocation import Allocation
+from gpu_tasks.compat.prefect import (
     can_skip_engine_tag_slots,
     known_without_limits,
     tag_slots_held_by_flow,
 )
-from gpu_tasks._slotgate import Hold, slot_names
-from gpu_tasks._worker import run_engine, run_on_worker
-from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import GpuOutOfMemoryError, GpuTasksError
 from gpu_tasks.events import publish_dashboard
 from gpu_tasks.policy import desired_workers, task_resources

@@ -25,10 +25,11 @@ from gpu_tasks._context import ContextSerializer
 from gpu_tasks._crash import api_unreachable
 from gpu_tasks._landing import Landings
 from gpu_tasks._logging import RunLogs
-from gpu_tasks._prefect_private import extend_no_limits_cache
 from gpu_tasks._slotgate import SlotGate
 from gpu_tasks.backends import uses_warm_pool
 from gpu_tasks.clusters import ProfileCluster
+from gpu_tasks.compat import warn_if_changed
+from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.device_book import DeviceBook
 from gpu_tasks.devices import Inventory, discover
 from gpu_tasks.events import RunRef, emit_cluster_event, emit_task_event
@@ -159,7 +160,8 @@ class Live:
     def __init__(self, profiles: dict[str, ResourceProfile], default: str, idle_timeout: float):
         self.profiles, self.default = profiles, default
         self.settings = get_settings()
-        extend_no_limits_cache(self.settings.tag_limit_cache_seconds)
+        use_no_limits_cache(self.settings.tag_limit_cache_seconds)
+        warn_if_changed()  # once per process: a release that changed a private name gpu-tasks uses
         self.idle_timeout = idle_timeout
         self._inventory: Inventory | None = None
         self.states: dict[str, ProfileState] = {}

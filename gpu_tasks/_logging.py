@@ -87,7 +87,7 @@ class RunLogs(logging.Handler):
     def dask_imported(cls) -> None:
         """Dask is about to start a cluster in this process: importing ``distributed`` sets its
         loggers from Dask's config (INFO), so its levels are set again now."""
-        import distributed.config  # noqa: F401  (sets Dask's logging config on first import)
+        import distributed  # noqa: F401  (its config module sets Dask's logging config on first import)
 
         with cls._lock:
             if cls._instance is not None and cls._instance.saved_levels is not None:

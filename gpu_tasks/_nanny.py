@@ -3,7 +3,7 @@
 ``WatchedNanny`` is Dask's nanny, noting each worker's pid when it starts and its exit
 code (or Dask's memory-limit kill) when it ends; :func:`worker_exit` gives the runner
 that record for its crash report. It overrides the nanny's private
-``_on_worker_exit_sync`` hook (see :mod:`gpu_tasks._dask_private`), so this module
+``_on_worker_exit_sync`` hook (see :mod:`gpu_tasks.compat.distributed`), so this module
 imports distributed: only :mod:`gpu_tasks.backends` and the runner's crash handling
 import it, lazily.
 """
@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from distributed import Nanny
+from gpu_tasks.compat.distributed import nanny_class_with_exit_hook
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,7 @@ def record_memory_kill(address: str | None, rss: int | None, pid: int | None) ->
     _record(address, memory_kill=True, rss=rss, pid=pid)
 
 
-class WatchedNanny(Nanny):
+class WatchedNanny(nanny_class_with_exit_hook()):  # type: ignore[misc]  # a class built at import
     """Dask's nanny, noting how its worker process ended (exit code, memory kill) for crash reports."""
 
     async def instantiate(self) -> Any:
@@ -112,11 +112,10 @@ class WatchedNanny(Nanny):
         remember_pid(self.worker_address, getattr(self.process, "pid", None))
         return status
 
-    def _on_worker_exit_sync(self, exitcode: int) -> None:  # called by the nanny's process watcher
+    def on_worker_exit(self, exitcode: int) -> None:  # the nanny's process watcher, via gpu_tasks.compat
         record_exit(self.worker_address, exitcode)
-        super()._on_worker_exit_sync(exitcode)  # type: ignore[no-untyped-call]  # distributed leaves it unannotated
 
     def log_event(self, topic: Any, msg: Any) -> None:
         if topic == "worker-restart-memory" and isinstance(msg, dict):
             record_memory_kill(msg.get("worker"), msg.get("rss"), msg.get("pid"))
-        super().log_event(topic, msg)  # type: ignore[no-untyped-call]  # distributed leaves it unannotated
+        super().log_event(topic, msg)

@@ -3,7 +3,7 @@
 Without ``PREFECT_API_URL``, ``gpu-tasks run``, the benchmarks and scripts that use
 :func:`embedded_server` get a Prefect server on 127.0.0.1 for the duration of a
 ``with`` block. Its process is kept out of the terminal's Ctrl-C and never outlives
-its parent (:func:`gpu_tasks._prefect_private.server_in_own_session_class`).
+its parent (:func:`gpu_tasks.compat.prefect.server_in_own_session_class`).
 
 ``prefect.server`` takes about 2 s to import; it is imported only when a server is
 actually started, so ``gpu-tasks serve`` and the benchmarks that import this module
@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from gpu_tasks._prefect_private import count_task_runs, server_in_own_session_class
+from gpu_tasks.compat.prefect import count_task_runs, server_in_own_session_class
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -126,11 +126,10 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
 
 def _drain(timeout: float = 5) -> None:
     """Send the run's last events and logs while the server is up (at most ``timeout`` s each)."""
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
+    from gpu_tasks.compat.prefect import drain_events, drain_logs
 
-    EventsWorker.drain_all(timeout=timeout)
-    APILogWorker.drain_all(timeout=timeout)
+    drain_events(timeout)
+    drain_logs(timeout)
 
 
 def _wait_until_recorded(timeout: float, since: datetime.datetime) -> bool:

@@ -5,7 +5,7 @@ on a worker is after the worker was started on a leased device: a task that wait
 slot there holds the device all the while (PrefectHQ/prefect#8539). Instead the flow
 process takes them first (:class:`SlotGate`), holds them until the task ends, and tells
 the worker's engine not to take them again
-(:func:`gpu_tasks._prefect_private.tag_slots_held_by_flow`).
+(:func:`gpu_tasks.compat.prefect.tag_slots_held_by_flow`).
 
 All of one runner's slot traffic runs on one event loop, in a thread of its own, with a
 Prefect client of its own. It never calls into Prefect's shared machinery
@@ -239,7 +239,7 @@ class SlotGate:
         if hold.limits:
             hold.lease_id = uuid.UUID(str(granted["lease_id"]))
         else:
-            from gpu_tasks._prefect_private import remember_without_limits
+            from gpu_tasks.compat.prefect import remember_without_limits
 
             remember_without_limits(hold.names)
         hold.state = "held"
@@ -253,7 +253,7 @@ class SlotGate:
         import httpx
         from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
-        from gpu_tasks._prefect_private import known_without_limits
+        from gpu_tasks.compat.prefect import known_without_limits
 
         client = await self._api()
         holder = ConcurrencyLeaseHolder(type="task_run", id=hold.holder_id)

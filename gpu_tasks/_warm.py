@@ -96,10 +96,9 @@ def _child_main(conn: Connection, parent: int) -> None:
     dask.config.set(config)
     if silence_logs:
         logging.getLogger("distributed").setLevel(silence_logs)
-    from distributed.compatibility import asyncio_run
-    from distributed.config import get_loop_factory
+    from gpu_tasks.compat.distributed import run_in_new_loop
 
-    asyncio_run(_run_worker(conn, scheduler, worker_kwargs, cuda), loop_factory=get_loop_factory())
+    run_in_new_loop(_run_worker(conn, scheduler, worker_kwargs, cuda))
     _exit_now()
 
 
@@ -111,7 +110,9 @@ def _exit_now() -> None:
     interpreter's teardown after them only frees memory, yet took about 0.3 s per process
     on a 2-core machine, device time held for nothing.
     """
-    atexit._run_exitfuncs()
+    from gpu_tasks.compat.cpython import run_exit_handlers
+
+    run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -125,9 +126,9 @@ async def _run_worker(
 
     try:
         if cuda is not None:  # a real GPU: dask-cuda's worker setup, now that the device is set
-            from gpu_tasks._gpu import dask_cuda_worker_options
+            from gpu_tasks.compat.dask_cuda import worker_options
 
-            worker_kwargs = {**worker_kwargs, **dask_cuda_worker_options(cuda, worker_kwargs)}
+            worker_kwargs = {**worker_kwargs, **worker_options(cuda, worker_kwargs)}
         worker = Worker(scheduler, **worker_kwargs)
         await worker
     except Exception as exc:
@@ -393,9 +394,9 @@ class WarmPool:
 def _pre_spawn_environ() -> dict[str, str]:
     """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1`` and the like),
     and an empty device list: an unbound process sees no device."""
-    from distributed.nanny import _get_env_variables
+    from gpu_tasks.compat.distributed import nanny_pre_spawn_environ
 
-    env = _get_env_variables("distributed.nanny.pre-spawn-environ")
+    env = nanny_pre_spawn_environ()
     if env.get("PYTHONHASHSEED") in (None, "0"):
         env["PYTHONHASHSEED"] = "6640"  # as the nanny: the same hashing in every worker
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -597,9 +598,7 @@ def _terminate_at(worker_kwargs: dict[str, Any]) -> int | None:
     fraction = dask.config.get("distributed.worker.memory.terminate")
     if not fraction:
         return None
-    from distributed.worker_memory import parse_memory_limit
+    from gpu_tasks.compat.distributed import memory_limit
 
-    limit = parse_memory_limit(
-        worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1, logger=logger
-    )
+    limit = memory_limit(worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1)
     return int(limit * fraction) if limit else None

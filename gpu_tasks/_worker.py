@@ -20,10 +20,9 @@ import time
 import uuid
 from typing import Any
 
-from gpu_tasks import _dask_private, _worker_guard
+from gpu_tasks import _worker_guard
 from gpu_tasks._blobs import opened
 from gpu_tasks._futures import futures_to_states
-from gpu_tasks._prefect_private import cache_qualified_names, extend_no_limits_cache, tag_slots_held_by_flow
 from gpu_tasks._slots import SlotPool
 from gpu_tasks.allocation import (
     WORKER_ENV_PROFILE,
@@ -31,6 +30,13 @@ from gpu_tasks.allocation import (
     allocated,
     current_allocation,
     worker_allocation,
+)
+from gpu_tasks.compat import distributed as _dask_private
+from gpu_tasks.compat.prefect import (
+    cache_qualified_names,
+    ours,
+    tag_slots_held_by_flow,
+    use_no_limits_cache,
 )
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
 from gpu_tasks.ledger import worker_key
@@ -66,7 +72,7 @@ def prepare_process() -> None:
         return
     with _PROCESS_READY_LOCK:
         if not _PROCESS_READY.is_set():
-            from prefect.logging.configuration import ensure_logging_setup
+            from gpu_tasks.compat.prefect import ensure_logging_setup
 
             ensure_logging_setup()
             cache_qualified_names()
@@ -98,7 +104,9 @@ def run_on_worker(
             engine does not take them again (it takes those of tags added here, ``gpu:<id>``).
     """
     from distributed import get_worker
-    from prefect.context import SettingsContext, SyncClientContext
+    from prefect.context import SettingsContext
+
+    from gpu_tasks.compat.prefect import sync_client_context
 
     prepare_process()
     try:
@@ -125,7 +133,7 @@ def run_on_worker(
     try:
         with (
             SettingsContext(**settings),
-            SyncClientContext.model_construct(client=_thread_client(settings_key)),
+            sync_client_context(_thread_client(settings_key)),
         ):
             if remote:
                 after = _after_lost_worker(task, kwargs, running[1], alloc)
@@ -211,12 +219,12 @@ def _after_lost_worker(
     task run (the crash reported, one retry used), or the ``Crashed`` state when no retry is left.
     """
     from prefect.client.schemas.objects import StateType
-    from prefect.context import SyncClientContext
     from prefect.exceptions import ObjectNotFound
 
     from gpu_tasks._crash import await_retry, crash_task_run
+    from gpu_tasks.compat.prefect import current_sync_client_context
 
-    ctx = SyncClientContext.get()
+    ctx = current_sync_client_context()
     try:
         task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None
     except ObjectNotFound:
@@ -254,7 +262,6 @@ def _report_orphaned(flow_pid: int) -> None:
     Called by the worker guard before this worker exits; bounded to a few seconds.
     """
     from prefect.client.orchestration import get_client
-    from prefect.events.worker import EventsWorker
     from prefect.states import Crashed
 
     from gpu_tasks._crash import crash_task_run
@@ -295,7 +302,9 @@ def _report_orphaned(flow_pid: int) -> None:
                     )
         except Exception:
             logger.warning("could not report the flow run Crashed", exc_info=True)
-    EventsWorker.drain_all(timeout=2)
+    from gpu_tasks.compat.prefect import drain_events
+
+    drain_events(2)
 
 
 def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
@@ -305,7 +314,7 @@ def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
     with _WORKER_SETTINGS_LOCK:
         built = _WORKER_SETTINGS.get(key)
     if built is None:
-        extend_no_limits_cache(get_settings().tag_limit_cache_seconds)  # once per worker and settings
+        use_no_limits_cache(get_settings().tag_limit_cache_seconds)  # once per worker and settings
         ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
         built = {"profile": ctx.profile, "settings": ctx.settings}
         with _WORKER_SETTINGS_LOCK:
@@ -371,7 +380,7 @@ def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[An
     task = _prepared(task, alloc)
     start = time.time()
     try:
-        with allocated(alloc):
+        with allocated(alloc), ours():  # what gpu-tasks changes in Prefect applies in here alone
             if task.isasync:
                 state = asyncio.run(run_task_async(task=task, **kwargs))
             else:

@@ -31,6 +31,8 @@ from typing import Any, NoReturn
 
 import psutil
 
+from gpu_tasks.compat.cpython import replace_os_exit
+
 logger = logging.getLogger(__name__)
 
 MODULE = "gpu_tasks._worker_guard"
@@ -103,8 +105,9 @@ def start(parent: int) -> None:
     with _lock:
         if _state.get("pid") == os.getpid():
             return
-        _state.update(pid=os.getpid(), parent=parent, exit=_state.get("exit", os._exit))
-    os._exit = _exit
+        first = _state.get("exit")
+        real = replace_os_exit(_exit)
+        _state.update(pid=os.getpid(), parent=parent, exit=first or real)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _ignore_sigint)
         signal.signal(signal.SIGTERM, _terminate)

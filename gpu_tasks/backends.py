@@ -26,9 +26,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from gpu_tasks import _dask_private, _gpu
+from gpu_tasks import _gpu
 from gpu_tasks._slots import SlotPool
 from gpu_tasks.allocation import Allocation
+from gpu_tasks.compat import distributed as _dask_private
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE, WorkerSpec
 from gpu_tasks.profiles import CudaOptions, ResourceProfile
@@ -410,7 +411,7 @@ def uses_warm_pool(profile: ResourceProfile, emulated: bool) -> bool:
     starts in a ``SpecCluster``.
 
     Real-GPU profiles too, over ``tcp``: a bound warm process sets itself up as dask-cuda's
-    ``LocalCUDACluster`` would (:func:`gpu_tasks._gpu.dask_cuda_worker_options`). Over
+    ``LocalCUDACluster`` would (:func:`gpu_tasks.compat.dask_cuda.worker_options`). Over
     ``ucx``/``ucxx`` dask-cuda starts its own workers (UCX is configured as they start).
     """
     if not (profile.is_local and profile.uses_processes):

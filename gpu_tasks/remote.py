@@ -19,11 +19,10 @@ import gc
 import importlib
 import logging
 import math
-import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +31,7 @@ from gpu_tasks._shared_board import SharedBoard
 from gpu_tasks._worker import interrupt_tasks
 from gpu_tasks.backends import _non_daemon_workers, _within
 from gpu_tasks.clusters import ProfileCluster
+from gpu_tasks.compat.cpython import signal_handlers_kept
 from gpu_tasks.devices import Inventory, model_text
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
 from gpu_tasks.ledger import DeviceSpan, LedgerRow, device_spans, union_seconds
@@ -200,33 +200,6 @@ def security_for(profile: ResourceProfile) -> Any:
         tls_client_key=str(key) if key else None,
         require_encryption=True,
     )
-
-
-@contextlib.contextmanager
-def signal_handlers_kept() -> Iterator[None]:
-    """Import a cluster manager's module (or unpickle what refers to one: :mod:`gpu_tasks._blobs`)
-    without letting it replace signal handlers.
-
-    ``dask_jobqueue.runner`` sets a SIGINT handler when it is imported: on a thread other
-    than the main one that import raises ``ValueError``, and on the main thread it would
-    replace Prefect's Ctrl-C handling with ``sys.exit()``. During the import,
-    ``signal.signal`` leaves handlers as they are.
-    """
-    with _SIGNAL_SWAP:  # one swap at a time: two threads' nested swaps could keep `keep` for good
-        real = signal.signal
-
-        def keep(signum: Any, handler: Any) -> Any:
-            logger.debug("gpu-tasks: kept the handler of signal %s while importing a cluster class", signum)
-            return signal.getsignal(signum)
-
-        signal.signal = keep  # type: ignore[assignment]
-        try:
-            yield
-        finally:
-            signal.signal = real
-
-
-_SIGNAL_SWAP = threading.RLock()
 
 
 def load_cluster_class(profile: ResourceProfile) -> type:

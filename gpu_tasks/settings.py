@@ -53,8 +53,9 @@ class GpuTasksSettings(BaseSettings):
     tag_limit_cache_seconds: float = Field(
         default=60.0,
         ge=0,
-        description="Seconds a task process trusts Prefect's 'no concurrency limit for these tags' answer "
-        "(Prefect's own: 5). Longer keeps thousands of tagged tasks from queueing behind a busy server; "
+        description="Seconds gpu-tasks' own task runs trust Prefect's 'no concurrency limit for these tags' "
+        "answer (Prefect's own, which other task runners keep: 5). Longer keeps thousands of tagged tasks "
+        "from queueing behind a busy server; "
         "a tag limit created mid-run applies within this time. 0 keeps Prefect's.",
     )
     tls_ca_file: Path | None = Field(

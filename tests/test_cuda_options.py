@@ -30,7 +30,7 @@ from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, profile
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes")
 
-# the parts of dask-cuda a warm worker uses (gpu_tasks._gpu.dask_cuda_worker_options); each
+# the parts of dask-cuda a warm worker uses (gpu_tasks.compat.dask_cuda.worker_options); each
 # records what it was given, in which process, and which devices that process saw then
 FAKE_MODULES = {
     "_record.py": textwrap.dedent(

@@ -1,10 +1,11 @@
-"""Edge cases of the lengthened "no tag limits" cache (docs/runner.md, "Tagged task runs and
+"""Edge cases of gpu-tasks' longer "no tag limits" answers (docs/runner.md, "Tagged task runs and
 Prefect's tag-limit checks"), against the test server with real tag concurrency limits.
 
-The runner lengthens Prefect's per-process cache when it starts work in the flow process;
-these flows use a CPU profile (threads in the flow process), so the cache they fill is
+gpu-tasks keeps the "no limits" answers its own task runs learn in a cache of its own
+(``GPU_TASKS_TAG_LIMIT_CACHE_SECONDS``) and leaves Prefect's per-process cache as shipped;
+these flows use a CPU profile (threads in the flow process), so the caches they fill are
 this process's. Prefect's cache is private to Prefect (``prefect.concurrency.services``):
-each test puts a fresh one in place with monkeypatch, as the runner's own test does.
+each test puts a fresh one in place with monkeypatch.
 """
 
 from __future__ import annotations
@@ -39,6 +40,13 @@ def _shipped_cache(monkeypatch, ttl: float = 5.0, frozen: bool = False) -> cache
 
 
 def _cached(tag: str) -> bool:
+    """Whether gpu-tasks' own cache holds a "no limits" answer for a tag set with ``tag``."""
+    from gpu_tasks.compat.prefect import _OWN_NO_LIMITS
+
+    return any(any(tag in name for name in key) for key in list(_OWN_NO_LIMITS["cache"].keys()))
+
+
+def _cached_by_prefect(tag: str) -> bool:
     return any(any(tag in name for name in key) for key in list(services._no_limits_cache.keys()))
 
 
@@ -64,15 +72,14 @@ def test_the_cache_is_never_shortened(monkeypatch):
     assert services._no_limits_cache is longer and longer.ttl == 90.0
 
 
-def test_answers_cached_before_the_lengthening_are_kept(monkeypatch):
-    _shipped_cache(monkeypatch, frozen=True)
-    early = f"early-{uuid.uuid4().hex[:8]}"
-    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "0")
-    _run(early)  # Prefect's 5 s cache learns "no limits" for this tag set from the server
-    assert _cached(early)
+def test_prefects_cache_stays_as_shipped_and_gpu_tasks_keeps_its_own_answers(monkeypatch):
+    shipped = _shipped_cache(monkeypatch, frozen=True)
     monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
-    _run(f"late-{uuid.uuid4().hex[:8]}")
-    assert services._no_limits_cache.ttl == 60 and _cached(early), "the early answer survived the swap"
+    tag = f"own-{uuid.uuid4().hex[:8]}"
+    _run(tag)  # Prefect's engine learns "no limits" for this tag set from the server
+    assert services._no_limits_cache is shipped and shipped.ttl == 5.0  # untouched
+    assert _cached_by_prefect(tag)  # Prefect's own answer, kept its 5 s
+    assert _cached(tag)  # and gpu-tasks' copy, kept 60 s for its own task runs
 
 
 def test_only_no_limits_answers_are_cached(monkeypatch):

@@ -121,7 +121,7 @@ def test_a_batch_the_cluster_refuses_fails_its_tasks_with_the_reason(monkeypatch
 def test_tag_checks_the_cache_answers_do_not_reach_prefects_slot_service(monkeypatch):
     import prefect.concurrency._sync as slots
 
-    from gpu_tasks._prefect_private import tag_slots_held_by_flow
+    from gpu_tasks.compat.prefect import ours, tag_slots_held_by_flow
 
     asked: list[list[str]] = []
     real = slots.acquire_concurrency_slots_with_lease
@@ -139,17 +139,20 @@ def test_tag_checks_the_cache_answers_do_not_reach_prefects_slot_service(monkeyp
     def tagged() -> int:
         return 7
 
-    assert tagged() == 7
-    assert asked == [[f"tag:{tag}"]]  # first: the server is asked, and says there is no limit
-    assert tagged() == 7 and tagged() == 7
-    assert asked == [[f"tag:{tag}"]]  # then Prefect's cached answer, with no request made
+    with ours():  # as in a task run gpu-tasks runs
+        assert tagged() == 7
+        assert asked == [[f"tag:{tag}"]]  # first: the server is asked, and says there is no limit
+        assert tagged() == 7 and tagged() == 7
+        assert asked == [[f"tag:{tag}"]]  # then the cached answer, with no request made
+    assert tagged() == 7  # a task run gpu-tasks does not run: Prefect's slot service, as shipped
+    assert asked == [[f"tag:{tag}"]] * 2
 
 
 def test_a_worker_process_resolves_each_serializer_name_once(monkeypatch):
     import prefect.serializers as serializers
     from prefect.utilities.importtools import from_qualified_name
 
-    from gpu_tasks._prefect_private import cache_qualified_names
+    from gpu_tasks.compat.prefect import cache_qualified_names, ours
 
     resolved: list[str] = []
 
@@ -162,11 +165,15 @@ def test_a_worker_process_resolves_each_serializer_name_once(monkeypatch):
     assert len(resolved) == 2  # Prefect resolves its json module and encoder at every dumps
     assert cache_qualified_names() and cache_qualified_names()  # idempotent
     resolved.clear()
-    for _ in range(3):
-        assert serializers.JSONSerializer().dumps({"a": [1, 2]}) == plain
-    assert sorted(resolved) == sorted(set(resolved)) and len(resolved) == 2  # once each, not 3 times
-    with pytest.raises(ImportError):  # a name that does not resolve fails as with Prefect's own
-        serializers.JSONSerializer(jsonlib="no_such_module_here").dumps({})
+    with ours():  # in a task run gpu-tasks runs
+        for _ in range(3):
+            assert serializers.JSONSerializer().dumps({"a": [1, 2]}) == plain
+        assert sorted(resolved) == sorted(set(resolved)) and len(resolved) == 2  # once each, not 3 times
+        with pytest.raises(ImportError):  # a name that does not resolve fails as with Prefect's own
+            serializers.JSONSerializer(jsonlib="no_such_module_here").dumps({})
+    resolved.clear()
+    assert serializers.JSONSerializer().dumps({"a": [1, 2]}) == plain  # any other: as Prefect ships
+    assert len(resolved) == 2
 
 
 def test_finished_tasks_results_are_fetched_in_batches_and_each_reaches_its_task():

@@ -1,0 +1,120 @@
+"""The compat layer: every private or undocumented name of Prefect, Dask/distributed, dask-cuda and
+CPython that gpu-tasks uses, in one package, each with why and a feature check.
+
+- :mod:`gpu_tasks.compat.prefect`: Prefect's task engine, concurrency cache, context, server, events.
+- :mod:`gpu_tasks.compat.distributed`: distributed's cluster, nanny and event-loop internals.
+- :mod:`gpu_tasks.compat.dask_cuda`: dask-cuda's worker setup outside ``LocalCUDACluster``.
+- :mod:`gpu_tasks.compat.cpython`: exit handlers, ``os._exit`` and ``signal.signal`` swaps.
+
+No module of gpu-tasks outside this package touches such a name (``tests/test_compat.py`` reads
+every import, functions included). Each use is a :class:`Use` with a feature check;
+``tests/test_compat.py`` runs every check and FAILS when the installed release changed a name,
+so an upgrade shows in CI rather than as a silent fallback. At run time the runner runs the same
+checks once per process and logs one warning naming what changed (:func:`warn_if_changed`).
+What gpu-tasks changes in Prefect applies to the task runs it runs alone
+(:func:`gpu_tasks.compat.prefect.is_ours`). docs/operations.md lists each use with why.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("gpu_tasks.compat")
+
+
+class NotInstalled(Exception):
+    """A check's library is not installed here (dask-cuda without the ``gpu`` extra)."""
+
+
+@dataclass(frozen=True)
+class Use:
+    """One private or undocumented name gpu-tasks uses.
+
+    Attributes:
+        library: the distribution (``prefect``, ``distributed``, ``dask-cuda``, ``cpython``).
+        name: the dotted name used.
+        kind: ``private`` (a leading underscore), ``undocumented`` (public spelling, no docs or
+            stability promise) or ``patched`` (a public name gpu-tasks replaces for a while).
+        why: what gpu-tasks needs it for.
+        check: returns ``None`` when the installed release has the name in the shape gpu-tasks
+            uses, else what changed; raises :class:`NotInstalled` when the library is absent.
+    """
+
+    library: str
+    name: str
+    kind: str
+    why: str
+    check: Callable[[], str | None]
+
+
+def params(fn: Any, *names: str) -> str | None:
+    """``None`` when ``fn`` is callable and takes every parameter in ``names``, else what differs."""
+    if not callable(fn):
+        return f"{fn!r} is not callable"
+    try:
+        have = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return None  # a builtin without a signature: callable is all that can be checked
+    missing = [n for n in names if n not in have]
+    return f"no parameter(s) {', '.join(missing)} (has {', '.join(have)})" if missing else None
+
+
+def attr(owner: Any, name: str, kind: type | tuple[type, ...] | None = None) -> str | None:
+    """``None`` when ``owner`` has ``name`` (of ``kind``), else what differs."""
+    if not hasattr(owner, name):
+        return f"{getattr(owner, '__name__', owner)!s} has no {name}"
+    if kind is not None and not isinstance(getattr(owner, name), kind):
+        return f"{name} is a {type(getattr(owner, name)).__name__}, not {kind}"
+    return None
+
+
+def uses() -> list[Use]:
+    """Every use, from each compat module (importing them imports Prefect and distributed)."""
+    from gpu_tasks.compat import cpython, dask_cuda, distributed, prefect
+
+    return [*prefect.USES, *distributed.USES, *dask_cuda.USES, *cpython.USES]
+
+
+def verify() -> list[tuple[Use, str]]:
+    """The uses whose check fails on the installed releases, with what changed (absent libraries
+    are not reported)."""
+    out = []
+    for use in uses():
+        try:
+            problem = use.check()
+        except NotInstalled:
+            continue
+        except Exception as exc:  # a check that breaks is a change too
+            problem = f"{type(exc).__name__}: {exc}"
+        if problem:
+            out.append((use, problem))
+    return out
+
+
+_WARNED: list[bool] = []
+_WARN_LOCK = threading.Lock()
+
+
+def warn_if_changed() -> None:
+    """Log, once per process, one warning naming each private name the installed releases changed."""
+    with _WARN_LOCK:
+        if _WARNED:
+            return
+        _WARNED.append(True)
+    try:
+        changed = verify()
+    except Exception:  # never let a check stop a flow run
+        logger.debug("gpu-tasks: compat checks failed to run", exc_info=True)
+        return
+    if changed:
+        logger.warning(
+            "gpu-tasks: the installed release changed names gpu-tasks relies on (it falls back to the "
+            "library's own behaviour there): %s. Install a release in gpu-tasks' tested range "
+            "(docs/operations.md#install)",
+            "; ".join(f"{u.library} {u.name}: {why}" for u, why in changed),
+        )

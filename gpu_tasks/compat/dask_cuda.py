@@ -1,0 +1,165 @@
+"""dask-cuda's worker setup outside ``LocalCUDACluster``: its undocumented ``worker_common`` and
+``utils`` functions (dask-cuda 26.10), used by a warm process once bound to a real GPU.
+
+Checked on an NVIDIA H200 by ``scripts/gpu-check`` (docs/gpu.md). Without dask-cuda (no ``gpu``
+extra) the checks raise :class:`~gpu_tasks.compat.NotInstalled` and the test skips them;
+``tests/test_cuda_options.py`` runs the same calls against a stand-in that behaves as 26.10's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_tasks import _gpu
+
+
+def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What dask-cuda's ``LocalCUDACluster`` gives one worker, for a worker started elsewhere.
+
+    Called in a warm worker process (:mod:`gpu_tasks._warm`) once it is bound to its device,
+    so ``CUDA_VISIBLE_DEVICES`` is set before dask-cuda (or anything it loads) is imported.
+    The same plugins (CPU affinity, RMM, cuDF setup and spilling), device-to-host spilling
+    store and ``dask_cuda.initialize --create-cuda-context`` preload as dask-cuda's own workers.
+
+    Args:
+        cuda: a profile's :class:`~gpu_tasks.profiles.CudaOptions`, as a dict.
+        worker_kwargs: the Dask ``Worker`` keyword arguments (``memory_limit``, ``nthreads``,
+            ``preload``, ``preload_argv``).
+
+    Returns:
+        ``data``, ``plugins``, ``preload`` and ``preload_argv`` for the ``Worker``.
+    """
+    import os
+
+    from gpu_tasks.compat.distributed import memory_limit as parse_host_limit
+
+    _gpu.load("dask_cuda")
+    from dask_cuda.utils import nvml_device_index, parse_device_memory_limit
+    from dask_cuda.worker_common import worker_data_function, worker_plugins
+
+    # the string, as LocalCUDACluster passes it: from a list dask-cuda returns the item as is ("0"),
+    # which its plugins then take for an index (TypeError on a real GPU, docs/gpu.md)
+    device_index = nvml_device_index(0, os.environ["CUDA_VISIBLE_DEVICES"])
+    memory_limit = parse_host_limit(
+        worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1
+    )
+    data = worker_data_function(
+        device_memory_limit=parse_device_memory_limit("default", device_index=device_index),
+        memory_limit=memory_limit,
+        enable_cudf_spill=cuda["enable_cudf_spill"],
+    )(device_index)
+    plugins = worker_plugins(
+        device_index=device_index,
+        rmm_initial_pool_size=cuda["rmm_pool_size"],
+        rmm_maximum_pool_size=None,
+        rmm_managed_memory=False,
+        rmm_async_alloc=cuda["rmm_async"],
+        rmm_release_threshold=None,
+        rmm_log_directory=None,
+        rmm_track_allocations=False,
+        rmm_allocator_external_lib_list=None,
+        pre_import=None,
+        enable_cudf_spill=cuda["enable_cudf_spill"],
+        cudf_spill_stats=False,
+    )
+    from gpu_tasks._worker_guard import add_preload
+
+    return {
+        **({"data": data} if data is not None else {}),
+        "plugins": set(plugins) | set(worker_kwargs.get("plugins") or ()),
+        **add_preload(
+            worker_kwargs.get("preload"),
+            worker_kwargs.get("preload_argv"),
+            "dask_cuda.initialize",
+            ("--create-cuda-context",),
+        ),
+    }
+
+
+# ---------------------------------------------------------------- the uses, with feature checks
+def _dask_cuda() -> Any:
+    from gpu_tasks.compat import NotInstalled
+
+    if not _gpu.available("dask_cuda"):
+        raise NotInstalled(_gpu.why_unavailable("dask_cuda") or "dask_cuda")
+    return _gpu.load("dask_cuda")
+
+
+def _check_worker_common() -> str | None:
+    from gpu_tasks.compat import params
+
+    _dask_cuda()
+    from dask_cuda import worker_common
+
+    return params(
+        worker_common.worker_data_function, "device_memory_limit", "memory_limit", "enable_cudf_spill"
+    ) or params(
+        worker_common.worker_plugins,
+        "device_index",
+        "rmm_initial_pool_size",
+        "rmm_maximum_pool_size",
+        "rmm_managed_memory",
+        "rmm_async_alloc",
+        "rmm_release_threshold",
+        "rmm_log_directory",
+        "rmm_track_allocations",
+        "rmm_allocator_external_lib_list",
+        "pre_import",
+        "enable_cudf_spill",
+        "cudf_spill_stats",
+    )
+
+
+def _check_utils() -> str | None:
+    from gpu_tasks.compat import params
+
+    _dask_cuda()
+    from dask_cuda import utils
+
+    problem = params(utils.nvml_device_index, "i", "CUDA_VISIBLE_DEVICES") or params(
+        utils.parse_device_memory_limit, "device_memory_limit", "device_index"
+    )
+    if problem:
+        return problem
+    index = utils.nvml_device_index(0, "3,1")
+    return None if index == 3 else f"nvml_device_index(0, '3,1') is {index!r}, not 3"
+
+
+def _check_memory_limit() -> str | None:
+    from distributed.worker_memory import parse_memory_limit
+
+    from gpu_tasks.compat import params
+
+    return params(parse_memory_limit, "memory_limit", "nthreads", "logger")
+
+
+def _uses() -> list[Any]:
+    from gpu_tasks.compat import Use
+
+    return [
+        Use(
+            "dask-cuda",
+            "dask_cuda.worker_common.worker_data_function / worker_plugins",
+            "undocumented",
+            "a warm process bound to a real GPU gets LocalCUDACluster's worker setup (RMM, affinity, "
+            "spilling)",
+            _check_worker_common,
+        ),
+        Use(
+            "dask-cuda",
+            "dask_cuda.utils.nvml_device_index / parse_device_memory_limit",
+            "undocumented",
+            "the bound device's NVML index and device-memory limit, as LocalCUDACluster computes them",
+            _check_utils,
+        ),
+        Use(
+            "distributed",
+            "distributed.worker_memory.parse_memory_limit",
+            "undocumented",
+            "the host memory limit dask-cuda's spilling store is given",
+            _check_memory_limit,
+        ),
+    ]
+
+
+USES = _uses()

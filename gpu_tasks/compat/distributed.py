@@ -1,0 +1,211 @@
+"""The private Dask/distributed APIs gpu-tasks relies on, each with why and the versions checked.
+
+Checked against distributed 2026.7.1 (the version pinned in pyproject.toml and by
+dask-cuda 26.10). Each wrapper degrades to a logged no-op or a clear error on a
+version where the private name is gone, so a Dask upgrade fails here, in one place.
+
+The nanny's private ``_on_worker_exit_sync`` hook is overridden here too
+(:func:`nanny_class_with_exit_hook`), so :class:`gpu_tasks._nanny.WatchedNanny` uses a public
+method of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+def correct_state(cluster: Any) -> None:
+    """Make a ``SpecCluster`` start or stop workers to match its ``worker_spec`` now.
+
+    ``SpecCluster.scale`` can only add copies of its ``new_spec``; a profile's workers
+    each have their own devices, so gpu-tasks edits ``worker_spec`` and applies it with
+    the private ``_correct_state`` (what ``scale`` itself calls), synchronously.
+    """
+    cluster.sync(cluster._correct_state)
+
+
+def forget_closed_schedulers() -> None:
+    """Let closed Dask schedulers be freed.
+
+    distributed 2026.7.1 memoizes ``distributed.core._expects_comm`` with an unbounded
+    ``functools.cache`` keyed by bound handler methods, so every Scheduler that ever
+    handled a request stays alive (its state, deques and HTTP routes) after it closes:
+    one per provisioned cluster in a long-lived flow process. Clearing the cache after a
+    close drops them; live servers only recompute a signature check.
+    """
+    try:
+        from distributed import core
+
+        core._expects_comm.cache_clear()
+    except Exception:  # another distributed version: nothing to clear
+        logger.debug("no distributed.core._expects_comm cache to clear", exc_info=True)
+
+
+def worker_threads() -> int:
+    """Threads of the Dask worker this code runs in (1 outside a worker).
+
+    ``Worker.state.nthreads`` (the worker state machine) has no public accessor.
+    """
+    try:
+        from distributed import get_worker
+
+        return max(1, int(get_worker().state.nthreads))
+    except Exception:
+        return 1
+
+
+def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
+    """A worker's host memory limit in bytes, as Dask reads ``memory_limit`` (``"auto"``, a size,
+    a fraction): the undocumented ``distributed.worker_memory.parse_memory_limit``."""
+    from distributed.worker_memory import parse_memory_limit
+
+    out = parse_memory_limit(memory_limit, nthreads, logger=logger)
+    return None if out is None else int(out)
+
+
+def nanny_pre_spawn_environ() -> dict[str, str]:
+    """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1`` and the like):
+    the private ``distributed.nanny._get_env_variables("distributed.nanny.pre-spawn-environ")``."""
+    from distributed.nanny import _get_env_variables
+
+    return dict(_get_env_variables("distributed.nanny.pre-spawn-environ"))
+
+
+def run_in_new_loop(main: Any) -> Any:
+    """Run coroutine ``main`` to completion in a new event loop of the kind Dask's worker processes
+    use (``distributed.compatibility.asyncio_run`` with ``distributed.config.get_loop_factory``,
+    both undocumented: the uvloop setting is honoured)."""
+    from distributed.compatibility import asyncio_run
+    from distributed.config import get_loop_factory
+
+    return asyncio_run(main, loop_factory=get_loop_factory())
+
+
+def nanny_class_with_exit_hook() -> type[Any]:
+    """``distributed.Nanny`` whose worker-process exit calls ``self.on_worker_exit(exitcode)`` first.
+
+    The nanny's process watcher calls the private ``Nanny._on_worker_exit_sync(exitcode)``: the
+    one place a nanny learns its worker's exit code (crash reports name it).
+    """
+    from distributed import Nanny
+
+    class NannyWithExitHook(Nanny):
+        def on_worker_exit(self, exitcode: int) -> None:
+            """Called with the worker process's exit code, before the nanny reacts to it."""
+
+        def _on_worker_exit_sync(self, exitcode: int) -> None:
+            self.on_worker_exit(exitcode)
+            super()._on_worker_exit_sync(exitcode)  # type: ignore[no-untyped-call]  # unannotated
+
+    return NannyWithExitHook
+
+
+# ---------------------------------------------------------------- the uses, with feature checks
+def _check_correct_state() -> str | None:
+    from distributed import SpecCluster
+
+    from gpu_tasks.compat import params
+
+    return params(SpecCluster._correct_state, "self")
+
+
+def _check_expects_comm() -> str | None:
+    from distributed import core
+
+    fn = getattr(core, "_expects_comm", None)
+    if fn is None:
+        return "distributed.core has no _expects_comm (nothing to clear: drop the workaround)"
+    return None if hasattr(fn, "cache_clear") else "_expects_comm is no longer a functools cache"
+
+
+def _check_worker_state() -> str | None:
+    from distributed.worker_state_machine import BaseWorker, WorkerState
+
+    from gpu_tasks.compat import params
+
+    if "state" not in BaseWorker.__init__.__code__.co_names:
+        return "a Dask worker no longer keeps its WorkerState in .state"
+    return params(WorkerState.__init__, "nthreads")
+
+
+def _check_nanny_env() -> str | None:
+    from distributed import nanny
+
+    from gpu_tasks.compat import params
+
+    return params(getattr(nanny, "_get_env_variables", None), "config_key")
+
+
+def _check_loop() -> str | None:
+    import importlib
+
+    from gpu_tasks.compat import params
+
+    compatibility = importlib.import_module("distributed.compatibility")
+    config = importlib.import_module("distributed.config")  # `distributed.config` the attribute is a dict
+    return params(getattr(compatibility, "asyncio_run", None), "main", "loop_factory") or params(
+        getattr(config, "get_loop_factory", None)
+    )
+
+
+def _check_nanny_exit() -> str | None:
+    from distributed import Nanny
+
+    from gpu_tasks.compat import params
+
+    return params(getattr(Nanny, "_on_worker_exit_sync", None), "exitcode")
+
+
+def _uses() -> list[Any]:
+    from gpu_tasks.compat import Use
+
+    return [
+        Use(
+            "distributed",
+            "distributed.SpecCluster._correct_state",
+            "private",
+            "apply an edited worker_spec now (each worker has its own devices; scale() only copies)",
+            _check_correct_state,
+        ),
+        Use(
+            "distributed",
+            "distributed.core._expects_comm (cache_clear)",
+            "private",
+            "closed schedulers are freed (an unbounded functools.cache keeps them alive)",
+            _check_expects_comm,
+        ),
+        Use(
+            "distributed",
+            "distributed.Worker.state.nthreads",
+            "undocumented",
+            "nested tasks run on as many threads as their worker has",
+            _check_worker_state,
+        ),
+        Use(
+            "distributed",
+            "distributed.nanny._get_env_variables",
+            "private",
+            "warm processes get the environment the nanny gives a worker it spawns",
+            _check_nanny_env,
+        ),
+        Use(
+            "distributed",
+            "distributed.compatibility.asyncio_run, distributed.config.get_loop_factory",
+            "undocumented",
+            "a bound warm process runs its worker in Dask's kind of event loop",
+            _check_loop,
+        ),
+        Use(
+            "distributed",
+            "distributed.Nanny._on_worker_exit_sync",
+            "private",
+            "learn a worker process's exit code for crash reports",
+            _check_nanny_exit,
+        ),
+    ]
+
+
+USES = _uses()

@@ -1,0 +1,676 @@
+"""The private Prefect APIs gpu-tasks relies on, each with why and the versions checked.
+
+Checked against prefect 3.8.8 (pinned in pyproject.toml). Each wrapper degrades to
+Prefect's shipped behaviour, or fails with a clear error, on a release where the
+private name is gone, so a Prefect upgrade breaks here, in one place.
+
+**The tag "no limits" cache** (``prefect.concurrency.services._no_limits_cache``).
+Prefect's task engine asks the server for tag concurrency slots before every task
+run that has tags, and every gpu-tasks task run has tags (``profile:<name>``,
+``gpu:<id>``). Prefect caches a "no limits for this tag set" answer per process
+for 5 seconds. Each time that cache expires, the next check goes to the server,
+and on a busy SQLite server (thousands of short tasks, the task-run recorder
+writing) every task carrying the same tags waits behind that one request. Measured
+on 2 cores with 10,000 tagged tasks on Prefect's own ThreadPoolTaskRunner: 141 s
+with the 5 s cache, 53 s (linear in the task count) with a longer one.
+
+gpu-tasks keeps its own "no limits" answers, in the flow process and in its worker
+processes, for ``GPU_TASKS_TAG_LIMIT_CACHE_SECONDS`` (default 60; 0 keeps Prefect's 5 s),
+and consults them for the task runs it runs alone (:func:`use_no_limits_cache`,
+:func:`is_ours`): Prefect's cache is not touched, so any other task run of the process
+checks its tags as Prefect ships. Limits that exist when a tag set is first checked are
+always honoured, since only "no limits" answers are cached; a limit created in the middle
+of a run applies to gpu-tasks' task runs within that many seconds instead of 5. The cache
+is a private part of Prefect: when it is not found (another Prefect release), nothing is
+changed and Prefect behaves as it ships (and ``tests/test_compat.py`` fails).
+
+**Tag slots the flow process holds** (``prefect.task_engine._concurrency`` and
+``_aconcurrency``): see :func:`tag_slots_held_by_flow`; the "no limits" cache is read and
+written as the engine does (:func:`known_without_limits`, :func:`remember_without_limits`).
+The same wrapper answers a check whose tags the cache knows have no limit without calling
+Prefect's slot service: the outcome Prefect's own cached path gives (no lease), without its
+two thread hops and made-up HTTP response, which were 13% of a worker process's CPU per
+task.
+**Cache keys computed before a device is leased** (``gpu_tasks._cache``) follow the
+engine's ``compute_transaction_key`` and call ``ResultStore.update_for_task(task,
+_sync=True)`` as the engine does (its ``async_dispatch`` keyword).
+
+**Names the serializers resolve** (``prefect.serializers.from_qualified_name``): see
+:func:`cache_qualified_names`.
+
+**The in-process ephemeral server** (``SubprocessASGIServer._instances``): see
+:func:`ephemeral_server_url`.
+
+**The deployment context** (``prefect.context._deployment_id`` and
+``_deployment_parameters``): see :func:`deployment_context`.
+
+**The embedded server's process** (``SubprocessASGIServer._run_uvicorn_command``):
+see :func:`server_in_own_session_class`; **counting task runs** (the client's
+``_client``): see :func:`count_task_runs`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import inspect
+import logging
+import subprocess
+import threading
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+# gpu-tasks' own "no limits for this tag set" answers, consulted only for the task runs gpu-tasks
+# runs (:func:`ours`); Prefect's cache is left as it ships (5 s) for every other task run.
+_OWN_NO_LIMITS: dict[str, Any] = {}
+_OWN_LOCK = threading.Lock()
+
+
+def use_no_limits_cache(seconds: float) -> float | None:
+    """Keep gpu-tasks' own "no tag limits" answers ``seconds`` long (its task runs only).
+
+    Prefect caches a "no limits for this tag set" answer per process for 5 s in the private
+    ``prefect.concurrency.services._no_limits_cache``; gpu-tasks' task runs consult their own
+    cache of such answers (filled from Prefect's, see :func:`_left_to_take`), kept ``seconds``
+    long, before Prefect's. Nothing of Prefect's changes: a ThreadPoolTaskRunner or
+    DaskTaskRunner task run in the same process checks its tags as Prefect ships.
+
+    Returns the time-to-live in force, or ``None`` when this Prefect has no such cache (its
+    task engine then takes tag slots its own way and gpu-tasks leaves them alone).
+    """
+    import cachetools
+
+    if _no_limits() is None:
+        logger.debug("gpu-tasks: Prefect has no tag 'no limits' cache here; leaving tag checks as they are")
+        return None
+    _install_tag_slot_skip()
+    with _OWN_LOCK:
+        cache = _OWN_NO_LIMITS.get("cache")
+        if cache is None or seconds > cache.ttl:
+            longer: cachetools.TTLCache[Any, Any] = cachetools.TTLCache(maxsize=1000, ttl=max(seconds, 0.001))
+            if cache is not None:
+                longer.update(cache.items())
+            _OWN_NO_LIMITS["cache"] = cache = longer
+        return float(cache.ttl)
+
+
+def ephemeral_server_url() -> str | None:
+    """The URL of the ephemeral API server this process started, if one runs.
+
+    Prefect's client starts a ``SubprocessASGIServer`` when there is no
+    ``PREFECT_API_URL`` and keeps its URL in no setting; Prefect keeps one instance
+    per requested port (the default client asks for port ``None``) in the private
+    ``_instances``. Any running instance in this process is the one the flow run
+    talks to; the default-port one is preferred.
+    """
+    from prefect.server.api.server import SubprocessASGIServer
+
+    instances = getattr(SubprocessASGIServer, "_instances", None)
+    if not isinstance(instances, dict):  # pragma: no cover - another Prefect release
+        logger.debug("gpu-tasks: Prefect has no SubprocessASGIServer._instances here")
+        return None
+    servers = sorted(instances.values(), key=lambda s: getattr(s, "_instance_key", None) is not None)
+    for server in servers:
+        process = server.server_process
+        if server.running and process is not None and process.poll() is None:
+            return str(server.api_url)
+    return None
+
+
+def deployment_context() -> tuple[str | None, Any]:
+    """The deployment id (as a string) and parameters of the run in this context.
+
+    Prefect's ``serialize_context`` sends them to remote task runs from the private
+    context variables ``_deployment_id`` and ``_deployment_parameters``; gpu-tasks
+    serializes context itself (``gpu_tasks._context``) and sends the same.
+    """
+    from prefect import context as pctx
+
+    deployment_id = pctx._deployment_id.get()
+    return (str(deployment_id) if deployment_id else None), pctx._deployment_parameters.get()
+
+
+class _SubprocessWithPopenArgs:
+    """The ``subprocess`` module as Prefect's server module sees it, its Popen given more arguments."""
+
+    def __init__(self, **extra: Any) -> None:
+        self._extra = extra
+
+    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
+        return subprocess.Popen(*args, **{**kwargs, **self._extra})
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(subprocess, name)
+
+
+def server_in_own_session_class(preexec_fn: Callable[[], None] | None) -> type[Any]:
+    """Prefect's ``SubprocessASGIServer``, its server process started in a session of its own.
+
+    Overrides the private ``SubprocessASGIServer._run_uvicorn_command`` and, for that one
+    call, swaps the ``subprocess`` module its module sees (prefect 3.8.8), so that Prefect
+    still builds the command line and environment. Built on first use so that importing
+    gpu-tasks does not import ``prefect.server``.
+
+    Args:
+        preexec_fn: run in the server process before it starts (``PR_SET_PDEATHSIG``).
+    """
+    import prefect.server.api.server as _prefect_server
+    from prefect.server.api.server import SubprocessASGIServer
+
+    class EmbeddedServer(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
+            # The one change to Prefect's server process. A terminal's Ctrl-C sends SIGINT to
+            # every process of the foreground process group; a server in that group dies
+            # before the interrupted flow run's final states reach it, and they stay
+            # "Running" in its database for good. In a session of its own it keeps serving
+            # until ``stop()``; PR_SET_PDEATHSIG still kills it with its parent, even when
+            # the parent is SIGKILLed. Prefect's method still builds the command line and
+            # environment; only the Popen it calls gets ``start_new_session`` and
+            # ``preexec_fn``. The swap is visible to that module alone, for this one call.
+            extra: dict[str, Any] = {"start_new_session": True}
+            if preexec_fn is not None:
+                extra["preexec_fn"] = preexec_fn
+            vars(_prefect_server)["subprocess"] = _SubprocessWithPopenArgs(**extra)
+            try:
+                return super()._run_uvicorn_command()
+            finally:
+                vars(_prefect_server)["subprocess"] = subprocess
+
+    return EmbeddedServer
+
+
+def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
+    """How many task runs match ``task_run_filter`` (the API's filter JSON), on a sync client.
+
+    Prefect's client has no ``count_task_runs``; the server's ``POST /task_runs/count``
+    is reached through the client's private HTTP client ``_client`` (prefect 3.8.8).
+    """
+    return int(client._client.post("/task_runs/count", json=task_run_filter).json())
+
+
+# ---------------------------------------------------------------- tag slots the flow process holds
+# A GPU task must not hold a device while it waits for a Prefect tag concurrency slot. The flow
+# process takes the task run's `tag:<tag>` slots before it leases a device (gpu_tasks._slotgate) and
+# holds them until the task ends; the task engine on the worker would take them a second time (and
+# wait forever under a limit of 1), so inside `tag_slots_held_by_flow` the engine's own
+# acquisition for that task run leaves out the names the flow holds (it still takes the others,
+# such as the `gpu:<id>` tags a worker adds). Prefect 3.8.8's task engine takes them with
+# `prefect.task_engine._concurrency` / `_aconcurrency(names=[...], holder=ConcurrencyLeaseHolder(
+# type="task_run", id=...))`, imported into that module under those private names.
+_FLOW_HOLDS: contextvars.ContextVar[tuple[Any, frozenset[str]] | None] = contextvars.ContextVar(
+    "gpu_tasks_flow_holds_tag_slots", default=None
+)
+# True inside a task run gpu-tasks runs (:func:`tag_slots_held_by_flow`): what gpu-tasks changes
+# in Prefect's task engine and serializers applies there alone; any other task run of the process
+# (ThreadPoolTaskRunner, DaskTaskRunner, a task called directly) sees Prefect as shipped.
+_OURS: contextvars.ContextVar[bool] = contextvars.ContextVar("gpu_tasks_runs_this_task", default=False)
+
+
+def is_ours() -> bool:
+    """Whether the code runs inside a task run gpu-tasks runs."""
+    return _OURS.get()
+
+
+@contextlib.contextmanager
+def ours() -> Iterator[None]:
+    """Within the block, a task run gpu-tasks runs (the engine is called inside it)."""
+    token = _OURS.set(True)
+    try:
+        yield
+    finally:
+        _OURS.reset(token)
+
+
+def can_skip_engine_tag_slots() -> bool:
+    """Whether this Prefect's task engine takes tag slots where gpu-tasks can skip them."""
+    import prefect.task_engine as engine
+
+    return callable(getattr(engine, "_concurrency", None)) and callable(
+        getattr(engine, "_aconcurrency", None)
+    )
+
+
+def _left_to_take(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The engine's ``_concurrency`` arguments less the names the flow process holds for its holder,
+    and none at all when this process's "no limits" cache knows those left have no limit."""
+    held = _FLOW_HOLDS.get()
+    holder = kwargs.get("holder")
+    if not _OURS.get() or holder is None or getattr(holder, "type", None) != "task_run":
+        return args, kwargs  # not a task run gpu-tasks runs: as Prefect ships
+    names = kwargs.get("names", args[0] if args else [])
+    names = [names] if isinstance(names, str) else list(names)
+    if held is not None and getattr(holder, "id", None) == held[0]:
+        names = [n for n in names if n not in held[1]]
+    if names and all(n.startswith("tag:") for n in names) and known_without_limits(names):
+        # what Prefect's own check would answer from the same cache (no lease, no limits), without
+        # its two thread hops and a made-up HTTP response: ~13% of a worker's CPU per task
+        names = []
+    return (), {**kwargs, "names": names}
+
+
+_ENGINE_ORIGINALS: dict[str, Any] = {}  # Prefect's own, once gpu-tasks' wrappers are installed
+
+
+def _learn(kwargs: dict[str, Any]) -> None:
+    """After Prefect's own check of a gpu-tasks task run's tags: keep its "no limits" answer in
+    gpu-tasks' cache (Prefect's keeps it 5 s)."""
+    names = kwargs.get("names")
+    if not _OURS.get() or not names or isinstance(names, str):
+        return
+    found = _no_limits()
+    if found is not None:
+        with found[1]:
+            no_limits = bool(found[0].get(frozenset(names), False))
+        if no_limits:
+            remember_without_limits(list(names))
+
+
+def _install_tag_slot_skip() -> None:
+    import prefect.task_engine as engine
+
+    if getattr(engine, "_gpu_tasks_tag_slot_skip", False) or not can_skip_engine_tag_slots():
+        return
+    sync_cm = getattr(engine, "_concurrency")  # noqa: B009 - not exported by Prefect
+    async_cm = getattr(engine, "_aconcurrency")  # noqa: B009
+    _ENGINE_ORIGINALS.update(_concurrency=sync_cm, _aconcurrency=async_cm)
+
+    @contextlib.contextmanager
+    def concurrency(*args: Any, **kwargs: Any) -> Iterator[None]:
+        args, kwargs = _left_to_take(args, kwargs)
+        with sync_cm(*args, **kwargs):  # no names left: Prefect's returns at once
+            _learn(kwargs)
+            yield
+
+    @contextlib.asynccontextmanager
+    async def aconcurrency(*args: Any, **kwargs: Any) -> AsyncIterator[None]:
+        args, kwargs = _left_to_take(args, kwargs)
+        async with async_cm(*args, **kwargs):
+            _learn(kwargs)
+            yield
+
+    setattr(engine, "_concurrency", concurrency)  # noqa: B010 - a private name of Prefect's module
+    setattr(engine, "_aconcurrency", aconcurrency)  # noqa: B010
+    setattr(engine, "_gpu_tasks_tag_slot_skip", True)  # noqa: B010
+
+
+@contextlib.contextmanager
+def tag_slots_held_by_flow(task_run_id: Any, names: Iterable[str]) -> Iterator[None]:
+    """Within the block, the task engine takes no slot of ``names`` for ``task_run_id`` (the flow
+    process holds them, or knows they have no limit)."""
+    held = frozenset(names)
+    _install_tag_slot_skip()  # also answers tag checks from the "no limits" cache (_left_to_take)
+    ours = _OURS.set(True)
+    token = _FLOW_HOLDS.set((task_run_id, held)) if held else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _FLOW_HOLDS.reset(token)
+        _OURS.reset(ours)
+
+
+def _no_limits() -> tuple[Any, Any] | None:
+    """Prefect's "no limits for this tag set" cache and its lock (``None`` on another release)."""
+    from prefect.concurrency import services
+
+    cache = getattr(services, "_no_limits_cache", None)
+    lock = getattr(services, "_cache_lock", None)
+    return None if cache is None or lock is None else (cache, lock)
+
+
+def known_without_limits(names: list[str]) -> bool:
+    """Whether a cached answer says the concurrency limits ``names`` do not exist: gpu-tasks' own
+    (:func:`use_no_limits_cache`), else Prefect's ``prefect.concurrency.services._no_limits_cache``
+    (keyed by the frozenset of names). ``False`` when unknown or absent."""
+    key = frozenset(names)
+    with _OWN_LOCK:
+        own = _OWN_NO_LIMITS.get("cache")
+        if own is not None and own.get(key, False):
+            return True
+    found = _no_limits()
+    if found is None:
+        return False
+    with found[1]:
+        return bool(found[0].get(key, False))
+
+
+def remember_without_limits(names: list[str]) -> None:
+    """Record in gpu-tasks' own cache that the limits ``names`` do not exist (Prefect's is untouched)."""
+    with _OWN_LOCK:
+        own = _OWN_NO_LIMITS.get("cache")
+        if own is not None:
+            own[frozenset(names)] = True
+
+
+_QUALIFIED_KEEP = 512
+
+
+def cache_qualified_names() -> bool:
+    """Let Prefect's serializers in this process resolve each qualified name once.
+
+    ``JSONSerializer.dumps`` resolves its ``object_encoder``
+    (``prefect.serializers.prefect_json_object_encoder``) by name at every call, and
+    ``from_qualified_name`` first tries to import that name as a module: a failed import,
+    with the import lock and a search of ``sys.path``, for every cache key the task engine
+    computes (each task run with a cache policy: Prefect's default one). That was 10% of a
+    worker process's CPU per task. Called in gpu-tasks' worker processes only; the flow
+    process is left as Prefect ships. Returns whether the serializers now use the cache
+    (``False`` on a Prefect without that name: nothing changed).
+    """
+    import threading
+
+    try:
+        import prefect.serializers as serializers
+    except ImportError:  # pragma: no cover - part of every prefect
+        return False
+    resolve = getattr(serializers, "from_qualified_name", None)
+    if resolve is None:
+        return False
+    if getattr(resolve, "_gpu_tasks_cached", False):
+        return True
+    found: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def cached(name: str) -> Any:
+        if not _OURS.get():
+            return resolve(name)  # a task run gpu-tasks does not run: as Prefect ships
+        with lock:
+            if name in found:
+                return found[name]
+        value = resolve(name)  # raises as Prefect's does for a name that does not resolve
+        with lock:
+            if len(found) < _QUALIFIED_KEEP:
+                found[name] = value
+        return value
+
+    cached._gpu_tasks_cached = True  # type: ignore[attr-defined]  # a marker on the function
+    setattr(serializers, "from_qualified_name", cached)  # noqa: B010 - not exported by Prefect
+    return True
+
+
+# ---------------------------------------------------------------- undocumented Prefect internals
+def emit_state_change_event(task_run: Any, initial_state: Any, validated_state: Any) -> None:
+    """Emit the ``prefect.task-run.<State>`` event the task engine emits on a state change
+    (``prefect.utilities.engine.emit_task_run_state_change_event``, undocumented): how crash
+    reports and lost workers' task runs reach the UI as the engine's own would."""
+    from prefect.utilities.engine import emit_task_run_state_change_event
+
+    emit_task_run_state_change_event(
+        task_run=task_run, initial_state=initial_state, validated_state=validated_state
+    )
+
+
+def engine_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """``visit_collection`` and ``resolve_to_final_result``, as the task engine resolves a task's
+    parameters (``prefect.utilities.collections`` / ``prefect.utilities.engine``, undocumented)."""
+    from prefect.utilities.collections import visit_collection
+    from prefect.utilities.engine import resolve_to_final_result
+
+    return visit_collection, resolve_to_final_result
+
+
+def result_store_for_task(store: Any, task: Any) -> Any:
+    """``store.update_for_task(task)`` called synchronously, as the engine does (the private
+    ``_sync`` keyword of Prefect's ``async_dispatch``)."""
+    return store.update_for_task(task, _sync=True)
+
+
+def drain_events(timeout: float) -> None:
+    """Send the events this process queued (``EventsWorker.drain_all``, undocumented)."""
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=timeout)
+
+
+def drain_logs(timeout: float) -> None:
+    """Send the run logs this process queued (``APILogWorker.drain_all``, undocumented)."""
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=timeout)
+
+
+def ensure_logging_setup() -> None:
+    """Prefect's one-time logging setup (``prefect.logging.configuration``, undocumented)."""
+    from prefect.logging.configuration import ensure_logging_setup as setup
+
+    setup()
+
+
+def sync_client_context(client: Any) -> Any:
+    """A ``SyncClientContext`` holding ``client`` (undocumented), so the task engine uses it."""
+    from prefect.context import SyncClientContext
+
+    return SyncClientContext.model_construct(client=client)
+
+
+def current_sync_client_context() -> Any:
+    """The ``SyncClientContext`` in force, or ``None``."""
+    from prefect.context import SyncClientContext
+
+    return SyncClientContext.get()
+
+
+# ---------------------------------------------------------------- the uses, with feature checks
+def _check_no_limits_cache() -> str | None:
+    import cachetools
+    from prefect.concurrency import services
+
+    from gpu_tasks.compat import attr
+
+    return attr(services, "_no_limits_cache", cachetools.TTLCache) or attr(services, "_cache_lock")
+
+
+def _check_engine_concurrency() -> str | None:
+    import prefect.task_engine as engine
+
+    from gpu_tasks.compat import params
+
+    for name in ("_concurrency", "_aconcurrency"):
+        fn = _ENGINE_ORIGINALS.get(name, getattr(engine, name, None))  # Prefect's, not gpu-tasks' wrapper
+        if fn is None:
+            return f"prefect.task_engine has no {name}"
+        problem = params(getattr(fn, "__wrapped__", fn), "names", "holder")
+        if problem:
+            return f"{name}: {problem}"
+    return None
+
+
+def _check_deployment_context() -> str | None:
+    from prefect import context as pctx
+
+    from gpu_tasks.compat import attr
+
+    return attr(pctx, "_deployment_id", contextvars.ContextVar) or attr(
+        pctx, "_deployment_parameters", contextvars.ContextVar
+    )
+
+
+def _check_asgi_server() -> str | None:
+    import prefect.server.api.server as server_module
+    from prefect.server.api.server import SubprocessASGIServer
+
+    from gpu_tasks.compat import attr, params
+
+    return (
+        attr(SubprocessASGIServer, "_instances", dict)
+        or params(SubprocessASGIServer._run_uvicorn_command, "self")
+        or attr(server_module, "subprocess")
+        or attr(SubprocessASGIServer, "stop")
+        or next(
+            (
+                f"SubprocessASGIServer no longer sets {a}"
+                for a in ("running", "server_process", "_instance_key")
+                if a not in SubprocessASGIServer.__init__.__code__.co_names
+            ),
+            None,
+        )
+    )
+
+
+def _check_sync_client() -> str | None:
+    from prefect.client.orchestration import SyncPrefectClient
+
+    names = SyncPrefectClient.__init__.__code__.co_names
+    return None if "_client" in names else "SyncPrefectClient no longer sets _client"
+
+
+def _check_serializers() -> str | None:
+    import prefect.serializers as serializers
+
+    from gpu_tasks.compat import params
+
+    return params(getattr(serializers, "from_qualified_name", None), "name")
+
+
+def _check_state_event() -> str | None:
+    from prefect.utilities.engine import emit_task_run_state_change_event
+
+    from gpu_tasks.compat import params
+
+    return params(emit_task_run_state_change_event, "task_run", "initial_state", "validated_state")
+
+
+def _check_engine_helpers() -> str | None:
+    from gpu_tasks.compat import params
+
+    visit, resolve = engine_helpers()
+    return params(visit, "expr", "visit_fn", "return_data") or params(resolve, "expr", "context")
+
+
+def _check_result_store() -> str | None:
+    import importlib
+
+    from prefect.results import ResultStore
+
+    from gpu_tasks.compat import params
+
+    fn = ResultStore.update_for_task
+    dispatch = importlib.import_module("prefect._internal.compatibility.async_dispatch")
+    # async_dispatch's wrapper pops the private _sync keyword and keeps the async one as .aio
+    if not hasattr(fn, "aio"):
+        return "update_for_task is no longer an async_dispatch function (no .aio)"
+    if '"_sync"' not in inspect.getsource(dispatch.async_dispatch):
+        return "async_dispatch no longer takes _sync"
+    return params(fn, "task")
+
+
+def _check_drains() -> str | None:
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    from gpu_tasks.compat import params
+
+    return params(EventsWorker.drain_all, "timeout") or params(APILogWorker.drain_all, "timeout")
+
+
+def _check_logging_setup() -> str | None:
+    from prefect.logging import configuration
+
+    from gpu_tasks.compat import attr
+
+    return attr(configuration, "ensure_logging_setup")
+
+
+def _check_sync_client_context() -> str | None:
+    from prefect.context import SyncClientContext
+
+    return None if "client" in SyncClientContext.model_fields else "SyncClientContext has no client field"
+
+
+def _uses() -> list[Any]:
+    from gpu_tasks.compat import Use
+
+    return [
+        Use(
+            "prefect",
+            "prefect.concurrency.services._no_limits_cache / _cache_lock",
+            "private",
+            "read Prefect's 'no tag limits' answers; gpu-tasks keeps its own, longer, for its task runs",
+            _check_no_limits_cache,
+        ),
+        Use(
+            "prefect",
+            "prefect.task_engine._concurrency / _aconcurrency",
+            "private",
+            "the engine's tag-slot acquisition, wrapped (gpu-tasks' task runs only) to leave out slots "
+            "the flow process holds and tags known to have no limit",
+            _check_engine_concurrency,
+        ),
+        Use(
+            "prefect",
+            "prefect.context._deployment_id / _deployment_parameters",
+            "private",
+            "sent to remote task runs as Prefect's serialize_context sends them",
+            _check_deployment_context,
+        ),
+        Use(
+            "prefect",
+            "prefect.server.api.server.SubprocessASGIServer (_instances, _run_uvicorn_command)",
+            "private",
+            "the ephemeral server's URL for workers; the embedded server in its own session",
+            _check_asgi_server,
+        ),
+        Use(
+            "prefect",
+            "prefect.client.orchestration.SyncPrefectClient._client",
+            "private",
+            "POST /task_runs/count, which the client does not offer",
+            _check_sync_client,
+        ),
+        Use(
+            "prefect",
+            "prefect.serializers.from_qualified_name",
+            "patched",
+            "resolved once per name in gpu-tasks' task runs (a failed import per cache key otherwise)",
+            _check_serializers,
+        ),
+        Use(
+            "prefect",
+            "prefect.utilities.engine.emit_task_run_state_change_event",
+            "undocumented",
+            "crash reports emit the engine's own state-change events",
+            _check_state_event,
+        ),
+        Use(
+            "prefect",
+            "prefect.utilities.collections.visit_collection, "
+            "prefect.utilities.engine.resolve_to_final_result",
+            "undocumented",
+            "walk a task's inputs for futures, and resolve them as the engine does",
+            _check_engine_helpers,
+        ),
+        Use(
+            "prefect",
+            "prefect.results.ResultStore.update_for_task(_sync=True)",
+            "private",
+            "cache keys computed in the flow process before a device is leased",
+            _check_result_store,
+        ),
+        Use(
+            "prefect",
+            "prefect.events.worker.EventsWorker.drain_all, prefect.logging.handlers.APILogWorker.drain_all",
+            "undocumented",
+            "send a run's last events and logs before the embedded server stops",
+            _check_drains,
+        ),
+        Use(
+            "prefect",
+            "prefect.logging.configuration.ensure_logging_setup",
+            "undocumented",
+            "Prefect's logging set up once per worker, under gpu-tasks' lock",
+            _check_logging_setup,
+        ),
+        Use(
+            "prefect",
+            "prefect.context.SyncClientContext",
+            "undocumented",
+            "one API client per worker thread, found by the engine as its own",
+            _check_sync_client_context,
+        ),
+    ]
+
+
+USES = _uses()

@@ -1,0 +1,208 @@
+"""The compat layer (gpu_tasks.compat): every private or undocumented name of Prefect, distributed,
+dask-cuda and CPython that gpu-tasks uses passes its feature check on the installed releases (a
+release that changes one FAILS here, it does not silently degrade), no module outside the layer
+touches such a name, and what gpu-tasks changes in Prefect applies to the task runs it runs alone."""
+
+from __future__ import annotations
+
+import ast
+import time
+from pathlib import Path
+
+import pytest
+
+from gpu_tasks import compat
+
+ROOT = Path(__file__).resolve().parent.parent
+PLUGIN = ROOT / "gpu_tasks"
+
+USES = compat.uses()
+
+
+@pytest.mark.parametrize("use", USES, ids=[f"{u.library}:{u.name}" for u in USES])
+def test_each_private_name_is_as_gpu_tasks_uses_it(use):
+    try:
+        problem = use.check()
+    except compat.NotInstalled as exc:
+        pytest.skip(f"{use.library} is not installed here: {exc}")
+    assert problem is None, (
+        f"{use.library} changed {use.name}: {problem}. gpu-tasks uses it to {use.why}; update "
+        "gpu_tasks/compat and its tested range"
+    )
+
+
+def test_a_changed_name_is_reported_not_silently_ignored(monkeypatch):
+    """The checks look at the installed release: take a name away and its check (and
+    warn_if_changed's log line) says so."""
+    from prefect.concurrency import services
+
+    monkeypatch.delattr(services, "_no_limits_cache")
+    changed = {u.name: why for u, why in compat.verify()}
+    assert any("_no_limits_cache" in name for name in changed), changed
+    import distributed.nanny
+
+    monkeypatch.delattr(distributed.nanny, "_get_env_variables")
+    changed = {u.name: why for u, why in compat.verify()}
+    assert "distributed.nanny._get_env_variables" in changed, changed
+
+
+# Modules (or module: name) of the libraries whose names only gpu_tasks/compat may import.
+UNDOCUMENTED = {
+    "prefect.utilities.engine": None,
+    "prefect.utilities.collections": None,
+    "prefect.events.worker": None,
+    "prefect.logging.configuration": None,
+    "prefect.server.api.server": None,
+    "prefect.concurrency.services": None,
+    "prefect.concurrency": {"services"},
+    "prefect.context": {"SyncClientContext"},
+    "prefect.logging.handlers": {"APILogWorker"},
+    "distributed.nanny": None,
+    "distributed.compatibility": None,
+    "distributed.config": None,
+    "distributed.worker_memory": None,
+    "dask_cuda.worker_common": None,
+    "dask_cuda.utils": None,
+}
+FOREIGN = ("prefect", "distributed", "dask", "dask_cuda", "atexit", "os", "signal")
+
+
+def _violations(path: Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    aliases = {}  # local name -> foreign module it is bound to
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                if a.name.split(".")[0] in FOREIGN:
+                    aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+                    if a.name in UNDOCUMENTED and UNDOCUMENTED[a.name] is None:
+                        out.append(f"{path.name}:{node.lineno}: import {a.name}")
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            top = node.module.split(".")[0]
+            if top not in FOREIGN:
+                continue
+            rule = UNDOCUMENTED.get(node.module, ())
+            for a in node.names:
+                if a.name.startswith("_") or rule is None or (rule and a.name in rule):
+                    out.append(f"{path.name}:{node.lineno}: from {node.module} import {a.name}")
+                aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            base = node.value
+            if isinstance(base, ast.Name) and base.id in aliases and f"{base.id}.{node.attr}" != "os._exit":
+                out.append(f"{path.name}:{node.lineno}: {base.id}.{node.attr}")
+            elif isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                out.append(f"{path.name}:{node.lineno}: super().{node.attr} (a private hook of a base class)")
+        elif isinstance(node, ast.Assign):
+            for target in node.targets:
+                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
+                    if target.value.id in aliases and target.value.id in ("os", "signal", "atexit"):
+                        out.append(f"{path.name}:{node.lineno}: {target.value.id}.{target.attr} = ...")
+    return out
+
+
+def test_no_module_outside_the_compat_layer_touches_a_private_name():
+    """Every import (inside functions too), attribute and assignment of the plugin is read."""
+    found = []
+    for path in sorted(PLUGIN.rglob("*.py")):
+        rel = path.relative_to(PLUGIN)
+        if rel.parts[0] in ("compat", "pipeline"):
+            continue
+        found += _violations(path)
+    assert not found, "private or undocumented names outside gpu_tasks/compat:\n" + "\n".join(found)
+
+
+def test_the_scan_finds_what_it_is_for(tmp_path):
+    """The scan above is not blind: each kind of use it forbids is found in a sample."""
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import atexit, os\n"
+        "from distributed.nanny import _get_env_variables\n"
+        "from prefect.context import SyncClientContext\n"
+        "def f():\n"
+        "    from prefect.utilities.engine import emit_task_run_state_change_event\n"
+        "    atexit._run_exitfuncs()\n"
+        "    os._exit = print\n"
+        "class N:\n"
+        "    def g(self):\n"
+        "        super()._on_worker_exit_sync(0)\n"
+    )
+    found = "\n".join(_violations(sample))
+    for expected in (
+        "_get_env_variables",
+        "SyncClientContext",
+        "emit_task_run_state_change_event",
+        "atexit._run_exitfuncs",
+        "os._exit = ...",
+        "super()._on_worker_exit_sync",
+    ):
+        assert expected in found, (expected, found)
+
+
+def test_docs_list_every_use():
+    text = (ROOT / "docs" / "operations.md").read_text()
+    missing = [u.name for u in USES if f"`{u.name}`" not in text]
+    assert not missing, f"docs/operations.md does not list: {missing}"
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_prefect_as_shipped_for_task_runs_gpu_tasks_does_not_run():
+    """After a ProfileTaskRunner flow in this process (gpu-tasks' wrappers installed, its own
+    60 s "no limits" answer for the tag known), a ThreadPoolTaskRunner flow's task run with the
+    same tag checks it with the server as Prefect ships: a limit of 0 created meanwhile stops it,
+    while Prefect's own 5 s cache is left at 5 s."""
+    import prefect.task_engine as engine
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.concurrency import services
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile
+    from gpu_tasks.compat.prefect import _OWN_NO_LIMITS, is_ours
+
+    shipped_ttl = services._no_limits_cache.ttl
+    tag = f"compat-{time.monotonic_ns()}"
+
+    @task(tags=[tag])
+    def tagged() -> bool:
+        return is_ours()
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="cpu", cpus=1)], default="cpu"))
+    def on_gpu_tasks() -> bool:
+        return tagged.submit().result()
+
+    assert on_gpu_tasks() is True  # gpu-tasks ran it, with its wrappers
+    assert getattr(engine, "_gpu_tasks_tag_slot_skip", False)  # installed in this process
+    own = _OWN_NO_LIMITS["cache"]  # gpu-tasks' own answers, kept 60 s: one names this tag
+    assert any(f"tag:{tag}" in key for key in own) and own.ttl >= 60, dict(own)
+    assert services._no_limits_cache.ttl == shipped_ttl  # Prefect's cache as shipped
+
+    with get_client(sync_client=True) as client:
+        client.create_concurrency_limit(tag=tag, concurrency_limit=0)
+    try:
+        # Prefect's own 5 s answer for this tag set expires (the condition, not a fixed sleep)
+        deadline = time.monotonic() + shipped_ttl + 10
+        while services._no_limits_cache.get(frozenset([f"tag:{tag}"])):
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+
+        @flow(task_runner=ThreadPoolTaskRunner(max_workers=2))
+        def on_threads() -> object:
+            return tagged.submit().wait(timeout=30) or "stopped"
+
+        state = on_threads(return_state=True)
+        # Prefect as shipped asked the server: the limit of 0 kept the task run from running
+        task_runs = []
+        with get_client(sync_client=True) as client:
+            from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+            task_runs = client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+            )
+        assert task_runs, "the ThreadPoolTaskRunner flow made no task run"
+        assert all(tr.state is None or tr.state.type.value != "COMPLETED" for tr in task_runs), [
+            (tr.state.type, tr.state.message) for tr in task_runs if tr.state
+        ]
+    finally:
+        with get_client(sync_client=True) as client:
+            client.delete_concurrency_limit_by_tag(tag)
