@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-from gpu_tasks.compat.prefect import ephemeral_server_url
+from gpu_tasks.compat.prefect_server import ephemeral_server_url
 from gpu_tasks.errors import GpuTasksError
 
 

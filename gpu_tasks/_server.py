@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 
-from gpu_tasks.compat.prefect import count_task_runs, server_in_own_session_class
+from gpu_tasks.compat.prefect_server import count_task_runs, server_in_own_session_class
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -126,7 +126,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
 
 def _drain(timeout: float = 5) -> None:
     """Send the run's last events and logs while the server is up (at most ``timeout`` s each)."""
-    from gpu_tasks.compat.prefect import drain_events, drain_logs
+    from gpu_tasks.compat.prefect_server import drain_events, drain_logs
 
     drain_events(timeout)
     drain_logs(timeout)

@@ -302,7 +302,7 @@ def _report_orphaned(flow_pid: int) -> None:
                     )
         except Exception:
             logger.warning("could not report the flow run Crashed", exc_info=True)
-    from gpu_tasks.compat.prefect import drain_events
+    from gpu_tasks.compat.prefect_server import drain_events
 
     drain_events(2)
 

@@ -55,7 +55,6 @@ import contextlib
 import contextvars
 import inspect
 import logging
-import subprocess
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
@@ -97,29 +96,6 @@ def use_no_limits_cache(seconds: float) -> float | None:
         return float(cache.ttl)
 
 
-def ephemeral_server_url() -> str | None:
-    """The URL of the ephemeral API server this process started, if one runs.
-
-    Prefect's client starts a ``SubprocessASGIServer`` when there is no
-    ``PREFECT_API_URL`` and keeps its URL in no setting; Prefect keeps one instance
-    per requested port (the default client asks for port ``None``) in the private
-    ``_instances``. Any running instance in this process is the one the flow run
-    talks to; the default-port one is preferred.
-    """
-    from prefect.server.api.server import SubprocessASGIServer
-
-    instances = getattr(SubprocessASGIServer, "_instances", None)
-    if not isinstance(instances, dict):  # pragma: no cover - another Prefect release
-        logger.debug("gpu-tasks: Prefect has no SubprocessASGIServer._instances here")
-        return None
-    servers = sorted(instances.values(), key=lambda s: getattr(s, "_instance_key", None) is not None)
-    for server in servers:
-        process = server.server_process
-        if server.running and process is not None and process.poll() is None:
-            return str(server.api_url)
-    return None
-
-
 def deployment_context() -> tuple[str | None, Any]:
     """The deployment id (as a string) and parameters of the run in this context.
 
@@ -131,64 +107,6 @@ def deployment_context() -> tuple[str | None, Any]:
 
     deployment_id = pctx._deployment_id.get()
     return (str(deployment_id) if deployment_id else None), pctx._deployment_parameters.get()
-
-
-class _SubprocessWithPopenArgs:
-    """The ``subprocess`` module as Prefect's server module sees it, its Popen given more arguments."""
-
-    def __init__(self, **extra: Any) -> None:
-        self._extra = extra
-
-    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
-        return subprocess.Popen(*args, **{**kwargs, **self._extra})
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(subprocess, name)
-
-
-def server_in_own_session_class(preexec_fn: Callable[[], None] | None) -> type[Any]:
-    """Prefect's ``SubprocessASGIServer``, its server process started in a session of its own.
-
-    Overrides the private ``SubprocessASGIServer._run_uvicorn_command`` and, for that one
-    call, swaps the ``subprocess`` module its module sees (prefect 3.8.8), so that Prefect
-    still builds the command line and environment. Built on first use so that importing
-    gpu-tasks does not import ``prefect.server``.
-
-    Args:
-        preexec_fn: run in the server process before it starts (``PR_SET_PDEATHSIG``).
-    """
-    import prefect.server.api.server as _prefect_server
-    from prefect.server.api.server import SubprocessASGIServer
-
-    class EmbeddedServer(SubprocessASGIServer):
-        def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
-            # The one change to Prefect's server process. A terminal's Ctrl-C sends SIGINT to
-            # every process of the foreground process group; a server in that group dies
-            # before the interrupted flow run's final states reach it, and they stay
-            # "Running" in its database for good. In a session of its own it keeps serving
-            # until ``stop()``; PR_SET_PDEATHSIG still kills it with its parent, even when
-            # the parent is SIGKILLed. Prefect's method still builds the command line and
-            # environment; only the Popen it calls gets ``start_new_session`` and
-            # ``preexec_fn``. The swap is visible to that module alone, for this one call.
-            extra: dict[str, Any] = {"start_new_session": True}
-            if preexec_fn is not None:
-                extra["preexec_fn"] = preexec_fn
-            vars(_prefect_server)["subprocess"] = _SubprocessWithPopenArgs(**extra)
-            try:
-                return super()._run_uvicorn_command()
-            finally:
-                vars(_prefect_server)["subprocess"] = subprocess
-
-    return EmbeddedServer
-
-
-def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
-    """How many task runs match ``task_run_filter`` (the API's filter JSON), on a sync client.
-
-    Prefect's client has no ``count_task_runs``; the server's ``POST /task_runs/count``
-    is reached through the client's private HTTP client ``_client`` (prefect 3.8.8).
-    """
-    return int(client._client.post("/task_runs/count", json=task_run_filter).json())
 
 
 # ---------------------------------------------------------------- tag slots the flow process holds
@@ -418,20 +336,6 @@ def result_store_for_task(store: Any, task: Any) -> Any:
     return store.update_for_task(task, _sync=True)
 
 
-def drain_events(timeout: float) -> None:
-    """Send the events this process queued (``EventsWorker.drain_all``, undocumented)."""
-    from prefect.events.worker import EventsWorker
-
-    EventsWorker.drain_all(timeout=timeout)
-
-
-def drain_logs(timeout: float) -> None:
-    """Send the run logs this process queued (``APILogWorker.drain_all``, undocumented)."""
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=timeout)
-
-
 def ensure_logging_setup() -> None:
     """Prefect's one-time logging setup (``prefect.logging.configuration``, undocumented)."""
     from prefect.logging.configuration import ensure_logging_setup as setup
@@ -488,35 +392,6 @@ def _check_deployment_context() -> str | None:
     )
 
 
-def _check_asgi_server() -> str | None:
-    import prefect.server.api.server as server_module
-    from prefect.server.api.server import SubprocessASGIServer
-
-    from gpu_tasks.compat import attr, params
-
-    return (
-        attr(SubprocessASGIServer, "_instances", dict)
-        or params(SubprocessASGIServer._run_uvicorn_command, "self")
-        or attr(server_module, "subprocess")
-        or attr(SubprocessASGIServer, "stop")
-        or next(
-            (
-                f"SubprocessASGIServer no longer sets {a}"
-                for a in ("running", "server_process", "_instance_key")
-                if a not in SubprocessASGIServer.__init__.__code__.co_names
-            ),
-            None,
-        )
-    )
-
-
-def _check_sync_client() -> str | None:
-    from prefect.client.orchestration import SyncPrefectClient
-
-    names = SyncPrefectClient.__init__.__code__.co_names
-    return None if "_client" in names else "SyncPrefectClient no longer sets _client"
-
-
 def _check_serializers() -> str | None:
     import prefect.serializers as serializers
 
@@ -555,15 +430,6 @@ def _check_result_store() -> str | None:
     if '"_sync"' not in inspect.getsource(dispatch.async_dispatch):
         return "async_dispatch no longer takes _sync"
     return params(fn, "task")
-
-
-def _check_drains() -> str | None:
-    from prefect.events.worker import EventsWorker
-    from prefect.logging.handlers import APILogWorker
-
-    from gpu_tasks.compat import params
-
-    return params(EventsWorker.drain_all, "timeout") or params(APILogWorker.drain_all, "timeout")
 
 
 def _check_logging_setup() -> str | None:
@@ -608,20 +474,6 @@ def _uses() -> list[Any]:
         ),
         Use(
             "prefect",
-            "prefect.server.api.server.SubprocessASGIServer (_instances, _run_uvicorn_command)",
-            "private",
-            "the ephemeral server's URL for workers; the embedded server in its own session",
-            _check_asgi_server,
-        ),
-        Use(
-            "prefect",
-            "prefect.client.orchestration.SyncPrefectClient._client",
-            "private",
-            "POST /task_runs/count, which the client does not offer",
-            _check_sync_client,
-        ),
-        Use(
-            "prefect",
             "prefect.serializers.from_qualified_name",
             "patched",
             "resolved once per name in gpu-tasks' task runs (a failed import per cache key otherwise)",
@@ -648,13 +500,6 @@ def _uses() -> list[Any]:
             "private",
             "cache keys computed in the flow process before a device is leased",
             _check_result_store,
-        ),
-        Use(
-            "prefect",
-            "prefect.events.worker.EventsWorker.drain_all, prefect.logging.handlers.APILogWorker.drain_all",
-            "undocumented",
-            "send a run's last events and logs before the embedded server stops",
-            _check_drains,
         ),
         Use(
             "prefect",
