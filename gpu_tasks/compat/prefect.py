@@ -38,15 +38,9 @@ _sync=True)`` as the engine does (its ``async_dispatch`` keyword).
 **Names the serializers resolve** (``prefect.serializers.from_qualified_name``): see
 :func:`cache_qualified_names`.
 
-**The in-process ephemeral server** (``SubprocessASGIServer._instances``): see
-:func:`ephemeral_server_url`.
-
-**The deployment context** (``prefect.context._deployment_id`` and
-``_deployment_parameters``): see :func:`deployment_context`.
-
-**The embedded server's process** (``SubprocessASGIServer._run_uvicorn_command``):
-see :func:`server_in_own_session_class`; **counting task runs** (the client's
-``_client``): see :func:`count_task_runs`.
+Prefect's server and client internals (the ephemeral server's URL, the embedded server's
+process, counting task runs, draining events and logs) are in
+:mod:`gpu_tasks.compat.prefect_server`.
 """
 
 from __future__ import annotations
