@@ -622,15 +622,15 @@ def serve(
             "PREFECT_API_URL is not set: start a server with `prefect server start --host 127.0.0.1` "
             "and export PREFECT_API_URL=http://127.0.0.1:4200/api"
         )
-    _preflight("serve", _pipeline_data_dir(None))
-    from gpu_tasks.pipeline.flow import etl_train
-
     try:
         from prefect.client.schemas.schedules import construct_schedule
 
         construct_schedule(cron=cron)
     except Exception as exc:
         _fail(f"--cron {cron!r} is not a valid cron expression: {exc}")
+    _preflight("serve", _pipeline_data_dir(None))
+    from gpu_tasks.pipeline.flow import etl_train
+
     _pipeline_devices("serve", emulate)
     parameters: dict[str, Any] = {"scale": scale, "num_rounds": rounds}
     if limit is not None:
