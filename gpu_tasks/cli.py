@@ -197,7 +197,7 @@ def devices(
     from gpu_tasks._environment import local_problems
 
     for problem in local_problems():  # nothing here needs Prefect: list the devices all the same
-        err_console.print(Text(f"warning: gpu-tasks run and flow runs fail here: {problem}"), soft_wrap=True)
+        err_console.print(Text(f"warning: gpu-tasks run would stop at once here: {problem}"), soft_wrap=True)
     inventory = _inventory(settings)
     held = _lease_holders(inventory, settings)
     queued = _lease_waiters(settings)
