@@ -5,7 +5,13 @@ provisions one Dask cluster per profile when its first task arrives and closes i
 when idle. Importing this package never needs a GPU or the RAPIDS libraries.
 """
 
+import sys
+import warnings
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+if sys.argv and Path(sys.argv[0]).stem == "gpu-tasks":  # the CLI reports it in one line, with the fix
+    warnings.filterwarnings("ignore", "Failed to create the Prefect home directory", UserWarning)
 
 from gpu_tasks.allocation import Allocation, current_allocation
 from gpu_tasks.devices import Device, Inventory, discover

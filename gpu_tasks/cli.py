@@ -100,6 +100,25 @@ def _inventory(settings: GpuTasksSettings) -> Inventory:
         _fail(str(exc))
 
 
+def _preflight(command: str, data_dir: Path | None = None) -> None:
+    """Exit 2 with one line naming the cause and the fix when Prefect's environment is broken
+    (PREFECT_HOME, its database, a full disk, PREFECT_API_URL), before anything starts."""
+    from gpu_tasks._environment import preflight
+    from gpu_tasks.errors import EnvironmentProblem
+
+    try:
+        preflight(command, data_dir)
+    except EnvironmentProblem as exc:
+        _fail(f"gpu-tasks {command}: {exc}")
+
+
+def _pipeline_data_dir(data_dir: Path | None) -> Path:
+    """Where the pipeline's flow runs write: ``--data-dir``, else GPU_TASKS_DATA_DIR."""
+    from gpu_tasks.pipeline.settings import get_pipeline_settings
+
+    return data_dir if data_dir is not None else get_pipeline_settings().data_dir
+
+
 def _size(value: int | None, unset: str = "-") -> str:
     return format_bytes(value) if value else unset
 
@@ -175,6 +194,10 @@ def devices(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     settings = _settings()
+    from gpu_tasks._environment import local_problems
+
+    for problem in local_problems():  # nothing here needs Prefect: list the devices all the same
+        err_console.print(Text(f"warning: gpu-tasks run would stop at once here: {problem}"), soft_wrap=True)
     inventory = _inventory(settings)
     held = _lease_holders(inventory, settings)
     queued = _lease_waiters(settings)
@@ -526,6 +549,7 @@ def run(
 ) -> None:
     """Run the pipeline flow and print where the model and metrics went."""
     _pipeline_options("run", scale, rounds, limit)
+    _preflight("run", _pipeline_data_dir(data_dir))
     _pipeline_devices("run", emulate)
     import logging
 
@@ -593,8 +617,6 @@ def serve(
     from prefect.settings import get_current_settings
 
     _pipeline_options("serve", scale, rounds, limit)
-    from gpu_tasks.pipeline.flow import etl_train
-
     if not get_current_settings().api.url:
         _fail(
             "PREFECT_API_URL is not set: start a server with `prefect server start --host 127.0.0.1` "
@@ -606,6 +628,9 @@ def serve(
         construct_schedule(cron=cron)
     except Exception as exc:
         _fail(f"--cron {cron!r} is not a valid cron expression: {exc}")
+    _preflight("serve", _pipeline_data_dir(None))
+    from gpu_tasks.pipeline.flow import etl_train
+
     _pipeline_devices("serve", emulate)
     parameters: dict[str, Any] = {"scale": scale, "num_rounds": rounds}
     if limit is not None:

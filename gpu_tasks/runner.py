@@ -23,7 +23,7 @@ from typing import Any
 from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.task_runners import TaskRunner
 
-from gpu_tasks import _worker
+from gpu_tasks import _environment, _worker
 from gpu_tasks._dispatch import Dispatcher
 from gpu_tasks._futures import pending_futures, when_all_done
 from gpu_tasks._live import Job, Live
@@ -127,6 +127,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         self._live: Live | None = None
         self._dispatcher: Dispatcher | None = None
         self._last_ledger: list[LedgerRow] = []
+        _environment.check_ephemeral()  # Prefect starts its ephemeral server before entering a runner
 
     # ------------------------------------------------------------ configuration
     @property

@@ -1,0 +1,402 @@
+"""Preflight: the environment Prefect runs in, checked before anything starts.
+
+What a user meets, and what it cost before these checks (``gpu-tasks run``, 2 cores):
+
+- a Prefect database migrated by a newer Prefect (alembic "Can't locate revision"):
+  Prefect's server retried for about 2 minutes, 21 tracebacks, then "Timed out while
+  attempting to connect to ephemeral Prefect API server";
+- a ``PREFECT_HOME`` it cannot write, a full disk under it or where results go;
+- ``PREFECT_API_URL`` pointing at nothing, or at a port something else holds.
+
+:func:`preflight` (the CLI's ``run`` and ``serve``, before a server, cluster or flow
+starts) raises :class:`~gpu_tasks.errors.EnvironmentProblem` with one line naming the
+cause, the path or URL, and the fix. :func:`local_problems` is the part that needs no
+network (``gpu-tasks devices`` reports it as a warning). :func:`check_ephemeral` is the
+runner's: a flow on Prefect's ephemeral API (no ``PREFECT_API_URL``) checks
+``PREFECT_HOME`` and the database once per process when its ``ProfileTaskRunner`` is
+built, because Prefect starts that server (and fails on such a database) before it
+enters the task runner.
+
+Everything here is cheap: a few ``stat`` calls, a temporary file, one SQLite read and
+the revision lines of Prefect's migration scripts (about 7 ms, then cached), plus, in
+:func:`preflight` only, one HTTP request with a short timeout and no retries.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+from gpu_tasks.errors import EnvironmentProblem
+
+MIN_FREE_BYTES = 32 * 2**20  # below this where Prefect or the pipeline writes, a run fails part-way
+FULL_BYTES = 4 * 2**20  # a flow on the ephemeral API is refused only for a disk this full under its database
+API_TIMEOUT_S = 2.0  # one request, no retries: Prefect's client retries a dead URL for about a minute
+_REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([0-9A-Za-z_]+)["']""", re.MULTILINE)
+
+
+# --------------------------------------------------------------- Prefect's side
+def prefect_sqlite_revisions() -> frozenset[str]:
+    """The alembic revisions of Prefect's SQLite migrations, from the ``revision = "..."``
+    line of each migration script (read, not imported: about 5 ms for 113 files).
+
+    PRIVATE PREFECT LAYOUT, here only: the scripts live in
+    ``prefect/server/database/_migrations/versions/sqlite``. Prefect's public
+    ``AioSqliteORMConfiguration().versions_dir`` (``prefect.server.database.orm_models``)
+    names the same directory, but importing it costs about 1.5 s, too much for a check
+    that runs in every flow process; it is the fallback when the path moves. Checked on
+    prefect 3.8.8. Empty when neither is found (the revision check is then skipped).
+    """
+    import importlib.util
+
+    spec = importlib.util.find_spec("prefect.server.database")  # imports prefect.server only: cheap
+    origin = spec.origin if spec is not None else None
+    folders = [Path(origin).parent / "_migrations" / "versions" / "sqlite"] if origin else []
+    if not any(f.is_dir() for f in folders):
+        try:
+            from prefect.server.database.orm_models import AioSqliteORMConfiguration
+
+            folders = [Path(AioSqliteORMConfiguration().versions_dir)]
+        except Exception:  # pragma: no cover - another Prefect release
+            return frozenset()
+    found: set[str] = set()
+    for folder in folders:
+        for script in folder.glob("*.py"):
+            match = _REVISION.search(script.read_text(encoding="utf-8", errors="replace"))
+            if match:
+                found.add(match.group(1))
+    return frozenset(found)
+
+
+_revisions: frozenset[str] | None = None
+
+
+def _known_revisions() -> frozenset[str]:
+    global _revisions
+    if _revisions is None:
+        _revisions = prefect_sqlite_revisions()
+    return _revisions
+
+
+def _prefect_version() -> str:
+    import prefect
+
+    return str(getattr(prefect, "__version__", "?"))
+
+
+# --------------------------------------------------------------- the checks
+def _write_probe(folder: Path) -> str | None:
+    """Why a file cannot be created in ``folder``, or ``None``. A real write, not permission
+    bits: root passes those everywhere, a read-only mount fails them all."""
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            return None
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+
+
+def _existing_ancestor(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def home_problem(home: Path) -> str | None:
+    """``PREFECT_HOME`` is not a directory this process can write (creating it if missing, as
+    Prefect means to)."""
+    fix = (
+        "set PREFECT_HOME to a directory you can write (e.g. export PREFECT_HOME=$HOME/.prefect-gpu-tasks; "
+        "Prefect starts a new, empty database there)"
+    )
+    try:
+        home.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = _existing_ancestor(home)
+        why = f"{blocker} is a file, not a directory" if blocker.is_file() else exc.strerror or str(exc)
+        return f"PREFECT_HOME {home} cannot be created ({why}): {fix}"
+    if not home.is_dir():
+        return f"PREFECT_HOME {home} is a file, not a directory: {fix}"
+    denied = _write_probe(home)
+    if denied is not None:
+        return (
+            f"PREFECT_HOME {home} is not writable ({denied}); Prefect keeps its database and results there: "
+            f"{fix}, or make {home} writable"
+        )
+    return None
+
+
+def sqlite_path(url: str) -> Path | None:
+    """The file of a ``sqlite[+driver]:///path`` database URL; ``None`` for another database or
+    an in-memory one."""
+    if not url.startswith("sqlite") or ":///" not in url:
+        return None
+    path = url.split(":///", 1)[1].split("?", 1)[0]
+    if not path or path == ":memory:" or path.startswith("file:"):
+        return None
+    return Path(path)
+
+
+def database_problem(db: Path, home: Path) -> str | None:
+    """Prefect's SQLite database cannot be opened by this Prefect: not a database, not
+    writable, or at a schema revision this Prefect does not know (a newer one migrated it)."""
+    if not db.exists():
+        return None  # Prefect creates it
+    home_default = db.absolute() == (home / "prefect.db").absolute()
+    if home_default:
+        elsewhere = "or set PREFECT_HOME to another directory (a new, empty database)"
+    else:
+        elsewhere = "or point PREFECT_SERVER_DATABASE_CONNECTION_URL at another file"
+    reset = "run `prefect server database reset -y` (deletes the runs it holds)"
+    if not db.is_file():
+        return f"Prefect's database {db} is not a file: move it away, {elsewhere}"
+    try:
+        os.close(os.open(db, os.O_WRONLY))  # opened, never written
+    except OSError as exc:
+        owner = "" if home_default else " (PREFECT_SERVER_DATABASE_CONNECTION_URL)"
+        why = exc.strerror
+        return f"Prefect's database {db}{owner} is not writable ({why}): make it writable, {elsewhere}"
+    import sqlite3
+
+    try:
+        with_uri = f"file:{db.absolute()}?mode=ro"
+        conn = sqlite3.connect(with_uri, uri=True, timeout=5)
+        try:
+            rows = conn.execute("SELECT version_num FROM alembic_version").fetchall()
+        finally:
+            conn.close()
+    except sqlite3.OperationalError as exc:
+        if "no such table" in str(exc):
+            return None  # an empty or new database: Prefect migrates it
+        if "locked" in str(exc):
+            return None  # in use by a running server: it opened it, so it knows it
+        return f"Prefect's database {db} cannot be read ({exc}): {reset}, {elsewhere}"
+    except sqlite3.DatabaseError as exc:
+        return f"Prefect's database {db} is not a SQLite database ({exc}): {reset}, {elsewhere}"
+    known = _known_revisions()
+    unknown = sorted(str(r[0]) for r in rows if known and str(r[0]) not in known)
+    if unknown:
+        return (
+            f"Prefect's database {db} is at schema revision {', '.join(map(repr, unknown))}, which Prefect "
+            f"{_prefect_version()} does not know (a newer Prefect upgraded it): {reset}, {elsewhere}, "
+            "or go back to the newer Prefect"
+        )
+    return None
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return int(st.f_bavail * st.f_frsize)
+
+
+def _size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} GiB"
+
+
+def disk_problem(places: Iterable[tuple[str, str, Path]], min_free: int = MIN_FREE_BYTES) -> str | None:
+    """A place where a run writes is on a disk with less than ``min_free`` bytes free, or cannot
+    be written. Each place is ``(what it is, the setting that moves it, path)``."""
+    seen: set[int] = set()
+    for what, setting, path in places:
+        fix = f"point {setting} at a directory you can write"
+        where = _existing_ancestor(path)
+        if not where.is_dir():
+            return f"{what} {path} cannot be created ({where} is a file, not a directory): {fix}"
+        try:
+            st = os.stat(where)
+            free = _free_bytes(where)
+        except OSError as exc:
+            return f"{what} {path}: cannot check its disk ({exc.strerror}): {fix}"
+        if st.st_dev not in seen and free < min_free:
+            return (
+                f"only {_size(free)} free on the disk of {what} {path} (at least {_size(min_free)} needed): "
+                f"free space on {where}, or point {setting} at a directory on another disk"
+            )
+        seen.add(st.st_dev)
+        denied = _write_probe(where)
+        if denied is not None:
+            return f"{what} {path} is not writable ({denied} in {where}): {fix}"
+    return None
+
+
+def _port_holder(host: str, port: int) -> str | None:
+    """Which local process listens on ``port`` (its name and pid), where the OS says so."""
+    if host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
+        return None
+    try:
+        import psutil
+
+        for conn in psutil.net_connections(kind="tcp"):
+            if conn.status == psutil.CONN_LISTEN and conn.laddr and conn.laddr.port == port and conn.pid:
+                try:
+                    proc = psutil.Process(conn.pid)
+                    command = " ".join(" ".join(proc.cmdline()).split())  # one line, however it was typed
+                    return f"{proc.name()} (pid {conn.pid}: {command[:100]})"
+                except psutil.Error:
+                    return f"pid {conn.pid}"
+    except Exception:  # psutil.AccessDenied on some systems for other users' sockets
+        return None
+    return None
+
+
+def _as_prefects_client() -> dict[str, Any]:
+    """The credentials and TLS verification Prefect's client would use (its settings)."""
+    import base64
+    import ssl
+
+    from prefect.settings import get_current_settings
+
+    api = get_current_settings().api
+    headers = {}
+    if api.auth_string:
+        token = base64.b64encode(api.auth_string.get_secret_value().encode()).decode()
+        headers["Authorization"] = f"Basic {token}"
+    elif api.key:
+        headers["Authorization"] = f"Bearer {api.key.get_secret_value()}"
+    verify: bool | ssl.SSLContext = True
+    if api.tls_insecure_skip_verify:
+        verify = False
+    elif api.ssl_cert_file:
+        verify = ssl.create_default_context(cafile=api.ssl_cert_file)
+    return {"headers": headers, "verify": verify}
+
+
+def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str | None:
+    """``PREFECT_API_URL`` does not answer as a Prefect API: one ``GET /health``, no retries."""
+    import httpx
+
+    parts = urlsplit(url)
+    host = parts.hostname or "?"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    # `serve` needs a server of yours; `run` starts its own without PREFECT_API_URL
+    unset = "" if command == "serve" else f", or unset PREFECT_API_URL (gpu-tasks {command} starts its own)"
+    fix = f"start it (`prefect server start --host 127.0.0.1 --port {port}`){unset}"
+    health = url.rstrip("/") + "/health"
+    try:
+        reply = httpx.get(health, timeout=timeout, **_as_prefects_client())
+    except httpx.TimeoutException:
+        holder = _port_holder(host, port)
+        held = f"port {port} is held by {holder}" if holder else f"something holds {host}:{port}"
+        return (
+            f"PREFECT_API_URL {url} does not answer within {timeout:g} s: {held}, not a Prefect server that "
+            "answers: stop it, or run Prefect on a free port (`prefect server start --host 127.0.0.1 "
+            f"--port <free port>`) and point PREFECT_API_URL there{unset}"
+        )
+    except httpx.ConnectError as exc:
+        text = str(exc).lower()
+        if "ssl" in text or "certificate" in text:
+            return None  # Prefect's client has its own TLS settings; let it judge
+        return f"nothing answers at PREFECT_API_URL {url} ({exc or 'connection refused'}): {fix}"
+    except httpx.HTTPError as exc:
+        return f"cannot reach PREFECT_API_URL {url} ({type(exc).__name__}: {exc}): {fix}"
+    if reply.status_code == 404:
+        holder = _port_holder(host, port)
+        by = f"{holder}; " if holder else ""
+        return (
+            f"PREFECT_API_URL {url} is answered by something that is not a Prefect API ({by}HTTP 404 for "
+            f"{health}): check the URL (a Prefect server's ends in /api) and the port, or run Prefect on a "
+            f"free port (`prefect server start --host 127.0.0.1 --port <free port>`) and point "
+            f"PREFECT_API_URL there{unset}"
+        )
+    return None
+
+
+# --------------------------------------------------------------- entry points
+def _settings() -> tuple[Path, str | None, str, bool, Path]:
+    """PREFECT_HOME, PREFECT_API_URL, the database URL, whether Prefect may start an ephemeral
+    server, and where Prefect's local result storage is."""
+    from prefect.settings import get_current_settings
+
+    s = get_current_settings()
+    secret = s.server.database.connection_url
+    db_url = secret.get_secret_value() if secret is not None else f"sqlite:///{s.home}/prefect.db"
+    api = str(s.api.url) if s.api.url else None
+    return Path(s.home), api, db_url, bool(s.server.ephemeral.enabled), Path(s.results.local_storage_path)
+
+
+def _database_place(db: Path, home: Path) -> tuple[str, str, Path]:
+    default = db.absolute() == (home / "prefect.db").absolute()
+    setting = "PREFECT_HOME" if default else "PREFECT_SERVER_DATABASE_CONNECTION_URL"
+    return ("Prefect's database", setting, db.absolute().parent)
+
+
+def local_problems(data_dir: Path | None = None) -> list[str]:
+    """The problems found without the network: ``PREFECT_HOME``, the database a server started
+    here would open (when no ``PREFECT_API_URL``), free space where Prefect and the pipeline
+    (``data_dir``) write."""
+    home, api, db_url, _, storage = _settings()
+    problem = home_problem(home)
+    if problem is not None:
+        return [problem]  # the rest lives under it
+    problems = []
+    db = sqlite_path(db_url) if api is None else None
+    if db is not None:
+        problem = database_problem(db, home)
+        if problem is not None:
+            problems.append(problem)
+    places = [("Prefect's result storage", "PREFECT_RESULTS_LOCAL_STORAGE_PATH", storage)]
+    if db is not None:  # a server started here writes its database there
+        places.insert(0, _database_place(db, home))
+    if data_dir is not None:
+        places.append(("the pipeline's data directory", "--data-dir or GPU_TASKS_DATA_DIR", data_dir))
+    problem = disk_problem(places)
+    if problem is not None:
+        problems.append(problem)
+    return problems
+
+
+def preflight(command: str, data_dir: Path | None = None) -> None:
+    """Every check for ``gpu-tasks <command>`` (``run``, ``serve``) before it starts anything.
+
+    Raises:
+        EnvironmentProblem: the first problem found, in one line with its fix.
+    """
+    problems = local_problems(data_dir)
+    if problems:
+        raise EnvironmentProblem(problems[0])
+    _, api, _, _, _ = _settings()
+    if api is not None:
+        problem = api_problem(api, command)
+        if problem is not None:
+            raise EnvironmentProblem(problem)
+
+
+_checked: dict[tuple[str, str], str | None] = {}
+_lock = threading.Lock()
+
+
+def check_ephemeral() -> None:
+    """A flow on Prefect's ephemeral API (no ``PREFECT_API_URL``): raise at once, in one line,
+    when Prefect's server could not open its home or database, instead of after Prefect's
+    two minutes of retries. Once per process and settings (cached); nothing when an API URL is
+    set or ephemeral servers are off.
+
+    Raises:
+        EnvironmentProblem: ``PREFECT_HOME`` not writable, a database this Prefect cannot open, or
+            a full disk under it (``FULL_BYTES``).
+    """
+    home, api, db_url, ephemeral, _ = _settings()
+    if api is not None or not ephemeral:
+        return
+    key = (str(home), db_url)
+    with _lock:
+        if key not in _checked:
+            problem = home_problem(home)
+            db = sqlite_path(db_url)
+            if problem is None and db is not None:
+                problem = database_problem(db, home) or disk_problem([_database_place(db, home)], FULL_BYTES)
+            _checked[key] = problem
+        problem = _checked[key]
+    if problem is not None:
+        raise EnvironmentProblem(problem)
