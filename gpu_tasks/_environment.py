@@ -25,7 +25,6 @@ the revision lines of Prefect's migration scripts (about 7 ms, then cached), plu
 from __future__ import annotations
 
 import os
-import re
 import tempfile
 import threading
 from collections.abc import Iterable
@@ -33,54 +32,22 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from gpu_tasks.compat.prefect_server import prefect_sqlite_revisions
 from gpu_tasks.errors import EnvironmentProblem
 
 MIN_FREE_BYTES = 32 * 2**20  # below this where Prefect or the pipeline writes, a run fails part-way
 FULL_BYTES = 4 * 2**20  # a flow on the ephemeral API is refused only for a disk this full under its database
 API_TIMEOUT_S = 2.0  # one request, no retries: Prefect's client retries a dead URL for about a minute
-_REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([0-9A-Za-z_]+)["']""", re.MULTILINE)
 
 
 # --------------------------------------------------------------- Prefect's side
-def prefect_sqlite_revisions() -> frozenset[str]:
-    """The alembic revisions of Prefect's SQLite migrations, from the ``revision = "..."``
-    line of each migration script (read, not imported: about 5 ms for 113 files).
-
-    PRIVATE PREFECT LAYOUT, here only: the scripts live in
-    ``prefect/server/database/_migrations/versions/sqlite``. Prefect's public
-    ``AioSqliteORMConfiguration().versions_dir`` (``prefect.server.database.orm_models``)
-    names the same directory, but importing it costs about 1.5 s, too much for a check
-    that runs in every flow process; it is the fallback when the path moves. Checked on
-    prefect 3.8.8. Empty when neither is found (the revision check is then skipped).
-    """
-    import importlib.util
-
-    spec = importlib.util.find_spec("prefect.server.database")  # imports prefect.server only: cheap
-    origin = spec.origin if spec is not None else None
-    folders = [Path(origin).parent / "_migrations" / "versions" / "sqlite"] if origin else []
-    if not any(f.is_dir() for f in folders):
-        try:
-            from prefect.server.database.orm_models import AioSqliteORMConfiguration
-
-            folders = [Path(AioSqliteORMConfiguration().versions_dir)]
-        except Exception:  # pragma: no cover - another Prefect release
-            return frozenset()
-    found: set[str] = set()
-    for folder in folders:
-        for script in folder.glob("*.py"):
-            match = _REVISION.search(script.read_text(encoding="utf-8", errors="replace"))
-            if match:
-                found.add(match.group(1))
-    return frozenset(found)
-
-
 _revisions: frozenset[str] | None = None
 
 
 def _known_revisions() -> frozenset[str]:
     global _revisions
     if _revisions is None:
-        _revisions = prefect_sqlite_revisions()
+        _revisions = prefect_sqlite_revisions()  # through gpu_tasks.compat
     return _revisions
 
 

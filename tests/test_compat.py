@@ -53,6 +53,8 @@ UNDOCUMENTED = {
     "prefect.events.worker": None,
     "prefect.logging.configuration": None,
     "prefect.server.api.server": None,
+    "prefect.server.database": None,
+    "prefect.server.database.orm_models": None,
     "prefect.concurrency.services": None,
     "prefect.concurrency": {"services"},
     "prefect.context": {"SyncClientContext"},
