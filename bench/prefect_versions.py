@@ -1,12 +1,14 @@
 """Per-task overhead on both ends of the supported Prefect range, side by side in one run.
 
-    python -m bench.prefect_versions [--n 100 1000] [--repeats 3] [--out docs]
+    python -m bench.prefect_versions [--n 100 1000] [--repeats 3] [--rounds 1] [--out docs]
 
 Runs bench.overhead's ThreadPoolTaskRunner and ``gpus=0.25`` ProfileTaskRunner rows in ``.venv``
 (the lowest end: Prefect 3.8.8, made by ./scripts/setup) and then in ``.venv-compat`` (the newest
 end: made by ./scripts/test-compat), one after the other, each in a fresh process with its own
 temporary ``PREFECT_HOME`` and its own Prefect server of the same version (a database a newer
-Prefect migrated cannot be opened by an older one). Writes ``docs/results/prefect_versions.json``,
+Prefect migrated cannot be opened by an older one). ``--rounds 2`` runs them lowest, newest, newest,
+lowest and pools each end's repeats, so that a machine that gets busier or quieter during the run
+does not favour the end that ran first. Writes ``docs/results/prefect_versions.json``,
 adds it to ``docs/results/benchmarks.json`` and re-renders docs/benchmarks.md, whose section
 "Per-task overhead by Prefect version" it fills (bench/report.py).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,34 +53,55 @@ def child_main(sizes: list[int], repeats: int, out: str) -> None:
     res = overhead.run(sizes, repeats, only=(overhead.THREADS, overhead.PROFILE_GPU), n_gpu=2)
     res["versions"] = versions()
     res["python"] = sys.executable
-    med = {
-        n: {label: sorted(v)[len(v) // 2] for label, v in by_label.items()}
-        for n, by_label in res["ms_per_task"].items()
-    }
-    res["vs_threads"] = {n: m[overhead.PROFILE_GPU] / m[overhead.THREADS] for n, m in med.items()}
     write_json(out, res)
 
 
-def run_env(label: str, venv: str, sizes: list[int], repeats: int, workdir: Path) -> dict[str, Any]:
+def run_env(label: str, venv: str, sizes: list[int], repeats: int, workdir: Path, rnd: int) -> dict[str, Any]:
+    """One end's two rows in a fresh process of that environment's interpreter."""
     python = ROOT / venv / "bin" / "python"
     if not python.exists():
         raise SystemExit(f"bench.prefect_versions: {venv} is missing; {MADE_BY[venv]} makes it")
-    out = workdir / f"{label}.json"
-    home = workdir / f"prefect-home-{label}"
+    out = workdir / f"{label}-{rnd}.json"
+    home = workdir / f"prefect-home-{label}-{rnd}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "VIRTUAL_ENV"))}
     env.update(PREFECT_HOME=str(home), PREFECT_CLIENT_MAX_RETRIES="10", PYTHONPATH=str(ROOT))
     cmd = [str(python), "-m", "bench.prefect_versions", "--child", "--n", *map(str, sizes)]
     cmd += ["--repeats", str(repeats), "--json", str(out)]
-    print(f"== {label} end: {venv}", flush=True)
+    print(f"== {label} end: {venv} (round {rnd + 1})", flush=True)
     t0 = time.monotonic()
+    load_before = os.getloadavg()[0]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"bench.prefect_versions: the {label} end failed (exit {proc.returncode})")
     res: dict[str, Any] = json.loads(out.read_text())
-    res["venv"] = venv
-    res["seconds"] = round(time.monotonic() - t0, 1)
+    res.update(label=label, venv=venv, seconds=round(time.monotonic() - t0, 1))
+    res["load_average"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]  # 1-minute, before/after
     print(f"   Prefect {res['versions']['prefect']}: {res['seconds']:.0f}s", flush=True)
     return res
+
+
+def pool(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One end's runs (rounds) as one: every repeat's figure, the thread-pool ratio of the medians."""
+    first = runs[0]
+    ms: dict[str, dict[str, list[float]]] = {}
+    for r in runs:
+        for n, by_label in r["ms_per_task"].items():
+            for label, values in by_label.items():
+                ms.setdefault(n, {}).setdefault(label, []).extend(values)
+    from bench.overhead import PROFILE_GPU, THREADS
+
+    return {
+        "venv": first["venv"],
+        "versions": first["versions"],
+        "python": first["python"],
+        "machine": first["machine"],
+        "ms_per_task": ms,
+        "vs_threads": {
+            n: statistics.median(m[PROFILE_GPU]) / statistics.median(m[THREADS]) for n, m in ms.items()
+        },
+        "seconds": round(sum(r["seconds"] for r in runs), 1),
+        "load_average": [r["load_average"] for r in runs],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--n", type=int, nargs="+", default=[100, 1000])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=1, help="2: lowest, newest, newest, lowest (pooled)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs", help="where benchmarks.md and results/ go")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
@@ -94,14 +119,18 @@ def main(argv: list[str] | None = None) -> int:
         child_main(args.n, args.repeats, args.json)
         return 0
     t0 = time.monotonic()
+    runs = []
     with tempfile.TemporaryDirectory(prefix="gpu-tasks-bench-versions-") as tmp:
-        by_end = {
-            label: run_env(label, venv, args.n, args.repeats, Path(tmp)) for label, venv in ENVS.items()
-        }
+        for rnd in range(args.rounds):
+            for label in list(ENVS) if rnd % 2 == 0 else list(reversed(ENVS)):
+                runs.append(run_env(label, ENVS[label], args.n, args.repeats, Path(tmp), rnd))
+    by_end = {label: pool([r for r in runs if r["label"] == label]) for label in ENVS}
     result = {
         "sizes": args.n,
         "repeats": args.repeats,
-        "order": list(ENVS),
+        "rounds": args.rounds,
+        "order": list(ENVS),  # the report's columns
+        "sequence": [r["label"] for r in runs],  # the order they ran in
         "ends": by_end,
         "machine": by_end["lowest"]["machine"],
         "seconds": round(time.monotonic() - t0, 1),

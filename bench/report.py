@@ -64,18 +64,37 @@ def prefect_versions(res: dict[str, Any], img: Path) -> list[str]:
         f"{e['versions']['distributed']}, fastapi {e['versions']['fastapi']})"
         for e in ends
     ]
+    sequence = res.get("sequence", res["order"])
+    ran = ", ".join(f"{res['ends'][label]['venv']}" for label in sequence)
+    loads = [x for e in ends for pair in e.get("load_average", []) for x in pair]
     lines = [
         "## Per-task overhead by Prefect version",
         "",
         "The per-task overhead benchmark's ThreadPoolTaskRunner and `gpus=0.25` ProfileTaskRunner rows "
-        "(same flows, warm-up and waits as above) on both ends of the supported Prefect range, one after "
-        f"the other in one run of `python -m bench.prefect_versions` ({res['finished']}, commit "
-        f"{res['commit']}, {res['seconds'] / 60:.0f} min): first {said[0]}, then {said[1]}. Each end runs "
-        "in a fresh process with its own temporary `PREFECT_HOME` and a Prefect server of its own version. "
-        f"{res['repeats']} timed repeat(s) per N; ms per task: median (min-max). Devices were **EMULATED** "
-        "(2 of them, no GPU on this machine: worker processes with the compute on the CPU), as everywhere "
-        "on this page.",
+        "(same flows, warm-up and waits as above) on both ends of the supported Prefect range, in one run "
+        f"of `python -m bench.prefect_versions` ({res['finished']}, commit {res['commit']}, "
+        f"{res['seconds'] / 60:.0f} min): {said[0]} and {said[1]}, run one after the other in the order "
+        f"{ran}"
+        + (" (rounds alternate, each end's repeats pooled)" if len(sequence) > len(res["order"]) else "")
+        + ". Each run is a fresh process with its own temporary `PREFECT_HOME` and a Prefect server of its "
+        f"own version. {res['repeats']} timed repeat(s) per N and run; ms per task: median (min-max). "
+        "Devices were **EMULATED** (2 of them, no GPU on this machine: worker processes with the compute "
+        "on the CPU), as everywhere on this page.",
         "",
+    ]
+    if loads:
+        lines += [
+            f"The machine's 1-minute load average, at each run's start and end: {min(loads):.1f} to "
+            f"{max(loads):.1f} on {res['machine']['cpus']} cores"
+            + (
+                " (other work shared the machine: compare the two ends by the ratios within each run "
+                "more than by milliseconds)."
+                if max(loads) > (res["machine"]["cpus"] or 1)
+                else "."
+            ),
+            "",
+        ]
+    lines += [
         f"| N | runner | {names[0]} ms/task | {names[1]} ms/task | {names[1]} / {names[0]} |",
         "| ---: | --- | ---: | ---: | ---: |",
     ]
@@ -87,7 +106,7 @@ def prefect_versions(res: dict[str, Any], img: Path) -> list[str]:
         ratios = [e["vs_threads"][n] for e in ends]
         notes.append(
             f"- N = {int(n):,}: the gpus=0.25 profile took {ratios[0]:.2f}x the thread pool's time on "
-            f"{names[0]} and {ratios[1]:.2f}x on {names[1]} (each ratio within one Prefect version's run)."
+            f"{names[0]} and {ratios[1]:.2f}x on {names[1]} (each from that version's own runs)."
         )
     lines += ["", *notes, ""]
     lines += [
