@@ -52,6 +52,72 @@ def _skipped(res: dict[str, Any]) -> list[str]:
     return [f"- {name}: {why}." for name, why in res.get("skipped", {}).items()]
 
 
+# ---------------------------------------------------------------- overhead by Prefect version
+def prefect_versions(res: dict[str, Any], img: Path) -> list[str]:
+    """bench.prefect_versions: the thread pool and gpus=0.25 rows on each end of the Prefect range."""
+    from bench.overhead import PROFILE_GPU, THREADS
+
+    ends = [res["ends"][label] for label in res["order"]]
+    names = [f"Prefect {e['versions']['prefect']}" for e in ends]
+    said = [
+        f"{e['venv']} (Prefect {e['versions']['prefect']}, dask {e['versions']['dask']}, distributed "
+        f"{e['versions']['distributed']}, fastapi {e['versions']['fastapi']})"
+        for e in ends
+    ]
+    sequence = res.get("sequence", res["order"])
+    ran = ", ".join(f"{res['ends'][label]['venv']}" for label in sequence)
+    loads = [x for e in ends for pair in e.get("load_average", []) for x in pair]
+    lines = [
+        "## Per-task overhead by Prefect version",
+        "",
+        "The per-task overhead benchmark's ThreadPoolTaskRunner and `gpus=0.25` ProfileTaskRunner rows "
+        "(same flows, warm-up and waits as above) on both ends of the supported Prefect range, in one run "
+        f"of `python -m bench.prefect_versions` ({res['finished']}, commit {res['commit']}, "
+        f"{res['seconds'] / 60:.0f} min): {said[0]} and {said[1]}, run one after the other in the order "
+        f"{ran}"
+        + (" (rounds alternate, each end's repeats pooled)" if len(sequence) > len(res["order"]) else "")
+        + ". Each run is a fresh process with its own temporary `PREFECT_HOME` and a Prefect server of its "
+        f"own version. {res['repeats']} timed repeat(s) per N and run; ms per task: median (min-max). "
+        "Devices were **EMULATED** (2 of them, no GPU on this machine: worker processes with the compute "
+        "on the CPU), as everywhere on this page.",
+        "",
+    ]
+    if loads:
+        lines += [
+            f"The machine's 1-minute load average, at each run's start and end: {min(loads):.1f} to "
+            f"{max(loads):.1f} on {res['machine']['cpus']} cores"
+            + (
+                " (other work shared the machine: compare the two ends by the ratios within each run "
+                "more than by milliseconds)."
+                if max(loads) > (res["machine"]["cpus"] or 1)
+                else "."
+            ),
+            "",
+        ]
+    lines += [
+        f"| N | runner | {names[0]} ms/task | {names[1]} ms/task | {names[1]} / {names[0]} |",
+        "| ---: | --- | ---: | ---: | ---: |",
+    ]
+    notes = []
+    for n in res["ends"][res["order"][0]]["ms_per_task"]:
+        for label in (THREADS, PROFILE_GPU):
+            a, b = (spread(e["ms_per_task"][n][label]) for e in ends)
+            lines.append(f"| {int(n):,} | {label} | {_s(a)} | {_s(b)} | {b['median'] / a['median']:.2f}x |")
+        ratios = [e["vs_threads"][n] for e in ends]
+        notes.append(
+            f"- N = {int(n):,}: the gpus=0.25 profile took {ratios[0]:.2f}x the thread pool's time on "
+            f"{names[0]} and {ratios[1]:.2f}x on {names[1]} (each from that version's own runs)."
+        )
+    lines += ["", *notes, ""]
+    lines += [
+        "Re-measure with `python -m bench.prefect_versions` (about "
+        f"{res['seconds'] / 60:.0f} minutes on 2 cores): .venv comes from `./scripts/setup`, "
+        ".venv-compat from `./scripts/test-compat`.",
+        "",
+    ]
+    return lines
+
+
 # ---------------------------------------------------------------- overhead
 def overhead(res: dict[str, Any], img: Path) -> list[str]:
     from bench.overhead import DASK, PROFILE_CPU, PROFILE_GPU, RAY, RAY_GPU, THREADS
@@ -454,11 +520,14 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         f"{imp:.2f}s in a new process (measured by hand), which DaskTaskRunner's first task pays (the row "
         "above) and which a gpu-tasks profile paid after its lease before the pool "
         "(`GPU_TASKS_WARM_WORKERS=0` still does).",
-        "- On real GPUs (unverified on GPU: these figures are emulated devices): one-device profiles over "
-        "`tcp` bind warm processes the same way; after the bind the worker also loads dask-cuda's setup "
-        "(CPU affinity, RMM pool, cuDF spilling) and makes its CUDA context on the leased device, which "
-        "no emulated run measures; over `ucx` dask-cuda's `LocalCUDACluster` still spawns its workers "
-        "after the lease (docs/runner.md, Warm workers).",
+        "- On a real GPU (an NVIDIA H200, [gpu.md: cold-start-warm-pool](gpu.md#cold-start-warm-pool) and "
+        "[cold-start-local-cuda-cluster](gpu.md#cold-start-local-cuda-cluster), not these emulated figures): "
+        "one-device profiles over `tcp` bind warm processes the same way; after the bind the worker also "
+        "loads dask-cuda's setup (CPU affinity, a 2 GiB RMM pool) and makes its CUDA context on the leased "
+        "device: lease to first body 0.87 s fresh and 0.75 s re-provisioned; with `GPU_TASKS_WARM_WORKERS=0` "
+        "dask-cuda's `LocalCUDACluster` spawns its worker after the lease: 4.09 s and 3.69 s. Over `ucx` "
+        "(LocalCUDACluster too) it is unverified on GPU. Per-task overhead of a `gpus=0.25` profile on that "
+        "machine: 1.68x / 1.65x the thread pool at N=100 / 1,000 ([gpu.md: overhead](gpu.md#overhead)).",
         *_ray_cold(s),
         *_skipped(res),
         "",
@@ -695,8 +764,9 @@ def throughput(res: dict[str, Any], img: Path) -> list[str]:
     if not res["gpu"]:
         lines += [
             "",
-            "The cuDF / XGBoost-on-CUDA rows need `python -m bench --gpu` on a host with NVIDIA GPUs: "
-            "**unverified on GPU** in this report.",
+            "The cuDF / XGBoost-on-CUDA rows need `python -m bench --gpu` on a host with NVIDIA GPUs and the "
+            "RAPIDS extra: **unverified on GPU** (the lent GPU machine cannot install cuDF or XGBoost: "
+            "[gpu.md](gpu.md#unverified-on-gpu)).",
         ]
     lines += ["", "![throughput](results/throughput.png)", ""]
     plt = _plt()
@@ -718,6 +788,7 @@ def throughput(res: dict[str, Any], img: Path) -> list[str]:
 
 SECTIONS = {
     "overhead": overhead,
+    "prefect_versions": prefect_versions,
     "held_busy": held_busy,
     "cold_start": cold_start,
     "waits": waits,

@@ -389,6 +389,45 @@ def test_report_renders_only_what_ran(tmp_path: Path):
     assert "## Cold start" in text and "## Scale" not in text and "## Per-task overhead" not in text
 
 
+def test_report_puts_both_prefect_versions_side_by_side(tmp_path: Path):
+    from bench.overhead import PROFILE_GPU, THREADS
+
+    def end(prefect: str, venv: str, threads: list[float], gpu: list[float]) -> dict:
+        return {
+            "venv": venv,
+            "versions": {
+                "prefect": prefect,
+                "dask": "2026.7.1",
+                "distributed": "2026.7.1",
+                "fastapi": "0.150.0",
+            },
+            "ms_per_task": {"100": {THREADS: threads, PROFILE_GPU: gpu}},
+            "vs_threads": {"100": spread(gpu)["median"] / spread(threads)["median"]},
+        }
+
+    results = _results(tmp_path)
+    results["prefect_versions"] = {
+        "repeats": 3,
+        "order": ["lowest", "newest"],
+        "ends": {
+            "lowest": end("3.8.8", ".venv", [2.0, 2.5, 3.0], [4.0, 5.0, 6.0]),
+            "newest": end("3.9.1", ".venv-compat", [2.0, 2.2, 2.4], [6.0, 5.5, 7.0]),
+        },
+        "seconds": 600.0,
+        "finished": "2026-11-26 10:00 UTC",
+        "commit": "abc1234",
+    }
+    text = report.write(results, tmp_path).read_text()
+    assert text.index("## Per-task overhead by Prefect version") > text.index("## Per-task overhead\n")
+    assert (
+        "| N | runner | Prefect 3.8.8 ms/task | Prefect 3.9.1 ms/task | Prefect 3.9.1 / Prefect 3.8.8 |"
+        in text
+    )
+    assert f"| 100 | {PROFILE_GPU} | 5.00 (4.00-6.00) | 6.00 (5.50-7.00) | 1.20x |" in text
+    assert "2.00x the thread pool's time on Prefect 3.8.8 and 2.73x on Prefect 3.9.1" in text
+    assert "prefect_versions 2026-11-26 10:00 UTC (commit abc1234)" in text
+
+
 def _bench(args: list[str], **env: str) -> subprocess.CompletedProcess:
     clean = {
         k: v for k, v in os.environ.items() if not k.startswith(("GPU_TASKS_EMULATED", "PREFECT_API_URL"))
