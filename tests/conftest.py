@@ -6,6 +6,10 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+# Scripts the tests run on Prefect's ephemeral API (and their children) inherit this: its server
+# is polled until it answers, for up to 180 s rather than Prefect's 20 s, which a loaded 2-core
+# machine can pass just importing the server ("Timed out while attempting to connect").
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 # Device leases of this test session stay in this session: a developer's own flow runs
 # (or a second test session) never wait on the tests' emulated devices, nor they on them.
 import tempfile

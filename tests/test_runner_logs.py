@@ -92,6 +92,7 @@ SCRIPT = textwrap.dedent(
     """
     import time
     from prefect import flow, task
+    from prefect.context import FlowRunContext
     from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
 
     @task(tags=[profile("gpu")])
@@ -101,7 +102,11 @@ SCRIPT = textwrap.dedent(
     @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)]))
     def plain():
         first = [f.result() for f in work.map(range(2))]
-        time.sleep(3)  # the idle close happens inside the flow run
+        runner = FlowRunContext.get().task_runner
+        deadline = time.monotonic() + 60
+        while runner.status()["gpu"]["state"] != "closed":  # the idle close happens inside the flow run
+            assert time.monotonic() < deadline, runner.status()
+            time.sleep(0.05)
         return first
 
     if __name__ == "__main__":

@@ -6,7 +6,9 @@ flow run as Crashed or Cancelled and no task run as left Running.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import signal
 import sqlite3
 import subprocess
@@ -104,6 +106,12 @@ def _rows(db: Path, sql: str) -> list[tuple]:
         return []
 
 
+def _trained_a_round(db: Path) -> bool:
+    """Whether the training task reported a boosting round (its progress artifact is past 0)."""
+    rows = _rows(db, "select data from artifact where key = 'training-progress'")
+    return any(float(json.loads(d) if isinstance(d, str | bytes) else d or 0) > 0 for (d,) in rows)
+
+
 def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
     """`gpu-tasks run` on its embedded server, Ctrl-C while the GPU training stage runs."""
     marker = uuid.uuid4().hex
@@ -133,7 +141,10 @@ def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
             assert proc.poll() is None, f"the run ended before training started:\n{_tail(tmp_path)}"
             assert time.monotonic() < deadline, f"training never started:\n{_tail(tmp_path)}"
             time.sleep(0.3)
-        time.sleep(1.0)  # into the stage, past its first boosting rounds
+        while not _trained_a_round(db):  # into the stage, past its first boosting round
+            assert proc.poll() is None, f"the run ended while training:\n{_tail(tmp_path)}"
+            assert time.monotonic() < deadline, f"no boosting round was reported:\n{_tail(tmp_path)}"
+            time.sleep(0.1)
         assert proc.poll() is None
         took = ctrl_c(proc)
         survivors = _survivors(marker, proc.pid)
@@ -167,6 +178,7 @@ FLOW_SCRIPT = textwrap.dedent(
     @task(tags=[profile("gpu")])
     def long_gpu_task(i):
         READY.write_text(str(TaskRunContext.get().task_run.flow_run_id))
+        (READY.parent / f"started-{i}").write_text("")  # after READY: no task rewrites it after this
         time.sleep(300)
 
     @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=GPUS)]))
@@ -186,6 +198,23 @@ def _wait_started(proc: subprocess.Popen[bytes], ready: Path, tmp_path: Path) ->
         assert proc.poll() is None, f"the flow exited before its GPU task started:\n{_tail(tmp_path)}"
         assert time.monotonic() < deadline, f"the GPU task never started:\n{_tail(tmp_path)}"
         time.sleep(0.2)
+
+
+def _wait_running_on_server(proc: subprocess.Popen[bytes], flow_run_id: str, n: int, tmp_path: Path) -> None:
+    """Until the server records ``n`` of the flow run's task runs as Running (at most 60 s)."""
+    from prefect_api import api
+
+    deadline = time.monotonic() + 60
+    while True:
+        status, task_runs = api(
+            "POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}
+        )
+        assert status == 200, task_runs
+        if sum(t["state_type"] == "RUNNING" for t in task_runs) >= n:
+            return
+        assert proc.poll() is None, f"the flow exited before its task run was Running:\n{_tail(tmp_path)}"
+        assert time.monotonic() < deadline, f"no Running task run on the server: {task_runs}"
+        time.sleep(0.1)
 
 
 def _final_states(flow_run_id: str, wait: float = 5.0) -> tuple[str, dict[str, str]]:
@@ -219,7 +248,7 @@ def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
     proc = _start([sys.executable, str(script), str(ready), "1", "1"], env, tmp_path)
     try:
         _wait_started(proc, ready, tmp_path)
-        time.sleep(0.5)
+        _wait_running_on_server(proc, ready.read_text(), 1, tmp_path)
         took = ctrl_c(proc)
         survivors = _survivors(marker, proc.pid)
     finally:
@@ -241,6 +270,7 @@ SLOT_SCRIPT = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from prefect import flow, task
+    from prefect.context import FlowRunContext
     from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
 
     READY, TAG = Path(sys.argv[1]), sys.argv[2]
@@ -253,6 +283,11 @@ SLOT_SCRIPT = textwrap.dedent(
     @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
     def interrupted():
         running, waiting = takes_the_slot.submit(), takes_the_slot.submit()
+        runner = FlowRunContext.get().task_runner
+        # once one task runs (holding the slot), the task counted as waiting for slots is the other
+        while not (READY.exists() and runner.status()["gpu"]["waiting_for_slots"]):
+            time.sleep(0.05)
+        (READY.parent / "waiting").write_text("the second task waits for the slot")
         running.result(), waiting.result()
 
     if __name__ == "__main__":
@@ -299,7 +334,11 @@ def test_ctrl_c_while_a_gpu_task_waits_for_a_tag_slot_gives_the_slot_back(tmp_pa
     try:
         try:
             _wait_started(proc, ready, tmp_path)
-            time.sleep(1.0)  # the second task is waiting for the slot by now
+            deadline = time.monotonic() + 60
+            while not (tmp_path / "waiting").exists():  # the second task waits for the slot (status())
+                assert proc.poll() is None, f"the flow exited:\n{_tail(tmp_path)}"
+                assert time.monotonic() < deadline, f"no task waited for the slot:\n{_tail(tmp_path)}"
+                time.sleep(0.1)
             held = [a for a, info in leases.holders(lease_dir).items() if info is not None]
             assert len(held) == 1, held  # the waiting task leased no device (two are free)
             assert _active_slots(name) == 1
@@ -380,6 +419,17 @@ def _workers(marker: str, group: int, leader: int) -> list[str]:
     return out
 
 
+def _running(server: str, flow_run_id: str) -> list[str]:
+    """The flow run's task runs that the server at ``server`` records as Running."""
+    import httpx
+
+    runs = httpx.post(
+        f"{server}/api/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}}, timeout=10
+    ).json()
+    assert isinstance(runs, list), runs
+    return [r["id"] for r in runs if r["state_type"] == "RUNNING"]
+
+
 def test_ctrl_c_on_a_plain_script_on_prefects_ephemeral_api(tmp_path: Path):
     """No server started, no PREFECT_API_URL: Prefect's ephemeral server is in the terminal's process
     group, so the same Ctrl-C stops it. The runner must not then retry each of its task runs against
@@ -402,7 +452,19 @@ def test_ctrl_c_on_a_plain_script_on_prefects_ephemeral_api(tmp_path: Path):
 
     try:
         _wait_started(proc, ready, tmp_path)
-        time.sleep(1.0)  # eight running (two devices, four slots each), sixteen queued
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("started-*"))) < 8:  # eight running (two devices, four slots each)
+            assert proc.poll() is None, output()[-3000:]
+            assert time.monotonic() < deadline, f"not eight tasks running:\n{output()[-3000:]}"
+            time.sleep(0.1)
+        assert len(list(tmp_path.glob("started-*"))) == 8  # sixteen queued
+        # and recorded Running by the ephemeral server: the Ctrl-C does not land mid-way through
+        # its recording of their states (a traceback of its own, not the runner's)
+        url = re.search(r"Starting temporary server on (http://\S+)", output())
+        assert url, output()[-3000:]
+        while len(_running(url.group(1), ready.read_text())) < 8:
+            assert time.monotonic() < deadline, f"not eight task runs recorded Running:\n{output()[-3000:]}"
+            time.sleep(0.1)
         assert _workers(marker, proc.pid, proc.pid), "the profile's workers are running"
         os.killpg(proc.pid, signal.SIGINT)
         deadline = time.monotonic() + 60
