@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 IDLE_TIMEOUT = 0.3  # the profile's cluster closes this long after its last task
-IDLE_WAIT = 1.5  # the flow sleeps this long after its tasks, so the cluster idles out inside it
+IDLE_WAIT = 30.0  # the flow waits at most this long after its tasks for the cluster to idle out inside it
 
 
 def figures() -> dict[str, Any]:
@@ -66,9 +66,11 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         from prefect.context import FlowRunContext
 
         total = sum(f.result() for f in square.map(range(4)))
-        time.sleep(IDLE_WAIT)
-        state = FlowRunContext.get().task_runner.status()["half"]["state"]
-        return {"total": total, "state_after_idle": state}
+        runner = FlowRunContext.get().task_runner
+        deadline = time.monotonic() + IDLE_WAIT
+        while runner.status()["half"]["state"] != "closed" and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return {"total": total, "state_after_idle": runner.status()["half"]["state"]}
 
     rows = []
     for run in range(1, args.runs + 1):

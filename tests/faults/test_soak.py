@@ -1,5 +1,8 @@
-"""Soak: 20 flow runs in one process, each provisioning a GPU profile and letting it idle out;
-file descriptors, threads, child processes and RSS stay flat (tests/faults/soak_script.py)."""
+"""Soak: fifteen flow runs in one process, each provisioning a GPU profile and letting it idle out;
+file descriptors, threads, child processes and RSS stay flat (tests/faults/soak_script.py).
+
+``python -m bench.faults`` runs the same script for 20 flow runs and reports the figures
+(docs/reliability.md); fifteen are enough here for a leak per run to show."""
 
 from __future__ import annotations
 
@@ -12,11 +15,13 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).with_name("soak_script.py")
+RUNS = 15
+BASE = 5  # figures are compared from this run on: the first runs still warm up (imports, caches)
 
 
 @pytest.mark.timeout(600)
 @pytest.mark.usefixtures("prefect_server")
-def test_twenty_flow_runs_leave_fds_threads_children_and_rss_flat():
+def test_fifteen_flow_runs_leave_fds_threads_children_and_rss_flat():
     from prefect.settings import get_current_settings
 
     env = {
@@ -25,7 +30,7 @@ def test_twenty_flow_runs_leave_fds_threads_children_and_rss_flat():
         "PREFECT_API_URL": str(get_current_settings().api.url),
     }
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--runs", "20", "--json"],
+        [sys.executable, str(SCRIPT), "--runs", str(RUNS), "--json"],
         env=env,
         capture_output=True,
         text=True,
@@ -36,7 +41,7 @@ def test_twenty_flow_runs_leave_fds_threads_children_and_rss_flat():
     for r in rows:
         print(json.dumps(r))
     by_run = {r["run"]: r for r in rows}
-    first, base, last = by_run[1], by_run[5], by_run[20]
+    first, base, last = by_run[1], by_run[BASE], by_run[RUNS]
     # every run's cluster idled out and closed inside its flow
     assert {r["state_after_idle"] for r in rows} == {"closed"}
     assert last["fds"] <= base["fds"] + 5, (base, last)
@@ -44,7 +49,8 @@ def test_twenty_flow_runs_leave_fds_threads_children_and_rss_flat():
     assert last["children"] <= first["children"], (first, last)
     # A cluster left open per run shows in fds, threads and children (its scheduler's sockets
     # and event-loop thread, two worker processes), checked tightly above. RSS is the loose
-    # check: measured growth from run 5 to run 20 was 12-16 MB (about 1 MB per run, native
-    # heap: the Python heap grows about 0.1 MB per run), so 30 MB catches a leak of a few MB
-    # per run (a task result or frame kept per run) without failing on that drift.
-    assert last["rss_mb"] - base["rss_mb"] < 30, (base, last)
+    # check: measured growth was about 1 MB per run (12-16 MB from run 5 to run 20, 10.2 MB from
+    # run 5 to run 15; native heap: the Python heap grows about 0.1 MB per run), so 2 MB per run
+    # (20 MB over these 10 runs, as 30 MB over 15 runs before) catches a leak of a few MB per
+    # run (a task result or frame kept per run) without failing on that drift.
+    assert last["rss_mb"] - base["rss_mb"] < 2 * (RUNS - BASE), (base, last)

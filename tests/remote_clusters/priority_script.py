@@ -4,8 +4,9 @@
 
 Each task leaves a file in ``STARTS`` when its body starts; the run's priority is
 ``GPU_TASKS_PRIORITY`` from the environment. ``OPTIONS`` is JSON of more profile fields
-(``quota``, ``preemptible``), and ``per_second``: submit that many tasks a second. A task
-sleeps in short steps, so a preemption interrupts it within one.
+(``quota``, ``preemptible``), ``per_second``: submit that many tasks a second, and ``go``: a
+file the flow waits for before it submits (a run started early arrives when the test says,
+its start-up done). A task sleeps in short steps, so a preemption interrupts it within one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
 
     fields = json.loads(options)
     per_second = int(fields.pop("per_second", 0))  # a stream: this many submits a second, not all at once
+    go = fields.pop("go", None)
     shared = ResourceProfile(name="shared", gpus=1, address=address, idle_timeout=5, **fields)
     name = Path(out).stem
 
@@ -44,6 +46,8 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
 
     @flow(task_runner=ProfileTaskRunner(profiles=[shared]))
     def prioritized() -> list[dict]:
+        while go and not Path(go).exists():
+            time.sleep(0.02)
         (Path(starts) / f"{name}-submitted").write_text(str(time.time()))
         if not per_second:
             return [f.result() for f in [hold.submit(i) for i in range(n)]]

@@ -39,7 +39,12 @@ def test_gpu_tasks_run_with_gpu_stages_on_an_existing_cluster(gpu_hosts: Hosts, 
     )
     gpu_tasks_cli = Path(sys.executable).with_name("gpu-tasks")
     proc = subprocess.run(
-        [str(gpu_tasks_cli), "run", "--json"], env=env, capture_output=True, text=True, timeout=600
+        # a smoke-sized run (as tests/pipeline/ runs it): every stage, on the hosts, in well under a minute
+        [str(gpu_tasks_cli), "run", "--json", "--limit", "30000", "--rounds", "30"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout)
