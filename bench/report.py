@@ -53,6 +53,9 @@ def _skipped(res: dict[str, Any]) -> list[str]:
 
 
 # ---------------------------------------------------------------- overhead by Prefect version
+STALL_FACTOR = 5.0  # a repeat this many times slower than its row's best is reported as a stall
+
+
 def prefect_versions(res: dict[str, Any], img: Path) -> list[str]:
     """bench.prefect_versions: the thread pool and gpus=0.25 rows on each end of the Prefect range."""
     from bench.overhead import PROFILE_GPU, THREADS
@@ -95,20 +98,52 @@ def prefect_versions(res: dict[str, Any], img: Path) -> list[str]:
             "",
         ]
     lines += [
-        f"| N | runner | {names[0]} ms/task | {names[1]} ms/task | {names[1]} / {names[0]} |",
-        "| ---: | --- | ---: | ---: | ---: |",
+        f"| N | runner | {names[0]} ms/task | {names[1]} ms/task | {names[1]} / {names[0]}, medians | "
+        "best repeats |",
+        "| ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     notes = []
+    stalls = []
     for n in res["ends"][res["order"][0]]["ms_per_task"]:
         for label in (THREADS, PROFILE_GPU):
             a, b = (spread(e["ms_per_task"][n][label]) for e in ends)
-            lines.append(f"| {int(n):,} | {label} | {_s(a)} | {_s(b)} | {b['median'] / a['median']:.2f}x |")
+            lines.append(
+                f"| {int(n):,} | {label} | {_s(a)} | {_s(b)} | {b['median'] / a['median']:.2f}x | "
+                f"{b['min'] / a['min']:.2f}x |"
+            )
+            for name, e in zip(names, ends, strict=True):
+                values = e["ms_per_task"][n][label]
+                slow = [v for v in values if v > STALL_FACTOR * min(values)]
+                if slow:
+                    stalls.append(
+                        f"{name}, N = {int(n):,}, {label}: {len(slow)} of {len(values)} repeats at "
+                        f"{', '.join(f'{v:.0f}' for v in slow)} ms per task against {min(values):.2f} "
+                        f"for its best ({max(slow) * int(n) / 1000:.0f} s for the map)"
+                    )
         ratios = [e["vs_threads"][n] for e in ends]
         notes.append(
             f"- N = {int(n):,}: the gpus=0.25 profile took {ratios[0]:.2f}x the thread pool's time on "
-            f"{names[0]} and {ratios[1]:.2f}x on {names[1]} (each from that version's own runs)."
+            f"{names[0]} and {ratios[1]:.2f}x on {names[1]} (medians; each from that version's own runs)."
         )
-    lines += ["", *notes, ""]
+    thread_ratios = [
+        spread(ends[1]["ms_per_task"][n][THREADS])["min"] / spread(ends[0]["ms_per_task"][n][THREADS])["min"]
+        for n in ends[0]["ms_per_task"]
+    ]
+    notes.append(
+        f"- The thread pool's row is Prefect's own engine alone: its best repeats took "
+        f"{' and '.join(f'{r:.2f}x' for r in thread_ratios)} as long on {names[1]} as on {names[0]} "
+        f"(N = {' and '.join(f'{int(n):,}' for n in ends[0]['ms_per_task'])}), one run after the other on "
+        "the same machine; the gpus=0.25 profile's ratio to it is what gpu-tasks adds on each version."
+    )
+    lines += ["", *notes]
+    if stalls:
+        lines += [
+            f"- Repeats over {STALL_FACTOR:g}x their row's best: "
+            + "; ".join(stalls)
+            + ". A repeat that slow is a stall within that map, not per-task overhead: where a row has "
+            "one, its median says little, and the best repeats (the last column) compare the versions.",
+        ]
+    lines += [""]
     lines += [
         "Re-measure with `python -m bench.prefect_versions` (about "
         f"{res['seconds'] / 60:.0f} minutes on 2 cores): .venv comes from `./scripts/setup`, "

@@ -420,12 +420,21 @@ def test_report_puts_both_prefect_versions_side_by_side(tmp_path: Path):
     text = report.write(results, tmp_path).read_text()
     assert text.index("## Per-task overhead by Prefect version") > text.index("## Per-task overhead\n")
     assert (
-        "| N | runner | Prefect 3.8.8 ms/task | Prefect 3.9.1 ms/task | Prefect 3.9.1 / Prefect 3.8.8 |"
-        in text
+        "| N | runner | Prefect 3.8.8 ms/task | Prefect 3.9.1 ms/task | Prefect 3.9.1 / Prefect 3.8.8, "
+        "medians | best repeats |" in text
     )
-    assert f"| 100 | {PROFILE_GPU} | 5.00 (4.00-6.00) | 6.00 (5.50-7.00) | 1.20x |" in text
+    assert f"| 100 | {PROFILE_GPU} | 5.00 (4.00-6.00) | 6.00 (5.50-7.00) | 1.20x | 1.38x |" in text
     assert "2.00x the thread pool's time on Prefect 3.8.8 and 2.73x on Prefect 3.9.1" in text
+    assert "its best repeats took 1.00x as long on Prefect 3.9.1" in text
     assert "prefect_versions 2026-11-26 10:00 UTC (commit abc1234)" in text
+    assert "Repeats over" not in text
+    # a repeat far slower than its row's best is named as a stall
+    results["prefect_versions"]["ends"]["newest"]["ms_per_task"]["100"][PROFILE_GPU] = [5.5, 6.0, 130.0]
+    text = report.write(results, tmp_path).read_text()
+    assert (
+        f"Repeats over 5x their row's best: Prefect 3.9.1, N = 100, {PROFILE_GPU}: 1 of 3 repeats at 130 ms "
+        "per task against 5.50 for its best (13 s for the map)" in text
+    )
 
 
 def _bench(args: list[str], **env: str) -> subprocess.CompletedProcess:
