@@ -1,8 +1,8 @@
 """The private Dask/distributed APIs gpu-tasks relies on, each with why and the versions checked.
 
-Checked against distributed 2026.7.1 (the version pinned in pyproject.toml and by
-dask-cuda 26.10). Each wrapper degrades to a logged no-op or a clear error on a
-version where the private name is gone, so a Dask upgrade fails here, in one place.
+Checked against distributed 2026.7.1 (the lowest of the tested range, and dask-cuda 26.10's
+pin) and 2026.8.0 (the compat stage). Each wrapper degrades to a logged no-op or a clear
+error on a version where the private name is gone; tests/test_compat.py fails there.
 
 The nanny's private ``_on_worker_exit_sync`` hook is overridden here too
 (:func:`nanny_class_with_exit_hook`), so :class:`gpu_tasks._nanny.WatchedNanny` uses a public

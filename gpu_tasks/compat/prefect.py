@@ -1,8 +1,8 @@
 """The private Prefect APIs gpu-tasks relies on, each with why and the versions checked.
 
-Checked against prefect 3.8.8 (pinned in pyproject.toml). Each wrapper degrades to
-Prefect's shipped behaviour, or fails with a clear error, on a release where the
-private name is gone, so a Prefect upgrade breaks here, in one place.
+Checked against prefect 3.8.8 and 3.9.1, the two ends of the tested range. Each wrapper
+degrades to Prefect's shipped behaviour, or fails with a clear error, on a release where
+the private name is gone; tests/test_compat.py fails there, so an upgrade shows in CI.
 
 **The tag "no limits" cache** (``prefect.concurrency.services._no_limits_cache``).
 Prefect's task engine asks the server for tag concurrency slots before every task
