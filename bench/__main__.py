@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     # given the same client retries here (10,000 tasks keep the server's writer busy).
     os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "10")
     setup()  # emulation (announced) before anything reads the devices
-    from gpu_tasks._server import embedded_server
+    from gpu_tasks.prefect_api.server import embedded_server
 
     plan = QUICK if args.quick else FULL
     results: dict[str, Any] = json.loads(combined.read_text()) if combined.exists() else {}

@@ -184,7 +184,7 @@ def _import_engine() -> float:
 
 
 def run(repeats: int, idle_timeout: float) -> dict[str, Any]:
-    from gpu_tasks._server import embedded_server
+    from gpu_tasks.prefect_api.server import embedded_server
 
     rows: dict[str, list[dict[str, Any]]] = {
         "fresh": [],

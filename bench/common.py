@@ -20,7 +20,7 @@ def machine() -> dict[str, Any]:
     """The machine the numbers come from, and whether its devices are real or emulated."""
     import psutil
 
-    from gpu_tasks.devices import discover
+    from gpu_tasks.devices.discovery import discover
 
     inventory = discover()
     return {
@@ -116,7 +116,7 @@ def setup() -> None:
 
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from gpu_tasks._emulation import ensure_devices
+    from gpu_tasks.devices.emulation import ensure_devices
 
     ensure_devices(announce=lambda m: print(m, file=sys.stderr, flush=True))
     import distributed  # noqa: F401  (configures its loggers on import; quieten them after)

@@ -709,7 +709,7 @@ def flow_sigkilled(ctx: Ctx) -> dict:
         "lost": stale + lost(runs_under(ctx.url, [out["flow_run_id"]])),
         "note": (
             "the killed flow run and its task runs stay Running on the server: the SIGKILLed flow process "
-            "cannot report them, and the workers' guard (gpu_tasks._worker_guard) ends the workers without "
+            "cannot report them, and the workers' guard (gpu_tasks.worker.guard) ends the workers without "
             "reporting their task runs Crashed"
         )
         if stale
@@ -1080,7 +1080,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     os.environ["GPU_TASKS_EMULATED_GPUS"] = "2"
-    from gpu_tasks._server import embedded_server
+    from gpu_tasks.prefect_api.server import embedded_server
 
     plan = [s for s in SCENARIOS if not args.only or s[0] in args.only]
     root = Path(tempfile.mkdtemp(prefix="gpu-tasks-faults-"))

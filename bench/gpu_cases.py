@@ -166,7 +166,7 @@ def holders() -> dict[int, dict[int, int]]:
 
 
 def _devices() -> list[Any]:
-    from gpu_tasks.devices import discover
+    from gpu_tasks.devices.discovery import discover
 
     return list(discover().devices)
 
@@ -276,7 +276,7 @@ def _runner(*profiles: Any, **kw: Any) -> Any:
 
 def inventory() -> tuple[bool, dict[str, Any], str]:
     """NVML's devices (gpu-tasks' discovery, and ``gpu-tasks devices --json``) equal nvidia-smi's."""
-    from gpu_tasks.devices import discover
+    from gpu_tasks.devices.discovery import discover
 
     inv = discover()
     ours = [

@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = json.loads(results.read_text()) if (args.only and results.exists()) else {}
     done = {c["name"]: c for c in previous.get("checks", [])}
     start = time.monotonic()
-    from gpu_tasks._server import embedded_server
+    from gpu_tasks.prefect_api.server import embedded_server
 
     with embedded_server() as url:
         os.environ["PREFECT_API_URL"] = url

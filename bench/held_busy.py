@@ -37,7 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.common import RAY, machine, ray_skipped, setup, spread, write_json
-from gpu_tasks.ledger import union_seconds  # the ledger's own union of busy intervals
+from gpu_tasks.reporting.ledger import union_seconds  # the ledger's own union of busy intervals
 
 STAGES = {  # stage -> (profile, tasks, seconds per task at --stage-seconds 1)
     "ingest": ("cpu", 1, 4.0),
@@ -271,8 +271,8 @@ def _account(
 
 def run(repeats: int, scale: float, idle_timeout: float) -> dict[str, Any]:
     """Both setups ``repeats`` times, alternating, against one Prefect server."""
-    from gpu_tasks._server import embedded_server
-    from gpu_tasks.devices import discover
+    from gpu_tasks.devices.discovery import discover
+    from gpu_tasks.prefect_api.server import embedded_server
 
     n_gpus = len(discover().devices)
     setups: dict[str, Callable[[], dict[str, Any]]] = {

@@ -180,7 +180,7 @@ def run(
     from prefect import flow, task
 
     from gpu_tasks import profile
-    from gpu_tasks._server import embedded_server
+    from gpu_tasks.prefect_api.server import embedded_server
 
     @task
     def inc(x: int) -> int:

@@ -41,7 +41,7 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
-    from gpu_tasks._server import embedded_server
+    from gpu_tasks.prefect_api.server import embedded_server
 
     @task
     def inc(x: int) -> int:

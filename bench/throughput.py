@@ -29,7 +29,7 @@ class NoGpuError(SystemExit):
 
 def require_real_gpus() -> None:
     """Refuse ``--gpu`` unless NVML (or a discovery command) reports real devices."""
-    from gpu_tasks.devices import discover
+    from gpu_tasks.devices.discovery import discover
     from gpu_tasks.settings import GpuTasksSettings
 
     if os.environ.get("GPU_TASKS_EMULATED_GPUS"):

@@ -22,7 +22,7 @@ reason, without the ``bench`` extra).
 
 Devices held by tasks are read as each runner accounts for them, from the flow process:
 
-- ProfileTaskRunner: the device lease book (``gpu_tasks.leases.holders()``, leases of this
+- ProfileTaskRunner: the device lease book (``gpu_tasks.devices.leases.holders()``, leases of this
   process) and ``runner.status()`` (tasks waiting for slots, workers), sampled every 20 ms;
 - static Dask cluster: Dask's task stream, the worker-side interval each task ran on its GPU
   worker (Prefect's whole task engine run there, its slot wait included): while that runs
@@ -177,7 +177,7 @@ class ProfileProbe(Probe):
         self.devices: set[str] = set()
 
     def sample(self) -> dict[str, int]:
-        from gpu_tasks import leases
+        from gpu_tasks.devices import leases
 
         mine = [a for a, info in leases.holders().items() if info and info.get("pid") == os.getpid()]
         self.devices.update(mine)
@@ -450,7 +450,7 @@ CACHE_KEYS = ("device_s", "devices_leased", "workers_started", "hit_s")
 
 def run(repeats: int, seconds: float) -> dict[str, Any]:
     """Both scenarios through every runner, ``repeats`` times, alternating, against one server."""
-    from gpu_tasks._server import embedded_server
+    from gpu_tasks.prefect_api.server import embedded_server
 
     skipped = ray_skipped()
     names = [n for n in (PROFILE, STATIC, RAY) if n not in skipped]

@@ -8,13 +8,13 @@ when idle. Importing this package never needs a GPU or the RAPIDS libraries.
 import sys
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 if sys.argv and Path(sys.argv[0]).stem == "gpu-tasks":  # the CLI reports it in one line, with the fix
     warnings.filterwarnings("ignore", "Failed to create the Prefect home directory", UserWarning)
 
 from gpu_tasks.allocation import Allocation, current_allocation
-from gpu_tasks.devices import Device, Inventory, discover
+from gpu_tasks.devices.discovery import Device, Inventory, discover
 from gpu_tasks.errors import (
     ClusterError,
     DeviceDiscoveryError,
@@ -34,9 +34,6 @@ from gpu_tasks.profiles import (
 from gpu_tasks.runner import ProfileFuture, ProfileTaskRunner
 from gpu_tasks.settings import GpuTasksSettings, get_settings
 
-if TYPE_CHECKING:
-    from gpu_tasks.pipeline.errors import PipelineInputError
-
 __all__ = [
     "Allocation",
     "ClusterError",
@@ -47,7 +44,6 @@ __all__ = [
     "GpuTasksError",
     "GpuTasksSettings",
     "Inventory",
-    "PipelineInputError",
     "ProfileError",
     "ProfileFuture",
     "ProfileTaskRunner",
@@ -66,11 +62,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
-    # PipelineInputError is the example pipeline's error (gpu_tasks.pipeline.errors), kept in
-    # __all__ for compatibility; imported on first use so that importing gpu_tasks never
-    # imports the pipeline.
-    if name == "PipelineInputError":
-        from gpu_tasks.pipeline.errors import PipelineInputError
-
-        return PipelineInputError
+    if name == "PipelineInputError":  # the example pipeline's error; the plugin never imports the pipeline
+        raise AttributeError(
+            "gpu_tasks.PipelineInputError is the example pipeline's error and lives with it: "
+            "from gpu_tasks.pipeline.errors import PipelineInputError"
+        )
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

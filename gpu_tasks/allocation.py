@@ -107,11 +107,11 @@ def worker_allocation(
     Args:
         host: set for a worker the runner did not start (an ``address`` or
             ``cluster_class`` profile's): its devices, names and emulation come from
-            :func:`gpu_tasks.devices.worker_devices`, not from variables the runner set.
+            :func:`gpu_tasks.devices.discovery.worker_devices`, not from variables the runner set.
         own: how many of its visible devices such a worker owns (its ``GPU`` resource).
     """
     if host is not None:
-        from gpu_tasks.devices import worker_devices
+        from gpu_tasks.devices.discovery import worker_devices
 
         ids, device_names, emulated = worker_devices(own) if fraction > 0 else ((), (), False)
         return Allocation(

@@ -27,8 +27,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpu_tasks import leases
-from gpu_tasks.devices import Device, Inventory, discover
+from gpu_tasks.devices import leases
+from gpu_tasks.devices.discovery import Device, Inventory, discover
 from gpu_tasks.errors import DeviceDiscoveryError, ProfileError, UnknownProfileError
 from gpu_tasks.policy import (
     device_groups,
@@ -103,8 +103,8 @@ def _inventory(settings: GpuTasksSettings) -> Inventory:
 def _preflight(command: str, data_dir: Path | None = None) -> None:
     """Exit 2 with one line naming the cause and the fix when Prefect's environment is broken
     (PREFECT_HOME, its database, a full disk, PREFECT_API_URL), before anything starts."""
-    from gpu_tasks._environment import preflight
     from gpu_tasks.errors import EnvironmentProblem
+    from gpu_tasks.prefect_api.environment import preflight
 
     try:
         preflight(command, data_dir)
@@ -194,7 +194,7 @@ def devices(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
     settings = _settings()
-    from gpu_tasks._environment import local_problems
+    from gpu_tasks.prefect_api.environment import local_problems
 
     for problem in local_problems():  # nothing here needs Prefect: list the devices all the same
         err_console.print(Text(f"warning: gpu-tasks run would stop at once here: {problem}"), soft_wrap=True)
@@ -469,8 +469,8 @@ EmulateOption = Annotated[
 
 def _pipeline_devices(command: str, emulate: str | None) -> None:
     """Apply ``--emulate``; exit 2 when the pipeline's GPU stages could not run on this host."""
-    from gpu_tasks._emulation import ensure_devices, no_gpu_hint
-    from gpu_tasks.devices import discover
+    from gpu_tasks.devices.discovery import discover
+    from gpu_tasks.devices.emulation import ensure_devices, no_gpu_hint
     from gpu_tasks.errors import GpuTasksError
     from gpu_tasks.pipeline.flow import etl_train
     from gpu_tasks.policy import unsatisfiable_reason
@@ -688,10 +688,11 @@ def quotas_list(
     """List every quota with its limit, the devices in use, and who holds them on this host."""
     if ctx.invoked_subcommand is not None:
         return
-    from gpu_tasks import leases, quotas
+    from gpu_tasks.devices import leases
+    from gpu_tasks.prefect_api import quotas
 
     settings = _settings()
-    rows = _quota_api("read the quotas", quotas.usage, settings.lease_dir)
+    rows = _quota_api("read the quotas", quotas.usage, leases.holders(settings.lease_dir))
     if as_json:
         _echo_json({"quotas": rows})
         return
@@ -721,7 +722,7 @@ def quotas_set(
     name: Annotated[str, typer.Argument(help="The quota's name, as in a profile's quota=.")],
     devices: Annotated[int, typer.Argument(help="The most devices its profiles hold at once (>= 1).")],
 ) -> None:
-    from gpu_tasks import quotas
+    from gpu_tasks.prefect_api import quotas
     from gpu_tasks.profiles import is_valid_name
 
     if not is_valid_name(name):
@@ -736,7 +737,7 @@ def quotas_set(
 
 @quotas_app.command("delete", help="Delete a quota (profiles naming it then fail to start).")
 def quotas_delete(name: Annotated[str, typer.Argument(help="The quota's name.")]) -> None:
-    from gpu_tasks import quotas
+    from gpu_tasks.prefect_api import quotas
 
     if not _quota_api(f"delete quota {name!r}", quotas.delete_limit, name):
         _fail(f"no quota {name!r} ({quotas.limit_name(name)})", code=1)
@@ -754,9 +755,9 @@ def waiters(
 ) -> None:
     from distributed import Client
 
-    from gpu_tasks._shared_board import BOARD, effective_priority
+    from gpu_tasks.cluster.board import BOARD, effective_priority
+    from gpu_tasks.cluster.remote import security_for
     from gpu_tasks.profiles import ResourceProfile
-    from gpu_tasks.remote import security_for
 
     try:
         shared = ResourceProfile(name="waiters", address=address)

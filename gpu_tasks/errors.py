@@ -44,11 +44,11 @@ class GpuOutOfMemoryError(GpuTasksError, RuntimeError):
 
 class TaskPreempted(BaseException):
     """Raised in a running task's thread on a shared cluster's worker to preempt it
-    (gpu_tasks._shared_board); a ``BaseException`` so that neither the task's own
+    (gpu_tasks.cluster.board); a ``BaseException`` so that neither the task's own
     ``except Exception`` nor Prefect's retries take it for the task's failure."""
 
 
 class EnvironmentProblem(GpuTasksError, RuntimeError):
     """The environment Prefect runs in is broken (``PREFECT_HOME``, its database, a full disk,
     ``PREFECT_API_URL``): one line naming the cause, the path or URL, and the fix
-    (:mod:`gpu_tasks._environment`)."""
+    (:mod:`gpu_tasks.prefect_api.environment`)."""

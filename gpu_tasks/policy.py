@@ -1,6 +1,6 @@
 """Pure scheduling decisions: which devices, how many workers, when to close.
 
-No I/O, no clusters: :mod:`gpu_tasks.clusters` and :mod:`gpu_tasks.runner` act on
+No I/O, no clusters: :mod:`gpu_tasks.cluster.local` and :mod:`gpu_tasks.runner.task_runner` act on
 what these functions decide, and tests exercise them without starting anything.
 """
 
@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass, field
 
 from gpu_tasks.allocation import WORKER_ENV_DEVICES, WORKER_ENV_EMULATED, WORKER_ENV_PROFILE
-from gpu_tasks.devices import Device, Inventory
+from gpu_tasks.devices.discovery import Device, Inventory
 from gpu_tasks.profiles import ResourceProfile
 
 GPU_RESOURCE = "GPU"

@@ -1,7 +1,7 @@
 """Which devices preemptible work gives back, and to whom.
 
 A waiter (a profile waiting for devices, in this flow run or in another process on
-the host, :mod:`gpu_tasks.leases`) may have devices taken back for it from
+the host, :mod:`gpu_tasks.devices.leases`) may have devices taken back for it from
 **preemptible** holders of **lower priority** once it has waited its grace period
 (``GPU_TASKS_PREEMPTION_GRACE``, recorded in its waiter info so that every process
 judges it alike). Only what lets the waiter start is taken back: enough of its device
@@ -11,7 +11,7 @@ higher priority, is never touched; aging (a waiter's effective priority) does no
 preempt: the waiter's own ``priority`` is compared with the holder's.
 
 Every holder process runs :func:`plan` on the waiters it can see and stops its own
-workers on the planned devices (gpu_tasks._dispatch); the waiter runs it too, to say
+workers on the planned devices (gpu_tasks.runner.dispatch); the waiter runs it too, to say
 whom it is waiting on.
 """
 

@@ -67,7 +67,7 @@ class GpuTasksSettings(BaseSettings):
         default=2,
         ge=0,
         description="Worker processes kept started and imported, holding no device, for profiles whose "
-        "workers this host starts (gpu_tasks._warm); a lease binds one, so a first task starts without "
+        "workers this host starts (gpu_tasks.worker.warm); a lease binds one, so a first task starts without "
         "waiting for a process to spawn and import Prefect. 0: no pool, a process is spawned per worker "
         "after its lease.",
     )
@@ -112,7 +112,7 @@ class GpuTasksSettings(BaseSettings):
         ge=0,
         description="A flow run whose devices were held more than this many times as long as they were "
         "busy (held/busy; 2 is under 50% busy) gets the alert held-busy-over-<N> on its "
-        "gpu-tasks.flow-run.summary event (gpu_tasks.alerts). 0: never.",
+        "gpu-tasks.flow-run.summary event (gpu_tasks.reporting.alerts). 0: never.",
     )
     alert_device_wait_seconds: float = Field(
         default=60.0,

@@ -6,7 +6,10 @@ import datetime
 
 import pytest
 
-from gpu_tasks.artifacts import (
+from gpu_tasks.cluster.remote import AddressCluster, RemoteWorker
+from gpu_tasks.devices.discovery import model_text, parse_emulated
+from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.reporting.artifacts import (
     NO_DEVICE,
     WAITS,
     devices_text,
@@ -17,10 +20,15 @@ from gpu_tasks.artifacts import (
     timeline_description,
     timeline_markdown,
 )
-from gpu_tasks.devices import model_text, parse_emulated
-from gpu_tasks.ledger import DeviceSpan, Held, LedgerRow, Usage, device_spans, merge_intervals, union_seconds
-from gpu_tasks.profiles import ResourceProfile
-from gpu_tasks.remote import AddressCluster, RemoteWorker
+from gpu_tasks.reporting.ledger import (
+    DeviceSpan,
+    Held,
+    LedgerRow,
+    Usage,
+    device_spans,
+    merge_intervals,
+    union_seconds,
+)
 
 # 2026-11-24 18:00:00 UTC: times of day in the artifacts are read against it
 T0 = datetime.datetime(2026, 11, 24, 18, 0, 0, tzinfo=datetime.UTC).timestamp()

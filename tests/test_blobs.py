@@ -1,4 +1,4 @@
-"""A GPU profile's tasks carry their Prefect objects pickled once per runner (gpu_tasks._blobs)."""
+"""A GPU profile's tasks carry their Prefect objects pickled once per runner (gpu_tasks.worker.blobs)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from prefect import flow, task
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
-from gpu_tasks._blobs import Blob, Blobs, opened
+from gpu_tasks.worker.blobs import Blob, Blobs, opened
 
 
 class Counted:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpu_tasks import devices as devices_module
 from gpu_tasks.cli import app, main
-from gpu_tasks.devices import Device
+from gpu_tasks.devices import discovery as devices_module
+from gpu_tasks.devices.discovery import Device
 
 EMULATED = "H100:80GiB,L4:24GiB"
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")

@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_tasks import _gpu, devices
-from gpu_tasks.devices import (
+from gpu_tasks import _gpu
+from gpu_tasks.devices import discovery as devices
+from gpu_tasks.devices.discovery import (
     DEFAULT_EMULATED_MEMORY,
     Device,
     Inventory,

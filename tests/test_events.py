@@ -25,8 +25,8 @@ from prefect_api import api, flow_run_events, stored_events
 from pydantic import ValidationError
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
-from gpu_tasks.alerts import AlertThresholds, RunTotals, alert_label, run_alerts
-from gpu_tasks.events import (
+from gpu_tasks.reporting.alerts import AlertThresholds, RunTotals, alert_label, run_alerts
+from gpu_tasks.reporting.events import (
     RunRef,
     cluster_resource,
     device_resource,
@@ -36,7 +36,7 @@ from gpu_tasks.events import (
     summary_resource,
     task_resource,
 )
-from gpu_tasks.ledger import LedgerRow
+from gpu_tasks.reporting.ledger import LedgerRow
 from gpu_tasks.settings import get_settings
 
 AUTOMATION_FILE = Path(__file__).resolve().parents[1] / "infra" / "automations" / "gpu-waste.yaml"

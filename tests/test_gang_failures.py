@@ -21,7 +21,8 @@ from prefect import flow, task
 from prefect.context import FlowRunContext
 from test_leases import _holder, _stop
 
-from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+from gpu_tasks.devices import leases
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes", "emulated")
 

@@ -102,7 +102,7 @@ def test_plugin_modules_never_import_the_pipeline_at_module_level():
     code = (
         "import importlib, json, sys\n"
         f"for name in {modules!r}: importlib.import_module(name)\n"
-        # not numpy: distributed (gpu_tasks._crash, clusters) imports it when it is installed
+        # not numpy: distributed (gpu_tasks.prefect_api.states, clusters) imports it when it is installed
         "print(json.dumps(sorted(m for m in ('gpu_tasks.pipeline', 'pandas', 'pyarrow', 'xgboost', "
         "'sklearn', 'dask.dataframe') if m in sys.modules)))"
     )

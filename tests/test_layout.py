@@ -1,73 +1,194 @@
-"""The plugin's layout promises (docs/runner.md, "Where the code lives"), checked on the source."""
+"""The plugin's layers (docs/runner.md, "The layers"), checked on the source.
+
+Every import counts: at module level, inside functions and under ``if TYPE_CHECKING:``. A module
+may import its own layer and the layers below it, never one above; no two modules import each
+other, directly or around a loop; no module is over 600 lines; the example pipeline is imported
+by no plugin module (the CLI's ``run`` / ``serve`` load it inside the command).
+"""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+import pytest
+
 import gpu_tasks
 
 ROOT = Path(gpu_tasks.__file__).parent
 
+# Bottom to top. A module belongs to the layer of the longest prefix that names it.
+LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("base", ("gpu_tasks.errors", "gpu_tasks.settings", "gpu_tasks._gpu", "gpu_tasks.compat")),
+    (
+        "model",  # pure: what a task asks for and what exists; decisions on them
+        (
+            "gpu_tasks.profiles",
+            "gpu_tasks.devices.discovery",
+            "gpu_tasks.allocation",
+            "gpu_tasks.policy",
+            "gpu_tasks.preemption",
+        ),
+    ),
+    ("prefect glue and reporting", ("gpu_tasks.prefect_api", "gpu_tasks.reporting")),
+    ("devices", ("gpu_tasks.devices",)),
+    ("worker", ("gpu_tasks.worker",)),
+    ("clusters", ("gpu_tasks.cluster",)),
+    ("flow side", ("gpu_tasks.runner",)),
+    ("entry points", ("gpu_tasks.cli", "gpu_tasks.deployments", "gpu_tasks")),
+]
+MAX_LINES = 600
+PUBLIC_API = {
+    "Allocation",
+    "ClusterError",
+    "CudaOptions",
+    "TlsOptions",
+    "Device",
+    "DeviceDiscoveryError",
+    "GpuTasksError",
+    "GpuTasksSettings",
+    "Inventory",
+    "ProfileError",
+    "ProfileFuture",
+    "ProfileTaskRunner",
+    "ResourceProfile",
+    "UnknownProfileError",
+    "UnsatisfiableProfileError",
+    "current_allocation",
+    "discover",
+    "get_settings",
+    "load_profiles_file",
+    "profile",
+    "use_profile",
+}
 
-def _plugin_modules() -> dict[str, Path]:
-    return {f"gpu_tasks.{p.stem}": p for p in sorted(ROOT.glob("*.py")) if p.stem != "__init__"}
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _module_level_imports(path: Path) -> set[str]:
-    """``gpu_tasks.*`` modules that ``path`` imports when it is imported (not inside functions
-    or ``if TYPE_CHECKING:`` blocks)."""
+def plugin_modules() -> dict[str, Path]:
+    return {
+        _module_name(p): p for p in sorted(ROOT.rglob("*.py")) if "pipeline" not in p.relative_to(ROOT).parts
+    }
+
+
+def imports_of(path: Path, known: set[str]) -> set[str]:
+    """The plugin modules ``path`` imports, anywhere in it (functions and TYPE_CHECKING included)."""
     found: set[str] = set()
-    for node in ast.parse(path.read_text()).body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for sub in ast.walk(node) if not isinstance(node, ast.FunctionDef | ast.ClassDef) else ():
-            if isinstance(sub, ast.Import):
-                found.update(a.name for a in sub.names)
-            elif isinstance(sub, ast.ImportFrom) and sub.module:
-                found.add(sub.module)
-                found.update(f"{sub.module}.{a.name}" for a in sub.names)
-    return {m for m in found if m.startswith("gpu_tasks.")}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            submodules = {f"{node.module}.{a.name}" for a in node.names} & known
+            found.update(submodules)  # from a.b import c: a.b.c where c is a module, else a.b
+            if len(submodules) < len(node.names):
+                found.add(node.module)
+    return {m for m in found if m in known}
 
 
-def test_no_import_cycles_between_plugin_modules_at_module_level():
-    modules = _plugin_modules()
-    graph = {name: _module_level_imports(path) & set(modules) for name, path in modules.items()}
-    assert {"gpu_tasks._dispatch", "gpu_tasks._live"} <= graph["gpu_tasks.runner"], "the parser sees imports"
-    cycles = []
+def layer_of(module: str) -> int:
+    best, level = -1, -1
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, level = len(prefix), i
+    assert level >= 0, f"{module} is in no layer: add it to LAYERS in tests/test_layout.py and docs/runner.md"
+    return level
+
+
+def import_graph() -> dict[str, set[str]]:
+    modules = plugin_modules()
+    return {name: imports_of(path, set(modules)) - {name} for name, path in modules.items()}
+
+
+def test_the_parser_sees_every_kind_of_import(tmp_path: Path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import gpu_tasks.errors\n"
+        "from gpu_tasks.runner import session\n"
+        "if TYPE_CHECKING:\n    from gpu_tasks.cluster.local import ProfileCluster\n"
+        "def f():\n    from gpu_tasks.worker.engine import run_engine\n"
+    )
+    known = set(plugin_modules())
+    assert imports_of(sample, known) == {
+        "gpu_tasks.errors",
+        "gpu_tasks.runner.session",
+        "gpu_tasks.cluster.local",
+        "gpu_tasks.worker.engine",
+    }
+
+
+def test_every_module_imports_only_its_layer_and_those_below():
+    graph = import_graph()
+    assert len(graph) > 40 and "gpu_tasks.runner.dispatch" in graph["gpu_tasks.runner.task_runner"]
+    upward = [
+        f"{a} ({LAYERS[layer_of(a)][0]}) imports {b} ({LAYERS[layer_of(b)][0]})"
+        for a, targets in sorted(graph.items())
+        for b in sorted(targets)
+        if layer_of(b) > layer_of(a) and not (a == "gpu_tasks.devices" and b.startswith("gpu_tasks.devices."))
+    ]
+    assert upward == []
+
+
+def test_no_import_loops_between_plugin_modules():
+    graph = import_graph()
+    # a package's __init__ importing its own submodules is how a package re-exports: not a loop
+    edges = {a: {b for b in bs if not b.startswith(a + ".")} for a, bs in graph.items()}
+    loops: list[list[str]] = []
 
     def visit(node: str, stack: list[str], done: set[str]) -> None:
         if node in stack:
-            cycles.append(stack[stack.index(node) :] + [node])
+            loops.append(stack[stack.index(node) :] + [node])
             return
         if node in done:
             return
-        for nxt in sorted(graph[node]):
+        for nxt in sorted(edges[node]):
             visit(nxt, [*stack, node], done)
         done.add(node)
 
     done: set[str] = set()
-    for name in sorted(graph):
+    for name in sorted(edges):
         visit(name, [], done)
-    assert cycles == []
+    assert loops == []
 
 
-def test_the_runner_module_stays_small_and_the_pipeline_stays_apart():
-    runner_lines = len((ROOT / "runner.py").read_text().splitlines())
-    assert runner_lines <= 350, f"runner.py has {runner_lines} lines; move a concept into a module of its own"
-    for name, path in _plugin_modules().items():
-        at_import = {m for m in _module_level_imports(path) if m.startswith("gpu_tasks.pipeline")}
-        assert not at_import, f"{name} imports the example pipeline when it is imported: {at_import}"
-        if name != "gpu_tasks.cli":  # `gpu-tasks run` / `serve` load it inside the command
-            anywhere = {m for m in _all_imports(path) if m.startswith("gpu_tasks.pipeline")}
-            assert not anywhere, f"{name} imports the example pipeline: {anywhere}"
+@pytest.mark.parametrize("package", ["runner", "cluster", "worker", "devices", "prefect_api", "reporting"])
+def test_each_layer_is_a_package_with_a_docstring(package: str):
+    init = ROOT / package / "__init__.py"
+    assert init.exists() and ast.get_docstring(ast.parse(init.read_text())), f"gpu_tasks/{package}/__init__.py"
 
 
-def _all_imports(path: Path) -> set[str]:
-    out: set[str] = set()
-    for sub in ast.walk(ast.parse(path.read_text())):
-        if isinstance(sub, ast.ImportFrom) and sub.module:
-            out.add(sub.module)
-        elif isinstance(sub, ast.Import):
-            out.update(a.name for a in sub.names)
-    return out
+def test_no_module_is_over_the_line_limit():
+    over = {
+        name: n for name, path in plugin_modules().items() if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert over == {}, f"split these by concept (at most {MAX_LINES} lines): {over}"
+
+
+def test_the_public_api_is_unchanged_and_the_pipeline_stays_apart():
+    assert set(gpu_tasks.__all__) == PUBLIC_API
+    for name in PUBLIC_API:
+        assert getattr(gpu_tasks, name) is not None
+    from gpu_tasks.runner import ProfileTaskRunner
+
+    assert ProfileTaskRunner is gpu_tasks.ProfileTaskRunner  # the documented import path
+    with pytest.raises(AttributeError, match="from gpu_tasks.pipeline.errors import PipelineInputError"):
+        gpu_tasks.PipelineInputError  # noqa: B018
+    for name, path in plugin_modules().items():
+        pipeline = {
+            m
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.ImportFrom | ast.Import)
+            for m in ([node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names])
+            if m.startswith("gpu_tasks.pipeline")
+        }
+        if name == "gpu_tasks.cli":  # `gpu-tasks run` / `serve` load it inside the command only
+            top = ast.parse(path.read_text()).body
+            assert not any(
+                isinstance(n, ast.ImportFrom) and (n.module or "").startswith("gpu_tasks.pipeline") for n in top
+            )
+        else:
+            assert not pipeline, f"{name} imports the example pipeline: {pipeline}"

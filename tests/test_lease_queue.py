@@ -20,9 +20,10 @@ from pathlib import Path
 import pytest
 from test_leases import _env, _stop, _wait_for
 
-from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
-from gpu_tasks.device_book import DeviceBook
-from gpu_tasks.devices import Device
+from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, current_allocation, profile
+from gpu_tasks.devices import leases
+from gpu_tasks.devices.book import DeviceBook
+from gpu_tasks.devices.discovery import Device
 
 DEV0 = (Device(address="0", index=0, name="EMU"),)
 
@@ -30,7 +31,7 @@ DEAD_WAITER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from gpu_tasks import leases
+    from gpu_tasks.devices import leases
 
     lease_dir, ready = sys.argv[1:3]
     waiter = leases.enqueue(["0"], leases.owner_info("doomed"), priority=3, lease_dir=lease_dir)
@@ -44,7 +45,7 @@ HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from gpu_tasks import leases
+    from gpu_tasks.devices import leases
 
     lease_dir, ready, go = sys.argv[1:4]
     lease = leases.take(["0"], leases.owner_info("holder"), lease_dir)
@@ -62,8 +63,8 @@ WAITER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from gpu_tasks.device_book import DeviceBook
-    from gpu_tasks.devices import Device
+    from gpu_tasks.devices.book import DeviceBook
+    from gpu_tasks.devices.discovery import Device
 
     lease_dir, name, priority, out = sys.argv[1:5]
     book = DeviceBook(lease_dir=Path(lease_dir), lease_timeout=60)
@@ -178,7 +179,7 @@ def test_book_yields_to_a_higher_ranked_waiter_and_says_so(lease_dir, caplog):
     try:
         assert book.acquire("mine", [DEV0], 1, block=False, priority=9) == [0], "priority 9 outranks 5"
         book.release("mine", ["0"])
-        caplog.set_level(logging.INFO, logger="gpu_tasks.device_book")
+        caplog.set_level(logging.INFO, logger="gpu_tasks.devices.book")
         with pytest.raises(ClusterError, match=r"waiters that rank before it: profile 'urgent'.*priority 5"):
             book.acquire("mine", [DEV0], 1, block=True, priority=0)
     finally:
@@ -195,7 +196,7 @@ def test_book_keeps_a_free_device_for_a_higher_priority_profile_of_its_own(lease
     """'high' waits for the group (0, 1) while 'busy' holds 1: 'low' may not take the free 0 meanwhile."""
     dev1 = (Device(address="1", index=1, name="EMU"),)
     book = DeviceBook(lease_dir=lease_dir, lease_timeout=0.2, log_every=30)
-    caplog.set_level(logging.INFO, logger="gpu_tasks.device_book")
+    caplog.set_level(logging.INFO, logger="gpu_tasks.devices.book")
     assert book.acquire("busy", [dev1], 1, block=False) == [0]
     results: dict[str, object] = {}
 

@@ -1,4 +1,4 @@
-"""Device leases across processes on one host (gpu_tasks.leases and DeviceBook).
+"""Device leases across processes on one host (gpu_tasks.devices.leases and DeviceBook).
 
 Every test sets GPU_TASKS_LEASE_DIR to its own tmp_path, so leases are never shared
 with another test or with the developer's own flow runs.
@@ -20,16 +20,17 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, leases, profile
+from gpu_tasks import ClusterError, ProfileTaskRunner, ResourceProfile, profile
 from gpu_tasks.cli import app
-from gpu_tasks.device_book import DeviceBook
-from gpu_tasks.devices import Device
+from gpu_tasks.devices import leases
+from gpu_tasks.devices.book import DeviceBook
+from gpu_tasks.devices.discovery import Device
 
 HOLDER = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from gpu_tasks import leases
+    from gpu_tasks.devices import leases
 
     lease_dir, address, ready = sys.argv[1:4]
     info = dict(leases.owner_info("holder"), flow_run_name="holder-run", flow_run_id="holder-id")
@@ -44,7 +45,8 @@ TWO_RUNS = textwrap.dedent(
     import json, logging, os, sys, time
     from pathlib import Path
     from prefect import flow, task
-    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+    from gpu_tasks.devices import leases
 
     OUT, MINE, PEER, PEER_OUT = (Path(p) for p in sys.argv[1:5])
 

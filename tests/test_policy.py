@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gpu_tasks.allocation import WORKER_ENV_DEVICES, WORKER_ENV_EMULATED, WORKER_ENV_PROFILE
-from gpu_tasks.devices import Device, Inventory, parse_emulated
+from gpu_tasks.devices.discovery import Device, Inventory, parse_emulated
 from gpu_tasks.policy import (
     GPU_RESOURCE,
     IdleView,

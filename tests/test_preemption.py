@@ -34,7 +34,8 @@ RUN = textwrap.dedent(
     from pathlib import Path
     from prefect import flow, task
     from prefect.context import FlowRunContext
-    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+    from gpu_tasks.devices import leases
 
     CFG = json.loads(sys.argv[1])
     STARTS = Path(CFG["starts"])

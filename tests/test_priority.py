@@ -21,9 +21,10 @@ from test_lease_queue import _until
 from test_leases import _env, _stop, _wait_for
 from typer.testing import CliRunner
 
-from gpu_tasks import ResourceProfile, leases
+from gpu_tasks import ResourceProfile
 from gpu_tasks.cli import app
-from gpu_tasks.clusters import run_priority
+from gpu_tasks.cluster.local import run_priority
+from gpu_tasks.devices import leases
 from gpu_tasks.settings import get_settings
 
 # Waiters for emulated device 0 arriving one every EVERY seconds, each through its own
@@ -33,8 +34,8 @@ STREAM = textwrap.dedent(
     """
     import json, sys, threading, time
     from pathlib import Path
-    from gpu_tasks.device_book import DeviceBook
-    from gpu_tasks.devices import Device
+    from gpu_tasks.devices.book import DeviceBook
+    from gpu_tasks.devices.discovery import Device
 
     lease_dir, out, go, prefix, priority, n, every, hold, delay = sys.argv[1:10]
     DEV0 = [(Device(address="0", index=0, name="EMU"),)]

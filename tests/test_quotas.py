@@ -16,8 +16,10 @@ from prefect import flow, task
 from test_preemption import _finish, _start
 from typer.testing import CliRunner
 
-from gpu_tasks import ClusterError, ProfileError, ProfileTaskRunner, ResourceProfile, profile, quotas
+from gpu_tasks import ClusterError, ProfileError, ProfileTaskRunner, ResourceProfile, profile
 from gpu_tasks.cli import app
+from gpu_tasks.devices import leases
+from gpu_tasks.prefect_api import quotas
 
 CPU = ResourceProfile(name="cpu", cpus=0.5)
 
@@ -114,7 +116,7 @@ def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_di
 
     def sample() -> None:
         while not stop.wait(0.1):
-            rows = [q for q in quotas.usage(lease_dir) if q["quota"] == quota]
+            rows = [q for q in quotas.usage(leases.holders(lease_dir)) if q["quota"] == quota]
             if rows:
                 samples.append(rows[0]["in_use"])
 
@@ -153,5 +155,5 @@ def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_di
     waited = [out["log"] for out in outs.values() if f"waiting for room in quota {quota!r}" in out["log"]]
     assert waited, "no flow run waited for the quota"
     assert "held on this host by device" in waited[0]
-    [row] = [q for q in quotas.usage(lease_dir) if q["quota"] == quota]
+    [row] = [q for q in quotas.usage(leases.holders(lease_dir)) if q["quota"] == quota]
     assert row["in_use"] == 0 and row["holders_here"] == []

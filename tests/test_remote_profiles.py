@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, TlsOptions
-from gpu_tasks._api import loopback_api_error
+from gpu_tasks.cluster.remote import RemoteWorker, is_leaving, load_cluster_class
 from gpu_tasks.errors import ClusterError, ProfileError
+from gpu_tasks.prefect_api.api import loopback_api_error
 from gpu_tasks.profiles import load_profiles_file
-from gpu_tasks.remote import RemoteWorker, is_leaving, load_cluster_class
 
 
 def test_kinds_and_what_they_imply():

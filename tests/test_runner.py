@@ -288,7 +288,7 @@ def test_unsatisfiable_profile_fails_fast_naming_request_and_inventory(prof, wor
 def test_gpu_profile_on_a_host_without_gpus_says_how_to_emulate_or_fall_back(monkeypatch):
     """No GPU and no GPU_TASKS_EMULATED_GPUS (a Prefect worker on a CPU-only host): the error names
     both ways out, emulation and fallback='cpu', and nothing is emulated behind the user's back."""
-    from gpu_tasks import devices as devices_module
+    from gpu_tasks.devices import discovery as devices_module
 
     monkeypatch.delenv("GPU_TASKS_EMULATED_GPUS")
     monkeypatch.setattr(
@@ -890,11 +890,11 @@ def test_context_serializer_matches_prefects_serialize_context():
     from prefect.context import serialize_context
     from prefect.settings import PREFECT_LOGGING_LEVEL, temporary_settings
 
-    from gpu_tasks._blobs import Blob
-    from gpu_tasks._context import ContextSerializer
+    from gpu_tasks.runner.payload import ContextSerializer
+    from gpu_tasks.worker.blobs import Blob
 
     def plain(context: dict) -> dict:
-        """The flow run context and settings travel pickled (gpu_tasks._blobs): unpickled, with
+        """The flow run context and settings travel pickled (gpu_tasks.worker.blobs): unpickled, with
         the flow (equal only to itself) by name."""
         out = {k: pickle.loads(v.data) if isinstance(v, Blob) else v for k, v in context.items()}
         run = out["flow_run_context"]

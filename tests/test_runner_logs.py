@@ -3,7 +3,7 @@
 docs/runner.md promises log lines (the fallback warning, "waits (logged)", idle close "the
 decision is logged with its reason") and docs/operations.md quotes the cluster lines. They
 are logged with ``gpu_tasks.*`` module loggers, from the runner's threads, and sent to the
-flow run's logs by ``gpu_tasks._logging.RunLogs``: each line once, at its level. Dask's
+flow run's logs by ``gpu_tasks.reporting.logs.RunLogs``: each line once, at its level. Dask's
 INFO chatter stays out of the terminal unless GPU_TASKS_DASK_LOG_LEVEL asks for it.
 """
 

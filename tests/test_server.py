@@ -1,4 +1,4 @@
-"""The embedded Prefect server (gpu_tasks._server.embedded_server) in fresh processes, as scripts use it."""
+"""The embedded Prefect server (prefect_api.server.embedded_server) in fresh processes, as scripts use it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import json, time
 from prefect import flow, task
 from prefect.context import FlowRunContext
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
-from gpu_tasks._server import embedded_server
+from gpu_tasks.prefect_api.server import embedded_server
 
 @task(tags=[profile("gpu")])
 def quick() -> int:
@@ -89,7 +89,7 @@ def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
 RECORDED_SCRIPT = """
 import os, sqlite3, json
 from prefect import flow, task
-from gpu_tasks._server import embedded_server
+from gpu_tasks.prefect_api.server import embedded_server
 
 @task
 def inc(x):
@@ -131,7 +131,7 @@ def test_waiting_for_records_ignores_task_runs_older_than_the_server(prefect_ser
     from prefect.client.orchestration import get_client
     from prefect.states import Running
 
-    from gpu_tasks._server import _wait_until_recorded
+    from gpu_tasks.prefect_api.server import _wait_until_recorded
 
     @task
     def stale() -> None: ...

@@ -1,9 +1,9 @@
 """Nothing waits while holding a device (PrefectHQ/prefect#8539).
 
 A GPU task that must wait for a Prefect tag concurrency slot waits in the flow process,
-before any device is leased or worker started for it (gpu_tasks._slotgate), and the
+before any device is leased or worker started for it (gpu_tasks.prefect_api.tag_slots), and the
 worker's engine does not take that slot a second time; a GPU task whose result Prefect
-has cached is answered in the flow process with no device (gpu_tasks._cache). Behaviour
+has cached is answered in the flow process with no device (gpu_tasks.runner.admission). Behaviour
 is read from the lease book, ``runner.status()``, the ledger, the server's events and task
 runs; never from timings. Ctrl-C while a task waits: tests/faults/test_ctrl_c.py.
 """
@@ -22,7 +22,8 @@ from prefect.cache_policies import INPUTS
 from prefect.context import FlowRunContext
 from prefect_api import api, flow_run_events
 
-from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+from gpu_tasks.devices import leases
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes", "emulated", "lease_dir")
 

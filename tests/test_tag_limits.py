@@ -138,7 +138,7 @@ def test_tasks_queued_at_the_slot_gate_ask_the_server_once_when_no_limit_exists(
 
     from prefect.client.orchestration import PrefectClient
 
-    from gpu_tasks._slotgate import SlotGate, slot_names
+    from gpu_tasks.prefect_api.tag_slots import SlotGate, slot_names
 
     _shipped_cache(monkeypatch)
     asked: list[list[str]] = []
@@ -172,8 +172,8 @@ def test_a_long_wait_at_the_slot_gate_is_logged_while_it_lasts(monkeypatch, capl
     import contextvars
     import logging
 
-    from gpu_tasks import _slotgate
-    from gpu_tasks._slotgate import SlotGate, slot_names
+    from gpu_tasks.prefect_api import tag_slots as _slotgate
+    from gpu_tasks.prefect_api.tag_slots import SlotGate, slot_names
 
     monkeypatch.setattr(_slotgate, "RENEW_EVERY_S", 0.3)
     monkeypatch.setattr(_slotgate, "WAIT_LOGGED_S", 0.5)

@@ -14,9 +14,9 @@ from prefect.utilities.annotations import quote
 from pydantic import BaseModel
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
-from gpu_tasks._futures import futures_to_states, pending_futures
 from gpu_tasks.allocation import Allocation
-from gpu_tasks.backends import DaskBackend
+from gpu_tasks.cluster.backends import DaskBackend
+from gpu_tasks.prefect_api.futures import futures_to_states, pending_futures
 
 PROFILES = [
     ResourceProfile(name="cpu", cpus=0.5),
@@ -55,7 +55,7 @@ def test_futures_to_states_returns_plain_data_as_it_is_and_replaces_futures():
 
 
 def test_a_task_is_prepared_once_per_allocation_on_a_worker():
-    from gpu_tasks._worker import _prepared
+    from gpu_tasks.worker.engine import _prepared
 
     @task(tags=["mine"])
     def work() -> int:
@@ -181,7 +181,7 @@ def test_finished_tasks_results_are_fetched_in_batches_and_each_reaches_its_task
 
     from distributed import Client, LocalCluster, wait
 
-    from gpu_tasks._landing import Landings
+    from gpu_tasks.runner.results import Landings
 
     got: dict[int, tuple[object, BaseException | None]] = {}
     fetches: list[int] = []

@@ -1,4 +1,4 @@
-"""Warm worker processes (gpu_tasks._warm): they hold no device until a lease binds one,
+"""Warm worker processes (gpu_tasks.worker.warm): they hold no device until a lease binds one,
 a GPU task runs in one, and none outlives its runner, even when the flow process is killed."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from faults._procs import clean_env, kill_marked
 from prefect import flow, task
 from prefect.context import FlowRunContext
 
-from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+from gpu_tasks.devices import leases
 
 pytestmark = pytest.mark.usefixtures("prefect_server", "emulated")
 
@@ -218,7 +219,7 @@ def test_a_warm_process_survives_a_ctrl_c_while_it_imports():
     with SIGINT ignored), prints no traceback, and becomes ready."""
     import multiprocessing
 
-    from gpu_tasks._warm import WarmProcess
+    from gpu_tasks.worker.warm import WarmProcess
 
     proc = WarmProcess(multiprocessing.get_context("spawn"))
     try:

@@ -16,7 +16,7 @@ from prefect import flow, task
 from prefect.context import FlowRunContext
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, _gpu, current_allocation, profile
-from gpu_tasks.devices import nvml_devices
+from gpu_tasks.devices.discovery import nvml_devices
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("prefect_server", "no_leaked_processes")]
 

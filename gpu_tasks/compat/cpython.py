@@ -24,7 +24,7 @@ def run_exit_handlers() -> None:
 def replace_os_exit(replacement: Callable[[int], Any]) -> Callable[[int], Any]:
     """Make ``os._exit`` call ``replacement`` in this process; returns the one it replaced.
 
-    A worker's guard (:mod:`gpu_tasks._worker_guard`) ends the task's child processes whoever
+    A worker's guard (:mod:`gpu_tasks.worker.guard`) ends the task's child processes whoever
     ends the worker that way (Dask's nanny, Prefect, the guard itself).
     """
     real = os._exit

@@ -16,7 +16,7 @@ from gpu_tasks import _gpu
 def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[str, Any]:
     """What dask-cuda's ``LocalCUDACluster`` gives one worker, for a worker started elsewhere.
 
-    Called in a warm worker process (:mod:`gpu_tasks._warm`) once it is bound to its device,
+    Called in a warm worker process (:mod:`gpu_tasks.worker.warm`) once it is bound to its device,
     so ``CUDA_VISIBLE_DEVICES`` is set before dask-cuda (or anything it loads) is imported.
     The same plugins (CPU affinity, RMM, cuDF setup and spilling), device-to-host spilling
     store and ``dask_cuda.initialize --create-cuda-context`` preload as dask-cuda's own workers.
@@ -62,7 +62,7 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
         enable_cudf_spill=cuda["enable_cudf_spill"],
         cudf_spill_stats=False,
     )
-    from gpu_tasks._worker_guard import add_preload
+    from gpu_tasks.compat.distributed import add_preload
 
     return {
         **({"data": data} if data is not None else {}),

@@ -5,7 +5,7 @@ pin) and 2026.8.0 (the compat stage). Each wrapper degrades to a logged no-op or
 error on a version where the private name is gone; tests/test_compat.py fails there.
 
 The nanny's private ``_on_worker_exit_sync`` hook is overridden here too
-(:func:`nanny_class_with_exit_hook`), so :class:`gpu_tasks._nanny.WatchedNanny` uses a public
+(:func:`nanny_class_with_exit_hook`), so :class:`gpu_tasks.worker.exits.WatchedNanny` uses a public
 method of its own.
 """
 
@@ -101,6 +101,22 @@ def nanny_class_with_exit_hook() -> type[Any]:
             super()._on_worker_exit_sync(exitcode)  # type: ignore[no-untyped-call]  # unannotated
 
     return NannyWithExitHook
+
+
+# ---------------------------------------------------------------- public helpers
+def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``preload``/``preload_argv`` with ``module`` appended, given ``args``.
+
+    Dask gives a flat ``preload_argv`` to every preload, so ``args`` join it (as dask-cuda
+    adds its own); a list of lists has one entry per preload, so ``args`` become one.
+    """
+    preload = [preload] if isinstance(preload, str) else list(preload or [])
+    argv = list(preload_argv or [])
+    if argv and not isinstance(argv[0], str):
+        argv.append(list(args))
+    else:
+        argv.extend(args)
+    return {"preload": [*preload, module], "preload_argv": argv}
 
 
 # ---------------------------------------------------------------- the uses, with feature checks

@@ -31,7 +31,7 @@ The same wrapper answers a check whose tags the cache knows have no limit withou
 Prefect's slot service: the outcome Prefect's own cached path gives (no lease), without its
 two thread hops and made-up HTTP response, which were 13% of a worker process's CPU per
 task.
-**Cache keys computed before a device is leased** (``gpu_tasks._cache``) follow the
+**Cache keys computed before a device is leased** (``gpu_tasks.runner.admission``) follow the
 engine's ``compute_transaction_key`` and call ``ResultStore.update_for_task(task,
 _sync=True)`` as the engine does (its ``async_dispatch`` keyword).
 
@@ -95,7 +95,7 @@ def deployment_context() -> tuple[str | None, Any]:
 
     Prefect's ``serialize_context`` sends them to remote task runs from the private
     context variables ``_deployment_id`` and ``_deployment_parameters``; gpu-tasks
-    serializes context itself (``gpu_tasks._context``) and sends the same.
+    serializes context itself (``gpu_tasks.runner.payload``) and sends the same.
     """
     from prefect import context as pctx
 
@@ -105,7 +105,7 @@ def deployment_context() -> tuple[str | None, Any]:
 
 # ---------------------------------------------------------------- tag slots the flow process holds
 # A GPU task must not hold a device while it waits for a Prefect tag concurrency slot. The flow
-# process takes the task run's `tag:<tag>` slots before it leases a device (gpu_tasks._slotgate) and
+# process takes the task run's `tag:<tag>` slots before it leases a device (prefect_api.tag_slots) and
 # holds them until the task ends; the task engine on the worker would take them a second time (and
 # wait forever under a limit of 1), so inside `tag_slots_held_by_flow` the engine's own
 # acquisition for that task run leaves out the names the flow holds (it still takes the others,

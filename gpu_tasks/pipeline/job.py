@@ -1,9 +1,9 @@
 """``gpu-tasks run``: the ETL -> train pipeline once, on an embedded Prefect server.
 
 Without ``PREFECT_API_URL`` a Prefect server is started for the run on 127.0.0.1
-(and stopped after it: :func:`gpu_tasks._server.embedded_server`). Devices are
+(and stopped after it: :func:`gpu_tasks.prefect_api.server.embedded_server`). Devices are
 emulated only where ``GPU_TASKS_EMULATED_GPUS`` is set (``gpu-tasks run --emulate``,
-:func:`gpu_tasks._emulation.ensure_devices`).
+:func:`gpu_tasks.devices.emulation.ensure_devices`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from gpu_tasks._server import embedded_server
+from gpu_tasks.prefect_api.server import embedded_server
 
 
 def run_pipeline(
@@ -22,7 +22,7 @@ def run_pipeline(
     data_dir: str | None = None,
 ) -> dict[str, Any]:
     """Run the pipeline flow once and return its summary (plus wall time and server URL)."""
-    from gpu_tasks.devices import discover
+    from gpu_tasks.devices.discovery import discover
     from gpu_tasks.pipeline.flow import etl_train
 
     source = discover().source
@@ -41,7 +41,7 @@ def closed_clusters(out: dict[str, Any]) -> dict[str, Any]:
     flow's own snapshot taken before they closed."""
     import uuid
 
-    from gpu_tasks.ledger import ended_ledger
+    from gpu_tasks.reporting.ledger import ended_ledger
 
     rows = ended_ledger(uuid.UUID(out["flow_run_id"]))
     if rows is None:  # the runner did not end in this process: keep the flow's snapshot

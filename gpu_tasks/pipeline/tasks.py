@@ -20,7 +20,7 @@ from gpu_tasks import Allocation, _gpu, current_allocation, profile
 from gpu_tasks.profiles import DEFAULT_PROFILE
 
 # The plugin's built-in default (CPU) profile name; to come from the plugin's own constant
-# (gpu_tasks.runner.DEFAULT_PROFILE today, moving to gpu_tasks.profiles) once it has one home.
+# (gpu_tasks.runner.task_runner.DEFAULT_PROFILE today, moving to gpu_tasks.profiles) once it has one home.
 CPU_PROFILE = DEFAULT_PROFILE  # the runner's default profile: untagged tasks run there
 ETL_PROFILE = "gpu-etl"
 TRAIN_PROFILE = "gpu-train"
@@ -91,7 +91,7 @@ def train_task(features_dir: str, model_path: str, num_rounds: int = 60, seed: i
     """XGBoost on the allocated devices; data-parallel (a gang) when it holds several."""
     from prefect.artifacts import create_progress_artifact, update_progress_artifact
 
-    from gpu_tasks.backends import per_device_client
+    from gpu_tasks.cluster.backends import per_device_client
     from gpu_tasks.pipeline.train import train_model
 
     alloc = current_allocation()

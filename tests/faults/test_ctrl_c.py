@@ -313,7 +313,8 @@ def test_ctrl_c_while_a_gpu_task_waits_for_a_tag_slot_gives_the_slot_back(tmp_pa
     from prefect.settings import get_current_settings
     from prefect_api import api
 
-    from gpu_tasks import ProfileTaskRunner, ResourceProfile, leases, profile
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+    from gpu_tasks.devices import leases
 
     tag = f"serial-{uuid.uuid4().hex[:8]}"
     name = f"tag:{tag}"
@@ -368,7 +369,7 @@ def test_ctrl_c_while_a_gpu_task_waits_for_a_tag_slot_gives_the_slot_back(tmp_pa
 SERVER_SCRIPT = textwrap.dedent(
     """
     import time
-    from gpu_tasks._server import embedded_server
+    from gpu_tasks.prefect_api.server import embedded_server
 
     if __name__ == "__main__":
         with embedded_server() as url:

@@ -4,7 +4,7 @@ Prefect 3.8.8 configures logging on a worker lazily, in the first task's context
 hydration, with no lock: one thread in ``logging.config.dictConfig`` (holding logging's
 module lock) flushes Prefect's API log handler and waits for Prefect's service-instance
 lock, while another thread holds that lock creating the process's first ``EventsWorker``
-and waits for logging's lock. ``gpu_tasks._worker.prepare_process`` (called first by
+and waits for logging's lock. ``gpu_tasks.worker.engine.prepare_process`` (called first by
 every task a worker runs) sets logging up once while the other task threads wait.
 
 Each case is a fresh interpreter whose threads meet at a barrier and then do what a first
@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent(
     import prefect.task_engine  # what a worker has imported before its first task
     from prefect.events.worker import EventsWorker
     from prefect.logging.configuration import ensure_logging_setup
-    from gpu_tasks._worker import prepare_process
+    from gpu_tasks.worker.engine import prepare_process
 
     barrier = threading.Barrier({THREADS})
 

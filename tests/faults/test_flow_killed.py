@@ -1,5 +1,5 @@
 """The flow process is SIGKILLed while GPU tasks run: its workers and their children exit by
-themselves (gpu_tasks._worker_guard), and the next flow run gets the devices at once."""
+themselves (gpu_tasks.worker.guard), and the next flow run gets the devices at once."""
 
 from __future__ import annotations
 
@@ -19,8 +19,9 @@ from prefect import flow, task, unmapped
 from prefect.context import FlowRunContext
 
 from faults._procs import marked as _marked
-from gpu_tasks import ProfileTaskRunner, ResourceProfile, leases, profile
-from gpu_tasks._worker_guard import MODULE, preload_options
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+from gpu_tasks.devices import leases
+from gpu_tasks.worker.guard import MODULE, preload_options
 
 SCRIPT = textwrap.dedent(
     """
@@ -162,7 +163,7 @@ def test_preload_options_add_the_guard_once_and_keep_other_preloads():
 GUARDED = textwrap.dedent(
     """
     import os, subprocess, sys, time
-    from gpu_tasks import _worker_guard
+    from gpu_tasks.worker import guard as _worker_guard
 
     _worker_guard.start(os.getppid())
     child = subprocess.Popen(["sleep", "300"])

@@ -15,7 +15,8 @@ from prefect.states import StateType
 from prefect_api import api
 
 from faults._procs import server_task_run
-from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, leases, profile
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+from gpu_tasks.devices import leases
 
 pytestmark = pytest.mark.usefixtures("emulated", "no_leaked_processes")
 

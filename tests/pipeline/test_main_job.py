@@ -110,7 +110,7 @@ def test_pipeline_commands_on_a_host_without_gpus_say_how_to_emulate(
     """No GPU and no emulation asked for: `run` and `serve` follow the rule every flow run follows
     (no emulation unless GPU_TASKS_EMULATED_GPUS or --emulate says so) and stop before starting
     anything, with an error that names both ways out."""
-    from gpu_tasks import devices as devices_module
+    from gpu_tasks.devices import discovery as devices_module
 
     marker = uuid.uuid4().hex
     monkeypatch.setenv("GPU_TASKS_TEST_MARKER", marker)

@@ -17,8 +17,8 @@ from prefect.settings import get_current_settings
 from prefect_api import api
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
+from gpu_tasks.cluster.remote import executing_keys
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
-from gpu_tasks.remote import executing_keys
 from remote_clusters.hosts import Hosts, kill_when_written, overlaps, prioritized_run
 
 pytestmark = pytest.mark.slow
@@ -205,7 +205,7 @@ def test_a_task_that_must_wait_is_logged_with_what_it_waits_for(
 ):
     import logging
 
-    from gpu_tasks.remote import RemoteCluster
+    from gpu_tasks.cluster.remote import RemoteCluster
 
     monkeypatch.setattr(RemoteCluster, "wait_log_every", 0.5)
     caplog.set_level(logging.INFO, logger="gpu_tasks.runner")

@@ -13,8 +13,9 @@ import pytest
 from prefect import flow, task
 from prefect_api import api, flow_run_events
 
-from gpu_tasks import ProfileTaskRunner, ResourceProfile, quotas
+from gpu_tasks import ProfileTaskRunner, ResourceProfile
 from gpu_tasks.errors import ClusterError
+from gpu_tasks.prefect_api import quotas
 from remote_clusters.hosts import Hosts, overlaps, prioritized_run
 
 pytestmark = pytest.mark.slow
@@ -161,8 +162,8 @@ def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
 def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
     """Entries go up and down through the scheduler's metadata; a holder sees only live entries
     that outrank it, picks its tasks on a worker the waiter is queued on, and not twice at once."""
-    from gpu_tasks import _shared_board as shared_board
-    from gpu_tasks._shared_board import BOARD, SharedBoard
+    from gpu_tasks.cluster import board as shared_board
+    from gpu_tasks.cluster.board import BOARD, SharedBoard
 
     with gpu_hosts.client() as client:
         urgent = SharedBoard("urgent", need=1.0, preemptible=False)
@@ -248,8 +249,8 @@ def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
 def test_gpu_tasks_waiters_lists_the_board(gpu_hosts: Hosts):
     from typer.testing import CliRunner
 
-    from gpu_tasks._shared_board import SharedBoard
     from gpu_tasks.cli import app
+    from gpu_tasks.cluster.board import SharedBoard
 
     cli = CliRunner()
     empty = cli.invoke(app, ["waiters", gpu_hosts.address])

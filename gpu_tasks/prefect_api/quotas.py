@@ -4,7 +4,7 @@ A profile with ``quota="team-a"`` counts the devices its workers hold against th
 Prefect global concurrency limit ``gpu-quota:team-a`` (one slot per device), so the
 limit is seen and changed in the Prefect UI (Concurrency) or with ``gpu-tasks quotas``.
 Slots are taken with a Prefect lease when a worker group's devices are taken
-(:class:`gpu_tasks.device_book.DeviceBook`), renewed while held, and given back with
+(:class:`gpu_tasks.devices.book.DeviceBook`), renewed while held, and given back with
 the devices; a flow run that dies without giving them back loses them when its lease
 expires (``GPU_TASKS_QUOTA_LEASE_SECONDS``, at least 60 s: Prefect's minimum).
 """
@@ -35,7 +35,8 @@ def limit_name(quota: str) -> str:
 
 
 def holders_here(quota: str, holders: dict[str, Any]) -> list[dict[str, Any]]:
-    """The lease infos of :func:`gpu_tasks.leases.holders` that count against ``quota``, with addresses."""
+    """The lease infos of :func:`gpu_tasks.devices.leases.holders` that count against ``quota``,
+    with addresses."""
     return [dict(info, address=a) for a, info in holders.items() if info and info.get("quota") == quota]
 
 
@@ -170,11 +171,10 @@ class QuotaSlots:
                 logger.warning("could not renew quota leases %s", held, exc_info=True)
 
 
-def usage(lease_dir: Any = None) -> list[dict[str, Any]]:
-    """Every ``gpu-quota:*`` limit: quota, limit, devices in use, and this host's holders."""
+def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every ``gpu-quota:*`` limit: quota, limit, devices in use, and this host's holders
+    (``holders``: :func:`gpu_tasks.devices.leases.holders` of this host's lease directory)."""
     from prefect.client.orchestration import get_client
-
-    from gpu_tasks import leases
 
     limits = []
     offset = 0
@@ -185,7 +185,7 @@ def usage(lease_dir: Any = None) -> list[dict[str, Any]]:
             if len(page) < 200:
                 break
             offset += 200
-    holders = leases.holders(lease_dir)
+    holders = holders or {}
     out = []
     for limit in sorted(limits, key=lambda x: x.name):
         if not limit.name.startswith(PREFIX):

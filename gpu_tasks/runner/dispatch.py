@@ -18,15 +18,6 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from gpu_tasks import quotas
-from gpu_tasks._cache import CacheOnly, cached_key, may_be_cached
-from gpu_tasks._crash import await_retry, crash_task_run, fail_task_run, preempt_task_run, read_task_run
-from gpu_tasks._futures import futures_to_states
-from gpu_tasks._landing import Landings
-from gpu_tasks._live import Job, Live, ProfileState
-from gpu_tasks._logging import flow_logger
-from gpu_tasks._slotgate import Hold, slot_names
-from gpu_tasks._worker import run_engine, run_on_worker
 from gpu_tasks.allocation import Allocation
 from gpu_tasks.compat.prefect import (
     can_skip_engine_tag_slots,
@@ -34,10 +25,25 @@ from gpu_tasks.compat.prefect import (
     tag_slots_held_by_flow,
 )
 from gpu_tasks.errors import GpuOutOfMemoryError, GpuTasksError
-from gpu_tasks.events import publish_dashboard
 from gpu_tasks.policy import desired_workers, task_resources
 from gpu_tasks.preemption import PreemptedRun, describe_waiter
+from gpu_tasks.prefect_api import quotas
+from gpu_tasks.prefect_api.futures import futures_to_states
+from gpu_tasks.prefect_api.states import (
+    await_retry,
+    crash_task_run,
+    fail_task_run,
+    preempt_task_run,
+    read_task_run,
+)
+from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
 from gpu_tasks.profiles import profile
+from gpu_tasks.reporting.events import publish_dashboard
+from gpu_tasks.reporting.logs import flow_logger
+from gpu_tasks.runner.admission import CacheOnly, cached_key, may_be_cached
+from gpu_tasks.runner.results import Landings
+from gpu_tasks.runner.session import Job, Live, ProfileState
+from gpu_tasks.worker.engine import run_engine, run_on_worker
 
 logger = logging.getLogger("gpu_tasks.runner")
 
@@ -86,9 +92,9 @@ class Dispatcher:
     def admit(self, job: Job, then: Callable[[], Any]) -> None:
         """Call ``then()`` (which dispatches ``job``) once nothing but devices stands in its way.
 
-        A GPU task first looks for its cached result (:mod:`gpu_tasks._cache`; found, it runs
+        A GPU task first looks for its cached result (:mod:`gpu_tasks.runner.admission`; found, it runs
         in the flow process and never reaches ``then``) and takes its Prefect tag concurrency
-        slots (:mod:`gpu_tasks._slotgate`), so that neither ever holds a device. The common
+        slots (:mod:`gpu_tasks.prefect_api.tag_slots`), so that neither ever holds a device. The common
         case (no cache policy, tags without limits) costs a few attribute reads and one cached
         answer. CPU tasks go on at once.
         """
@@ -195,7 +201,7 @@ class Dispatcher:
         """Hold room in an ``address`` profile's quota for ``job``'s task before it is handed off.
 
         Its task holds its devices while it runs on the shared cluster: it takes
-        :func:`gpu_tasks.quotas.task_need` slots, waiting (logged, holding nothing) while the
+        :func:`gpu_tasks.prefect_api.quotas.task_need` slots, waiting (logged, holding nothing) while the
         quota is full; a re-queued preempted task waits without ``GPU_TASKS_LEASE_TIMEOUT``.
         """
         live, prof = self.live, job.profile
@@ -470,7 +476,7 @@ class Dispatcher:
     # ------------------------------------------------------------ collect
     def _on_done(self, job: Job, attempt: int, dfut: Any) -> None:
         """On Dask's callback thread (one per process): a local cluster's finished task has its
-        result fetched in a batch (:mod:`gpu_tasks._landing`), anything else here."""
+        result fetched in a batch (:mod:`gpu_tasks.runner.results`), anything else here."""
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
         if (
@@ -601,7 +607,7 @@ class Dispatcher:
     def preempt(self, st: ProfileState, addresses: list[str], waiter: dict[str, Any]) -> None:
         """Stop ``st``'s workers on ``addresses`` for ``waiter``; re-queue the tasks they ran.
 
-        Runs on a thread of its own (gpu_tasks._live checks the queue). The tasks end
+        Runs on a thread of its own (gpu_tasks.runner.session checks the queue). The tasks end
         ``Preempted`` and are dispatched again, as the same task runs with their retries
         intact; they wait for devices like any task of the profile (without
         ``GPU_TASKS_LEASE_TIMEOUT``).
@@ -694,7 +700,7 @@ class Dispatcher:
 
     def _report_worker_death(self, job: Job, exc: BaseException) -> tuple[float, Any] | None:
         """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried."""
-        from gpu_tasks._nanny import worker_exit  # imports distributed: only once a worker died
+        from gpu_tasks.worker.exits import worker_exit  # imports distributed: only once a worker died
 
         live, st, prof = self.live, job.st, job.profile
         ws = getattr(exc, "last_worker", None)

@@ -101,7 +101,7 @@ def owner_info(profile: str | None = None, priority: int | None = None) -> dict[
     """Who is taking a lease now: this process, its flow run (when in one), ``profile``.
 
     ``priority``, when given, is the priority the profile runs at in this flow run
-    (:func:`gpu_tasks.clusters.run_priority`); ``gpu-tasks devices`` shows it.
+    (:func:`gpu_tasks.cluster.local.run_priority`); ``gpu-tasks devices`` shows it.
     """
     info: dict[str, Any] = {
         "pid": os.getpid(),
@@ -265,7 +265,7 @@ def aged_priority(base: int, aging: float, waited: float) -> int:
     """``base + floor(waited / aging)``; ``base`` without aging (``aging`` 0) or without a wait.
 
     The one aging rule: the device queue here (:func:`effective_priority`) and the waiter
-    board of a shared scheduler (gpu_tasks._shared_board, ``gpu-tasks waiters``) use it.
+    board of a shared scheduler (gpu_tasks.cluster.board, ``gpu-tasks waiters``) use it.
     """
     if aging <= 0 or not math.isfinite(waited) or waited <= 0:
         return base

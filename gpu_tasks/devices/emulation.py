@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from gpu_tasks.devices import discover, parse_emulated
+from gpu_tasks.devices.discovery import discover, parse_emulated
 from gpu_tasks.settings import get_settings
 
 DEFAULT_EMULATION = "2"

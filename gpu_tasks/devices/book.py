@@ -1,7 +1,7 @@
 """DeviceBook: which profile's cluster holds each device, and the queue for devices.
 
 Within one entered runner the book hands device groups to profiles; across flow-run
-processes on this host it leases them (:mod:`gpu_tasks.leases`).
+processes on this host it leases them (:mod:`gpu_tasks.devices.leases`).
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_tasks import leases, preemption, quotas
-from gpu_tasks.devices import Device
+from gpu_tasks import preemption
+from gpu_tasks.devices import leases
+from gpu_tasks.devices.discovery import Device
 from gpu_tasks.errors import ClusterError
+from gpu_tasks.prefect_api import quotas
 from gpu_tasks.settings import get_settings, resolve
 
 logger = logging.getLogger(__name__)
@@ -31,15 +33,15 @@ class DeviceBook:
     asked to give them back at once (``reclaim``) instead of after its idle timeout.
 
     Across processes (flow runs) on this host, a device the book hands out is also
-    leased (:mod:`gpu_tasks.leases`, in ``lease_dir``): a group is free only when this
+    leased (:mod:`gpu_tasks.devices.leases`, in ``lease_dir``): a group is free only when this
     book has it free and every one of its devices can be leased now. The lease is
     given back when the book's holder releases the device. A profile that waits
     ``lease_timeout`` seconds for devices other processes lease gets a ``ClusterError``.
 
     Waiters are queued: a profile that has to wait registers, in this book and as a
-    waiter file in ``lease_dir`` (:func:`gpu_tasks.leases.enqueue`), and a group is
+    waiter file in ``lease_dir`` (:func:`gpu_tasks.devices.leases.enqueue`), and a group is
     not taken while a waiter that ranks before the taker (higher effective priority, then
-    earlier arrival; :func:`gpu_tasks.leases.rank`), of this book or of any process,
+    earlier arrival; :func:`gpu_tasks.devices.leases.rank`), of this book or of any process,
     wants one of its devices. A waiter's effective priority grows by one for every
     ``priority_aging`` seconds it waits (``GPU_TASKS_PRIORITY_AGING``; 0: never).
     """
@@ -102,7 +104,7 @@ class DeviceBook:
             preemptible: ``owner``'s devices may be taken back for higher-priority waiters
                 (recorded with its leases, for every process to see).
             patient: wait without ``lease_timeout`` (re-queued preempted tasks).
-            quota: count ``owner``'s devices against this quota (:mod:`gpu_tasks.quotas`); a
+            quota: count ``owner``'s devices against this quota (:mod:`gpu_tasks.prefect_api.quotas`); a
                 group is taken only with room for it there, a wait for room is logged and
                 counts towards ``lease_timeout``, and a need larger than the quota fails fast.
 

@@ -27,12 +27,12 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from gpu_tasks import _gpu
-from gpu_tasks._slots import SlotPool
 from gpu_tasks.allocation import Allocation
 from gpu_tasks.compat import distributed as _dask_private
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE, WorkerSpec
 from gpu_tasks.profiles import CudaOptions, ResourceProfile
+from gpu_tasks.worker.slots import SlotPool
 
 logger = logging.getLogger(__name__)
 
@@ -62,19 +62,19 @@ def nanny_spec(
     resources and environment, or a warm process from ``pool`` given the same.
 
     Args:
-        watched: a :class:`~gpu_tasks._nanny.WatchedNanny` (records how its worker
+        watched: a :class:`~gpu_tasks.worker.exits.WatchedNanny` (records how its worker
             ended) whose worker loads the guard that ends it with the flow process;
             otherwise a plain ``Nanny`` (a task's own short-lived cluster).
-        pool: a :class:`~gpu_tasks._warm.WarmPool`: the worker runs in one of its
-            processes (:class:`~gpu_tasks._warm.PooledWorker`) instead of a new one.
+        pool: a :class:`~gpu_tasks.worker.warm.WarmPool`: the worker runs in one of its
+            processes (:class:`~gpu_tasks.worker.warm.PooledWorker`) instead of a new one.
         timeout: how long a pooled worker waits for its process.
         cuda: a real-GPU profile's :class:`~gpu_tasks.profiles.CudaOptions` (as a dict):
             the pooled worker sets itself up as dask-cuda's would, once bound to its device.
     """
     from distributed import Nanny
 
-    from gpu_tasks._nanny import WatchedNanny
-    from gpu_tasks._worker_guard import preload_options
+    from gpu_tasks.worker.exits import WatchedNanny
+    from gpu_tasks.worker.guard import preload_options
 
     options: dict[str, Any] = {
         "nthreads": spec.nthreads,
@@ -87,9 +87,9 @@ def nanny_spec(
         "name": spec.name,
     }
     if watched:
-        options.update(preload_options())  # workers exit with the flow process (gpu_tasks._worker_guard)
+        options.update(preload_options())  # workers exit with the flow process (gpu_tasks.worker.guard)
     if pool is not None:
-        from gpu_tasks._warm import PooledWorker
+        from gpu_tasks.worker.warm import PooledWorker
 
         if cuda is not None:  # as dask-cuda does: no RAPIDS library creates a context on import
             options["env"] = {**spec.env, "RAPIDS_NO_INITIALIZE": "True"}
@@ -102,7 +102,8 @@ def scheduler_spec(dashboard: bool, rerun_lost: bool = False) -> dict[str, Any]:
 
     Args:
         rerun_lost: let Dask re-run a task whose worker died (its default); a profile's
-            scheduler does not: the runner reports the crash (gpu_tasks._crash).
+            scheduler does not: the runner reports the crash
+    # (gpu_tasks.prefect_api.states).
     """
     from distributed import Scheduler
 
@@ -222,7 +223,7 @@ class ThreadBackend(Backend):
     A Dask scheduler round trip costs about as much as Prefect's whole task engine
     (bench/overhead.py), so a plain executor sized by the profile runs these tasks.
     A slot pool, not a plain thread pool: a task that waits for a child task of this
-    profile gives its slot to the child (:mod:`gpu_tasks._slots`).
+    profile gives its slot to the child (:mod:`gpu_tasks.worker.slots`).
     """
 
     def __init__(self, nthreads: int, name: str) -> None:
@@ -256,7 +257,7 @@ class DaskBackend(Backend):
 
         self.cluster = cluster
         self.timeout = timeout
-        self.pool = pool  # warm processes for the workers it adds (gpu_tasks._warm)
+        self.pool = pool  # warm processes for the workers it adds (gpu_tasks.worker.warm)
         self.cuda = cuda  # dask-cuda's worker setup for them (real GPUs), as nanny_spec takes it
         self.client = None
         try:
@@ -373,7 +374,7 @@ def start(
     Args:
         every_spec: the specs of every worker the profile may ever have (dask-cuda
             needs all of its devices up front; it starts only those of ``specs``).
-        pool: warm processes (:class:`~gpu_tasks._warm.WarmPool`) for the workers of a
+        pool: warm processes (:class:`~gpu_tasks.worker.warm.WarmPool`) for the workers of a
             ``SpecCluster``; with one, ``specs`` may be empty (the scheduler starts
             before any device is leased, the workers come with :meth:`DaskBackend.add`).
     """
@@ -476,7 +477,7 @@ def _cuda_cluster(
     dask_cuda = _load_dask_cuda(profile)
     by_address = {spec.devices[0].address: spec for spec in every_spec}
     cls = _own_device_cluster_class(dask_cuda.LocalCUDACluster)
-    # no silent re-run of a task whose worker died: the runner reports the crash (gpu_tasks._crash)
+    # no silent re-run of a task whose worker died: the runner reports it (prefect_api.states)
     with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
         return cls(
             by_address, next_devices, **cuda_cluster_options(profile.cuda, specs, list(by_address), dashboard)
@@ -496,8 +497,8 @@ def _own_device_cluster_class(base: type) -> type:
         return cls
     from distributed import Nanny
 
-    from gpu_tasks._nanny import WatchedNanny
-    from gpu_tasks._worker_guard import preload_options
+    from gpu_tasks.worker.exits import WatchedNanny
+    from gpu_tasks.worker.guard import preload_options
 
     class OwnDeviceCUDACluster(base):  # type: ignore[misc]  # base is a class known at run time (dask-cuda's)
         """dask-cuda shows each worker every device (its own first); gpu-tasks shows only its own."""

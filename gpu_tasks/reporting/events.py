@@ -11,7 +11,7 @@ shows in the flow run's event feed):
   ``gpu-tasks.task.<task run id>``, related to the task run too;
 - ``gpu-tasks.flow-run.summary`` when the runner exits, resource
   ``gpu-tasks.flow-run.<flow run id>``: the run's held and busy device-seconds, its longest
-  device wait and its alerts (:mod:`gpu_tasks.alerts`).
+  device wait and its alerts (:mod:`gpu_tasks.reporting.alerts`).
 
 How they read in the Prefect UI. Its event feed and an event's Details tab render, of a
 resource, only ``prefect.resource.name`` (else the id) and, of each related resource,
@@ -37,17 +37,34 @@ import socket
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-from gpu_tasks.alerts import AlertThresholds, RunTotals, alert_label, run_alerts
+from gpu_tasks.reporting.alerts import AlertThresholds, RunTotals, alert_label, run_alerts
 
 if TYPE_CHECKING:
-    from gpu_tasks.clusters import ProfileCluster
-    from gpu_tasks.ledger import LedgerRow
+    from gpu_tasks.profiles import ResourceProfile
+    from gpu_tasks.reporting.ledger import LedgerRow
 
 logger = logging.getLogger(__name__)
 
 Resource = dict[str, str]
+
+
+class ClusterView(Protocol):
+    """What the events read of a profile's cluster (:class:`gpu_tasks.cluster.local.ProfileCluster`
+    and the remote ones); reporting sits below the clusters and imports none of them."""
+
+    @property
+    def profile(self) -> ResourceProfile: ...
+    @property
+    def devices(self) -> Sequence[str]: ...
+    @property
+    def queue_priority(self) -> int | None: ...
+    @property
+    def emulated(self) -> bool: ...
+    @property
+    def dashboard_link(self) -> str | None: ...
+
 
 # the device event that each cluster event implies for the devices it names
 _DEVICE_EVENTS = {
@@ -383,7 +400,7 @@ def feed_url(ui_url: str, flow_run_id: uuid.UUID | str | None = None, v1: bool =
 # ---------------------------------------------------------------- sending
 def emit_cluster_event(
     what: str,
-    cluster: ProfileCluster,
+    cluster: ClusterView,
     run: RunRef,
     payload: dict[str, Any],
     devices: Sequence[str] | None = None,
@@ -461,7 +478,7 @@ def emit_run_summary(
     priorities: Mapping[str, int] | None = None,
 ) -> None:
     """``gpu-tasks.flow-run.summary`` for a run whose ledger ``rows`` held devices (none otherwise);
-    ``priorities``: what each profile queued for devices at (:attr:`ProfileCluster.queue_priority`)."""
+    ``priorities``: what each profile queued for devices at (:attr:`ClusterView.queue_priority`)."""
     totals = RunTotals.of(rows)
     if not totals.devices:
         return
@@ -478,7 +495,7 @@ def emit_run_summary(
         logger.debug("could not emit gpu-tasks.flow-run.summary", exc_info=True)
 
 
-def publish_dashboard(cluster: ProfileCluster) -> None:
+def publish_dashboard(cluster: ClusterView) -> None:
     """A link artifact to the cluster's Dask dashboard, when dashboards are on (best effort)."""
     link = cluster.dashboard_link
     if not link:

@@ -20,23 +20,23 @@ from typing import Any
 
 from prefect.futures import PrefectFuture
 
-from gpu_tasks._api import require_flow_api_url, worker_env
-from gpu_tasks._context import ContextSerializer
-from gpu_tasks._crash import api_unreachable
-from gpu_tasks._landing import Landings
-from gpu_tasks._logging import RunLogs
-from gpu_tasks._slotgate import SlotGate
-from gpu_tasks.backends import uses_warm_pool
-from gpu_tasks.clusters import ProfileCluster
+from gpu_tasks.cluster.backends import uses_warm_pool
+from gpu_tasks.cluster.local import ProfileCluster
+from gpu_tasks.cluster.remote import AddressCluster, remote_cluster
 from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
-from gpu_tasks.device_book import DeviceBook
-from gpu_tasks.devices import Inventory, discover
-from gpu_tasks.events import RunRef, emit_cluster_event, emit_task_event
-from gpu_tasks.ledger import LedgerRow
+from gpu_tasks.devices.book import DeviceBook
+from gpu_tasks.devices.discovery import Inventory, discover
 from gpu_tasks.policy import IdleView, close_reason
+from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
+from gpu_tasks.prefect_api.states import api_unreachable
+from gpu_tasks.prefect_api.tag_slots import SlotGate
 from gpu_tasks.profiles import ResourceProfile
-from gpu_tasks.remote import AddressCluster, remote_cluster
+from gpu_tasks.reporting.events import RunRef, emit_cluster_event, emit_task_event
+from gpu_tasks.reporting.ledger import LedgerRow
+from gpu_tasks.reporting.logs import RunLogs
+from gpu_tasks.runner.payload import ContextSerializer
+from gpu_tasks.runner.results import Landings
 from gpu_tasks.settings import get_settings
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -76,7 +76,7 @@ class ProfileState:
             else None
         )
         # hand-offs made on that thread and not yet sent to the cluster, and dispatches queued for
-        # it: the thread sends its hand-offs as one batch when none is left (gpu_tasks._dispatch)
+        # it: the thread sends its hand-offs as one batch when none is left (gpu_tasks.runner.dispatch)
         self.outbox: list[tuple[Job, int, tuple[Any, ...]]] = []
         self.queued = 0  # under counts_lock
 
@@ -136,9 +136,9 @@ class Job:
     task_run: Any = None  # the task run a re-run continues (run count, name)
     escalated_from: str | None = None  # the profile it ran out of memory on (on_oom re-runs once)
     # tag concurrency limits the flow process holds a slot of for it, or knows do not exist: its
-    # worker's engine does not take them again (gpu_tasks._slotgate)
+    # worker's engine does not take them again (gpu_tasks.prefect_api.tag_slots)
     slot_names: tuple[str, ...] = ()
-    hold: Any = None  # its gpu_tasks._slotgate.Hold: the slots, from the wait until the task ends
+    hold: Any = None  # its gpu_tasks.prefect_api.tag_slots.Hold: the slots, from the wait until the task ends
     slot_waited: float = 0.0  # seconds it waited for its slots (holding no device), for the ledger
     attempt: int = 0  # its hand-offs to a cluster; a preempted one's late outcome is ignored
     key: str = ""  # the Dask key of its current hand-off
@@ -185,7 +185,7 @@ class Live:
             on_preempting=self._on_preempting,
             priority_aging=self.settings.priority_aging,
         )
-        # preempt(st, addresses, waiter): stop st's workers on addresses (gpu_tasks._dispatch)
+        # preempt(st, addresses, waiter): stop st's workers on addresses (gpu_tasks.runner.dispatch)
         self.preempt: Callable[[ProfileState, list[str], dict[str, Any]], None] | None = None
         # results of local clusters' finished tasks, fetched in batches (the Dispatcher's)
         self.landings: Landings | None = None
@@ -205,7 +205,7 @@ class Live:
             raise
 
     def _warm_pool(self) -> Any:
-        """Start the warm worker processes (gpu_tasks._warm) when a profile's workers can use them.
+        """Start the warm worker processes (gpu_tasks.worker.warm) when a profile's workers can use them.
 
         Started with the runner's first task, so they import while earlier stages run; they
         hold no device, and :meth:`close` ends them.
@@ -217,7 +217,7 @@ class Live:
         emulated = self.inventory.emulated if any(p.is_gpu for p in local) else False
         if not any(uses_warm_pool(p, emulated) for p in local):
             return None
-        from gpu_tasks._warm import WarmPool
+        from gpu_tasks.worker.warm import WarmPool
 
         pool = WarmPool(size)
         pool.start()
@@ -377,7 +377,7 @@ class Live:
         )
 
     def _on_board(self, st: ProfileState, what: str, info: dict[str, Any]) -> None:
-        """An address profile's preemption on its shared scheduler (gpu_tasks._shared_board):
+        """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board):
         ``preempting`` (it waited past its grace: its entry went up) or ``preempted`` (we
         interrupted tasks for another's entry)."""
         keep = (
@@ -536,7 +536,7 @@ class Live:
         """
         from prefect.states import Crashed
 
-        from gpu_tasks._crash import crash_task_run, no_client_retries
+        from gpu_tasks.prefect_api.states import crash_task_run, no_client_retries
 
         unfinished = [
             j for j in jobs if not (j.cf.done() and not j.cf.cancelled() and j.cf.exception() is None)

@@ -23,22 +23,23 @@ from typing import Any
 from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.task_runners import TaskRunner
 
-from gpu_tasks import _environment, _worker
-from gpu_tasks._dispatch import Dispatcher
-from gpu_tasks._futures import pending_futures, when_all_done
-from gpu_tasks._live import Job, Live
-from gpu_tasks._logging import flow_logger
-from gpu_tasks._slots import waiting
-from gpu_tasks.alerts import AlertThresholds
-from gpu_tasks.artifacts import publish_run_artifacts
-from gpu_tasks.clusters import ProfileCluster
-from gpu_tasks.devices import Inventory
+from gpu_tasks.cluster.local import ProfileCluster
+from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiableProfileError
-from gpu_tasks.events import emit_run_summary
-from gpu_tasks.ledger import LedgerRow, remember_ended
 from gpu_tasks.policy import unsatisfiable_reason
+from gpu_tasks.prefect_api import environment as _environment
+from gpu_tasks.prefect_api.futures import pending_futures, when_all_done
 from gpu_tasks.profiles import DEFAULT_PROFILE, ResourceProfile, profile, requested_profile, resolve_profiles
+from gpu_tasks.reporting.alerts import AlertThresholds
+from gpu_tasks.reporting.artifacts import publish_run_artifacts
+from gpu_tasks.reporting.events import emit_run_summary
+from gpu_tasks.reporting.ledger import LedgerRow, remember_ended
+from gpu_tasks.reporting.logs import flow_logger
+from gpu_tasks.runner.dispatch import Dispatcher
+from gpu_tasks.runner.session import Job, Live
 from gpu_tasks.settings import get_settings
+from gpu_tasks.worker import engine as _worker
+from gpu_tasks.worker.slots import waiting
 
 logger = logging.getLogger(__name__)
 
@@ -226,7 +227,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if prof.fallback == "cpu":
             return live.profiles[live.default], name, reason
         if not live.inventory.devices:  # a host with no GPU (and no emulation asked for)
-            from gpu_tasks._emulation import no_gpu_hint
+            from gpu_tasks.devices.emulation import no_gpu_hint
 
             raise UnsatisfiableProfileError(f"task {task.name!r} cannot run: {reason}. {no_gpu_hint()}")
         raise UnsatisfiableProfileError(

@@ -2,7 +2,7 @@
 
 ``Usage`` keeps one cluster's clock (when each worker was asked for, when each task ran);
 ``Usage.row`` turns it into a ``LedgerRow`` when the cluster (or one worker) goes away, with
-one ``DeviceSpan`` per device it held. :mod:`gpu_tasks.artifacts` shows a flow run's rows in
+one ``DeviceSpan`` per device it held. :mod:`gpu_tasks.reporting.artifacts` shows a flow run's rows in
 the Prefect UI.
 """
 
@@ -139,7 +139,7 @@ def device_spans(
 @dataclass(frozen=True)
 class Held:
     """One worker as the ledger sees it: its name and the devices it holds (none: a CPU worker),
-    with their models (:meth:`gpu_tasks.devices.Device.model`) where known."""
+    with their models (:meth:`gpu_tasks.devices.discovery.Device.model`) where known."""
 
     name: str
     devices: tuple[str, ...]

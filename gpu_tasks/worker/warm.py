@@ -10,7 +10,7 @@ processes that have done that already and wait, unbound:
   CUDA initialises lazily, and would see no device before the bind), so an unbound
   process holds no device and can still be given any: its devices are set when it is
   bound, before its worker starts;
-- they run gpu-tasks' worker guard (:mod:`gpu_tasks._worker_guard`) from the start, so
+- they run gpu-tasks' worker guard (:mod:`gpu_tasks.worker.guard`) from the start, so
   they exit with the flow process even when it is SIGKILLed; the runner closes the
   pool when the flow run ends, so the pool never outlives it.
 
@@ -22,7 +22,7 @@ pool: its tasks may have initialised CUDA or left state behind. The pool starts 
 replacement as soon as one is taken.
 
 What the nanny did for its worker, :class:`PooledWorker` does from the flow process:
-it records how the process ended for crash reports (:mod:`gpu_tasks._nanny`) and
+it records how the process ended for crash reports (:mod:`gpu_tasks.worker.exits`) and
 terminates it past Dask's memory ``terminate`` fraction of its memory limit.
 """
 
@@ -45,7 +45,7 @@ import dask
 from distributed.core import Status
 from distributed.deploy.spec import ProcessInterface
 
-from gpu_tasks import _worker_guard
+from gpu_tasks.worker import guard as _worker_guard
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ CUDA_MODULES = (
     "tensorflow",
 )
 # what a warm process imports before it says it is ready (the engine is most of a cold start)
-WARM_IMPORTS = ("distributed", "distributed.worker", "prefect.task_engine", "gpu_tasks._worker")
+WARM_IMPORTS = ("distributed", "distributed.worker", "prefect.task_engine", "gpu_tasks.worker.engine")
 CLOSE_GRACE_S = 3.0  # a bound process asked to close, before SIGTERM
 KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL
 MEMORY_POLL_S = 0.5
@@ -223,7 +223,7 @@ class WarmProcess:
 
     def _died(self) -> str:
         self.process.join(timeout=1)
-        from gpu_tasks._nanny import describe_exitcode
+        from gpu_tasks.worker.exits import describe_exitcode
 
         return (
             f"warm worker process {self.pid} {describe_exitcode(self.process.exitcode)} while starting. "
@@ -482,7 +482,7 @@ def _environ(env: dict[str, str]) -> Any:
 class PooledWorker(ProcessInterface):
     """A ``SpecCluster`` worker entry that binds a warm process instead of spawning one.
 
-    Takes the options gpu-tasks gives Dask's ``Nanny`` (:func:`gpu_tasks.backends.nanny_spec`):
+    Takes the options gpu-tasks gives Dask's ``Nanny`` (:func:`gpu_tasks.cluster.backends.nanny_spec`):
     ``env`` and ``silence_logs`` are applied in the process, the rest go to its ``Worker``.
     """
 
@@ -526,7 +526,7 @@ class PooledWorker(ProcessInterface):
                 f"worker {self.name!r} did not start in warm process {self.warm.pid}: {msg[1]}"
             )
         self.address = self.worker_address = msg[1]
-        from gpu_tasks._nanny import remember_pid
+        from gpu_tasks.worker.exits import remember_pid
 
         remember_pid(self.worker_address, self.warm.pid)
         self._watch = asyncio.ensure_future(self._watch_process())
@@ -544,7 +544,7 @@ class PooledWorker(ProcessInterface):
 
     async def _watch_process(self) -> None:
         """Record how the process ended; terminate it past the memory limit (the nanny's jobs)."""
-        from gpu_tasks._nanny import record_exit, record_memory_kill
+        from gpu_tasks.worker.exits import record_exit, record_memory_kill
 
         assert self.warm is not None
         proc = self.warm.process

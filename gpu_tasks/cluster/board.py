@@ -8,11 +8,11 @@ there, in the scheduler's metadata (``Client.set_metadata``) under ``gpu-tasks-w
   flow run, how much ``GPU`` one task needs and the workers its waiting tasks are queued
   on; it renews the entry while it waits (a beat count) and takes it down when it runs;
 * a **holder**, a ``preemptible`` profile of lower priority with tasks running on those
-  workers, interrupts enough of them there (:func:`gpu_tasks._worker.interrupt_tasks`:
+  workers, interrupts enough of them there (:func:`gpu_tasks.worker.engine.interrupt_tasks`:
   ``TaskPreempted`` raised in the task's thread) to free what one waiting task needs.
 
 The interrupted tasks end ``Preempted`` and are handed to the scheduler again by their
-runner (gpu_tasks._dispatch), with their retries intact; the freed ``GPU`` resource goes
+runner (gpu_tasks.runner.dispatch), with their retries intact; the freed ``GPU`` resource goes
 to the higher-priority task, which Dask's workers start first. An entry whose beat has
 not moved for ``STALE_S`` (its flow run died) is ignored. The grace is judged by the
 waiter's own clock, so hosts need not agree on the time.
@@ -38,8 +38,9 @@ PRUNE_S = 60.0  # an entry whose beat has not moved this long is taken off the b
 
 
 def effective_priority(entry: dict[str, Any]) -> int:
-    """An entry's priority aged by its wait as of its last beat (:func:`gpu_tasks.leases.aged_priority`)."""
-    from gpu_tasks.leases import aged_priority
+    """An entry's priority aged by its wait as of its last beat
+    (:func:`gpu_tasks.devices.leases.aged_priority`)."""
+    from gpu_tasks.devices.leases import aged_priority
 
     return aged_priority(
         int(entry.get("priority") or 0), float(entry.get("aging") or 0), float(entry.get("waited_s") or 0)

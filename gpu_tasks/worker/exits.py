@@ -4,7 +4,7 @@
 code (or Dask's memory-limit kill) when it ends; :func:`worker_exit` gives the runner
 that record for its crash report. It overrides the nanny's private
 ``_on_worker_exit_sync`` hook (see :mod:`gpu_tasks.compat.distributed`), so this module
-imports distributed: only :mod:`gpu_tasks.backends` and the runner's crash handling
+imports distributed: only :mod:`gpu_tasks.cluster.backends` and the runner's crash handling
 import it, lazily.
 """
 
@@ -91,7 +91,7 @@ def remember_pid(address: str | None, pid: int | None) -> None:
 
 
 def record_exit(address: str | None, exitcode: int | None, pid: int | None = None) -> None:
-    """Note how the worker at ``address`` ended (:class:`gpu_tasks._warm.PooledWorker` has no nanny)."""
+    """Note how the worker at ``address`` ended (:class:`gpu_tasks.worker.warm.PooledWorker` has no nanny)."""
     if not address:
         return
     with _EXITS_LOCK:

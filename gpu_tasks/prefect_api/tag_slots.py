@@ -417,7 +417,7 @@ def _new_client() -> Any:
     from prefect.client.orchestration import PrefectClient
     from prefect.settings import get_current_settings
 
-    from gpu_tasks._api import require_flow_api_url
+    from gpu_tasks.prefect_api.api import require_flow_api_url
 
     settings = get_current_settings()
     key, auth = settings.api.key, settings.api.auth_string

@@ -2,7 +2,7 @@
 
 Prefect automations match event labels with globs, never with numbers, so the
 comparison with the thresholds happens here, and the run's
-``gpu-tasks.flow-run.summary`` event (:func:`gpu_tasks.events.emit_run_summary`) carries
+``gpu-tasks.flow-run.summary`` event (:func:`gpu_tasks.reporting.events.emit_run_summary`) carries
 the outcome as the label ``gpu-tasks.alert``: ``none``, or the alerts joined by commas,
 e.g. ``held-busy-over-2,device-wait-over-60``. ``infra/automations/gpu-waste.yaml``
 matches on it.
@@ -14,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpu_tasks.ledger import LedgerRow
+from gpu_tasks.reporting.ledger import LedgerRow
 from gpu_tasks.settings import GpuTasksSettings
 
 NO_ALERT = "none"

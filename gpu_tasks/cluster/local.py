@@ -1,8 +1,8 @@
 """One profile's cluster within one flow run: lease devices, start, grow, account, close.
 
 The decisions (how many workers, which devices, when to close) come from
-:mod:`gpu_tasks.policy`, devices from :class:`~gpu_tasks.device_book.DeviceBook`,
-workers from :mod:`gpu_tasks.backends`, held and busy time from :mod:`gpu_tasks.ledger`;
+:mod:`gpu_tasks.policy`, devices from :class:`~gpu_tasks.devices.book.DeviceBook`,
+workers from :mod:`gpu_tasks.cluster.backends`, held and busy time from :mod:`gpu_tasks.reporting.ledger`;
 this module only acts on them.
 """
 
@@ -14,13 +14,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpu_tasks import backends
-from gpu_tasks.device_book import DeviceBook
-from gpu_tasks.devices import Device, Inventory
+from gpu_tasks.cluster import backends
+from gpu_tasks.devices.book import DeviceBook
+from gpu_tasks.devices.discovery import Device, Inventory
 from gpu_tasks.errors import ClusterError
-from gpu_tasks.ledger import Held, LedgerRow, Usage
 from gpu_tasks.policy import WorkerSpec, device_groups, matching_devices, max_worker_count, worker_spec
 from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.reporting.ledger import Held, LedgerRow, Usage
 from gpu_tasks.settings import GpuTasksSettings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ class ProfileCluster:
     ) -> None:
         self.profile = profile
         self.priority = run_priority(profile)  # what it waits for devices at and holds them with
-        # warm worker processes (gpu_tasks._warm), for the profiles whose workers can use them
+        # warm worker processes (gpu_tasks.worker.warm), for the profiles whose workers can use them
         self.pool = pool if backends.uses_warm_pool(profile, inventory.emulated) else None
         self.book = book or DeviceBook()
         self.inventory = inventory
@@ -285,7 +285,7 @@ class ProfileCluster:
     def record(self, worker: str, start: float, end: float) -> None:
         """Record that a task ran on ``worker`` from ``start`` to ``end``.
 
-        ``worker`` is :func:`gpu_tasks.ledger.worker_key` of its devices.
+        ``worker`` is :func:`gpu_tasks.reporting.ledger.worker_key` of its devices.
         """
         self.usage.record(worker, start, end)
 
@@ -369,7 +369,7 @@ class ProfileCluster:
         return row
 
     def _queueing(self) -> dict[str, Any]:
-        """How this profile waits in the device queue (gpu_tasks.device_book.DeviceBook.acquire)."""
+        """How this profile waits in the device queue (gpu_tasks.devices.book.DeviceBook.acquire)."""
         return {
             "priority": self.priority,
             "preemptible": self.profile.preemptible,
@@ -395,11 +395,11 @@ class ProfileCluster:
         )
 
     def admit(self, stop: threading.Event, say: Callable[[str], None]) -> None:
-        """Hold a new task back for aged waiters of a shared scheduler (gpu_tasks.remote); a local
+        """Hold a new task back for aged waiters of a shared scheduler (gpu_tasks.cluster.remote); a local
         profile's waiters age in the device queue: nothing to do here."""
 
     def preempted_by(self, key: str) -> dict[str, Any]:
-        """The waiter a shared scheduler's task ``key`` was interrupted for (gpu_tasks.remote);
+        """The waiter a shared scheduler's task ``key`` was interrupted for (gpu_tasks.cluster.remote);
         a local profile's workers are stopped instead, so: ``{}``."""
         return {}
 

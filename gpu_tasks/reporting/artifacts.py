@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from gpu_tasks.ledger import DeviceSpan, LedgerRow
+from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 Like Prefect's ``serialize_context`` (what prefect-dask sends), but the settings and
 the result store, nearly all of its cost, are dumped once per flow run instead of
 once per task, and workers are pointed at the flow run's own API
-(:mod:`gpu_tasks._api`).
+(:mod:`gpu_tasks.prefect_api.api`).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from gpu_tasks._api import for_workers
-from gpu_tasks._blobs import Blob, Blobs
 from gpu_tasks.compat.prefect import deployment_context
+from gpu_tasks.prefect_api.api import for_workers
+from gpu_tasks.worker.blobs import Blob, Blobs
 
 
 class ContextSerializer:
@@ -65,7 +65,7 @@ class ContextSerializer:
         return context, cached[2]
 
     def _flow_run_blob(self, ctx: Any) -> Blob:
-        """The flow run context, serialized and pickled once per flow run (see :mod:`gpu_tasks._blobs`).
+        """The flow run context, serialized and pickled once per flow run (see :mod:`gpu_tasks.worker.blobs`).
 
         What its tasks see of it is what it was when the first of them was handed off,
         as for all of them before: the flow, its parameters and the flow run (Running).

@@ -31,11 +31,12 @@ from typing import Any, NoReturn
 
 import psutil
 
+from gpu_tasks.compat import distributed as _dask_private
 from gpu_tasks.compat.cpython import replace_os_exit
 
 logger = logging.getLogger(__name__)
 
-MODULE = "gpu_tasks._worker_guard"
+MODULE = "gpu_tasks.worker.guard"
 POLL_S = 0.5  # how often the watch thread looks at the parent
 GRACE_S = 1.0  # SIGTERM to SIGKILL
 
@@ -65,22 +66,7 @@ def preload_options(preload: Any = None, preload_argv: Any = None) -> dict[str, 
     preload = [preload] if isinstance(preload, str) else list(preload)
     if MODULE in preload:
         return {"preload": preload, "preload_argv": list(preload_argv)}
-    return add_preload(preload, preload_argv, MODULE)
-
-
-def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``preload``/``preload_argv`` with ``module`` appended, given ``args``.
-
-    Dask gives a flat ``preload_argv`` to every preload, so ``args`` join it (as dask-cuda
-    adds its own); a list of lists has one entry per preload, so ``args`` become one.
-    """
-    preload = [preload] if isinstance(preload, str) else list(preload or [])
-    argv = list(preload_argv or [])
-    if argv and not isinstance(argv[0], str):
-        argv.append(list(args))
-    else:
-        argv.extend(args)
-    return {"preload": [*preload, module], "preload_argv": argv}
+    return _dask_private.add_preload(preload, preload_argv, MODULE)
 
 
 def dask_setup(worker: Any) -> None:

@@ -8,8 +8,8 @@
   the profile's first task, scaled to the queued tasks (at most ``max_workers``),
   scaled to zero when idle and closed when the flow run ends.
 
-Both act like :class:`~gpu_tasks.clusters.ProfileCluster` towards the runner; device
-leases (:mod:`gpu_tasks.leases`) do not apply: they cover one host's devices.
+Both act like :class:`~gpu_tasks.cluster.local.ProfileCluster` towards the runner; device
+leases (:mod:`gpu_tasks.devices.leases`) do not apply: they cover one host's devices.
 """
 
 from __future__ import annotations
@@ -26,19 +26,19 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_tasks._api import loopback_api_error
-from gpu_tasks._shared_board import SharedBoard
-from gpu_tasks._worker import interrupt_tasks
-from gpu_tasks.backends import _non_daemon_workers, _within
-from gpu_tasks.clusters import ProfileCluster
+from gpu_tasks.cluster.backends import _non_daemon_workers, _within
+from gpu_tasks.cluster.board import SharedBoard
+from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.compat.cpython import signal_handlers_kept
-from gpu_tasks.devices import Inventory, model_text
+from gpu_tasks.devices.discovery import Inventory, model_text
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
-from gpu_tasks.ledger import DeviceSpan, LedgerRow, device_spans, union_seconds
 from gpu_tasks.policy import GPU_RESOURCE, task_resources
 from gpu_tasks.preemption import describe_waiter
+from gpu_tasks.prefect_api.api import loopback_api_error
 from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_spans, union_seconds
 from gpu_tasks.settings import get_settings
+from gpu_tasks.worker.engine import interrupt_tasks, owned_devices
 
 logger = logging.getLogger("gpu_tasks.runner")
 
@@ -53,7 +53,7 @@ def worker_facts(dask_worker: Any = None) -> dict[str, Any]:
     A worker owns the first ``GPU``-resource-many of its ``CUDA_VISIBLE_DEVICES``
     (``dask cuda worker`` shows each worker every device, its own first).
     """
-    from gpu_tasks.devices import visible_devices
+    from gpu_tasks.devices.discovery import visible_devices
 
     own = owned_devices(dask_worker)
     devices = visible_devices().devices[:own]
@@ -64,13 +64,6 @@ def worker_facts(dask_worker: Any = None) -> dict[str, Any]:
         "memory": [d.memory_total for d in devices],
         "emulated": visible_devices().emulated,
     }
-
-
-def owned_devices(dask_worker: Any) -> int | None:
-    """How many devices a worker owns: its ``GPU`` resource, rounded up (``None``: all it sees)."""
-    total = getattr(getattr(dask_worker, "state", None), "total_resources", None) or {}
-    gpus = float(total.get(GPU_RESOURCE, 0) or 0)
-    return max(1, math.ceil(gpus - 1e-9)) if gpus > 0 else None
 
 
 def executing_keys(dask_worker: Any) -> list[str]:
@@ -267,11 +260,13 @@ class RemoteCluster(ProfileCluster):
         self._futures: dict[str, Any] = {}  # their futures
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        # preemption on a shared scheduler (address GPU profiles; gpu_tasks._shared_board)
+        # preemption on a shared scheduler (address GPU profiles; gpu_tasks.cluster.board)
         self.board: SharedBoard | None = None
         self.me: dict[str, Any] | None = None  # who we are on the board (flow run, priority)
         self.preempted: dict[str, dict[str, Any]] = {}  # key interrupted -> the waiter it was for
-        self.on_board: Callable[[str, dict[str, Any]], None] | None = None  # events (gpu_tasks._live)
+        self.on_board: Callable[[str, dict[str, Any]], None] | None = (
+            None  # events (gpu_tasks.runner.session)
+        )
 
     # ------------------------------------------------------------ properties
     @property
@@ -302,7 +297,7 @@ class RemoteCluster(ProfileCluster):
         if self._allowed is not None:
             where = {"workers": self._allowed, "allow_other_workers": False}
         if self.board is not None and self.me is None:
-            from gpu_tasks.leases import owner_info
+            from gpu_tasks.devices.leases import owner_info
 
             self.me = owner_info(self.profile.name, self.priority)  # in the flow run's context
         with self._busy_lock:
@@ -377,7 +372,7 @@ class RemoteCluster(ProfileCluster):
 
     def _watch_queue(self, stop: threading.Event) -> None:
         """Log the tasks that waited ``wait_log_every`` s in the queue, and why; with a board,
-        every ``BOARD_STEP_S`` s also be a waiter or a holder on it (gpu_tasks._shared_board)."""
+        every ``BOARD_STEP_S`` s also be a waiter or a holder on it (gpu_tasks.cluster.board)."""
         step = min(self.wait_log_every, BOARD_STEP_S) if self.board is not None else self.wait_log_every
         next_log = time.monotonic() + self.wait_log_every
         while not stop.wait(step):

@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import contextvars
 import logging
+import math
 import os
 import socket
 import threading
@@ -20,10 +21,6 @@ import time
 import uuid
 from typing import Any
 
-from gpu_tasks import _worker_guard
-from gpu_tasks._blobs import opened
-from gpu_tasks._futures import futures_to_states
-from gpu_tasks._slots import SlotPool
 from gpu_tasks.allocation import (
     WORKER_ENV_PROFILE,
     Allocation,
@@ -39,19 +36,31 @@ from gpu_tasks.compat.prefect import (
     use_no_limits_cache,
 )
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
-from gpu_tasks.ledger import worker_key
+from gpu_tasks.policy import GPU_RESOURCE
+from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.profiles import profile, profile_from_tags, requested_profile
+from gpu_tasks.reporting.ledger import worker_key
 from gpu_tasks.settings import get_settings
+from gpu_tasks.worker import guard as _worker_guard
+from gpu_tasks.worker.blobs import opened
+from gpu_tasks.worker.slots import SlotPool
 
 logger = logging.getLogger(__name__)
 
-# Built Prefect settings by the key their serialized form was sent with (see gpu_tasks._context):
+# Built Prefect settings by the key their serialized form was sent with (see gpu_tasks.runner.payload):
 # validating Settings from a dict reads env, .env and toml sources and costs tens of ms per task.
 _WORKER_SETTINGS: dict[str, dict[str, Any]] = {}
 _WORKER_SETTINGS_LOCK = threading.Lock()
 _WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect client, by settings key
 _PROCESS_READY = threading.Event()
 _PROCESS_READY_LOCK = threading.Lock()
+
+
+def owned_devices(dask_worker: Any) -> int | None:
+    """How many devices a worker owns: its ``GPU`` resource, rounded up (``None``: all it sees)."""
+    total = getattr(getattr(dask_worker, "state", None), "total_resources", None) or {}
+    gpus = float(total.get(GPU_RESOURCE, 0) or 0)
+    return max(1, math.ceil(gpus - 1e-9)) if gpus > 0 else None
 
 
 def prepare_process() -> None:
@@ -100,7 +109,7 @@ def run_on_worker(
             scheduler re-runs after a worker died is reported ``Crashed`` first
             (:func:`_after_lost_worker`).
         slots_held: the tag concurrency limits (``tag:<tag>``) the flow process holds a slot
-            of for this task run, or knows do not exist (:mod:`gpu_tasks._slotgate`): the
+            of for this task run, or knows do not exist (:mod:`gpu_tasks.prefect_api.tag_slots`): the
             engine does not take them again (it takes those of tags added here, ``gpu:<id>``).
     """
     from distributed import get_worker
@@ -119,8 +128,6 @@ def run_on_worker(
     settings = _worker_settings(settings_key, context["settings_context"])
     kwargs = {**kwargs, "context": {**context, "settings_context": settings}}
     if remote:
-        from gpu_tasks.remote import owned_devices
-
         own = owned_devices(dask_worker)
         alloc = worker_allocation(profile_name, fraction, address, host=socket.gethostname(), own=own)
     else:
@@ -152,7 +159,7 @@ def run_on_worker(
 
 
 # Threads of this worker process running a shared cluster's task, by ident: its Dask key
-# (gpu_tasks._shared_board preempts them with interrupt_tasks).
+# (gpu_tasks.cluster.board preempts them with interrupt_tasks).
 _INTERRUPTIBLE: dict[int, str] = {}
 _INTERRUPTIBLE_LOCK = threading.Lock()
 
@@ -221,8 +228,8 @@ def _after_lost_worker(
     from prefect.client.schemas.objects import StateType
     from prefect.exceptions import ObjectNotFound
 
-    from gpu_tasks._crash import await_retry, crash_task_run
     from gpu_tasks.compat.prefect import current_sync_client_context
+    from gpu_tasks.prefect_api.states import await_retry, crash_task_run
 
     ctx = current_sync_client_context()
     try:
@@ -264,7 +271,7 @@ def _report_orphaned(flow_pid: int) -> None:
     from prefect.client.orchestration import get_client
     from prefect.states import Crashed
 
-    from gpu_tasks._crash import crash_task_run
+    from gpu_tasks.prefect_api.states import crash_task_run
 
     with _RUNNING_LOCK:
         running = dict(_RUNNING)
@@ -400,7 +407,7 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
     import copy
     import functools
 
-    from gpu_tasks._crash import looks_like_oom
+    from gpu_tasks.prefect_api.states import looks_like_oom
 
     fn = task.fn
     if getattr(fn, "__gpu_tasks_oom__", False):
