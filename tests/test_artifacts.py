@@ -6,7 +6,8 @@ import datetime
 
 import pytest
 
-from gpu_tasks.cluster.remote import AddressCluster, RemoteWorker
+from gpu_tasks.cluster.address import AddressCluster
+from gpu_tasks.cluster.remote_workers import RemoteWorker
 from gpu_tasks.devices.discovery import model_text, parse_emulated
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.artifacts import (

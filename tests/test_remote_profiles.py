@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, TlsOptions
-from gpu_tasks.cluster.remote import RemoteWorker, is_leaving, load_cluster_class
+from gpu_tasks.cluster.managed import load_cluster_class
+from gpu_tasks.cluster.remote_workers import RemoteWorker, is_leaving
 from gpu_tasks.errors import ClusterError, ProfileError
 from gpu_tasks.prefect_api.api import loopback_api_error
 from gpu_tasks.profiles import load_profiles_file

@@ -10,27 +10,30 @@
 
 Both act like :class:`~gpu_tasks.cluster.local.ProfileCluster` towards the runner; device
 leases (:mod:`gpu_tasks.devices.leases`) do not apply: they cover one host's devices.
+
+This module holds what both share (:class:`RemoteCluster`); :mod:`gpu_tasks.cluster.address`
+and :mod:`gpu_tasks.cluster.managed` the two kinds.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import importlib
 import logging
 import math
-import socket
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
-from gpu_tasks.cluster.backends import _non_daemon_workers, _within
+from gpu_tasks.cluster.backends import _within
 from gpu_tasks.cluster.board import SharedBoard
 from gpu_tasks.cluster.local import ProfileCluster
-from gpu_tasks.compat.cpython import signal_handlers_kept
-from gpu_tasks.devices.discovery import Inventory, model_text
+from gpu_tasks.cluster.remote_workers import (
+    RemoteWorker,
+    executing_keys,
+    read_workers,
+)
+from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
 from gpu_tasks.policy import GPU_RESOURCE, task_resources
 from gpu_tasks.preemption import describe_waiter
@@ -38,132 +41,12 @@ from gpu_tasks.prefect_api.api import loopback_api_error
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_spans, union_seconds
 from gpu_tasks.settings import get_settings
-from gpu_tasks.worker.engine import interrupt_tasks, owned_devices
+from gpu_tasks.worker.engine import interrupt_tasks
 
 logger = logging.getLogger("gpu_tasks.runner")
 
 _WAIT_LOG_EVERY = 30.0
 BOARD_STEP_S = 0.5  # how often an address GPU profile looks at the shared scheduler's waiter board
-
-
-# ---------------------------------------------------------------- what a worker is
-def worker_facts(dask_worker: Any = None) -> dict[str, Any]:
-    """Run on a worker (``Client.run``): its host and the devices it owns.
-
-    A worker owns the first ``GPU``-resource-many of its ``CUDA_VISIBLE_DEVICES``
-    (``dask cuda worker`` shows each worker every device, its own first).
-    """
-    from gpu_tasks.devices.discovery import visible_devices
-
-    own = owned_devices(dask_worker)
-    devices = visible_devices().devices[:own]
-    return {
-        "host": socket.gethostname(),
-        "devices": [d.address for d in devices],
-        "names": [d.name for d in devices],
-        "memory": [d.memory_total for d in devices],
-        "emulated": visible_devices().emulated,
-    }
-
-
-def executing_keys(dask_worker: Any) -> list[str]:
-    """Run on a worker (``Client.run``): the keys of the tasks it is executing now."""
-    return [str(k) for k, ts in dask_worker.state.tasks.items() if ts.state in ("executing", "long-running")]
-
-
-@dataclass(frozen=True)
-class RemoteWorker:
-    """One worker of a remote scheduler, as the runner sees it."""
-
-    address: str
-    name: str
-    host: str
-    gpus: float  # its Dask GPU resource
-    devices: tuple[str, ...] = ()  # CUDA_VISIBLE_DEVICES ids, when the worker told us
-    names: tuple[str, ...] = ()
-    memory: tuple[int | None, ...] = ()
-    emulated: bool = False
-    error: str = ""  # why it cannot run gpu-tasks tasks (it failed to describe itself), if so
-
-    @property
-    def device_keys(self) -> tuple[str, ...]:
-        """``<host>:<id>`` of each device, as tags and the ledger name them."""
-        return tuple(f"{self.host}:{d}" for d in self.devices)
-
-    def models(self) -> dict[str, str]:
-        """The model text of each device (``H100 80 GiB``) by its ``<host>:<id>`` key, where told."""
-        memory = self.memory + (None,) * (len(self.names) - len(self.memory))
-        return {
-            key: model_text(name, mem, self.emulated)
-            for key, name, mem in zip(self.device_keys, self.names, memory, strict=False)
-        }
-
-    def describe(self) -> str:
-        """``gpu-host-1 (tcp://...): GPU=1, H100 (emulated)``."""
-        what = f"GPU={self.gpus:g}" if self.gpus else "no GPU resource"
-        if self.names:
-            what += ", " + "/".join(self.names)
-        return f"{self.name} on {self.host}: {what}"
-
-    def why_not(self, profile: ResourceProfile) -> str | None:
-        """Why this worker can never run a task of ``profile`` (``None``: it can)."""
-        if self.error:
-            return f"cannot run gpu-tasks tasks ({self.error}); install gpu-tasks, same version, on it"
-        if not profile.is_gpu:
-            return None
-        need = float(profile.gpus) if profile.gpus >= 1 else float(profile.share)
-        if self.gpus + 1e-9 < need:
-            return f"GPU={self.gpus:g} < {need:g}"
-        if profile.gpu_model:
-            if not self.names:
-                return "publishes no device names (gpu_model)"
-            if not all(profile.gpu_model.lower() in n.lower() for n in self.names):
-                return f"devices {'/'.join(self.names)} do not match gpu_model={profile.gpu_model!r}"
-        if profile.gpu_memory:
-            if not self.memory or any(m is None for m in self.memory):
-                return "publishes no device memory (gpu_memory)"
-            if any(m is not None and m < profile.gpu_memory for m in self.memory):
-                return f"device memory below gpu_memory={profile.gpu_memory / 2**30:.1f}GiB"
-        return None
-
-
-def is_leaving(answer: object) -> bool:
-    """Whether a worker's answer to ``Client.run`` says it is closing or gone, not that it lacks gpu-tasks.
-
-    A worker being scaled down stays in the scheduler's list for a moment; asking it fails with a
-    comm error (``CommClosedError`` and timeouts are ``OSError``), while a worker without gpu-tasks
-    answers with its ``ImportError``.
-    """
-    return isinstance(answer, OSError)
-
-
-def read_workers(client: Any) -> dict[str, RemoteWorker]:
-    """The scheduler's workers: their ``GPU`` resources and, where they can tell, their devices."""
-    info = client.scheduler_info(n_workers=-1)["workers"]
-    facts: dict[str, Any] = {}
-    if info:
-        with contextlib.suppress(Exception):  # workers without gpu-tasks cannot describe their devices
-            facts = client.run(worker_facts, on_error="return")
-    out = {}
-    for address, w in info.items():
-        f = facts.get(address)
-        if is_leaving(f):
-            continue  # closing or gone (a scale-down the scheduler has not finished): not a worker to use
-        # a worker that cannot import gpu-tasks answers with the exception: a task would break it
-        error = f"{type(f).__name__}: {f}" if isinstance(f, BaseException) else ""
-        f = f if isinstance(f, dict) else {}
-        out[address] = RemoteWorker(
-            address=address,
-            name=str(w.get("name") or address),
-            host=str(f.get("host") or w.get("host") or address),
-            gpus=float((w.get("resources") or {}).get(GPU_RESOURCE, 0.0)),
-            devices=tuple(f.get("devices") or ()),
-            names=tuple(f.get("names") or ()),
-            memory=tuple(f.get("memory") or ()),
-            emulated=bool(f.get("emulated")),
-            error=error,
-        )
-    return out
 
 
 def security_for(profile: ResourceProfile) -> Any:
@@ -195,45 +78,6 @@ def security_for(profile: ResourceProfile) -> Any:
     )
 
 
-def load_cluster_class(profile: ResourceProfile) -> type:
-    """The class ``profile.cluster_class`` names, checked to be a Dask cluster class.
-
-    Raises:
-        ClusterError: the module or class cannot be imported, or it is not a Dask cluster.
-    """
-    from distributed.deploy.cluster import Cluster
-
-    path = profile.cluster_class
-    assert path is not None
-    module_name, _, attr = path.rpartition(".")
-    try:
-        with signal_handlers_kept():
-            module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ClusterError(
-            f"profile {profile.name!r}: cluster_class {path!r} cannot be imported ({exc}); install the "
-            "package that provides it (e.g. pip install dask-jobqueue) in the flow run's environment, "
-            "or fix the path"
-        ) from exc
-    cls = getattr(module, attr, None)
-    if cls is None:
-        raise ClusterError(
-            f"profile {profile.name!r}: cluster_class {path!r}: module {module_name!r} has no {attr!r}; "
-            "fix the class name"
-        )
-    # dask-gateway's GatewayCluster is no Cluster subclass but acts as one: scale, close, an address
-    acts_as_one = all(callable(getattr(cls, m, None)) for m in ("scale", "close")) and hasattr(
-        cls, "scheduler_address"
-    )
-    if not (isinstance(cls, type) and (issubclass(cls, Cluster) or acts_as_one)):
-        raise ClusterError(
-            f"profile {profile.name!r}: cluster_class {path!r} is not a Dask cluster class (a subclass of "
-            "distributed.deploy.Cluster such as dask_jobqueue.SLURMCluster, or a class with scale(), close() "
-            "and scheduler_address such as dask_gateway.GatewayCluster); fix cluster_class"
-        )
-    return cls
-
-
 # ---------------------------------------------------------------- shared by both kinds
 class RemoteCluster(ProfileCluster):
     """What address and cluster_class profiles share: a client, remote workers, the ledger."""
@@ -245,9 +89,11 @@ class RemoteCluster(ProfileCluster):
         provision_timeout: float,
         dashboard: bool = False,
         api_url: str | None = None,
+        on_board: Callable[[str, dict[str, Any]], None] | None = None,
     ) -> None:
         super().__init__(profile, Inventory(), worker_env, provision_timeout, dashboard)
         self.api_url = api_url
+        self.on_board = on_board  # preemption on the shared scheduler, told to the flow run (events)
         self.client: Any = None
         self.remote: dict[str, RemoteWorker] = {}
         self.limit = profile.max_workers or 1
@@ -264,9 +110,6 @@ class RemoteCluster(ProfileCluster):
         self.board: SharedBoard | None = None
         self.me: dict[str, Any] | None = None  # who we are on the board (flow run, priority)
         self.preempted: dict[str, dict[str, Any]] = {}  # key interrupted -> the waiter it was for
-        self.on_board: Callable[[str, dict[str, Any]], None] | None = (
-            None  # events (gpu_tasks.runner.session)
-        )
 
     # ------------------------------------------------------------ properties
     @property
@@ -646,295 +489,3 @@ class RemoteCluster(ProfileCluster):
             named = [(d, models.get(d, "")) for d in key.split(",")]
             spans.extend(device_spans(self.profile.name, named, start, end, runs))
         return tuple(spans)
-
-
-# ---------------------------------------------------------------- an existing cluster
-class AddressCluster(RemoteCluster):
-    """A client to an existing Dask cluster; the cluster is never started or closed here."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        if self.profile.is_gpu:  # waits, and preemptible work, go on the scheduler's waiter board
-            need = float((task_resources(self.profile) or {}).get(GPU_RESOURCE, 1.0))
-            self.board = SharedBoard(self.profile.name, need, self.profile.preemptible)
-
-    @property
-    def scheduler_address(self) -> str:
-        assert self.profile.address is not None
-        return self.profile.address
-
-    @property
-    def worker_count(self) -> int:
-        return len(self._fit) if self.client is not None else 0
-
-    def check_reachable(self) -> None:
-        """Fail at submit when workers of the address cannot reach the Prefect API."""
-        self._check_api()
-
-    def start(self, n_workers: int) -> None:
-        from distributed import Client
-
-        t0 = time.monotonic()
-        deadline = t0 + self.provision_timeout
-        self._check_api()
-        address = self.scheduler_address
-        security = security_for(self.profile) if address.startswith("tls://") else None
-        try:
-            client = _within(
-                self.provision_timeout,
-                lambda: Client(
-                    address,
-                    security=security,
-                    timeout=self.provision_timeout,
-                    set_as_default=False,
-                    name=f"gpu-tasks:{self.profile.name}",
-                ),
-                f"client of profile {self.profile.name!r}",
-            )
-        except Exception as exc:
-            # a Client whose constructor raised sits in a reference cycle; collected while another
-            # client starts, it can hang that one (distributed 2026.7): collect it now
-            gc.collect()
-            hint = (
-                "check the scheduler's certificates and the profile's security (or GPU_TASKS_TLS_*)"
-                if address.startswith("tls://")
-                else "if the scheduler uses TLS, use a tls:// address with security"
-            )
-            raise ClusterError(
-                f"profile {self.profile.name!r}: cannot connect to the Dask scheduler at {address} within "
-                f"{self.provision_timeout:g}s: {type(exc).__name__}: {exc}. Check that the scheduler runs "
-                f"and this host can reach it (address, port, firewall); {hint}"
-            ) from exc
-        self.client = client
-        try:
-            workers = self._connected_workers(1, deadline, "waiting for workers")
-            self._check_workers(workers)
-        except BaseException:
-            self.shutdown()
-            raise
-        self._place(workers)
-        self.usage.provisioned_at = time.time()
-        self.startup = {"wait_devices_s": 0.0, "start_workers_s": time.monotonic() - t0}
-        busy = [w for w in self._fit if w.gpus]
-        logger.info(
-            "profile %r: connected to %s; %d worker(s) can run its tasks (%s); tasks wait in that "
-            "scheduler's queue while other work uses their GPU resources",
-            self.profile.name,
-            address,
-            len(self._fit),
-            "; ".join(w.describe() for w in (busy or self._fit)),
-        )
-
-    def scale_to(self, n_workers: int) -> int:
-        return self.worker_count  # the cluster's owner scales it
-
-    def close(self, reason: str, hurry: bool = False) -> LedgerRow | None:
-        """Close our client (the cluster keeps running); the row counts device time our tasks used."""
-        if self.client is None:
-            return None
-        row = self._busy_row(None, len(self._fit), reason, time.time())
-        self._cancel_unfinished()
-        self.shutdown()
-        logger.info(
-            "profile %r: closed its client of %s (%s); its tasks used %.1f device-s",
-            self.profile.name,
-            self.scheduler_address,
-            reason,
-            row.busy_seconds,
-        )
-        self.usage.reset()
-        return row
-
-    def _where(self) -> str:
-        return f"the cluster at {self.scheduler_address}"
-
-
-# ---------------------------------------------------------------- a cluster manager's cluster
-class ManagedCluster(RemoteCluster):
-    """A cluster of ``profile.cluster_class``, created on the first task and scaled with the queue."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.manager: Any = None
-        self._asked: list[float] = []  # when each requested worker was asked for (wall clock)
-        self._seen: dict[str, RemoteWorker] = {}  # every worker of this lifetime
-
-    @property
-    def scheduler_address(self) -> str:
-        return str(getattr(self.manager, "scheduler_address", None) or self.profile.cluster_class)
-
-    @property
-    def running(self) -> bool:
-        return self.client is not None and bool(self._asked)
-
-    @property
-    def worker_count(self) -> int:
-        return len(self._asked)
-
-    @property
-    def devices(self) -> tuple[str, ...]:
-        return tuple(k for w in self.remote.values() for k in w.device_keys)
-
-    def _known_workers(self) -> list[RemoteWorker]:
-        return list({**self._seen, **self.remote}.values())
-
-    def start(self, n_workers: int) -> None:
-        t0 = time.monotonic()
-        if self.manager is None:
-            self._create()
-        want = self.limit if self.profile.gang else max(1, min(n_workers, self.limit))
-        self._ask(want)
-        try:
-            workers = self._connected_workers(
-                want if self.profile.gang else 1, t0 + self.provision_timeout, f"scaled to {want}"
-            )
-            self._check_resources(workers)
-            self._check_workers(workers)
-        except BaseException:
-            self.close("provisioning failed")
-            self.shutdown()
-            raise
-        self._note(workers)
-        self.startup = {"wait_devices_s": 0.0, "start_workers_s": time.monotonic() - t0}
-        logger.info(
-            "profile %r: %s asked for %d worker(s); %d up after %.2fs (%s)",
-            self.profile.name,
-            self.profile.cluster_class,
-            want,
-            len(workers),
-            self.startup["start_workers_s"],
-            "; ".join(w.describe() for w in workers.values()),
-        )
-
-    def _create(self) -> None:
-        import dask
-
-        cls = load_cluster_class(self.profile)
-        name = self.profile.cluster_class
-
-        def make() -> Any:
-            # a task whose worker died is reported by the runner, not re-run by the scheduler
-            # (for schedulers in this process: dask-jobqueue, LocalCUDACluster)
-            with _non_daemon_workers(), dask.config.set({"distributed.scheduler.allowed-failures": 0}):
-                return cls(**self.profile.cluster_kwargs)
-
-        try:
-            manager = _within(self.provision_timeout, make, f"cluster of profile {self.profile.name!r}")
-        except Exception as exc:
-            # TypeError or ValueError for arguments the class does not take; anything else its own
-            rejected = isinstance(exc, (TypeError, ValueError))
-            raise ClusterError(
-                f"profile {self.profile.name!r}: {name}(**cluster_kwargs) "
-                + (f"rejected cluster_kwargs {sorted(self.profile.cluster_kwargs)}" if rejected else "failed")
-                + f": {type(exc).__name__}: {exc}; fix cluster_kwargs to match {name}'s arguments"
-                + ("" if rejected else " or the cluster manager's configuration")
-            ) from exc
-        self.manager = manager
-        try:
-            self._check_api()
-            from distributed import Client
-
-            self.client = Client(manager, set_as_default=False, timeout=self.provision_timeout)
-        except BaseException:
-            self.shutdown()
-            raise
-
-    def _ask(self, n: int) -> None:
-        """Scale the cluster manager to ``n`` workers; held time starts now for the new ones."""
-        now = time.time()
-        if self.usage.provisioned_at is None:
-            self.usage.provisioned_at = now
-        with _non_daemon_workers():
-            self.manager.scale(n)
-        self._asked = (self._asked + [now] * n)[:n]
-
-    def _check_resources(self, workers: dict[str, RemoteWorker]) -> None:
-        if not self.profile.is_gpu:
-            return
-        missing = [w for w in workers.values() if not w.gpus]
-        if missing:
-            raise ClusterError(
-                f"profile {self.profile.name!r}: the workers of {self.profile.cluster_class} advertise no "
-                f"Dask resource {GPU_RESOURCE!r} ({'; '.join(w.describe() for w in missing)}), so no GPU "
-                "task could ever be placed. Make its workers advertise it: for dask-jobqueue "
-                'cluster_kwargs worker_extra_args = ["--resources", "GPU=1"] (and processes = 1); for the '
-                "dask operator's KubeCluster a worker command with --resources GPU=1 in its cluster spec "
-                "(docs/distributed.md)"
-            )
-
-    def _note(self, workers: dict[str, RemoteWorker]) -> None:
-        self.remote = workers
-        self._seen.update(workers)
-
-    def scale_to(self, n_workers: int) -> int:
-        n = min(n_workers, self.limit)
-        if self.manager is None or not self._asked or n <= len(self._asked):
-            return len(self._asked)
-        self._ask(n)
-        with contextlib.suppress(Exception):
-            self._note(read_workers(self.client))
-        logger.info(
-            "profile %r: asked %s for %d worker(s) because tasks were waiting",
-            self.profile.name,
-            self.profile.cluster_class,
-            n,
-        )
-        return n
-
-    def close(self, reason: str, hurry: bool = False) -> LedgerRow | None:
-        """Scale to zero (the cluster object stays for the next task) and write the ledger row."""
-        if self.manager is None or not self._asked:
-            return None
-        closed = time.time()
-        with contextlib.suppress(Exception):
-            self._note(read_workers(self.client))
-        per = max(1, self.profile.devices_per_worker)
-        held = sum(closed - t for t in self._asked) * per
-        row = self._busy_row(held, len(self._asked), reason, closed)
-        if not row.devices:
-            row.devices = tuple(k for w in self._seen.values() for k in w.device_keys)
-        try:
-            with _non_daemon_workers():
-                self.manager.scale(0)
-        except Exception:
-            logger.warning("profile %r: error while scaling to zero", self.profile.name, exc_info=True)
-        self._asked = []
-        self.remote = {}
-        self._seen = {}
-        self.usage.reset()
-        logger.info(
-            "profile %r: scaled %s to zero (%s); held %.1f device-s, busy %.1f device-s",
-            self.profile.name,
-            self.profile.cluster_class,
-            reason,
-            row.held_seconds,
-            row.busy_seconds,
-        )
-        return row
-
-    def shutdown(self) -> None:
-        """Close the client and the cluster manager's cluster (the flow run ended)."""
-        super().shutdown()
-        manager, self.manager = self.manager, None
-        if manager is not None:
-            try:
-                manager.close()
-            except Exception:
-                logger.warning(
-                    "profile %r: error while closing its cluster", self.profile.name, exc_info=True
-                )
-
-    def _where(self) -> str:
-        return f"{self.profile.cluster_class} at {self.scheduler_address}"
-
-
-def remote_cluster(
-    profile: ResourceProfile,
-    worker_env: dict[str, str],
-    provision_timeout: float,
-    dashboard: bool,
-    api_url: str | None,
-) -> RemoteCluster:
-    """The cluster of an ``address`` or ``cluster_class`` profile."""
-    cls = AddressCluster if profile.address is not None else ManagedCluster
-    return cls(profile, worker_env, provision_timeout, dashboard, api_url)

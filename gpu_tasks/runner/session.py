@@ -21,8 +21,8 @@ from typing import Any
 from prefect.futures import PrefectFuture
 
 from gpu_tasks.cluster.backends import uses_warm_pool
+from gpu_tasks.cluster.kinds import new_cluster
 from gpu_tasks.cluster.local import ProfileCluster
-from gpu_tasks.cluster.remote import AddressCluster, remote_cluster
 from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
@@ -247,30 +247,19 @@ class Live:
                     self.worker_env = worker_env(api_url)
                     self.context.api_url = api_url
                 timeout = prof.idle_timeout if prof.idle_timeout is not None else self.idle_timeout
-                cluster: ProfileCluster
-                if prof.is_local:
-                    cluster = ProfileCluster(
-                        prof,
-                        self.inventory if prof.is_gpu else Inventory(),
-                        self.worker_env or {},
-                        self.settings.provision_timeout,
-                        dashboard=self.settings.dashboard,
-                        book=self.book,
-                        pool=self.pool,
-                    )
-                else:
-                    cluster = remote_cluster(
-                        prof,
-                        self.worker_env or {},
-                        self.settings.provision_timeout,
-                        self.settings.dashboard,
-                        self.context.api_url,
-                    )
-                    if isinstance(cluster, AddressCluster):
-                        cluster.check_reachable()  # at submit: workers elsewhere need the API
+                cluster = new_cluster(
+                    prof,
+                    inventory=self.inventory if prof.is_local and prof.is_gpu else Inventory(),
+                    worker_env=self.worker_env or {},
+                    provision_timeout=self.settings.provision_timeout,
+                    dashboard=self.settings.dashboard,
+                    book=self.book,
+                    pool=self.pool,
+                    api_url=self.context.api_url,
+                    on_board=partial(self._on_board, prof.name),
+                )
+                cluster.check_reachable()  # at submit: workers elsewhere need the API
                 st = self.states[prof.name] = ProfileState(cluster, timeout)
-                if isinstance(cluster, AddressCluster):
-                    cluster.on_board = partial(self._on_board, st)
                 self._start_monitor()
             return st
 
@@ -376,10 +365,13 @@ class Live:
             [h["address"] for h in holders],
         )
 
-    def _on_board(self, st: ProfileState, what: str, info: dict[str, Any]) -> None:
+    def _on_board(self, name: str, what: str, info: dict[str, Any]) -> None:
         """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board):
         ``preempting`` (it waited past its grace: its entry went up) or ``preempted`` (we
         interrupted tasks for another's entry)."""
+        st = self.states.get(name)
+        if st is None:  # told before the profile's state was kept: nothing to count it on yet
+            return
         keep = (
             "profile",
             "flow_run_name",

@@ -17,7 +17,7 @@ from prefect.settings import get_current_settings
 from prefect_api import api
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
-from gpu_tasks.cluster.remote import executing_keys
+from gpu_tasks.cluster.remote_workers import executing_keys
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
 from remote_clusters.hosts import Hosts, kill_when_written, overlaps, prioritized_run
 

@@ -1,0 +1,243 @@
+"""``cluster_class=`` profiles: any Dask cluster class (dask-jobqueue, dask-kubernetes,
+dask-gateway, ``LocalCUDACluster``) created on the profile's first task, scaled to the queued
+tasks (at most ``max_workers``), scaled to zero when idle and closed when the flow run ends."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import time
+from typing import Any
+
+from gpu_tasks.cluster.backends import _non_daemon_workers, _within
+from gpu_tasks.cluster.remote import RemoteCluster
+from gpu_tasks.cluster.remote_workers import (
+    RemoteWorker,
+    read_workers,
+)
+from gpu_tasks.compat.cpython import signal_handlers_kept
+from gpu_tasks.errors import ClusterError
+from gpu_tasks.policy import GPU_RESOURCE
+from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.reporting.ledger import LedgerRow
+
+logger = logging.getLogger("gpu_tasks.runner")
+
+
+def load_cluster_class(profile: ResourceProfile) -> type:
+    """The class ``profile.cluster_class`` names, checked to be a Dask cluster class.
+
+    Raises:
+        ClusterError: the module or class cannot be imported, or it is not a Dask cluster.
+    """
+    from distributed.deploy.cluster import Cluster
+
+    path = profile.cluster_class
+    assert path is not None
+    module_name, _, attr = path.rpartition(".")
+    try:
+        with signal_handlers_kept():
+            module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ClusterError(
+            f"profile {profile.name!r}: cluster_class {path!r} cannot be imported ({exc}); install the "
+            "package that provides it (e.g. pip install dask-jobqueue) in the flow run's environment, "
+            "or fix the path"
+        ) from exc
+    cls = getattr(module, attr, None)
+    if cls is None:
+        raise ClusterError(
+            f"profile {profile.name!r}: cluster_class {path!r}: module {module_name!r} has no {attr!r}; "
+            "fix the class name"
+        )
+    # dask-gateway's GatewayCluster is no Cluster subclass but acts as one: scale, close, an address
+    acts_as_one = all(callable(getattr(cls, m, None)) for m in ("scale", "close")) and hasattr(
+        cls, "scheduler_address"
+    )
+    if not (isinstance(cls, type) and (issubclass(cls, Cluster) or acts_as_one)):
+        raise ClusterError(
+            f"profile {profile.name!r}: cluster_class {path!r} is not a Dask cluster class (a subclass of "
+            "distributed.deploy.Cluster such as dask_jobqueue.SLURMCluster, or a class with scale(), close() "
+            "and scheduler_address such as dask_gateway.GatewayCluster); fix cluster_class"
+        )
+    return cls
+
+
+# ---------------------------------------------------------------- a cluster manager's cluster
+class ManagedCluster(RemoteCluster):
+    """A cluster of ``profile.cluster_class``, created on the first task and scaled with the queue."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.manager: Any = None
+        self._asked: list[float] = []  # when each requested worker was asked for (wall clock)
+        self._seen: dict[str, RemoteWorker] = {}  # every worker of this lifetime
+
+    @property
+    def scheduler_address(self) -> str:
+        return str(getattr(self.manager, "scheduler_address", None) or self.profile.cluster_class)
+
+    @property
+    def running(self) -> bool:
+        return self.client is not None and bool(self._asked)
+
+    @property
+    def worker_count(self) -> int:
+        return len(self._asked)
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(k for w in self.remote.values() for k in w.device_keys)
+
+    def _known_workers(self) -> list[RemoteWorker]:
+        return list({**self._seen, **self.remote}.values())
+
+    def start(self, n_workers: int) -> None:
+        t0 = time.monotonic()
+        if self.manager is None:
+            self._create()
+        want = self.limit if self.profile.gang else max(1, min(n_workers, self.limit))
+        self._ask(want)
+        try:
+            workers = self._connected_workers(
+                want if self.profile.gang else 1, t0 + self.provision_timeout, f"scaled to {want}"
+            )
+            self._check_resources(workers)
+            self._check_workers(workers)
+        except BaseException:
+            self.close("provisioning failed")
+            self.shutdown()
+            raise
+        self._note(workers)
+        self.startup = {"wait_devices_s": 0.0, "start_workers_s": time.monotonic() - t0}
+        logger.info(
+            "profile %r: %s asked for %d worker(s); %d up after %.2fs (%s)",
+            self.profile.name,
+            self.profile.cluster_class,
+            want,
+            len(workers),
+            self.startup["start_workers_s"],
+            "; ".join(w.describe() for w in workers.values()),
+        )
+
+    def _create(self) -> None:
+        import dask
+
+        cls = load_cluster_class(self.profile)
+        name = self.profile.cluster_class
+
+        def make() -> Any:
+            # a task whose worker died is reported by the runner, not re-run by the scheduler
+            # (for schedulers in this process: dask-jobqueue, LocalCUDACluster)
+            with _non_daemon_workers(), dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+                return cls(**self.profile.cluster_kwargs)
+
+        try:
+            manager = _within(self.provision_timeout, make, f"cluster of profile {self.profile.name!r}")
+        except Exception as exc:
+            # TypeError or ValueError for arguments the class does not take; anything else its own
+            rejected = isinstance(exc, (TypeError, ValueError))
+            raise ClusterError(
+                f"profile {self.profile.name!r}: {name}(**cluster_kwargs) "
+                + (f"rejected cluster_kwargs {sorted(self.profile.cluster_kwargs)}" if rejected else "failed")
+                + f": {type(exc).__name__}: {exc}; fix cluster_kwargs to match {name}'s arguments"
+                + ("" if rejected else " or the cluster manager's configuration")
+            ) from exc
+        self.manager = manager
+        try:
+            self._check_api()
+            from distributed import Client
+
+            self.client = Client(manager, set_as_default=False, timeout=self.provision_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _ask(self, n: int) -> None:
+        """Scale the cluster manager to ``n`` workers; held time starts now for the new ones."""
+        now = time.time()
+        if self.usage.provisioned_at is None:
+            self.usage.provisioned_at = now
+        with _non_daemon_workers():
+            self.manager.scale(n)
+        self._asked = (self._asked + [now] * n)[:n]
+
+    def _check_resources(self, workers: dict[str, RemoteWorker]) -> None:
+        if not self.profile.is_gpu:
+            return
+        missing = [w for w in workers.values() if not w.gpus]
+        if missing:
+            raise ClusterError(
+                f"profile {self.profile.name!r}: the workers of {self.profile.cluster_class} advertise no "
+                f"Dask resource {GPU_RESOURCE!r} ({'; '.join(w.describe() for w in missing)}), so no GPU "
+                "task could ever be placed. Make its workers advertise it: for dask-jobqueue "
+                'cluster_kwargs worker_extra_args = ["--resources", "GPU=1"] (and processes = 1); for the '
+                "dask operator's KubeCluster a worker command with --resources GPU=1 in its cluster spec "
+                "(docs/distributed.md)"
+            )
+
+    def _note(self, workers: dict[str, RemoteWorker]) -> None:
+        self.remote = workers
+        self._seen.update(workers)
+
+    def scale_to(self, n_workers: int) -> int:
+        n = min(n_workers, self.limit)
+        if self.manager is None or not self._asked or n <= len(self._asked):
+            return len(self._asked)
+        self._ask(n)
+        with contextlib.suppress(Exception):
+            self._note(read_workers(self.client))
+        logger.info(
+            "profile %r: asked %s for %d worker(s) because tasks were waiting",
+            self.profile.name,
+            self.profile.cluster_class,
+            n,
+        )
+        return n
+
+    def close(self, reason: str, hurry: bool = False) -> LedgerRow | None:
+        """Scale to zero (the cluster object stays for the next task) and write the ledger row."""
+        if self.manager is None or not self._asked:
+            return None
+        closed = time.time()
+        with contextlib.suppress(Exception):
+            self._note(read_workers(self.client))
+        per = max(1, self.profile.devices_per_worker)
+        held = sum(closed - t for t in self._asked) * per
+        row = self._busy_row(held, len(self._asked), reason, closed)
+        if not row.devices:
+            row.devices = tuple(k for w in self._seen.values() for k in w.device_keys)
+        try:
+            with _non_daemon_workers():
+                self.manager.scale(0)
+        except Exception:
+            logger.warning("profile %r: error while scaling to zero", self.profile.name, exc_info=True)
+        self._asked = []
+        self.remote = {}
+        self._seen = {}
+        self.usage.reset()
+        logger.info(
+            "profile %r: scaled %s to zero (%s); held %.1f device-s, busy %.1f device-s",
+            self.profile.name,
+            self.profile.cluster_class,
+            reason,
+            row.held_seconds,
+            row.busy_seconds,
+        )
+        return row
+
+    def shutdown(self) -> None:
+        """Close the client and the cluster manager's cluster (the flow run ended)."""
+        super().shutdown()
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            try:
+                manager.close()
+            except Exception:
+                logger.warning(
+                    "profile %r: error while closing its cluster", self.profile.name, exc_info=True
+                )
+
+    def _where(self) -> str:
+        return f"{self.profile.cluster_class} at {self.scheduler_address}"
