@@ -66,7 +66,7 @@ def nanny_spec(
             ended) whose worker loads the guard that ends it with the flow process;
             otherwise a plain ``Nanny`` (a task's own short-lived cluster).
         pool: a :class:`~gpu_tasks.worker.warm.WarmPool`: the worker runs in one of its
-            processes (:class:`~gpu_tasks.worker.warm.PooledWorker`) instead of a new one.
+            processes (:class:`~gpu_tasks.worker.pooled.PooledWorker`) instead of a new one.
         timeout: how long a pooled worker waits for its process.
         cuda: a real-GPU profile's :class:`~gpu_tasks.profiles.CudaOptions` (as a dict):
             the pooled worker sets itself up as dask-cuda's would, once bound to its device.
@@ -89,7 +89,7 @@ def nanny_spec(
     if watched:
         options.update(preload_options())  # workers exit with the flow process (gpu_tasks.worker.guard)
     if pool is not None:
-        from gpu_tasks.worker.warm import PooledWorker
+        from gpu_tasks.worker.pooled import PooledWorker
 
         if cuda is not None:  # as dask-cuda does: no RAPIDS library creates a context on import
             options["env"] = {**spec.env, "RAPIDS_NO_INITIALIZE": "True"}

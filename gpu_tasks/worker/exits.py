@@ -91,7 +91,8 @@ def remember_pid(address: str | None, pid: int | None) -> None:
 
 
 def record_exit(address: str | None, exitcode: int | None, pid: int | None = None) -> None:
-    """Note how the worker at ``address`` ended (:class:`gpu_tasks.worker.warm.PooledWorker` has no nanny)."""
+    """Note how the worker at ``address`` ended (a :class:`~gpu_tasks.worker.pooled.PooledWorker`
+    has no nanny)."""
     if not address:
         return
     with _EXITS_LOCK:

@@ -14,14 +14,14 @@ processes that have done that already and wait, unbound:
   they exit with the flow process even when it is SIGKILLed; the runner closes the
   pool when the flow run ends, so the pool never outlives it.
 
-A profile's cluster binds one per worker (:class:`PooledWorker`, the ``SpecCluster``
+A profile's cluster binds one per worker (:class:`~gpu_tasks.worker.pooled.PooledWorker`, the ``SpecCluster``
 entry that stands where Dask's ``Nanny`` stood): the process takes the worker's
 environment (its device, profile, Prefect API) and Dask config, then starts a Dask
 ``Worker`` against the profile's scheduler. A bound process is never returned to the
 pool: its tasks may have initialised CUDA or left state behind. The pool starts a
 replacement as soon as one is taken.
 
-What the nanny did for its worker, :class:`PooledWorker` does from the flow process:
+What the nanny did for its worker, :class:`~gpu_tasks.worker.pooled.PooledWorker` does from the flow process:
 it records how the process ended for crash reports (:mod:`gpu_tasks.worker.exits`) and
 terminates it past Dask's memory ``terminate`` fraction of its memory limit.
 """
@@ -42,8 +42,6 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 import dask
-from distributed.core import Status
-from distributed.deploy.spec import ProcessInterface
 
 from gpu_tasks.worker import guard as _worker_guard
 
@@ -235,7 +233,7 @@ class WarmProcess:
         """End the process (unbound: it exits when its pipe closes; bound: after the grace)."""
         with contextlib.suppress(OSError):
             self.conn.close()
-        _end(self.process, CLOSE_GRACE_S)
+        end_process(self.process, CLOSE_GRACE_S)
 
 
 _ALL: weakref.WeakSet[WarmProcess] = weakref.WeakSet()
@@ -264,10 +262,10 @@ def _end_all() -> None:  # pragma: no cover - interpreter exit
             proc.conn.close()
         proc.process.terminate()
     for proc in procs:
-        _end(proc.process, KILL_GRACE_S)
+        end_process(proc.process, KILL_GRACE_S)
 
 
-def _end(process: Any, grace: float) -> None:
+def end_process(process: Any, grace: float) -> None:
     """Wait ``grace`` s for ``process`` to exit, then SIGTERM, then SIGKILL."""
     process.join(timeout=grace)
     if process.is_alive():
@@ -374,7 +372,7 @@ class WarmPool:
             with contextlib.suppress(OSError):
                 proc.conn.close()
         for proc in idle:
-            _end(proc.process, CLOSE_GRACE_S)
+            end_process(proc.process, CLOSE_GRACE_S)
 
     def _prune(self) -> None:
         for proc in [p for p in self._idle if not p.process.is_alive()]:
@@ -476,129 +474,3 @@ def _environ(env: dict[str, str]) -> Any:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-# ---------------------------------------------------------------- SpecCluster entry
-class PooledWorker(ProcessInterface):
-    """A ``SpecCluster`` worker entry that binds a warm process instead of spawning one.
-
-    Takes the options gpu-tasks gives Dask's ``Nanny`` (:func:`gpu_tasks.cluster.backends.nanny_spec`):
-    ``env`` and ``silence_logs`` are applied in the process, the rest go to its ``Worker``.
-    """
-
-    def __init__(
-        self,
-        scheduler: str,
-        *,
-        pool: WarmPool,
-        timeout: float,
-        env: dict[str, str] | None = None,
-        silence_logs: int | None = None,
-        cuda: dict[str, Any] | None = None,
-        **worker_kwargs: Any,
-    ) -> None:
-        super().__init__(scheduler=scheduler, name=worker_kwargs.get("name"))  # type: ignore[no-untyped-call]
-        self.scheduler = scheduler
-        self.pool = pool
-        self.timeout = timeout
-        self.env = dict(env or {})
-        self.silence_logs = silence_logs
-        self.cuda = cuda  # dask-cuda's worker setup, applied once bound (gpu_tasks._gpu)
-        self.worker_kwargs = worker_kwargs
-        self.name = worker_kwargs.get("name")
-        self.warm: WarmProcess | None = None
-        self.process: Any = None  # the multiprocessing.Process (its pid: the runner's terminate)
-        self.worker_address: str | None = None
-        self._watch: asyncio.Task[None] | None = None
-
-    async def start(self) -> None:
-        self.warm = await asyncio.to_thread(self.pool.take, self.timeout)
-        self.process = self.warm.process
-        env = {**self.env}
-        config = dask.config.config
-        self.warm.conn.send(
-            ("bind", self.scheduler, self.worker_kwargs, env, config, self.silence_logs, self.cuda)
-        )
-        msg = await asyncio.to_thread(self._receive)
-        if msg[0] != "up":
-            await asyncio.to_thread(self.warm.stop)
-            raise RuntimeError(
-                f"worker {self.name!r} did not start in warm process {self.warm.pid}: {msg[1]}"
-            )
-        self.address = self.worker_address = msg[1]
-        from gpu_tasks.worker.exits import remember_pid
-
-        remember_pid(self.worker_address, self.warm.pid)
-        self._watch = asyncio.ensure_future(self._watch_process())
-        await super().start()  # type: ignore[no-untyped-call]
-
-    def _receive(self) -> tuple[Any, ...]:
-        assert self.warm is not None
-        if not self.warm.conn.poll(self.timeout):
-            return ("error", f"no answer within {self.timeout:g}s")
-        try:
-            msg: tuple[Any, ...] = self.warm.conn.recv()
-        except (EOFError, OSError):
-            return ("error", self.warm._died())
-        return msg
-
-    async def _watch_process(self) -> None:
-        """Record how the process ended; terminate it past the memory limit (the nanny's jobs)."""
-        from gpu_tasks.worker.exits import record_exit, record_memory_kill
-
-        assert self.warm is not None
-        proc = self.warm.process
-        limit = _terminate_at(self.worker_kwargs)
-        ps = None
-        if limit:
-            import psutil
-
-            with contextlib.suppress(psutil.Error):
-                ps = psutil.Process(proc.pid)
-        while proc.is_alive():
-            # wakes as soon as the process exits (its sentinel), else every poll interval
-            await asyncio.to_thread(multiprocessing.connection.wait, [proc.sentinel], MEMORY_POLL_S)
-            if ps is None or limit is None:
-                continue
-            try:
-                rss = ps.memory_info().rss
-            except Exception:
-                continue
-            if rss > limit:
-                logger.warning(
-                    "worker %r exceeded %d%% of its memory limit (%d MiB resident); terminating it",
-                    self.name,
-                    int(dask.config.get("distributed.worker.memory.terminate") * 100),
-                    rss // 2**20,
-                )
-                record_memory_kill(self.worker_address, rss, proc.pid)
-                proc.terminate()
-                break
-        await asyncio.to_thread(proc.join)
-        record_exit(self.worker_address, proc.exitcode, proc.pid)
-        self.status = Status.closed
-        self._event_finished.set()
-
-    async def close(self) -> None:
-        warm, self.warm = self.warm, None
-        if warm is not None:
-            with contextlib.suppress(OSError, ValueError):
-                warm.conn.send(("close",))
-            await asyncio.to_thread(_end, warm.process, CLOSE_GRACE_S)
-            with contextlib.suppress(OSError):
-                warm.conn.close()
-        if self._watch is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._watch), 1.0)
-        await super().close()  # type: ignore[no-untyped-call]
-
-
-def _terminate_at(worker_kwargs: dict[str, Any]) -> int | None:
-    """Bytes of resident memory past which the nanny would terminate this worker."""
-    fraction = dask.config.get("distributed.worker.memory.terminate")
-    if not fraction:
-        return None
-    from gpu_tasks.compat.distributed import memory_limit
-
-    limit = memory_limit(worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1)
-    return int(limit * fraction) if limit else None

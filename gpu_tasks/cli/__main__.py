@@ -1,0 +1,5 @@
+"""``python -m gpu_tasks.cli``."""
+
+from gpu_tasks.cli import main
+
+main()

@@ -1,0 +1,333 @@
+"""``gpu-tasks devices``, ``profiles``, ``deployment-info`` and ``waiters``: what this host has and
+what profiles would get."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from gpu_tasks.cli.common import (
+    app,
+    console,
+    device_json,
+    echo_json,
+    err_console,
+    fail,
+    held_by_text,
+    lease_holders,
+    lease_waiters,
+    load_inventory,
+    load_settings,
+    say,
+    size,
+    source_line,
+    waiters_table,
+)
+from gpu_tasks.devices.discovery import Inventory
+from gpu_tasks.errors import ProfileError, UnknownProfileError
+from gpu_tasks.policy import (
+    device_groups,
+    matching_devices,
+    max_worker_count,
+    slots_per_worker,
+    unsatisfiable_reason,
+)
+from gpu_tasks.profiles import DEFAULT_PROFILE, ResourceProfile, resolve_profiles
+from gpu_tasks.settings import GpuTasksSettings
+
+
+# ------------------------------------------------------------------- devices
+@app.command(help="Discover this host's GPUs (emulated, discovery command, or NVML) and list them.")
+def devices(
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    settings = load_settings()
+    from gpu_tasks.prefect_api.environment import local_problems
+
+    for problem in local_problems():  # nothing here needs Prefect: list the devices all the same
+        err_console.print(Text(f"warning: gpu-tasks run would stop at once here: {problem}"), soft_wrap=True)
+    inventory = load_inventory(settings)
+    held = lease_holders(inventory, settings)
+    queued = lease_waiters(settings)
+    if as_json:
+        echo_json(
+            {
+                "source": inventory.source,
+                "emulated": inventory.emulated,
+                "detail": inventory.detail,
+                "devices": [device_json(d, held[d.address]) for d in inventory.devices],
+                "waiters": queued,
+            }
+        )
+        return
+    if inventory.devices:
+        table = Table(title="Devices")
+        table.add_column("Address", overflow="fold")  # MIG addresses are long UUIDs: keep them whole
+        table.add_column("Name", no_wrap=True)
+        for column in ("Memory total", "Memory free", "Compute capability", "MIG", "Emulated"):
+            table.add_column(column)
+        table.add_column("Held by", overflow="fold")
+        for dev in inventory.devices:
+            table.add_row(
+                Text(dev.address),
+                Text(dev.name),
+                size(dev.memory_total, "unknown"),
+                size(dev.memory_free, "unknown"),
+                dev.compute_capability or "-",
+                "yes" if dev.mig else "no",
+                "yes" if dev.emulated else "no",
+                Text(held_by_text(held[dev.address])),
+            )
+        console.print(table)
+    else:
+        say("No devices.")
+    if queued:
+        console.print(waiters_table(queued))
+    say(source_line(inventory))
+
+
+# ------------------------------------------------------------------ profiles
+def _load_profiles(
+    file: Path | None, settings: GpuTasksSettings
+) -> tuple[dict[str, ResourceProfile], str, Path | None]:
+    """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE, resolved as the runner resolves them,
+    and the default."""
+    path = file if file is not None else settings.profiles_file
+    try:
+        profiles, default = resolve_profiles(path=path)
+    except (ProfileError, UnknownProfileError) as exc:
+        fail(str(exc))
+    return profiles, default, path
+
+
+def _profile_fit(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
+    """Which devices ``prof`` may use on ``inventory``, and why it can never run if so.
+
+    An address or cluster_class profile's workers are elsewhere: checked when its first task runs.
+    """
+    if not prof.is_local:
+        return {
+            "can_run": None,
+            "reason": None,
+            "matching_devices": [],
+            "workers": prof.max_workers,
+            "tasks_per_worker": slots_per_worker(prof) if prof.is_gpu else None,
+        }
+    reason = unsatisfiable_reason(prof, inventory)
+    matching = matching_devices(prof, inventory) if prof.is_gpu else []
+    groups = device_groups(prof, matching) if reason is None else []
+    return {
+        "can_run": reason is None,
+        "reason": reason,
+        "matching_devices": [d.address for d in matching],
+        "workers": max_worker_count(prof, len(groups)),
+        "tasks_per_worker": slots_per_worker(prof),
+    }
+
+
+def _uses_text(prof: ResourceProfile, place: dict[str, Any]) -> str:
+    if prof.address is not None:
+        return f"workers of the Dask cluster at {prof.address} (checked when its first task runs)"
+    if prof.cluster_class is not None:
+        return f"workers that {prof.cluster_class} starts, up to {prof.max_workers}"
+    if not prof.is_gpu:
+        workers, slots = place["workers"], place["tasks_per_worker"]
+        return f"CPU only (no devices): {workers} worker(s), {slots} task(s) at once each"
+    if not place["can_run"]:
+        fallback = "; falls back to the CPU profile" if prof.fallback == "cpu" else ""
+        return f"CANNOT RUN{fallback} (see below)"
+    return (
+        f"devices {', '.join(place['matching_devices'])}: up to {place['workers']} worker(s), "
+        f"{place['tasks_per_worker']} task(s) each"
+    )
+
+
+def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tuple[str, str]]:
+    max_unset = "no cap (one worker per device group)" if prof.is_gpu else "unset (one worker)"
+    idle = (
+        f"{prof.idle_timeout:g}s"
+        if prof.idle_timeout is not None
+        else f"{idle_default:g}s (GPU_TASKS_IDLE_TIMEOUT)"
+    )
+    return [
+        ("tag", prof.tag),
+        ("cpus", f"{prof.cpus:g}"),
+        ("gpus", f"{prof.gpus:g}"),
+        ("memory", size(prof.memory, "Dask default")),
+        ("gpu_model", prof.gpu_model or "any"),
+        ("gpu_memory", size(prof.gpu_memory, "any")),
+        ("max_workers", str(prof.max_workers) if prof.max_workers is not None else max_unset),
+        ("idle_timeout", idle),
+        ("fallback", prof.fallback),
+        ("gang", "yes" if prof.gang else "no"),
+        (
+            "runs on",
+            {
+                "local": "this host",
+                "address": "an existing Dask cluster",
+                "cluster_class": "a cluster manager",
+            }[prof.kind],
+        ),
+    ]
+
+
+@app.command(
+    help="Show resource profiles (--file or GPU_TASKS_PROFILES_FILE) and which devices each may use."
+)
+def profiles(
+    file: Annotated[
+        Path | None,
+        typer.Option("--file", "-f", help="TOML profiles file (default: GPU_TASKS_PROFILES_FILE)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+) -> None:
+    settings = load_settings()
+    loaded, default, path = _load_profiles(file, settings)
+    inventory = load_inventory(settings)
+    placements = {name: _profile_fit(prof, inventory) for name, prof in loaded.items()}
+    if as_json:
+        echo_json(
+            {
+                "file": str(path) if path is not None else None,
+                "default": default,
+                "devices": {
+                    "source": inventory.source,
+                    "emulated": inventory.emulated,
+                    "detail": inventory.detail,
+                    "addresses": [d.address for d in inventory.devices],
+                },
+                "profiles": [
+                    {
+                        **prof.model_dump(mode="json"),
+                        "kind": prof.kind,
+                        "tag": prof.tag,
+                        "default": name == default,
+                        **placements[name],
+                    }
+                    for name, prof in loaded.items()
+                ],
+            }
+        )
+        return
+    if path is None:
+        say(
+            "No profiles file set (--file or GPU_TASKS_PROFILES_FILE): showing the built-in default "
+            f"CPU profile {DEFAULT_PROFILE!r}."
+        )
+    else:
+        say(f"Profiles from {path}")
+    for name, prof in loaded.items():
+        title = f"{name} (default for untagged tasks)" if name == default else name
+        table = Table(title=Text(title), show_header=False, title_justify="left")
+        table.add_column("field", style="bold")
+        table.add_column("value")
+        for field, value in _profile_row_values(prof, settings.idle_timeout):
+            table.add_row(field, Text(value))
+        table.add_row("uses", Text(_uses_text(prof, placements[name])))
+        console.print(table)
+        reason = placements[name]["reason"]
+        if reason is not None:
+            say(f"CANNOT RUN {name!r} here: {reason}", style="red")
+    say(source_line(inventory))
+
+
+@app.command(
+    "deployment-info",
+    help="Description and tags for a deployment of a flow, from its profiles (for prefect.yaml or serve).",
+)
+def deployment_info_command(
+    entrypoint: Annotated[
+        str, typer.Argument(help="The flow: path/to/file.py:flow_name or package.module:flow_name.")
+    ],
+    file: Annotated[
+        Path | None,
+        typer.Option(
+            "--profiles-file",
+            "-f",
+            help="The deployment's GPU_TASKS_PROFILES_FILE (default: this environment's).",
+        ),
+    ] = None,
+    summary: Annotated[
+        str | None, typer.Option(help="First sentence of the description (default: the flow's docstring).")
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print JSON instead of prefect.yaml lines.")
+    ] = False,
+) -> None:
+    from gpu_tasks.deployments import deployment_info
+    from gpu_tasks.errors import GpuTasksError
+
+    load_settings()
+    try:
+        from prefect.flows import load_flow_from_entrypoint
+
+        flow: Any = load_flow_from_entrypoint(entrypoint)
+    except Exception as exc:
+        fail(f"cannot load flow {entrypoint!r}: {exc} (use path/to/file.py:flow_name or module:flow_name)")
+    try:
+        info = deployment_info(flow, profiles_file=file, summary=summary)
+    except GpuTasksError as exc:
+        fail(f"{type(exc).__name__}: {exc}")
+    if as_json:
+        echo_json({"description": info.description, "tags": info.tags, "gpus": info.gpus})
+        return
+    typer.echo(f"description: {json.dumps(info.description)}")
+    typer.echo(f"tags: [{', '.join(info.tags)}]")
+
+
+@app.command(
+    help="List the waiters on a shared Dask scheduler's board (address profiles whose tasks wait "
+    "there: priority, aging, preemption; docs/distributed.md)."
+)
+def waiters(
+    address: Annotated[str, typer.Argument(help="The scheduler, as in an address profile: tcp://host:8786.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the scheduler.")] = 10.0,
+) -> None:
+    from distributed import Client
+
+    from gpu_tasks.cluster.board import BOARD, effective_priority
+    from gpu_tasks.cluster.remote import security_for
+    from gpu_tasks.profiles import ResourceProfile
+
+    try:
+        shared = ResourceProfile(name="waiters", address=address)
+    except Exception as exc:
+        fail(f"address {address!r}: {exc}")
+    security = security_for(shared) if address.startswith("tls://") else None
+    try:
+        with Client(address, security=security, timeout=timeout, set_as_default=False) as client:
+            board = client.get_metadata([BOARD], default=None) or {}
+    except Exception as exc:
+        fail(f"could not read the waiter board of {address}: {type(exc).__name__}: {exc}", code=1)
+    rows = []
+    for token, entry in sorted(board.items()):
+        if not isinstance(entry, dict):
+            continue
+        rows.append(dict(entry, token=token, effective_priority=effective_priority(entry)))
+    if as_json:
+        echo_json({"address": address, "waiters": rows})
+        return
+    if not rows:
+        say(f"No waiters on {address}: no task of an address profile has waited past its aging or grace.")
+        return
+    table = Table(title=f"Waiters on {address} (as of their last beat)")
+    for column in ("Profile", "Flow run", "Process", "Priority", "Effective", "Waited", "Queued", "Workers"):
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(
+            Text(str(row.get("profile"))),
+            Text(str(row.get("flow_run_name") or "-")),
+            Text(f"{row.get('hostname') or '?'}:{row.get('pid') or '?'}"),
+            str(int(row.get("priority") or 0)),
+            str(row["effective_priority"]),
+            f"{float(row.get('waited_s') or 0):.1f}s",
+            str(row.get("queued") or 0),
+            Text(", ".join(row.get("workers") or ()) or "-"),
+        )
+    console.print(table)

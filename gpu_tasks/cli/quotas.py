@@ -1,0 +1,102 @@
+"""``gpu-tasks quotas``: list, set and delete team quotas (Prefect global concurrency limits)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from gpu_tasks.cli.common import (
+    app,
+    console,
+    echo_json,
+    fail,
+    load_settings,
+    say,
+)
+from gpu_tasks.devices import leases
+
+# ------------------------------------------------------------------- quotas
+quotas_app = typer.Typer(
+    help="Team quotas: the most devices a quota's profiles hold at once, across flow runs, kept in "
+    "Prefect global concurrency limits named gpu-quota:<name> (docs/leases.md, Quotas).",
+    invoke_without_command=True,
+    no_args_is_help=False,
+)
+app.add_typer(quotas_app, name="quotas")
+
+
+def _quota_api(what: str, fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` against the Prefect API, or exit 1 naming the API and what failed."""
+    from prefect.settings import PREFECT_API_URL
+
+    try:
+        return fn(*args)
+    except Exception as exc:
+        url = PREFECT_API_URL.value() or "Prefect's ephemeral API (PREFECT_API_URL unset)"
+        fail(f"could not {what} at {url}: {type(exc).__name__}: {exc}", code=1)
+
+
+@quotas_app.callback()
+def quotas_list(
+    ctx: typer.Context,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
+) -> None:
+    """List every quota with its limit, the devices in use, and who holds them on this host."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from gpu_tasks.prefect_api import quotas
+
+    settings = load_settings()
+    rows = _quota_api("read the quotas", quotas.usage, leases.holders(settings.lease_dir))
+    if as_json:
+        echo_json({"quotas": rows})
+        return
+    if not rows:
+        say("No quotas: create one with `gpu-tasks quotas set NAME N` (a gpu-quota:NAME limit).")
+        return
+    table = Table(title="Quotas (Prefect global concurrency limits gpu-quota:<name>)")
+    for column in ("Quota", "Limit (devices)", "In use", "Active"):
+        table.add_column(column)
+    table.add_column("Held on this host by", overflow="fold")
+    for row in rows:
+        here = "; ".join(
+            f"device {h['address']}: {leases.describe(h, with_id=False)}" for h in row["holders_here"]
+        )
+        table.add_row(
+            Text(row["quota"]),
+            str(row["limit"]),
+            str(row["in_use"]),
+            "yes" if row["active"] else "no",
+            Text(here or "-"),
+        )
+    console.print(table)
+
+
+@quotas_app.command("set", help="Create a quota, or change its limit (devices held at once).")
+def quotas_set(
+    name: Annotated[str, typer.Argument(help="The quota's name, as in a profile's quota=.")],
+    devices: Annotated[int, typer.Argument(help="The most devices its profiles hold at once (>= 1).")],
+) -> None:
+    from gpu_tasks.prefect_api import quotas
+    from gpu_tasks.profiles import is_valid_name
+
+    if not is_valid_name(name):
+        fail(f"quota name {name!r}: use letters, digits, '_', '.', '-' (at most 63 characters)")
+    if devices < 1:
+        fail(
+            f"devices must be at least 1 (got {devices}); `gpu-tasks quotas delete {name}` removes the quota"
+        )
+    _quota_api(f"set quota {name!r}", quotas.set_limit, name, devices)
+    say(f"quota {name!r}: at most {devices} device(s) at once ({quotas.limit_name(name)})")
+
+
+@quotas_app.command("delete", help="Delete a quota (profiles naming it then fail to start).")
+def quotas_delete(name: Annotated[str, typer.Argument(help="The quota's name.")]) -> None:
+    from gpu_tasks.prefect_api import quotas
+
+    if not _quota_api(f"delete quota {name!r}", quotas.delete_limit, name):
+        fail(f"no quota {name!r} ({quotas.limit_name(name)})", code=1)
+    say(f"quota {name!r} deleted")
