@@ -5,13 +5,14 @@ Prefect global concurrency limit ``gpu-quota:team-a`` (one slot per device), so 
 limit is seen and changed in the Prefect UI (Concurrency) or with ``gpu-tasks quotas``.
 Slots are taken with a Prefect lease when a worker group's devices are taken
 (:class:`gpu_tasks.devices.book.DeviceBook`), renewed while held, and given back with
-the devices; a flow run that dies without giving them back loses them when its lease
-expires (``GPU_TASKS_QUOTA_LEASE_SECONDS``, at least 60 s: Prefect's minimum).
+the devices (:class:`QuotaSlots`, through a
+:class:`gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`); a flow run that dies
+without giving them back loses them when its lease expires
+(``GPU_TASKS_QUOTA_LEASE_SECONDS``, at least 60 s: Prefect's minimum).
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import math
 import threading
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_tasks.errors import ClusterError
+from gpu_tasks.prefect_api.concurrency_leases import MIN_LEASE_S, LeaseHolder
 
 logger = logging.getLogger(__name__)
 
@@ -51,18 +53,16 @@ def how_to_set(quota: str, n: int | str = "N") -> str:
 class QuotaSlots:
     """The quota slots one device book (one flow run) holds, by Prefect lease.
 
-    ``take`` never waits: it returns ``None`` when the quota has no room now.
-    Leases are renewed on a thread of its own, in the context the first slots
-    were taken in (the flow run's Prefect API).
+    ``take`` never waits for room: it returns ``None`` when the quota has no room now.
+    The leases are a :class:`gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`'s
+    (thread ``gpu-tasks-quota-leases``), renewed every third of the lease, in the context
+    the first slots were taken in (the flow run's Prefect API).
     """
 
     def __init__(self, lease_seconds: float, flow_run_id: uuid.UUID | None = None) -> None:
-        self.lease_seconds = max(60.0, float(lease_seconds))
+        self.lease_seconds = max(MIN_LEASE_S, float(lease_seconds))
         self.flow_run_id = flow_run_id
-        self.leases: dict[uuid.UUID, str] = {}  # lease id -> quota
-        self.lock = threading.Lock()
-        self.stop = threading.Event()
-        self.renewer: threading.Thread | None = None
+        self.leases = LeaseHolder("gpu-tasks-quota-leases", self.lease_seconds, log=logger)
         self.checked: dict[tuple[str, int], float] = {}  # (quota, need) -> when it last fitted
 
     # ------------------------------------------------------------ limits
@@ -95,80 +95,26 @@ class QuotaSlots:
 
     # ------------------------------------------------------------ slots
     def take(self, quota: str, slots: int) -> uuid.UUID | None:
-        """Hold ``slots`` of ``quota`` now (a lease id), or ``None`` when it has no room."""
-        from prefect.client.orchestration import get_client
-        from prefect.client.schemas.objects import ConcurrencyLeaseHolder
-        from prefect.exceptions import PrefectHTTPStatusError
+        """Hold ``slots`` of ``quota`` now (a lease id), or ``None`` when it has no room.
 
-        holder = ConcurrencyLeaseHolder(type="flow_run", id=self.flow_run_id) if self.flow_run_id else None
-        try:
-            with get_client(sync_client=True) as client:
-                response = client.increment_concurrency_slots_with_lease(
-                    names=[limit_name(quota)],
-                    slots=slots,
-                    mode="concurrency",
-                    lease_duration=self.lease_seconds,
-                    holder=holder,
-                )
-        except PrefectHTTPStatusError as exc:
-            if exc.response.status_code == 423:  # Locked: no room now
-                return None
-            raise
-        lease_id = uuid.UUID(str(response.json()["lease_id"]))
-        with self.lock:
-            self.leases[lease_id] = quota
-            if self.renewer is None:
-                self.renewer = threading.Thread(
-                    target=contextvars.copy_context().run,
-                    args=(self._renew,),
-                    name="gpu-tasks-quota-leases",
-                    daemon=True,
-                )
-                self.renewer.start()
-        return lease_id
+        Raises:
+            ClusterError: the quota has no limit (deleted since it was checked).
+        """
+        holder = ("flow_run", self.flow_run_id) if self.flow_run_id else None
+        answer = self.leases.take([limit_name(quota)], slots, f"{slots} slot(s) of quota {quota!r}", holder)
+        if not answer.granted:  # 423 Locked: no room now
+            return None
+        if answer.lease_id is None:
+            raise ClusterError(f"quota {quota!r} has no limit: create it with {how_to_set(quota)}")
+        return answer.lease_id
 
     def release(self, lease_id: uuid.UUID | None) -> None:
         """Give the slots of ``lease_id`` back (best effort: an unreachable server lets it expire)."""
-        if lease_id is None:
-            return
-        with self.lock:
-            quota = self.leases.pop(lease_id, None)
-        if quota is None:
-            return
-        try:
-            from prefect.client.orchestration import get_client
-
-            with get_client(sync_client=True) as client:
-                client.release_concurrency_slots_with_lease(lease_id)
-        except Exception:
-            logger.warning(
-                "quota %r: could not give back lease %s; its slots come back when it expires (%gs)",
-                quota,
-                lease_id,
-                self.lease_seconds,
-                exc_info=True,
-            )
+        self.leases.release(lease_id)
 
     def close(self) -> None:
         """Give every slot back and stop renewing."""
-        self.stop.set()
-        for lease_id in list(self.leases):
-            self.release(lease_id)
-
-    def _renew(self) -> None:
-        from prefect.client.orchestration import get_client
-
-        while not self.stop.wait(self.lease_seconds / 3):
-            with self.lock:
-                held = list(self.leases)
-            if not held:
-                continue
-            try:
-                with get_client(sync_client=True) as client:
-                    for lease_id in held:
-                        client.renew_concurrency_lease(lease_id, self.lease_seconds)
-            except Exception:
-                logger.warning("could not renew quota leases %s", held, exc_info=True)
+        self.leases.close()
 
 
 def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:

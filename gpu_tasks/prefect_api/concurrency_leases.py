@@ -1,0 +1,407 @@
+"""Prefect concurrency leases: slots taken under a lease, renewed while held, given back.
+
+Both users of Prefect's concurrency limits hold their slots through one
+:class:`LeaseHolder` each: a runner's tag slots (:mod:`gpu_tasks.prefect_api.tag_slots`,
+``tag:<tag>`` limits, one lease per task run) and a device book's team quotas
+(:mod:`gpu_tasks.prefect_api.quotas`, ``gpu-quota:<name>`` global limits, one lease per
+worker group or task). A holder owns:
+
+- one event loop, in one thread of its own (``name``), started on first use, with a
+  Prefect client of its own for the flow run's API (:func:`gpu_tasks.prefect_api.api.require_flow_api_url`);
+  it never calls into Prefect's shared machinery (``run_coro_as_sync``, the global loop,
+  the acquisition services);
+- slot requests (``POST /v2/concurrency_limits/increment-with-lease``), sent one at a time:
+  two slot writes at once on a Prefect server's SQLite database kept the second waiting
+  about 2 s for the first one's write lock (prefect 3.8.8);
+- the leases it was granted, each renewed every ``renew_every_s`` (a third of the lease by
+  default) while held. A failed renewal is logged (as Prefect's engine does when not
+  strict) and tried again next period; if the lease expires meanwhile, the server frees its
+  slots for others;
+- giving a lease back (a failure is logged: the slots are free again when the lease expires);
+- :meth:`LeaseHolder.close`: every request still pending is let finish within the deadline
+  (so a slot granted meanwhile is given back too), every held lease is given back, then the
+  thread stops.
+
+A holder's work is coroutines on its loop (:meth:`LeaseHolder.submit` from any thread,
+:meth:`LeaseHolder.spawn` on the loop); :meth:`LeaseHolder.take` and
+:meth:`LeaseHolder.release` wait for them, for callers that have a thread to block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextvars
+import functools
+import logging
+import threading
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+MIN_LEASE_S = 60.0  # Prefect's smallest lease
+RETRY_AFTER_DEFAULT_S = 1.0  # a full limit's answer without a usable Retry-After
+CLOSE_TIMEOUT_S = 10.0
+RELEASE_WAIT_S = 30.0  # how long release(wait=True) waits; the give-back goes on after that
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The server's answer to one slot request."""
+
+    granted: bool
+    lease_id: uuid.UUID | None = None  # granted with slots of limits that exist: their lease, now held
+    limits: tuple[str, ...] = ()  # the limits that exist (the others need no slot)
+    retry_after: float = 0.0  # not granted (a limit is full): seconds the server asks to wait
+
+
+class LeaseHolder:
+    """Takes, renews and gives back Prefect concurrency leases (see the module doc).
+
+    Args:
+        name: the name of its thread.
+        lease_s: the lease asked for and renewed, in seconds.
+        renew_every_s: the renewal period (default: a third of ``lease_s``).
+        log: the logger its warnings go to.
+        on_tick: called on the loop once every renewal period, before the renewals.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        lease_s: float,
+        renew_every_s: float | None = None,
+        log: logging.Logger | None = None,
+        on_tick: Callable[[], None] | None = None,
+    ) -> None:
+        self.name = name
+        self.lease_s = float(lease_s)
+        self.renew_every_s = float(renew_every_s) if renew_every_s is not None else self.lease_s / 3
+        self.log = log or logging.getLogger(__name__)
+        self._on_tick = on_tick
+        self._lock = threading.Lock()
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ctx: contextvars.Context | None = None  # the first caller's: renewals and the client
+        self._client: Any = None
+        self._client_lock: asyncio.Lock | None = None
+        self._send_lock: asyncio.Lock | None = None
+        self._held: dict[uuid.UUID, str] = {}  # lease id -> what it holds, for log lines
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._renewal: asyncio.Task[Any] | None = None
+
+    # ------------------------------------------------------------ any thread
+    def submit(
+        self, make: Callable[[], Awaitable[Any]], ctx: contextvars.Context | None = None
+    ) -> concurrent.futures.Future[Any]:
+        """Run ``make()`` on the holder's loop, in ``ctx`` (default: a copy of the caller's);
+        returns at once. The first call starts the loop, whose renewals run in that context.
+
+        Raises:
+            RuntimeError: the holder is closed.
+        """
+        ctx = ctx if ctx is not None else contextvars.copy_context()
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:  # scheduled under the lock: never after close() scheduled its shutdown
+            if self._closed:
+                raise RuntimeError(f"{self.name} is closed")
+            loop = self._start(ctx)
+            loop.call_soon_threadsafe(self._create, make, ctx, done)
+        return done
+
+    def take(
+        self,
+        names: Sequence[str],
+        slots: int,
+        what: str,
+        holder: tuple[str, uuid.UUID] | None = None,
+        ctx: contextvars.Context | None = None,
+    ) -> Answer:
+        """:meth:`increment`, waited for (from a thread other than the holder's)."""
+        return self.submit(lambda: self.increment(names, slots, what, holder), ctx).result()  # type: ignore[no-any-return]
+
+    def release(self, lease_id: uuid.UUID | None, wait: bool = True) -> None:
+        """:meth:`give_back` ``lease_id`` (from a thread other than the holder's): waited for up to
+        ``RELEASE_WAIT_S`` when ``wait``; nothing to do when the holder is closed (it gave
+        everything back) or the lease is not held."""
+        if lease_id is None or self._loop is None:
+            return
+        try:
+            done = self.submit(lambda: self.give_back(lease_id), self._ctx)
+        except RuntimeError:  # closed
+            return
+        if wait:
+            try:
+                done.result(RELEASE_WAIT_S)
+            except concurrent.futures.TimeoutError:
+                pass  # still under way on the loop; close() waits for it
+
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> bool:
+        """Call ``fn(*args)`` on the loop soon, never blocking; ``False`` when the loop is not
+        running (not started yet, or closed)."""
+        loop = self._loop
+        if loop is None:
+            return False
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed
+            return False
+        return True
+
+    def close(self, timeout: float = CLOSE_TIMEOUT_S, first: Callable[[], None] | None = None) -> None:
+        """Give back every held lease (within ``timeout``), then stop the thread.
+
+        ``first`` runs on the loop before that (a user's own waits end there). A request still
+        pending is let finish within ``timeout`` and then cancelled: a slot the server grants it
+        later is free again when its lease expires.
+        """
+        with self._lock:
+            self._closed = True
+            loop, thread = self._loop, self._thread
+        if loop is None or thread is None:
+            return
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        assert self._ctx is not None
+        loop.call_soon_threadsafe(self._create, lambda: self._shutdown(timeout, first), self._ctx, done)
+        try:
+            done.result(timeout + 5)
+        except Exception:
+            self.log.warning("gpu-tasks: giving back Prefect concurrency slots did not finish", exc_info=True)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=5)
+
+    # ------------------------------------------------------------ the loop
+    def spawn(self, make: Callable[[], Awaitable[Any]], ctx: contextvars.Context) -> None:
+        """Run ``make()`` as a task of the holder (on its loop; :meth:`close` waits for it)."""
+        self._create(make, ctx, None)
+
+    async def increment(
+        self,
+        names: Sequence[str],
+        slots: int,
+        what: str,
+        holder: tuple[str, uuid.UUID] | None = None,
+        unless: Callable[[], bool] | None = None,
+    ) -> Answer:
+        """Ask for ``slots`` of each limit in ``names`` under a lease, once.
+
+        ``holder`` is Prefect's lease holder, ``(type, id)``; ``what`` says what the slots are
+        for in log lines. ``unless()``, when given, is asked in this request's turn, just
+        before it is sent: true, and it is granted without asking (nothing to hold).
+
+        Raises:
+            httpx.HTTPStatusError: the server refused it otherwise than with a full limit (423).
+        """
+        import httpx
+        from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+
+        client = await self._api()
+        ref = ConcurrencyLeaseHolder(type=holder[0], id=holder[1]) if holder is not None else None  # type: ignore[arg-type]
+        try:
+            async with self._one_at_a_time():
+                if unless is not None and unless():
+                    return Answer(granted=True)
+                response = await client.increment_concurrency_slots_with_lease(
+                    names=list(names),
+                    slots=slots,
+                    mode="concurrency",
+                    lease_duration=self.lease_s,
+                    holder=ref,
+                )
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != 423:  # 423: a limit is full
+                raise
+            return Answer(granted=False, retry_after=_retry_after(exc.response.headers.get("Retry-After")))
+        body = dict(response.json())
+        limits = tuple(str(limit["name"]) for limit in body.get("limits") or ())
+        if not limits:
+            return Answer(granted=True)
+        lease_id = uuid.UUID(str(body["lease_id"]))
+        self._held[lease_id] = f"{what} ({', '.join(limits)})"
+        return Answer(granted=True, lease_id=lease_id, limits=limits)
+
+    async def give_back(self, lease_id: uuid.UUID) -> None:
+        """Give ``lease_id``'s slots back (best effort: a failure is logged, the lease expires)."""
+        what = self._held.pop(lease_id, None)
+        if what is None:
+            return
+        try:
+            client = await self._api()
+            async with self._one_at_a_time():
+                await client.release_concurrency_slots_with_lease(lease_id)
+        except Exception:
+            self.log.warning(
+                "gpu-tasks: could not give back %s (lease %s); they are free again when the lease "
+                "expires (%gs)",
+                what,
+                lease_id,
+                self.lease_s,
+                exc_info=True,
+            )
+
+    def _start(self, ctx: contextvars.Context) -> asyncio.AbstractEventLoop:
+        """The loop, started on first use (under ``_lock``), renewing in ``ctx``."""
+        if self._loop is not None:
+            return self._loop
+        loop = asyncio.new_event_loop()
+        ready = threading.Event()
+
+        def run() -> None:
+            asyncio.set_event_loop(loop)
+            loop.call_soon(ready.set)
+            try:
+                loop.run_forever()
+            finally:
+                loop.close()
+
+        self._thread = threading.Thread(target=run, name=self.name, daemon=True)
+        self._thread.start()
+        ready.wait()
+        self._loop = loop
+        self._ctx = ctx.copy()
+        loop.call_soon_threadsafe(self._start_renewal)
+        return loop
+
+    def _start_renewal(self) -> None:
+        assert self._loop is not None and self._ctx is not None
+        self._renewal = self._loop.create_task(self._renew_forever(), context=self._ctx.copy())
+
+    def _create(
+        self,
+        make: Callable[[], Awaitable[Any]],
+        ctx: contextvars.Context,
+        done: concurrent.futures.Future[Any] | None,
+    ) -> None:
+        loop = self._loop
+        assert loop is not None
+
+        async def run() -> Any:
+            return await make()
+
+        task = loop.create_task(run(), context=ctx)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        if done is not None:
+            task.add_done_callback(lambda t: _settle(done, t))
+
+    def _one_at_a_time(self) -> asyncio.Lock:
+        """The holder's requests go out one at a time (see the module doc)."""
+        if self._send_lock is None:
+            self._send_lock = asyncio.Lock()
+        return self._send_lock
+
+    async def _api(self) -> Any:
+        """The holder's Prefect client, built on first use (in the flow run's context, as every
+        task on the loop runs in it)."""
+        if self._client_lock is None:
+            self._client_lock = asyncio.Lock()
+        async with self._client_lock:
+            if self._client is None:
+                client = _new_client(self.name)
+                await client.__aenter__()
+                self._client = client
+        return self._client
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.renew_every_s)
+            if self._on_tick is not None:
+                try:
+                    self._on_tick()
+                except Exception:
+                    self.log.debug("gpu-tasks: %s: the renewal tick failed", self.name, exc_info=True)
+            held = list(self._held)
+            if held:
+                await asyncio.gather(*(self._renew(lease_id) for lease_id in held))
+
+    async def _renew(self, lease_id: uuid.UUID) -> None:
+        try:
+            client = await self._api()
+            async with self._one_at_a_time():
+                what = self._held.get(lease_id)
+                if what is None:  # given back meanwhile
+                    return
+                await client.renew_concurrency_lease(lease_id, self.lease_s)
+        except Exception:
+            self.log.warning(
+                "gpu-tasks: renewing the Prefect lease on %s failed (tried again in %gs); others may take "
+                "the slots if the lease (%gs) expires first",
+                self._held.get(lease_id, "concurrency slots"),
+                self.renew_every_s,
+                self.lease_s,
+                exc_info=True,
+            )
+
+    async def _shutdown(self, timeout: float, first: Callable[[], None] | None) -> None:
+        """Let pending requests finish, give back every lease, close the client; whatever is left
+        after ``timeout`` is cancelled (a lease the server grants it expires by itself)."""
+        if first is not None:
+            first()
+        for lease_id in list(self._held):
+            self.spawn(functools.partial(self.give_back, lease_id), self._ctx or contextvars.Context())
+        current = asyncio.current_task()
+        pending = {t for t in self._tasks if t is not current and t is not self._renewal}
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=timeout)
+            for task in late:
+                task.cancel()
+            if late:
+                self.log.warning(
+                    "gpu-tasks: %d Prefect concurrency slot request(s) still unanswered after %gs; any "
+                    "slot the server grants them is free again when its lease expires (%gs)",
+                    len(late),
+                    timeout,
+                    self.lease_s,
+                )
+        if self._renewal is not None:
+            self._renewal.cancel()
+        for task in list(self._tasks):
+            if task is not current:
+                task.cancel()
+        if self._client is not None:
+            try:
+                await self._client.__aexit__(None, None, None)
+            except Exception:
+                self.log.debug("gpu-tasks: closing %s's Prefect client failed", self.name, exc_info=True)
+            self._client = None
+
+
+def _settle(done: concurrent.futures.Future[Any], task: asyncio.Task[Any]) -> None:
+    if done.cancelled():  # the caller gave up on it
+        return
+    if task.cancelled():
+        done.cancel()
+    elif task.exception() is not None:
+        done.set_exception(task.exception())
+    else:
+        done.set_result(task.result())
+
+
+def _retry_after(value: str | None) -> float:
+    try:
+        delay = float(value) if value is not None else RETRY_AFTER_DEFAULT_S
+    except ValueError:
+        delay = RETRY_AFTER_DEFAULT_S
+    return max(0.05, delay)
+
+
+def _new_client(purpose: str) -> Any:
+    """A Prefect client for the flow run's API (its URL, credentials and client settings).
+
+    Built directly rather than with ``get_client()``, which in Prefect's serverless mode
+    would start a server of its own when the URL is in no setting.
+    """
+    from prefect.client.orchestration import PrefectClient
+    from prefect.settings import get_current_settings
+
+    from gpu_tasks.prefect_api.api import require_flow_api_url
+
+    settings = get_current_settings()
+    key, auth = settings.api.key, settings.api.auth_string
+    return PrefectClient(
+        require_flow_api_url(f"({purpose})"),
+        api_key=key.get_secret_value() if key else None,
+        auth_string=auth.get_secret_value() if auth else None,
+    )
