@@ -191,3 +191,14 @@ def worker_spec(
         env=env,
         memory_limit=profile.memory,
     )
+
+
+def aged_priority(base: int, aging: float, waited: float) -> int:
+    """``base + floor(waited / aging)``; ``base`` without aging (``aging`` 0) or without a wait.
+
+    The one aging rule: the device queue (:func:`gpu_tasks.devices.leases.effective_priority`) and the waiter
+    board of a shared scheduler (gpu_tasks.cluster.board, ``gpu-tasks waiters``) use it.
+    """
+    if aging <= 0 or not math.isfinite(waited) or waited <= 0:
+        return base
+    return base + math.floor(waited / aging)

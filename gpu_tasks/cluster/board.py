@@ -39,8 +39,8 @@ PRUNE_S = 60.0  # an entry whose beat has not moved this long is taken off the b
 
 def effective_priority(entry: dict[str, Any]) -> int:
     """An entry's priority aged by its wait as of its last beat
-    (:func:`gpu_tasks.devices.leases.aged_priority`)."""
-    from gpu_tasks.devices.leases import aged_priority
+    (:func:`gpu_tasks.policy.aged_priority`)."""
+    from gpu_tasks.policy import aged_priority
 
     return aged_priority(
         int(entry.get("priority") or 0), float(entry.get("aging") or 0), float(entry.get("waited_s") or 0)

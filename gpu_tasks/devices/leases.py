@@ -38,6 +38,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
+from gpu_tasks.policy import aged_priority
+
 PREFIX, SUFFIX = "device-", ".lock"
 QUEUE = "queue"  # waiter files: <lease_dir>/queue/<unique>.json
 
@@ -259,17 +261,6 @@ def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
     arrived = float(info.get("arrived", math.inf))
     waited = (time.time() if now is None else now) - arrived
     return aged_priority(int(info.get("priority") or 0), float(info.get("aging") or 0.0), waited)
-
-
-def aged_priority(base: int, aging: float, waited: float) -> int:
-    """``base + floor(waited / aging)``; ``base`` without aging (``aging`` 0) or without a wait.
-
-    The one aging rule: the device queue here (:func:`effective_priority`) and the waiter
-    board of a shared scheduler (gpu_tasks.cluster.board, ``gpu-tasks waiters``) use it.
-    """
-    if aging <= 0 or not math.isfinite(waited) or waited <= 0:
-        return base
-    return base + math.floor(waited / aging)
 
 
 def rank(info: dict[str, Any], now: float | None = None) -> tuple[int, float, str]:
