@@ -11,7 +11,7 @@ higher priority, is never touched; aging (a waiter's effective priority) does no
 preempt: the waiter's own ``priority`` is compared with the holder's.
 
 Every holder process runs :func:`plan` on the waiters it can see and stops its own
-workers on the planned devices (gpu_tasks.runner.dispatch); the waiter runs it too, to say
+workers on the planned devices (gpu_tasks.runner.recovery); the waiter runs it too, to say
 whom it is waiting on.
 """
 

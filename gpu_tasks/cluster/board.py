@@ -12,7 +12,7 @@ there, in the scheduler's metadata (``Client.set_metadata``) under ``gpu-tasks-w
   ``TaskPreempted`` raised in the task's thread) to free what one waiting task needs.
 
 The interrupted tasks end ``Preempted`` and are handed to the scheduler again by their
-runner (gpu_tasks.runner.dispatch), with their retries intact; the freed ``GPU`` resource goes
+runner (gpu_tasks.runner.recovery), with their retries intact; the freed ``GPU`` resource goes
 to the higher-priority task, which Dask's workers start first. An entry whose beat has
 not moved for ``STALE_S`` (its flow run died) is ignored. The grace is judged by the
 waiter's own clock, so hosts need not agree on the time.

@@ -9,14 +9,36 @@ task's resolved inputs and the flow run's parameters) and asks the task's result
 whether the record exists. If it does, the task runs in the flow process with no device
 (Prefect's engine reads the record and reports the run ``Cached``), through
 :func:`cache_only`, a copy of the task that never runs its function there.
+
+:class:`Admission` is what happens to a GPU task before any device: that cache lookup, then
+its Prefect tag concurrency slots. :class:`TaskQuota` holds an ``address`` profile's quota
+slots while its task is handed off (taken on dispatch, given back when the task lands or ends).
 """
 
 from __future__ import annotations
 
 import copy
 import functools
+import logging
 import uuid
+from collections.abc import Callable
 from typing import Any
+
+from gpu_tasks.allocation import Allocation
+from gpu_tasks.compat.prefect import can_skip_engine_tag_slots, known_without_limits, tag_slots_held_by_flow
+from gpu_tasks.errors import GpuTasksError
+from gpu_tasks.prefect_api import quotas
+from gpu_tasks.prefect_api.futures import futures_to_states
+from gpu_tasks.prefect_api.states import await_retry, fail_task_run, read_task_run
+from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
+from gpu_tasks.runner.results import Finish
+from gpu_tasks.runner.session import Job, Live
+from gpu_tasks.worker.engine import run_engine
+
+logger = logging.getLogger("gpu_tasks.runner")
+
+# a wait for a tag slot this long is logged and sent as an event (shorter ones: the API round trip)
+SLOT_WAIT_REPORTED_S = 0.5
 
 
 def may_be_cached(task: Any) -> bool:
@@ -138,3 +160,218 @@ class CacheOnly:
         else:
             self.task = copy.copy(task)
             self.task.fn = guarded
+
+
+class Admission:
+    """Before a device: a GPU task's cached result, then its Prefect tag concurrency slots.
+
+    Args:
+        live: the entered runner's session (its executor, slot gate and events).
+        finish: ends a task (:class:`gpu_tasks.runner.results.Finish`): a cache hit, or an error.
+    """
+
+    def __init__(self, live: Live, finish: Finish) -> None:
+        self.live = live
+        self._finish = finish
+
+    def admit(self, job: Job, then: Callable[[], Any]) -> None:
+        """Call ``then()`` (which dispatches ``job``) once nothing but devices stands in its way.
+
+        A GPU task first looks for its cached result (found, it runs in the flow process and
+        never reaches ``then``) and takes its Prefect tag concurrency slots
+        (:mod:`gpu_tasks.prefect_api.tag_slots`), so that neither ever holds a device. The common
+        case (no cache policy, tags without limits) costs a few attribute reads and one cached
+        answer. CPU tasks go on at once.
+        """
+        if not job.profile.is_gpu:
+            then()
+            return
+        if may_be_cached(job.task):  # resolving inputs and reading storage: off the caller's thread
+            self.live.executor.submit(self._settled, job, self._look_up_cache, job, then)
+            return
+        self._take_slots(job, then)
+
+    def _settled(self, job: Job, step: Callable[..., Any], *args: Any) -> None:
+        """``step(*args)`` for ``job`` on an executor thread; an error fails the task run, never loses it."""
+        try:
+            step(*args)
+        except Exception as exc:
+            if job.hold is not None:
+                self.live.gate.release(job.hold)
+            state = job.ctx.copy().run(
+                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
+            )
+            self._finish(job, result=state)
+        except BaseException as exc:
+            self._finish(job, exc=exc)
+
+    def _look_up_cache(self, job: Job, then: Callable[[], Any]) -> None:
+        key = job.ctx.run(cached_key, job.task, job.task_run_id, futures_to_states(job.parameters))
+        if key is None:
+            self._take_slots(job, then)
+            return
+        run_cached = functools.partial(
+            self.live.executor.submit, self._settled, job, self._run_cached, job, key, then
+        )
+        self._take_slots(job, run_cached)
+
+    def _take_slots(self, job: Job, then: Callable[[], Any]) -> None:
+        """``then()`` once ``job`` holds its tag slots (at once when its tags have no limits)."""
+        if not can_skip_engine_tag_slots():
+            then()  # this Prefect takes them where gpu-tasks cannot skip them: on the worker
+            return
+        from prefect.context import TagsContext
+
+        tags_ctx = job.ctx.run(TagsContext.get)
+        names = slot_names(job.tags | set(tags_ctx.current_tags if tags_ctx else ()))
+        job.slot_names = tuple(names)
+        if known_without_limits(names):
+            then()  # the common case: no limit on these tags, nothing to take or wait for
+            return
+        st = job.st
+        st.count(waiting_for_slots=1)
+
+        def ready(hold: Hold) -> None:  # on the gate's callback thread
+            st.count(waiting_for_slots=-1)
+            self._slots_taken(job, hold, then)
+
+        def failed(exc: BaseException) -> None:
+            st.count(waiting_for_slots=-1)
+            job.off_thread(self._slots_failed, job, exc, name=f"gpu-tasks-slots-{job.profile.name}")
+
+        try:
+            job.hold = self.live.gate.take(names, job.task_run_id, job.ctx, ready, failed)
+        except BaseException:
+            st.count(waiting_for_slots=-1)
+            raise
+
+    def _slots_taken(self, job: Job, hold: Hold, then: Callable[[], Any]) -> None:
+        """On the gate's callback thread: report a long wait, then ``then()``; whatever fails here,
+        the task goes on or ends, never left waiting (an error on this thread is only logged)."""
+        if hold.limits:
+            job.slot_waited = hold.waited
+            if hold.waited >= SLOT_WAIT_REPORTED_S:
+                try:
+                    job.say(
+                        logging.INFO,
+                        "Task %r waited %.1fs for a Prefect concurrency slot (%s) and held no device "
+                        "meanwhile",
+                        job.task.name,
+                        hold.waited,
+                        ", ".join(hold.limits),
+                    )
+                    self.live.emit_task(
+                        "slot-waited", job, {"seconds": round(hold.waited, 3), "limits": hold.limits}
+                    )
+                except Exception:
+                    logger.warning("gpu-tasks: could not report a slot wait", exc_info=True)
+        try:
+            then()
+        except BaseException as exc:  # RuntimeError: the runner is stopping, its executors take no work
+            job.off_thread(self._finish, job, None, exc, name=f"gpu-tasks-slots-{job.profile.name}")
+
+    def _slots_failed(self, job: Job, exc: BaseException) -> None:
+        if not isinstance(exc, Exception):
+            self._finish(job, exc=exc)
+            return
+        error = GpuTasksError(
+            f"task {job.task.name!r} (profile {job.profile.name!r}) could not take its Prefect tag "
+            f"concurrency slots ({', '.join(job.slot_names)}): {type(exc).__name__}: {exc}"
+        )
+        error.__cause__ = exc
+        state = job.ctx.run(fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, error, job.tags)
+        self._finish(job, result=state)
+
+    def _run_cached(self, job: Job, key: str, then: Callable[[], Any]) -> None:
+        """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device).
+
+        If the record is gone by then (expired between the check and the run), the run ends
+        ``Crashed`` and ``then()`` runs it again on the profile's workers, as a retry of the
+        same task run.
+        """
+        prof = job.profile
+        only = CacheOnly(job.task)
+        kwargs: dict[str, Any] = dict(
+            task_run_id=job.task_run_id,
+            parameters=futures_to_states(job.parameters),
+            wait_for=futures_to_states(list(job.wait_for)) if job.wait_for else None,
+            dependencies=job.dependencies,
+            return_type="state",
+        )
+
+        def run() -> Any:
+            from prefect import tags
+
+            with tags(*job.extra_tags), tag_slots_held_by_flow(job.task_run_id, job.slot_names):
+                return run_engine(Allocation(profile=prof.name, worker="in-process"), only.task, kwargs)[0]
+
+        state = job.ctx.run(run)
+        if only.called:
+            task_run = job.ctx.run(
+                read_task_run, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 2.0
+            )
+            await_retry(task_run, self.live.flow_run_id)
+            job.task_run = task_run
+            job.say(
+                logging.WARNING,
+                "Task %r: its cached result (Prefect cache key %s) was gone when the run started; running "
+                "it on profile %r",
+                job.task.name,
+                key,
+                prof.name,
+            )
+            then()
+            return
+        job.st.count(cache_hits=1)
+        job.say(
+            logging.INFO,
+            "Task %r: result found in Prefect's cache (key %s); read in the flow process, no device "
+            "leased on profile %r",
+            job.task.name,
+            key,
+            prof.name,
+        )
+        self.live.emit_task("cache-hit", job, {"cache_key": key, "state": state.name})
+        self._finish(job, result=state)
+
+
+class TaskQuota:
+    """An ``address`` profile's quota slots, held while its task is handed off (the one owner of
+    ``Job.quota_lease``).
+
+    Its task holds its devices while it runs on the shared cluster: it takes
+    :func:`gpu_tasks.prefect_api.quotas.task_need` slots, waiting (logged, holding nothing) while the
+    quota is full; a re-queued preempted task waits without ``GPU_TASKS_LEASE_TIMEOUT``.
+    """
+
+    def __init__(self, live: Live) -> None:
+        self.live = live
+
+    def take(self, job: Job) -> None:
+        """Hold room in ``job``'s profile's quota for its task before it is handed off."""
+        live, prof = self.live, job.profile
+        assert prof.quota is not None
+        said: list[str] = []
+
+        def say(line: str) -> None:
+            said.append(line)
+            job.say(logging.INFO, "%s", line)
+
+        lease, waited = quotas.wait_for_room(
+            live.book.quota_slots(),
+            prof.name,
+            prof.quota,
+            quotas.task_need(prof.gpus),
+            live.stop,
+            None if job.preemptions else live.settings.lease_timeout,
+            say,
+        )
+        job.quota_lease = lease
+        if said:
+            live.emit_task("quota-waited", job, {"quota": prof.quota, "seconds": round(waited, 3)})
+
+    def release(self, job: Job) -> None:
+        """Give back ``job``'s quota slots (off the caller's thread: it is an API call)."""
+        lease, job.quota_lease = job.quota_lease, None
+        if lease is not None:
+            job.off_thread(self.live.book.quota_slots().release, lease, name="gpu-tasks-quota-release")

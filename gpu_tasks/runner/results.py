@@ -6,6 +6,10 @@ one task at a time. gpu-tasks' callbacks only queue finished futures here instea
 thread per runner fetches everything queued with one ``Client.gather`` per cluster and
 hands each result on. A lone result is fetched at once; a burst (a ``.map``'s tasks
 finishing together) costs one round trip per batch instead of one per task.
+
+:class:`Results` is where a hand-off ends: the task's final state, or its recovery
+(:mod:`gpu_tasks.runner.recovery`: a dead worker, out of memory, preempted on a shared
+scheduler). :class:`Finish` resolves a task's future once and gives back what it held.
 """
 
 from __future__ import annotations
@@ -13,7 +17,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from functools import partial
 from typing import Any
+
+from gpu_tasks.errors import GpuOutOfMemoryError
+from gpu_tasks.preemption import PreemptedRun, describe_waiter
+from gpu_tasks.runner.session import Job, Live
 
 logger = logging.getLogger("gpu_tasks.runner")
 
@@ -97,3 +106,147 @@ class Landings:
             self._deliver(item, value, error)
         except BaseException:  # the consumer resolves its own futures; never stop this thread
             logger.warning("gpu-tasks: could not hand on a task's result", exc_info=True)
+
+
+def hand_to(
+    land: Callable[[Any, BaseException | None], None], value: Any, error: BaseException | None
+) -> None:
+    """``Landings``' deliver when each queued item is the callback of its result: ``land(value, error)``."""
+    land(value, error)
+
+
+def _is_worker_death(exc: BaseException) -> bool:
+    """Whether a Dask future failed because the worker process running it died."""
+    from distributed.scheduler import KilledWorker
+
+    return isinstance(exc, KilledWorker)
+
+
+class Finish:
+    """``finish(job, result=..., exc=..., dispatched=...)``: resolve ``job``'s future with its final
+    state (or ``exc``) and account for it; its tag slots and quota slots go back.
+
+    Args:
+        live: the entered runner's session (its slot gate and in-flight accounting).
+        release_quota: gives back a task's quota slots (:meth:`gpu_tasks.runner.admission.TaskQuota.release`).
+    """
+
+    def __init__(self, live: Live, release_quota: Callable[[Job], None]) -> None:
+        self.live = live
+        self._release_quota = release_quota
+
+    def __call__(
+        self, job: Job, result: Any = None, exc: BaseException | None = None, dispatched: bool = False
+    ) -> None:
+        st, cf = job.st, job.cf
+        if job.hold is not None:
+            self.live.gate.release(job.hold)
+        self._release_quota(job)
+        with st.lock:
+            if dispatched:
+                self.live.landed(job)
+            st.leave()
+        if cf.done():
+            return
+        if exc is not None:
+            cf.set_exception(exc)
+        else:
+            cf.set_result(result)
+
+
+class Results:
+    """Where a task's hand-off to its cluster ends: its final state, or its recovery.
+
+    Args:
+        live: the entered runner's session.
+        landings: fetches a local cluster's finished results in batches (its items: ``hand_to``).
+        release_quota: gives back a task's quota slots once its hand-off ended.
+        finish: resolves a task's future (:class:`Finish`).
+        worker_died: ``(job, exc)``, the worker running ``job`` died (on a thread of its own).
+        out_of_memory: ``(job, task_run, why)``, ``job`` failed out of memory and runs on its
+            profile's ``on_oom`` profile (on a thread of its own).
+        preempted: ``(job, reason, by)``, ``job`` was interrupted on a shared scheduler for a waiter
+            and is queued again (on a thread of its own).
+    """
+
+    def __init__(
+        self,
+        live: Live,
+        landings: Landings,
+        release_quota: Callable[[Job], None],
+        finish: Finish,
+        worker_died: Callable[[Job, BaseException], None],
+        out_of_memory: Callable[[Job, Any, str], None],
+        preempted: Callable[[Job, str, dict[str, Any]], None],
+    ) -> None:
+        self.live = live
+        self._landings = landings
+        self._release_quota = release_quota
+        self._finish = finish
+        self._worker_died = worker_died
+        self._out_of_memory = out_of_memory
+        self._preempted = preempted
+
+    def on_done(self, job: Job, attempt: int, dfut: Any) -> None:
+        """On Dask's callback thread (one per process): a local cluster's finished task has its
+        result fetched in a batch (:class:`Landings`), anything else here."""
+        if attempt != job.attempt:
+            return  # it was preempted: re-queued, its worker's end is not its end
+        if (
+            job.profile.is_local
+            and getattr(dfut, "status", None) == "finished"
+            and self._landings.put(partial(self._landed, job, attempt), dfut)
+        ):
+            return
+        try:
+            value = dfut.result()
+        except BaseException as exc:
+            self._landed(job, attempt, None, exc)
+            return
+        self._landed(job, attempt, value, None)
+
+    def _landed(self, job: Job, attempt: int, value: Any, error: BaseException | None) -> None:
+        """``job``'s hand-off ended with ``value`` (its worker's result) or ``error``."""
+        live = self.live
+        if attempt != job.attempt:
+            return  # it was preempted: re-queued, its worker's end is not its end
+        self._release_quota(job)
+        try:
+            if error is not None:
+                raise error
+            state, start, end, wkey = value
+        except BaseException as exc:
+            if _is_worker_death(exc) and not live.stop.is_set():
+                # off Dask's callback thread: reporting may wait on the server, a retry on devices
+                job.off_thread(self._worker_died, job, exc, name=f"gpu-tasks-crash-{job.profile.name}")
+                return
+            self._finish(job, exc=exc, dispatched=True)
+            return
+        job.st.cluster.record(wkey, start, end)
+        if isinstance(state, PreemptedRun):  # interrupted on a shared scheduler for a waiter
+            by = job.st.cluster.preempted_by(job.key)
+            with job.st.lock:
+                live.landed(job)
+            reason = f"preempted by {describe_waiter(by)}, queued {float(by.get('waited_s') or 0):.1f}s"
+            fields = {k: by.get(k) for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority")}
+            job.off_thread(self._preempted, job, reason, fields, name=f"gpu-tasks-requeue-{job.profile.name}")
+            return
+        prof = job.profile
+        if (
+            prof.on_oom
+            and job.escalated_from is None
+            and state.is_failed()
+            and GpuOutOfMemoryError.__name__ in (state.message or "")
+            and not live.stop.is_set()
+        ):
+            with job.st.lock:
+                live.landed(job)
+            job.off_thread(
+                self._out_of_memory,
+                job,
+                None,
+                state.message or "out of memory",
+                name=f"gpu-tasks-oom-{prof.name}",
+            )
+            return
+        self._finish(job, result=state, dispatched=True)

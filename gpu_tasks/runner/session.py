@@ -34,9 +34,8 @@ from gpu_tasks.prefect_api.tag_slots import SlotGate
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.events import RunRef, emit_cluster_event, emit_task_event
 from gpu_tasks.reporting.ledger import LedgerRow
-from gpu_tasks.reporting.logs import RunLogs
+from gpu_tasks.reporting.logs import RunLogs, flow_logger
 from gpu_tasks.runner.payload import ContextSerializer
-from gpu_tasks.runner.results import Landings
 from gpu_tasks.settings import get_settings
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -119,6 +118,10 @@ class ProfileState:
             return IdleView(self.cluster.running, active, self.idle_since, self.idle_timeout)
 
 
+# preempt(st, addresses, waiter): stop st's workers on addresses for waiter (gpu_tasks.runner.recovery)
+Preempt = Callable[[ProfileState, list[str], dict[str, Any]], None]
+
+
 @dataclass(eq=False)
 class Job:
     """One submitted task, from submit to its final state (a crash re-run keeps its job)."""
@@ -140,7 +143,7 @@ class Job:
     slot_names: tuple[str, ...] = ()
     hold: Any = None  # its gpu_tasks.prefect_api.tag_slots.Hold: the slots, from the wait until the task ends
     slot_waited: float = 0.0  # seconds it waited for its slots (holding no device), for the ledger
-    attempt: int = 0  # its hand-offs to a cluster; a preempted one's late outcome is ignored
+    attempt: int = 0  # its hand-offs to a cluster (hand_off); a preempted one's late outcome is ignored
     key: str = ""  # the Dask key of its current hand-off
     preemptions: int = 0  # times it was stopped for a higher-priority waiter (no retry used)
     quota_lease: Any = None  # an address profile's quota slots while its task is handed off
@@ -153,12 +156,38 @@ class Job:
     def tags(self) -> set[str]:
         return set(self.task.tags) | set(self.extra_tags)
 
+    def hand_off(self, name: str) -> str:
+        """A new hand-off of task ``name`` to its cluster: the next attempt, and its Dask key."""
+        self.attempt += 1
+        self.key = f"{name}-{self.task_run_id.hex}-{self.attempt}"
+        return self.key
+
+    def disown(self) -> None:
+        """What its current hand-off reports is not its outcome (it was preempted and runs again)."""
+        self.attempt += 1
+
+    def say(self, level: int, msg: str, *args: Any) -> None:
+        """A line in the flow run's logs (from any thread: the logger is looked up in the job's context)."""
+        self.ctx.copy().run(lambda: flow_logger().log(level, msg, *args))
+
+    def off_thread(self, fn: Callable[..., Any], *args: Any, name: str) -> None:
+        """``fn(*args)`` in the job's context on a thread of its own (it may wait on the server, devices)."""
+        threading.Thread(target=self.ctx.copy().run, args=(fn, *args), name=name, daemon=True).start()
+
 
 class Live:
-    """Everything an entered runner owns; closed as a whole on exit."""
+    """Everything an entered runner owns; closed as a whole on exit (``close_results(timeout)``: the
+    results fetched or queued reach their tasks, gpu_tasks.runner.results.Landings.close)."""
 
-    def __init__(self, profiles: dict[str, ResourceProfile], default: str, idle_timeout: float):
+    def __init__(
+        self,
+        profiles: dict[str, ResourceProfile],
+        default: str,
+        idle_timeout: float,
+        close_results: Callable[[float], None],
+    ):
         self.profiles, self.default = profiles, default
+        self._close_results = close_results
         self.settings = get_settings()
         use_no_limits_cache(self.settings.tag_limit_cache_seconds)
         warn_if_changed()  # once per process: a release that changed a private name gpu-tasks uses
@@ -185,10 +214,6 @@ class Live:
             on_preempting=self._on_preempting,
             priority_aging=self.settings.priority_aging,
         )
-        # preempt(st, addresses, waiter): stop st's workers on addresses (gpu_tasks.runner.dispatch)
-        self.preempt: Callable[[ProfileState, list[str], dict[str, Any]], None] | None = None
-        # results of local clusters' finished tasks, fetched in batches (the Dispatcher's)
-        self.landings: Landings | None = None
         self.preempting: dict[str, threading.Thread] = {}  # profile -> the thread preempting it
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
         # events are sent in the flow run's context, also after Prefect left it (exit-time events):
@@ -260,7 +285,6 @@ class Live:
                 )
                 cluster.check_reachable()  # at submit: workers elsewhere need the API
                 st = self.states[prof.name] = ProfileState(cluster, timeout)
-                self._start_monitor()
             return st
 
     # ------------------------------------------------------------ in flight
@@ -275,25 +299,29 @@ class Live:
         self.inflight.pop(job.task_run_id, None)
 
     # ------------------------------------------------------------ idle close
-    def _start_monitor(self) -> None:
+    def watch(self, preempt: Preempt) -> None:
+        """Start the monitor: idle clusters close; ``preempt`` runs when a waiter is due devices."""
         if self.monitor is None:
             # The monitor and the close threads it starts run in the submitting thread's context:
             # a thread starts with an empty one, which would lose the flow run's Prefect settings
             # (an API URL set by `temporary_settings` or a test harness) and send the events of
             # idle closes to a new ephemeral Prefect server started in this process.
             self.monitor = threading.Thread(
-                target=contextvars.copy_context().run, args=(self._watch,), name="gpu-tasks-idle", daemon=True
+                target=contextvars.copy_context().run,
+                args=(self._watch, preempt),
+                name="gpu-tasks-idle",
+                daemon=True,
             )
             self.monitor.start()
 
-    def _watch(self) -> None:
+    def _watch(self, preempt: Preempt) -> None:
         closing: dict[str, threading.Thread] = {}
         next_preemption_check = 0.0
         while not self.stop.wait(self._interval()):
             if time.monotonic() >= next_preemption_check:
                 next_preemption_check = time.monotonic() + PREEMPTION_CHECK_S
                 try:
-                    self._check_preemption()
+                    self._check_preemption(preempt)
                 except Exception:  # the idle monitor must go on
                     logger.warning("gpu-tasks: preemption check failed", exc_info=True)
             for name, st in list(self.states.items()):
@@ -318,7 +346,7 @@ class Live:
                 self.close_cluster(st, f"scaled down: {reason}")
 
     # ------------------------------------------------------------ preemption
-    def _check_preemption(self) -> None:
+    def _check_preemption(self, preempt: Preempt) -> None:
         """Stop preemptible workers whose devices a higher-priority waiter has waited for too long."""
         busy = {n for n, t in self.preempting.items() if t.is_alive()}
         preemptible = {
@@ -326,7 +354,7 @@ class Live:
             for name, st in list(self.states.items())
             if st.cluster.profile.preemptible and st.cluster.running and name not in busy
         }
-        if not preemptible or self.preempt is None:
+        if not preemptible:
             return
         due = self.book.preemption_due(preemptible)
         if due is None:
@@ -337,7 +365,7 @@ class Live:
             mine = [a for a in addresses if self.book.holders.get(a) == name]
             self.preempting[name] = thread = threading.Thread(
                 target=contextvars.copy_context().run,
-                args=(self.preempt, st, mine, waiter),
+                args=(preempt, st, mine, waiter),
                 name=f"gpu-tasks-preempt-{name}",
                 daemon=True,
             )
@@ -372,16 +400,7 @@ class Live:
         st = self.states.get(name)
         if st is None:  # told before the profile's state was kept: nothing to count it on yet
             return
-        keep = (
-            "profile",
-            "flow_run_name",
-            "flow_run_id",
-            "pid",
-            "hostname",
-            "priority",
-            "waited_s",
-            "workers",
-        )
+        keep = "profile flow_run_name flow_run_id pid hostname priority waited_s workers".split()
         if what == "preempting":
             payload = {k: info.get(k) for k in ("priority", "waited_s", "workers", "need", "queued")}
         else:
@@ -498,8 +517,7 @@ class Live:
             st.cluster.drain()
         # results already fetched or queued reach their tasks before the clusters go (a task that
         # finished is never reported Crashed for the close); later ones are fetched one by one
-        if self.landings is not None:
-            self.landings.close(timeout=2.0 if hurry else 10.0)
+        self._close_results(2.0 if hurry else 10.0)
         running = list(self.inflight.values())
         for st in list(self.states.values()):
             with st.lock:

@@ -35,7 +35,9 @@ from gpu_tasks.reporting.artifacts import publish_run_artifacts
 from gpu_tasks.reporting.events import emit_run_summary
 from gpu_tasks.reporting.ledger import LedgerRow, remember_ended
 from gpu_tasks.reporting.logs import flow_logger
+from gpu_tasks.runner.admission import Admission, TaskQuota
 from gpu_tasks.runner.dispatch import Dispatcher
+from gpu_tasks.runner.results import Finish, Landings, hand_to
 from gpu_tasks.runner.session import Job, Live
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import engine as _worker
@@ -127,6 +129,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         self._idle_timeout_arg = idle_timeout
         self._live: Live | None = None
         self._dispatcher: Dispatcher | None = None
+        self._admission: Admission | None = None
         self._last_ledger: list[LedgerRow] = []
         _environment.check_ephemeral()  # Prefect starts its ephemeral server before entering a runner
 
@@ -182,7 +185,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             super().__exit__(exc_type, exc_value, traceback)
 
     def _shutdown(self, reason: str, hurry: bool = False) -> None:
-        live, self._live, self._dispatcher = self._live, None, None
+        live, self._live, self._dispatcher, self._admission = self._live, None, None, None
         _LIVE_RUNNERS.discard(self)
         if live is not None:
             live.close(reason, hurry=hurry)
@@ -198,15 +201,22 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                     live.priorities(),
                 )
 
-    def _ensure_live(self) -> tuple[Live, Dispatcher]:
+    def _ensure_live(self) -> tuple[Live, Admission, Dispatcher]:
         if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
-        if self._live is None or self._dispatcher is None:
+        if self._live is None or self._admission is None or self._dispatcher is None:
+            # each piece gets what it needs when it is built (docs/runner.md, "Where the code lives")
             profiles, default = self.resolve_profiles()
-            self._live = Live(profiles, default, self.idle_timeout)
-            self._dispatcher = Dispatcher(self._live)
+            landings = Landings(hand_to, name="gpu-tasks-results")  # results fetched in batches
+            live = Live(profiles, default, self.idle_timeout, close_results=landings.close)
+            quota = TaskQuota(live)
+            finish = Finish(live, quota.release)
+            self._dispatcher = Dispatcher(live, landings, quota, finish)  # with its Results and Recovery
+            self._admission = Admission(live, finish)
+            live.watch(preempt=self._dispatcher.recovery.preempt)  # the idle and preemption monitor
+            self._live = live
             _LIVE_RUNNERS.add(self)
-        return self._live, self._dispatcher
+        return self._live, self._admission, self._dispatcher
 
     # ------------------------------------------------------------ routing
     def _route(self, live: Live, task: Any) -> tuple[ResourceProfile, str, str | None]:
@@ -248,7 +258,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             _, default = self.resolve_profiles()
             task_run_id, cf, here = _worker.submit_nested(task, parameters, wait_for, dependencies, default)
             return ProfileFuture(task_run_id, cf, profile=here)
-        live, dispatcher = self._ensure_live()
+        live, admission, dispatcher = self._ensure_live()
         prof, requested, fallback_reason = self._route(live, task)
         extra_tags = [profile(prof.name)]
         if fallback_reason is not None:
@@ -279,9 +289,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if not upstream and st.dispatcher is None:
             dispatcher.dispatch(job)  # CPU profiles: dispatch right here, the cheapest path
         elif not upstream:
-            dispatcher.admit(job, partial(dispatcher.soon, job))  # GPU: tag slots before devices
+            admission.admit(job, partial(dispatcher.soon, job))  # GPU: tag slots before devices
         else:
-            when_all_done(upstream, lambda: dispatcher.admit(job, partial(dispatcher.soon, job)))
+            when_all_done(upstream, lambda: admission.admit(job, partial(dispatcher.soon, job)))
         return future
 
     # ------------------------------------------------------------ inspection
