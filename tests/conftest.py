@@ -6,6 +6,8 @@ import os
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "INFO")
+# rich tables (gpu-tasks devices, profiles, quotas) as wide as on a terminal, in every test process
+os.environ["COLUMNS"] = "200"
 # Scripts the tests run on Prefect's ephemeral API (and their children) inherit this: its server
 # is polled until it answers, for up to 180 s rather than Prefect's 20 s, which a loaded 2-core
 # machine can pass just importing the server ("Timed out while attempting to connect").

@@ -228,7 +228,6 @@ def test_a_plain_script_on_prefects_ephemeral_api(gpu_hosts: Hosts, tmp_path: Pa
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "GPU_TASKS_EMULATED"))}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
     out = tmp_path / "out.json"
-    before = _servers()
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), gpu_hosts.address, "1", "2", "0.2", str(out)],
         env=env,
@@ -239,17 +238,22 @@ def test_a_plain_script_on_prefects_ephemeral_api(gpu_hosts: Hosts, tmp_path: Pa
     tasks = json.loads(out.read_text())["tasks"]
     assert len(tasks) == 2 and all(t["devices"] and t["emulated"] for t in tasks)
     # the ephemeral server ended with the script; the hosts are still up
-    assert _servers() - before == set()
+    assert _servers(env["PREFECT_HOME"]) == set()
     assert all(p.poll() is None for p in gpu_hosts.procs)
 
 
-def _servers() -> set[int]:
-    """Prefect API server processes on this machine."""
+def _servers(prefect_home: str) -> set[int]:
+    """Prefect API server processes on this machine with ``prefect_home`` (the script's own: other
+    test processes' servers are not its)."""
     out = set()
     for p in psutil.process_iter(["cmdline"]):
         cmd = " ".join(p.info["cmdline"] or [])
         if "uvicorn" in cmd or "prefect.server" in cmd:
-            out.add(p.pid)
+            try:
+                if p.environ().get("PREFECT_HOME") == prefect_home:
+                    out.add(p.pid)
+            except psutil.Error:
+                continue
     return out
 
 
