@@ -31,6 +31,7 @@ def test_without_a_gpu_it_stops_with_one_line():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(480)  # the script's own bound is 420 s
 def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "GPU_TASKS_"))}
     out = subprocess.run(

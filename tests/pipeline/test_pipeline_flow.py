@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from gpu_tasks import PipelineInputError
 from gpu_tasks.pipeline import etl_train
+from gpu_tasks.pipeline.errors import PipelineInputError
 
 pytestmark = pytest.mark.usefixtures("no_leaked_processes", "emulated")
 
