@@ -22,6 +22,8 @@ from gpu_tasks.policy import GPU_RESOURCE
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import LedgerRow
 
+RETIRE_WAIT_S = 30.0  # how long scaling to zero waits for the workers to leave
+
 logger = logging.getLogger("gpu_tasks.runner")
 
 
@@ -213,6 +215,9 @@ class ManagedCluster(RemoteCluster):
                 self.manager.scale(0)
         except Exception:
             logger.warning("profile %r: error while scaling to zero", self.profile.name, exc_info=True)
+        else:
+            if not hurry:  # the flow run is ending (hurry): the cluster is shut down next anyway
+                self._wait_until_gone(min(RETIRE_WAIT_S, self.provision_timeout))
         self._asked = []
         self.remote = {}
         self._seen = {}
@@ -226,6 +231,29 @@ class ManagedCluster(RemoteCluster):
             row.busy_seconds,
         )
         return row
+
+    def _wait_until_gone(self, seconds: float) -> None:
+        """Wait until the scheduler has no worker left: scaling to zero retires them one by one, and a
+        task of the next start handed to a worker still retiring would die with it (a crash)."""
+        deadline = time.monotonic() + seconds
+        left: dict[str, RemoteWorker] = {}
+        while time.monotonic() < deadline:
+            try:
+                left = read_workers(self.client)
+            except Exception:
+                return  # the scheduler is gone too: nothing can be handed to its workers
+            if not left:
+                return
+            time.sleep(0.1)
+        logger.warning(
+            "profile %r: %d worker(s) of %s still connected %.0fs after scaling to zero (%s); a task "
+            "handed to one of them before it leaves would crash",
+            self.profile.name,
+            len(left),
+            self.profile.cluster_class,
+            seconds,
+            ", ".join(sorted(left)),
+        )
 
     def shutdown(self) -> None:
         """Close the client and the cluster manager's cluster (the flow run ended)."""
