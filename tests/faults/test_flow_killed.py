@@ -23,6 +23,10 @@ from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
 from gpu_tasks.devices import leases
 from gpu_tasks.worker.guard import MODULE, preload_options
 
+# a liveness bound, not a speed claim: the time it takes is measured in bench.faults (flow_sigkilled,
+# 0.25-0.6 s); a loaded 2-core machine has taken over 5 s
+EXIT_BOUND_S = 30
+
 SCRIPT = textwrap.dedent(
     """
     import os, subprocess, sys, time
@@ -105,12 +109,12 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
         killed = time.monotonic()
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=10)
-        while _marked(marker) and time.monotonic() - killed < 5:
+        while _marked(marker) and time.monotonic() - killed < EXIT_BOUND_S:
             time.sleep(0.05)
         took = time.monotonic() - killed
         survivors = [f"{p.pid} {' '.join(p.cmdline())[:100]}" for p in _marked(marker)]
         print(f"kill-to-exit: {took:.2f}s for {len(before)} worker and child processes")
-        assert not survivors, f"processes outlived the SIGKILLed flow by 5s: {survivors}"
+        assert not survivors, f"processes outlived the SIGKILLed flow by {EXIT_BOUND_S}s: {survivors}"
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -202,11 +206,11 @@ def test_guard_without_dask_exits_with_its_parent_and_ignores_sigint():
         killed = time.monotonic()
         parent.send_signal(signal.SIGKILL)
         parent.wait(timeout=10)
-        while _marked(marker) and time.monotonic() - killed < 5:
+        while _marked(marker) and time.monotonic() - killed < EXIT_BOUND_S:
             time.sleep(0.05)
         took = time.monotonic() - killed
         print(f"guard alone, kill-to-exit: {took:.2f}s")
-        assert not _marked(marker), "the guarded process or its child outlived its parent by 5s"
+        assert not _marked(marker), f"the guarded process or its child outlived its parent by {EXIT_BOUND_S}s"
     finally:
         if parent.poll() is None:
             parent.kill()
