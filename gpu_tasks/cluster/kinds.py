@@ -36,13 +36,15 @@ def new_cluster(
 ) -> ProfileCluster:
     """The cluster of ``profile`` in one flow run (not started: ``start`` provisions it).
 
-    ``on_board``: called with ``("preempting" | "preempted", info)`` when an ``address`` GPU
-    profile's entry on its shared scheduler's board goes up or it interrupts tasks for another's.
+    ``inventory``: the devices a local GPU profile may lease (empty for the others: the caller
+    discovers devices only for a profile that uses them). ``on_board``: called with
+    ``("preempting" | "preempted", info)`` when an ``address`` GPU profile's entry on its shared
+    scheduler's board goes up or it interrupts tasks for another's.
     """
     if profile.is_local:
         return ProfileCluster(
             profile,
-            inventory if profile.is_gpu else Inventory(),
+            inventory,
             worker_env,
             provision_timeout,
             dashboard=dashboard,
