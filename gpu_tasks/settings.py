@@ -77,6 +77,13 @@ class GpuTasksSettings(BaseSettings):
         description="Seconds a profile waits for devices that another process (flow run) leases before "
         "failing.",
     )
+    api_busy_timeout: float = Field(
+        default=600.0,
+        ge=0,
+        description="Seconds gpu-tasks waits out a busy or unreachable Prefect API (503, 429, timeouts, "
+        "dropped connections) on a tag-slot check or tag slots it takes for a task, asking again with a "
+        "warning in the log, before the task run fails with the API's error (gpu_tasks.compat.api_busy).",
+    )
     preemption_grace: float = Field(
         default=30.0,
         ge=0,

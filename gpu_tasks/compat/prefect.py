@@ -45,11 +45,13 @@ process, counting task runs, draining events and logs) are in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import inspect
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
@@ -163,6 +165,16 @@ def _left_to_take(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
     return (), {**kwargs, "names": names}
 
 
+def _busy_wait(kwargs: dict[str, Any]) -> Any:
+    """How a gpu-tasks task run's tag-slot check waits out a busy API (``None``: any other task
+    run's, which fails as Prefect ships)."""
+    if not _OURS.get() or not kwargs.get("names"):
+        return None
+    from gpu_tasks.compat.api_busy import BusyWait, busy_timeout
+
+    return BusyWait(f"the tag-slot check of {list(kwargs['names'])}", busy_timeout())
+
+
 _ENGINE_ORIGINALS: dict[str, Any] = {}  # Prefect's own, once gpu-tasks' wrappers are installed
 
 
@@ -192,14 +204,32 @@ def _install_tag_slot_skip() -> None:
     @contextlib.contextmanager
     def concurrency(*args: Any, **kwargs: Any) -> Iterator[None]:
         args, kwargs = _left_to_take(args, kwargs)
-        with sync_cm(*args, **kwargs):  # no names left: Prefect's returns at once
+        with contextlib.ExitStack() as stack:
+            wait = _busy_wait(kwargs)
+            while True:
+                try:
+                    stack.enter_context(sync_cm(*args, **kwargs))  # no names left: returns at once
+                    break
+                except Exception as exc:
+                    if wait is None:
+                        raise
+                    time.sleep(wait.next_wait(exc))
             _learn(kwargs)
             yield
 
     @contextlib.asynccontextmanager
     async def aconcurrency(*args: Any, **kwargs: Any) -> AsyncIterator[None]:
         args, kwargs = _left_to_take(args, kwargs)
-        async with async_cm(*args, **kwargs):
+        async with contextlib.AsyncExitStack() as stack:
+            wait = _busy_wait(kwargs)
+            while True:
+                try:
+                    await stack.enter_async_context(async_cm(*args, **kwargs))
+                    break
+                except Exception as exc:
+                    if wait is None:
+                        raise
+                    await asyncio.sleep(wait.next_wait(exc))
             _learn(kwargs)
             yield
 

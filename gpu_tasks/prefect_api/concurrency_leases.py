@@ -197,23 +197,33 @@ class LeaseHolder:
         import httpx
         from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
+        from gpu_tasks.compat.api_busy import BusyWait, busy_timeout
+
         client = await self._api()
         ref = ConcurrencyLeaseHolder(type=holder[0], id=holder[1]) if holder is not None else None  # type: ignore[arg-type]
-        try:
-            async with self._one_at_a_time():
-                if unless is not None and unless():
-                    return Answer(granted=True)
-                response = await client.increment_concurrency_slots_with_lease(
-                    names=list(names),
-                    slots=slots,
-                    mode="concurrency",
-                    lease_duration=self.lease_s,
-                    holder=ref,
-                )
-        except httpx.HTTPStatusError as exc:
-            if exc.response.status_code != 423:  # 423: a limit is full
-                raise
-            return Answer(granted=False, retry_after=_retry_after(exc.response.headers.get("Retry-After")))
+        busy: BusyWait | None = None
+        while True:
+            try:
+                async with self._one_at_a_time():
+                    if unless is not None and unless():
+                        return Answer(granted=True)
+                    response = await client.increment_concurrency_slots_with_lease(
+                        names=list(names),
+                        slots=slots,
+                        mode="concurrency",
+                        lease_duration=self.lease_s,
+                        holder=ref,
+                    )
+                break
+            except httpx.HTTPStatusError as exc:
+                if exc.response.status_code == 423:  # a limit is full
+                    retry_after = _retry_after(exc.response.headers.get("Retry-After"))
+                    return Answer(granted=False, retry_after=retry_after)
+                busy = busy or BusyWait(what, busy_timeout())
+                await asyncio.sleep(busy.next_wait(exc, self.log))  # raised unless the API is busy
+            except Exception as exc:
+                busy = busy or BusyWait(what, busy_timeout())
+                await asyncio.sleep(busy.next_wait(exc, self.log))
         body = dict(response.json())
         limits = tuple(str(limit["name"]) for limit in body.get("limits") or ())
         if not limits:

@@ -20,8 +20,10 @@ __all__ = [
     "clean_env",
     "ctrl_c",
     "db_rows",
+    "free_port",
     "kill_marked",
     "marked",
+    "running_server",
     "server_task_run",
     "wait_gone",
 ]
@@ -73,33 +75,24 @@ def server_task_run(
 AUTH = "gpu-tasks:s3cret"
 
 
-@contextlib.contextmanager
-def authed_server(tmp_path: Path, marker: str) -> Iterator[str]:
-    """A ``prefect server start`` on 127.0.0.1 that requires ``AUTH`` (basic auth); its API URL.
-
-    Checked to refuse requests without the credentials; stopped at the end of the block.
-    """
+def free_port() -> int:
     import socket
-    import subprocess
-    import sys
-
-    import httpx
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    url = f"http://127.0.0.1:{port}/api"
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def running_server(command: list[str], env: dict[str, str], url: str) -> Iterator[None]:
+    """A Prefect server process started with ``command``, once ``url``/health answers; stopped at the
+    end of the block."""
+    import subprocess
+
+    import httpx
+
     server = subprocess.Popen(
-        [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=clean_env(
-            marker,
-            PREFECT_HOME=str(tmp_path / "server-home"),
-            PREFECT_SERVER_API_AUTH_STRING=AUTH,
-            PREFECT_UI_ENABLED="false",
-        ),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        start_new_session=True,
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
         deadline = time.monotonic() + 120
@@ -112,15 +105,38 @@ def authed_server(tmp_path: Path, marker: str) -> Iterator[str]:
                 pass
             assert time.monotonic() < deadline, "the Prefect server did not start"
             time.sleep(0.5)
-        # the server refuses requests without the credentials
-        assert httpx.post(f"{url}/flow_runs/filter", json={}, timeout=10).status_code == 401
-        yield url
+        yield
     finally:
         server.terminate()
         try:
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+@contextlib.contextmanager
+def authed_server(tmp_path: Path, marker: str) -> Iterator[str]:
+    """A ``prefect server start`` on 127.0.0.1 that requires ``AUTH`` (basic auth); its API URL.
+
+    Checked to refuse requests without the credentials; stopped at the end of the block.
+    """
+    import sys
+
+    import httpx
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    env = clean_env(
+        marker,
+        PREFECT_HOME=str(tmp_path / "server-home"),
+        PREFECT_SERVER_API_AUTH_STRING=AUTH,
+        PREFECT_UI_ENABLED="false",
+    )
+    with running_server(command, env, url):
+        # the server refuses requests without the credentials
+        assert httpx.post(f"{url}/flow_runs/filter", json={}, timeout=10).status_code == 401
+        yield url
 
 
 def authed_task_states(
