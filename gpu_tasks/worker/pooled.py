@@ -90,8 +90,9 @@ class PooledWorker(ProcessInterface):
         """Record how the process ended; terminate it past the memory limit (the nanny's jobs)."""
         from gpu_tasks.worker.exits import record_exit, record_memory_kill
 
-        assert self.warm is not None
-        proc = self.warm.process
+        warm = self.warm
+        assert warm is not None
+        proc = warm.process
         limit = _terminate_at(self.worker_kwargs)
         ps = None
         if limit:
@@ -120,6 +121,7 @@ class PooledWorker(ProcessInterface):
                 break
         await asyncio.to_thread(proc.join)
         record_exit(self.worker_address, proc.exitcode, proc.pid)
+        self.pool.released(warm)  # its place in the pool's capacity is free again
         self.status = Status.closed
         self._event_finished.set()
 
@@ -131,6 +133,7 @@ class PooledWorker(ProcessInterface):
             await asyncio.to_thread(end_process, warm.process, CLOSE_GRACE_S)
             with contextlib.suppress(OSError):
                 warm.conn.close()
+            self.pool.released(warm)
         if self._watch is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._watch), 1.0)

@@ -277,19 +277,43 @@ def end_process(process: Any, grace: float) -> None:
 
 
 class WarmPool:
-    """Up to ``size`` unbound, imported worker processes, replaced as they are taken."""
+    """Up to ``size`` unbound, imported worker processes, replaced as they are taken.
 
-    def __init__(self, size: int) -> None:
+    ``capacity``, when given, is the most worker processes the flow's profiles can have bound at
+    once (their ``max_workers``, or one per device group): the pool never keeps more idle processes
+    than could still be bound, so a flow whose only worker is bound spawns no spare that nothing
+    can take (each costs about a core-second of imports). A bound process that ends gives its
+    place back (:meth:`released`), and a replacement starts for the next provisioning.
+    """
+
+    def __init__(self, size: int, capacity: int | None = None) -> None:
         self.size = size
+        self.capacity = capacity
         self._ctx = multiprocessing.get_context("spawn")
         self._idle: list[WarmProcess] = []
+        self._bound: list[WarmProcess] = []
         self._lock = threading.Lock()
         self._closed = False
         self.taken = 0  # processes bound so far (for status and tests)
 
+    def target(self) -> int:
+        """How many idle processes to keep now: ``size``, less the places bound processes fill."""
+        with self._lock:
+            self._bound = [p for p in self._bound if p.process.is_alive()]
+            if self.capacity is None:
+                return self.size
+            return max(0, min(self.size, self.capacity - len(self._bound)))
+
     def start(self) -> None:
-        """Start processes until ``size`` are idle (non-blocking: they import in the background)."""
-        self.ensure(self.size)
+        """Start processes until the target is idle (non-blocking: they import in the background)."""
+        self.ensure(self.target())
+
+    def released(self, proc: WarmProcess) -> None:
+        """A bound process ended: its place is free again; a replacement starts shortly."""
+        with self._lock:
+            if proc in self._bound:
+                self._bound.remove(proc)
+        self._refill_later()
 
     def ensure(self, n: int) -> None:
         """At least ``n`` idle processes, started now if needed."""
@@ -344,6 +368,8 @@ class WarmPool:
             else:
                 self._idle.remove(found)
         proc = found or self._spawn_one()
+        with self._lock:
+            self._bound.append(proc)
         self.taken += 1
         self._refill_later()
         proc.wait_ready(timeout)
@@ -353,7 +379,7 @@ class WarmPool:
         """Start the replacements :data:`REFILL_DELAY_S` after a take, not at once: importing
         Prefect takes about a core-second, which the first tasks of the workers just bound
         need more (a profile that needs more processes meanwhile starts them itself)."""
-        timer = threading.Timer(REFILL_DELAY_S, self.ensure, [self.size])
+        timer = threading.Timer(REFILL_DELAY_S, lambda: self.ensure(self.target()))
         timer.daemon = True
         timer.start()
 
