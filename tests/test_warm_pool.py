@@ -173,7 +173,7 @@ KILLED = textwrap.dedent(
         fut = busy.submit()
         while not (OUT / "bound").exists():
             time.sleep(0.05)
-        while len(runner.warm_workers()) < 2:
+        while len(runner.warm_workers()) < 1:  # the profile can bind a second (2 devices): one kept
             time.sleep(0.05)
         (OUT / "warm.json").write_text(json.dumps([w["pid"] for w in runner.warm_workers()]))
         fut.result()
@@ -192,7 +192,7 @@ def test_warm_processes_exit_with_a_killed_flow_process(tmp_path: Path):
     script.write_text(KILLED)
     out = tmp_path / "out"
     out.mkdir()
-    env = clean_env(marker, GPU_TASKS_EMULATED_GPUS="1")
+    env = clean_env(marker, GPU_TASKS_EMULATED_GPUS="2")  # two: the pool keeps one beside the bound one
     env["PREFECT_API_URL"] = str(get_current_settings().api.url)
     proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env, cwd=tmp_path)
     try:
@@ -212,6 +212,26 @@ def test_warm_processes_exit_with_a_killed_flow_process(tmp_path: Path):
             proc.kill()
             proc.wait(timeout=10)
         kill_marked(marker)
+
+
+def test_the_pool_keeps_no_more_idle_processes_than_can_still_be_bound():
+    """GPU_TASKS_WARM_WORKERS=2 for profiles that can bind one worker at once: one process is started;
+    once it is bound none waits idle (nothing could take it); when it ends, a replacement starts."""
+    from gpu_tasks.worker.warm import REFILL_DELAY_S, WarmPool, end_process
+
+    pool = WarmPool(2, capacity=1)
+    try:
+        pool.start()
+        assert len(pool.describe()) == 1
+        proc = pool.take(60)
+        time.sleep(REFILL_DELAY_S + 1)  # past the refill a take schedules
+        assert pool.describe() == [] and pool.target() == 0
+        end_process(proc.process, 1)
+        pool.released(proc)
+        idle = _until(lambda: pool.describe(), "a replacement after the bound process ended", 30)
+        assert len(idle) == 1 and idle[0]["pid"] != proc.pid
+    finally:
+        pool.close()
 
 
 def test_a_warm_process_survives_a_ctrl_c_while_it_imports():
