@@ -418,7 +418,8 @@ def contexts() -> tuple[bool, dict[str, Any], str]:
         runner = FlowRunContext.get().task_runner
         first.submit().result()
         deadline = time.monotonic() + 90
-        while sum(w["ready"] for w in runner.warm_workers()) < 2:
+        # every idle process ready (the pool keeps as many as the profile can still bind: 1 per device)
+        while not (listed := runner.warm_workers()) or not all(w["ready"] for w in listed):
             if time.monotonic() > deadline:
                 raise TimeoutError("warm processes not ready within 90 s")
             time.sleep(0.1)

@@ -174,9 +174,9 @@ FLOW = textwrap.dedent(
     def on_cuda():
         first.submit().result()
         runner, deadline = FlowRunContext.get().task_runner, time.monotonic() + 60
-        while time.monotonic() < deadline:  # no pool (none listed), or both of its processes ready
+        while time.monotonic() < deadline:  # no pool (none listed), or each of its processes ready
             listed = runner.warm_workers()
-            if not listed or (len(listed) >= 2 and all(w["ready"] for w in listed)):
+            if not listed or all(w["ready"] for w in listed):
                 break
             time.sleep(0.05)
         warm = [w["pid"] for w in runner.warm_workers()]  # started, imported, no device
