@@ -99,6 +99,16 @@ def max_worker_count(profile: ResourceProfile, groups: int) -> int:
     return profile.max_workers or 1
 
 
+def bound_at_most(profiles: list[ResourceProfile], inventory: Inventory) -> int:
+    """The most workers ``profiles`` can have at once on ``inventory``: each one's
+    :func:`max_worker_count` (the warm pool keeps no more processes than that)."""
+    total = 0
+    for prof in profiles:
+        groups = len(device_groups(prof, matching_devices(prof, inventory))) if prof.is_gpu else 0
+        total += max_worker_count(prof, groups)
+    return total
+
+
 def desired_workers(profile: ResourceProfile, outstanding: int, current: int, limit: int) -> int:
     """Workers to have now: enough slots for the outstanding tasks, never fewer than now.
 

@@ -22,6 +22,30 @@ import psutil
 import pytest
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--serial-tests",
+        choices=("with", "only", "skip"),
+        default="with",
+        help="tests marked serial (they compare times across processes, which other tests' load "
+        "would skew): run them with the rest (default), only them, or none (scripts/test runs the "
+        "rest on several processes, then these one after another)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    mode = config.getoption("--serial-tests")
+    if mode == "with":
+        return
+    keep, drop = [], []
+    for item in items:
+        serial = item.get_closest_marker("serial") is not None
+        (keep if serial == (mode == "only") else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def prefect_server():
     """A temporary SQLite-backed Prefect server on 127.0.0.1 for the whole session."""

@@ -13,6 +13,7 @@ from gpu_tasks.devices.discovery import Device, Inventory, parse_emulated
 from gpu_tasks.policy import (
     GPU_RESOURCE,
     IdleView,
+    bound_at_most,
     close_reason,
     desired_workers,
     device_groups,
@@ -327,3 +328,14 @@ def test_worker_spec_for_cpu():
     assert spec.nthreads == 4
     assert spec.name == "etl-cpu-3"
     assert task_resources(prof) is None
+
+
+def test_bound_at_most_counts_each_profiles_cap_on_the_devices_it_matches():
+    inv = _inventory("H100:80GiB,H100:80GiB,L4:24GiB")
+    whole = ResourceProfile(name="whole", gpus=1)  # one worker per device: 3
+    quarter = ResourceProfile(name="quarter", gpus=0.25, max_workers=1)  # capped: 1
+    big = ResourceProfile(name="big", gpus=2, gpu_memory="40GiB")  # the two H100s make one group: 1
+    cpu = ResourceProfile(name="cpu", cpus=1, processes=True, max_workers=2)  # its cap: 2
+    assert bound_at_most([whole], inv) == 3
+    assert bound_at_most([whole, quarter, big, cpu], inv) == 3 + 1 + 1 + 2
+    assert bound_at_most([], inv) == 0

@@ -27,7 +27,7 @@ from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Inventory, discover
-from gpu_tasks.policy import IdleView, close_reason, device_groups, matching_devices, max_worker_count
+from gpu_tasks.policy import IdleView, bound_at_most, close_reason
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
 from gpu_tasks.prefect_api.states import api_unreachable
 from gpu_tasks.prefect_api.tag_slots import SlotGate
@@ -240,30 +240,15 @@ class Live:
         if size <= 0 or not local:
             return None
         emulated = self.inventory.emulated if any(p.is_gpu for p in local) else False
-        if not any(uses_warm_pool(p, emulated) for p in local):
+        pooled = [p for p in local if uses_warm_pool(p, emulated)]
+        if not pooled:
             return None
         from gpu_tasks.worker.warm import WarmPool
 
-        pool = WarmPool(size, capacity=self._pool_capacity(local))
+        pool = WarmPool(size, capacity=bound_at_most(pooled, self.inventory))
         pool.start()
-        logger.info(
-            "gpu-tasks: %d warm worker process(es) starting (GPU_TASKS_WARM_WORKERS=%d; %s bound at most)",
-            pool.target(),
-            size,
-            pool.capacity,
-        )
+        logger.info("gpu-tasks: %d warm worker process(es) starting (GPU_TASKS_WARM_WORKERS)", pool.target())
         return pool
-
-    def _pool_capacity(self, local: list[ResourceProfile]) -> int:
-        """The most workers the profiles that use the pool can have at once (their caps)."""
-        total = 0
-        for prof in local:
-            if prof.is_gpu:
-                groups = len(device_groups(prof, matching_devices(prof, self.inventory)))
-            else:
-                groups = 0
-            total += max_worker_count(prof, groups)
-        return total
 
     @property
     def inventory(self) -> Inventory:

@@ -102,6 +102,7 @@ def _states(task_run_id: str) -> list[str]:
     return [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
 
 
+@pytest.mark.serial  # a grace or an aging rate against tasks' start times
 @pytest.mark.parametrize("preemptible", [True, False])
 def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, preemptible: bool
@@ -212,6 +213,7 @@ def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
         assert client.get_metadata([BOARD], default={}) == {}
 
 
+@pytest.mark.serial  # a grace or an aging rate against tasks' start times
 @pytest.mark.parametrize("aging", [1.0, 0.0])
 def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, aging: float
