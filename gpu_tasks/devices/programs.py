@@ -53,8 +53,8 @@ class Program:
     def describe(self) -> str:
         """``pid 4242 (user alice, 'sleep 60') using 60.00 GiB``."""
         about = [f"user {self.user}"] if self.user else []
-        if self.command:
-            about.append(repr(self.command[:120]))
+        if self.command:  # one line, however the program was started
+            about.append(repr(" ".join(self.command.split())[:120]))
         if self.hidden:
             about.append(self.hidden)
         uses = format_bytes(self.memory) if self.memory is not None else "memory not reported"
