@@ -8,6 +8,7 @@ a declaration counts only while its process runs.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -19,6 +20,7 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
@@ -216,16 +218,31 @@ def test_cli_devices_names_the_programs_on_each_device(outsider, lease_dir, monk
 
 # ------------------------------------------------------------------ a flow run
 class _Said(logging.Handler):
-    """The device book's log lines, and an event set once one names ``needle``."""
+    """The device book's log lines (on its logger itself: a flow run's logging setup replaces the
+    root logger's handlers, caplog's among them)."""
 
-    def __init__(self, needle: str) -> None:
+    def __init__(self) -> None:
         super().__init__(logging.INFO)
-        self.needle, self.lines, self.seen = needle, [], threading.Event()
+        self.lines: list[str] = []
 
     def emit(self, record: logging.LogRecord) -> None:
         self.lines.append(record.getMessage())
-        if self.needle in self.lines[-1]:
-            self.seen.set()
+
+    def naming(self, pid: int) -> list[str]:
+        return [line for line in list(self.lines) if f"pid {pid} (" in line]
+
+
+@contextlib.contextmanager
+def _book_lines() -> Iterator[_Said]:
+    book, said = logging.getLogger("gpu_tasks.devices.book"), _Said()
+    level = book.level
+    book.setLevel(logging.INFO)
+    book.addHandler(said)
+    try:
+        yield said
+    finally:
+        book.removeHandler(said)
+        book.setLevel(level)
 
 
 @pytest.mark.usefixtures("prefect_server")
@@ -237,17 +254,15 @@ def test_a_gpu_task_waits_while_another_program_uses_its_device_then_runs_there(
 
     pid = outsider()
     monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", f"H100:80GiB@{pid}:60GiB")
-    said = _Said(f"pid {pid}")
-    book_log = logging.getLogger("gpu_tasks.devices.book")
-    book_log.addHandler(said)
-    old_level, ended = book_log.level, {}
-    book_log.setLevel(logging.INFO)
+    ended: dict[str, float] = {}
 
-    def end_it_once_named() -> None:
-        if said.seen.wait(60):
-            time.sleep(0.5)  # the task keeps waiting: it has not started
-            ended["at"] = time.time()
-            _end(pid)
+    def end_it_once_named(said: _Said) -> None:
+        deadline = time.monotonic() + 60
+        while not said.naming(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the task keeps waiting: it has not started
+        ended["at"] = time.time()
+        _end(pid)
 
     @task(tags=[profile("gpu")])
     def on_device() -> dict:
@@ -257,20 +272,18 @@ def test_a_gpu_task_waits_while_another_program_uses_its_device_then_runs_there(
     def f() -> tuple:
         return on_device.submit().result(), FlowRunContext.get().task_runner
 
-    killer = threading.Thread(target=end_it_once_named, daemon=True)
-    killer.start()
-    try:
+    with _book_lines() as said:
+        threading.Thread(target=end_it_once_named, args=(said,), daemon=True).start()
         row, runner = f()
-    finally:
-        book_log.removeHandler(said)
-        book_log.setLevel(old_level)
-    killer.join(5)
-    assert said.seen.is_set(), f"no wait line named pid {pid}: {said.lines}"
-    [line] = [x for x in said.lines if f"pid {pid}" in x][:1]
-    assert line.startswith(
+    lines = said.naming(pid)
+    assert lines, f"no wait line named pid {pid}: {said.lines}"
+    assert lines[0].startswith(
         "profile 'gpu': waiting for devices that programs outside gpu-tasks use: device 0:"
     )
-    assert f"pid {pid} (user {ME}, 'sleep 60') using 60.00 GiB" in line and "GPU_TASKS_LEASE_TIMEOUT" in line
+    assert (
+        f"pid {pid} (user {ME}, 'sleep 60') using 60.00 GiB" in lines[0]
+        and "GPU_TASKS_LEASE_TIMEOUT" in lines[0]
+    )
     assert row["devices"] == ["0"] and row["started"] > ended["at"], "ran only after the program ended"
     [ledger] = runner.ledger
     assert ledger.devices == ("0",) and ledger.wait_devices_seconds >= 0.5
