@@ -675,6 +675,181 @@ def overhead() -> tuple[bool, dict[str, Any], str]:
     return True, figures, f"gpus=0.25 per task vs ThreadPoolTaskRunner: {text}"
 
 
+# a program outside gpu-tasks: holds ``fraction`` of device 0 (CuPy) or, in the dry run, nothing (the
+# emulated spec declares its use); writes {"pid", "held"} to READY, exits once STOP exists (or 60 s)
+OUTSIDER = """
+import json, os, sys, time
+from pathlib import Path
+fraction, ready, stop, mode = float(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+held = int(sys.argv[5])
+if mode == "cupy":
+    import cupy as cp
+    held = int(cp.cuda.runtime.memGetInfo()[1] * fraction)
+    a = cp.empty(held, dtype=cp.uint8)
+    a[:: 1 << 20] = 1
+    cp.cuda.runtime.deviceSynchronize()
+ready.write_text(json.dumps({"pid": os.getpid(), "held": held}))
+deadline = time.monotonic() + 60
+while not stop.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def _start_outsider(work: Path, fraction: float, total: int) -> dict[str, int]:
+    """Start :data:`OUTSIDER` detached (``sh ... &``: not a descendant of this flow process, which
+    would make it the flow run's own); its ``{"pid", "held"}`` once it holds the memory."""
+    ready = work / "ready.json"
+    args = [
+        str(fraction),
+        str(ready),
+        str(work / "stop"),
+        "stand-in" if DRY else "cupy",
+        str(int(total * fraction)),
+    ]
+    subprocess.run(
+        [
+            "sh",
+            "-c",
+            '"$1" -c "$0" "$2" "$3" "$4" "$5" "$6" >"$7" 2>&1 &',
+            OUTSIDER,
+            sys.executable,
+            *args,
+            str(work / "outsider.log"),
+        ],
+        check=True,
+    )
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"the outsider did not hold memory within 60 s: {(work / 'outsider.log').read_text()}"
+            )
+        time.sleep(0.05)
+    time.sleep(0.05)  # written in one call; let it land whole
+    return dict(json.loads(ready.read_text()))
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return True
+
+
+def _after_outsider() -> dict[str, Any]:
+    from gpu_tasks import current_allocation
+
+    free, total = cuda().mem_info()
+    return {"devices": list(current_allocation().devices), "start": time.time(), "free": free, "total": total}
+
+
+def other_programs() -> tuple[bool, dict[str, Any], str]:
+    """A separate process holding 60% of the device (CuPy; the dry run: an emulated declaration of a
+    stand-in process): a gpus=1 task waits, the wait log names its pid and memory, and the task runs
+    on that device once the process has exited."""
+    import logging
+    import threading
+
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks import ResourceProfile, profile
+
+    work = Path(tempfile.mkdtemp(prefix="gpu-check-others-"))
+    fraction = 0.6
+    [device] = _devices()[:1]
+    outsider = _start_outsider(work, fraction, device.memory_total or 0)
+    pid = outsider["pid"]
+    if DRY:
+        os.environ["GPU_TASKS_EMULATED_GPUS"] += f"@{pid}:{outsider['held']}"
+    said: list[tuple[float, str]] = []
+    seen, times = threading.Event(), {}
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "programs outside gpu-tasks" in record.getMessage():
+                said.append((time.time(), record.getMessage()))
+                seen.set()
+
+    def let_it_go() -> None:
+        if seen.wait(90):
+            time.sleep(1.0)  # the task keeps waiting while the program holds the memory
+            times["asked"] = time.time()
+            (work / "stop").touch()
+            deadline = time.monotonic() + 30
+            while not _gone(pid) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            times["gone"] = time.time()
+
+    body = task(_after_outsider, name="after-outsider", tags=[profile("gpu")])
+
+    @flow(task_runner=_runner(ResourceProfile(name="gpu", gpus=1, idle_timeout=1)), name="gpu-check-others")
+    def f() -> tuple[dict[str, Any], Any]:
+        return body.submit().result(), FlowRunContext.get().task_runner
+
+    book = logging.getLogger("gpu_tasks.devices.book")
+    handler, level = Said(logging.INFO), book.level
+    book.addHandler(handler)
+    book.setLevel(logging.INFO)
+    releaser = threading.Thread(target=let_it_go, daemon=True)
+    releaser.start()
+    try:
+        row, runner = f()
+    finally:
+        book.removeHandler(handler)
+        book.setLevel(level)
+        (work / "stop").touch()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, 9)
+    releaser.join(5)
+    deadline = time.monotonic() + 30
+    while not runner.ledger and time.monotonic() < deadline:
+        time.sleep(0.05)
+    skipped = [s for r in runner.ledger for s in r.skipped]
+    line = said[0][1] if said else ""
+    named = f"pid {pid} (" in line
+    # NVML reports host pids in some containers: then the line says the pid is not visible from here
+    other_namespace = not named and "not visible from here" in line
+    problems = []
+    if not said:
+        problems.append("no wait line named a program outside gpu-tasks")
+    elif not (named or other_namespace) or "GiB" not in line:
+        problems.append(f"the wait line does not name pid {pid} and its memory: {line[:400]}")
+    if "asked" not in times or row["start"] <= times["asked"]:
+        problems.append(f"the task started at {row['start']:.2f} while the program still held memory {times}")
+    if row["devices"] != [device.address]:
+        problems.append(f"the task ran on {row['devices']}, not device {device.address}")
+    if not DRY and row["free"] < row["total"] * (1 - fraction) + GiB:
+        problems.append(
+            f"in the task only {row['free'] / GiB:.1f} GiB of {row['total'] / GiB:.1f} GiB was free"
+        )
+    if not any(f"pid {pid} (" in s or "not visible from here" in s for s in skipped):
+        problems.append(f"the ledger does not say why device {device.address} was skipped: {skipped}")
+    figures = {
+        "outsider_pid": pid,
+        "outsider_held_gib": round(outsider["held"] / GiB, 2),
+        "pid_in_another_namespace": other_namespace,
+        "wait_line": line[:600],
+        "named_to_exit_request_s": round(times["asked"] - said[0][0], 2)
+        if said and "asked" in times
+        else None,
+        "task_start_after_exit_request_s": round(row["start"] - times.get("asked", 0.0), 2),
+        "program_gone_after_request_s": round(times.get("gone", 0.0) - times.get("asked", 0.0), 2),
+        "free_in_task_gib": round(row["free"] / GiB, 2),
+        "ledger_skipped": skipped,
+    }
+    return (
+        not problems,
+        figures,
+        "; ".join(problems)
+        or f"waited while pid {pid} held {outsider['held'] / GiB:.1f} GiB ({line[:200]}...); ran on device "
+        f"{row['devices'][0]} {figures['task_start_after_exit_request_s']} s after the program was asked to "
+        "exit",
+    )
+
+
 CHECKS: dict[str, Callable[[], tuple[bool, dict[str, Any], str]]] = {
     "inventory": inventory,
     "worker_path": worker_path,
@@ -685,6 +860,7 @@ CHECKS: dict[str, Callable[[], tuple[bool, dict[str, Any], str]]] = {
     "leases": leases,
     "cold_start": cold_start,
     "overhead": overhead,
+    "other_programs": other_programs,
 }
 
 

@@ -65,6 +65,14 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
     ),
     ("leases", "leases", {}, 120, "two flow processes on the one device never overlap (NVML-sampled)"),
     (
+        "other_programs",
+        "other_programs",
+        {},
+        90,
+        "a separate CuPy process holding 60% of the device: a gpus=1 task waits (the log names its pid and "
+        "memory) and runs there once it exits",
+    ),
+    (
         "cold_start_warm_pool",
         "cold_start",
         {"GPU_TASKS_WARM_WORKERS": "2"},

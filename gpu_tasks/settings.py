@@ -77,6 +77,13 @@ class GpuTasksSettings(BaseSettings):
         description="Seconds a profile waits for devices that another process (flow run) leases before "
         "failing.",
     )
+    other_programs_memory: int = Field(
+        default=2**30,
+        ge=0,
+        description="Device memory (bytes, or a size such as 1GiB or 512MiB) that programs outside gpu-tasks "
+        "may use on a device before gpu-tasks stops leasing it; sampled right before each lease "
+        "(docs/shared-hosts.md). 0: any use by another program keeps the device from gpu-tasks.",
+    )
     api_busy_timeout: float = Field(
         default=600.0,
         ge=0,
@@ -133,6 +140,24 @@ class GpuTasksSettings(BaseSettings):
         description="The held/busy alert needs at least this many device-seconds held in the run, so a "
         "short run's start-up does not raise it.",
     )
+
+    @field_validator("other_programs_memory", mode="before")
+    @classmethod
+    def _size(cls, value: Any) -> Any:
+        if not isinstance(value, str):
+            return value
+        from dask.utils import parse_bytes
+
+        text = value.strip()
+        try:
+            if not text or not any(ch.isdigit() for ch in text):
+                raise ValueError(text)
+            return int(parse_bytes(text))
+        except (ValueError, OverflowError):
+            raise ValueError(
+                "must be a size such as 1GiB, 512MiB or a number of bytes; 0 lets no other program use a "
+                f"device gpu-tasks leases; got {value!r}"
+            ) from None
 
     @field_validator("dask_log_level", mode="before")
     @classmethod

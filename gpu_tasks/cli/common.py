@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from gpu_tasks.devices import leases
+from gpu_tasks.devices import leases, programs
 from gpu_tasks.devices.discovery import Device, Inventory, discover
 from gpu_tasks.errors import DeviceDiscoveryError
 from gpu_tasks.settings import GpuTasksSettings, get_settings
@@ -119,8 +119,32 @@ def source_line(inventory: Inventory) -> Text:
     return Text(f"Source: none, no GPUs found ({inventory.detail or 'no discovery source'})")
 
 
-def device_json(device: Device, held_by: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {**device.model_dump(), "held_by": held_by}
+def device_json(
+    device: Device, held_by: dict[str, Any] | None = None, others: programs.DeviceUse | None = None
+) -> dict[str, Any]:
+    out = {**device.model_dump(), "held_by": held_by}
+    if others is not None:
+        out["other_programs"] = others.as_dict()
+    return out
+
+
+def other_programs(inventory: Inventory, settings: GpuTasksSettings) -> dict[str, programs.DeviceUse]:
+    """What programs outside gpu-tasks use on each device now (gpu_tasks.devices.programs)."""
+    return programs.sample(inventory.devices, settings.lease_dir)
+
+
+def other_programs_text(use: programs.DeviceUse, settings: GpuTasksSettings) -> Text:
+    """``none``, the programs (bold red when they keep gpu-tasks off the device), or why not sampled."""
+    if not use.source:
+        return Text(use.note, style="dim")
+    text = use.describe()
+    if programs.blocked(use, settings.other_programs_memory):
+        limit = size(settings.other_programs_memory, "0")
+        return Text(
+            f"{text}: more than GPU_TASKS_OTHER_PROGRAMS_MEMORY ({limit}), gpu-tasks does not lease it",
+            style="bold red",
+        )
+    return Text(text)
 
 
 def lease_holders(inventory: Inventory, settings: GpuTasksSettings) -> dict[str, dict[str, Any] | None]:

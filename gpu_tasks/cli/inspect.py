@@ -23,6 +23,8 @@ from gpu_tasks.cli.common import (
     lease_waiters,
     load_inventory,
     load_settings,
+    other_programs,
+    other_programs_text,
     say,
     size,
     source_line,
@@ -54,13 +56,16 @@ def devices(
     inventory = load_inventory(settings)
     held = lease_holders(inventory, settings)
     queued = lease_waiters(settings)
+    others = other_programs(inventory, settings)
     if as_json:
         echo_json(
             {
                 "source": inventory.source,
                 "emulated": inventory.emulated,
                 "detail": inventory.detail,
-                "devices": [device_json(d, held[d.address]) for d in inventory.devices],
+                "devices": [
+                    device_json(d, held[d.address], others.get(d.address)) for d in inventory.devices
+                ],
                 "waiters": queued,
             }
         )
@@ -72,16 +77,19 @@ def devices(
         for column in ("Memory total", "Memory free", "Compute capability", "MIG", "Emulated"):
             table.add_column(column)
         table.add_column("Held by", overflow="fold")
+        table.add_column("Other programs", overflow="fold")
         for dev in inventory.devices:
+            use = others[dev.address]
             table.add_row(
                 Text(dev.address),
                 Text(dev.name),
                 size(dev.memory_total, "unknown"),
-                size(dev.memory_free, "unknown"),
+                size(use.free if use.free is not None else dev.memory_free, "unknown"),
                 dev.compute_capability or "-",
                 "yes" if dev.mig else "no",
                 "yes" if dev.emulated else "no",
                 Text(held_by_text(held[dev.address])),
+                other_programs_text(use, settings),
             )
         console.print(table)
     else:

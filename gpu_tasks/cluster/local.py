@@ -141,6 +141,8 @@ class ProfileCluster:
             if backend is not None:
                 backend.close()
             raise
+        finally:
+            self.usage.skipped(self.book.skips(self.profile.name))
         specs = [self._spec(i) for i in indexes]
         acquired = time.time()  # devices are held from here: start-up time counts as held
         t0 = time.monotonic()
@@ -249,6 +251,7 @@ class ProfileCluster:
             block=False,
             **self._queueing(),
         )
+        self.usage.skipped(self.book.skips(self.profile.name))
         if not indexes:
             return len(self.specs)  # other profiles hold the rest: tasks queue on the workers we have
         new = [self._spec(i) for i in indexes]
@@ -380,6 +383,8 @@ class ProfileCluster:
             "quota": self.profile.quota,
             # its preempted tasks wait for devices without GPU_TASKS_LEASE_TIMEOUT
             "patient": self.preemptions > 0,
+            # a device must have this much free when it is leased (programs outside gpu-tasks use the rest)
+            "need_memory": self.profile.gpu_memory,
         }
 
     # ------------------------------------------------------------ preemption

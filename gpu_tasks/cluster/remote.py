@@ -472,6 +472,7 @@ class RemoteCluster(ProfileCluster):
             tasks=tasks,
             reason=reason,
             spans=spans,
+            skipped=(),  # its devices are on other hosts: no programs sampled here
             **self.usage.waits(),
         )
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_tasks import preemption
-from gpu_tasks.devices import leases
+from gpu_tasks.devices import leases, programs
 from gpu_tasks.devices.discovery import Device
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.prefect_api import quotas
@@ -57,13 +57,21 @@ class DeviceBook:
         on_preempting: Any = None,
         priority_aging: float | None = None,
         quota_lease_seconds: float | None = None,
+        other_programs_memory: int | None = None,
     ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
         self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
         self.stop = stop or threading.Event()
         self.log_every = log_every
-        given = (lease_dir, lease_timeout, preemption_grace, priority_aging, quota_lease_seconds)
+        given = (
+            lease_dir,
+            lease_timeout,
+            preemption_grace,
+            priority_aging,
+            quota_lease_seconds,
+            other_programs_memory,
+        )
         settings = get_settings() if any(v is None for v in given) else None
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
         self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
@@ -77,6 +85,9 @@ class DeviceBook:
         self.quotas: quotas.QuotaSlots | None = None
         self.quota_leases: dict[str, Any] = {}  # address -> the quota lease its group holds
         self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
+        # bytes programs outside gpu-tasks may use on a device it leases (gpu_tasks.devices.programs)
+        self.other_programs_memory = int(resolve(other_programs_memory, "other_programs_memory", settings))
+        self.skipped: dict[str, list[str]] = {}  # profile -> why devices were skipped for it, for its ledger
 
     def acquire(
         self,
@@ -89,6 +100,7 @@ class DeviceBook:
         preemptible: bool = False,
         patient: bool = False,
         quota: str | None = None,
+        need_memory: int | None = None,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
@@ -107,6 +119,12 @@ class DeviceBook:
             quota: count ``owner``'s devices against this quota (:mod:`gpu_tasks.prefect_api.quotas`); a
                 group is taken only with room for it there, a wait for room is logged and
                 counts towards ``lease_timeout``, and a need larger than the quota fails fast.
+            need_memory: bytes a device must have free (the profile's ``gpu_memory``).
+
+        A device is taken only when programs outside gpu-tasks leave it be, sampled right after its
+        lease is taken (:mod:`gpu_tasks.devices.programs`): their use over ``other_programs_memory``,
+        or less free memory than ``need_memory``, gives the lease back and the profile waits (logged,
+        and counted towards ``lease_timeout``) until they leave.
 
         Raises:
             ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
@@ -126,6 +144,7 @@ class DeviceBook:
             "aging": self.priority_aging,
             "quota": quota,
             "local": True,
+            "need_memory": need_memory,
         }
         waiter: leases.Waiter | None = None
         waited_since = time.monotonic()
@@ -160,11 +179,15 @@ class DeviceBook:
                     foreign_since = now
                 if not patient and foreign_since is not None and now - foreign_since >= self.lease_timeout:
                     raise ClusterError(
-                        self._timeout_message(owner, sorted(wanted), now - foreign_since, first)
+                        self._timeout_message(
+                            owner, sorted(wanted), now - foreign_since, first, me.get("programs_seen", {})
+                        )
                     )
                 if self.reclaim is not None:
                     self.reclaim(wanted, owner)
-                log.waiting(now, held_by, foreign, first, me.pop("quota_full", None))
+                log.waiting(
+                    now, held_by, foreign, first, me.pop("quota_full", None), me.pop("programs", None)
+                )
                 if not log.asked and preemption.due(me, self.preemption_grace):
                     log.asked = self._ask_preemptible_holders(owner, me)
                 with self.cond:
@@ -226,6 +249,11 @@ class DeviceBook:
                 if new and lease is None:
                     foreign.update(new)
                     continue
+                if lease is not None and self._kept_by_programs(
+                    me, [d for d in g if d.address in new], lease
+                ):
+                    foreign.update(new)  # programs outside gpu-tasks use them
+                    continue
                 if lease is not None and me["quota"] is not None and not self._take_quota(me, new, lease):
                     foreign.update(new)  # other flow runs use the quota's room
                     continue
@@ -252,6 +280,32 @@ class DeviceBook:
                     del self.holders[d.address]
                     leases.release(self.leases.pop(d.address, None), [d.address])
                     self._release_quota(d.address)
+
+    def _kept_by_programs(self, me: dict[str, Any], devices: list[Device], lease: leases.Lease) -> bool:
+        """Whether programs outside gpu-tasks keep ``me`` off ``devices``, just leased (then the lease
+        is given back, and why is kept in ``me`` for the wait log and in :attr:`skipped` for the ledger)."""
+        uses = programs.sample(devices, self.lease_dir)
+        why = {
+            d.address: reason
+            for d in devices
+            if (reason := programs.blocked(uses[d.address], self.other_programs_memory, me["need_memory"]))
+        }
+        if not why:
+            return False
+        leases.release(lease, [d.address for d in devices])
+        me.setdefault("programs", {}).update(why)
+        me["programs_seen"] = dict(me.get("programs_seen", {}), **why)
+        seen = self.skipped.setdefault(me["profile"], [])
+        for address, reason in why.items():
+            text = f"device {address}: {reason}"
+            if text not in seen and len(seen) < 5:
+                seen.append(text)
+        return True
+
+    def skips(self, owner: str) -> list[str]:
+        """Why devices were skipped for ``owner`` since the last call (programs outside gpu-tasks)."""
+        with self.cond:
+            return self.skipped.pop(owner, [])
 
     def _rivals(self, owner: str) -> list[dict[str, Any]]:
         """Other profiles' waiters in this book, and the live waiters of other books (processes)."""
@@ -433,12 +487,24 @@ class DeviceBook:
         )
 
     def _timeout_message(
-        self, owner: str, wanted: list[str], waited: float, first: list[dict[str, Any]]
+        self,
+        owner: str,
+        wanted: list[str],
+        waited: float,
+        first: list[dict[str, Any]],
+        others: dict[str, str],
     ) -> str:
         queued = f"; waiters that rank before it: {self.waiters_text(first)}" if first else ""
+        used = (
+            "; programs outside gpu-tasks: "
+            + "; ".join(f"device {a}: {r}" for a, r in sorted(others.items()))
+            if others
+            else ""
+        )
         return (
-            f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease "
-            f"({self.holders_text(wanted)}{queued}). Stop those flow runs or wait longer: raise "
+            f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease"
+            f"{' or use' if others else ''} ({self.holders_text(wanted)}{queued}{used}). Stop those flow runs"
+            f"{' or programs' if others else ''} or wait longer: raise "
             f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s); leases are in {str(self.lease_dir)!r} "
             "(GPU_TASKS_LEASE_DIR)"
         )
@@ -461,6 +527,7 @@ class _WaitLog:
         self.last_yield: float | None = None
         self.asked = False  # said (once a wait) that preemptible holders give devices back
         self.last_quota: float | None = None
+        self.last_programs: float | None = None
 
     def waiting(
         self,
@@ -469,8 +536,19 @@ class _WaitLog:
         foreign: set[str],
         first: list[dict[str, Any]],
         quota: str | None = None,
+        others: dict[str, str] | None = None,
     ) -> None:
         every = self.book.log_every
+        if others and (self.last_programs is None or now - self.last_programs >= every):
+            self.last_programs = now
+            logger.info(
+                "profile %r: waiting for devices that programs outside gpu-tasks use: %s; giving up after "
+                "%gs (GPU_TASKS_LEASE_TIMEOUT)",
+                self.owner,
+                "; ".join(f"device {a}: {r}" for a, r in sorted(others.items())),
+                self.book.lease_timeout,
+            )
+        foreign = foreign - set(others or ())  # free of leases: the programs stand in the way (said above)
         if first and (self.last_yield is None or now - self.last_yield >= every):
             self.last_yield = now
             logger.info(

@@ -49,6 +49,10 @@ class Device(BaseModel):
     compute_capability: str | None = None
     mig: bool = False
     emulated: bool = False
+    # (pid, bytes) of programs outside gpu-tasks that GPU_TASKS_EMULATED_GPUS declares on this
+    # emulated device ("H100:80GiB@4242:60GiB"); each counts only while its pid runs
+    # (gpu_tasks.devices.programs)
+    emulated_use: tuple[tuple[int, int], ...] = ()
 
     def describe(self) -> str:
         """``0: H100 80.00 GiB`` style line."""
@@ -95,18 +99,53 @@ class Inventory(BaseModel):
 
 
 _ITEM_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9 _.\-]*?)\s*(?::\s*([0-9.]+\s*[A-Za-z]*))?\s*$")
+_USE_RE = re.compile(r"^\s*([0-9]+)\s*:\s*([0-9.]+\s*[A-Za-z]*)\s*$")
+EMULATED_HINT = (
+    'GPU_TASKS_EMULATED_GPUS must be a count such as "4" or a list of NAME:MEMORY items such as '
+    '"H100:80GiB,L4:24GiB"; an item may end in @PID:MEMORY for a program outside gpu-tasks that uses '
+    'that much of the device while the process PID runs ("H100:80GiB@4242:60GiB")'
+)
+
+
+def _size(text: str, what: str) -> int:
+    """``text`` (``80GiB``, ``0``) in bytes; ``what`` names it in the error."""
+    if not any(ch.isdigit() for ch in text):  # parse_bytes(".") would be 1 byte
+        raise DeviceDiscoveryError(f"{EMULATED_HINT}; {what} has a bad memory size {text!r}")
+    try:
+        return int(parse_bytes(text))
+    except (ValueError, OverflowError) as exc:  # a 400-digit size overflows to inf
+        raise DeviceDiscoveryError(f"{EMULATED_HINT}; {what} has a bad memory size {text!r}") from exc
+
+
+def _declared_use(number: int, item: str, uses: list[str], memory: int) -> tuple[tuple[int, int], ...]:
+    """The ``@PID:MEMORY`` parts of item ``number`` (``uses``) as ``(pid, bytes)``."""
+    out = []
+    for use in uses:
+        match = _USE_RE.match(use)
+        if not match or int(match.group(1)) <= 0:
+            raise DeviceDiscoveryError(
+                f"{EMULATED_HINT}; item {number} ({item.strip()!r}): {'@' + use.strip()!r} is not "
+                "@PID:MEMORY (a process id above 0 and the device memory it uses, such as @4242:60GiB)"
+            )
+        out.append((int(match.group(1)), _size(match.group(2), f"item {number}'s @{match.group(1)}")))
+    if sum(n for _, n in out) > memory:
+        raise DeviceDiscoveryError(
+            f"{EMULATED_HINT}; item {number} ({item.strip()!r}) declares programs using "
+            f"{format_bytes(sum(n for _, n in out))}, more than the device's {format_bytes(memory)}"
+        )
+    return tuple(out)
 
 
 def parse_emulated(spec: str) -> tuple[Device, ...]:
-    """Parse ``"4"`` or ``"H100:80GiB,H100:80GiB,L4:24GiB"`` into emulated devices.
+    """Parse ``"4"`` or ``"H100:80GiB,H100:80GiB@4242:60GiB,L4:24GiB"`` into emulated devices.
+
+    ``@PID:MEMORY`` after an item declares a program outside gpu-tasks using ``MEMORY`` of that
+    device while the process ``PID`` runs (:attr:`Device.emulated_use`; several may follow).
 
     Raises:
-        DeviceDiscoveryError: naming GPU_TASKS_EMULATED_GPUS and the expected format.
+        DeviceDiscoveryError: naming GPU_TASKS_EMULATED_GPUS, the bad item and the expected format.
     """
-    hint = (
-        'GPU_TASKS_EMULATED_GPUS must be a count such as "4" or a list of NAME:MEMORY items such as '
-        '"H100:80GiB,L4:24GiB"'
-    )
+    hint = EMULATED_HINT
     text = spec.strip()
     if not text:
         raise DeviceDiscoveryError(f"{hint}; got an empty value")
@@ -128,16 +167,12 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
         )
     devices = []
     for i, item in enumerate(text.split(",")):
-        match = _ITEM_RE.match(item)
+        device, *uses = item.split("@")
+        match = _ITEM_RE.match(device)
         if not match:
             raise DeviceDiscoveryError(f"{hint}; item {i + 1} ({item.strip()!r}) is not NAME or NAME:MEMORY")
         name, mem = match.group(1), match.group(2)
-        if mem and not any(ch.isdigit() for ch in mem):  # parse_bytes(".") would be 1 byte
-            raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a bad memory size {mem!r}")
-        try:
-            memory = int(parse_bytes(mem)) if mem else DEFAULT_EMULATED_MEMORY
-        except (ValueError, OverflowError) as exc:  # a 400-digit size overflows to inf
-            raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a bad memory size {mem!r}") from exc
+        memory = _size(mem, f"item {i + 1}") if mem else DEFAULT_EMULATED_MEMORY
         if memory <= 0:
             raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a memory size of zero")
         devices.append(
@@ -149,6 +184,7 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
                 memory_total=memory,
                 memory_free=memory,
                 emulated=True,
+                emulated_use=_declared_use(i + 1, item, uses, memory),
             )
         )
     if len(devices) > 64:

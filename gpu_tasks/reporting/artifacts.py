@@ -28,6 +28,7 @@ LEDGER_ARTIFACT_KEY = "resource-ledger"
 TIMELINE_ARTIFACT_KEY = "device-timeline"
 STRIP_WIDTH = 24  # the UI keeps markdown to a reading width: a longer strip wraps
 WAITS = "waits_s devices/slots"
+SKIPPED = "skipped (programs outside gpu-tasks)"
 NO_DEVICE = "none (CPU)"  # a "-" alone in a table cell renders as a list bullet
 # the strip's characters: busy at least half of the held part of the column, busy less, held idle, not held
 BUSY, PARTLY_BUSY, HELD_IDLE, NOT_HELD = "#", "+", "-", "."
@@ -114,7 +115,8 @@ def ledger_table(rows: Sequence[LedgerRow]) -> list[dict[str, Any]]:
     """The ``resource-ledger`` table: one dict per row, oldest first, compact columns.
 
     ``waits_s devices/slots`` (for devices, for Prefect tag slots; apart from held time) appears
-    only when some row waited. Device cells leave out ``emulated``: the description says it.
+    only when some row waited; ``skipped (programs outside gpu-tasks)`` only when a device was skipped
+    for some row. Device cells leave out ``emulated``: the description says it.
     """
     waited = any(r.wait_devices_seconds + r.wait_slots_seconds >= 0.05 for r in rows)
     emulated_said = "EMULATED" in ledger_description(rows)
@@ -132,6 +134,8 @@ def ledger_table(rows: Sequence[LedgerRow]) -> list[dict[str, Any]]:
         }
         if waited:
             item[WAITS] = f"{row.wait_devices_seconds:.1f} / {row.wait_slots_seconds:.1f}"
+        if any(r.skipped for r in rows):
+            item[SKIPPED] = "; ".join(row.skipped) or "-"
         table.append(item)
     return table
 
@@ -222,6 +226,10 @@ def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> st
             f"| {span.held_seconds:.1f} | {percent(span.busy_seconds, span.held_seconds)} | {span.tasks} "
             f"| `{strip(span.start, span.end, span.busy, (t0, t1), width)}` |"
         )
+    skipped = [(row.profile, reason) for row in rows for reason in row.skipped]
+    if skipped:
+        lines += ["", "Devices skipped because programs outside gpu-tasks used them:", ""]
+        lines += [f"- profile {_cell(p)}: {_cell(reason)}" for p, reason in skipped]
     return "\n".join(lines) + "\n"
 
 

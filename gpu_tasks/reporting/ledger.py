@@ -74,6 +74,9 @@ class LedgerRow:
     wait_slots_seconds: float = 0.0
     # each device held, from when to when, and its busy time (none for CPU rows)
     spans: tuple[DeviceSpan, ...] = ()
+    # why devices were skipped while it waited or grew: programs outside gpu-tasks used them
+    # (``device 0: used by pid 4242 (...) using 60 GiB: more than ...``)
+    skipped: tuple[str, ...] = ()
 
     @property
     def utilization(self) -> float:
@@ -97,6 +100,7 @@ class LedgerRow:
             "wait_slots_s": round(self.wait_slots_seconds, 3),
             "reason": self.reason,
             "spans": [span.as_dict() for span in self.spans],
+            "skipped": list(self.skipped),
         }
 
 
@@ -160,6 +164,7 @@ class Usage:
         self._busy: dict[str, list[tuple[float, float]]] = {}
         self._tasks = 0
         self._waits = {"devices": 0.0, "slots": 0.0}
+        self._skipped: list[str] = []
         self._lock = threading.Lock()
 
     def waited(self, devices: float = 0.0, slots: float = 0.0) -> None:
@@ -168,6 +173,11 @@ class Usage:
         with self._lock:
             self._waits["devices"] += devices
             self._waits["slots"] += slots
+
+    def skipped(self, reasons: Iterable[str]) -> None:
+        """Devices were skipped for the cluster, for these ``reasons`` (each kept once)."""
+        with self._lock:
+            self._skipped.extend(r for r in reasons if r not in self._skipped)
 
     def waits(self) -> dict[str, float]:
         """``{"wait_devices_seconds": ..., "wait_slots_seconds": ...}`` so far, for a ledger row."""
@@ -201,6 +211,7 @@ class Usage:
         spans: list[DeviceSpan] = []
         waits = self.waits() if whole else {}
         with self._lock:
+            skipped = tuple(self._skipped) if whole else ()
             if whole:
                 tasks = self._tasks
             else:
@@ -226,6 +237,7 @@ class Usage:
             tasks=tasks,
             reason=reason,
             spans=tuple(spans),
+            skipped=skipped,
             **waits,
         )
 
@@ -243,6 +255,7 @@ class Usage:
             self._busy.clear()
             self._tasks = 0
             self._waits = {"devices": 0.0, "slots": 0.0}
+            self._skipped = []
 
 
 _ENDED: dict[uuid.UUID, list[LedgerRow]] = {}  # final ledgers of the last flow runs that ended here
