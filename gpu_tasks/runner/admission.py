@@ -31,8 +31,9 @@ from gpu_tasks.prefect_api import quotas
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.states import await_retry, fail_task_run, read_task_run
 from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
+from gpu_tasks.runner.job import Job
 from gpu_tasks.runner.results import Finish
-from gpu_tasks.runner.session import Job, Live
+from gpu_tasks.runner.session import Live
 from gpu_tasks.worker.engine import run_engine
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -249,7 +250,7 @@ class Admission:
         """On the gate's callback thread: report a long wait, then ``then()``; whatever fails here,
         the task goes on or ends, never left waiting (an error on this thread is only logged)."""
         if hold.limits:
-            job.slot_waited = hold.waited
+            job.slots_held(hold.waited)
             if hold.waited >= SLOT_WAIT_REPORTED_S:
                 try:
                     job.say(
@@ -311,7 +312,7 @@ class Admission:
                 read_task_run, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 2.0
             )
             await_retry(task_run, self.live.flow_run_id)
-            job.task_run = task_run
+            job.continues(task_run)
             job.say(
                 logging.WARNING,
                 "Task %r: its cached result (Prefect cache key %s) was gone when the run started; running "

@@ -22,9 +22,10 @@ from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.states import fail_task_run
 from gpu_tasks.reporting.events import publish_dashboard
 from gpu_tasks.runner.admission import TaskQuota
+from gpu_tasks.runner.job import Job, ProfileState
 from gpu_tasks.runner.recovery import Recovery
 from gpu_tasks.runner.results import Finish, Landings, Results
-from gpu_tasks.runner.session import Job, Live, ProfileState
+from gpu_tasks.runner.session import Live
 from gpu_tasks.worker.engine import run_engine, run_on_worker
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -204,8 +205,7 @@ class Dispatcher:
                 raise RuntimeError("the task runner is shutting down")
             self._provision(st)
             live.running(job)
-            st.cluster.usage.waited(slots=job.slot_waited)
-            job.slot_waited = 0.0  # counted once, not again on a re-run
+            st.cluster.usage.waited(slots=job.slot_wait())  # counted once, not again on a re-run
         task = job.task
         kwargs: dict[str, Any] = dict(
             task_run_id=job.task_run_id,

@@ -18,8 +18,9 @@ from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.prefect_api.states import await_retry, crash_task_run, preempt_task_run, read_task_run
 from gpu_tasks.profiles import profile
 from gpu_tasks.reporting.logs import flow_logger
+from gpu_tasks.runner.job import Job, ProfileState
 from gpu_tasks.runner.results import Finish
-from gpu_tasks.runner.session import Job, Live, ProfileState
+from gpu_tasks.runner.session import Live
 
 logger = logging.getLogger("gpu_tasks.runner")
 
@@ -78,7 +79,7 @@ class Recovery:
         job.escalated_from = source.name
         task_run.tags = sorted(set(task_run.tags or ()) | {profile(target.name), ESCALATED_TAG})
         await_retry(task_run, live.flow_run_id)
-        job.task_run = task_run
+        job.continues(task_run)
         flow_logger().warning(
             "Task run %r ran out of memory on profile %r (%s); re-running it once on profile %r (on_oom)",
             task_run.name,
@@ -149,7 +150,7 @@ class Recovery:
                 job.task_run_id, job.task, self.live.flow_run_id, f"Preempted: {reason}", job.tags
             )
             job.preemptions += 1
-            job.task_run = task_run
+            job.continues(task_run)
             job.say(
                 logging.WARNING,
                 "Task run %r was %s; it runs again when devices free (no retry used)",
@@ -249,7 +250,7 @@ class Recovery:
         delay = _retry_delay(job.task, job.crashes)
         await_retry(task_run, live.flow_run_id, delay)
         job.crashes += 1
-        job.task_run = task_run
+        job.continues(task_run)
         log.warning(
             "Task run %r crashed: %s; retrying it on a new worker (retry %d of %d) in %gs",
             task_run.name,

@@ -22,7 +22,8 @@ from typing import Any
 
 from gpu_tasks.errors import GpuOutOfMemoryError
 from gpu_tasks.preemption import PreemptedRun, describe_waiter
-from gpu_tasks.runner.session import Job, Live
+from gpu_tasks.runner.job import Job
+from gpu_tasks.runner.session import Live
 
 logger = logging.getLogger("gpu_tasks.runner")
 

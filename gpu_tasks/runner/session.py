@@ -1,4 +1,5 @@
-"""What an entered runner owns while it runs: per-profile state, the idle monitor, closing.
+"""What an entered runner owns while it runs: its profiles' states and jobs (:mod:`gpu_tasks.runner.job`),
+the idle monitor, closing.
 
 ``Live`` is created when the runner's first task is submitted (never in
 ``__enter__``: Prefect enters copies of the runner on workers) and closed as a
@@ -13,12 +14,9 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable
 from functools import partial
 from typing import Any
-
-from prefect.futures import PrefectFuture
 
 from gpu_tasks.cluster.backends import uses_warm_pool
 from gpu_tasks.cluster.kinds import new_cluster
@@ -27,14 +25,15 @@ from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Inventory, discover
-from gpu_tasks.policy import IdleView, bound_at_most, close_reason
+from gpu_tasks.policy import bound_at_most, close_reason
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
 from gpu_tasks.prefect_api.states import api_unreachable
 from gpu_tasks.prefect_api.tag_slots import SlotGate
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.events import RunRef, emit_cluster_event, emit_task_event
 from gpu_tasks.reporting.ledger import LedgerRow
-from gpu_tasks.reporting.logs import RunLogs, flow_logger
+from gpu_tasks.reporting.logs import RunLogs
+from gpu_tasks.runner.job import Job, ProfileState
 from gpu_tasks.runner.payload import ContextSerializer
 from gpu_tasks.settings import get_settings
 
@@ -43,136 +42,8 @@ logger = logging.getLogger("gpu_tasks.runner")
 PREEMPTION_CHECK_S = 0.5  # how often a runner with preemptible clusters reads the device queue
 
 
-class ProfileState:
-    """Book-keeping for one profile within one entered runner.
-
-    ``outstanding`` counts tasks submitted and not finished (waiting on upstream or for
-    Prefect tag slots, queued or running); ``dispatched`` those handed to the cluster;
-    ``waiting_for_slots`` those waiting for tag slots now, which hold no device and do not
-    keep a cluster from idling out. They change only through the methods below: the first
-    two under ``lock``, and all of them, with ``idle_since``, under ``counts_lock`` (a lock
-    that no one holds while waiting, unlike ``lock``, held while devices are awaited).
-    """
-
-    def __init__(self, cluster: ProfileCluster, idle_timeout: float):
-        self.cluster = cluster
-        self.idle_timeout = idle_timeout
-        self.lock = threading.RLock()
-        self.counts_lock = threading.Lock()
-        self.outstanding = 0
-        self.dispatched = 0
-        self.waiting_for_slots = 0
-        self.cache_hits = 0  # tasks whose result Prefect had cached: run in the flow process, no device
-        self.idle_since: float | None = None
-        self.ever_provisioned = False
-        # GPU profiles dispatch on a thread of their own: waiting for devices another
-        # profile holds must block neither the flow nor other profiles' dispatch.
-        self.dispatcher: concurrent.futures.ThreadPoolExecutor | None = (
-            concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"gpu-tasks-{cluster.profile.name}"
-            )
-            if cluster.profile.is_gpu
-            else None
-        )
-        # hand-offs made on that thread and not yet sent to the cluster, and dispatches queued for
-        # it: the thread sends its hand-offs as one batch when none is left (gpu_tasks.runner.dispatch)
-        self.outbox: list[tuple[Job, int, tuple[Any, ...]]] = []
-        self.queued = 0  # under counts_lock
-
-    def arrive(self) -> None:
-        """A task of this profile was submitted (or moved here)."""
-        with self.lock, self.counts_lock:
-            self.outstanding += 1
-            self._active_changed()
-
-    def leave(self, dispatched: bool = False) -> None:
-        """A task of this profile finished (or moved away).
-
-        Args:
-            dispatched: it had been handed to the cluster.
-        """
-        with self.lock, self.counts_lock:
-            self.outstanding -= 1
-            if dispatched:
-                self.dispatched -= 1
-            self._active_changed()
-
-    def count(self, waiting_for_slots: int = 0, cache_hits: int = 0) -> None:
-        """A task began (+1) or ended (-1) waiting for tag slots; a task's result came from the cache."""
-        with self.counts_lock:
-            self.waiting_for_slots += waiting_for_slots
-            self.cache_hits += cache_hits
-            self._active_changed()
-
-    def _active_changed(self) -> None:
-        # idle from the moment nothing but slot waits is outstanding (call under counts_lock)
-        if self.outstanding - self.waiting_for_slots > 0:
-            self.idle_since = None
-        elif self.idle_since is None:
-            self.idle_since = time.monotonic()
-
-    def idle_view(self) -> IdleView:
-        """What the idle policy needs to decide (a task waiting for tag slots is not work)."""
-        with self.counts_lock:
-            active = self.outstanding - self.waiting_for_slots
-            return IdleView(self.cluster.running, active, self.idle_since, self.idle_timeout)
-
-
 # preempt(st, addresses, waiter): stop st's workers on addresses for waiter (gpu_tasks.runner.recovery)
 Preempt = Callable[[ProfileState, list[str], dict[str, Any]], None]
-
-
-@dataclass(eq=False)
-class Job:
-    """One submitted task, from submit to its final state (a crash re-run keeps its job)."""
-
-    st: ProfileState
-    task: Any
-    task_run_id: uuid.UUID
-    parameters: dict[str, Any]
-    wait_for: Iterable[PrefectFuture[Any]] | None
-    dependencies: dict[str, set[Any]] | None
-    extra_tags: list[str]
-    cf: concurrent.futures.Future[Any]
-    ctx: contextvars.Context
-    crashes: int = 0  # times its worker died under it
-    task_run: Any = None  # the task run a re-run continues (run count, name)
-    escalated_from: str | None = None  # the profile it ran out of memory on (on_oom re-runs once)
-    # tag concurrency limits the flow process holds a slot of for it, or knows do not exist: its
-    # worker's engine does not take them again (gpu_tasks.prefect_api.tag_slots)
-    slot_names: tuple[str, ...] = ()
-    hold: Any = None  # its gpu_tasks.prefect_api.tag_slots.Hold: the slots, from the wait until the task ends
-    slot_waited: float = 0.0  # seconds it waited for its slots (holding no device), for the ledger
-    attempt: int = 0  # its hand-offs to a cluster (hand_off); a preempted one's late outcome is ignored
-    key: str = ""  # the Dask key of its current hand-off
-    preemptions: int = 0  # times it was stopped for a higher-priority waiter (no retry used)
-    quota_lease: Any = None  # an address profile's quota slots while its task is handed off
-
-    @property
-    def profile(self) -> ResourceProfile:
-        return self.st.cluster.profile
-
-    @property
-    def tags(self) -> set[str]:
-        return set(self.task.tags) | set(self.extra_tags)
-
-    def hand_off(self, name: str) -> str:
-        """A new hand-off of task ``name`` to its cluster: the next attempt, and its Dask key."""
-        self.attempt += 1
-        self.key = f"{name}-{self.task_run_id.hex}-{self.attempt}"
-        return self.key
-
-    def disown(self) -> None:
-        """What its current hand-off reports is not its outcome (it was preempted and runs again)."""
-        self.attempt += 1
-
-    def say(self, level: int, msg: str, *args: Any) -> None:
-        """A line in the flow run's logs (from any thread: the logger is looked up in the job's context)."""
-        self.ctx.copy().run(lambda: flow_logger().log(level, msg, *args))
-
-    def off_thread(self, fn: Callable[..., Any], *args: Any, name: str) -> None:
-        """``fn(*args)`` in the job's context on a thread of its own (it may wait on the server, devices)."""
-        threading.Thread(target=self.ctx.copy().run, args=(fn, *args), name=name, daemon=True).start()
 
 
 class Live:

@@ -37,8 +37,9 @@ from gpu_tasks.reporting.ledger import LedgerRow, remember_ended
 from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner.admission import Admission, TaskQuota
 from gpu_tasks.runner.dispatch import Dispatcher
+from gpu_tasks.runner.job import Job
 from gpu_tasks.runner.results import Finish, Landings, hand_to
-from gpu_tasks.runner.session import Job, Live
+from gpu_tasks.runner.session import Live
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import engine as _worker
 from gpu_tasks.worker.slots import waiting
