@@ -68,8 +68,8 @@ class GpuTasksSettings(BaseSettings):
         ge=0,
         description="Worker processes kept started and imported, holding no device, for profiles whose "
         "workers this host starts (gpu_tasks.worker.warm); a lease binds one, so a first task starts without "
-        "waiting for a process to spawn and import Prefect. 0: no pool, a process is spawned per worker "
-        "after its lease.",
+        "waiting for a process to spawn and import Prefect; never more than the flow's profiles can still "
+        "bind. 0: no pool, a process is spawned per worker after its lease.",
     )
     lease_timeout: float = Field(
         default=600.0,
