@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, TlsOptions
+from gpu_tasks.cluster.address import scheduler_unreachable
 from gpu_tasks.cluster.managed import load_cluster_class
 from gpu_tasks.cluster.remote_workers import RemoteWorker, is_leaving
 from gpu_tasks.errors import ClusterError, ProfileError
-from gpu_tasks.prefect_api.api import loopback_api_error
+from gpu_tasks.prefect_api.api import unreachable_api_error
 from gpu_tasks.profiles import load_profiles_file
+from gpu_tasks.worker.api_probe import probe_api
 
 
 def test_kinds_and_what_they_imply():
@@ -121,23 +124,66 @@ def test_a_runner_with_remote_profiles_pickles_and_compares():
     assert runner.duplicate() == runner
 
 
-@pytest.mark.parametrize(
-    ("api", "scheduler", "blocked"),
-    [
-        ("http://127.0.0.1:4200/api", "tcp://127.0.0.1:8786", False),  # all on this host
-        ("http://localhost:4200/api", "tcp://[::1]:8786", False),
-        ("http://127.0.0.1:4200/api", "tls://gpu-scheduler:8786", True),
-        ("http://localhost:4200/api", "10.0.0.5:8786", True),
-        ("http://[::1]:4200/api", "tcp://10.0.0.5:8786", True),
-        ("http://prefect.internal:4200/api", "tls://gpu-scheduler:8786", False),
-        ("https://api.prefect.cloud/api/accounts/a/workspaces/w", "tcp://10.0.0.5:8786", False),
-    ],
-)
-def test_loopback_api_rule(api, scheduler, blocked):
-    why = loopback_api_error("p", api, scheduler)
-    assert (why is not None) == blocked
-    if blocked:
-        assert "prefect server start --host 0.0.0.0" in why and "PREFECT_API_URL" in why
+@pytest.fixture
+def api_stub():
+    """An HTTP server on 127.0.0.1 that knows one flow run: ``(base URL, its id)``."""
+    import http.server
+    import json
+    import threading
+
+    run_id = "5b1c0e4e-0000-4000-8000-000000000001"
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            known = self.path == f"/api/flow_runs/{run_id}"
+            body = json.dumps({"id": run_id} if known else {"detail": "Not Found"}).encode()
+            self.send_response(200 if known else 404)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/api", run_id
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_api_probe_asks_for_the_flow_run_so_another_server_cannot_pass(api_stub):
+    url, run_id = api_stub
+    assert probe_api(url, run_id, {}, 2.0) is None
+    other = probe_api(url, "5b1c0e4e-0000-4000-8000-000000000002", {}, 2.0)
+    assert other is not None and "not this flow run's API" in other
+    port = url.split(":")[2].split("/")[0]
+    refused = probe_api(url.replace(port, str(_free_port())), run_id, {}, 2.0)
+    assert refused == "connection refused"
+
+
+def test_the_unreachable_api_message_names_the_api_the_workers_and_the_fix():
+    why = unreachable_api_error(
+        "p", "http://127.0.0.1:4200/api", "tcp://sched:8786", {"w1 on gpu1": "connection refused"}
+    )
+    assert "http://127.0.0.1:4200/api" in why and "w1 on gpu1: connection refused" in why
+    assert "its own host" in why and "PREFECT_API_URL" in why and "--host 0.0.0.0" in why
+
+
+def test_a_scheduler_address_that_refuses_connections_is_named_at_once():
+    started = time.monotonic()
+    why = scheduler_unreachable(f"tcp://127.0.0.1:{_free_port()}", 1.0)
+    assert why is not None and why.startswith("connection refused"), why
+    assert time.monotonic() - started < 3
+    assert scheduler_unreachable("ucx://127.0.0.1:1", 1.0) is None  # not TCP: the client finds out
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _worker(**kw) -> RemoteWorker:

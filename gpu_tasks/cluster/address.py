@@ -18,6 +18,41 @@ from gpu_tasks.reporting.ledger import LedgerRow
 
 logger = logging.getLogger("gpu_tasks.runner")
 
+SCHEDULER_PROBE_S = 5.0  # how long a scheduler that refuses connections is tried before its profile fails
+
+
+def scheduler_unreachable(address: str, within: float) -> str | None:
+    """Why nothing accepts a TCP connection at ``address`` (a ``tcp``/``tls``/``ws(s)`` Dask
+    address), in words, or ``None`` when something does (or the protocol is not TCP).
+
+    A refused connection is tried again until ``within`` seconds have passed (a scheduler that
+    is starting); no route, an unknown name or a timeout fail at once.
+    """
+    import socket
+
+    from distributed.comm.addressing import parse_address, parse_host_port
+
+    protocol, location = parse_address(address)
+    if protocol not in ("tcp", "tls", "ws", "wss"):
+        return None
+    host, port = parse_host_port(location)
+    deadline = time.monotonic() + within
+    while True:
+        left = max(0.5, deadline - time.monotonic())
+        try:
+            socket.create_connection((host, port), timeout=left).close()
+            return None
+        except ConnectionRefusedError:
+            if time.monotonic() + 0.5 >= deadline:
+                return f"connection refused (nothing listens on port {port} of {host}; tried for {within:g}s)"
+            time.sleep(0.5)
+        except socket.gaierror as exc:
+            return f"cannot resolve the host name {host!r} ({exc.strerror})"
+        except TimeoutError:
+            return f"connecting timed out after {left:.1f}s (the host is down, or a firewall drops packets)"
+        except OSError as exc:
+            return f"{(exc.strerror or str(exc)).lower()} ({host}, port {port})"
+
 
 # ---------------------------------------------------------------- an existing cluster
 class AddressCluster(RemoteCluster):
@@ -38,17 +73,18 @@ class AddressCluster(RemoteCluster):
     def worker_count(self) -> int:
         return len(self._fit) if self.client is not None else 0
 
-    def check_reachable(self) -> None:
-        """Fail at submit when workers of the address cannot reach the Prefect API."""
-        self._check_api()
-
     def start(self, n_workers: int) -> None:
         from distributed import Client
 
         t0 = time.monotonic()
         deadline = t0 + self.provision_timeout
-        self._check_api()
         address = self.scheduler_address
+        why = scheduler_unreachable(address, min(SCHEDULER_PROBE_S, self.provision_timeout))
+        if why is not None:
+            raise ClusterError(
+                f"profile {self.profile.name!r}: cannot connect to the Dask scheduler at {address}: {why}. "
+                "Check that the scheduler runs and that this host can reach it (address, port, firewall)"
+            )
         security = security_for(self.profile) if address.startswith("tls://") else None
         try:
             client = _within(
@@ -61,6 +97,7 @@ class AddressCluster(RemoteCluster):
                     name=f"gpu-tasks:{self.profile.name}",
                 ),
                 f"client of profile {self.profile.name!r}",
+                hint=f"The scheduler at {address} accepts connections but did not answer as a Dask scheduler",
             )
         except Exception as exc:
             # a Client whose constructor raised sits in a reference cycle; collected while another
@@ -80,10 +117,14 @@ class AddressCluster(RemoteCluster):
         try:
             workers = self._connected_workers(1, deadline, "waiting for workers")
             self._check_workers(workers)
+            self._no_api = {}
+            self._place(workers)
+            self._check_api(list(self._fit))  # once per start: the workers that fit ask the API
+            if self._no_api:
+                self._place(workers)
         except BaseException:
             self.shutdown()
             raise
-        self._place(workers)
         self.usage.provisioned_at = time.time()
         self.startup = {"wait_devices_s": 0.0, "start_workers_s": time.monotonic() - t0}
         busy = [w for w in self._fit if w.gpus]

@@ -125,12 +125,13 @@ def _non_daemon_workers() -> Any:
     return dask.config.set({"distributed.worker.daemon": False})
 
 
-def _within(seconds: float, fn: Callable[[], T], what: str) -> T:
+def _within(seconds: float, fn: Callable[[], T], what: str, hint: str | None = None) -> T:
     """``fn()`` in a daemon thread, giving up after ``seconds``.
 
     Dask's SpecCluster can wait forever when a worker process fails while starting
     (for one, a script that runs its flow at import time under the spawn start
-    method). A result that arrives after the deadline is closed, not leaked.
+    method). A result that arrives after the deadline is closed, not leaked. ``hint``
+    replaces the timeout message's advice (which is about worker processes this host starts).
     """
     box: dict[str, Any] = {}
     done = threading.Event()
@@ -158,9 +159,12 @@ def _within(seconds: float, fn: Callable[[], T], what: str) -> T:
             value = box.get("value")
         if value is None:
             raise TimeoutError(
-                f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). Worker "
-                "processes are spawned and re-import the script that started the flow: guard "
-                'the flow call with `if __name__ == "__main__":`, and see the Dask log above'
+                f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). "
+                + (
+                    hint
+                    or "Worker processes are spawned and re-import the script that started the flow: "
+                    'guard the flow call with `if __name__ == "__main__":`, and see the Dask log above'
+                )
             )
     if "error" in box:
         raise box["error"]

@@ -5,7 +5,7 @@
 - :class:`~gpu_tasks.cluster.managed.ManagedCluster` (``cluster_class=``): a cluster manager's.
 
 The flow side holds every kind as a :class:`ProfileCluster` and calls the same methods on each
-(``check_reachable``, ``start``, ``scale_to``, ``submit``, ``close``); nothing above this module
+(``start``, ``scale_to``, ``submit``, ``close``); nothing above this module
 switches on the kind.
 """
 

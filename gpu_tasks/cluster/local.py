@@ -119,10 +119,6 @@ class ProfileCluster:
         return self.backend.dashboard_link if self.backend is not None else None
 
     # ------------------------------------------------------------ lifecycle
-    def check_reachable(self) -> None:
-        """Raise :class:`~gpu_tasks.errors.ClusterError` when this cluster's workers could not
-        report to the flow run's Prefect API (a local cluster's workers always can)."""
-
     def start(self, n_workers: int) -> None:
         """Start the cluster with ``n_workers`` workers and wait until they are up.
 

@@ -106,7 +106,7 @@ class ManagedCluster(RemoteCluster):
                 want if self.profile.gang else 1, t0 + self.provision_timeout, f"scaled to {want}"
             )
             self._check_resources(workers)
-            self._check_workers(workers)
+            self._check_api(self._check_workers(workers), every=True)  # once per start
         except BaseException:
             self.close("provisioning failed")
             self.shutdown()
@@ -148,7 +148,6 @@ class ManagedCluster(RemoteCluster):
             ) from exc
         self.manager = manager
         try:
-            self._check_api()
             from distributed import Client
 
             self.client = Client(manager, set_as_default=False, timeout=self.provision_timeout)

@@ -37,16 +37,18 @@ from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
 from gpu_tasks.policy import GPU_RESOURCE, task_resources
 from gpu_tasks.preemption import describe_waiter
-from gpu_tasks.prefect_api.api import loopback_api_error
+from gpu_tasks.prefect_api.api import api_headers, unreachable_api_error
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_spans, union_seconds
 from gpu_tasks.settings import get_settings
+from gpu_tasks.worker.api_probe import probe_api
 from gpu_tasks.worker.engine import interrupt_tasks
 
 logger = logging.getLogger("gpu_tasks.runner")
 
 _WAIT_LOG_EVERY = 30.0
 BOARD_STEP_S = 0.5  # how often an address GPU profile looks at the shared scheduler's waiter board
+API_PROBE_TIMEOUT_S = 5.0  # how long a worker's request to the flow run's Prefect API may take
 
 
 def security_for(profile: ResourceProfile) -> Any:
@@ -102,6 +104,7 @@ class RemoteCluster(ProfileCluster):
         self._busy_lock = threading.Lock()
         self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory)
         self._fit: list[RemoteWorker] = []  # the workers that can run this profile's tasks
+        self._no_api: dict[str, str] = {}  # workers that could not reach the Prefect API: why
         self._pending: dict[str, float] = {}  # keys submitted and not done: when
         self._futures: dict[str, Any] = {}  # their futures
         self._watch_stop = threading.Event()
@@ -159,7 +162,7 @@ class RemoteCluster(ProfileCluster):
     def _place(self, workers: dict[str, RemoteWorker]) -> None:
         """Send tasks only to the workers that fit, when some do not (gpu_model, gpu_memory, or
         a worker without gpu-tasks, which a task would break)."""
-        why = {a: w.why_not(self.profile) for a, w in workers.items()}
+        why = {a: w.why_not(self.profile) or self._no_api.get(a) for a, w in workers.items()}
         for address, reason in why.items():
             w = workers[address]
             if reason is not None and w.error and address not in self.remote:
@@ -438,12 +441,60 @@ class RemoteCluster(ProfileCluster):
             )
         return fit
 
-    def _check_api(self) -> None:
-        if self.api_url is None or not self.profile.uses_processes:
+    def _check_api(self, workers: list[RemoteWorker], every: bool = False) -> None:
+        """Ask ``workers`` whether they reach the flow run's Prefect API (once per start).
+
+        Those that cannot get no task (``_no_api``), with a warning; with none left, or with any
+        when ``every`` (a cluster class's workers are alike), raise ``ClusterError``.
+        """
+        failed = self._probe_api(workers)
+        self._no_api = failed
+        if not failed:
             return
-        why = loopback_api_error(self.profile.name, self.api_url, self.scheduler_address)
-        if why is not None:
+        assert self.api_url is not None
+        named = {f"{w.name} on {w.host}": failed[w.address] for w in workers if w.address in failed}
+        why = unreachable_api_error(self.profile.name, self.api_url, self.scheduler_address, named)
+        if every or len(failed) == len(workers):
             raise ClusterError(why)
+        logger.warning("%s; its tasks go to the other %d worker(s)", why, len(workers) - len(failed))
+
+    def _probe_api(self, workers: list[RemoteWorker]) -> dict[str, str]:
+        """{address: why not} for the ``workers`` that cannot reach the API: each one asks it for
+        this flow run (:func:`gpu_tasks.worker.api_probe.probe_api`), which a different server,
+        at the worker's own 127.0.0.1 say, cannot answer. Nothing when they cannot be asked."""
+        client, url = self.client, self.api_url
+        if url is None or client is None or not workers or not self.profile.uses_processes:
+            return {}
+        from prefect.context import FlowRunContext
+
+        ctx = FlowRunContext.get()
+        run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
+        headers, addresses = api_headers(), [w.address for w in workers]
+        try:
+            answers = _within(
+                2 * API_PROBE_TIMEOUT_S + 5,
+                lambda: client.run(
+                    probe_api, url, run_id, headers, API_PROBE_TIMEOUT_S, workers=addresses, on_error="return"
+                ),
+                f"Prefect API probe of profile {self.profile.name!r}",
+                hint=f"The workers of {self.scheduler_address} did not answer",
+            )
+        except Exception:
+            logger.warning(
+                "profile %r: could not ask the workers of %s whether they reach the Prefect API at %s",
+                self.profile.name,
+                self.scheduler_address,
+                url,
+                exc_info=True,
+            )
+            return {}
+        failed: dict[str, str] = {}
+        for address, answer in answers.items():
+            if isinstance(answer, BaseException):
+                failed[address] = f"the probe failed there: {type(answer).__name__}: {answer}"
+            elif answer is not None:
+                failed[address] = str(answer)
+        return failed
 
     def _known_workers(self) -> list[RemoteWorker]:
         """The workers this cluster's life has seen (for device models)."""

@@ -85,25 +85,35 @@ def for_workers(serialized: dict[str, Any], api_url: str) -> dict[str, Any]:
     return out
 
 
-def loopback_api_error(profile: str, api_url: str, scheduler: str) -> str | None:
-    """Why workers of ``scheduler`` cannot reach ``api_url``, or ``None`` when they can.
+def api_headers() -> dict[str, str]:
+    """The headers this process's Prefect client sends: its API key or auth string, if any."""
+    import base64
 
-    A Prefect API on a loopback address (``127.0.0.1``, ``localhost``) is reachable only
-    from this host; a scheduler on another address has workers elsewhere.
-    """
+    from prefect.settings import get_current_settings
+
+    settings = get_current_settings()
+    if settings.api.key:
+        return {"Authorization": f"Bearer {settings.api.key.get_secret_value()}"}
+    if settings.api.auth_string:
+        auth = base64.b64encode(settings.api.auth_string.get_secret_value().encode()).decode()
+        return {"Authorization": f"Basic {auth}"}
+    return {}
+
+
+def unreachable_api_error(profile: str, api_url: str, scheduler: str, failed: dict[str, str]) -> str:
+    """The message for workers of ``scheduler`` that could not reach ``api_url``: ``failed`` maps
+    each worker (its name or address) to what went wrong there."""
     from urllib.parse import urlsplit
 
-    api_host = urlsplit(api_url).hostname or ""
-    if not _is_loopback(api_host):
-        return None
-    sched_host = urlsplit(scheduler if "://" in scheduler else f"tcp://{scheduler}").hostname or ""
-    if _is_loopback(sched_host):
-        return None  # scheduler and workers on this host, as in a test or a workstation
+    which = "; ".join(f"{w}: {why}" for w, why in sorted(failed.items()))
+    local = _is_loopback(urlsplit(api_url).hostname or "")
     return (
-        f"profile {profile!r} runs tasks on workers of {scheduler}, which report to this flow run's Prefect "
-        f"API at {api_url}, but that address is reachable only from this host. Expose the API on an "
-        "address the workers can reach: start the server with `prefect server start --host 0.0.0.0` (or "
-        "behind a proxy) and set PREFECT_API_URL=http://<this host's name>:4200/api, or use Prefect Cloud"
+        f"profile {profile!r}: {len(failed)} worker(s) of {scheduler} cannot reach this flow run's Prefect "
+        f"API at {api_url} ({which})"
+        + (", an address each worker takes for its own host" if local else "")
+        + ". Their tasks could not report to it. Expose the API on an address the workers can reach "
+        "(`prefect server start --host 0.0.0.0`, or behind a proxy) and set PREFECT_API_URL to it, "
+        "e.g. http://<this host's name>:4200/api, or use Prefect Cloud"
     )
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import contextvars
 import logging
 import threading
+import time
 from functools import partial
 from typing import Any
 
 from gpu_tasks.allocation import Allocation
+from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import desired_workers, task_resources
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.states import fail_task_run
@@ -169,7 +171,12 @@ class Dispatcher:
         cluster = st.cluster
         want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit)
         if not cluster.running:
-            cluster.start(want)
+            try:
+                cluster.start(want)
+            except Exception as exc:
+                st.start_failed = (time.monotonic(), exc)
+                raise
+            st.start_failed = None
             cluster.usage.waited(devices=cluster.startup.get("wait_devices_s", 0.0))
             st.ever_provisioned = True
             self.live.emit(
@@ -203,6 +210,12 @@ class Dispatcher:
         with st.lock:
             if live.stop.is_set():
                 raise RuntimeError("the task runner is shutting down")
+            failed = st.start_failed
+            if failed is not None and not prof.is_local and failed[0] >= job.submitted_at:
+                raise ClusterError(
+                    f"{failed[1]} (the start failed {time.monotonic() - failed[0]:.1f}s ago, after this "
+                    "task was submitted: it fails with it instead of trying again)"
+                ) from failed[1]
             self._provision(st)
             live.running(job)
             st.cluster.usage.waited(slots=job.slot_wait())  # counted once, not again on a re-run

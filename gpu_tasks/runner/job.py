@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prefect.futures import PrefectFuture
@@ -43,6 +43,9 @@ class ProfileState:
         self.cache_hits = 0  # tasks whose result Prefect had cached: run in the flow process, no device
         self.idle_since: float | None = None
         self.ever_provisioned = False
+        # when its cluster last failed to start, and why: a remote profile's tasks submitted before
+        # then fail with it at once instead of trying again (gpu_tasks.runner.dispatch)
+        self.start_failed: tuple[float, Exception] | None = None
         # GPU profiles dispatch on a thread of their own: waiting for devices another
         # profile holds must block neither the flow nor other profiles' dispatch.
         self.dispatcher: concurrent.futures.ThreadPoolExecutor | None = (
@@ -121,6 +124,7 @@ class Job:
     key: str = ""  # the Dask key of its current hand-off
     preemptions: int = 0  # times it was stopped for a higher-priority waiter (no retry used)
     quota_lease: Any = None  # an address profile's quota slots while its task is handed off
+    submitted_at: float = field(default_factory=time.monotonic)
 
     @property
     def profile(self) -> ResourceProfile:

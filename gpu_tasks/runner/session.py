@@ -155,7 +155,6 @@ class Live:
                     api_url=self.context.api_url,
                     on_board=partial(self._on_board, prof.name),
                 )
-                cluster.check_reachable()  # at submit: workers elsewhere need the API
                 st = self.states[prof.name] = ProfileState(cluster, timeout)
             return st
 
