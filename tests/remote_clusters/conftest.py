@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from remote_clusters.hosts import Hosts, make_tls_files, start_hosts
+from remote_clusters.netns import NetHosts, start_net_hosts, unavailable
 
 # what each stand-in host says it has: two H100s, one of them visible to its worker
 HOST_GPUS = "H100:80GiB,H100:80GiB"
@@ -49,3 +50,17 @@ def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def tls_hosts(tmp_path_factory: pytest.TempPathFactory, tls_files: dict[str, str]) -> Iterator[Hosts]:
     """Two stand-in GPU hosts on a tls:// scheduler that requires those certificates."""
     yield from _hosts(tmp_path_factory.mktemp("tls-hosts"), tls_files)
+
+
+@pytest.fixture(scope="module")
+def net_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetHosts]:
+    """Hosts in network namespaces (infra/netns): a scheduler host, two GPU hosts and the flow's
+    host with its Prefect API. Skipped, with the reason, where root and ``ip netns`` are missing."""
+    why = unavailable()
+    if why is not None:
+        pytest.skip(why)
+    hosts = start_net_hosts(tmp_path_factory.mktemp("net-hosts"))
+    try:
+        yield hosts
+    finally:
+        hosts.stop()
