@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,27 @@ def test_a_scheduler_that_cannot_be_reached_fails_the_profile_in_seconds(
     assert "__main__" not in errors[0]  # no advice about worker processes: none is started
     assert sum("fails with it instead of trying again" in e for e in errors) == 2, errors  # the queued two
     assert result["tasks_s"] < 20, result  # not 120 s, nor 120 s per queued task
+
+
+def test_a_gpu_hosts_link_cut_mid_task_crashes_it_and_the_retry_completes_on_the_other(
+    net_hosts: NetHosts, tmp_path: Path
+):
+    """Last in this module: the cut host stays cut off until the module's hosts are torn down."""
+    marker, out = tmp_path / "running-on", tmp_path / "cut.json"
+    proc = _flow(net_hosts, "cut_script.py", [net_hosts.address, str(marker), str(out)])
+    deadline = time.monotonic() + 120
+    while not marker.exists() or not marker.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    time.sleep(1.0)
+    host = marker.read_text().removeprefix("gtn-")  # the GPU host its first attempt runs on
+    subprocess.run(["ip", "-n", f"gtn-{host}", "link", "set", "eth0", "down"], check=True)
+    cut_at = time.time()
+    _finish(proc, timeout=240)
+    result = json.loads(out.read_text())
+    done = result["result"]
+    print(f"link of {host} cut: the retry completed on {done['host']} {done['end'] - cut_at:.1f} s later")
+    assert result["result"]["host"] != f"gtn-{host}"
+    assert result["state"] == "COMPLETED" and result["run_count"] == 2, result
+    assert "CRASHED" in result["states"], result["states"]
+    assert result["running"] == [], result

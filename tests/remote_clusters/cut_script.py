@@ -1,0 +1,55 @@
+"""``python cut_script.py ADDRESS MARKER OUT``: one task with a retry on an address profile. Its
+first attempt writes its host's name to MARKER and sleeps (its link is cut meanwhile); a later
+attempt returns at once. Its outcome, states and the flow run's task runs still running go to OUT."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+
+def main(address: str, marker: str, out: str) -> None:
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
+
+    net = ResourceProfile(name="net", gpus=1, address=address)
+
+    @task(tags=["profile:net"], retries=1)
+    def cut_off() -> dict:
+        host = current_allocation().host
+        first = Path(marker + ".first")
+        if not first.exists():
+            first.write_text("")
+            Path(marker).write_text(host)
+            time.sleep(120)
+        return {"host": host, "end": time.time()}
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[net]))
+    def cut() -> dict:
+        from prefect.runtime import flow_run
+
+        future = cut_off.submit()
+        ids = {"flow_run_id": str(flow_run.id), "task_run_id": str(future.task_run_id)}
+        return {**ids, "result": future.result()}
+
+    result = cut()
+    with get_client(sync_client=True) as client:
+        run = client.read_task_run(result["task_run_id"])
+        result["state"] = run.state_type.value if run.state_type else None
+        result["run_count"] = run.run_count
+        result["states"] = [s.type.value for s in client.read_task_run_states(run.id)]
+        runs = client.read_task_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result["flow_run_id"]]))
+        )
+        result["running"] = [str(r.id) for r in runs if r.state_type and r.state_type.value == "RUNNING"]
+    with open(out, "w") as fh:
+        json.dump(result, fh)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3])
