@@ -30,6 +30,7 @@ from gpu_tasks.cli.common import (
     source_line,
     waiters_table,
 )
+from gpu_tasks.devices import lease_files
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ProfileError, UnknownProfileError
 from gpu_tasks.policy import (
@@ -53,6 +54,8 @@ def devices(
 
     for problem in local_problems():  # nothing here needs Prefect: list the devices all the same
         err_console.print(Text(f"warning: gpu-tasks run would stop at once here: {problem}"), soft_wrap=True)
+    if (unsafe := lease_files.problem(settings.lease_dir)) is not None:
+        err_console.print(Text(f"warning: flow runs would fail here: {unsafe}"), soft_wrap=True)
     inventory = load_inventory(settings)
     held = lease_holders(inventory, settings)
     queued = lease_waiters(settings)
