@@ -1,0 +1,405 @@
+"""Several Unix users on one host: two real users lease emulated devices (docs/shared-hosts.md).
+
+The test process (root) makes a group and two users (``gtu-`` and a random suffix; leftovers of
+that prefix are removed first, and everything is removed at the end) and runs small programs as
+each user with ``setpriv``. It proves, in a shared lease directory made by ``gpu-tasks leases
+setup``, that user B never leases the device user A holds, gets it once A lets go (or is
+SIGKILLed), and can neither delete, rename, rewrite nor replace A's files; and, with the per-user
+default, that B's run leaves A's device alone, says whose it is, and ``gpu-tasks devices`` shows it.
+
+The users need an interpreter they may run: this one, or (when it lies under a directory they
+cannot enter, as /root/.pyenv under /root 0700 does) a system ``python3.X`` of the same version
+with this environment's site-packages on ``PYTHONPATH``. Skipped, with the reason, when not root,
+without ``useradd``/``setpriv``, or when neither interpreter can import gpu-tasks as another user.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import gpu_tasks
+from gpu_tasks.devices import lease_files, leases
+
+CODE = Path(gpu_tasks.__file__).resolve().parent.parent  # the code under test
+PREFIX = "gtu-"
+
+HOLD = textwrap.dedent(
+    """
+    import json, logging, os, sys, time
+    from pathlib import Path
+    from gpu_tasks.devices.book import DeviceBook
+    from gpu_tasks.devices.discovery import Device
+
+    cfg = json.loads(sys.argv[1])
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(name)s: %(message)s")
+    devices = {a: Device(address=a, index=int(a), name="EMU") for a in ("0", "1")}
+    book = DeviceBook(lease_dir=cfg.get("lease_dir"), lease_timeout=30, log_every=0.2)
+    out = {"pid": os.getpid(), "uid": os.getuid()}
+    if cfg.get("probe"):  # any free device of the two, without waiting
+        got = book.acquire("probe", [(devices["0"],), (devices["1"],)], 1, block=False)
+        out["probe"] = [["0", "1"][i] for i in got]
+        book.release("probe", out["probe"])
+    out["asked"] = time.time()
+    book.acquire(cfg["profile"], [(devices[cfg["device"]],)], 1, block=True)
+    out["start"] = time.time()
+    Path(cfg["ready"]).write_text(json.dumps(out))
+    deadline = time.monotonic() + cfg.get("hold", 20)
+    while not Path(cfg["release"]).exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    out["end"] = time.time()  # held until at least now
+    book.release(cfg["profile"], [cfg["device"]])
+    print(json.dumps(out))
+    """
+)
+
+ATTACK = textwrap.dedent(
+    """
+    import errno, fcntl, json, os, sys
+    from pathlib import Path
+
+    shared, victim_uid = Path(sys.argv[1]), int(sys.argv[2])
+    lock, info = shared / "device-0.lock", shared / f"holder-0.{victim_uid}.json"
+    mine = shared / f"mine-{os.getpid()}"
+    mine.write_text("{}")
+
+    def attempt(fn):
+        try:
+            fn()
+        except OSError as exc:
+            return errno.errorcode[exc.errno]
+        return "done"
+
+    def steal():
+        fd = os.open(lock, os.O_RDONLY)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+    out = {}
+    for name, path in (("lock", lock), ("info", info)):
+        out[name] = {
+            "unlink": attempt(lambda: os.unlink(path)),
+            "rename": attempt(lambda: os.rename(path, shared / "moved")),
+            "rewrite": attempt(lambda: os.open(path, os.O_WRONLY)),
+            "chmod": attempt(lambda: os.chmod(path, 0o666)),
+            "replace": attempt(lambda: os.rename(mine, path)),
+        }
+    out["lock"]["steal"] = attempt(steal)
+    os.unlink(mine)
+    os.symlink(shared / "device-0.lock", shared / "device-7.lock")  # planted for the next user of device 7
+    # a waiter that dies without leaving the queue: its file stays, and nobody else may delete it
+    from gpu_tasks.devices import leases
+    waiter = leases.enqueue(["1"], leases.owner_info("dead"), lease_dir=shared)
+    out["waiter"] = waiter.name
+    print(json.dumps(out))
+    sys.stdout.flush()
+    os._exit(0)
+    """
+)
+
+
+def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, check=False, env=env)
+
+
+def _remove_leftovers() -> None:
+    for db, remove in (("passwd", "userdel"), ("group", "groupdel")):
+        for line in _run(["getent", db]).stdout.splitlines():
+            name = line.split(":", 1)[0]
+            if name.startswith(PREFIX):
+                _run([remove, name])
+    for path in Path("/tmp").glob(f"{PREFIX}*"):
+        if path.is_dir() and not path.is_symlink() and path.stat().st_uid == 0:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+class Host:
+    """Two users of one group, an area they can reach, and how to run Python as them."""
+
+    def __init__(self, suffix: str) -> None:
+        self.group, self.a, self.b = f"{PREFIX}g{suffix}", f"{PREFIX}a{suffix}", f"{PREFIX}b{suffix}"
+        self.area = Path(f"/tmp/{PREFIX}{suffix}")
+        self.procs: list[subprocess.Popen[str]] = []
+        self.python, self.path = sys.executable, str(CODE)
+
+    def uid(self, user: str) -> int:
+        import pwd
+
+        return pwd.getpwnam(user).pw_uid
+
+    def env(self, user: str, **extra: str) -> dict[str, str]:
+        home = self.area / f"home-{user}"
+        return {
+            "PATH": "/usr/local/bin:/usr/bin:/bin",
+            "PYTHONPATH": self.path,
+            "HOME": str(home),
+            "PREFECT_HOME": str(home / ".prefect"),
+            "TMPDIR": str(self.area / "tmp"),  # the per-user default lease dirs and presence dir are here
+            "GPU_TASKS_EMULATED_GPUS": "2",
+            "NO_COLOR": "1",
+            "COLUMNS": "250",
+            "LANG": "C.UTF-8",
+            **extra,
+        }
+
+    def command(self, user: str, *args: str) -> list[str]:
+        return ["setpriv", f"--reuid={self.uid(user)}", f"--regid={self.group}", "--init-groups", "--", *args]
+
+    def python_as(self, user: str, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+        proc = subprocess.Popen(
+            self.command(user, self.python, *args),
+            env=env or self.env(user),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def hold(self, user: str, name: str, device: str, env: dict[str, str], **cfg: object) -> tuple:
+        """``user`` leases ``device`` (profile ``name``) and holds it until :meth:`let_go`."""
+        files = {k: self.area / "out" / f"{name}.{k}" for k in ("ready", "release", "log")}
+        for f in files.values():
+            f.unlink(missing_ok=True)
+        config = dict(
+            cfg, profile=name, device=device, ready=str(files["ready"]), release=str(files["release"])
+        )
+        log = open(files["log"], "w")  # the child writes it while the test reads it
+        proc = subprocess.Popen(
+            self.command(user, self.python, str(self.area / "hold.py"), json.dumps(config)),
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+        )
+        log.close()
+        self.procs.append(proc)
+        return proc, files
+
+    def stop_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+
+
+def _until(check, what: str, proc: subprocess.Popen[str] | None = None, seconds: float = 20) -> None:
+    deadline = time.monotonic() + seconds
+    while not check():
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the program ended early: {proc.communicate()}")
+        assert time.monotonic() < deadline, f"{what}: not within {seconds}s"
+        time.sleep(0.05)
+
+
+def _waits(files: dict[str, Path], proc: subprocess.Popen[str]) -> None:
+    """Until the program says it waits for a device another process leases."""
+    _until(
+        lambda: "waiting for devices leased by other processes" in files["log"].read_text(), "B waits", proc
+    )
+
+
+def _finish(proc: subprocess.Popen[str], files: dict[str, Path]) -> dict:
+    out, _ = proc.communicate(timeout=30)
+    log = files["log"].read_text()
+    assert proc.returncode == 0, log
+    return dict(json.loads(out), log=log)
+
+
+def _try_interpreters(host: Host) -> str | None:
+    """Pick an interpreter user A can run gpu-tasks with; the reason when there is none."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = sysconfig.get_paths()["purelib"]
+    tries = [(sys.executable, str(CODE))]
+    system = shutil.which(version, path="/usr/local/bin:/usr/bin:/bin")
+    if system:
+        tries.append((system, f"{CODE}:{site}"))
+    why = []
+    for python, path in tries:
+        host.python, host.path = python, path
+        proc = host.python_as(host.a, "-c", "import gpu_tasks.devices.book, gpu_tasks.cli")
+        _, err = proc.communicate(timeout=60)
+        if proc.returncode == 0:
+            return None
+        why.append(f"{python}: {(err.strip().splitlines() or ['?'])[-1]}")
+    return "no interpreter with gpu-tasks that another user may run: " + "; ".join(why)
+
+
+@pytest.fixture(scope="module")
+def host():
+    if os.geteuid() != 0:
+        pytest.skip("needs root: it creates two Unix users")
+    missing = [c for c in ("useradd", "userdel", "groupadd", "groupdel", "setpriv") if not shutil.which(c)]
+    if missing:
+        pytest.skip(f"needs {', '.join(missing)} to run programs as two Unix users")
+    _remove_leftovers()
+    suffix = secrets.token_hex(3)
+    h = Host(suffix)
+    try:
+        made = _run(["groupadd", h.group])
+        assert made.returncode == 0, made.stderr
+        for user in (h.a, h.b):
+            made = _run(
+                ["useradd", "--no-create-home", "--no-user-group", "-g", h.group, "-s", "/bin/sh", user]
+            )
+            assert made.returncode == 0, made.stderr
+        h.area.mkdir(mode=0o755)
+        os.chmod(h.area, 0o755)
+        for sub, mode in (("tmp", 0o1777), ("out", 0o1777)):
+            (h.area / sub).mkdir()
+            os.chmod(h.area / sub, mode)
+        for user in (h.a, h.b):
+            home = h.area / f"home-{user}"
+            home.mkdir(mode=0o700)
+            os.chown(home, h.uid(user), -1)
+        for name, text in (("hold.py", HOLD), ("attack.py", ATTACK)):
+            (h.area / name).write_text(text)
+            os.chmod(h.area / name, 0o644)
+        reason = _try_interpreters(h)
+        if reason:
+            pytest.skip(reason)
+        # the admin's set-up, as documented: a shared directory and a root-owned presence directory
+        setup = _run(
+            [
+                sys.executable,
+                "-m",
+                "gpu_tasks.cli",
+                "leases",
+                "setup",
+                str(h.area / "shared"),
+                "--group",
+                h.group,
+            ],
+            env={
+                **os.environ,
+                "GPU_TASKS_EMULATED_GPUS": "2",
+                "GPU_TASKS_PRESENCE_DIR": str(h.area / "presence"),
+            },
+        )
+        assert setup.returncode == 0, setup.stderr
+        yield h
+    finally:
+        h.stop_all()
+        for user in (h.a, h.b):
+            _run(["userdel", user])
+        _run(["groupdel", h.group])
+        shutil.rmtree(h.area, ignore_errors=True)
+
+
+def _shared_env(host: Host, user: str) -> dict[str, str]:
+    return host.env(
+        user,
+        GPU_TASKS_LEASE_DIR=str(host.area / "shared"),
+        GPU_TASKS_PRESENCE_DIR=str(host.area / "presence"),
+    )
+
+
+def test_setup_makes_a_shared_directory(host):
+    shared = host.area / "shared"
+    for path in (shared, shared / "queue"):
+        st = path.stat()
+        assert (st.st_uid, oct(st.st_mode & 0o7777)) == (0, "0o3770"), path
+    for address in ("0", "1"):
+        st = (shared / f"device-{address}.lock").stat()
+        assert (st.st_uid, oct(st.st_mode & 0o7777)) == (0, "0o444")
+    st = (host.area / "presence").stat()
+    assert (st.st_uid, oct(st.st_mode & 0o7777)) == (0, "0o1777")
+
+
+def test_shared_directory_one_device_one_user_at_a_time(host, monkeypatch):
+    a, files_a = host.hold(host.a, "a-run", "0", _shared_env(host, host.a))
+    _until(files_a["ready"].exists, "user A leases device 0", a)
+    b, files_b = host.hold(host.b, "b-run", "0", _shared_env(host, host.b))
+    _waits(files_b, b)
+    assert not files_b["ready"].exists(), "user B leased the device user A holds"
+    monkeypatch.setenv("GPU_TASKS_PRESENCE_DIR", str(host.area / "presence"))
+    info = leases.holders(host.area / "shared", ["0"])["0"]
+    assert info["user"] == host.a and info["uid"] == host.uid(host.a) and info["pid"] == a.pid
+    files_a["release"].touch()
+    got_a, got_b = _finish(a, files_a), _finish(b, files_b)
+    assert got_b["start"] >= got_a["end"], (got_a, got_b)
+    assert f"pid {a.pid}, user {host.a}" in got_b["log"], got_b["log"]
+    assert leases.holders(host.area / "shared", ["0", "1"]) == {"0": None, "1": None}
+
+
+def test_no_user_can_delete_rewrite_or_replace_another_users_files(host, monkeypatch):
+    shared = host.area / "shared"
+    a, files_a = host.hold(host.a, "a-run", "0", _shared_env(host, host.a))
+    try:
+        _until(files_a["ready"].exists, "user A leases device 0", a)
+        attack = host.python_as(host.b, str(host.area / "attack.py"), str(shared), str(host.uid(host.a)))
+        out, err = attack.communicate(timeout=60)
+        assert attack.returncode == 0, err
+        tried = json.loads(out)
+        refused = {"EPERM", "EACCES"}
+        for name in ("lock", "info"):
+            for how in ("unlink", "rename", "rewrite", "chmod", "replace"):
+                assert tried[name][how] in refused, (name, how, tried)
+        assert tried["lock"]["steal"] == errno.errorcode[errno.EWOULDBLOCK]
+        assert leases.holders(shared, ["0"])["0"]["pid"] == a.pid, "A still holds device 0, named as before"
+    finally:
+        files_a["release"].touch()
+        _finish(a, files_a)
+    # the symlink B planted as device 7's lock file is refused, naming it
+    monkeypatch.setenv("GPU_TASKS_PRESENCE_DIR", str(host.area / "presence"))
+    with pytest.raises(lease_files.LeaseFileError, match=r"device-7\.lock' is a symbolic link"):
+        leases.take(["7"], leases.owner_info("victim"), shared)
+    # B's waiter died without leaving the queue: A skips its file (it may not delete it), no error
+    waiter = shared / "queue" / tried["waiter"]
+    assert waiter.exists() and oct(waiter.stat().st_mode & 0o777) == "0o644"
+    check = host.python_as(
+        host.a, "-c", f"from gpu_tasks.devices import leases; print(len(leases.waiters({str(shared)!r})))"
+    )
+    out, err = check.communicate(timeout=60)
+    assert (check.returncode, out.strip()) == (0, "0"), err
+    assert waiter.exists(), "only its owner (or root) may delete it"
+
+
+def test_per_user_default_leaves_another_users_device_alone(host):
+    env_a, env_b = host.env(host.a), host.env(host.b)  # GPU_TASKS_LEASE_DIR unset: per-user directories
+    a, files_a = host.hold(host.a, "a-run", "0", env_a)
+    _until(files_a["ready"].exists, "user A leases device 0", a)
+    devices = host.python_as(host.b, "-m", "gpu_tasks.cli", "devices", "--json", env=env_b)
+    table = host.python_as(host.b, "-m", "gpu_tasks.cli", "devices", env=env_b)
+    b, files_b = host.hold(host.b, "b-run", "0", env_b, probe=True)
+    _waits(files_b, b)
+    out, err = devices.communicate(timeout=60)
+    assert devices.returncode == 0, err
+    held = {d["address"]: d["held_by"] for d in json.loads(out)["devices"]}
+    assert held["0"]["user"] == host.a and held["0"]["pid"] == a.pid and held["0"]["elsewhere"] is True
+    text, err = table.communicate(timeout=60)
+    assert f"user {host.a}" in text and "does not share" in text, text
+    assert not files_b["ready"].exists(), "user B leased the device user A holds"
+    files_a["release"].touch()
+    got_a, got_b = _finish(a, files_a), _finish(b, files_b)
+    assert got_b["probe"] == ["1"], "B took the free device, not A's"
+    assert got_b["start"] >= got_a["end"], (got_a, got_b)
+    log = got_b["log"]
+    assert f"device 0 is leased by user {host.a}'s gpu-tasks flow run (pid {a.pid}" in log, log
+    assert f"pid {a.pid}, user {host.a}, in a lease directory this user does not share" in log, log
+    assert "docs/shared-hosts.md" in log
+
+
+def test_sigkilled_holder_frees_the_device_for_the_other_user_at_once(host):
+    a, files_a = host.hold(host.a, "a-run", "1", _shared_env(host, host.a))
+    _until(files_a["ready"].exists, "user A leases device 1", a)
+    b, files_b = host.hold(host.b, "b-run", "1", _shared_env(host, host.b))
+    _waits(files_b, b)
+    killed = time.time()
+    os.kill(a.pid, signal.SIGKILL)
+    _until(files_b["ready"].exists, "user B leases device 1 after A was killed", b, seconds=5)
+    got_b = json.loads(files_b["ready"].read_text())
+    files_b["release"].touch()
+    _finish(b, files_b)
+    assert got_b["start"] - killed < 2.0, got_b["start"] - killed
