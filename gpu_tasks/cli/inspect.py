@@ -30,7 +30,7 @@ from gpu_tasks.cli.common import (
     source_line,
     waiters_table,
 )
-from gpu_tasks.devices import lease_files
+from gpu_tasks.devices import lease_files, presence
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ProfileError, UnknownProfileError
 from gpu_tasks.policy import (
@@ -99,6 +99,12 @@ def devices(
         say("No devices.")
     if queued:
         console.print(waiters_table(queued))
+    if any(info and info.get("elsewhere") for info in held.values()):
+        say(
+            "Devices held by other users' flow runs, in lease directories this user does not share: flow "
+            f"runs of this user leave them alone; {presence.HINT}.",
+            style="yellow",
+        )
     say(source_line(inventory))
 
 

@@ -371,9 +371,14 @@ def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
     return presence.elsewhere(lease_dir, [address]).get(address)
 
 
-def describe(info: dict[str, Any] | None, with_id: bool = True, priority: bool = True) -> str:
+def describe(
+    info: dict[str, Any] | None, with_id: bool = True, priority: bool = True, hint: bool = True
+) -> str:
     """``profile 'p' (priority 5, preemptible), flow run 'x' (id ...), pid 12`` for a holder's info;
-    ``free`` for ``None``. The priority shows when the info has one and ``priority`` is true."""
+    ``free`` for ``None``. The priority shows when the info has one and ``priority`` is true.
+
+    Another user's holder adds ``user alice``; one in a lease directory this user does not share
+    adds that, and (with ``hint``) how users share devices."""
     if info is None:
         return "free"
     parts = []
@@ -391,7 +396,8 @@ def describe(info: dict[str, Any] | None, with_id: bool = True, priority: bool =
     if info.get("user") and info.get("uid", os.getuid()) != os.getuid():
         parts.append(f"user {info['user']}")
     if info.get("elsewhere"):
-        parts.append(f"in a lease directory this user does not share ({presence.HINT})")
+        why = f" ({presence.HINT})" if hint else ""
+        parts.append(f"in a lease directory this user does not share{why}")
     return ", ".join(parts)
 
 
