@@ -170,6 +170,13 @@ def open_lock(path: Path, shared: bool) -> int:
 def _open_error(path: Path, exc: OSError, shared: bool) -> OSError:
     try:
         st = os.lstat(path)
+    except PermissionError:  # the directory itself is closed to this user
+        where = os.stat(path.parent)
+        me, group = user_name(os.getuid()), _group_name(where.st_gid)
+        return LeaseFileError(
+            f"user {me} may not use lease directory {str(path.parent)!r} ({_who(where)}). Fix: add {me} to "
+            f"group {group} (sudo usermod -aG {group} {me}, then log in again); {_DOCS}"
+        )
     except OSError:
         return exc
     if stat.S_ISLNK(st.st_mode):
