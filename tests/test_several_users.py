@@ -410,3 +410,106 @@ def test_sigkilled_holder_frees_the_device_for_the_other_user_at_once(host):
     files_b["release"].touch()
     _finish(b, files_b)
     assert got_b["start"] - killed < 2.0, got_b["start"] - killed
+
+
+# ------------------------------------------------------------------ one user, no accounts needed
+def test_a_shared_directory_without_the_sticky_bit_is_refused(tmp_path):
+    from gpu_tasks import ClusterError
+    from gpu_tasks.devices.book import DeviceBook
+    from gpu_tasks.devices.discovery import Device
+
+    shared = tmp_path / "leases"
+    shared.mkdir()
+    os.chmod(shared, 0o2770)
+    with pytest.raises(
+        lease_files.LeaseFileError, match=r"writable by other users but not sticky.*chmod \+t"
+    ):
+        leases.take(["0"], leases.owner_info("p"), shared)
+    book = DeviceBook(lease_dir=shared, lease_timeout=0)
+    with pytest.raises(ClusterError, match="gpu-tasks leases setup") as failed:
+        book.acquire("p", [(Device(address="0", index=0, name="EMU"),)], 1, block=False)
+    assert "a directory this user can write" not in str(failed.value), "one fix, the right one"
+
+
+def test_a_sticky_world_writable_directory_gets_explicit_modes(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_PRESENCE_DIR", str(tmp_path / "presence"))
+    shared = tmp_path / "leases"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    umask = os.umask(0o077)  # the modes are gpu-tasks' own, not the umask's
+    try:
+        lease = leases.take(["0"], leases.owner_info("p"), shared)
+        waiter = leases.enqueue(["1"], leases.owner_info("q"), lease_dir=shared)
+    finally:
+        os.umask(umask)
+    try:
+        mode = {
+            p.name: oct(p.stat().st_mode & 0o7777) for p in (*shared.iterdir(), *(shared / "queue").iterdir())
+        }
+        assert mode == {
+            "device-0.lock": "0o444",
+            f"holder-0.{os.getuid()}.json": "0o644",
+            "queue": "0o1777",
+            waiter.name: "0o644",
+        }
+        assert leases.holders(shared)["0"]["pid"] == os.getpid()
+        assert [w["profile"] for w in leases.waiters(shared)] == ["q"]
+    finally:
+        leases.dequeue(waiter)
+        leases.release(lease)
+    assert leases.holders(shared) == {"0": None}, "the holder-info file left behind is stale: unlocked"
+
+
+def test_a_symlink_in_place_of_a_lock_file_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_PRESENCE_DIR", str(tmp_path / "presence"))
+    mine = tmp_path / "leases"
+    mine.mkdir(mode=0o700)
+    (mine / "device-0.lock").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(lease_files.LeaseFileError, match=r"device-0\.lock' is a symbolic link"):
+        leases.take(["0"], leases.owner_info("p"), mine)
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def test_one_users_runs_in_two_lease_directories_stay_apart_as_before(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_PRESENCE_DIR", str(tmp_path / "presence"))
+    one = leases.take(["0"], leases.owner_info("a"), tmp_path / "one")
+    two = leases.take(["0"], leases.owner_info("b"), tmp_path / "two")
+    try:
+        assert one is not None and two is not None
+        assert len(list((tmp_path / "presence").iterdir())) == 2
+    finally:
+        leases.release(one)
+        leases.release(two)
+    assert list((tmp_path / "presence").iterdir()) == [], "presence files go with their leases"
+
+
+def test_a_device_another_user_holds_elsewhere_is_not_leased(tmp_path, monkeypatch):
+    """Another user's presence file, made here by root (chown) and locked by this process."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to make a file of another uid")
+    import fcntl
+
+    from gpu_tasks.devices import presence
+
+    monkeypatch.setenv("GPU_TASKS_PRESENCE_DIR", str(tmp_path / "presence"))
+    where = presence.directory()
+    assert where is not None and oct(where.stat().st_mode & 0o7777) == "0o1777"
+    other = 4242424  # no such user: named by its number
+    theirs = where / f"device-0.{other}.{presence.key(tmp_path / 'theirs')}.lock"
+    theirs.write_text(json.dumps({"pid": 4242, "profile": "train", "flow_run_name": "crimson-owl"}))
+    os.chown(theirs, other, -1)
+    fd = os.open(theirs, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        assert leases.take(["0"], leases.owner_info("p"), tmp_path / "mine") is None
+        info = leases.holders(tmp_path / "mine", ["0"])["0"]
+        assert (info["user"], info["uid"], info["elsewhere"], info["pid"]) == (str(other), other, True, 4242)
+        assert "user 4242424, in a lease directory this user does not share" in leases.describe(info)
+        lease = leases.take(["1"], leases.owner_info("p"), tmp_path / "mine")
+        assert lease is not None, "another device is free"
+        leases.release(lease)
+    finally:
+        os.close(fd)
+    lease = leases.take(["0"], leases.owner_info("p"), tmp_path / "mine")
+    assert lease is not None, "free once the other user's run let go"
+    leases.release(lease)
