@@ -42,9 +42,12 @@ def directory(path: Path | None = None) -> Path | None:
     """The presence directory (``GPU_TASKS_PRESENCE_DIR``), made 1777 when missing; ``None`` (warned
     once) when it is not a sticky, world-writable directory."""
     if path is None:
-        from gpu_tasks.settings import get_settings
+        from gpu_tasks.settings import default_presence_dir, get_settings
 
-        path = get_settings().presence_dir
+        try:
+            path = get_settings().presence_dir
+        except ValueError:  # a bad GPU_TASKS_* value: reported where settings are read for it
+            path = default_presence_dir()
     path = Path(path)
     try:
         with contextlib.suppress(FileExistsError):
