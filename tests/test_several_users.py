@@ -104,6 +104,11 @@ ATTACK = textwrap.dedent(
     from gpu_tasks.devices import leases
     waiter = leases.enqueue(["1"], leases.owner_info("dead"), lease_dir=shared)
     out["waiter"] = waiter.name
+    # a lock file of another user's own (per-user) directory: named, with its owner, mode and the fix
+    try:
+        leases.take(["0"], leases.owner_info("b"), sys.argv[3])
+    except OSError as exc:
+        out["foreign_lock"] = str(exc)
     print(json.dumps(out))
     sys.stdout.flush()
     os._exit(0)
@@ -341,7 +346,15 @@ def test_no_user_can_delete_rewrite_or_replace_another_users_files(host, monkeyp
     a, files_a = host.hold(host.a, "a-run", "0", _shared_env(host, host.a))
     try:
         _until(files_a["ready"].exists, "user A leases device 0", a)
-        attack = host.python_as(host.b, str(host.area / "attack.py"), str(shared), str(host.uid(host.a)))
+        private = host.area / "out" / "a-private"  # user A's own lease directory, 0755, its lock file 0644
+        private.mkdir(mode=0o755, exist_ok=True)
+        (private / "device-0.lock").write_text("{}")
+        for path, mode in ((private, 0o755), (private / "device-0.lock", 0o644)):
+            shutil.chown(path, host.a, host.group)
+            os.chmod(path, mode)
+        attack = host.python_as(
+            host.b, str(host.area / "attack.py"), str(shared), str(host.uid(host.a)), str(private)
+        )
         out, err = attack.communicate(timeout=60)
         assert attack.returncode == 0, err
         tried = json.loads(out)
@@ -350,6 +363,9 @@ def test_no_user_can_delete_rewrite_or_replace_another_users_files(host, monkeyp
             for how in ("unlink", "rename", "rewrite", "chmod", "replace"):
                 assert tried[name][how] in refused, (name, how, tried)
         assert tried["lock"]["steal"] == errno.errorcode[errno.EWOULDBLOCK]
+        named = f"device-0.lock' (owner {host.a}, group {host.group}, mode 0644): user {host.b} may not write"
+        assert named in tried.get("foreign_lock", ""), tried
+        assert "unset GPU_TASKS_LEASE_DIR" in tried["foreign_lock"]
         assert leases.holders(shared, ["0"])["0"]["pid"] == a.pid, "A still holds device 0, named as before"
     finally:
         files_a["release"].touch()
