@@ -153,9 +153,11 @@ def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = No
     lease_dir = _lease_dir(lease_dir)
     shared = lease_files.prepare(lease_dir)
     info = dict(owner_info, since=time.time())
+    wanted = list(dict.fromkeys(addresses))
+    if _held_elsewhere(lease_dir, wanted):  # a first look, so that a waiter does not lock in vain
+        return None
     lease = Lease(lease_dir, {}, info)
     _OPEN.add(lease)
-    wanted = list(dict.fromkeys(addresses))
     try:
         for address in wanted:
             fd = lease_files.open_lock(lock_path(lease_dir, address), shared)
@@ -177,16 +179,23 @@ def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = No
         # mark first, look second: of two users' runs that try at once, at least one sees the other
         for address, (fd, path) in presence.mark(wanted, lease_dir, info).items():
             lease.held.setdefault(address, []).append((fd, path))
-        others = presence.elsewhere(lease_dir, wanted)
+        taken = not _held_elsewhere(lease_dir, wanted)
     except BaseException:
         release(lease)
         raise
-    if others:
+    if not taken:
         release(lease)
-        for address, holder in others.items():
-            presence.tell(address, holder)
         return None
     return lease
+
+
+def _held_elsewhere(lease_dir: Path, addresses: list[str]) -> bool:
+    """Whether another user's flow run holds any of ``addresses`` through another lease directory
+    (each such holder is logged once)."""
+    others = presence.elsewhere(lease_dir, addresses)
+    for address, holder in others.items():
+        presence.tell(address, holder)
+    return bool(others)
 
 
 def enqueue(
