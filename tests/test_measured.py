@@ -46,12 +46,15 @@ def _samples(device: str = "0", sms=(20, 30, 19), used=(8 * GiB, 9.1 * GiB, 7 * 
 # ---------------------------------------------------------------- aggregation
 def test_aggregate_means_sm_and_keeps_the_peaks_within_the_holding():
     samples = [*_samples(proc=(7 * GiB, 8 * GiB, 6 * GiB)), Sample(T0 + 10, "0", 100.0, 70 * GiB, 80 * GiB)]
-    m = aggregate(samples, 1.0, T0, T0 + 5)  # the last sample is after the holding
+    m = aggregate(samples, 1.0, T0, T0 + 5, busy=[(T0 + 1.5, T0 + 2.5)])  # the last one: after the holding
     assert m.samples == 3 and m.period == 1.0
     assert m.sm_mean == pytest.approx(23.0)
     assert m.peak_used == int(9.1 * GiB) and m.total == 80 * GiB
-    assert m.process_peak == 8 * GiB
-    assert m.text() == "SM 23% mean, peak 9.1 GiB of 80, worker process peak 8 GiB (3 samples every 1 s)"
+    assert m.process_peak == 8 * GiB and m.task_peak == 6 * GiB  # a task ran during the third sample only
+    assert m.text() == (
+        "SM 23% mean, peak 9.1 GiB of 80, worker process peak 8 GiB, 6 GiB while a task ran "
+        "(3 samples every 1 s)"
+    )
 
 
 def test_no_sample_and_not_reported_figures_stay_absent():

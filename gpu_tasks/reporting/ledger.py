@@ -161,7 +161,7 @@ def measured_span(span: DeviceSpan, samples: Samples) -> DeviceSpan:
     """``span`` with what was sampled of its device while held (or why nothing was)."""
     if samples.note:
         return dataclasses.replace(span, measured=Measured(note=samples.note))
-    got = aggregate(samples.by_device.get(span.device, ()), samples.period, span.start, span.end)
+    got = aggregate(samples.by_device.get(span.device, ()), samples.period, span.start, span.end, span.busy)
     return dataclasses.replace(span, measured=got)
 
 

@@ -54,6 +54,8 @@ class Measured:
     peak_used: int | None = None  # bytes, the largest device memory used seen on one device
     total: int | None = None  # bytes, that device's memory
     process_peak: int | None = None  # bytes, the largest one worker process used on one device
+    # bytes, the largest one worker process used while a task ran on it (per worker process: see above)
+    task_peak: int | None = None
     note: str = ""
 
     @property
@@ -72,6 +74,8 @@ class Measured:
             parts.append(f"peak {gib(self.peak_used)} GiB" + (f" of {gib(self.total)}" if self.total else ""))
         if self.process_peak is not None:
             parts.append(f"worker process peak {gib(self.process_peak)} GiB")
+        if self.task_peak is not None and self.task_peak != self.process_peak:
+            parts.append(f"{gib(self.task_peak)} GiB while a task ran")
         every = f" every {self.period:g} s" if self.period else ""
         return ", ".join(parts) + f" ({self.samples} samples{every})"
 
@@ -84,6 +88,7 @@ class Measured:
             "peak_used_gib": None if self.peak_used is None else round(self.peak_used / GiB, 3),
             "total_gib": None if self.total is None else round(self.total / GiB, 3),
             "process_peak_gib": None if self.process_peak is None else round(self.process_peak / GiB, 3),
+            "task_peak_gib": None if self.task_peak is None else round(self.task_peak / GiB, 3),
             "note": self.note or None,
         }
 
@@ -109,15 +114,21 @@ def not_measured(reason: str) -> Measured:
 
 
 def aggregate(
-    samples: Iterable[Sample], period: float | None, start: float = -math.inf, end: float = math.inf
+    samples: Iterable[Sample],
+    period: float | None,
+    start: float = -math.inf,
+    end: float = math.inf,
+    busy: Sequence[tuple[float, float]] = (),
 ) -> Measured:
-    """Mean SM and peaks of the ``samples`` taken from ``start`` to ``end``."""
+    """Mean SM and peaks of the ``samples`` taken from ``start`` to ``end``; ``task_peak`` from those
+    taken while a task ran (``busy`` intervals)."""
     within = [s for s in samples if start <= s.t <= end]
     if not within:
         return Measured(period=period, note="not measured (no sample while held)")
     sms = [s.sm for s in within if s.sm is not None]
     peak = max((s for s in within if s.used is not None), key=lambda s: s.used or 0, default=None)
     procs = [n for s in within for _, n in s.processes]
+    in_tasks = [n for s in within if any(a <= s.t <= b for a, b in busy) for _, n in s.processes]
     return Measured(
         samples=len(within),
         period=period,
@@ -125,6 +136,7 @@ def aggregate(
         peak_used=peak.used if peak is not None else None,
         total=peak.total if peak is not None else None,
         process_peak=max(procs) if procs else None,
+        task_peak=max(in_tasks) if in_tasks else None,
     )
 
 
@@ -138,6 +150,7 @@ def combine(parts: Sequence[Measured]) -> Measured:
     sm_n = sum(k for _, k in sm_parts)
     top = max((m for m in done if m.peak_used is not None), key=lambda m: m.peak_used or 0, default=None)
     procs = [m.process_peak for m in done if m.process_peak is not None]
+    tasks = [m.task_peak for m in done if m.task_peak is not None]
     return Measured(
         samples=n,
         period=done[0].period,
@@ -145,6 +158,7 @@ def combine(parts: Sequence[Measured]) -> Measured:
         peak_used=top.peak_used if top else None,
         total=top.total if top else None,
         process_peak=max(procs) if procs else None,
+        task_peak=max(tasks) if tasks else None,
     )
 
 
