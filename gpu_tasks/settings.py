@@ -135,6 +135,13 @@ class GpuTasksSettings(BaseSettings):
         "in the worker processes gpu-tasks starts. INFO shows Dask's scheduler and worker start/stop lines.",
     )
 
+    gpu_sample_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        description="How often the flow process samples, with NVML, the real devices its local profiles hold "
+        "(SM utilization, memory used, per-process memory) for the ledger and the right-size advice "
+        "(gpu_tasks.devices.measure). 0: never. Emulated devices are never sampled.",
+    )
     alert_held_busy: float = Field(
         default=2.0,
         ge=0,
