@@ -260,9 +260,11 @@ def test_the_shipped_distributed_profiles_file_loads():
 
 
 class ActsAsCluster:
-    """Like dask-gateway's GatewayCluster: no distributed Cluster subclass, but scale/close/address."""
+    """Like dask-gateway's GatewayCluster: no distributed Cluster subclass, but scale/close/address (an
+    instance attribute, set once started: the class has none)."""
 
-    scheduler_address = "tcp://127.0.0.1:1"
+    def __init__(self) -> None:
+        self.scheduler_address = "tcp://127.0.0.1:1"
 
     def scale(self, n: int) -> None: ...
 
@@ -272,3 +274,9 @@ class ActsAsCluster:
 def test_a_class_that_acts_as_a_dask_cluster_is_accepted():
     prof = ResourceProfile(name="p", gpus=1, cluster_class=f"{__name__}.ActsAsCluster", max_workers=1)
     assert load_cluster_class(prof) is ActsAsCluster
+
+
+def test_dask_gateways_cluster_class_is_accepted():
+    pytest.importorskip("dask_gateway", reason="dask-gateway is not installed (the dev extra)")
+    prof = ResourceProfile(name="p", cluster_class="dask_gateway.GatewayCluster", max_workers=1)
+    assert load_cluster_class(prof).__name__ == "GatewayCluster"
