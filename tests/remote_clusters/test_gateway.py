@@ -31,7 +31,7 @@ def _cluster_processes(gateway_pid: int) -> list[str]:
 
 
 def test_gateway_cluster_runs_tasks_on_its_workers_and_scales_to_zero(
-    prefect_server, gateway_server: GatewayServer, caplog
+    prefect_server, gateway_server: GatewayServer, no_leaked_processes, caplog
 ):
     # the flow travels to the workers by value: it may hold plain values only, not the server object
     address, gateway_pid = gateway_server.address, gateway_server.process.pid
@@ -74,16 +74,17 @@ def test_gateway_cluster_runs_tasks_on_its_workers_and_scales_to_zero(
             time.sleep(0.2)
         after_idle = {
             "ledger": [(r.profile, r.tasks, r.workers, r.reason) for r in runner.ledger],
-            "clusters": list(clusters(address).values()),
+            "clusters": clusters(address),
             "workers": len(_workers_under(gateway_pid)),
         }
-        return {"results": results, "after_idle": after_idle}
+        again = train.submit(4, gateway_pid).result()  # from zero workers, on the same gateway cluster
+        return {"results": results, "after_idle": after_idle, "again": again, "clusters": clusters(address)}
 
     caplog.set_level(logging.INFO, logger="gpu_tasks.runner")
     started = time.monotonic()
     out = on_gateway()
     took = time.monotonic() - started
-    results, after_idle = out["results"], out["after_idle"]
+    results, after_idle, again = out["results"], out["after_idle"], out["again"]
 
     # the tasks ran in worker processes the gateway server started (its descendants), not in this
     # one; scaled to the queue: two workers (max_workers), each with its own address and process
@@ -95,7 +96,10 @@ def test_gateway_cluster_runs_tasks_on_its_workers_and_scales_to_zero(
     # scaled to zero when idle: the gateway's cluster stays (for the next task) with no worker
     [(profile, tasks, workers, reason)] = after_idle["ledger"]
     assert (profile, tasks, workers) == ("gateway", 4, 2) and "idle" in reason, after_idle
-    assert after_idle["clusters"] == ["RUNNING"] and after_idle["workers"] == 0, after_idle
+    assert list(after_idle["clusters"].values()) == ["RUNNING"] and after_idle["workers"] == 0, after_idle
+    # the next task got a new worker of that same gateway cluster
+    assert again["under_gateway"] and again["pid"] not in {r["pid"] for r in results}, again
+    assert out["clusters"] == after_idle["clusters"], out
     assert "scaled dask_gateway.GatewayCluster to zero (" in caplog.text
     # the flow run ended: its gateway cluster was shut down, no scheduler or worker process is left
     assert clusters(address) == {}
