@@ -73,8 +73,11 @@ def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gateway
     """A dask-gateway server with its local backend on 127.0.0.1 (remote_clusters/gateway.py), shared
     by a module's tests; stopped at the end, and no process of it may outlive it. Skipped, with the
     reason, where dask-gateway-server is not installed."""
-    pytest.importorskip("dask_gateway_server", reason="dask-gateway-server is not installed (the dev extra)")
-    pytest.importorskip("dask_gateway", reason="dask-gateway is not installed (the dev extra)")
+    try:
+        import dask_gateway  # noqa: F401
+        import dask_gateway_server  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"dask-gateway / dask-gateway-server cannot be imported ({exc}): install the dev extra")
     server = start_gateway(tmp_path_factory.mktemp("gateway"))
     try:
         yield server
