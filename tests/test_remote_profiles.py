@@ -260,9 +260,11 @@ def test_the_shipped_distributed_profiles_file_loads():
 
 
 class ActsAsCluster:
-    """Like dask-gateway's GatewayCluster: no distributed Cluster subclass, but scale/close/address."""
+    """Like dask-gateway's GatewayCluster: no distributed Cluster subclass, but scale/close/address (an
+    instance attribute, set once started: the class has none)."""
 
-    scheduler_address = "tcp://127.0.0.1:1"
+    def __init__(self) -> None:
+        self.scheduler_address = "tcp://127.0.0.1:1"
 
     def scale(self, n: int) -> None: ...
 
@@ -272,3 +274,54 @@ class ActsAsCluster:
 def test_a_class_that_acts_as_a_dask_cluster_is_accepted():
     prof = ResourceProfile(name="p", gpus=1, cluster_class=f"{__name__}.ActsAsCluster", max_workers=1)
     assert load_cluster_class(prof) is ActsAsCluster
+
+
+class NeverStartedCluster(ActsAsCluster):
+    """Acts as a cluster on the class, but its instance never got a scheduler_address."""
+
+    closed = False
+
+    def __init__(self) -> None:
+        pass
+
+    def close(self) -> None:
+        NeverStartedCluster.closed = True
+
+
+def test_a_cluster_without_a_scheduler_address_is_closed_with_a_clear_error():
+    from gpu_tasks.cluster.managed import ManagedCluster
+
+    prof = ResourceProfile(name="p", cluster_class=f"{__name__}.NeverStartedCluster", max_workers=1)
+    cluster = ManagedCluster(prof, {}, 5.0)
+    with pytest.raises(ClusterError, match="profile 'p': .* gave a cluster without a scheduler_address"):
+        cluster._create()
+    assert NeverStartedCluster.closed and cluster.manager is None and cluster.client is None
+
+
+def test_dask_gateways_cluster_class_is_accepted():
+    pytest.importorskip("dask_gateway", reason="dask-gateway is not installed (the dev extra)")
+    prof = ResourceProfile(name="p", cluster_class="dask_gateway.GatewayCluster", max_workers=1)
+    assert load_cluster_class(prof).__name__ == "GatewayCluster"
+
+
+def test_a_closed_gateway_clients_stopped_loop_runner_is_dropped_and_a_running_one_kept():
+    """dask-gateway's Gateway.__del__ closes again while it has a _loop_runner, and reading a stopped
+    one's loop raises with distributed 2026.7: after close, a stopped runner is dropped."""
+    from types import SimpleNamespace
+
+    from distributed.utils import LoopRunner
+
+    from gpu_tasks.cluster.managed import _closed_loop_runner_dropped
+
+    stopped = SimpleNamespace(gateway=SimpleNamespace(_loop_runner=LoopRunner(asynchronous=False)))
+    _closed_loop_runner_dropped(stopped)
+    assert not hasattr(stopped.gateway, "_loop_runner")
+    running = LoopRunner(asynchronous=False)
+    running.start()
+    try:
+        started = SimpleNamespace(gateway=SimpleNamespace(_loop_runner=running))
+        _closed_loop_runner_dropped(started)
+        assert started.gateway._loop_runner is running
+        _closed_loop_runner_dropped(SimpleNamespace())  # no gateway: nothing to do
+    finally:
+        running.stop()

@@ -53,10 +53,10 @@ def load_cluster_class(profile: ResourceProfile) -> type:
             f"profile {profile.name!r}: cluster_class {path!r}: module {module_name!r} has no {attr!r}; "
             "fix the class name"
         )
-    # dask-gateway's GatewayCluster is no Cluster subclass but acts as one: scale, close, an address
-    acts_as_one = all(callable(getattr(cls, m, None)) for m in ("scale", "close")) and hasattr(
-        cls, "scheduler_address"
-    )
+    # dask-gateway's GatewayCluster is no Cluster subclass but acts as one: scale() and close() on the
+    # class; its scheduler_address is an instance attribute, set once the gateway started the cluster,
+    # so that one is checked on the instance (ManagedCluster._create)
+    acts_as_one = all(callable(getattr(cls, m, None)) for m in ("scale", "close"))
     if not (isinstance(cls, type) and (issubclass(cls, Cluster) or acts_as_one)):
         raise ClusterError(
             f"profile {profile.name!r}: cluster_class {path!r} is not a Dask cluster class (a subclass of "
@@ -147,6 +147,14 @@ class ManagedCluster(RemoteCluster):
                 + ("" if rejected else " or the cluster manager's configuration")
             ) from exc
         self.manager = manager
+        if not isinstance(getattr(manager, "scheduler_address", None), str):
+            self.shutdown()
+            raise ClusterError(
+                f"profile {self.profile.name!r}: {name}(**cluster_kwargs) gave a cluster without a "
+                "scheduler_address, so no client can connect to it; cluster_class must name a Dask cluster "
+                "class (a subclass of distributed.deploy.Cluster, or one with scale(), close() and "
+                "scheduler_address such as dask_gateway.GatewayCluster)"
+            )
         try:
             from distributed import Client
 
@@ -265,6 +273,25 @@ class ManagedCluster(RemoteCluster):
                 logger.warning(
                     "profile %r: error while closing its cluster", self.profile.name, exc_info=True
                 )
+            _closed_loop_runner_dropped(manager)
 
     def _where(self) -> str:
         return f"{self.profile.cluster_class} at {self.scheduler_address}"
+
+
+def _closed_loop_runner_dropped(manager: Any) -> None:
+    """Let a closed cluster manager's client object be collected quietly.
+
+    dask-gateway 2026.3 on distributed 2026.7: ``GatewayCluster.close()`` closes its ``Gateway``
+    client, whose ``__del__`` closes it again and reads its stopped ``LoopRunner``'s loop, which
+    distributed refuses (``RuntimeError``, printed as "Exception ignored in Gateway.__del__" and an
+    error under pytest's unraisable-exception check). A closed client needs no second close, and
+    ``__del__`` closes only while it still has its loop runner: drop a stopped one. Any class whose
+    ``gateway`` attribute holds a stopped ``_loop_runner`` gets this; no other is touched.
+    """
+    client = getattr(manager, "gateway", None)
+    runner = getattr(client, "_loop_runner", None)
+    is_started = getattr(runner, "is_started", None)
+    if client is not None and callable(is_started) and not is_started():
+        with contextlib.suppress(AttributeError):
+            del client._loop_runner

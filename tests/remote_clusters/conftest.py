@@ -1,5 +1,6 @@
 """Fixtures for profiles on clusters the runner does not own: stand-in GPU hosts (a ``dask
-scheduler`` and ``dask worker --resources GPU=1`` processes) and a job-queue cluster."""
+scheduler`` and ``dask worker --resources GPU=1`` processes), a job-queue cluster and a dask-gateway
+server."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from remote_clusters.gateway import GatewayServer, start_gateway
 from remote_clusters.hosts import Hosts, make_tls_files, start_hosts
 from remote_clusters.netns import NetHosts, start_net_hosts, unavailable
 
@@ -64,3 +66,21 @@ def net_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetHosts]:
         yield hosts
     finally:
         hosts.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[GatewayServer]:
+    """A dask-gateway server with its local backend on 127.0.0.1 (remote_clusters/gateway.py), shared
+    by a module's tests; stopped at the end, and no process of it may outlive it. Skipped, with the
+    reason, where dask-gateway-server is not installed."""
+    try:
+        import dask_gateway  # noqa: F401
+        import dask_gateway_server  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"dask-gateway / dask-gateway-server cannot be imported ({exc}): install the dev extra")
+    server = start_gateway(tmp_path_factory.mktemp("gateway"))
+    try:
+        yield server
+    finally:
+        left = server.stop()
+    assert left == [], f"processes of the dask-gateway server outlived it: {left}"
