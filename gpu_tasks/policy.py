@@ -49,7 +49,8 @@ def unsatisfiable_reason(profile: ResourceProfile, inventory: Inventory) -> str 
         return f"profile {profile.name!r} asks for {wanted}, but this host has {inventory.describe()}"
     matching = matching_devices(profile, inventory)
     if not matching and profile.by_memory:
-        largest = max((d.memory_total or 0 for d in inventory.devices), default=0)
+        model = (profile.gpu_model or "").lower()
+        largest = max((d.memory_total or 0 for d in inventory.devices if model in d.name.lower()), default=0)
         return (
             f"profile {profile.name!r} asks for {wanted}, more than any matching device's memory; "
             f"inventory: {inventory.describe()}. Lower gpu_memory_per_task to at most "
