@@ -24,7 +24,7 @@ from gpu_tasks import (
     profile,
 )
 from gpu_tasks.devices.discovery import Device, Inventory
-from gpu_tasks.errors import ProfileError
+from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError
 from gpu_tasks.policy import (
     GPU_MEMORY_RESOURCE,
     GPU_RESOURCE,
@@ -185,3 +185,29 @@ def test_a_request_above_every_device_fails_at_submit_with_the_fix(monkeypatch):
 
     with pytest.raises(UnsatisfiableProfileError, match="Lower gpu_memory_per_task to at most 80.0GiB"):
         f()
+
+
+@task
+def allocate(nbytes: int) -> int:
+    """Stand in for an allocator capped to the worker's share: past the cap, its out-of-memory."""
+    limit = current_allocation().memory_limit or 0
+    if nbytes > limit:
+        raise MemoryError(f"out of memory allocating {nbytes} bytes (past the worker's cap of {limit})")
+    time.sleep(0.5)
+    return nbytes
+
+
+@pytest.mark.usefixtures("no_leaked_processes", "lease_dir")
+def test_a_task_past_the_cap_fails_in_its_own_run_and_its_neighbours_complete(monkeypatch):
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "H100:80GiB")
+    t = allocate.with_options(tags=[profile("mem")])
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[MEM]))
+    def f() -> list:
+        futures = [t.submit(n * GiB) for n in (10, 90, 10)]
+        return [x.wait() or x.state for x in futures]
+
+    states = f()
+    assert [s.is_completed() for s in states] == [True, False, True]
+    with pytest.raises(GpuOutOfMemoryError, match=r"profile 'mem', device\(s\) 0 \(emulated\)"):
+        states[1].result()
