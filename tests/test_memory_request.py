@@ -66,6 +66,15 @@ def test_construction_refuses_what_cannot_go_with_it_naming_the_fix(fields, word
         assert w in str(info.value)
 
 
+def test_a_profiles_file_sets_it_and_a_deployment_describes_it():
+    from gpu_tasks.deployments import describe_profile
+    from gpu_tasks.profiles import profiles_from_mapping
+
+    loaded = profiles_from_mapping({"profiles": {"infer": {"gpu_memory_per_task": "20GiB"}}})
+    assert loaded["infer"].gpu_memory_per_task == 20 * GiB
+    assert describe_profile(loaded["infer"]).startswith("infer: 20 GiB of device memory per task")
+
+
 def test_a_size_that_is_no_size_names_the_field():
     with pytest.raises(ProfileError, match="gpu_memory_per_task must be a size such as '16GiB'"):
         ResourceProfile(name="m", gpu_memory_per_task="lots")
