@@ -750,6 +750,93 @@ def leases() -> tuple[bool, dict[str, Any], str]:
     )
 
 
+def _partly_busy(nbytes: int, seconds: float, duty: float) -> dict[str, Any]:
+    """Hold ``nbytes`` on the device and keep its SMs busy ``duty`` of each 0.1 s for ``seconds``."""
+    c = cuda()
+    t0 = time.time()
+    with c.hold(nbytes):
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            burst = time.monotonic() + 0.1 * duty
+            while time.monotonic() < burst:
+                c.compute()
+            time.sleep(0.1 * (1 - duty))
+    return {"pid": os.getpid(), "start": t0, "end": time.time()}
+
+
+def measured_use() -> tuple[bool, dict[str, Any], str]:
+    """A gpus=1 task holding 10 GiB, SMs partly busy for 5 s: the ledger's measured peak and SM mean,
+    and the right-size line. Dry run: the ledger says ``not measured (emulated)``, no numbers."""
+    import logging
+
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks import ResourceProfile, profile
+    from gpu_tasks.reporting.ledger import right_size
+    from gpu_tasks.reporting.measured import EMULATED_ADVICE, NOT_EMULATED, Measured
+
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    log = logging.getLogger("gpu_tasks")
+    log.setLevel(logging.INFO)
+    log.addHandler(Keep(logging.INFO))
+    allocated = 10 * GiB
+    body = task(_partly_busy, name="partly-busy", tags=[profile("gpu-train")])
+
+    @flow(
+        task_runner=_runner(ResourceProfile(name="gpu-train", gpus=1, idle_timeout=30)), name="gpu-check-use"
+    )
+    def f() -> Any:
+        body.submit(allocated, 1.0 if DRY else 5.0, 0.3).result()  # the dry run checks no figure
+        return FlowRunContext.get().task_runner
+
+    runner = f()
+    [row] = [r for r in runner.ledger if r.devices]
+    m = row.measured
+    advice = right_size(runner.ledger)
+    figures: dict[str, Any] = {
+        "measured": m.as_dict() if m is not None else None,
+        "advice": [line for _, line, _ in advice],
+        "logged": [
+            line
+            for line in lines
+            if "right-size" in line or "not measured" in line or "profile 'gpu-train' held" in line
+        ],
+        "sample_period_s": os.environ.get("GPU_TASKS_GPU_SAMPLE_SECONDS"),
+    }
+    problems = []
+    if DRY:
+        if m != Measured(note=NOT_EMULATED):
+            problems.append(f"an emulated ledger row says {m!r}, not {NOT_EMULATED!r} with no numbers")
+        if advice != [("", EMULATED_ADVICE, None)]:
+            problems.append(f"advice on emulated devices: {advice}")
+        if not any(EMULATED_ADVICE in line for line in lines):
+            problems.append("the log lacks the 'not measured (emulated devices)' line")
+        detail = f"emulated: ledger and log say {NOT_EMULATED!r}, no advice with numbers"
+        return not problems, figures, "; ".join(problems) or detail
+    if m is None or not m.measured:
+        return False, figures, f"not measured on a real device: {m.text() if m else 'no figures'}"
+    peak = m.process_peak if m.process_peak is not None else m.peak_used
+    figures["peak_counted"] = (
+        "worker process" if m.process_peak is not None else "device (NVML lists no pid of ours)"
+    )
+    if peak is None or not allocated <= peak <= allocated + 2 * GiB:
+        problems.append(f"peak {peak} B is not within [10, 12] GiB of the 10 GiB allocated")
+    if not m.sm_mean or m.sm_mean <= 0:
+        problems.append(f"mean SM {m.sm_mean} is not above 0")
+    if not advice or "gpus=" not in advice[0][1] or "gpus=1 " in advice[0][1]:
+        problems.append(f"no right-size line suggesting a smaller share: {advice}")
+    elif not any(advice[0][1] in line for line in lines):
+        problems.append("the right-size line is not in the log")
+    detail = f"{m.text()}; {advice[0][1] if advice else 'no advice'}"
+    return not problems, figures, "; ".join(problems) or detail
+
+
 def cold_start() -> tuple[bool, dict[str, Any], str]:
     """Lease -> first task body, fresh and re-provisioned, with an RMM pool (and the CUDA context)."""
     from bench.cold_start import gpu_tasks_cases
@@ -984,6 +1071,7 @@ CHECKS: dict[str, Callable[[], tuple[bool, dict[str, Any], str]]] = {
     "cold_start": cold_start,
     "overhead": overhead,
     "other_programs": other_programs,
+    "measured_use": measured_use,
 }
 
 

@@ -82,6 +82,15 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
         "memory) and runs there once it exits",
     ),
     (
+        "measured_use",
+        "measured_use",
+        {"GPU_TASKS_GPU_SAMPLE_SECONDS": "0.25"},
+        120,
+        "a gpus=1 task holding 10 GiB with CuPy, SMs 30% busy for 5 s: the ledger's NVML peak is within "
+        "[10, 12] GiB, mean SM > 0, and the right-size line suggests a smaller share (dry run: 'not "
+        "measured (emulated)', no numbers)",
+    ),
+    (
         "cold_start_warm_pool",
         "cold_start",
         {"GPU_TASKS_WARM_WORKERS": "2"},

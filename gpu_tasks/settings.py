@@ -20,6 +20,11 @@ def default_lease_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"gpu-tasks-leases-{os.getuid()}"
 
 
+def default_presence_dir() -> Path:
+    """Host-wide directory where flow runs of every user say which devices they hold."""
+    return Path(tempfile.gettempdir()) / "gpu-tasks-presence"
+
+
 class GpuTasksSettings(BaseSettings):
     """Process-wide settings. Every field maps to ``GPU_TASKS_<FIELD>``.
 
@@ -47,8 +52,17 @@ class GpuTasksSettings(BaseSettings):
     dashboard: bool = Field(default=False, description="Start a Dask dashboard (127.0.0.1) per cluster.")
     lease_dir: Path = Field(
         default_factory=default_lease_dir,
-        description="Directory of per-device lease files (created 0700 on first use); flow runs on this "
-        "host that share it never put workers on the same device at once.",
+        description="Directory of per-device lease files; flow runs on this host that share it never put "
+        "workers on the same device at once. The default is per user (created 0700). For several Unix "
+        "users, an admin makes one shared directory once (`gpu-tasks leases setup DIR --group GROUP`: "
+        "setgid, sticky, root-owned read-only lock files) and every user sets it here; a group- or "
+        "world-writable directory without the sticky bit is refused (docs/shared-hosts.md).",
+    )
+    presence_dir: Path = Field(
+        default_factory=default_presence_dir,
+        description="Host-wide directory (sticky, world-writable; created 1777 when missing) in which flow "
+        "runs of every user say which devices they lease, so a run never uses a device another user's "
+        "flow run leases through another lease directory (docs/shared-hosts.md).",
     )
     tag_limit_cache_seconds: float = Field(
         default=60.0,
@@ -121,6 +135,13 @@ class GpuTasksSettings(BaseSettings):
         "in the worker processes gpu-tasks starts. INFO shows Dask's scheduler and worker start/stop lines.",
     )
 
+    gpu_sample_seconds: float = Field(
+        default=1.0,
+        ge=0,
+        description="How often the flow process samples, with NVML, the real devices its local profiles hold "
+        "(SM utilization, memory used, per-process memory) for the ledger and the right-size advice "
+        "(gpu_tasks.devices.measure). 0: never. Emulated devices are never sampled.",
+    )
     alert_held_busy: float = Field(
         default=2.0,
         ge=0,

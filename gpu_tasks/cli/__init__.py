@@ -9,11 +9,11 @@ Every command follows the same rules:
 * emulated devices are always called out as such.
 
 To add a command, write a function decorated with ``@app.command(help=...)`` in the module of
-its kind (``inspect``, ``pipeline``, ``quotas``), read settings with ``common.settings`` and
+its kind (``inspect``, ``leases``, ``pipeline``, ``quotas``), read settings with ``common.settings`` and
 devices with ``common.inventory``, and report user errors with ``common.fail``.
 """
 
-from gpu_tasks.cli import inspect, pipeline, quotas  # noqa: F401  (each registers its commands on app)
+from gpu_tasks.cli import inspect, leases, pipeline, quotas  # noqa: F401  (each registers its commands on app)
 from gpu_tasks.cli.common import app
 
 __all__ = ["app", "main"]

@@ -194,4 +194,4 @@ def waiters_table(queued: list[dict[str, Any]]) -> Table:
 def held_by_text(info: dict[str, Any] | None) -> str:
     if info is not None and "error" in info:
         return "unknown"
-    return leases.describe(info, with_id=False)
+    return leases.describe(info, with_id=False, hint=False)

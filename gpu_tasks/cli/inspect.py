@@ -30,6 +30,7 @@ from gpu_tasks.cli.common import (
     source_line,
     waiters_table,
 )
+from gpu_tasks.devices import lease_files, presence
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ProfileError, UnknownProfileError
 from gpu_tasks.policy import (
@@ -53,6 +54,8 @@ def devices(
 
     for problem in local_problems():  # nothing here needs Prefect: list the devices all the same
         err_console.print(Text(f"warning: gpu-tasks run would stop at once here: {problem}"), soft_wrap=True)
+    if (unsafe := lease_files.problem(settings.lease_dir)) is not None:
+        err_console.print(Text(f"warning: flow runs would fail here: {unsafe}"), soft_wrap=True)
     inventory = load_inventory(settings)
     held = lease_holders(inventory, settings)
     queued = lease_waiters(settings)
@@ -96,6 +99,12 @@ def devices(
         say("No devices.")
     if queued:
         console.print(waiters_table(queued))
+    if any(info and info.get("elsewhere") for info in held.values()):
+        say(
+            "Devices held by other users' flow runs, in lease directories this user does not share: flow "
+            f"runs of this user leave them alone; {presence.HINT}.",
+            style="yellow",
+        )
     say(source_line(inventory))
 
 

@@ -22,6 +22,7 @@ from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import WorkerSpec, device_groups, matching_devices, max_worker_count, worker_spec
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import Held, LedgerRow, Usage
+from gpu_tasks.reporting.measured import NOT_EMULATED
 from gpu_tasks.settings import GpuTasksSettings, get_settings
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class ProfileCluster:
         self.specs: list[WorkerSpec] = []
         self.backend: backends.Backend | None = None
         self.usage = Usage()
+        if profile.is_gpu and inventory.emulated:  # never sampled: the ledger says so, with no numbers
+            self.usage.not_measured(NOT_EMULATED)
         # seconds the last start() spent waiting for devices and starting workers
         self.startup: dict[str, float] = {}
         self.preemptions = 0  # times its workers were stopped for a higher-priority waiter

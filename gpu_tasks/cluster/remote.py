@@ -40,6 +40,7 @@ from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.prefect_api.api import api_headers, unreachable_api_error
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_spans, union_seconds
+from gpu_tasks.reporting.measured import NOT_ELSEWHERE, NOT_EMULATED, Measured
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker.api_probe import probe_api
 from gpu_tasks.worker.engine import interrupt_tasks
@@ -524,6 +525,7 @@ class RemoteCluster(ProfileCluster):
             reason=reason,
             spans=spans,
             skipped=(),  # its devices are on other hosts: no programs sampled here
+            measured=Measured(note=NOT_EMULATED if self.emulated else NOT_ELSEWHERE) if devices else None,
             **self.usage.waits(),
         )
 

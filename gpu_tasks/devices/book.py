@@ -15,6 +15,7 @@ from typing import Any
 from gpu_tasks import preemption
 from gpu_tasks.devices import leases, programs
 from gpu_tasks.devices.discovery import Device
+from gpu_tasks.devices.lease_files import LeaseFileError
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.prefect_api import quotas
 from gpu_tasks.settings import get_settings, resolve
@@ -23,6 +24,7 @@ logger = logging.getLogger(__name__)
 
 # what a waiter file carries beyond leases.enqueue's own fields, for gpu_tasks.preemption
 _SHARED_WAITER_FIELDS = ("groups", "need", "preemptible", "preemption_grace")
+_WRITABLE = "; set GPU_TASKS_LEASE_DIR to a directory this user can write"
 
 
 class DeviceBook:
@@ -431,10 +433,8 @@ class DeviceBook:
         return None
 
     def _lease_error(self, owner: str, exc: OSError) -> ClusterError:
-        return ClusterError(
-            f"profile {owner!r}: cannot lease devices in {str(self.lease_dir)!r}: {exc}; set "
-            "GPU_TASKS_LEASE_DIR to a directory this user can write"
-        )
+        fix = "" if isinstance(exc, LeaseFileError) else _WRITABLE
+        return ClusterError(f"profile {owner!r}: cannot lease devices in {str(self.lease_dir)!r}: {exc}{fix}")
 
     @staticmethod
     def waiters_text(waiters: list[dict[str, Any]]) -> str:

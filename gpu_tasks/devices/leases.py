@@ -20,13 +20,19 @@ belongs to a dead process: :func:`waiters` ignores and deletes it.
 A waiter's effective priority grows with its wait, one step per ``aging`` seconds
 (:func:`effective_priority`); each waiter file carries its own ``aging``, so every
 process ranks a waiter the same way whatever its own setting.
+
+Several Unix users: a lease directory that is group- or world-writable is shared (it must be
+sticky; :mod:`gpu_tasks.devices.lease_files` opens its files safely and keeps each holder's info
+in a file of its own). Whatever the directory, a holder also marks its devices in the host-wide
+presence directory, and a device another user's flow run holds through another lease directory
+is not leased (:mod:`gpu_tasks.devices.presence`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
-import json
 import math
 import os
 import socket
@@ -36,12 +42,13 @@ import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote
+from urllib.parse import unquote
 
+from gpu_tasks.devices import lease_files, presence
+from gpu_tasks.devices.lease_files import PREFIX, QUEUE, SUFFIX, lock_path
+from gpu_tasks.devices.lease_files import read_info as _read_info
+from gpu_tasks.devices.lease_files import write_info as _write_info
 from gpu_tasks.policy import aged_priority
-
-PREFIX, SUFFIX = "device-", ".lock"
-QUEUE = "queue"  # waiter files: <lease_dir>/queue/<unique>.json
 
 
 class Lease:
@@ -50,6 +57,8 @@ class Lease:
     def __init__(self, lease_dir: Path, files: dict[str, int], info: dict[str, Any]):
         self.lease_dir = lease_dir
         self.files = files  # address -> open, locked file descriptor
+        # address -> its other open, locked files (holder info, presence) and the path to delete on release
+        self.held: dict[str, list[tuple[int, Path | None]]] = {}
         self.info = info
 
     @property
@@ -67,6 +76,7 @@ class Waiter:
     def __init__(self, path: Path, fd: int, info: dict[str, Any]):
         self.path = path
         self.files = {path.name: fd}  # the one open, locked descriptor (closed in forked children)
+        self.held: dict[str, list[tuple[int, Path | None]]] = {}
         self.info = info
 
     @property
@@ -85,18 +95,13 @@ def _close_in_child() -> None:
     # A forked child shares the parent's locks through inherited descriptors; closing its
     # copies keeps a long-lived child from holding a device after the parent released it.
     for lease in list(_OPEN):
-        for fd in lease.files.values():
+        for fd in [*lease.files.values(), *(fd for held in lease.held.values() for fd, _ in held)]:
             with contextlib.suppress(OSError):
                 os.close(fd)
-        lease.files = {}
+        lease.files, lease.held = {}, {}
 
 
 os.register_at_fork(after_in_child=_close_in_child)
-
-
-def lock_path(lease_dir: Path, address: str) -> Path:
-    """The lock file of device ``address`` (addresses are quoted: MIG UUIDs may hold ``/``)."""
-    return Path(lease_dir) / f"{PREFIX}{quote(address, safe='')}{SUFFIX}"
 
 
 def owner_info(profile: str | None = None, priority: int | None = None) -> dict[str, Any]:
@@ -107,6 +112,8 @@ def owner_info(profile: str | None = None, priority: int | None = None) -> dict[
     """
     info: dict[str, Any] = {
         "pid": os.getpid(),
+        "uid": os.getuid(),
+        "user": lease_files.user_name(os.getuid()),
         "hostname": socket.gethostname(),
         "flow_run_name": None,
         "flow_run_id": None,
@@ -134,41 +141,61 @@ def _lease_dir(lease_dir: Path | None) -> Path:
     return Path(lease_dir)
 
 
-def _ensure_dir(lease_dir: Path) -> Path:
-    lease_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    return lease_dir
-
-
 def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = None) -> Lease | None:
     """Lease every device of ``addresses`` now, or none: ``None`` when any is held elsewhere.
 
+    Held elsewhere: by another process of this lease directory, or by another user's flow run
+    through another one (:mod:`gpu_tasks.devices.presence`; logged once per holder).
     ``lease_dir`` defaults to ``GPU_TASKS_LEASE_DIR``. Never waits. Raises ``OSError``
     when the lease directory or a lock file cannot be opened (a problem to report, not
-    a busy device).
+    a busy device), ``LeaseFileError`` when one is unsafe to use (its message names the fix).
     """
-    lease_dir = _ensure_dir(_lease_dir(lease_dir))
+    lease_dir = _lease_dir(lease_dir)
+    shared = lease_files.prepare(lease_dir)
     info = dict(owner_info, since=time.time())
-    files: dict[str, int] = {}
+    wanted = list(dict.fromkeys(addresses))
+    if _held_elsewhere(lease_dir, wanted):  # a first look, so that a waiter does not lock in vain
+        return None
+    lease = Lease(lease_dir, {}, info)
+    _OPEN.add(lease)
     try:
-        for address in dict.fromkeys(addresses):
-            fd = os.open(lock_path(lease_dir, address), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        for address in wanted:
+            fd = lease_files.open_lock(lock_path(lease_dir, address), shared)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                _close_all(files)
+                release(lease)
                 return None
             except BaseException:
                 os.close(fd)
                 raise
-            files[address] = fd
-            _write_info(fd, dict(info, address=address))
+            lease.files[address] = fd
+            mine = dict(info, address=address)
+            if shared:  # the lock file is not ours to write: the info goes in a file of our own
+                lease.held[address] = [(lease_files.hold_info(lease_dir, address, mine), None)]
+            else:
+                _write_info(fd, mine)
+        # mark first, look second: of two users' runs that try at once, at least one sees the other
+        for address, (fd, path) in presence.mark(wanted, lease_dir, info).items():
+            lease.held.setdefault(address, []).append((fd, path))
+        taken = not _held_elsewhere(lease_dir, wanted)
     except BaseException:
-        _close_all(files)
+        release(lease)
         raise
-    lease = Lease(lease_dir, files, info)
-    _OPEN.add(lease)
+    if not taken:
+        release(lease)
+        return None
     return lease
+
+
+def _held_elsewhere(lease_dir: Path, addresses: list[str]) -> bool:
+    """Whether another user's flow run holds any of ``addresses`` through another lease directory
+    (each such holder is logged once)."""
+    others = presence.elsewhere(lease_dir, addresses)
+    for address, holder in others.items():
+        presence.tell(address, holder)
+    return bool(others)
 
 
 def enqueue(
@@ -188,7 +215,8 @@ def enqueue(
     live waiter's file unlocked or half written. Raises ``OSError`` when the queue
     directory cannot be written.
     """
-    queue = _ensure_dir(_ensure_dir(_lease_dir(lease_dir)) / QUEUE)
+    lease_dir = _lease_dir(lease_dir)
+    queue = lease_files.prepare_queue(lease_dir, lease_files.prepare(lease_dir))
     info = dict(
         owner_info,
         priority=int(priority),
@@ -198,8 +226,9 @@ def enqueue(
     )
     name = f"{uuid.uuid4().hex}.json"
     tmp = queue / f".{name}.tmp"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
+        os.fchmod(fd, 0o644)  # readable by every user of a shared directory, whatever the umask
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it open
         _write_info(fd, info)
         os.rename(tmp, queue / name)
@@ -234,17 +263,23 @@ def waiters(lease_dir: Path | None = None) -> list[dict[str, Any]]:
     out = []
     for path in sorted(queue.glob("*.json")) if queue.is_dir() else []:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:  # its waiter just left
+            fd = os.open(path, os.O_RDONLY | lease_files.OPEN_FLAGS)
+        except (FileNotFoundError, PermissionError):  # its waiter just left; not a waiter's file
             continue
+        except OSError as exc:  # a link planted in the queue: not a waiter
+            if exc.errno == errno.ELOOP:
+                continue
+            raise
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:
                 out.append(dict(_read_info(fd), file=path.name))
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                path.unlink()  # dead (or has just left): names are never reused
+            # dead (or has just left): names are never reused. Another user's dead waiter cannot be
+            # deleted in a sticky directory: it stays, unlocked, and is skipped like this each time
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                path.unlink()
         finally:
             os.close(fd)
     return sorted(out, key=lambda w: rank(w, now))
@@ -296,6 +331,11 @@ def release(lease: Lease | None, addresses: Any = None) -> None:
     if lease is None:
         return
     for address in list(lease.files) if addresses is None else list(addresses):
+        for side, path in lease.held.pop(address, []):  # presence and holder info first, then the lock
+            if path is not None:
+                presence.unmark(side, path)
+            else:
+                _close_all({address: side})
         fd = lease.files.pop(address, None)
         if fd is not None:
             _close_all({address: fd})
@@ -305,37 +345,49 @@ def holders(lease_dir: Path | None = None, addresses: Any = None) -> dict[str, d
     """Who holds each device now: its holder's info, or ``None`` when free.
 
     ``lease_dir`` defaults to ``GPU_TASKS_LEASE_DIR``; ``addresses`` to every device
-    with a lock file there. A file is
-    held when a non-blocking lock on it fails; its JSON is read only then (a holder that
-    has just locked may not have written it yet: its info is then ``{}``).
+    with a lock file there or held by another user's flow run elsewhere. A file is
+    held when a non-blocking lock on it fails; its holder's JSON is read only then (a holder
+    that has just locked may not have written it yet: its info is then ``{}``). A device free
+    here that another user's flow run holds through another lease directory has that run's
+    info, with ``user`` and ``elsewhere: true`` (:mod:`gpu_tasks.devices.presence`).
     """
     lease_dir = _lease_dir(lease_dir)
     if addresses is None:
         names = sorted(lease_dir.glob(f"{PREFIX}*{SUFFIX}")) if lease_dir.is_dir() else []
-        addresses = [unquote(p.name[len(PREFIX) : -len(SUFFIX)]) for p in names]
+        found = [unquote(p.name[len(PREFIX) : -len(SUFFIX)]) for p in names]
+        addresses = sorted(set(found) | set(presence.elsewhere(lease_dir)))
     return {address: holder(lease_dir, address) for address in addresses}
 
 
 def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
     """Who holds device ``address`` now, or ``None`` when it is free (see :func:`holders`)."""
+    lease_dir = Path(lease_dir)
     try:
-        fd = os.open(lock_path(lease_dir, address), os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(lock_path(lease_dir, address), os.O_RDONLY | lease_files.OPEN_FLAGS)
     except FileNotFoundError:
-        return None
-    try:
+        fd = -1
+    if fd >= 0:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return _read_info(fd)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if lease_files.is_shared(lease_dir):  # the holder's own info file names it
+                    return lease_files.live_info(lease_dir, address) or {}
+                return _read_info(fd)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+    return presence.elsewhere(lease_dir, [address]).get(address)
 
 
-def describe(info: dict[str, Any] | None, with_id: bool = True, priority: bool = True) -> str:
+def describe(
+    info: dict[str, Any] | None, with_id: bool = True, priority: bool = True, hint: bool = True
+) -> str:
     """``profile 'p' (priority 5, preemptible), flow run 'x' (id ...), pid 12`` for a holder's info;
-    ``free`` for ``None``. The priority shows when the info has one and ``priority`` is true."""
+    ``free`` for ``None``. The priority shows when the info has one and ``priority`` is true.
+
+    Another user's holder adds ``user alice``; one in a lease directory this user does not share
+    adds that, and (with ``hint``) how users share devices."""
     if info is None:
         return "free"
     parts = []
@@ -350,26 +402,12 @@ def describe(info: dict[str, Any] | None, with_id: bool = True, priority: bool =
     parts.append(f"pid {info.get('pid', '?')}")
     if info.get("hostname") and info["hostname"] != socket.gethostname():
         parts.append(f"host {info['hostname']}")
+    if info.get("user") and info.get("uid", os.getuid()) != os.getuid():
+        parts.append(f"user {info['user']}")
+    if info.get("elsewhere"):
+        why = f" ({presence.HINT})" if hint else ""
+        parts.append(f"in a lease directory this user does not share{why}")
     return ", ".join(parts)
-
-
-def _write_info(fd: int, info: dict[str, Any]) -> None:
-    data = json.dumps(info, default=str).encode()
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, data, 0)
-
-
-def _read_info(fd: int) -> dict[str, Any]:
-    for _ in range(5):  # the holder truncates, then writes: retry a torn read briefly
-        size = os.fstat(fd).st_size
-        raw = os.pread(fd, max(size, 1), 0)
-        try:
-            info = json.loads(raw)
-        except ValueError:
-            time.sleep(0.01)
-            continue
-        return info if isinstance(info, dict) else {}
-    return {}
 
 
 def _close_all(files: dict[str, int]) -> None:

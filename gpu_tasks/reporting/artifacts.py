@@ -20,7 +20,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow
+from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, right_size
 
 logger = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ TIMELINE_ARTIFACT_KEY = "device-timeline"
 STRIP_WIDTH = 24  # the UI keeps markdown to a reading width: a longer strip wraps
 WAITS = "waits_s devices/slots"
 SKIPPED = "skipped (programs outside gpu-tasks)"
+MEASURED = "measured (NVML)"  # SM % mean, peak memory of total, samples; or why not measured
 NO_DEVICE = "none (CPU)"  # a "-" alone in a table cell renders as a list bullet
 # the strip's characters: busy at least half of the held part of the column, busy less, held idle, not held
 BUSY, PARTLY_BUSY, HELD_IDLE, NOT_HELD = "#", "+", "-", "."
@@ -136,6 +137,8 @@ def ledger_table(rows: Sequence[LedgerRow]) -> list[dict[str, Any]]:
             item[WAITS] = f"{row.wait_devices_seconds:.1f} / {row.wait_slots_seconds:.1f}"
         if any(r.skipped for r in rows):
             item[SKIPPED] = "; ".join(row.skipped) or "-"
+        if any(r.measured is not None for r in rows):
+            item[MEASURED] = row.measured.text() if row.measured is not None else NO_DEVICE
         table.append(item)
     return table
 
@@ -207,6 +210,7 @@ def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> st
     t0 = min([r.provisioned_at for r in rows] + [s.start for s in spans])
     t1 = max([r.closed_at for r in rows] + [s.end for s in spans])
     emulated = any(r.emulated for r in rows if r.devices)
+    measured = any(span.measured is not None for span in spans)  # a column: SM %, peak memory, or why not
     lines = [
         f"**{_headline(rows)}.**"
         + (" Devices were emulated: the scheduling is real, the compute ran on the CPU." if emulated else ""),
@@ -217,15 +221,21 @@ def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> st
         "",
         "Devices: " + device_models(spans) + ".",
         "",
-        "| device | profile | held (UTC) | held s | busy % | tasks | across the run |",
-        "| --- | --- | --- | ---: | ---: | ---: | --- |",
+        "| device | profile | held (UTC) | held s | busy % | tasks | across the run |"
+        + (" measured (NVML) |" if measured else ""),
+        "| --- | --- | --- | ---: | ---: | ---: | --- |" + (" --- |" if measured else ""),
     ]
     for span in spans:
         lines.append(
             f"| {_cell(span.device)} | {_cell(span.profile)} | {clock_range(span.start, span.end)} "
             f"| {span.held_seconds:.1f} | {percent(span.busy_seconds, span.held_seconds)} | {span.tasks} "
             f"| `{strip(span.start, span.end, span.busy, (t0, t1), width)}` |"
+            + (f" {_cell(span.measured.text() if span.measured else 'not measured')} |" if measured else "")
         )
+    advice = right_size(rows)
+    if advice:
+        lines += ["", "Right-size (measured use much less than held):", ""]
+        lines += [f"- {_cell(line)}" for _, line, _ in advice]
     skipped = [(row.profile, reason) for row in rows for reason in row.skipped]
     if skipped:
         lines += ["", "Devices skipped because programs outside gpu-tasks used them:", ""]

@@ -9,6 +9,9 @@ shows in the flow run's event feed):
 - ``gpu-tasks.task.<what>`` (``escalated``, ``slot-waited``, ``quota-waited``, ``cache-hit``,
   ``preempted``), resource
   ``gpu-tasks.task.<task run id>``, related to the task run too;
+- ``gpu-tasks.profile.right-size`` when the runner exits, one per GPU profile that used much less
+  than it held (measured with NVML; :mod:`gpu_tasks.reporting.measured`), resource
+  ``gpu-tasks.profile.<flow run id>.<profile>`` named with the advice line; never on emulated devices;
 - ``gpu-tasks.flow-run.summary`` when the runner exits, resource
   ``gpu-tasks.flow-run.<flow run id>``: the run's held and busy device-seconds, its longest
   device wait and its alerts (:mod:`gpu_tasks.reporting.alerts`).
@@ -44,6 +47,7 @@ from gpu_tasks.reporting.alerts import AlertThresholds, RunTotals, alert_label, 
 if TYPE_CHECKING:
     from gpu_tasks.profiles import ResourceProfile
     from gpu_tasks.reporting.ledger import LedgerRow
+    from gpu_tasks.reporting.measured import Measured
 
 logger = logging.getLogger(__name__)
 
@@ -493,6 +497,37 @@ def emit_run_summary(
         )
     except Exception:  # events are for watching; never fail the run over one
         logger.debug("could not emit gpu-tasks.flow-run.summary", exc_info=True)
+
+
+def right_size_resource(profile: str, line: str, measured: Measured, run: RunRef) -> Resource:
+    """The resource of a ``gpu-tasks.profile.right-size`` event: named with the advice ``line``."""
+    figures = measured.as_dict()
+    labels = {
+        f"gpu-tasks.{k.replace('_', '-')}": _label_value(v)
+        for k, v in figures.items()
+        if k != "note" and v is not None
+    }
+    return {
+        "prefect.resource.id": f"gpu-tasks.profile.{run.id or 'local'}.{profile}",
+        "prefect.resource.name": line,
+        "gpu-tasks.profile": profile,
+        **labels,
+    }
+
+
+def emit_right_size(profile: str, line: str, measured: Measured, run: RunRef) -> None:
+    """``gpu-tasks.profile.right-size``: profile ``profile`` used much less than it held (``line``)."""
+    try:
+        from prefect.events import emit_event
+
+        emit_event(
+            event="gpu-tasks.profile.right-size",
+            resource=right_size_resource(profile, line, measured, run),
+            related=run.related(),
+            payload={"profile": profile, "advice": line, **measured.as_dict()},
+        )
+    except Exception:  # events are for watching; never fail the run over one
+        logger.debug("could not emit gpu-tasks.profile.right-size", exc_info=True)
 
 
 def publish_dashboard(cluster: ClusterView) -> None:

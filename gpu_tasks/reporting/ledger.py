@@ -8,11 +8,22 @@ the Prefect UI.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from gpu_tasks.reporting.measured import (
+    EMULATED_ADVICE,
+    Measured,
+    Sample,
+    Samples,
+    advice,
+    aggregate,
+    combine,
+)
 
 
 @dataclass(frozen=True)
@@ -26,6 +37,8 @@ class DeviceSpan:
     end: float  # wall clock: the release
     busy: tuple[tuple[float, float], ...] = ()  # when tasks ran on it: merged, within start..end
     tasks: int = 0
+    # what NVML measured of it while held (gpu_tasks.reporting.measured); says why when not measured
+    measured: Measured | None = None
 
     @property
     def held_seconds(self) -> float:
@@ -51,6 +64,7 @@ class DeviceSpan:
             "held_s": round(self.held_seconds, 3),
             "busy_s": round(self.busy_seconds, 3),
             "tasks": self.tasks,
+            "measured": self.measured.as_dict() if self.measured is not None else None,
         }
 
 
@@ -77,6 +91,8 @@ class LedgerRow:
     # why devices were skipped while it waited or grew: programs outside gpu-tasks used them
     # (``device 0: used by pid 4242 (...) using 60 GiB: more than ...``)
     skipped: tuple[str, ...] = ()
+    # measured use of its devices (SM %, peak memory; gpu_tasks.reporting.measured); None: CPU row
+    measured: Measured | None = None
 
     @property
     def utilization(self) -> float:
@@ -101,6 +117,7 @@ class LedgerRow:
             "reason": self.reason,
             "spans": [span.as_dict() for span in self.spans],
             "skipped": list(self.skipped),
+            "measured": self.measured.as_dict() if self.measured is not None else None,
         }
 
 
@@ -140,6 +157,14 @@ def device_spans(
     )
 
 
+def measured_span(span: DeviceSpan, samples: Samples) -> DeviceSpan:
+    """``span`` with what was sampled of its device while held (or why nothing was)."""
+    if samples.note:
+        return dataclasses.replace(span, measured=Measured(note=samples.note))
+    got = aggregate(samples.by_device.get(span.device, ()), samples.period, span.start, span.end, span.busy)
+    return dataclasses.replace(span, measured=got)
+
+
 @dataclass(frozen=True)
 class Held:
     """One worker as the ledger sees it: its name and the devices it holds (none: a CPU worker),
@@ -165,6 +190,7 @@ class Usage:
         self._tasks = 0
         self._waits = {"devices": 0.0, "slots": 0.0}
         self._skipped: list[str] = []
+        self.samples = Samples()  # filled by the sampler thread (gpu_tasks.devices.measure)
         self._lock = threading.Lock()
 
     def waited(self, devices: float = 0.0, slots: float = 0.0) -> None:
@@ -183,6 +209,16 @@ class Usage:
         """``{"wait_devices_seconds": ..., "wait_slots_seconds": ...}`` so far, for a ledger row."""
         with self._lock:
             return {f"wait_{k}_seconds": v for k, v in self._waits.items()}
+
+    def not_measured(self, reason: str) -> None:
+        """Its devices are not sampled, for ``reason`` (``not measured (emulated)``)."""
+        self.samples.note = reason
+
+    def sampled(self, sample: Sample, period: float) -> None:
+        """The sampler read one of its devices."""
+        with self._lock:
+            self.samples.period = period
+            self.samples.by_device.setdefault(sample.device, []).append(sample)
 
     def held(self, workers: Iterable[Held], since: float) -> None:
         """``workers`` are held from ``since`` (when their devices were acquired)."""
@@ -224,7 +260,11 @@ class Usage:
                     continue  # CPU workers share one "cpu" timeline
                 intervals = self._busy.get(worker_key(w.devices), [])
                 busy += union_seconds(intervals) * weight
-                spans.extend(device_spans(profile, w.named_devices(), started, closed, intervals))
+                spans.extend(
+                    measured_span(span, self.samples)
+                    for span in device_spans(profile, w.named_devices(), started, closed, intervals)
+                )
+        measured = [span.measured for span in spans if span.measured is not None]
         return LedgerRow(
             profile=profile,
             workers=len(workers),
@@ -238,6 +278,7 @@ class Usage:
             reason=reason,
             spans=tuple(spans),
             skipped=skipped,
+            measured=combine(measured) if measured else None,
             **waits,
         )
 
@@ -246,6 +287,8 @@ class Usage:
         with self._lock:
             self._started.pop(worker.name, None)
             self._busy.pop(worker_key(worker.devices), None)
+            for device in worker.devices:
+                self.samples.by_device.pop(device, None)
 
     def reset(self) -> None:
         """Forget everything (the cluster closed and its row was written)."""
@@ -256,6 +299,25 @@ class Usage:
             self._tasks = 0
             self._waits = {"devices": 0.0, "slots": 0.0}
             self._skipped = []
+            self.samples.by_device.clear()
+
+
+def right_size(rows: Sequence[LedgerRow]) -> list[tuple[str, str, Measured | None]]:
+    """``(profile, line, measured)`` for each GPU profile of a run's ledger ``rows`` that used much less
+    than it held (:func:`gpu_tasks.reporting.measured.advice`). Emulated devices: one line,
+    ``GPU use not measured (emulated devices)``, with no profile and no numbers."""
+    gpu = [r for r in rows if r.devices and r.measured is not None]
+    if any(r.emulated for r in gpu):
+        return [("", EMULATED_ADVICE, None)]
+    out: list[tuple[str, str, Measured | None]] = []
+    for profile in dict.fromkeys(r.profile for r in gpu):
+        mine = [r for r in gpu if r.profile == profile]
+        measured = combine([r.measured for r in mine if r.measured is not None])
+        devices = max(len(r.devices) for r in mine)
+        line = advice(profile, devices, measured)
+        if line is not None:
+            out.append((profile, line, measured))
+    return out
 
 
 _ENDED: dict[uuid.UUID, list[LedgerRow]] = {}  # final ledgers of the last flow runs that ended here

@@ -49,6 +49,9 @@ class Recovery:
         self.live = live
         self._finish = finish
         self._redispatch = redispatch
+        # profile -> (worker name, devices, how it ended) of its last dead worker: the tasks that were
+        # lost with it (their futures cancelled when the first report closed its cluster) name it too
+        self._last_death: dict[str, tuple[str, tuple[str, ...], Any, Any]] = {}
 
     # ------------------------------------------------------------ out of memory
     def escalate(self, job: Job, task_run: Any, why: str) -> None:
@@ -192,15 +195,27 @@ class Recovery:
 
         live, st, prof = self.live, job.st, job.profile
         ws = getattr(exc, "last_worker", None)
-        name = str(getattr(ws, "name", "") or "")
-        address = getattr(ws, "address", None)
-        ended = worker_exit(address) if address else None
-        how = ended.describe() if ended else "died"
-        with st.lock:
-            devices = st.cluster.worker_devices(name) or st.cluster.devices
-            row = st.cluster.retire(name, f"worker crashed: {how}")
-            live.landed(job)
-        where = f"device(s) {','.join(devices)}" if devices else "CPU"
+        if ws is None:  # lost with its cluster (closed when its last worker died), no worker named
+            name, devices, ended, address = self._last_death.get(prof.name, ("", (), None, None))
+            how = ended.describe() if ended else f"was lost ({type(exc).__name__}: {exc})"
+            row = None
+            with st.lock:
+                live.landed(job)  # nothing to retire: the first report did, a retry may run already
+        else:
+            name = str(getattr(ws, "name", "") or "")
+            address = getattr(ws, "address", None)
+            ended = worker_exit(address) if address else None
+            how = ended.describe() if ended else "died"
+            with st.lock:
+                known = self._last_death.get(prof.name)
+                if known is not None and known[3] == address:  # another of its tasks: already retired
+                    devices = known[1]
+                else:
+                    devices = tuple(st.cluster.worker_devices(name) or st.cluster.devices)
+                    self._last_death[prof.name] = (name, devices, ended, address)
+                row = st.cluster.retire(name, f"worker crashed: {how}")
+                live.landed(job)
+        where = f"device(s) {','.join(devices)}" if devices else ("unknown devices" if prof.is_gpu else "CPU")
         if st.cluster.emulated:
             where += " (emulated)"
         pid = f", pid {ended.pid}" if ended and ended.pid else ""

@@ -117,10 +117,21 @@ def hand_to(
 
 
 def _is_worker_death(exc: BaseException) -> bool:
-    """Whether a Dask future failed because the worker process running it died."""
+    """Whether a Dask future failed because the worker process running it died, or was lost with it:
+    cancelled (or its client's loop closed) when that worker's death closed the profile's cluster.
+    gpu-tasks cancels a hand-off itself only when it stops (then this is not asked) or preempts one
+    (then its outcome is ignored)."""
+    import asyncio
+    import concurrent.futures
+
+    from distributed.client import FutureCancelledError
     from distributed.scheduler import KilledWorker
 
-    return isinstance(exc, KilledWorker)
+    if isinstance(exc, KilledWorker | FutureCancelledError | concurrent.futures.CancelledError):
+        return True
+    if isinstance(exc, asyncio.CancelledError):
+        return True
+    return isinstance(exc, RuntimeError) and str(exc) == "IOLoop is closed"
 
 
 class Finish:

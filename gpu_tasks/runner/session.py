@@ -25,13 +25,14 @@ from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Inventory, discover
+from gpu_tasks.devices.measure import Sampler
 from gpu_tasks.policy import bound_at_most, close_reason
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
 from gpu_tasks.prefect_api.states import api_unreachable
 from gpu_tasks.prefect_api.tag_slots import SlotGate
 from gpu_tasks.profiles import ResourceProfile
-from gpu_tasks.reporting.events import RunRef, emit_cluster_event, emit_task_event
-from gpu_tasks.reporting.ledger import LedgerRow
+from gpu_tasks.reporting.events import RunRef, emit_cluster_event, emit_right_size, emit_task_event
+from gpu_tasks.reporting.ledger import LedgerRow, right_size
 from gpu_tasks.reporting.logs import RunLogs
 from gpu_tasks.runner.job import Job, ProfileState
 from gpu_tasks.runner.payload import ContextSerializer
@@ -93,6 +94,7 @@ class Live:
         self.flow_run_id = self.run.id
         # why the Prefect API could not be reached when an interrupted run closed (then no events)
         self.api_down: str | None = None
+        self.sampler = Sampler(self.settings.gpu_sample_seconds)  # measured use (its thread: real devices)
         RunLogs.enter(self.flow_run_id, self.settings.dask_log_level)  # lines to the run's logs
         try:
             self.pool = self._warm_pool()
@@ -156,6 +158,7 @@ class Live:
                     on_board=partial(self._on_board, prof.name),
                 )
                 st = self.states[prof.name] = ProfileState(cluster, timeout)
+                self.sampler.watch(cluster)
             return st
 
     # ------------------------------------------------------------ in flight
@@ -381,6 +384,7 @@ class Live:
             self.api_down = api_unreachable()
         if self.monitor is not None:
             self.monitor.join(timeout=5)
+        self.sampler.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         for st in list(self.states.values()):
             if st.dispatcher is not None:
@@ -405,6 +409,16 @@ class Live:
         # after the clusters: a task still running holds its slots until its worker is gone
         self.gate.close(timeout=2.0 if hurry else 10.0)
         self._crash_unfinished(running, reason, hurry)
+        self._advise()
+
+    def _advise(self) -> None:
+        """A right-size line per GPU profile that used much less than it held (reporting.measured),
+        in the run's log and as a ``gpu-tasks.profile.right-size`` event; on emulated devices one
+        line saying nothing was measured."""
+        for profile, line, measured in right_size(self.ledger):
+            logger.info("gpu-tasks: %s", line)
+            if measured is not None and self.api_down is None:
+                self.in_run_context(emit_right_size, profile, line, measured, self.run)
 
     def _crash_unfinished(self, jobs: list[Job], reason: str, hurry: bool) -> None:
         """Report task runs that were running when their cluster closed ``Crashed`` (never left Running).

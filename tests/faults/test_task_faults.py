@@ -5,7 +5,10 @@ a real Prefect server; states asserted as the server recorded them."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -78,6 +81,72 @@ def test_persistent_worker_death_ends_crashed_with_profile_device_worker_and_exi
     assert run["state_type"] == "CRASHED" and "exited with status 3" in run["state"]["message"], run
     assert run["run_count"] == 1  # Dask did not re-run it behind Prefect's back
     assert [r.reason for r in ledger if r.reason.startswith("worker crashed")]
+
+
+def test_every_task_of_a_dead_worker_is_reported_on_its_device():
+    """Four gpus=0.25 tasks share one worker process on device 0; it dies under them: each task run
+    ends Crashed, and every report names device 0 (the first report retires the worker, the others
+    still name the device it had, not the CPU)."""
+    started = Path(tempfile.mkdtemp(prefix="gpu-tasks-dead-worker-"))
+
+    @task(tags=[profile("quarter")])
+    def wait_then_die(i: int) -> None:
+        (started / str(i)).write_text("")
+        while len(list(started.iterdir())) < 4:
+            time.sleep(0.05)
+        time.sleep(0.2 * i)
+        if i == 0:
+            os._exit(3)
+        time.sleep(60)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="quarter", gpus=0.25, max_workers=1)]))
+    def dies_under_four():
+        futures = [wait_then_die.submit(i) for i in range(4)]
+        for f in futures:
+            f.wait()
+        return [f.state for f in futures]
+
+    states = dies_under_four()
+    assert [s.type for s in states] == [StateType.CRASHED] * 4, states
+    where = {
+        re.search(r"on (device\(s\) \S+ \(emulated\)|CPU[^(]*|an unknown device)", s.message or "")
+        for s in states
+    }
+    named = {m.group(1) if m else None for m in where}
+    assert len(named) == 1 and next(iter(named), "").startswith("device(s) "), "\n".join(
+        s.message or "" for s in states
+    )
+
+
+def test_tasks_lost_with_a_dead_worker_are_retried_per_their_retries():
+    """The same death with retries=1: all four task runs run again on a new worker and return their
+    results (none fails with the Dask client's cancellation or a closed loop)."""
+    started = Path(tempfile.mkdtemp(prefix="gpu-tasks-dead-worker-"))
+
+    @task(tags=[profile("quarter")], retries=1)
+    def dies_once(i: int) -> int:
+        if (started / "died").exists():
+            return i  # the re-run, on the new worker
+        (started / str(i)).write_text("")
+        while len(list(started.iterdir())) < 4:
+            time.sleep(0.05)
+        if i == 0:
+            time.sleep(0.3)
+            (started / "died").write_text("")
+            os._exit(3)
+        time.sleep(60)
+        return -1
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="quarter", gpus=0.25, max_workers=1)]))
+    def dies_under_four_with_retries():
+        futures = [dies_once.submit(i) for i in range(4)]
+        return [f.result() for f in futures], [f.task_run_id for f in futures]
+
+    results, ids = dies_under_four_with_retries()
+    assert results == [0, 1, 2, 3]
+    for task_run_id in ids:  # each ran twice: crashed with the worker, then completed
+        run = server_task_run(task_run_id, lambda r: r["state_type"] == "COMPLETED")
+        assert run["run_count"] == 2, run
 
 
 # ---------------------------------------------------------------- BaseException raised by a task

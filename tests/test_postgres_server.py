@@ -1,0 +1,109 @@
+"""The production set-up for the Prefect server (docs/operations.md, "A Prefect server that holds the
+load"): PostgreSQL from Debian's packages started by infra/postgres/up.sh on 127.0.0.1, a
+`prefect server start` on it, and a gpu-tasks flow whose every task run the server records."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+from faults._procs import clean_env, free_port, running_server, wait_gone
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS = 24
+
+SCRIPT = textwrap.dedent(
+    f"""
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    @task(tags=[profile("quarter")])
+    def square(x):
+        return x * x
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="quarter", gpus=0.25)]))
+    def on_postgres():
+        return sum(f.result() for f in square.map(range({TASKS})))
+
+    if __name__ == "__main__":
+        print("RESULT", on_postgres())
+    """
+)
+
+
+def _why_not() -> str | None:
+    if os.geteuid() != 0:
+        return "infra/postgres/up.sh runs as root (it installs and starts Debian's postgresql)"
+    if shutil.which("runuser") is None:
+        return "runuser is missing"
+    return None
+
+
+@pytest.fixture
+def postgres():
+    if why := _why_not():
+        pytest.skip(why)
+    base = Path(tempfile.mkdtemp(prefix="gpu-tasks-pg-"))  # not under pytest's 0700 tmp: postgres reads it
+    base.chmod(0o755)
+    env = {**os.environ, "PG_DIR": str(base / "pg"), "PG_PORT": str(free_port())}
+    up = subprocess.run(
+        [str(ROOT / "infra/postgres/up.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert up.returncode == 0, up.stderr[-2000:]
+    [line] = [x for x in up.stdout.splitlines() if x.startswith("PREFECT_API_DATABASE_CONNECTION_URL=")]
+    try:
+        yield line.split("=", 1)[1]
+    finally:
+        subprocess.run([str(ROOT / "infra/postgres/down.sh")], env={**env, "PG_CLEAN": "1"}, timeout=60)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.timeout(300)
+def test_a_flow_on_a_prefect_server_backed_by_postgresql_records_every_task_run(
+    tmp_path: Path, postgres: str
+):
+    import httpx
+
+    marker = f"pg-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    server_env = clean_env(
+        marker,
+        PREFECT_HOME=str(tmp_path / "server-home"),
+        PREFECT_UI_ENABLED="false",
+        PREFECT_API_DATABASE_CONNECTION_URL=postgres,
+    )
+    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    script = tmp_path / "on_postgres.py"
+    script.write_text(SCRIPT)
+    with running_server(command, server_env, url):
+        out = subprocess.run(
+            [sys.executable, str(script)],
+            cwd=tmp_path,
+            env=clean_env(
+                marker,
+                PREFECT_API_URL=url,
+                PREFECT_HOME=str(tmp_path / "flow-home"),
+                GPU_TASKS_EMULATED_GPUS="H100:80GiB",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        assert f"RESULT {sum(x * x for x in range(TASKS))}" in out.stdout
+        runs = httpx.post(f"{url}/task_runs/filter", json={"limit": 200}, timeout=30).json()
+        states = sorted({r["state_type"] for r in runs if r["name"].startswith("square")})
+        assert len([r for r in runs if r["name"].startswith("square")]) == TASKS and states == [
+            "COMPLETED"
+        ], states
+        # the server's database is the PostgreSQL one (not a SQLite file under PREFECT_HOME)
+        assert not list((tmp_path / "server-home").glob("*.db")), list((tmp_path / "server-home").iterdir())
+    assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run and the server"
