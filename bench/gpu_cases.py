@@ -110,7 +110,15 @@ class StandIn:
     @contextlib.contextmanager
     def hold(self, nbytes: int) -> Iterator[None]:
         key = f"{os.getpid()}:{time.monotonic_ns()}"
+        # the cap gpu-tasks sets on a gpu_memory_per_task worker's CuPy pool, as set_limit enforces it
+        cap = int(os.environ.get("GPU_TASKS_WORKER_GPU_MEMORY_LIMIT") or 0)
         with self._book() as book:
+            mine = sum(v for k, v in book.items() if k.startswith(f"{os.getpid()}:"))
+            if cap and mine + nbytes > cap:
+                raise MemoryError(
+                    f"out of memory allocating {nbytes} bytes: past the worker's cap of {cap} bytes "
+                    f"(stand-in for CuPy's pool limit, device {self.device})"
+                )
             if sum(book.values()) + nbytes > self.capacity:
                 raise MemoryError(f"out of memory allocating {nbytes} bytes (stand-in device {self.device})")
             book[key] = int(nbytes)
@@ -196,6 +204,16 @@ def _on_device() -> dict[str, Any]:
     return row
 
 
+def _arrive(i: int, where: str, n: int) -> None:
+    """Leave task ``i``'s marker in ``where``, then wait until all ``n`` tasks have (or time out)."""
+    Path(where, f"in-{i}").write_text(str(os.getpid()))
+    deadline = time.monotonic() + 60
+    while len(list(Path(where).glob("in-*"))) < n:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"task {i}: only {len(list(Path(where).glob('in-*')))} of {n} ran at once")
+        time.sleep(0.02)
+
+
 def _rendezvous(i: int, where: str, n: int, nbytes: int) -> dict[str, Any]:
     """Allocate ``nbytes``, then wait until all ``n`` tasks hold theirs (they run at once, or time out)."""
     from gpu_tasks import current_allocation
@@ -203,12 +221,7 @@ def _rendezvous(i: int, where: str, n: int, nbytes: int) -> dict[str, Any]:
     c = cuda()
     t0 = time.time()
     with c.hold(nbytes):
-        Path(where, f"in-{i}").write_text(str(os.getpid()))
-        deadline = time.monotonic() + 60
-        while len(list(Path(where).glob("in-*"))) < n:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"task {i}: only {len(list(Path(where).glob('in-*')))} of {n} ran at once")
-            time.sleep(0.02)
+        _arrive(i, where, n)
         free, total = c.mem_info()
         seen = holders()
         time.sleep(0.3)  # let the slowest one see the rendezvous too
@@ -256,6 +269,40 @@ def _big(where: str, fraction: float) -> dict[str, Any]:
         "free_before": free,
         "asked": int(total * fraction),
         "ok": ok,
+    }
+
+
+def _within_share(i: int, where: str, n: int, nbytes: int, greedy: bool) -> dict[str, Any]:
+    """Hold ``nbytes`` until all ``n`` tasks hold theirs; the ``greedy`` one then asks for 1 GiB more
+    than its worker's cap leaves (its own out-of-memory), the others hold on until it has tried."""
+    from gpu_tasks import current_allocation
+    from gpu_tasks.worker import memory_caps
+
+    c = cuda()
+    a = current_allocation()
+    extra = (a.memory_limit or 0) - n * nbytes + GiB
+    with c.hold(nbytes):
+        _arrive(i, where, n)
+        free, total = c.mem_info()
+        if greedy:
+            Path(where, "greedy-free").write_text(json.dumps({"free": free, "extra": extra}))
+            try:
+                with c.hold(extra):
+                    pass
+            finally:
+                Path(where, "greedy-tried").write_text(str(os.getpid()))
+        deadline = time.monotonic() + 90
+        while not Path(where, "greedy-tried").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return {
+        "i": i,
+        "pid": os.getpid(),
+        "devices": list(a.devices),
+        "memory_per_task": a.memory_per_task,
+        "memory_limit": a.memory_limit,
+        "free": free,
+        "total": total,
+        "caps": memory_caps.applied(),
     }
 
 
@@ -545,6 +592,81 @@ def oom() -> tuple[bool, dict[str, Any], str]:
         not problems,
         figures,
         "; ".join(problems) or f"{text[:200]} ... then completed on 'whole' with on_oom",
+    )
+
+
+def memory_request() -> tuple[bool, dict[str, Any], str]:
+    """gpu_memory_per_task="20GiB": min(4, free // 20 GiB) tasks at once on the device, 15 GiB each;
+    one asks past its worker's cap and fails with GpuOutOfMemoryError in its own run, the others
+    complete."""
+    from prefect import flow, task
+
+    from gpu_tasks import ResourceProfile, profile
+    from gpu_tasks.devices import programs
+    from gpu_tasks.devices.discovery import discover
+    from gpu_tasks.errors import GpuOutOfMemoryError
+
+    dev = discover().devices[0]
+    use = programs.sample([dev]).get(dev.address)
+    free = (use.free if use is not None else None) or dev.memory_total or 0
+    n = min(4, free // (20 * GiB))
+    figures: dict[str, Any] = {"free_before_gib": round(free / GiB, 2), "tasks": n}
+    if n < 2:
+        return False, figures, f"the device has {free / GiB:.1f} GiB free: two 20 GiB tasks need 40 GiB"
+    where = tempfile.mkdtemp(prefix="gpu-check-mem-")
+    mem = ResourceProfile(name="mem", gpu_memory_per_task="20GiB", idle_timeout=5)
+    t = task(_within_share, name="share-task", tags=[profile("mem")])
+
+    @flow(task_runner=_runner(mem), name="gpu-check-memory-request")
+    def f() -> list[dict[str, Any]]:
+        futures = [t.submit(i, where, n, 15 * GiB, i == n - 1) for i in range(n)]
+        rows = []
+        for x in futures:
+            try:
+                rows.append(x.result())
+            except Exception as exc:
+                rows.append({"error": f"{type(exc).__name__}: {exc}"})
+        return rows
+
+    rows = f()
+    done = [r for r in rows if "error" not in r]
+    errors = [r["error"] for r in rows if "error" in r]
+    greedy = json.loads(Path(where, "greedy-free").read_text()) if Path(where, "greedy-free").exists() else {}
+    figures.update(
+        pids=sorted({r["pid"] for r in done}),
+        memory_limit_gib=(done[0].get("memory_limit") or 0) / GiB if done else None,
+        caps=done[0]["caps"] if done else None,
+        greedy_free_gib=round(greedy.get("free", 0) / GiB, 2),
+        greedy_asked_gib=round(greedy.get("extra", 0) / GiB, 2),
+        error=(errors[0][:600] if errors else None),
+    )
+    problems = []
+    if len(done) != n - 1 or len(errors) != 1:
+        problems.append(
+            f"{len(done)} of {n - 1} holders completed, {len(errors)} of 1 task failed: {rows!r:.400}"
+        )
+    elif (
+        GpuOutOfMemoryError.__name__ not in errors[0]
+        or "'mem'" not in errors[0]
+        or "device(s) 0" not in errors[0]
+    ):
+        problems.append(
+            f"the greedy task's error is no GpuOutOfMemoryError naming 'mem' and device 0: {errors[0]:.300}"
+        )
+    if done and not DRY:  # the dry run's cap and device are both 80 GiB: either refuses
+        capped = str((done[0]["caps"] or {}).get("capped", {}).get("cupy", ""))
+        if not capped.startswith("default memory pool set_limit"):
+            problems.append(f"CuPy's pool was not capped in the worker: {capped!r}")
+        if greedy and greedy["free"] <= greedy["extra"]:
+            problems.append(
+                "the device, not the worker's cap, refused the greedy allocation (too little free)"
+            )
+    return (
+        not problems,
+        figures,
+        "; ".join(problems)
+        or f"{n} x 15 GiB at once in one worker capped at {figures['memory_limit_gib']} GiB; the greedy task "
+        f"({figures['greedy_asked_gib']} GiB more) failed alone: {(errors or [''])[0][:160]}",
     )
 
 
@@ -943,6 +1065,7 @@ CHECKS: dict[str, Callable[[], tuple[bool, dict[str, Any], str]]] = {
     "contexts": contexts,
     "packing": packing,
     "oom": oom,
+    "memory_request": memory_request,
     "lease_flow": lease_flow,
     "leases": leases,
     "cold_start": cold_start,

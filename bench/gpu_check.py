@@ -63,6 +63,15 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
         "a real CUDA OOM -> GpuOutOfMemoryError naming profile and device; on_oom completes it on the "
         "bigger profile",
     ),
+    (
+        "memory_request",
+        "memory_request",
+        {},
+        150,
+        'gpu_memory_per_task="20GiB": min(4, free // 20 GiB) tasks at once, 15 GiB each, in one worker '
+        "whose CuPy pool is capped to their shares; one asking past the cap fails with GpuOutOfMemoryError "
+        "in its own run, the others complete",
+    ),
     ("leases", "leases", {}, 120, "two flow processes on the one device never overlap (NVML-sampled)"),
     (
         "other_programs",

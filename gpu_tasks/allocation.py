@@ -12,6 +12,10 @@ from pydantic import BaseModel, ConfigDict
 WORKER_ENV_PROFILE = "GPU_TASKS_WORKER_PROFILE"
 WORKER_ENV_EMULATED = "GPU_TASKS_WORKER_EMULATED"
 WORKER_ENV_DEVICES = "GPU_TASKS_WORKER_DEVICES"
+# a gpu_memory_per_task profile's worker: each task's share, and the cap of the worker's allocators
+# (slots x share), in bytes (gpu_tasks.worker.memory_caps applies it)
+WORKER_ENV_MEMORY_PER_TASK = "GPU_TASKS_WORKER_GPU_MEMORY_PER_TASK"
+WORKER_ENV_MEMORY_LIMIT = "GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"
 
 
 EMULATED_TAG = "gpu-tasks:emulated"
@@ -29,6 +33,9 @@ class Allocation(BaseModel):
         device_names: Names of the devices, in the order of ``devices``.
         host: The worker's host, for a worker of an ``address`` or ``cluster_class``
             profile (``None`` on this host's own workers).
+        memory_per_task: Device memory the task asked for (``gpu_memory_per_task``, bytes).
+        memory_limit: The cap of the worker's allocators: its tasks' shares together (bytes);
+            ``None`` when nothing is capped (not a ``gpu_memory_per_task`` profile).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -40,6 +47,8 @@ class Allocation(BaseModel):
     emulated: bool = False
     device_names: tuple[str, ...] = ()
     host: str | None = None
+    memory_per_task: int | None = None
+    memory_limit: int | None = None
 
     @property
     def in_profile(self) -> bool:
@@ -125,6 +134,9 @@ def worker_allocation(
         )
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
     names = os.environ.get(WORKER_ENV_DEVICES, "")
+    per_task, limit = os.environ.get(WORKER_ENV_MEMORY_PER_TASK), os.environ.get(WORKER_ENV_MEMORY_LIMIT)
+    if per_task and limit and fraction > 0:  # the device's share its tasks hold together
+        fraction = min(1.0, int(per_task) / max(1, int(limit)))
     return Allocation(
         profile=profile,
         devices=tuple(d for d in visible.split(",") if d),
@@ -132,4 +144,6 @@ def worker_allocation(
         worker=worker,
         emulated=os.environ.get(WORKER_ENV_EMULATED) == "1",
         device_names=tuple(n for n in names.split("|") if n),
+        memory_per_task=int(per_task) if per_task else None,
+        memory_limit=int(limit) if limit else None,
     )

@@ -54,7 +54,9 @@ def describe_profile(prof: ResourceProfile) -> str:
     """``gpu-train: 2 GPUs per task as a gang, H100, >= 40 GiB, up to 1 worker, else cpu`` style."""
     if not prof.is_gpu:
         return f"{prof.name}: CPU ({prof.cpus:g} cores per task)"
-    if prof.gpus < 1:
+    if prof.gpu_memory_per_task:
+        parts = [f"{_gib(prof.gpu_memory_per_task)} of device memory per task"]
+    elif prof.gpus < 1:
         parts = [f"1/{round(1 / prof.gpus)} GPU per task"]
     else:
         parts = [_n(prof.devices_per_worker, "GPU") + " per task" + (" as a gang" if prof.gang else "")]

@@ -10,11 +10,19 @@ import math
 import os
 from dataclasses import dataclass, field
 
-from gpu_tasks.allocation import WORKER_ENV_DEVICES, WORKER_ENV_EMULATED, WORKER_ENV_PROFILE
+from gpu_tasks.allocation import (
+    WORKER_ENV_DEVICES,
+    WORKER_ENV_EMULATED,
+    WORKER_ENV_MEMORY_LIMIT,
+    WORKER_ENV_MEMORY_PER_TASK,
+    WORKER_ENV_PROFILE,
+)
 from gpu_tasks.devices.discovery import Device, Inventory
 from gpu_tasks.profiles import ResourceProfile
 
 GPU_RESOURCE = "GPU"
+# a gpu_memory_per_task profile's tasks ask for their bytes of it; its worker has slots x that
+GPU_MEMORY_RESOURCE = "GPU_MEMORY"
 
 
 def matching_devices(profile: ResourceProfile, inventory: Inventory) -> list[Device]:
@@ -25,6 +33,9 @@ def matching_devices(profile: ResourceProfile, inventory: Inventory) -> list[Dev
             continue
         if profile.gpu_memory and (dev.memory_total is None or dev.memory_total < profile.gpu_memory):
             continue
+        per_task = profile.gpu_memory_per_task
+        if per_task and dev.memory_total is not None and dev.memory_total < per_task:
+            continue  # not even one task fits (a device of unknown memory is given the benefit)
         out.append(dev)
     return out
 
@@ -37,6 +48,14 @@ def unsatisfiable_reason(profile: ResourceProfile, inventory: Inventory) -> str 
     if not inventory.devices:
         return f"profile {profile.name!r} asks for {wanted}, but this host has {inventory.describe()}"
     matching = matching_devices(profile, inventory)
+    if not matching and profile.by_memory:
+        model = (profile.gpu_model or "").lower()
+        largest = max((d.memory_total or 0 for d in inventory.devices if model in d.name.lower()), default=0)
+        return (
+            f"profile {profile.name!r} asks for {wanted}, more than any matching device's memory; "
+            f"inventory: {inventory.describe()}. Lower gpu_memory_per_task to at most "
+            f"{largest / 2**30:.1f}GiB, or run the profile on a host with larger devices"
+        )
     if not matching:
         return (
             f"profile {profile.name!r} asks for {wanted}, but no device matches; inventory: "
@@ -51,7 +70,10 @@ def unsatisfiable_reason(profile: ResourceProfile, inventory: Inventory) -> str 
 
 
 def _describe_request(profile: ResourceProfile) -> str:
-    parts = [f"gpus={profile.gpus:g}"]
+    if profile.gpu_memory_per_task:
+        parts = [f"gpu_memory_per_task={profile.gpu_memory_per_task / 2**30:.1f}GiB"]
+    else:
+        parts = [f"gpus={profile.gpus:g}"]
     if profile.gpu_model:
         parts.append(f"gpu_model={profile.gpu_model!r}")
     if profile.gpu_memory:
@@ -79,12 +101,31 @@ def cpu_count() -> int:
         return os.cpu_count() or 1
 
 
-def slots_per_worker(profile: ResourceProfile, cores: int | None = None) -> int:
+def memory_slots(profile: ResourceProfile, device: Device, free: int | None = None) -> int:
+    """How many tasks of a ``gpu_memory_per_task`` profile fit on ``device`` at once.
+
+    floor(memory / per task), the memory being ``free`` (what programs outside gpu-tasks leave,
+    :mod:`gpu_tasks.devices.programs`) when known, else the device's total; at least 1 (the lease
+    asks for one task's memory free, and a device of unknown memory runs one task at a time).
+    """
+    per_task = profile.gpu_memory_per_task or 0
+    memory = free if free is not None else device.memory_total
+    if not per_task or memory is None:
+        return 1
+    return max(1, memory // per_task)
+
+
+def slots_per_worker(
+    profile: ResourceProfile, cores: int | None = None, device: Device | None = None, free: int | None = None
+) -> int:
     """How many tasks of ``profile`` one worker runs at once.
 
-    GPU: k for ``gpus=1/k`` (tasks share the device), else 1. CPU: the worker's
-    cores divided by ``cpus`` per task (at least 1).
+    GPU: k for ``gpus=1/k`` (tasks share the device), :func:`memory_slots` for a
+    ``gpu_memory_per_task`` profile on ``device`` (1 when the device is not known yet), else 1.
+    CPU: the worker's cores divided by ``cpus`` per task (at least 1).
     """
+    if profile.by_memory:
+        return memory_slots(profile, device, free) if device is not None else 1
     if profile.is_gpu:
         return int(1 / profile.share) if profile.share < 1 else 1
     cores = cores or cpu_count()
@@ -109,11 +150,14 @@ def bound_at_most(profiles: list[ResourceProfile], inventory: Inventory) -> int:
     return total
 
 
-def desired_workers(profile: ResourceProfile, outstanding: int, current: int, limit: int) -> int:
+def desired_workers(
+    profile: ResourceProfile, outstanding: int, current: int, limit: int, slots: int | None = None
+) -> int:
     """Workers to have now: enough slots for the outstanding tasks, never fewer than now.
 
     Fractional profiles fill a device before using the next (``ceil(n / k)``); a gang
-    always asks for all of its workers.
+    always asks for all of its workers. ``slots``: tasks per worker where the running workers
+    tell (a ``gpu_memory_per_task`` profile's depend on its devices' free memory).
     """
     if limit <= 0:
         return 0
@@ -121,7 +165,9 @@ def desired_workers(profile: ResourceProfile, outstanding: int, current: int, li
         return limit
     if not profile.is_gpu:
         return max(current, min(limit, 1 if outstanding else current))
-    need = math.ceil(outstanding / slots_per_worker(profile))
+    if profile.by_memory and slots is None:  # its first worker's device tells how many fit
+        return max(current, min(limit, 1 if outstanding else 0))
+    need = math.ceil(outstanding / (slots or slots_per_worker(profile)))
     return max(current, min(limit, need))
 
 
@@ -164,8 +210,11 @@ def task_resources(profile: ResourceProfile) -> dict[str, float] | None:
     """The Dask resources one task of ``profile`` asks for.
 
     CPU profiles need none: their cluster is their own and its thread count
-    (``slots_per_worker``) already bounds how many tasks run at once.
+    (``slots_per_worker``) already bounds how many tasks run at once. A
+    ``gpu_memory_per_task`` task asks for its bytes of ``GPU_MEMORY``.
     """
+    if profile.by_memory:
+        return {GPU_MEMORY_RESOURCE: float(profile.gpu_memory_per_task or 0)}
     if profile.is_gpu:
         return {GPU_RESOURCE: float(profile.gpus)}
     return None
@@ -178,9 +227,15 @@ def worker_spec(
     emulated: bool,
     cores: int | None = None,
     extra_env: dict[str, str] | None = None,
+    free: int | None = None,
 ) -> WorkerSpec:
-    """Turn a profile and the devices of one worker into that worker's spec."""
-    slots = slots_per_worker(profile, cores)
+    """Turn a profile and the devices of one worker into that worker's spec.
+
+    ``free``: the device's free memory sampled at the lease, for a ``gpu_memory_per_task``
+    profile, whose worker runs :func:`memory_slots` tasks at once and whose allocators are capped
+    to slots x per task (``GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``, :mod:`gpu_tasks.worker.memory_caps`).
+    """
+    slots = slots_per_worker(profile, cores, devices[0] if devices else None, free)
     env = dict(extra_env or {})
     env[WORKER_ENV_PROFILE] = profile.name
     if profile.is_gpu:
@@ -189,6 +244,10 @@ def worker_spec(
         env[WORKER_ENV_DEVICES] = "|".join(d.name for d in devices)
         env[WORKER_ENV_EMULATED] = "1" if emulated else "0"
         name = f"{profile.name}-gpu{'-'.join(d.address for d in devices)}"
+        if profile.gpu_memory_per_task:
+            resources[GPU_MEMORY_RESOURCE] = float(slots * profile.gpu_memory_per_task)
+            env[WORKER_ENV_MEMORY_PER_TASK] = str(profile.gpu_memory_per_task)
+            env[WORKER_ENV_MEMORY_LIMIT] = str(slots * profile.gpu_memory_per_task)
     else:
         resources = {}
         env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU worker process must not inherit the flow's GPUs

@@ -105,6 +105,10 @@ class ResourceProfile(BaseModel):
             tasks; a whole number n for n whole devices per task.
         memory: Memory limit per worker (``"16GiB"`` or bytes); ``None`` lets Dask decide.
         gpu_memory: Minimum total memory of a device this profile may use.
+        gpu_memory_per_task: Device memory each task needs (``"20GiB"``), instead of ``gpus``:
+            tasks are packed on a device by it, floor(free memory / this) at once (an 80 GiB
+            device runs four 20 GiB tasks), and each worker's CuPy / RMM / PyTorch allocators
+            are capped to its tasks' shares (docs/shared-hosts.md, "Memory as the request").
         gpu_model: Case-insensitive substring of the device name (``"H100"``).
         max_workers: Cap on workers (devices, or device groups) the profile may hold.
         idle_timeout: Seconds without running or queued tasks before the cluster is
@@ -149,6 +153,7 @@ class ResourceProfile(BaseModel):
     gpus: float = Field(default=0.0)
     memory: int | None = None
     gpu_memory: int | None = None
+    gpu_memory_per_task: int | None = None
     gpu_model: str | None = None
     max_workers: int | None = None
     idle_timeout: float | None = None
@@ -209,7 +214,7 @@ class ResourceProfile(BaseModel):
                 return 1 / k
         raise ValueError("must be a whole number or 1/k for k in 2..64 (e.g. 1, 2, 0.5, 0.25)")
 
-    @field_validator("memory", "gpu_memory", mode="before")
+    @field_validator("memory", "gpu_memory", "gpu_memory_per_task", mode="before")
     @classmethod
     def _sizes(cls, value: Any, info: Any) -> int | None:
         return _parse_size(value, info.field_name)
@@ -259,10 +264,14 @@ class ResourceProfile(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> ResourceProfile:
-        if self.gpus == 0:
+        if self.gpu_memory_per_task is not None:
+            self._consistent_memory_request()
+        if not self.is_gpu:
             for field in ("gpu_memory", "gpu_model"):
                 if getattr(self, field) is not None:
-                    raise ValueError(f"{field} needs gpus > 0; set gpus or remove {field}")
+                    raise ValueError(
+                        f"{field} needs gpus > 0 or gpu_memory_per_task; set one of them or remove {field}"
+                    )
             if self.gang:
                 raise ValueError("gang needs gpus > 0 (gangs start GPU workers together)")
         elif self.processes is False:
@@ -272,7 +281,7 @@ class ResourceProfile(BaseModel):
                 "on_oom must name another profile (a larger one to re-run out-of-memory tasks on); got "
                 f"{self.on_oom!r}"
             )
-        if self.quota is not None and (self.gpus == 0 or self.cluster_class is not None):
+        if self.quota is not None and (not self.is_gpu or self.cluster_class is not None):
             raise ValueError(
                 "quota applies to GPU profiles (gpus > 0) on this host's devices or on a shared scheduler "
                 "(address), not to cluster_class profiles, whose cluster manager grants devices; remove quota"
@@ -282,7 +291,7 @@ class ResourceProfile(BaseModel):
                 "quota must be a name of letters, digits, '_', '.', '-' (at most 63 characters); got "
                 f"{self.quota!r}"
             )
-        if self.preemptible and (self.gpus == 0 or self.cluster_class is not None):
+        if self.preemptible and (not self.is_gpu or self.cluster_class is not None):
             raise ValueError(
                 "preemptible applies to GPU profiles (gpus > 0) on this host's devices or on a shared "
                 "scheduler (address), not to cluster_class profiles; remove preemptible"
@@ -291,6 +300,21 @@ class ResourceProfile(BaseModel):
             raise ValueError("gang needs max_workers: the number of workers to start together")
         self._consistent_placement()
         return self
+
+    def _consistent_memory_request(self) -> None:
+        """Rules for ``gpu_memory_per_task`` (memory as the request)."""
+        size = f"{self.gpu_memory_per_task / 2**30:g}GiB" if self.gpu_memory_per_task else "?"
+        if self.gpus != 0:
+            raise ValueError(
+                f"gpu_memory_per_task ({size}) and gpus ({self.gpus:g}) exclude each other: "
+                "gpu_memory_per_task packs tasks on a device by their memory, gpus by a fixed share; "
+                "remove gpus (or remove gpu_memory_per_task and use gpus=1/k)"
+            )
+        if not self.is_local:
+            raise ValueError(
+                "gpu_memory_per_task applies to this host's devices, not to address or cluster_class "
+                "profiles (their workers' GPU resources arbitrate); use gpus=1/k there"
+            )
 
     def _consistent_placement(self) -> None:
         """Rules for ``address`` and ``cluster_class`` profiles."""
@@ -332,8 +356,13 @@ class ResourceProfile(BaseModel):
     # ----------------------------------------------------------------- derived
     @property
     def is_gpu(self) -> bool:
-        """Whether tasks of this profile need devices."""
-        return self.gpus > 0
+        """Whether tasks of this profile need devices (``gpus`` or ``gpu_memory_per_task``)."""
+        return self.gpus > 0 or self.gpu_memory_per_task is not None
+
+    @property
+    def by_memory(self) -> bool:
+        """Whether tasks are packed on a device by ``gpu_memory_per_task`` (not a fixed share)."""
+        return self.gpu_memory_per_task is not None
 
     @property
     def tag(self) -> str:
@@ -342,7 +371,13 @@ class ResourceProfile(BaseModel):
 
     @property
     def share(self) -> Fraction:
-        """The fraction of one device a task holds (0 for CPU, 1 for whole devices)."""
+        """The fraction of one device a task holds (0 for CPU, 1 for whole devices).
+
+        A ``gpu_memory_per_task`` profile's tasks hold 1 here (at most the whole device); how many
+        share it depends on the device's free memory (:func:`gpu_tasks.policy.memory_slots`).
+        """
+        if self.by_memory:
+            return Fraction(1)
         if self.gpus == 0:
             return Fraction(0)
         if self.gpus < 1:
@@ -352,7 +387,7 @@ class ResourceProfile(BaseModel):
     @property
     def devices_per_worker(self) -> int:
         """Devices each worker owns: n for n-GPU tasks, else 1 (0 for CPU)."""
-        if self.gpus == 0:
+        if not self.is_gpu:
             return 0
         return int(self.gpus) if self.gpus >= 1 else 1
 

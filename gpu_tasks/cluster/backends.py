@@ -524,6 +524,7 @@ def _own_device_cluster_class(base: type) -> type:
                 )
                 options["env"] = dict(self._gpu_tasks_specs[own].env)
                 options["resources"] = dict(self._gpu_tasks_specs[own].resources)
+                options["nthreads"] = self._gpu_tasks_specs[own].nthreads  # gpu_memory_per_task: per device
                 if worker.get("cls") is Nanny:
                     worker["cls"] = WatchedNanny
                 options.update(preload_options(options.get("preload", []), options.get("preload_argv", [])))

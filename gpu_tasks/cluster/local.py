@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_tasks.cluster import backends
+from gpu_tasks.devices import programs
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Device, Inventory
 from gpu_tasks.errors import ClusterError
@@ -89,6 +90,11 @@ class ProfileCluster:
     def worker_count(self) -> int:
         """Workers started so far."""
         return len(self.specs)
+
+    @property
+    def slots(self) -> int | None:
+        """Tasks one worker runs at once, where the workers started tell (the fewest of theirs)."""
+        return min((s.nthreads for s in self.specs), default=None)
 
     @property
     def devices(self) -> tuple[str, ...]:
@@ -383,7 +389,7 @@ class ProfileCluster:
             # its preempted tasks wait for devices without GPU_TASKS_LEASE_TIMEOUT
             "patient": self.preemptions > 0,
             # a device must have this much free when it is leased (programs outside gpu-tasks use the rest)
-            "need_memory": self.profile.gpu_memory,
+            "need_memory": self.profile.gpu_memory or self.profile.gpu_memory_per_task,
         }
 
     # ------------------------------------------------------------ preemption
@@ -442,4 +448,18 @@ class ProfileCluster:
 
     def _spec(self, index: int) -> WorkerSpec:
         devices = self.groups[index] if self.profile.is_gpu else ()
+        if self.profile.by_memory and devices:  # tasks are packed against what others leave free
+            use = programs.sample(devices, self.book.lease_dir).get(devices[0].address)
+            free_bytes = use.free if use is not None else None
+            env, emulated = self.worker_env, self.inventory.emulated
+            spec = worker_spec(self.profile, index, devices, emulated, extra_env=env, free=free_bytes)
+            logger.info(
+                "profile %r: device %s has %s free: %d task(s) of gpu_memory_per_task=%s at once",
+                self.profile.name,
+                devices[0].address,
+                "unknown memory" if free_bytes is None else f"{free_bytes / 2**30:.1f} GiB",
+                spec.nthreads,
+                f"{(self.profile.gpu_memory_per_task or 0) / 2**30:g}GiB",
+            )
+            return spec
         return worker_spec(self.profile, index, devices, self.inventory.emulated, extra_env=self.worker_env)

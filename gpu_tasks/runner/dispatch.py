@@ -162,14 +162,15 @@ class Dispatcher:
         cluster = st.cluster
         if not cluster.running:
             return True
-        return desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit) > (
-            cluster.worker_count
-        )
+        slots = getattr(cluster, "slots", None)  # a gpu_memory_per_task profile's, per its devices
+        want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit, slots)
+        return want > cluster.worker_count
 
     def _provision(self, st: ProfileState) -> None:
         """Start ``st``'s cluster, or grow it, for one more task (call under ``st.lock``)."""
         cluster = st.cluster
-        want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit)
+        slots = getattr(cluster, "slots", None)
+        want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit, slots)
         if not cluster.running:
             try:
                 cluster.start(want)

@@ -42,6 +42,7 @@ from gpu_tasks.profiles import profile, profile_from_tags, requested_profile
 from gpu_tasks.reporting.ledger import worker_key
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import guard as _worker_guard
+from gpu_tasks.worker import memory_caps
 from gpu_tasks.worker.blobs import opened
 from gpu_tasks.worker.slots import SlotPool
 
@@ -118,6 +119,7 @@ def run_on_worker(
     from gpu_tasks.compat.prefect import sync_client_context
 
     prepare_process()
+    memory_caps.apply()  # a gpu_memory_per_task worker's allocators, before its first task runs
     try:
         dask_worker: Any = get_worker()
     except ValueError:  # pragma: no cover - not on a worker

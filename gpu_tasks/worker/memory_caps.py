@@ -1,0 +1,90 @@
+"""Cap a ``gpu_memory_per_task`` worker's allocators to its tasks' shares, before its first task.
+
+The runner puts the cap in the worker's environment (``GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``: the
+tasks it runs at once x ``gpu_memory_per_task``, :func:`gpu_tasks.policy.worker_spec`);
+:func:`apply` reads it once per worker process and, on a real device, caps each library that
+imports here (through :mod:`gpu_tasks._gpu`): CuPy's default memory pool (``set_limit``), RMM's
+current device resource (wrapped in a ``LimitingResourceAdaptor``) and PyTorch's caching
+allocator (``set_per_process_memory_fraction`` of the device's total). An allocation past the cap
+raises the library's out-of-memory error in the task that made it, which the engine turns into
+:class:`~gpu_tasks.errors.GpuOutOfMemoryError` naming profile and device.
+
+What is capped is the worker process: with one task at a time that is the task's share; with
+several tasks in the worker's threads it is their shares together, so one task can use a
+neighbour's unused share, and a task that goes past the worker's cap fails in its own run (the
+allocation that crosses the cap is the one that raises). Memory allocated outside these three
+libraries (raw CUDA, cuDF without RMM, another process the task starts) is not capped.
+Emulated devices have no allocator: :func:`apply` records the cap and the libraries it would
+cap, nothing more (``applied()``), so tests see the values a real worker would enforce.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any
+
+from gpu_tasks import _gpu
+from gpu_tasks.allocation import WORKER_ENV_EMULATED, WORKER_ENV_MEMORY_LIMIT
+
+logger = logging.getLogger(__name__)
+
+LIBRARIES = ("cupy", "rmm", "torch")
+_APPLIED: dict[str, Any] = {}
+_LOCK = threading.Lock()
+
+
+def applied() -> dict[str, Any]:
+    """What :func:`apply` did in this process: ``{"limit": bytes, "emulated": bool, "capped": {...}}``
+    (``capped``: library -> how, or why not); empty before it ran or without a cap."""
+    return dict(_APPLIED)
+
+
+def apply() -> dict[str, Any]:
+    """Cap this worker's allocators to ``GPU_TASKS_WORKER_GPU_MEMORY_LIMIT`` bytes (once per process
+    and cap: a warm process bound to another profile's worker is capped again)."""
+    with _LOCK:
+        raw = os.environ.get(WORKER_ENV_MEMORY_LIMIT)
+        if not raw or _APPLIED.get("limit") == int(raw):  # no cap, or this one is in force
+            return dict(_APPLIED)
+        limit = int(raw)
+        emulated = os.environ.get(WORKER_ENV_EMULATED) == "1"
+        capped: dict[str, str] = {}
+        for name in LIBRARIES:
+            if emulated:
+                capped[name] = "not capped: emulated device (no allocator)"
+            elif not _gpu.available(name):
+                capped[name] = f"not capped: {_gpu.why_unavailable(name)}"
+            else:
+                try:
+                    capped[name] = _CAPS[name](_gpu.load(name), limit)
+                except Exception as exc:  # a library that cannot be capped must not fail the worker
+                    logger.warning("could not cap %s to %d bytes", name, limit, exc_info=True)
+                    capped[name] = f"not capped: {type(exc).__name__}: {exc}"
+        _APPLIED.update(limit=limit, emulated=emulated, capped=capped)
+        logger.info("worker allocators capped to %.2f GiB: %s", limit / 2**30, capped)
+        return dict(_APPLIED)
+
+
+def _cupy(cupy: Any, limit: int) -> str:
+    cupy.get_default_memory_pool().set_limit(size=limit)
+    return f"default memory pool set_limit(size={limit})"
+
+
+def _rmm(rmm: Any, limit: int) -> str:
+    current = rmm.mr.get_current_device_resource()
+    rmm.mr.set_current_device_resource(rmm.mr.LimitingResourceAdaptor(current, allocation_limit=limit))
+    return f"LimitingResourceAdaptor(allocation_limit={limit}) over {type(current).__name__}"
+
+
+def _torch(torch: Any, limit: int) -> str:
+    if not torch.cuda.is_available():
+        return "not capped: torch.cuda.is_available() is False"
+    total = torch.cuda.get_device_properties(0).total_memory
+    fraction = min(1.0, limit / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, 0)
+    return f"set_per_process_memory_fraction({fraction:.4f}) of {total} bytes"
+
+
+_CAPS = {"cupy": _cupy, "rmm": _rmm, "torch": _torch}
