@@ -10,6 +10,7 @@ deployment would set them the same way (``c.ClusterConfig.worker_cmd`` / ``envir
 from __future__ import annotations
 
 import contextlib
+import os
 import subprocess
 import sys
 import time
@@ -23,6 +24,8 @@ from faults._procs import free_port
 
 PASSWORD = "gateway-s3cret"
 USER = "gpu-tasks"
+
+TESTS = Path(__file__).resolve().parent.parent  # on the workers' path
 
 CONFIG = """\
 c.DaskGateway.address = "127.0.0.1:0"  # the private API: a port the server picks
@@ -41,6 +44,9 @@ c.ClusterConfig.environment = {{
     "GPU_TASKS_EMULATED_GPUS": "H100:80GiB",
     # a task whose worker died is reported by gpu-tasks, not re-run by the gateway's scheduler
     "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0",
+    # the tests' own modules (the tasks are functions of a test module): as a deployment's image
+    # would carry the flow's code
+    "PYTHONPATH": {pythonpath!r},
 }}
 """
 
@@ -114,7 +120,13 @@ def start_gateway(directory: Path, timeout: float = 60.0) -> GatewayServer:
     config = directory / "dask_gateway_config.py"
     config.write_text(
         CONFIG.format(
-            port=port, password=PASSWORD, clusters=str(directory / "clusters"), python=sys.executable
+            port=port,
+            password=PASSWORD,
+            clusters=str(directory / "clusters"),
+            python=sys.executable,
+            pythonpath=os.pathsep.join(
+                [str(TESTS), str(TESTS.parent), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
         )
     )
     log = directory / "server.log"
