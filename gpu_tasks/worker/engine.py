@@ -178,6 +178,8 @@ def _interruptible(
     key = str(dask_worker.get_current_task()) if dask_worker is not None else ""
     ident = threading.get_ident()
     start = time.time()
+    if dask_worker is not None:
+        _watch_released(dask_worker)
     try:
         with _INTERRUPTIBLE_LOCK:
             _INTERRUPTIBLE[ident] = key
@@ -193,6 +195,49 @@ def _interruptible(
     except KeyboardInterrupt as exc:  # interrupt_tasks(..., "stop"): its flow run stopped
         end, wkey = time.time(), worker_key(alloc.device_keys)
         return _crashed_by(exc, kwargs.get("task_run_id")), start, end, wkey
+
+
+RELEASED_POLL_S = 0.5  # how often a shared worker looks for running tasks nobody wants any more
+_RELEASE_WATCH: dict[int, threading.Thread] = {}  # by id() of the Dask worker
+
+
+def released_keys(dask_worker: Any, keys: list[str]) -> list[str]:
+    """Those of ``keys`` this worker still executes though its scheduler released them: the
+    client that wanted them is gone (its flow process was killed) or cancelled them."""
+    tasks = dask_worker.state.tasks
+    return [k for k in keys if getattr(tasks.get(k), "state", None) == "cancelled"]
+
+
+def _watch_released(dask_worker: Any) -> None:
+    """Start, once per worker, a thread that interrupts (``"stop"``) the tasks of shared clusters
+    whose keys the scheduler released: a flow process killed without a word (SIGKILL, its host
+    gone) cannot call :func:`interrupt_tasks` itself, and its task would hold the worker's GPU
+    to its end for no one."""
+
+    def watch() -> None:
+        while getattr(dask_worker.status, "name", "") not in ("closing", "closed", "failed"):
+            time.sleep(RELEASED_POLL_S)
+            with _INTERRUPTIBLE_LOCK:
+                keys = list(_INTERRUPTIBLE.values())
+            gone = released_keys(dask_worker, keys) if keys else []
+            if gone:
+                logger.warning(
+                    "worker %s: interrupting %d task(s) their scheduler released (their flow run's "
+                    "client is gone): %s",
+                    dask_worker.address,
+                    len(gone),
+                    ", ".join(gone),
+                )
+                interrupt_tasks(gone, "stop")
+        with _INTERRUPTIBLE_LOCK:
+            _RELEASE_WATCH.pop(id(dask_worker), None)
+
+    with _INTERRUPTIBLE_LOCK:
+        if id(dask_worker) in _RELEASE_WATCH:
+            return
+        thread = threading.Thread(target=watch, name="gpu-tasks-released-watch", daemon=True)
+        _RELEASE_WATCH[id(dask_worker)] = thread
+    thread.start()
 
 
 def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
