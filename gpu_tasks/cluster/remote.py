@@ -42,7 +42,7 @@ from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_spans, union_seconds
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker.api_probe import probe_api
-from gpu_tasks.worker.engine import interrupt_tasks
+from gpu_tasks.worker.interrupts import interrupt_tasks
 
 logger = logging.getLogger("gpu_tasks.runner")
 

@@ -43,6 +43,12 @@ from gpu_tasks.reporting.ledger import worker_key
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import guard as _worker_guard
 from gpu_tasks.worker.blobs import opened
+from gpu_tasks.worker.interrupts import (
+    INTERRUPTIBLE,
+    INTERRUPTIBLE_LOCK,
+    ORPHANED,
+    watch_released,
+)
 from gpu_tasks.worker.slots import SlotPool
 
 logger = logging.getLogger(__name__)
@@ -158,12 +164,6 @@ def run_on_worker(
             _RUNNING.pop(kwargs["task_run_id"], None)
 
 
-# Threads of this worker process running a shared cluster's task, by ident: its Dask key
-# (gpu_tasks.cluster.board preempts them with interrupt_tasks).
-_INTERRUPTIBLE: dict[int, str] = {}
-_INTERRUPTIBLE_LOCK = threading.Lock()
-
-
 def _interruptible(
     dask_worker: Any, alloc: Allocation, task: Any, kwargs: dict[str, Any]
 ) -> tuple[Any, float, float, str]:
@@ -179,15 +179,16 @@ def _interruptible(
     ident = threading.get_ident()
     start = time.time()
     if dask_worker is not None:
-        _watch_released(dask_worker)
+        watch_released(dask_worker)
     try:
-        with _INTERRUPTIBLE_LOCK:
-            _INTERRUPTIBLE[ident] = key
+        with INTERRUPTIBLE_LOCK:
+            INTERRUPTIBLE[ident] = key
         try:
             return run_engine(alloc, task, kwargs)
         finally:
-            with _INTERRUPTIBLE_LOCK:
-                _INTERRUPTIBLE.pop(ident, None)
+            with INTERRUPTIBLE_LOCK:
+                INTERRUPTIBLE.pop(ident, None)
+                ORPHANED.discard(ident)
     except TaskPreempted:
         logger.warning("task run %s was preempted on %s", kwargs.get("task_run_id"), alloc.worker)
         end, wkey = time.time(), worker_key(alloc.device_keys)
@@ -195,70 +196,6 @@ def _interruptible(
     except KeyboardInterrupt as exc:  # interrupt_tasks(..., "stop"): its flow run stopped
         end, wkey = time.time(), worker_key(alloc.device_keys)
         return _crashed_by(exc, kwargs.get("task_run_id")), start, end, wkey
-
-
-RELEASED_POLL_S = 0.5  # how often a shared worker looks for running tasks nobody wants any more
-_RELEASE_WATCH: dict[int, threading.Thread] = {}  # by id() of the Dask worker
-
-
-def released_keys(dask_worker: Any, keys: list[str]) -> list[str]:
-    """Those of ``keys`` this worker still executes though its scheduler released them: the
-    client that wanted them is gone (its flow process was killed) or cancelled them."""
-    tasks = dask_worker.state.tasks
-    return [k for k in keys if getattr(tasks.get(k), "state", None) == "cancelled"]
-
-
-def _watch_released(dask_worker: Any) -> None:
-    """Start, once per worker, a thread that interrupts (``"stop"``) the tasks of shared clusters
-    whose keys the scheduler released: a flow process killed without a word (SIGKILL, its host
-    gone) cannot call :func:`interrupt_tasks` itself, and its task would hold the worker's GPU
-    to its end for no one."""
-
-    def watch() -> None:
-        while getattr(dask_worker.status, "name", "") not in ("closing", "closed", "failed"):
-            time.sleep(RELEASED_POLL_S)
-            with _INTERRUPTIBLE_LOCK:
-                keys = list(_INTERRUPTIBLE.values())
-            gone = released_keys(dask_worker, keys) if keys else []
-            if gone:
-                logger.warning(
-                    "worker %s: interrupting %d task(s) their scheduler released (their flow run's "
-                    "client is gone): %s",
-                    dask_worker.address,
-                    len(gone),
-                    ", ".join(gone),
-                )
-                interrupt_tasks(gone, "stop")
-        with _INTERRUPTIBLE_LOCK:
-            _RELEASE_WATCH.pop(id(dask_worker), None)
-
-    with _INTERRUPTIBLE_LOCK:
-        if id(dask_worker) in _RELEASE_WATCH:
-            return
-        thread = threading.Thread(target=watch, name="gpu-tasks-released-watch", daemon=True)
-        _RELEASE_WATCH[id(dask_worker)] = thread
-    thread.start()
-
-
-def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
-    """Run on a worker (``Client.run``): raise ``TaskPreempted`` (``why="preempt"``) or
-    ``KeyboardInterrupt`` (``"stop"``: the flow run stopped) in the threads running ``keys``.
-
-    Python code in the task stops at once; a task inside one long call into C (a CUDA
-    kernel, ``time.sleep``) stops when that call returns. Returns the keys interrupted.
-    """
-    import ctypes
-
-    exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
-    wanted = set(keys)
-    done = []
-    with _INTERRUPTIBLE_LOCK:
-        for ident, key in _INTERRUPTIBLE.items():
-            if key in wanted:
-                hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
-                if hit == 1:
-                    done.append(key)
-    return done
 
 
 def _after_lost_worker(
@@ -273,14 +210,20 @@ def _after_lost_worker(
     from prefect.client.schemas.objects import StateType
     from prefect.exceptions import ObjectNotFound
 
+    from gpu_tasks.compat.api_busy import BusyWait, busy_timeout
     from gpu_tasks.compat.prefect import current_sync_client_context
     from gpu_tasks.prefect_api.states import await_retry, crash_task_run
 
     ctx = current_sync_client_context()
-    try:
-        task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None
-    except ObjectNotFound:
-        return None
+    wait = BusyWait(f"reading task run {kwargs['task_run_id']} on worker {alloc.worker}", busy_timeout())
+    while True:  # an API unreachable for a while (restarted, its host's link down) is waited out
+        try:
+            task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None
+            break
+        except ObjectNotFound:
+            return None
+        except Exception as exc:
+            time.sleep(wait.next_wait(exc))
     if task_run is None or task_run.state is None or task_run.state.type != StateType.RUNNING:
         return None  # a first run, or the runner's own retry (AwaitingRetry)
     flow_run = uuid.UUID(str(flow_run_id)) if flow_run_id else None

@@ -219,16 +219,17 @@ def test_a_gpu_hosts_link_cut_mid_task_then_restored_the_task_completes_once(
     assert result["running"] == [], result
     # the link is back: watch the scheduler's workers until the first attempt's sleep has ended
     seen: list[tuple[float, dict]] = []
-    while time.time() < first_end + 5 or len(seen[-1][1]) < 2:
+    while time.time() < first_end + 3:
         workers = net_hosts.query("workers", net_hosts.address)
         if not seen or workers != seen[-1][1]:
-            seen.append((time.time() - restored_at, workers))
-        assert time.time() < first_end + 60, seen
+            seen.append((round(time.time() - restored_at, 1), workers))
         time.sleep(1.0)
     after = net_hosts.query("task-run", result["task_run_id"])
     completions = sorted(p.name for p in tmp_path.glob("running-on.done-*"))
     print(f"link restored {restored_at - cut_at:.1f} s after the cut; scheduler's workers since: {seen}")
     print(f"completions: {completions}; task run now {after}")
-    print(f"--- {host}'s worker log\n{net_hosts.log(host, 25)}")
+    print(f"--- {host}'s worker log\n{net_hosts.log(host, 12)}")
     assert completions == [f"running-on.done-{done['host']}-{done['end']:.3f}"]  # the retry's, once
+    assert set(seen[-1][1]) == {"gpu1", "gpu2"} - {host}  # the cut host's worker left for good
+    assert net_hosts.procs[host].poll() is not None  # its `dask worker` process ended
     assert after["state"] == "COMPLETED" and after["run_count"] == 2, after
