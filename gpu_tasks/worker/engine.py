@@ -215,7 +215,8 @@ def _after_lost_worker(
     from gpu_tasks.prefect_api.states import await_retry, crash_task_run
 
     ctx = current_sync_client_context()
-    wait = BusyWait(f"reading task run {kwargs['task_run_id']} on worker {alloc.worker}", busy_timeout())
+    # a task holds its worker's GPU while it waits: ask every 5 s at most, to start soon after
+    wait = BusyWait(f"reading task run {kwargs['task_run_id']} on worker {alloc.worker}", busy_timeout(), 5.0)
     while True:  # an API unreachable for a while (restarted, its host's link down) is waited out
         try:
             task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None

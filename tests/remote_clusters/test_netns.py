@@ -173,12 +173,18 @@ def test_the_api_stopped_for_30_s_mid_run_loses_no_result(net_hosts: NetHosts, t
     proc = _flow(net_hosts, "fault_script.py", [net_hosts.address, "4", "10", str(tmp_path)])
     _wait_files(tmp_path, "start-*", 2, proc)
     time.sleep(2.0)
+    asked = time.time()
     net_hosts.stop_api()
     stopped_at = time.time()
     time.sleep(30)
     net_hosts.start_api()
+    print(f"API stopped in {stopped_at - asked:.1f} s, started again {time.time() - stopped_at:.1f} s later")
     log = _finish(proc, timeout=240)
     print("\n".join(line for line in log.splitlines() if "WARNING" in line or "ERROR" in line)[-4000:])
+    for host in ("gpu1", "gpu2"):
+        lines = net_hosts.log(host, 400).splitlines()
+        said = [ln for ln in lines if "Prefect API" in ln or "Unable to" in ln]
+        print(f"--- {host}: {len(said)} line(s) about the API, the last:\n" + "\n".join(said[-2:]))
     result = json.loads((tmp_path / "out.json").read_text())
     starts = sorted(_stamp(p) - stopped_at for p in tmp_path.glob("start-*"))
     print(
