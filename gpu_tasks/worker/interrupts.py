@@ -43,29 +43,20 @@ ORPHANED: set[int] = set()  # threads interrupted as their worker closed: their 
 
 
 def _quiet_orphan_crash() -> None:
-    """Once per process: Prefect's task engine reports no ``Crashed`` for an attempt interrupted
-    because its worker closed. Its scheduler runs it again elsewhere (reported ``Crashed`` there
-    first, :func:`_after_lost_worker`); a late report from here, once a cut link is back, would
+    """Prefect's task engine reports no ``Crashed`` for an attempt interrupted because its worker
+    closed. Its scheduler runs it again elsewhere (reported ``Crashed`` there first,
+    ``engine._after_lost_worker``); a late report from here, once a cut link is back, would
     overwrite the retry's state on the server (the newer state wins)."""
-    from prefect.task_engine import SyncTaskRunEngine
+    from gpu_tasks.compat.prefect import skip_crash_reports
 
-    original = SyncTaskRunEngine.handle_crash
-    if getattr(original, "_gpu_tasks_orphan", False):
-        return
+    def say(task_run: Any) -> None:
+        logger.warning(
+            "task run %s: its worker lost its scheduler, which runs it again elsewhere; this attempt "
+            "was interrupted and reports nothing",
+            getattr(task_run, "id", None),
+        )
 
-    def handle_crash(self: Any, exc: BaseException) -> None:
-        if threading.get_ident() in ORPHANED:
-            logger.warning(
-                "task run %s: its worker lost its scheduler, which runs it again elsewhere; this attempt "
-                "was interrupted and reports nothing",
-                getattr(self.task_run, "id", None),
-            )
-            self._raised = exc
-            return
-        original(self, exc)
-
-    handle_crash._gpu_tasks_orphan = True  # type: ignore[attr-defined]
-    SyncTaskRunEngine.handle_crash = handle_crash  # type: ignore[method-assign]
+    skip_crash_reports(lambda: threading.get_ident() in ORPHANED, say)
 
 
 def watch_released(dask_worker: Any) -> None:
