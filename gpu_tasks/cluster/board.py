@@ -8,7 +8,7 @@ there, in the scheduler's metadata (``Client.set_metadata``) under ``gpu-tasks-w
   flow run, how much ``GPU`` one task needs and the workers its waiting tasks are queued
   on; it renews the entry while it waits (a beat count) and takes it down when it runs;
 * a **holder**, a ``preemptible`` profile of lower priority with tasks running on those
-  workers, interrupts enough of them there (:func:`gpu_tasks.worker.engine.interrupt_tasks`:
+  workers, interrupts enough of them there (:func:`gpu_tasks.worker.interrupts.interrupt_tasks`:
   ``TaskPreempted`` raised in the task's thread) to free what one waiting task needs.
 
 The interrupted tasks end ``Preempted`` and are handed to the scheduler again by their

@@ -43,7 +43,7 @@ from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_spans, unio
 from gpu_tasks.reporting.measured import NOT_ELSEWHERE, NOT_EMULATED, Measured
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker.api_probe import probe_api
-from gpu_tasks.worker.engine import interrupt_tasks
+from gpu_tasks.worker.interrupts import interrupt_tasks
 
 logger = logging.getLogger("gpu_tasks.runner")
 

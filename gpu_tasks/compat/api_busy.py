@@ -51,11 +51,12 @@ def busy_reason(exc: BaseException) -> str | None:
 
 @dataclass
 class BusyWait:
-    """The waits between tries of one request to a busy API: 1 s, doubling to 30 s, with jitter,
-    until ``timeout`` seconds have passed since the first refusal."""
+    """The waits between tries of one request to a busy API: 1 s, doubling to ``longest`` (30 s),
+    with jitter, until ``timeout`` seconds have passed since the first refusal."""
 
     what: str
     timeout: float
+    longest: float = LONGEST_WAIT_S  # the longest wait between two tries
     tries: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -76,7 +77,7 @@ class BusyWait:
                 self.timeout,
             )
             raise exc
-        wait = min(LONGEST_WAIT_S, FIRST_WAIT_S * 2.0**self.tries) * random.uniform(0.8, 1.2)
+        wait = min(self.longest, FIRST_WAIT_S * 2.0**self.tries) * random.uniform(0.8, 1.2)
         wait = max(0.0, min(wait, self.timeout - waited))
         self.tries += 1
         (log or logger).warning(

@@ -345,6 +345,38 @@ def emit_state_change_event(task_run: Any, initial_state: Any, validated_state: 
     )
 
 
+def skip_crash_reports(skip: Callable[[], bool], say: Callable[[Any], None]) -> None:
+    """Once per process: Prefect's sync task engine reports no ``Crashed`` state
+    (``SyncTaskRunEngine.handle_crash``, undocumented) while ``skip()`` is true in the crashing
+    thread; ``say(task_run)`` is called instead."""
+    from prefect.task_engine import SyncTaskRunEngine
+
+    original = SyncTaskRunEngine.handle_crash
+    if getattr(original, "_gpu_tasks_skip", False):
+        return
+
+    def handle_crash(self: Any, exc: BaseException) -> None:
+        if not skip():
+            original(self, exc)
+            return
+        say(self.task_run)
+        self._raised = exc
+
+    handle_crash._gpu_tasks_skip = True  # type: ignore[attr-defined]
+    setattr(SyncTaskRunEngine, "handle_crash", handle_crash)  # noqa: B010 - an engine internal
+
+
+def _check_handle_crash() -> str | None:
+    from prefect.task_engine import SyncTaskRunEngine
+
+    from gpu_tasks.compat import params
+
+    engine = SyncTaskRunEngine
+    if not hasattr(engine, "_raised") and "_raised" not in getattr(engine, "__dataclass_fields__", {}):
+        return "SyncTaskRunEngine has no _raised"
+    return params(engine.handle_crash, "self", "exc")
+
+
 def engine_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """``visit_collection`` and ``resolve_to_final_result``, as the task engine resolves a task's
     parameters (``prefect.utilities.collections`` / ``prefect.utilities.engine``, undocumented)."""
@@ -509,6 +541,13 @@ def _uses() -> list[Any]:
             "undocumented",
             "crash reports emit the engine's own state-change events",
             _check_state_event,
+        ),
+        Use(
+            "prefect",
+            "prefect.task_engine.SyncTaskRunEngine.handle_crash",
+            "patched",
+            "an attempt interrupted as its worker lost its scheduler reports no Crashed over its retry",
+            _check_handle_crash,
         ),
         Use(
             "prefect",

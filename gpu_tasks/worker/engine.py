@@ -44,6 +44,12 @@ from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import guard as _worker_guard
 from gpu_tasks.worker import memory_caps
 from gpu_tasks.worker.blobs import opened
+from gpu_tasks.worker.interrupts import (
+    INTERRUPTIBLE,
+    INTERRUPTIBLE_LOCK,
+    ORPHANED,
+    watch_released,
+)
 from gpu_tasks.worker.slots import SlotPool
 
 logger = logging.getLogger(__name__)
@@ -160,12 +166,6 @@ def run_on_worker(
             _RUNNING.pop(kwargs["task_run_id"], None)
 
 
-# Threads of this worker process running a shared cluster's task, by ident: its Dask key
-# (gpu_tasks.cluster.board preempts them with interrupt_tasks).
-_INTERRUPTIBLE: dict[int, str] = {}
-_INTERRUPTIBLE_LOCK = threading.Lock()
-
-
 def _interruptible(
     dask_worker: Any, alloc: Allocation, task: Any, kwargs: dict[str, Any]
 ) -> tuple[Any, float, float, str]:
@@ -180,14 +180,17 @@ def _interruptible(
     key = str(dask_worker.get_current_task()) if dask_worker is not None else ""
     ident = threading.get_ident()
     start = time.time()
+    if dask_worker is not None:
+        watch_released(dask_worker)
     try:
-        with _INTERRUPTIBLE_LOCK:
-            _INTERRUPTIBLE[ident] = key
+        with INTERRUPTIBLE_LOCK:
+            INTERRUPTIBLE[ident] = key
         try:
             return run_engine(alloc, task, kwargs)
         finally:
-            with _INTERRUPTIBLE_LOCK:
-                _INTERRUPTIBLE.pop(ident, None)
+            with INTERRUPTIBLE_LOCK:
+                INTERRUPTIBLE.pop(ident, None)
+                ORPHANED.discard(ident)
     except TaskPreempted:
         logger.warning("task run %s was preempted on %s", kwargs.get("task_run_id"), alloc.worker)
         end, wkey = time.time(), worker_key(alloc.device_keys)
@@ -195,27 +198,6 @@ def _interruptible(
     except KeyboardInterrupt as exc:  # interrupt_tasks(..., "stop"): its flow run stopped
         end, wkey = time.time(), worker_key(alloc.device_keys)
         return _crashed_by(exc, kwargs.get("task_run_id")), start, end, wkey
-
-
-def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
-    """Run on a worker (``Client.run``): raise ``TaskPreempted`` (``why="preempt"``) or
-    ``KeyboardInterrupt`` (``"stop"``: the flow run stopped) in the threads running ``keys``.
-
-    Python code in the task stops at once; a task inside one long call into C (a CUDA
-    kernel, ``time.sleep``) stops when that call returns. Returns the keys interrupted.
-    """
-    import ctypes
-
-    exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
-    wanted = set(keys)
-    done = []
-    with _INTERRUPTIBLE_LOCK:
-        for ident, key in _INTERRUPTIBLE.items():
-            if key in wanted:
-                hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
-                if hit == 1:
-                    done.append(key)
-    return done
 
 
 def _after_lost_worker(
@@ -230,14 +212,21 @@ def _after_lost_worker(
     from prefect.client.schemas.objects import StateType
     from prefect.exceptions import ObjectNotFound
 
+    from gpu_tasks.compat.api_busy import BusyWait, busy_timeout
     from gpu_tasks.compat.prefect import current_sync_client_context
     from gpu_tasks.prefect_api.states import await_retry, crash_task_run
 
     ctx = current_sync_client_context()
-    try:
-        task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None
-    except ObjectNotFound:
-        return None
+    # a task holds its worker's GPU while it waits: ask every 5 s at most, to start soon after
+    wait = BusyWait(f"reading task run {kwargs['task_run_id']} on worker {alloc.worker}", busy_timeout(), 5.0)
+    while True:  # an API unreachable for a while (restarted, its host's link down) is waited out
+        try:
+            task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None
+            break
+        except ObjectNotFound:
+            return None
+        except Exception as exc:
+            time.sleep(wait.next_wait(exc))
     if task_run is None or task_run.state is None or task_run.state.type != StateType.RUNNING:
         return None  # a first run, or the runner's own retry (AwaitingRetry)
     flow_run = uuid.UUID(str(flow_run_id)) if flow_run_id else None

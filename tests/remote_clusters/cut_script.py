@@ -1,6 +1,8 @@
-"""``python cut_script.py ADDRESS MARKER OUT``: one task with a retry on an address profile. Its
-first attempt writes its host's name to MARKER and sleeps (its link is cut meanwhile); a later
-attempt returns at once. Its outcome, states and the flow run's task runs still running go to OUT."""
+"""``python cut_script.py ADDRESS MARKER OUT SLEEP``: one task with a retry on an address profile.
+Its first attempt writes its host's name to MARKER and sleeps SLEEP s (its link is cut
+meanwhile); a later attempt returns at once. Every attempt that completes writes
+``MARKER.done-<host>-<time>`` (the side effect the tests count). Its outcome, states and the
+flow run's task runs still running go to OUT."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import time
 from pathlib import Path
 
 
-def main(address: str, marker: str, out: str) -> None:
+def main(address: str, marker: str, out: str, sleep: float) -> None:
     from prefect import flow, task
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -26,8 +28,10 @@ def main(address: str, marker: str, out: str) -> None:
         if not first.exists():
             first.write_text("")
             Path(marker).write_text(host)
-            time.sleep(120)
-        return {"host": host, "end": time.time()}
+            time.sleep(sleep)
+        end = time.time()
+        Path(f"{marker}.done-{host}-{end:.3f}").write_text("")
+        return {"host": host, "end": end}
 
     @flow(task_runner=ProfileTaskRunner(profiles=[net]))
     def cut() -> dict:
@@ -52,4 +56,4 @@ def main(address: str, marker: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], sys.argv[3])
+    main(sys.argv[1], sys.argv[2], sys.argv[3], float(sys.argv[4]))

@@ -9,7 +9,9 @@ own (``infra/netns/exec.sh``).
 
 Every address is in 10.213.77.0/24, which exists only inside these namespaces. Needs root;
 :func:`unavailable` says why not. ``python netns.py wait ADDRESS API N TIMEOUT`` (run on the
-flow host) waits until the scheduler has N workers and the API answers.
+flow host) waits until the scheduler has N workers and the API answers; ``python netns.py
+workers ADDRESS`` prints the scheduler's workers, ``python netns.py task-run ID`` a task run's
+state, run count and state history (JSON).
 """
 
 from __future__ import annotations
@@ -121,6 +123,37 @@ class NetHosts:
         self.spawn(name, host, argv)
         return f"tcp://{ADDRESS[host]}:{port}"
 
+    def start_api(self) -> None:
+        """The flow host's Prefect server on 0.0.0.0:4200 (again, on the same database)."""
+        home = self.logdir / "prefect-home"
+        server_env = clean_env(
+            PREFECT_HOME=str(home),
+            PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_UI_ENABLED="false",
+        )
+        argv = [_exe("prefect"), "server", "start", "--host", "0.0.0.0", "--port", "4200", "--no-ui"]
+        self.spawn("api", "flow", argv, server_env)
+
+    def stop_api(self) -> None:
+        """Stop the Prefect server as an operator would (SIGTERM), keeping its log."""
+        proc = self.procs.pop("api")
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+        os.rename(self.logdir / "api.log", self.logdir / f"api-{time.time():.0f}.log")
+
+    def query(self, what: str, arg: str) -> object:
+        """``workers`` (the scheduler at ``arg``: name -> address) or ``task-run`` (id ``arg``),
+        asked from the flow host."""
+        import json
+
+        done = self.run(
+            "flow", [sys.executable, __file__, what, arg], clean_env(PREFECT_API_URL=self.api_url), 60
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{what} {arg}: {done.stderr.decode()[-2000:]}")
+        return json.loads(done.stdout)
+
     def wait(self, address: str, workers: int, api: bool = True, timeout: float = 60) -> None:
         """Wait (from the flow host) until ``address`` has ``workers`` workers and the API answers."""
         argv = [
@@ -149,15 +182,7 @@ def start_net_hosts(logdir: Path) -> NetHosts:
     subprocess.run([str(INFRA / "up.sh")], check=True, capture_output=True)
     hosts = NetHosts(logdir)
     try:
-        home = logdir / "prefect-home"
-        server_env = clean_env(
-            PREFECT_HOME=str(home),
-            PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",
-            PREFECT_SERVER_ANALYTICS_ENABLED="false",
-            PREFECT_UI_ENABLED="false",
-        )
-        argv = [_exe("prefect"), "server", "start", "--host", "0.0.0.0", "--port", "4200", "--no-ui"]
-        hosts.spawn("api", "flow", argv, server_env)
+        hosts.start_api()
         hosts.scheduler("sched", 8786, "scheduler")
         for host in ("gpu1", "gpu2"):
             hosts.worker(host, hosts.address)
@@ -192,5 +217,28 @@ def _wait(address: str, api: str, workers: int, timeout: float) -> int:
     return 0
 
 
+def _workers(address: str) -> dict[str, str]:
+    from distributed import Client
+
+    with Client(address, timeout=10) as client:
+        return {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
+
+
+def _task_run(task_run_id: str) -> dict:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        run = client.read_task_run(task_run_id)
+        return {
+            "state": run.state_type.value if run.state_type else None,
+            "run_count": run.run_count,
+            "states": [s.type.value for s in client.read_task_run_states(run.id)],
+        }
+
+
 if __name__ == "__main__" and sys.argv[1] == "wait":
     sys.exit(_wait(sys.argv[2], sys.argv[3], int(sys.argv[4]), float(sys.argv[5])))
+if __name__ == "__main__" and sys.argv[1] in ("workers", "task-run"):
+    import json
+
+    print(json.dumps((_workers if sys.argv[1] == "workers" else _task_run)(sys.argv[2])))

@@ -5,6 +5,8 @@ Prefect API there; the scheduler and each GPU worker on theirs."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -121,21 +123,99 @@ def test_a_scheduler_that_cannot_be_reached_fails_the_profile_in_seconds(
     assert result["tasks_s"] < 20, result  # not 120 s, nor 120 s per queued task
 
 
-def test_a_gpu_hosts_link_cut_mid_task_crashes_it_and_the_retry_completes_on_the_other(
+def _wait_files(
+    where: Path, pattern: str, n: int, proc: subprocess.Popen, timeout: float = 120
+) -> list[Path]:
+    deadline = time.monotonic() + timeout
+    while len(found := sorted(where.glob(pattern))) < n:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.1)
+    return found
+
+
+def _stamp(path: Path) -> float:
+    return float(path.name.rsplit("-", 1)[1])
+
+
+def test_a_flow_process_killed_frees_the_shared_workers_gpus_for_another_flow_run(
     net_hosts: NetHosts, tmp_path: Path
 ):
-    """Last in this module: the cut host stays cut off until the module's hosts are torn down."""
+    """SIGKILL of the flow process (in the flow namespace) under two 60 s tasks, one per GPU host."""
+    first, second = tmp_path / "killed", tmp_path / "next"
+    first.mkdir()
+    second.mkdir()
+    proc = _flow(net_hosts, "fault_script.py", [net_hosts.address, "2", "60", str(first)])
+    _wait_files(first, "start-*", 2, proc)
+    time.sleep(1.0)
+    os.kill(int((first / "flow.pid").read_text()), signal.SIGKILL)
+    killed_at = time.time()
+    proc.wait(10)
+    _finish(_flow(net_hosts, "fault_script.py", [net_hosts.address, "2", "0.5", str(second)]))
+    result = json.loads((second / "out.json").read_text())
+    waits = {r["host"]: round(r["start"] - killed_at, 2) for r in result["results"]}
+    print(
+        f"kill -> the next flow run's tasks started {waits} s later; its flow function began "
+        f"{result['began'] - killed_at:.1f} s after the kill"
+    )
+    assert sorted(waits) == ["gtn-gpu1", "gtn-gpu2"], waits  # on the same two workers, GPU=1 each
+    assert max(waits.values()) < 20, waits  # not the 60 s the killed tasks would have held them
+    assert all(r["state"] == "COMPLETED" for r in result["runs"]), result["runs"]
+    killed_runs = [net_hosts.query("task-run", i) for i in json.loads((first / "ids.json").read_text())]
+    print(f"the killed flow run's task runs on the API: {killed_runs}")
+    assert [r["state"] for r in killed_runs] == ["CRASHED", "CRASHED"], killed_runs
+    assert list(first.glob("done-*")) == []  # they never complete: interrupted, not left to run
+    assert set(net_hosts.query("workers", net_hosts.address)) == {"gpu1", "gpu2"}  # the workers stay up
+
+
+def test_the_api_stopped_for_30_s_mid_run_loses_no_result(net_hosts: NetHosts, tmp_path: Path):
+    """No packet filter here (no nft, no iptables, no tc actions): the flow host's Prefect server
+    is stopped for 30 s while two of four 10 s tasks run, the others queued, then started again."""
+    proc = _flow(net_hosts, "fault_script.py", [net_hosts.address, "4", "10", str(tmp_path)])
+    _wait_files(tmp_path, "start-*", 2, proc)
+    time.sleep(2.0)
+    asked = time.time()
+    net_hosts.stop_api()
+    stopped_at = time.time()
+    time.sleep(30)
+    net_hosts.start_api()
+    print(f"API stopped in {stopped_at - asked:.1f} s, started again {time.time() - stopped_at:.1f} s later")
+    log = _finish(proc, timeout=240)
+    print("\n".join(line for line in log.splitlines() if "WARNING" in line or "ERROR" in line)[-4000:])
+    for host in ("gpu1", "gpu2"):
+        lines = net_hosts.log(host, 400).splitlines()
+        said = [ln for ln in lines if "Prefect API" in ln or "Unable to" in ln]
+        print(f"--- {host}: {len(said)} line(s) about the API, the last:\n" + "\n".join(said[-2:]))
+    result = json.loads((tmp_path / "out.json").read_text())
+    starts = sorted(_stamp(p) - stopped_at for p in tmp_path.glob("start-*"))
+    print(
+        f"tasks started {starts} s after the stop; flow run {result['seconds']:.1f} s; runs {result['runs']}"
+    )
+    assert sorted(r["i"] for r in result["results"]) == [0, 1, 2, 3]
+    assert len(list(tmp_path.glob("done-*"))) == 4
+    assert all(r["state"] == "COMPLETED" for r in result["runs"]), result["runs"]
+
+
+def test_a_gpu_hosts_link_cut_mid_task_then_restored_the_task_completes_once(
+    net_hosts: NetHosts, tmp_path: Path
+):
+    """Last in this module. The first attempt sleeps 45 s: its link is cut 1 s in, the retry
+    completes on the other host, then the link comes back before the first attempt's sleep ends."""
     marker, out = tmp_path / "running-on", tmp_path / "cut.json"
-    proc = _flow(net_hosts, "cut_script.py", [net_hosts.address, str(marker), str(out)])
+    proc = _flow(net_hosts, "cut_script.py", [net_hosts.address, str(marker), str(out), "45"])
     deadline = time.monotonic() + 120
     while not marker.exists() or not marker.read_text():
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
         time.sleep(0.1)
+    first_end = time.time() + 45
     time.sleep(1.0)
     host = marker.read_text().removeprefix("gtn-")  # the GPU host its first attempt runs on
     subprocess.run(["ip", "-n", f"gtn-{host}", "link", "set", "eth0", "down"], check=True)
     cut_at = time.time()
-    _finish(proc, timeout=240)
+    try:
+        _finish(proc, timeout=240)
+    finally:
+        subprocess.run(["ip", "-n", f"gtn-{host}", "link", "set", "eth0", "up"], check=True)
+    restored_at = time.time()
     result = json.loads(out.read_text())
     done = result["result"]
     print(f"link of {host} cut: the retry completed on {done['host']} {done['end'] - cut_at:.1f} s later")
@@ -143,3 +223,19 @@ def test_a_gpu_hosts_link_cut_mid_task_crashes_it_and_the_retry_completes_on_the
     assert result["state"] == "COMPLETED" and result["run_count"] == 2, result
     assert "CRASHED" in result["states"], result["states"]
     assert result["running"] == [], result
+    # the link is back: watch the scheduler's workers until the first attempt's sleep has ended
+    seen: list[tuple[float, dict]] = []
+    while time.time() < first_end + 3:
+        workers = net_hosts.query("workers", net_hosts.address)
+        if not seen or workers != seen[-1][1]:
+            seen.append((round(time.time() - restored_at, 1), workers))
+        time.sleep(1.0)
+    after = net_hosts.query("task-run", result["task_run_id"])
+    completions = sorted(p.name for p in tmp_path.glob("running-on.done-*"))
+    print(f"link restored {restored_at - cut_at:.1f} s after the cut; scheduler's workers since: {seen}")
+    print(f"completions: {completions}; task run now {after}")
+    print(f"--- {host}'s worker log\n{net_hosts.log(host, 12)}")
+    assert completions == [f"running-on.done-{done['host']}-{done['end']:.3f}"]  # the retry's, once
+    assert set(seen[-1][1]) == {"gpu1", "gpu2"} - {host}  # the cut host's worker left for good
+    assert net_hosts.procs[host].poll() is not None  # its `dask worker` process ended
+    assert after["state"] == "COMPLETED" and after["run_count"] == 2, after

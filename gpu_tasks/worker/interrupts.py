@@ -1,0 +1,129 @@
+"""Interrupting the tasks a shared cluster's worker runs, from outside their threads.
+
+- :func:`interrupt_tasks` (``Client.run`` from the flow process): preemption
+  (``TaskPreempted``) or the flow run's end (``KeyboardInterrupt``).
+- A watch thread per worker (:func:`watch_released`): the tasks whose keys the scheduler
+  released (their flow process was killed: nobody wants them) are interrupted within
+  :data:`RELEASED_POLL_S`; when the worker closes (it lost its scheduler) the tasks it still runs
+  are interrupted too, and their attempt reports nothing (the scheduler re-runs them elsewhere).
+
+Python code in a task stops at once; a task inside one long call into C (a CUDA kernel,
+``time.sleep``) stops when that call returns.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from gpu_tasks.errors import TaskPreempted
+
+logger = logging.getLogger(__name__)
+
+# Threads of this worker process running a shared cluster's task, by ident: its Dask key
+# (gpu_tasks.cluster.board preempts them with interrupt_tasks).
+INTERRUPTIBLE: dict[int, str] = {}
+INTERRUPTIBLE_LOCK = threading.Lock()
+
+
+RELEASED_POLL_S = 0.5  # how often a shared worker looks for running tasks nobody wants any more
+_RELEASE_WATCH: dict[int, threading.Thread] = {}  # by id() of the Dask worker
+
+
+def released_keys(dask_worker: Any, keys: list[str]) -> list[str]:
+    """Those of ``keys`` this worker still executes though its scheduler released them: the
+    client that wanted them is gone (its flow process was killed) or cancelled them."""
+    tasks = dask_worker.state.tasks
+    return [k for k in keys if getattr(tasks.get(k), "state", None) == "cancelled"]
+
+
+ORPHANED: set[int] = set()  # threads interrupted as their worker closed: their crash goes unreported
+
+
+def _quiet_orphan_crash() -> None:
+    """Prefect's task engine reports no ``Crashed`` for an attempt interrupted because its worker
+    closed. Its scheduler runs it again elsewhere (reported ``Crashed`` there first,
+    ``engine._after_lost_worker``); a late report from here, once a cut link is back, would
+    overwrite the retry's state on the server (the newer state wins)."""
+    from gpu_tasks.compat.prefect import skip_crash_reports
+
+    def say(task_run: Any) -> None:
+        logger.warning(
+            "task run %s: its worker lost its scheduler, which runs it again elsewhere; this attempt "
+            "was interrupted and reports nothing",
+            getattr(task_run, "id", None),
+        )
+
+    skip_crash_reports(lambda: threading.get_ident() in ORPHANED, say)
+
+
+def watch_released(dask_worker: Any) -> None:
+    """Start, once per worker, a thread that interrupts (``"stop"``) the tasks of shared clusters
+    whose keys the scheduler released: a flow process killed without a word (SIGKILL, its host
+    gone) cannot call :func:`interrupt_tasks` itself, and its task would hold the worker's GPU
+    to its end for no one. When the worker closes (it lost its scheduler), it interrupts the
+    tasks it still runs."""
+
+    def watch() -> None:
+        while getattr(dask_worker.status, "name", "") not in ("closing", "closed", "failed"):
+            time.sleep(RELEASED_POLL_S)
+            with INTERRUPTIBLE_LOCK:
+                keys = list(INTERRUPTIBLE.values())
+            gone = released_keys(dask_worker, keys) if keys else []
+            if gone:
+                logger.warning(
+                    "worker %s: interrupting %d task(s) their scheduler released (their flow run's "
+                    "client is gone): %s",
+                    dask_worker.address,
+                    len(gone),
+                    ", ".join(gone),
+                )
+                interrupt_tasks(gone, "stop")
+        # the worker is closing (it lost its scheduler: a link down for its comm timeout): whatever
+        # its tasks return now reaches no one, and the scheduler re-runs them elsewhere; left to
+        # run, one would finish its work a second time (seen when the link came back)
+        with INTERRUPTIBLE_LOCK:
+            _RELEASE_WATCH.pop(id(dask_worker), None)
+            left = list(INTERRUPTIBLE.values())
+            ORPHANED.update(INTERRUPTIBLE)
+        if left:
+            logger.warning(
+                "worker %s is closing (%s): interrupting the %d task(s) it still runs, whose results "
+                "can reach no one: %s",
+                dask_worker.address,
+                dask_worker.status.name,
+                len(left),
+                ", ".join(left),
+            )
+            interrupt_tasks(left, "stop")
+
+    with INTERRUPTIBLE_LOCK:
+        if id(dask_worker) in _RELEASE_WATCH:
+            return
+        _quiet_orphan_crash()
+        thread = threading.Thread(target=watch, name="gpu-tasks-released-watch", daemon=True)
+        _RELEASE_WATCH[id(dask_worker)] = thread
+    thread.start()
+
+
+def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
+    """Run on a worker (``Client.run``): raise ``TaskPreempted`` (``why="preempt"``) or
+    ``KeyboardInterrupt`` (``"stop"``: the flow run stopped) in the threads running ``keys``.
+
+    Python code in the task stops at once; a task inside one long call into C (a CUDA
+    kernel, ``time.sleep``) stops when that call returns. Returns the keys interrupted.
+    """
+    import ctypes
+
+    exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
+    wanted = set(keys)
+    done = []
+    with INTERRUPTIBLE_LOCK:
+        for ident, key in INTERRUPTIBLE.items():
+            if key in wanted:
+                hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
+                if hit == 1:
+                    done.append(key)
+    return done

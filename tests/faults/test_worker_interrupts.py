@@ -1,0 +1,99 @@
+"""The worker side of a lost flow process or a lost scheduler, without a cluster: the watch thread
+interrupts a task whose key its scheduler released, and the tasks still running when the worker
+closes (whose crash then goes unreported); an unreachable API is asked again every ``longest`` s."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import httpx
+import pytest
+
+from gpu_tasks.compat.api_busy import BusyWait
+from gpu_tasks.worker import interrupts
+
+
+class FakeWorker:
+    def __init__(self) -> None:
+        self.address = "tcp://10.213.77.11:1"
+        self.status = SimpleNamespace(name="running")
+        self.state = SimpleNamespace(tasks={})
+
+
+def _task_thread(key: str, worker: FakeWorker) -> tuple[threading.Thread, list[str]]:
+    """A thread registered as running ``key``, as ``engine._interruptible`` registers one."""
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def run() -> None:
+        with interrupts.INTERRUPTIBLE_LOCK:
+            interrupts.INTERRUPTIBLE[threading.get_ident()] = key
+        worker.state.tasks[key] = SimpleNamespace(state="executing")
+        ready.set()
+        try:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # Python between short sleeps, as a task
+                time.sleep(0.02)
+            seen.append("ran to its end")
+        except KeyboardInterrupt:
+            seen.append("interrupted")
+        finally:
+            with interrupts.INTERRUPTIBLE_LOCK:
+                interrupts.INTERRUPTIBLE.pop(threading.get_ident(), None)
+                seen.append("orphaned" if threading.get_ident() in interrupts.ORPHANED else "")
+                interrupts.ORPHANED.discard(threading.get_ident())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ready.wait(5)
+    return thread, seen
+
+
+def test_released_keys_are_those_the_worker_holds_cancelled():
+    worker = FakeWorker()
+    worker.state.tasks = {"a": SimpleNamespace(state="executing"), "b": SimpleNamespace(state="cancelled")}
+    assert interrupts.released_keys(worker, ["a", "b", "gone"]) == ["b"]
+
+
+def test_a_released_task_is_interrupted_and_its_crash_reported(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(interrupts, "RELEASED_POLL_S", 0.05)
+    worker = FakeWorker()
+    keep, kept = _task_thread("keep", worker)
+    drop, dropped = _task_thread("drop", worker)
+    interrupts.watch_released(worker)
+    worker.state.tasks["drop"].state = "cancelled"  # the scheduler released it: its client is gone
+    drop.join(2)
+    assert dropped == ["interrupted", ""]  # not an orphan: Prefect reports its crash
+    assert keep.is_alive() and kept == []
+    worker.status.name = "closing"  # then the worker loses its scheduler
+    keep.join(2)
+    assert kept == ["interrupted", "orphaned"]
+
+
+def test_an_orphans_crash_is_not_reported(monkeypatch: pytest.MonkeyPatch):
+    from prefect.task_engine import SyncTaskRunEngine
+
+    reported: list[BaseException] = []
+    monkeypatch.setattr(SyncTaskRunEngine, "handle_crash", lambda self, exc: reported.append(exc))
+    interrupts._quiet_orphan_crash()
+    engine = SimpleNamespace(task_run=SimpleNamespace(id="r1"), _raised=None)
+    crash = KeyboardInterrupt()
+    SyncTaskRunEngine.handle_crash(engine, crash)  # type: ignore[arg-type]
+    assert reported == [crash]
+    interrupts.ORPHANED.add(threading.get_ident())
+    try:
+        SyncTaskRunEngine.handle_crash(engine, crash)  # type: ignore[arg-type]
+    finally:
+        interrupts.ORPHANED.discard(threading.get_ident())
+    assert reported == [crash] and engine._raised is crash
+
+
+def test_an_unreachable_api_is_asked_again_every_longest_seconds_at_most():
+    wait = BusyWait("reading a task run", timeout=600, longest=5.0)
+    refused = httpx.ConnectError("[Errno 111] Connection refused")
+    waits = [wait.next_wait(refused) for _ in range(8)]
+    assert waits[0] < 1.5 and max(waits) <= 5.0 * 1.2 and waits[-1] >= 5.0 * 0.8, waits
+    with pytest.raises(ValueError):
+        wait.next_wait(ValueError("an answer, not a busy API"))
