@@ -292,6 +292,7 @@ class WarmPool:
         self._ctx = multiprocessing.get_context("spawn")
         self._idle: list[WarmProcess] = []
         self._bound: list[WarmProcess] = []
+        self._timers: list[threading.Timer] = []  # refills scheduled (cancelled by close)
         self._lock = threading.Lock()
         self._closed = False
         self.taken = 0  # processes bound so far (for status and tests)
@@ -381,6 +382,10 @@ class WarmPool:
         need more (a profile that needs more processes meanwhile starts them itself)."""
         timer = threading.Timer(REFILL_DELAY_S, lambda: self.ensure(self.target()))
         timer.daemon = True
+        with self._lock:
+            if self._closed:
+                return
+            self._timers = [t for t in self._timers if t.is_alive()] + [timer]
         timer.start()
 
     def describe(self) -> list[dict[str, Any]]:
@@ -394,6 +399,10 @@ class WarmPool:
         with self._lock:
             self._closed = True
             idle, self._idle = self._idle, []
+            timers, self._timers = self._timers, []
+        for timer in timers:  # no refill after the close, and no timer thread outlives it
+            timer.cancel()
+            timer.join(timeout=1.0)
         for proc in idle:
             with contextlib.suppress(OSError):
                 proc.conn.close()
