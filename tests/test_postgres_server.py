@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from faults._procs import clean_env, free_port, running_server, wait_gone
+from faults._procs import clean_env, free_port, run_flow_script, running_server, wait_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = 24
@@ -81,22 +81,8 @@ def test_a_flow_on_a_prefect_server_backed_by_postgresql_records_every_task_run(
         PREFECT_API_DATABASE_CONNECTION_URL=postgres,
     )
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    script = tmp_path / "on_postgres.py"
-    script.write_text(SCRIPT)
     with running_server(command, server_env, url):
-        out = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=clean_env(
-                marker,
-                PREFECT_API_URL=url,
-                PREFECT_HOME=str(tmp_path / "flow-home"),
-                GPU_TASKS_EMULATED_GPUS="H100:80GiB",
-            ),
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        out = run_flow_script(tmp_path, "on_postgres.py", SCRIPT, marker, url, 240)
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
         assert f"RESULT {sum(x * x for x in range(TASKS))}" in out.stdout
         runs = httpx.post(f"{url}/task_runs/filter", json={"limit": 200}, timeout=30).json()

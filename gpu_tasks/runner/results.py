@@ -127,9 +127,8 @@ def _is_worker_death(exc: BaseException) -> bool:
     from distributed.client import FutureCancelledError
     from distributed.scheduler import KilledWorker
 
-    if isinstance(exc, KilledWorker | FutureCancelledError | concurrent.futures.CancelledError):
-        return True
-    if isinstance(exc, asyncio.CancelledError):
+    lost = KilledWorker | FutureCancelledError | concurrent.futures.CancelledError | asyncio.CancelledError
+    if isinstance(exc, lost):
         return True
     return isinstance(exc, RuntimeError) and str(exc) == "IOLoop is closed"
 

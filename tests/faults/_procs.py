@@ -23,6 +23,7 @@ __all__ = [
     "free_port",
     "kill_marked",
     "marked",
+    "run_flow_script",
     "running_server",
     "server_task_run",
     "wait_gone",
@@ -112,6 +113,32 @@ def running_server(command: list[str], env: dict[str, str], url: str) -> Iterato
             server.wait(timeout=15)
         except subprocess.TimeoutExpired:
             server.kill()
+
+
+def run_flow_script(
+    tmp_path: Path, name: str, source: str, marker: str, api_url: str, timeout: float, **env: str
+) -> Any:
+    """Write ``source`` to ``tmp_path/name`` and run it as a user would, reporting to ``api_url``, on one
+    emulated H100 (``env`` adds to its environment); the ``CompletedProcess``."""
+    import subprocess
+    import sys
+
+    script = tmp_path / name
+    script.write_text(source)
+    return subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        env=clean_env(
+            marker,
+            PREFECT_API_URL=api_url,
+            PREFECT_HOME=str(tmp_path / "flow-home"),
+            GPU_TASKS_EMULATED_GPUS="H100:80GiB",
+            **env,
+        ),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 @contextlib.contextmanager

@@ -5,7 +5,6 @@ retries); the task runs wait it out and complete, and the log says what was wait
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import textwrap
 import uuid
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from faults._procs import clean_env, free_port, running_server, wait_gone
+from faults._procs import clean_env, free_port, run_flow_script, running_server, wait_gone
 
 REFUSALS = 4
 
@@ -50,22 +49,15 @@ def test_tag_slot_checks_wait_out_503s_and_every_task_completes(tmp_path: Path):
         BUSY_API_COUNT_FILE=str(count),
     )
     server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
-    script = tmp_path / "busy_api_flow.py"
-    script.write_text(SCRIPT)
     with running_server(server, server_env, url):
-        out = subprocess.run(
-            [sys.executable, str(script)],
-            cwd=tmp_path,
-            env=clean_env(
-                marker,
-                PREFECT_API_URL=url,
-                PREFECT_HOME=str(tmp_path / "flow-home"),
-                PREFECT_CLIENT_MAX_RETRIES="0",  # Prefect's own client gives each 503 up at once
-                GPU_TASKS_EMULATED_GPUS="H100:80GiB",
-            ),
-            capture_output=True,
-            text=True,
-            timeout=200,
+        out = run_flow_script(
+            tmp_path,
+            "busy_api_flow.py",
+            SCRIPT,
+            marker,
+            url,
+            200,
+            PREFECT_CLIENT_MAX_RETRIES="0",  # Prefect's own client gives each 503 up at once
         )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]
