@@ -47,8 +47,12 @@ def test_shipped_profiles_file_loads_and_places_on_emulated_h100s(monkeypatch):
     assert [d.address for d in matching_devices(profiles["gpu-train"], inventory)] == ["0", "2"]
 
 
-def test_unguarded_script_fails_with_a_clear_error_instead_of_hanging(tmp_path: Path, prefect_server):
-    """Spawned workers re-import the script; without the __main__ guard they cannot start."""
+def test_an_unguarded_script_runs_with_forked_workers_and_fails_clearly_with_spawned_ones(
+    tmp_path: Path, prefect_server
+):
+    """Warm processes forked from the pool's fork server (the default) do not import the script:
+    one without the __main__ guard runs. Spawned ones (GPU_TASKS_WARM_START=spawn) re-import it
+    and cannot start: a clear error, not a hang."""
     import prefect.settings
 
     script = tmp_path / "unguarded.py"
@@ -59,22 +63,30 @@ def test_unguarded_script_fails_with_a_clear_error_instead_of_hanging(tmp_path: 
         "def f():\n    return 1\n"
         "@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name='gpu', gpus=1)]))\n"
         "def p():\n    return f.submit().result()\n"
-        "p()\n"
+        "print('result', p())\n"
     )
-    marker = uuid.uuid4().hex
-    env = clean_env(
-        marker,
-        GPU_TASKS_EMULATED_GPUS="1",
-        # a worker that dies while starting fails the profile at once; this bound is only for a
-        # warm process still importing, which a loaded 2-core machine can keep past 10 s
-        GPU_TASKS_PROVISION_TIMEOUT="60",
-        PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()),
-    )
-    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=150)
-    assert proc.returncode != 0
-    assert "ClusterError: profile 'gpu': could not start 1 worker(s)" in proc.stderr
-    assert 'if __name__ == "__main__":' in proc.stderr
-    # this script's processes only (an environment marker every descendant inherits): orphaned
-    # workers exit when they see their parent gone, within seconds even on a loaded machine
-    waited, strays = wait_gone(marker, timeout=10)
-    assert not strays, f"worker processes outlived the script by {waited:.1f}s: {strays}"
+    for start in ("forkserver", "spawn"):
+        marker = uuid.uuid4().hex
+        env = clean_env(
+            marker,
+            GPU_TASKS_EMULATED_GPUS="1",
+            GPU_TASKS_WARM_START=start,
+            # a worker that dies while starting fails the profile at once; this bound is only for a
+            # warm process still importing, which a loaded 2-core machine can keep past 10 s
+            GPU_TASKS_PROVISION_TIMEOUT="60",
+            PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()),
+        )
+        proc = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=150
+        )
+        if start == "forkserver":
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            assert proc.stdout.count("result 1") == 1, proc.stdout  # the flow ran once, in the script
+        else:
+            assert proc.returncode != 0
+            assert "ClusterError: profile 'gpu': could not start 1 worker(s)" in proc.stderr
+            assert 'if __name__ == "__main__":' in proc.stderr
+        # this script's processes only (an environment marker every descendant inherits): orphaned
+        # workers exit when they see their parent gone, within seconds even on a loaded machine
+        waited, strays = wait_gone(marker, timeout=10)
+        assert not strays, f"worker processes outlived the script by {waited:.1f}s: {strays}"

@@ -136,7 +136,8 @@ def test_a_warm_process_that_fails_to_start_fails_the_task_clearly(tmp_path: Pat
 
     script = tmp_path / "broken_flow.py"
     script.write_text(BROKEN)
-    env = clean_env(uuid.uuid4().hex, GPU_TASKS_EMULATED_GPUS="1")
+    # spawned warm processes re-import the script (forked ones do not: it cannot fail them this way)
+    env = clean_env(uuid.uuid4().hex, GPU_TASKS_EMULATED_GPUS="1", GPU_TASKS_WARM_START="spawn")
     env["PREFECT_API_URL"] = str(get_current_settings().api.url)
     done = subprocess.run(
         [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
@@ -175,7 +176,8 @@ KILLED = textwrap.dedent(
             time.sleep(0.05)
         while len(runner.warm_workers()) < 1:  # the profile can bind a second (2 devices): one kept
             time.sleep(0.05)
-        (OUT / "warm.json").write_text(json.dumps([w["pid"] for w in runner.warm_workers()]))
+        (OUT / "warm.tmp").write_text(json.dumps([w["pid"] for w in runner.warm_workers()]))
+        (OUT / "warm.tmp").rename(OUT / "warm.json")
         fut.result()
 
     if __name__ == "__main__":

@@ -1,9 +1,13 @@
 """CPython names gpu-tasks uses beyond the documented way: exit handlers run early, ``os._exit``
-wrapped in worker processes, ``signal.signal`` swapped while a cluster manager's module imports."""
+wrapped in worker processes, ``signal.signal`` swapped while a cluster manager's module imports, a
+fork server of gpu-tasks' own (:class:`ForkServerContext`)."""
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import importlib
+import itertools
 import logging
 import os
 import signal
@@ -57,6 +61,116 @@ def signal_handlers_kept() -> Iterator[None]:
 _SIGNAL_SWAP = threading.RLock()
 
 
+class ForkServerContext:
+    """A multiprocessing context whose processes fork from a fork server of their own.
+
+    multiprocessing's ``forkserver`` method has one server per process, shared with any code
+    that uses that method, whose preloads (``set_forkserver_preload``) apply to all of it. This
+    one belongs to its owner (a warm pool): it imports ``preload`` once, every process forks
+    from it already imported, and :meth:`close` lets it end. Its ``Popen`` is CPython's
+    ``popen_forkserver.Popen`` with this server in place of the module's
+    (``ForkServer.connect_to_new_process``: undocumented, checked by :func:`_check_forkserver`).
+    """
+
+    def __init__(self, preload: list[str]) -> None:
+        import multiprocessing
+        from multiprocessing import forkserver
+
+        self.server = forkserver.ForkServer()
+        self.server.set_forkserver_preload(list(preload))
+        with _SERVERS_LOCK:
+            self.key = next(_SERVER_KEYS)
+            _SERVERS[self.key] = self.server
+        self.Pipe = multiprocessing.Pipe
+
+    def Process(self, **kwargs: Any) -> Any:
+        """A process (not started) that forks from this context's server when started."""
+        return _forked_process_class()(_server_key=self.key, **kwargs)
+
+    @property
+    def pid(self) -> int | None:
+        """The fork server's pid once it runs."""
+        pid: int | None = getattr(self.server, "_forkserver_pid", None)
+        return pid
+
+    def close(self) -> None:
+        """Let the server end: it exits once no process forked from it is left (each holds its
+        "alive" pipe), and is reaped by a daemon thread meanwhile."""
+        with _SERVERS_LOCK:
+            _SERVERS.pop(self.key, None)
+        threading.Thread(
+            target=_stop_server, args=(self.server,), name="gpu-tasks-fork-server-stop", daemon=True
+        ).start()
+
+
+def _stop_server(server: Any) -> None:
+    with contextlib.suppress(ChildProcessError):  # reaped already (a wait for any child elsewhere)
+        server._stop()
+
+
+_SERVERS: dict[int, Any] = {}  # ForkServerContext.key -> its multiprocessing ForkServer
+_SERVERS_LOCK = threading.Lock()
+_SERVER_KEYS = itertools.count(1)
+
+
+def _forked_process_class() -> Any:
+    """:class:`ForkedProcess`; ``RuntimeError`` where multiprocessing has no fork server."""
+    if _ForkedProcess is None:
+        raise RuntimeError("this platform's multiprocessing has no fork server")
+    return _ForkedProcess
+
+
+try:  # typed as Any: typeshed has no stubs for these modules' internals
+    _mp_context: Any = importlib.import_module("multiprocessing.context")
+    _mp_forkserver: Any = importlib.import_module("multiprocessing.forkserver")
+    _mp_popen_forkserver: Any = importlib.import_module("multiprocessing.popen_forkserver")
+except ImportError:  # pragma: no cover - no fork server (Windows)
+    _ForkedProcess: Any = None
+else:
+
+    class _ForkedPopen(_mp_popen_forkserver.Popen):  # type: ignore[misc]
+        def _launch(self, process_obj: Any) -> None:
+            # popen_forkserver.Popen._launch (CPython 3.11-3.13) with the process's own server
+            import io
+
+            spawn: Any = importlib.import_module("multiprocessing.spawn")
+            util: Any = importlib.import_module("multiprocessing.util")
+
+            with _SERVERS_LOCK:
+                server = _SERVERS[process_obj.server_key]
+            prep_data = spawn.get_preparation_data(process_obj._name)
+            # the main module is not imported again in the child (it needs none of it: what
+            # it runs comes pickled by value), so a script without a __main__ guard still works
+            prep_data.pop("init_main_from_path", None)
+            prep_data.pop("init_main_from_name", None)
+            buf = io.BytesIO()
+            _mp_context.set_spawning_popen(self)
+            try:
+                _mp_context.reduction.dump(prep_data, buf)
+                _mp_context.reduction.dump(process_obj, buf)
+            finally:
+                _mp_context.set_spawning_popen(None)
+            self.sentinel, w = server.connect_to_new_process(self._fds)
+            _parent_w = os.dup(w)
+            self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+            with open(w, "wb", closefd=True) as f:
+                f.write(buf.getbuffer())
+            self.pid = _mp_forkserver.read_signed(self.sentinel)
+
+    class ForkedProcess(_mp_context.ForkServerProcess):  # type: ignore[misc]
+        """``ForkServerProcess`` that forks from the server of its ``server_key``."""
+
+        def __init__(self, *args: Any, _server_key: int, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.server_key = _server_key
+
+        @staticmethod
+        def _Popen(process_obj: Any) -> Any:
+            return _ForkedPopen(process_obj)
+
+    _ForkedProcess = ForkedProcess
+
+
 def _check_exitfuncs() -> str | None:
     return None if callable(getattr(atexit, "_run_exitfuncs", None)) else "atexit has no _run_exitfuncs"
 
@@ -67,6 +181,24 @@ def _check_os_exit() -> str | None:
 
 def _check_signal() -> str | None:
     return None if callable(signal.signal) and callable(signal.getsignal) else "signal.signal is not callable"
+
+
+def _check_forkserver() -> str | None:
+    import inspect
+    from multiprocessing import forkserver
+
+    popen_forkserver: Any = importlib.import_module("multiprocessing.popen_forkserver")
+    server = forkserver.ForkServer()
+    for name in ("connect_to_new_process", "ensure_running", "set_forkserver_preload", "_stop"):
+        if not callable(getattr(server, name, None)):
+            return f"multiprocessing.forkserver.ForkServer has no {name}"
+    if server.__dict__.get("_forkserver_pid", "missing") is not None:
+        return "ForkServer() has no _forkserver_pid"
+    source = inspect.getsource(popen_forkserver.Popen._launch)
+    for needed in ("forkserver.connect_to_new_process(self._fds)", "set_spawning_popen(self)", "read_signed"):
+        if needed not in source:
+            return f"popen_forkserver.Popen._launch no longer has {needed!r}"
+    return None
 
 
 def _uses() -> list[Any]:
@@ -94,6 +226,15 @@ def _uses() -> list[Any]:
             "patched",
             "swapped while a cluster manager's module imports, so it cannot take over Ctrl-C",
             _check_signal,
+        ),
+        Use(
+            "cpython",
+            "multiprocessing.forkserver.ForkServer",
+            "private",
+            "warm worker processes fork from a fork server of the pool's own, which imported Prefect "
+            "and distributed once (not multiprocessing's shared one and its preloads): its _stop and "
+            "_forkserver_pid, and popen_forkserver.Popen._launch repeated with that server",
+            _check_forkserver,
         ),
     ]
 

@@ -81,19 +81,23 @@ def dask_teardown(worker: Any) -> None:
         logger.info("worker %d closing: ended %d child process(es) its tasks left", os.getpid(), ended)
 
 
-def start(parent: int) -> None:
-    """Watch ``parent`` from a daemon thread, wrap ``os._exit``, ignore SIGINT (once per process).
+def start(parent: int, flow: int | None = None) -> None:
+    """Watch the flow process from a daemon thread, wrap ``os._exit``, ignore SIGINT (once per process).
 
     Args:
-        parent: pid of the flow process; when this process's parent is no longer it, the
-            flow process is gone.
+        parent: pid of this process's parent; when the parent is no longer it, the flow
+            process is gone.
+        flow: pid of the flow process when it is not the parent (a warm process forked from
+            its pool's fork server, which outlives the flow process while a process forked from
+            it lives): watched itself (a pidfd where Linux has one).
     """
     with _lock:
         if _state.get("pid") == os.getpid():
             return
         first = _state.get("exit")
         real = replace_os_exit(_exit)
-        _state.update(pid=os.getpid(), parent=parent, exit=first or real)
+        watch = _flow_watch(flow) if flow is not None and flow != parent else None
+        _state.update(pid=os.getpid(), parent=parent, flow=flow or parent, watch=watch, exit=first or real)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _ignore_sigint)
         signal.signal(signal.SIGTERM, _terminate)
@@ -132,12 +136,48 @@ def end_children(grace: float = GRACE_S) -> int:
     return len(procs)
 
 
+def _flow_watch(flow: int) -> Any:
+    """How to tell that ``flow`` (not this process's parent) is gone: a pidfd (readable once it
+    exits; Linux 5.3+), else its ``psutil.Process`` (compared by start time, so a reused pid is
+    not taken for it); ``None`` when it is gone already."""
+    with contextlib.suppress(OSError, AttributeError):
+        return os.pidfd_open(flow)  # Linux only
+    try:
+        return psutil.Process(flow)
+    except psutil.Error:
+        return None
+
+
+def _flow_gone(timeout: float) -> bool:
+    """Whether the flow process is gone, waiting up to ``timeout`` s for it to go."""
+    watch, parent = _state.get("watch"), _state["parent"]
+    if _state["flow"] == parent:
+        deadline = time.monotonic() + timeout
+        while os.getppid() == parent:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02 if timeout <= 1.0 else POLL_S)
+        return True
+    if watch is None:
+        return True
+    if isinstance(watch, int):
+        import select
+
+        return bool(select.select([watch], [], [], timeout)[0])
+    try:
+        watch.wait(timeout)
+    except psutil.TimeoutExpired:
+        return False
+    return True
+
+
 def _watch() -> None:
-    parent = _state["parent"]
-    while os.getppid() == parent:
-        time.sleep(POLL_S)
+    while not _flow_gone(3600.0):
+        pass
     logger.warning(
-        "worker %d: flow process %d is gone; ending this worker and its child processes", os.getpid(), parent
+        "worker %d: flow process %d is gone; ending this worker and its child processes",
+        os.getpid(),
+        _state["flow"],
     )
     _exit(1)
 
@@ -145,15 +185,10 @@ def _watch() -> None:
 _ORPHAN_HOOKS: list[Callable[[int], None]] = []
 
 
-def _orphaned(parent: int, wait: float) -> bool:
+def _orphaned(wait: float) -> bool:
     """Whether the flow process is gone. Dask exits its worker (code -1) when its pipe to the
     parent closes, which the kernel does a moment before it re-parents the worker: wait for that."""
-    deadline = time.monotonic() + wait
-    while os.getppid() == parent:
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    return _flow_gone(wait)
 
 
 def on_orphaned(hook: Callable[[int], None]) -> None:
@@ -170,11 +205,11 @@ def _exit(status: int) -> NoReturn:
     real = _state["exit"]
     if os.getpid() == _state.get("pid"):  # not in a forked child, which inherits this
         with _lock:  # a second caller waits for the first one's clean-up
-            parent = _state.get("parent")
-            if parent is not None and _orphaned(parent, wait=1.0 if status == -1 else 0.0):
+            flow = _state.get("flow")
+            if flow is not None and _orphaned(wait=1.0 if status == -1 else 0.0):
                 for hook in list(_ORPHAN_HOOKS):
                     try:
-                        hook(parent)
+                        hook(flow)
                     except BaseException:  # exiting anyway
                         logger.warning("worker %d: orphan hook failed", os.getpid(), exc_info=True)
             try:

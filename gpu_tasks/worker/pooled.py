@@ -58,7 +58,7 @@ class PooledWorker(ProcessInterface):
     async def start(self) -> None:
         self.warm = await asyncio.to_thread(self.pool.take, self.timeout)
         self.process = self.warm.process
-        env = {**self.env}
+        env = self.warm.bind_environ(self.env)
         config = dask.config.config
         self.warm.conn.send(
             ("bind", self.scheduler, self.worker_kwargs, env, config, self.silence_logs, self.cuda)

@@ -43,6 +43,7 @@ from typing import Any
 
 import dask
 
+from gpu_tasks.compat.cpython import ForkServerContext
 from gpu_tasks.worker import guard as _worker_guard
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,7 @@ CLOSE_GRACE_S = 3.0  # a bound process asked to close, before SIGTERM
 KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL
 MEMORY_POLL_S = 0.5
 REFILL_DELAY_S = 2.0  # from taking warm processes to starting their replacements
+_WHOLE_ENVIRON = "__gpu_tasks_whole_environ__"  # in a bind's env: it is the whole environment
 
 
 def cuda_modules_loaded() -> list[str]:
@@ -74,12 +76,14 @@ def cuda_modules_loaded() -> list[str]:
 
 
 # ---------------------------------------------------------------- the child process
-def _child_main(conn: Connection, parent: int) -> None:
+def _child_main(conn: Connection, flow: int) -> None:
     """A warm process: import, say ready, wait for a bind (or close), run one Dask worker."""
-    _worker_guard.start(parent)  # exits with the flow process; SIGINT ignored, SIGTERM ends children
+    # exits with the flow process (its parent, or the pool's fork server's parent); SIGINT
+    # ignored, SIGTERM ends its children
+    _worker_guard.start(os.getppid(), flow=flow)
     import importlib
 
-    for name in WARM_IMPORTS:
+    for name in WARM_IMPORTS:  # done already in a process forked from the pool's fork server
         importlib.import_module(name)
     try:
         conn.send(("ready", os.getpid(), cuda_modules_loaded()))
@@ -89,7 +93,11 @@ def _child_main(conn: Connection, parent: int) -> None:
     if msg[0] != "bind":
         return
     _, scheduler, worker_kwargs, env, config, silence_logs, cuda = msg
-    os.environ.update(env)  # its devices: CUDA reads CUDA_VISIBLE_DEVICES when it initialises
+    if env.pop(_WHOLE_ENVIRON, None):
+        # the flow process's environment as it is now (a fork server's is as it was when the
+        # server started), then the worker's: its devices, read by CUDA when it initialises
+        os.environ.clear()
+    os.environ.update(env)
     dask.config.refresh()
     dask.config.set(config)
     if silence_logs:
@@ -152,6 +160,7 @@ class WarmProcess:
     """One pool process, seen from the flow process."""
 
     def __init__(self, ctx: Any) -> None:
+        self.forked = isinstance(ctx, ForkServerContext)  # from the pool's fork server (else spawned)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_child_main, args=(child, os.getpid()), name="gpu-tasks warm worker", daemon=False
@@ -162,6 +171,14 @@ class WarmProcess:
         _track(self)
         self.ready = False
         self._reading = threading.Lock()  # one reader of its pipe until it is bound
+
+    def bind_environ(self, env: dict[str, str]) -> dict[str, str]:
+        """The environment a bind sends: the worker's ``env``, over the flow process's environment
+        as it is now for a process forked from the pool's fork server (whose environment is the
+        flow's when the server started; a spawned process's is the flow's when it was spawned)."""
+        if not self.forked:
+            return dict(env)
+        return {**os.environ, **_pre_spawn_environ(), **env, _WHOLE_ENVIRON: "1"}
 
     @property
     def pid(self) -> int | None:
@@ -223,6 +240,12 @@ class WarmProcess:
         self.process.join(timeout=1)
         from gpu_tasks.worker.exits import describe_exitcode
 
+        if self.forked:
+            return (
+                f"warm worker process {self.pid} {describe_exitcode(self.process.exitcode)} while starting "
+                "(forked from the warm pool's fork server); GPU_TASKS_WARM_START=spawn starts each one "
+                "in a new interpreter instead"
+            )
         return (
             f"warm worker process {self.pid} {describe_exitcode(self.process.exitcode)} while starting. "
             "Worker processes are spawned and re-import the script that started the flow: guard the flow "
@@ -289,7 +312,7 @@ class WarmPool:
     def __init__(self, size: int, capacity: int | None = None) -> None:
         self.size = size
         self.capacity = capacity
-        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx = _context()
         self._idle: list[WarmProcess] = []
         self._bound: list[WarmProcess] = []
         self._timers: list[threading.Timer] = []  # refills scheduled (cancelled by close)
@@ -408,6 +431,8 @@ class WarmPool:
                 proc.conn.close()
         for proc in idle:
             end_process(proc.process, CLOSE_GRACE_S)
+        if isinstance(self._ctx, ForkServerContext):
+            self._ctx.close()  # it ends once the processes forked from it have
 
     def _prune(self) -> None:
         for proc in [p for p in self._idle if not p.process.is_alive()]:
@@ -422,6 +447,17 @@ class WarmPool:
     def _spawn_one(self) -> WarmProcess:
         with _environ(_pre_spawn_environ()):
             return WarmProcess(self._ctx)
+
+
+def _context() -> Any:
+    """Where the pool's processes come from: forked from a fork server of the pool's own that
+    imported :data:`WARM_IMPORTS` once (Linux; ``GPU_TASKS_WARM_START=forkserver``, the default),
+    or each spawned and importing them itself (``spawn``, and elsewhere)."""
+    from gpu_tasks.settings import get_settings
+
+    if sys.platform.startswith("linux") and get_settings().warm_start == "forkserver":
+        return ForkServerContext(list(WARM_IMPORTS))
+    return multiprocessing.get_context("spawn")
 
 
 def _pre_spawn_environ() -> dict[str, str]:
