@@ -148,3 +148,52 @@ def test_waiting_for_records_ignores_task_runs_older_than_the_server(prefect_ser
     after = datetime.datetime.now(datetime.UTC)
     assert _wait_until_recorded(timeout=30, since=after), "a task run older than the server held the wait"
     assert not _wait_until_recorded(timeout=0.5, since=before), "the Running task run was not counted"
+
+
+def test_dropped_event_messages_are_counted_passed_over_and_reported(caplog, capfdbinary):
+    """The embedded server's stderr goes through DroppedEvents: Prefect's own "queue is full" warning
+    (made here by its in-memory messaging, as the server makes it under load) is counted, logged once
+    at the first drop and as a total at the end, never repeated per message; other lines pass through."""
+    import asyncio
+    import logging
+
+    from prefect.server.utilities.messaging import memory
+
+    from gpu_tasks.prefect_api.server import LOAD_DOCS, DroppedEvents
+
+    lines: list[str] = []
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(self.format(record))
+
+    async def overflow() -> None:
+        sub = memory.Subscription(memory.Topic("events"))
+        while True:  # fill its queue as a busy server's consumers leave it
+            try:
+                sub._queue.put_nowait(memory.MemoryMessage(data=b"x", attributes={}))
+            except asyncio.QueueFull:
+                break
+        for _ in range(3):
+            await sub.deliver(memory.MemoryMessage(data=b"x", attributes={}))
+
+    handler = Lines()
+    memory.logger.addHandler(handler)
+    try:
+        asyncio.run(overflow())
+    finally:
+        memory.logger.removeHandler(handler)
+    assert len(lines) == 3, lines
+    dropped = DroppedEvents()
+    with caplog.at_level(logging.WARNING, logger="gpu_tasks.server"):
+        dropped.line(b"INFO: some other server line\n")
+        for line in lines:
+            dropped.line(line.encode() + b"\n")
+        assert dropped.count == 3
+        first = [r.getMessage() for r in caplog.records if r.name == "gpu_tasks.server"]
+        assert len(first) == 1 and "dropping event messages" in first[0] and LOAD_DOCS in first[0]
+        dropped.report()
+    said = [r.getMessage() for r in caplog.records if r.name == "gpu_tasks.server"]
+    assert len(said) == 2 and "dropped 3 event message(s)" in said[1] and LOAD_DOCS in said[1]
+    err = capfdbinary.readouterr().err
+    assert b"some other server line" in err and b"Subscription queue is full" not in err

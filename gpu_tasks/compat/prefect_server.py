@@ -6,9 +6,11 @@ Part of the compat layer (:mod:`gpu_tasks.compat`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import subprocess
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -52,7 +54,9 @@ class _SubprocessWithPopenArgs:
         return getattr(subprocess, name)
 
 
-def server_in_own_session_class(preexec_fn: Callable[[], None] | None) -> type[Any]:
+def server_in_own_session_class(
+    preexec_fn: Callable[[], None] | None, stderr_line: Callable[[bytes], None] | None = None
+) -> type[Any]:
     """Prefect's ``SubprocessASGIServer``, its server process started in a session of its own.
 
     Overrides the private ``SubprocessASGIServer._run_uvicorn_command`` and, for that one
@@ -62,6 +66,8 @@ def server_in_own_session_class(preexec_fn: Callable[[], None] | None) -> type[A
 
     Args:
         preexec_fn: run in the server process before it starts (``PR_SET_PDEATHSIG``).
+        stderr_line: given each line the server process writes to its stderr (from a daemon
+            thread that reads it as it comes, so the pipe never fills).
     """
     import prefect.server.api.server as _prefect_server
     from prefect.server.api.server import SubprocessASGIServer
@@ -79,13 +85,29 @@ def server_in_own_session_class(preexec_fn: Callable[[], None] | None) -> type[A
             extra: dict[str, Any] = {"start_new_session": True}
             if preexec_fn is not None:
                 extra["preexec_fn"] = preexec_fn
+            if stderr_line is not None:
+                extra["stderr"] = subprocess.PIPE
             vars(_prefect_server)["subprocess"] = _SubprocessWithPopenArgs(**extra)
             try:
-                return super()._run_uvicorn_command()
+                process = super()._run_uvicorn_command()
             finally:
                 vars(_prefect_server)["subprocess"] = subprocess
+            if stderr_line is not None and process.stderr is not None:
+                threading.Thread(
+                    target=_read_lines,
+                    args=(process.stderr, stderr_line),
+                    name="gpu-tasks-server-stderr",
+                    daemon=True,
+                ).start()
+            return process
 
     return EmbeddedServer
+
+
+def _read_lines(stream: Any, each: Callable[[bytes], None]) -> None:
+    with contextlib.suppress(OSError, ValueError):  # closed with the process
+        for line in iter(stream.readline, b""):
+            each(line)
 
 
 def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:

@@ -15,15 +15,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import datetime
+import logging
 import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 
 from gpu_tasks.compat.prefect_server import count_task_runs, server_in_own_session_class
 
+logger = logging.getLogger("gpu_tasks.server")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
@@ -100,7 +103,8 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
             PREFECT_SERVER_DATABASE_TIMEOUT: max(60.0, get_current_settings().server.database.timeout or 0.0)
         }
     ):
-        server = server_in_own_session_class(die_with_parent_hook())(port=_free_port())
+        dropped = DroppedEvents()
+        server = server_in_own_session_class(die_with_parent_hook(), dropped.line)(port=_free_port())
         server.start(timeout=timeout)
     started = datetime.datetime.now(datetime.UTC)  # task runs of this server's life start after this
     try:
@@ -122,6 +126,48 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
                 _wait_until_recorded(timeout=record_s, since=started)
     finally:
         server.stop()
+        dropped.report()
+
+
+DROPPED_MESSAGE = b"Subscription queue is full, dropping message"  # Prefect's in-memory messaging
+LOAD_DOCS = "docs/operations.md#a-prefect-server-that-holds-the-load"
+
+
+class DroppedEvents:
+    """Reads the embedded server's stderr as it comes (passing it on to this process's stderr) and
+    counts the event messages the server dropped: its in-memory messaging holds 10,000 a
+    subscription and drops the rest under load, so the UI and the API miss those task runs'
+    states. The first drop is logged at once, the count when the server stops."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def line(self, line: bytes) -> None:
+        if DROPPED_MESSAGE in line:
+            with self._lock:
+                self.count += 1
+                first = self.count == 1
+            if first:
+                logger.warning(
+                    "the embedded Prefect server is dropping event messages under load (its in-memory "
+                    "queue is full): some task runs' states will be missing from the UI and the API. For "
+                    "this load run Prefect on PostgreSQL and point PREFECT_API_URL at it (%s)",
+                    LOAD_DOCS,
+                )
+            return  # counted, not repeated: one per dropped message would flood the terminal
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
+
+    def report(self) -> None:
+        if self.count:
+            logger.warning(
+                "the embedded Prefect server dropped %d event message(s) during this run; task runs whose "
+                "states were among them show wrong states in the UI. A server that holds this load: %s",
+                self.count,
+                LOAD_DOCS,
+            )
 
 
 def _drain(timeout: float = 5) -> None:
