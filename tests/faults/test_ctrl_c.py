@@ -112,6 +112,21 @@ def _trained_a_round(db: Path) -> bool:
     return any(float(json.loads(d) if isinstance(d, str | bytes) else d or 0) > 0 for (d,) in rows)
 
 
+
+def _ours(output: str) -> str:
+    """``output`` less the tracebacks of Dask's sampling profiler (``Worker.trigger_profile``), which
+    now and then reads a frame that is changing under it (a race in Dask and CPython, unrelated to a
+    Ctrl-C: dask/distributed#8163), up to the next line with a timestamp."""
+    kept, skipping = [], False
+    for line in output.splitlines():
+        if "Worker.trigger_profile" in line:
+            skipping = True
+        elif skipping and line.lstrip()[:1].isdigit():
+            skipping = False
+        if not skipping:
+            kept.append(line)
+    return "\n".join(kept)
+
 def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
     """`gpu-tasks run` on its embedded server, Ctrl-C while the GPU training stage runs."""
     marker = uuid.uuid4().hex
@@ -154,7 +169,7 @@ def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
     print(f"exited {took:.2f}s after Ctrl-C")  # shown with -s or -rP
     assert took < EXIT_WITHIN_S, f"exit took {took:.1f}s:\n{err}"
     assert proc.returncode == 130, err
-    assert "interrupted (Ctrl-C)" in err and str(db) in err and "Traceback" not in err, err
+    assert "interrupted (Ctrl-C)" in err and str(db) in err and "Traceback" not in _ours(err), err
     assert not survivors, f"processes outlived the interrupted run: {survivors}"
     flow_runs = _rows(db, "select state_type from flow_run")
     assert flow_runs and all(state in ENDED for (state,) in flow_runs), flow_runs
@@ -487,4 +502,4 @@ def test_ctrl_c_on_a_plain_script_on_prefects_ephemeral_api(tmp_path: Path):
     said = text[text.index("the Prefect API is unreachable") :].splitlines()[0]
     assert "could not be reported Crashed and stay 'Running'" in said, said
     assert "prefect server start" in said, said  # and how to keep the records next time
-    assert "Traceback" not in text[: text.index("Crash detected")], text[-3000:]
+    assert "Traceback" not in _ours(text[: text.index("Crash detected")]), text[-3000:]
