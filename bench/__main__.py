@@ -23,7 +23,16 @@ from typing import Any
 from bench.common import ROOT, child, machine, setup
 from bench.common import commit as _commit
 
-SUITE = ("overhead", "held_busy", "held_busy_long", "cold_start", "waits", "scale", "throughput")
+SUITE = (
+    "overhead",
+    "held_busy",
+    "held_busy_long",
+    "cold_start",
+    "waits",
+    "scale",
+    "many_flows",
+    "throughput",
+)
 APART = ("faults",)  # asked for by name only; runs as a process of its own and writes its own page
 MODULE = {"held_busy_long": "held_busy"}  # result key -> bench module, where they differ
 
@@ -34,6 +43,7 @@ FULL = {
     "cold_start": ["--repeats", "5"],
     "waits": ["--repeats", "3"],
     "scale": ["--n", "1000", "10000", "--repeats", "1"],
+    "many_flows": ["--flows", "10", "--tasks", "1000"],
     "throughput": ["--scale", "1", "10", "--repeats", "1"],
 }
 QUICK = {
@@ -43,6 +53,7 @@ QUICK = {
     "cold_start": ["--repeats", "1"],
     "waits": ["--repeats", "1", "--seconds", "0.5"],
     "scale": ["--n", "60", "600", "--repeats", "1"],
+    "many_flows": ["--flows", "2", "--tasks", "20"],
     "throughput": ["--scale", "1", "--repeats", "1", "--rounds", "10"],
 }
 

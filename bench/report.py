@@ -823,6 +823,67 @@ def throughput(res: dict[str, Any], img: Path) -> list[str]:
     return lines
 
 
+# ---------------------------------------------------------------- many flow runs
+def many_flows(res: dict[str, Any], img: Path) -> list[str]:
+    """bench.many_flows: N flow-run processes at once on one server, one lease directory, two devices."""
+    prof = res["profile"]
+    lines = [
+        "## Many flow runs",
+        "",
+        f"{res['flows']} flow-run processes started at once, each mapping {res['tasks']:,} trivial "
+        f"`gpus={prof['gpus']:g}` tasks (a ProfileTaskRunner profile, {prof['per_device']} tasks per device "
+        f"at a time) on {len(res['machine']['devices'])} emulated devices, against one Prefect server and "
+        "one lease directory. Leases are per flow run (docs/leases.md), so the flow runs take the devices in "
+        "turn: the lease queue serves them in the order they began waiting. Seconds from the first launch; "
+        "waited: the flow run's first wait for devices held by other flow runs.",
+        "",
+        "| flow run | waited s | first lease s | first task s | finished s | flow s | results | task runs "
+        "recorded (Completed) |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['index']} | {r['wait_devices_s'] or 0:.2f} | {r['first_lease_s'] or 0:.2f} | "
+            f"{r['first_task_s']:.2f} | {r['finished_s']:.2f} | {r['flow_s']:.2f} | {r['results']:,} | "
+            f"{r['task_runs_recorded']:,} ({r['task_runs_completed']:,}) |"
+        )
+    c, pack, q = res["checks"], res["packing"], res["queue"]
+    lines += [
+        "",
+        f"- Every result returned ({res['tasks']:,} per flow run, each its input's value): "
+        f"{_ok(c['all_results'] and c['all_flow_runs_finished'])}.",
+        f"- No device over-packed: most tasks at once per device, over all flow runs, "
+        f"{pack['tasks_at_once']} (at most {prof['per_device']}); most flow runs on one device at once "
+        f"{pack['flow_runs_at_once']}, holding its lease {pack['holders_at_once']} (at most 1): "
+        f"{_ok(c['no_device_over_packed'])}.",
+        f"- Every task run recorded on the server, Completed: {_ok(c['all_task_runs_recorded'])}.",
+        f"- Lease queue: served in the order {q['service_order']}, having begun to wait in the order "
+        f"{q['arrival_order']}; flow runs served before one that began waiting a second or more earlier: "
+        f"{len(q['out_of_order'])} {_ok(c['served_in_arrival_order'])}."
+        + (
+            f" Finish times spread over {res['finish_spread_s']:.1f} s (the last at {res['wall_s']:.1f} s); "
+            f"each flow run took {res['flow_s']['min']:.1f}-{res['flow_s']['max']:.1f} s from its start to "
+            "its end."
+            if res["rows"]
+            else " No flow run finished."
+        ),
+    ]
+    for failure in res["failed_flow_runs"]:
+        lines.append(f"- FAILED: {failure.splitlines()[0]}")
+    lines += ["", "![many flow runs](results/many_flows.png)", ""]
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(9, 0.4 * len(res["rows"]) + 1.2))
+    for r in res["rows"]:
+        lease = r["first_lease_s"] if r["first_lease_s"] is not None else r["first_task_s"]
+        ax.barh(r["index"], lease - r["launched_s"], left=r["launched_s"], color="lightgray")
+        ax.barh(r["index"], r["finished_s"] - lease, left=lease, color="tab:blue")
+    ax.set_xlabel("seconds from the first launch (gray: start-up, then waiting for devices; blue: leased)")
+    ax.set_ylabel("flow run")
+    ax.invert_yaxis()
+    _save(plt, fig, img / "many_flows.png")
+    return lines
+
+
 SECTIONS = {
     "overhead": overhead,
     "prefect_versions": prefect_versions,
@@ -830,6 +891,7 @@ SECTIONS = {
     "cold_start": cold_start,
     "waits": waits,
     "scale": scale,
+    "many_flows": many_flows,
     "throughput": throughput,
 }
 
