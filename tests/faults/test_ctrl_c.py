@@ -112,7 +112,6 @@ def _trained_a_round(db: Path) -> bool:
     return any(float(json.loads(d) if isinstance(d, str | bytes) else d or 0) > 0 for (d,) in rows)
 
 
-
 def _ours(output: str) -> str:
     """``output`` less the tracebacks of Dask's sampling profiler (``Worker.trigger_profile``), which
     now and then reads a frame that is changing under it (a race in Dask and CPython, unrelated to a
@@ -126,6 +125,7 @@ def _ours(output: str) -> str:
         if not skipping:
             kept.append(line)
     return "\n".join(kept)
+
 
 def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
     """`gpu-tasks run` on its embedded server, Ctrl-C while the GPU training stage runs."""
