@@ -909,8 +909,8 @@ SCENARIOS: list[tuple[str, str, Callable[[Ctx], dict]]] = [
 
 def scenario_env(base: dict[str, str], url: str, marker: str, lease_dir: Path) -> dict[str, str]:
     """The user's environment less gpu-tasks and Prefect API settings, plus two emulated devices,
-    the shared server, a Prefect home and lease directory of the scenario's own (no other run's
-    leases) and a marker every descendant inherits."""
+    the shared server, a Prefect home, lease and presence directories of the scenario's own (no other
+    run's leases) and a marker every descendant inherits."""
     env = {k: v for k, v in base.items() if not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))}
     env.update(
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
@@ -918,6 +918,7 @@ def scenario_env(base: dict[str, str], url: str, marker: str, lease_dir: Path) -
         PREFECT_API_URL=url,
         PREFECT_HOME=str(lease_dir.parent / "prefect-home"),
         GPU_TASKS_LEASE_DIR=str(lease_dir),
+        GPU_TASKS_PRESENCE_DIR=str(lease_dir.parent / "presence"),
         GPU_TASKS_TEST_MARKER=marker,
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), base.get("PYTHONPATH")])),
     )

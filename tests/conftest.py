@@ -17,6 +17,10 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "180")
 import tempfile
 
 os.environ["GPU_TASKS_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-leases-")
+# and so do their presence records (host-wide by default: /tmp/gpu-tasks-presence): each test
+# process (pytest-xdist worker) has lease and presence directories of its own, or its tests would
+# wait on the emulated devices that tests of the other processes hold (up to the lease timeout)
+os.environ["GPU_TASKS_PRESENCE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-presence-")
 
 import psutil
 import pytest

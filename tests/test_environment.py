@@ -151,6 +151,7 @@ def user_env(tmp_path) -> dict[str, str]:
         PREFECT_HOME=str(home),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         GPU_TASKS_LEASE_DIR=str(tmp_path / "leases"),
+        GPU_TASKS_PRESENCE_DIR=str(tmp_path / "presence"),
         GPU_TASKS_DATA_DIR=str(tmp_path / "data"),
         NO_COLOR="1",
     )

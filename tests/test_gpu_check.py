@@ -34,6 +34,10 @@ def test_without_a_gpu_it_stops_with_one_line():
 @pytest.mark.timeout(660)  # above the script's own bound (600 s here, --budget)
 def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "GPU_TASKS_"))}
+    # this test process's own lease and presence directories (tests/conftest.py), not the host's
+    env.update(
+        {k: os.environ[k] for k in ("GPU_TASKS_LEASE_DIR", "GPU_TASKS_PRESENCE_DIR") if k in os.environ}
+    )
     out = subprocess.run(
         # a loaded 2-core CI machine (tests on two processes) needs more than the GPU machine's 480 s
         [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--budget", "600", "--out-dir", str(tmp_path)],

@@ -22,7 +22,9 @@ def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Pat
     import prefect.settings
 
     env = {
-        k: v for k, v in os.environ.items() if k == "GPU_TASKS_LEASE_DIR" or not k.startswith("GPU_TASKS_")
+        k: v
+        for k, v in os.environ.items()
+        if k in ("GPU_TASKS_LEASE_DIR", "GPU_TASKS_PRESENCE_DIR") or not k.startswith("GPU_TASKS_")
     }
     env.update(
         PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()),

@@ -35,7 +35,8 @@ def clean_env(marker: str, **extra: str) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
-        if k == "GPU_TASKS_LEASE_DIR" or not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))
+        if k in ("GPU_TASKS_LEASE_DIR", "GPU_TASKS_PRESENCE_DIR")
+        or not k.startswith(("GPU_TASKS_", "PREFECT_API_URL"))
     }
     env["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
     env["GPU_TASKS_TEST_MARKER"] = marker
