@@ -31,7 +31,7 @@ def test_without_a_gpu_it_stops_with_one_line():
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(660)  # above the script's own bound (600 s here, --budget)
+@pytest.mark.timeout(960)  # above the script's own bound (900 s here, --budget)
 def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "GPU_TASKS_"))}
     # this test process's own lease and presence directories (tests/conftest.py), not the host's
@@ -39,13 +39,14 @@ def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
         {k: os.environ[k] for k in ("GPU_TASKS_LEASE_DIR", "GPU_TASKS_PRESENCE_DIR") if k in os.environ}
     )
     out = subprocess.run(
-        # a loaded 2-core CI machine (tests on two processes) needs more than the GPU machine's 480 s
-        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--budget", "600", "--out-dir", str(tmp_path)],
+        # a loaded 2-core CI machine (tests on three processes: 307-412 s measured) needs more than
+        # the GPU machine's 480 s
+        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--budget", "900", "--out-dir", str(tmp_path)],
         cwd=ROOT,
         env={**env, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
         capture_output=True,
         text=True,
-        timeout=630,
+        timeout=930,
     )
     log = (
         (tmp_path / "results" / "gpu-check.log").read_text()[-4000:]
