@@ -868,6 +868,19 @@ def many_flows(res: dict[str, Any], img: Path) -> list[str]:
             else " No flow run finished."
         ),
     ]
+    idle = [
+        (r["first_task_s"] - r["first_lease_s"], r["index"])
+        for r in res["rows"]
+        if r.get("first_lease_s") is not None and r.get("first_task_s") is not None
+    ]
+    if idle:
+        longest, which = max(idle)
+        lines.append(
+            f"- From a flow run's first lease to its first task body: {min(idle)[0]:.1f}-{longest:.1f} s "
+            f"(the longest: flow run {which}); a device is held meanwhile, the task not yet running"
+            + (": **unexplained above 60 s** (under investigation)" if longest > 60 else "")
+            + "."
+        )
     for failure in res["failed_flow_runs"]:
         lines.append(f"- FAILED: {failure.splitlines()[0]}")
     lines += ["", "![many flow runs](results/many_flows.png)", ""]
