@@ -360,6 +360,7 @@ def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, pre
     assert len(crashed) >= 2 and all("interrupt" in m for m in crashed), crashed
 
 
+@pytest.mark.serial  # the urgent run must reach the scheduler within the batch tasks' 8 s
 @pytest.mark.parametrize("urgent_priority", [10, 0])
 def test_a_higher_priority_flow_run_goes_first_on_a_shared_scheduler(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, urgent_priority: int
