@@ -85,13 +85,9 @@ class ForkServerContext:
 
     def Process(self, **kwargs: Any) -> Any:
         """A process (not started) that forks from this context's server when started."""
-        return _forked_process_class()(_server_key=self.key, **kwargs)
-
-    @property
-    def pid(self) -> int | None:
-        """The fork server's pid once it runs."""
-        pid: int | None = getattr(self.server, "_forkserver_pid", None)
-        return pid
+        if _ForkedProcess is None:
+            raise RuntimeError("this platform's multiprocessing has no fork server")
+        return _ForkedProcess(_server_key=self.key, **kwargs)
 
     def close(self) -> None:
         """Let the server end: it exits once no process forked from it is left (each holds its
@@ -111,13 +107,6 @@ def _stop_server(server: Any) -> None:
 _SERVERS: dict[int, Any] = {}  # ForkServerContext.key -> its multiprocessing ForkServer
 _SERVERS_LOCK = threading.Lock()
 _SERVER_KEYS = itertools.count(1)
-
-
-def _forked_process_class() -> Any:
-    """:class:`ForkedProcess`; ``RuntimeError`` where multiprocessing has no fork server."""
-    if _ForkedProcess is None:
-        raise RuntimeError("this platform's multiprocessing has no fork server")
-    return _ForkedProcess
 
 
 try:  # typed as Any: typeshed has no stubs for these modules' internals
@@ -192,8 +181,6 @@ def _check_forkserver() -> str | None:
     for name in ("connect_to_new_process", "ensure_running", "set_forkserver_preload", "_stop"):
         if not callable(getattr(server, name, None)):
             return f"multiprocessing.forkserver.ForkServer has no {name}"
-    if server.__dict__.get("_forkserver_pid", "missing") is not None:
-        return "ForkServer() has no _forkserver_pid"
     source = inspect.getsource(popen_forkserver.Popen._launch)
     for needed in ("forkserver.connect_to_new_process(self._fds)", "set_spawning_popen(self)", "read_signed"):
         if needed not in source:
@@ -232,8 +219,8 @@ def _uses() -> list[Any]:
             "multiprocessing.forkserver.ForkServer",
             "private",
             "warm worker processes fork from a fork server of the pool's own, which imported Prefect "
-            "and distributed once (not multiprocessing's shared one and its preloads): its _stop and "
-            "_forkserver_pid, and popen_forkserver.Popen._launch repeated with that server",
+            "and distributed once (not multiprocessing's shared one and its preloads): its _stop "
+            "and popen_forkserver.Popen._launch repeated with that server",
             _check_forkserver,
         ),
     ]
