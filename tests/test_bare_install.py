@@ -1,10 +1,11 @@
-"""`pip install gpu-tasks` with no extras: the plugin works without any dataframe or model library.
+"""Installing gpu-tasks with no extras: the plugin works without any dataframe or model library.
 
 A fresh virtual environment gets the project (pyproject.toml, README.md, gpu_tasks/, copied
 so that the build leaves nothing in the work tree) and its core dependencies only. There,
 the pipeline's libraries are absent, a flow with a ``gpus=1`` profile runs on an emulated
 device against Prefect's ephemeral API, and ``gpu-tasks run`` says which extra to install.
-About a minute: 30 s to install (pip's cache and the configured index), 25 s for the flow.
+About half a minute: a few seconds to install with uv (scripts/setup installs it; pip otherwise, about
+30 s), 25 s for the flow.
 """
 
 from __future__ import annotations
@@ -53,21 +54,34 @@ if __name__ == "__main__":
 """.replace("PIPELINE_ONLY", repr(PIPELINE_ONLY))
 
 
-def _pip_install(venv: Path, source: Path) -> None:
-    """Install ``source`` into ``venv`` with this interpreter's pip (``pip --python``: the venv needs
-    none)."""
-    proc = subprocess.run(
-        [
+def _installer() -> str | None:
+    """``"uv"`` when uv is beside this interpreter (scripts/setup puts it there: the same resolution
+    from the same index, in seconds), else ``"pip"`` when it has pip; ``None``: neither."""
+    if (Path(sys.executable).parent / "uv").exists():
+        return "uv"
+    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode == 0:
+        return "pip"
+    return None
+
+
+def _install(installer: str, venv: Path, source: Path) -> None:
+    """Install ``source`` into ``venv`` from outside it (``--python``: the venv needs no pip)."""
+    python = str(venv / "bin" / "python")
+    if installer == "uv":
+        cmd = [str(Path(sys.executable).parent / "uv"), "pip", "install", "--quiet", "--python", python]
+    else:
+        cmd = [
             sys.executable,
             "-m",
             "pip",
             "--python",
-            str(venv / "bin" / "python"),
+            python,
             "install",
             "--quiet",
             "--disable-pip-version-check",
-            str(source),
-        ],
+        ]
+    proc = subprocess.run(
+        [*cmd, str(source)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -76,8 +90,9 @@ def _pip_install(venv: Path, source: Path) -> None:
 
 
 def test_the_plugin_alone_runs_a_gpu_profile_flow_without_dataframe_libraries(tmp_path: Path):
-    if subprocess.run([sys.executable, "-m", "pip", "--version"], capture_output=True).returncode != 0:
-        pytest.skip("this interpreter has no pip to install into a fresh environment with")
+    installer = _installer()
+    if installer is None:
+        pytest.skip("neither uv nor pip beside this interpreter to install into a fresh environment with")
     source = tmp_path / "src"
     source.mkdir()
     shutil.copy(ROOT / "pyproject.toml", source)
@@ -85,7 +100,7 @@ def test_the_plugin_alone_runs_a_gpu_profile_flow_without_dataframe_libraries(tm
     shutil.copytree(ROOT / "gpu_tasks", source / "gpu_tasks", ignore=shutil.ignore_patterns("__pycache__"))
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
-    _pip_install(venv, source)
+    _install(installer, venv, source)
 
     marker = uuid.uuid4().hex
     env = clean_env(marker, GPU_TASKS_EMULATED_GPUS="2", PREFECT_HOME=str(tmp_path / "prefect-home"))
