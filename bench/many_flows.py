@@ -1,6 +1,6 @@
 """Many flow runs: N flow-run processes at once, each mapping M ``gpus=0.25`` tasks on two emulated devices.
 
-    python -m bench.many_flows [--flows 10] [--tasks 1000] [--sleep 0] [--check] [--json out.json]
+    python -m bench.many_flows [--flows 10] [--tasks 1000] [--sleep 0] [--check] [--json F] [--logs DIR]
 
 One Prefect server (the embedded one, or ``PREFECT_API_URL`` when set) and one device
 lease directory (``GPU_TASKS_LEASE_DIR``, a temporary one) serve every flow run; each
@@ -33,6 +33,7 @@ import argparse
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -265,8 +266,11 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
         proc.wait()
 
 
-def run(flows: int, tasks: int, sleep: float = 0.0, timeout: float = 3600.0) -> dict[str, Any]:
-    """``flows`` flow-run processes at once against one Prefect server and lease directory; the checks."""
+def run(
+    flows: int, tasks: int, sleep: float = 0.0, timeout: float = 3600.0, logs: str | None = None
+) -> dict[str, Any]:
+    """``flows`` flow-run processes at once against one Prefect server and lease directory; the checks.
+    ``logs``: a folder to keep each flow-run process's output in (``flow-<i>.log``)."""
     from gpu_tasks.prefect_api.server import embedded_server
 
     with tempfile.TemporaryDirectory(prefix="gpu-tasks-many-flows-") as tmp, embedded_server() as url:
@@ -302,6 +306,10 @@ def run(flows: int, tasks: int, sleep: float = 0.0, timeout: float = 3600.0) -> 
         finally:
             for proc, *_ in procs:
                 _stop(proc)
+            if logs:
+                Path(logs).mkdir(parents=True, exist_ok=True)
+                for *_, log in procs:
+                    shutil.copy(log, Path(logs) / log.name)
         records = server_records(url, done, tasks, timeout=max(60.0, 0.05 * flows * tasks))
     return summarize(done, failed, records, flows, tasks, sleep, t0)
 
@@ -424,6 +432,7 @@ def main() -> None:
     parser.add_argument("--check", action="store_true", help="exit 1 when a check fails")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--logs", default=None, help="a folder to keep each flow-run process's output in")
     args = parser.parse_args()
     if args.child is not None:
         setup()
@@ -433,7 +442,7 @@ def main() -> None:
         os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="gpu-tasks-bench-prefect-"))
         os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "10")
     setup()
-    res = run(args.flows, args.tasks, args.sleep, args.timeout)
+    res = run(args.flows, args.tasks, args.sleep, args.timeout, args.logs)
     write_json(args.json, res)
     print_summary(res)
     if args.check and not res["ok"]:

@@ -113,6 +113,14 @@ class GpuTasksSettings(BaseSettings):
         "dropped connections) on a tag-slot check or tag slots it takes for a task, asking again with a "
         "warning in the log, before the task run fails with the API's error (gpu_tasks.compat.api_busy).",
     )
+    api_longest_wait: float = Field(
+        default=30.0,
+        gt=0,
+        description="The longest wait, in seconds, between two tries of a request a busy Prefect API "
+        "refused, in the task runs gpu-tasks runs: gpu-tasks' own waits and Prefect's client's (which "
+        "doubles each time, without a bound otherwise), so a worker holding a device asks again within "
+        "that long after the API recovers (gpu_tasks.compat.api_busy).",
+    )
     preemption_grace: float = Field(
         default=30.0,
         ge=0,

@@ -3,6 +3,7 @@ CPython that gpu-tasks uses, in one package, each with why and a feature check.
 
 - :mod:`gpu_tasks.compat.prefect`: Prefect's task engine, concurrency cache, context, serializers.
 - :mod:`gpu_tasks.compat.prefect_server`: Prefect's server and client: URL, process, counts, drains.
+- :mod:`gpu_tasks.compat.api_busy`: waiting out a busy API; Prefect's client waits, capped.
 - :mod:`gpu_tasks.compat.distributed`: distributed's cluster, nanny and event-loop internals.
 - :mod:`gpu_tasks.compat.dask_cuda`: dask-cuda's worker setup outside ``LocalCUDACluster``.
 - :mod:`gpu_tasks.compat.cpython`: exit handlers, ``os._exit`` and ``signal.signal`` swaps.
@@ -76,9 +77,16 @@ def attr(owner: Any, name: str, kind: type | tuple[type, ...] | None = None) -> 
 
 def uses() -> list[Use]:
     """Every use, from each compat module (importing them imports Prefect and distributed)."""
-    from gpu_tasks.compat import cpython, dask_cuda, distributed, prefect, prefect_server
+    from gpu_tasks.compat import api_busy, cpython, dask_cuda, distributed, prefect, prefect_server
 
-    return [*prefect.USES, *prefect_server.USES, *distributed.USES, *dask_cuda.USES, *cpython.USES]
+    return [
+        *prefect.USES,
+        *prefect_server.USES,
+        *api_busy.USES,
+        *distributed.USES,
+        *dask_cuda.USES,
+        *cpython.USES,
+    ]
 
 
 def verify() -> list[tuple[Use, str]]:

@@ -29,6 +29,7 @@ from gpu_tasks.allocation import (
     worker_allocation,
 )
 from gpu_tasks.compat import distributed as _dask_private
+from gpu_tasks.compat.api_busy import cap_client_waits
 from gpu_tasks.compat.prefect import (
     cache_qualified_names,
     ours,
@@ -313,6 +314,7 @@ def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
         built = _WORKER_SETTINGS.get(key)
     if built is None:
         use_no_limits_cache(get_settings().tag_limit_cache_seconds)  # once per worker and settings
+        cap_client_waits(get_settings().api_longest_wait, whole_process=True)  # Prefect's waits, capped
         ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
         built = {"profile": ctx.profile, "settings": ctx.settings}
         with _WORKER_SETTINGS_LOCK:

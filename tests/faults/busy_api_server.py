@@ -1,7 +1,11 @@
 """A real Prefect server (SQLite, 127.0.0.1) that answers the first ``BUSY_API_REFUSALS`` tag-slot
 requests of each side (``POST /api/v2/concurrency_limits/increment-with-lease``) with 503 Service Unavailable,
 as a Prefect server busy with tens of thousands of task runs does; the rest it serves as Prefect
-does. Each refusal is counted in ``BUSY_API_COUNT_FILE``.
+does. Each refusal is counted in ``BUSY_API_COUNT_FILE``, with when it was made (``refused_at``) and
+when the first request it then let through came (``accepted_at``).
+
+``BUSY_API_FAULT=worker``: it refuses the worker's requests alone (the task engine's check of the
+``tag:gpu:<id>`` placement tags), the flow process's it lets through.
 
     python tests/faults/busy_api_server.py PORT
 """
@@ -11,17 +15,24 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 FAULT_PATH = "/api/v2/concurrency_limits/increment-with-lease"
 
 
-def refusing(app: Any, refusals: int, count_file: Path) -> Any:
+def _side(fault: str, body: bytes) -> str | None:
+    """Whose tag-slot request it is, when it is one to refuse (``None``: let it through)."""
+    side = "worker" if b"tag:gpu:" in body else "flow"
+    return side if fault == "slots" or side == fault else None
+
+
+def refusing(app: Any, refusals: int, count_file: Path, fault: str = "slots") -> Any:
     """``app``, less the first ``refusals`` requests to the tag-slot endpoint of each side (503
     instead): the flow process's (the task's own tags) and the worker's (Prefect's task engine,
     with the ``tag:gpu:<id>`` placement tags). ``count_file`` gets ``{"flow": n, "worker": n}``."""
-    served = {"flow": 0, "worker": 0}
+    served: dict[str, Any] = {"flow": 0, "worker": 0, "refused_at": [], "accepted_at": None}
 
     async def busy(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != FAULT_PATH:
@@ -32,14 +43,18 @@ def refusing(app: Any, refusals: int, count_file: Path) -> Any:
             message = await receive()
             body += message.get("body", b"")
             more = message.get("more_body", False)
-        side = "worker" if b"tag:gpu:" in body else "flow"
-        if served[side] < refusals:
+        side = _side(fault, body)
+        if side is not None and served[side] < refusals:
             served[side] += 1
+            served["refused_at"].append(time.time())
             count_file.write_text(json.dumps(served))
             headers = [(b"content-type", b"application/json")]
             await send({"type": "http.response.start", "status": 503, "headers": headers})
             await send({"type": "http.response.body", "body": b'{"detail": "busy (refused by the test)"}'})
             return
+        if side is not None and served["accepted_at"] is None:
+            served["accepted_at"] = time.time()
+            count_file.write_text(json.dumps(served))
         sent = False
 
         async def replay() -> dict[str, Any]:
@@ -59,7 +74,10 @@ def main() -> None:
     from prefect.server.api.server import create_app
 
     app = refusing(
-        create_app(final=True), int(os.environ["BUSY_API_REFUSALS"]), Path(os.environ["BUSY_API_COUNT_FILE"])
+        create_app(final=True),
+        int(os.environ["BUSY_API_REFUSALS"]),
+        Path(os.environ["BUSY_API_COUNT_FILE"]),
+        os.environ.get("BUSY_API_FAULT", "slots"),
     )
     uvicorn.run(app, host="127.0.0.1", port=int(sys.argv[1]), log_level="warning")
 

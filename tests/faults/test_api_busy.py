@@ -1,6 +1,7 @@
 """A busy Prefect API: the server refuses gpu-tasks' tag-slot requests with 503 for a while (as an
 embedded SQLite server under tens of thousands of task runs does, beyond Prefect's own client
-retries); the task runs wait it out and complete, and the log says what was waited for."""
+retries); the task runs wait it out and complete, and the log says what was waited for. A worker's
+refused request is asked again within ``GPU_TASKS_API_LONGEST_WAIT``, not after Prefect's doubling wait."""
 
 from __future__ import annotations
 
@@ -64,7 +65,73 @@ def test_tag_slot_checks_wait_out_503s_and_every_task_completes(tmp_path: Path):
     assert "RESULT 55" in out.stdout, log[-3000:]
     # both sides met the refusals: the flow process's slots for the task's tags, and the engine's
     # check on the worker of the gpu:<id> tags gpu-tasks puts on every task
-    assert json.loads(count.read_text()) == {"flow": REFUSALS, "worker": REFUSALS}
+    counted = json.loads(count.read_text())
+    assert (counted["flow"], counted["worker"]) == (REFUSALS, REFUSALS), counted
     assert "the Prefect API is busy (503 Service Unavailable)" in log, log[-3000:]
     assert "ConcurrencySlotAcquisitionError" not in log, log[-3000:]
+    assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run"
+
+
+WORKER_REFUSALS = 6  # Prefect's client waits 2, 4, 8, 16, 32 and 64 s after these, uncapped
+
+ONE_TASK = textwrap.dedent(
+    """
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    @task(tags=[profile("gpu")])
+    def one():
+        return 1
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def refused_worker_flow():
+        return one.submit().result()
+
+    if __name__ == "__main__":
+        print("RESULT", refused_worker_flow())
+    """
+)
+
+
+@pytest.mark.timeout(240)
+def test_a_workers_refused_request_is_asked_again_within_the_longest_wait(tmp_path: Path):
+    """The worker's first request (the engine's tag-slot check of its placement tags) is refused six
+    times in a row, as by a server busy with other flow runs (bench.many_flows measured a device then
+    held idle 126 s): with GPU_TASKS_API_LONGEST_WAIT=1 each of Prefect's client waits is about a
+    second, so the task runs within seconds of the last refusal, not after the 64 s (2**6) Prefect's
+    client waits after it uncapped."""
+    marker = f"busy-state-{uuid.uuid4().hex[:8]}"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    count = tmp_path / "refused"
+    server_env = clean_env(
+        marker,
+        PREFECT_HOME=str(tmp_path / "server-home"),
+        PREFECT_UI_ENABLED="false",
+        BUSY_API_REFUSALS=str(WORKER_REFUSALS),
+        BUSY_API_COUNT_FILE=str(count),
+        BUSY_API_FAULT="worker",
+    )
+    server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
+    with running_server(server, server_env, url):
+        out = run_flow_script(
+            tmp_path,
+            "refused_worker_flow.py",
+            ONE_TASK,
+            marker,
+            url,
+            200,
+            PREFECT_CLIENT_MAX_RETRIES="10",  # as the embedded server gives its clients
+            GPU_TASKS_API_LONGEST_WAIT="1",
+        )
+    log = out.stdout + out.stderr
+    assert out.returncode == 0, log[-4000:]
+    assert "RESULT 1" in out.stdout, log[-3000:]
+    counted = json.loads(count.read_text())
+    assert counted["worker"] == WORKER_REFUSALS, counted
+    tries = [*counted["refused_at"], counted["accepted_at"]]
+    gaps = [b - a for a, b in zip(tries, tries[1:], strict=False)]
+    print("waits between tries of the refused request:", [round(g, 2) for g in gaps])
+    # each at most 1 s x Prefect's jitter (1.2), plus the request's own time; uncapped the last is ~64 s
+    assert max(gaps) < 15, gaps
     assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run"
