@@ -319,7 +319,6 @@ def test_one_flow_run_preempts_its_own_preemptible_profile(tmp_path, lease_dir, 
     assert _events(str(run_id), "gpu-tasks.cluster.preempting")
 
 
-@pytest.mark.serial  # the device given back within the grace, before the batch task would end
 @pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
 def test_another_flow_run_preempts_within_the_grace_and_the_task_runs_again(tmp_path, lease_dir):
     holder = {"name": "batch", "gpus": 1, "preemptible": True, "idle_timeout": 30}

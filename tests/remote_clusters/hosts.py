@@ -395,6 +395,21 @@ def prioritized_run(
     )
 
 
+def tasks_at_scheduler(hosts: Hosts) -> int:
+    """How many tasks the shared scheduler holds now that have not finished (queued, waiting for a
+    worker, or on one)."""
+    with hosts.client() as client:
+        return int(
+            client.run_on_scheduler(
+                lambda dask_scheduler: sum(
+                    1
+                    for ts in dask_scheduler.tasks.values()
+                    if ts.state in ("queued", "no-worker", "processing")
+                )
+            )
+        )
+
+
 def overlaps(intervals: list[tuple[float, float]]) -> int:
     """The most intervals that overlap at one instant."""
     points = sorted([(s, 1) for s, _ in intervals] + [(e, -1) for _, e in intervals])

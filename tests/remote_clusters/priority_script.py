@@ -6,7 +6,9 @@ Each task leaves a file in ``STARTS`` when its body starts; the run's priority i
 ``GPU_TASKS_PRIORITY`` from the environment. ``OPTIONS`` is JSON of more profile fields
 (``quota``, ``preemptible``), ``per_second``: submit that many tasks a second, and ``go``: a
 file the flow waits for before it submits (a run started early arrives when the test says,
-its start-up done). A task sleeps in short steps, so a preemption interrupts it within one.
+its start-up done), and ``release``: a file each task waits for, after its SECONDS, before it
+ends (the test says when the workers become free; at most RELEASE_MAX_S). A task sleeps in short
+steps, so a preemption interrupts it within one.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+RELEASE_MAX_S = 300.0  # a task waits at most this long for its release file
 
 
 def main(address: str, n: int, seconds: float, out: str, starts: str, options: str = "{}") -> None:
@@ -26,6 +30,7 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
     fields = json.loads(options)
     per_second = int(fields.pop("per_second", 0))  # a stream: this many submits a second, not all at once
     go = fields.pop("go", None)
+    release = fields.pop("release", None)
     shared = ResourceProfile(name="shared", gpus=1, address=address, idle_timeout=5, **fields)
     name = Path(out).stem
 
@@ -33,7 +38,9 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
     def hold(i: int) -> dict:
         start = time.time()
         (Path(starts) / f"{name}-{i}-{start}.start").write_text(str(start))
-        while time.time() - start < seconds:
+        while time.time() - start < seconds or (
+            release and not Path(release).exists() and time.time() - start < RELEASE_MAX_S
+        ):
             time.sleep(0.05)
         run = get_run_context().task_run
         return {

@@ -19,7 +19,7 @@ from prefect_api import api
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.cluster.remote_workers import executing_keys
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
-from remote_clusters.hosts import Hosts, kill_when_written, overlaps, prioritized_run
+from remote_clusters.hosts import Hosts, kill_when_written, overlaps, prioritized_run, tasks_at_scheduler
 
 pytestmark = pytest.mark.slow
 # the workers cannot import this test module: its flows and tasks travel by value
@@ -360,15 +360,17 @@ def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, pre
     assert len(crashed) >= 2 and all("interrupt" in m for m in crashed), crashed
 
 
-@pytest.mark.serial  # the urgent run must reach the scheduler within the batch tasks' 8 s
 @pytest.mark.parametrize("urgent_priority", [10, 0])
 def test_a_higher_priority_flow_run_goes_first_on_a_shared_scheduler(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, urgent_priority: int
 ):
-    """Two workers with GPU=1; a priority-0 run queues four 8 s tasks, then another run queues
-    two: at priority 10 its tasks start when the first two end, ahead of the queued ones; at
-    priority 0 they wait their turn behind them (Dask's order of arrival)."""
-    batch = prioritized_run(gpu_hosts, "batch", 4, 8.0, tmp_path, priority=0)
+    """Two workers with GPU=1; a priority-0 run queues four tasks, then another run queues two: at
+    priority 10 its tasks start when the first two end, ahead of the queued ones; at priority 0 they
+    wait their turn behind them (Dask's order of arrival). The first two batch tasks end only once
+    all six tasks are at the scheduler (a release file), so the order depends on the priorities
+    alone, not on how fast a loaded machine brings the second run to the scheduler."""
+    release = tmp_path / "release"
+    batch = prioritized_run(gpu_hosts, "batch", 4, 0.5, tmp_path, priority=0, release=str(release))
     # started now, submitting once both workers are busy: its start-up is not on the batch's clock
     go = tmp_path / "go-urgent"
     urgent = prioritized_run(gpu_hosts, "urgent", 2, 0.5, tmp_path, priority=urgent_priority, go=str(go))
@@ -378,6 +380,10 @@ def test_a_higher_priority_flow_run_goes_first_on_a_shared_scheduler(
         assert urgent.poll() is None, urgent.communicate()[0][-3000:]
         time.sleep(0.1)
     go.write_text("")
+    while tasks_at_scheduler(gpu_hosts) < 6:  # the urgent run's two tasks have arrived too
+        assert batch.poll() is None and urgent.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    release.write_text("")
     for proc in (batch, urgent):
         log = proc.communicate(timeout=240)[0].decode(errors="replace")
         assert proc.returncode == 0, log[-3000:]

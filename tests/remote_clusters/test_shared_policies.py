@@ -102,17 +102,21 @@ def _states(task_run_id: str) -> list[str]:
     return [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
 
 
-@pytest.mark.serial  # a grace or an aging rate against tasks' start times
 @pytest.mark.parametrize("preemptible", [True, False])
 def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, preemptible: bool
 ):
-    """Both workers (GPU=1) run a priority-0 run's 15 s tasks; a priority-10 run's 0.5 s task waits.
-    Preemptible: after its 1 s grace one batch task is interrupted, the urgent task starts within
-    grace + 2 s of its queueing, the interrupted task ends Preempted and completes later with its
-    result and no retry. Not preemptible: the urgent task waits for a batch task to end."""
+    """Both workers (GPU=1) run a priority-0 run's tasks, which end only when the test releases them;
+    a priority-10 run's 0.5 s task waits. Preemptible: after its 1 s grace one batch task is
+    interrupted and the urgent task runs while the batch holds on (released once the urgent run has
+    ended); the interrupted task ends Preempted and completes later with its result and no retry.
+    Not preemptible: the urgent task does not start while both batch tasks hold the workers (8 s
+    watched, well past the grace), and starts once they are released."""
     grace = {"GPU_TASKS_PREEMPTION_GRACE": "1"}
-    batch = prioritized_run(gpu_hosts, "batch", 2, 15.0, tmp_path, 0, grace, preemptible=preemptible)
+    release = tmp_path / "release"
+    batch = prioritized_run(
+        gpu_hosts, "batch", 2, 0.5, tmp_path, 0, grace, preemptible=preemptible, release=str(release)
+    )
     # started now, submitting once both workers are busy: its start-up is not on the batch's clock
     go = tmp_path / "go-urgent"
     urgent = prioritized_run(gpu_hosts, "urgent", 1, 0.5, tmp_path, 10, grace, go=str(go))
@@ -123,23 +127,33 @@ def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
         assert urgent.poll() is None, urgent.communicate()[0][-3000:]
         time.sleep(0.1)
     go.write_text("")
+    if preemptible:
+        while urgent.poll() is None and time.monotonic() < deadline + 120:  # it ran beside the batch
+            time.sleep(0.1)
+    else:
+        watched = time.monotonic() + 8
+        while time.monotonic() < watched:
+            assert not list(starts.glob("urgent-*.start")), "the urgent task started on a busy worker"
+            assert urgent.poll() is None, urgent.communicate()[0][-3000:]
+            time.sleep(0.1)
+    released = time.time()
+    release.write_text("")
     logs = _finish([batch, urgent])
     with gpu_hosts.client() as client:  # every entry was taken off the board
         assert client.get_metadata(["gpu-tasks-waiters"], default={}) == {}
     [u] = json.loads((tmp_path / "urgent.json").read_text())
     done = json.loads((tmp_path / "batch.json").read_text())
     assert sorted(t["i"] for t in done) == [0, 1]
-    first_ends = sorted(float(p.read_text()) + 15.0 for p in starts.glob("batch-*.start"))[0]
     submitted = float((starts / "urgent-submitted").read_text())
     batch_starts = sorted(starts.glob("batch-*.start"))
     if not preemptible:
         assert len(batch_starts) == 2, [p.name for p in batch_starts]
-        assert u["start"] >= first_ends - 0.5, (u["start"], first_ends)
+        assert u["start"] >= released, (u["start"], released)
         assert "preempting" not in logs[0]
         return
-    # the urgent task started while the batch tasks would still run (after the 1 s grace, a batch
+    # the urgent task started and ended while the batch tasks held on (after the 1 s grace, a batch
     # task was interrupted for it)
-    assert u["start"] < first_ends, (u["start"], first_ends)
+    assert u["end"] < released, (u, released)
     assert len(batch_starts) == 3, [p.name for p in batch_starts]  # one batch task ran twice
     assert "preempting 1 task(s) on worker" in logs[0], logs[0][-3000:]
     names = [_states(t["task_run"]) for t in done]
