@@ -878,7 +878,12 @@ def many_flows(res: dict[str, Any], img: Path) -> list[str]:
         lines.append(
             f"- From a flow run's first lease to its first task body: {min(idle)[0]:.1f}-{longest:.1f} s "
             f"(the longest: flow run {which}); a device is held meanwhile, the task not yet running"
-            + (": **unexplained above 60 s** (under investigation)" if longest > 60 else "")
+            + (
+                ": above 60 s, a busy server refused the worker's first request (its tag-slot check of "
+                "the placement tags) again and again (docs/operations.md, failure behaviour)"
+                if longest > 60
+                else ""
+            )
             + "."
         )
     for failure in res["failed_flow_runs"]:
