@@ -19,6 +19,9 @@ WORKER_ENV_MEMORY_LIMIT = "GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"
 
 
 EMULATED_TAG = "gpu-tasks:emulated"
+# In a worker's environment: when (epoch seconds) the flow process found, before its devices were
+# leased, that no concurrency limit exists on any placement tag (``gpu:*``, ``gpu-tasks:emulated``)
+PLACEMENT_FREE_ENV = "GPU_TASKS_PLACEMENT_TAGS_FREE_AT"
 
 
 class Allocation(BaseModel):

@@ -14,12 +14,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpu_tasks.allocation import PLACEMENT_FREE_ENV
 from gpu_tasks.cluster import backends
 from gpu_tasks.devices import programs
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Device, Inventory
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import WorkerSpec, device_groups, matching_devices, max_worker_count, worker_spec
+from gpu_tasks.prefect_api.tag_slots import placement_tags_unlimited
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import Held, LedgerRow, Usage
 from gpu_tasks.reporting.measured import NOT_EMULATED
@@ -140,6 +142,7 @@ class ProfileCluster:
         # processes finish importing and the scheduler starts; the lease then only binds them.
         backend = self._start_before_lease(n_workers) if self.pool is not None else None
         prepared = time.monotonic()
+        self._placement_limits()
         try:
             indexes = self._acquire(n_workers)
         except BaseException:
@@ -183,6 +186,18 @@ class ProfileCluster:
             self._where(),
             self.startup["start_workers_s"],
         )
+
+    def _placement_limits(self) -> None:
+        """Before a GPU profile's devices are leased: when no concurrency limit exists on the
+        placement tags, its workers are told so (:data:`~gpu_tasks.allocation.PLACEMENT_FREE_ENV`)
+        and their engines do not ask for those tags' slots while they hold a device (for
+        ``GPU_TASKS_TAG_LIMIT_CACHE_SECONDS``, as any "no limits" answer; then they ask again)."""
+        if not self.profile.is_gpu or get_settings().tag_limit_cache_seconds <= 0:
+            return
+        env = {k: v for k, v in self.worker_env.items() if k != PLACEMENT_FREE_ENV}
+        if placement_tags_unlimited():
+            env[PLACEMENT_FREE_ENV] = repr(time.time())
+        self.worker_env = env
 
     def _start_before_lease(self, n_workers: int) -> backends.Backend:
         """Warm processes ready for ``n_workers`` workers and a scheduler with none, before any lease."""

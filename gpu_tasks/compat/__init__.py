@@ -3,7 +3,8 @@ CPython that gpu-tasks uses, in one package, each with why and a feature check.
 
 - :mod:`gpu_tasks.compat.prefect`: Prefect's task engine, concurrency cache, context, serializers.
 - :mod:`gpu_tasks.compat.prefect_server`: Prefect's server and client: URL, process, counts, drains.
-- :mod:`gpu_tasks.compat.api_busy`: waiting out a busy API; Prefect's client waits, capped.
+- :mod:`gpu_tasks.compat.api_busy`: waiting out a busy API.
+- :mod:`gpu_tasks.compat.prefect_client`: Prefect's client waits between tries, capped.
 - :mod:`gpu_tasks.compat.distributed`: distributed's cluster, nanny and event-loop internals.
 - :mod:`gpu_tasks.compat.dask_cuda`: dask-cuda's worker setup outside ``LocalCUDACluster``.
 - :mod:`gpu_tasks.compat.cpython`: exit handlers, ``os._exit`` and ``signal.signal`` swaps.
@@ -77,12 +78,12 @@ def attr(owner: Any, name: str, kind: type | tuple[type, ...] | None = None) -> 
 
 def uses() -> list[Use]:
     """Every use, from each compat module (importing them imports Prefect and distributed)."""
-    from gpu_tasks.compat import api_busy, cpython, dask_cuda, distributed, prefect, prefect_server
+    from gpu_tasks.compat import cpython, dask_cuda, distributed, prefect, prefect_client, prefect_server
 
     return [
         *prefect.USES,
         *prefect_server.USES,
-        *api_busy.USES,
+        *prefect_client.USES,
         *distributed.USES,
         *dask_cuda.USES,
         *cpython.USES,

@@ -47,6 +47,40 @@ CLOSE_TIMEOUT_S = 10.0
 WAIT_LOGGED_S = 30.0  # a wait this long is logged (each RENEW_EVERY_S while it lasts)
 
 
+PLACEMENT_PREFIX = "tag:gpu:"  # the limits of the gpu:<id> tags a worker adds to its task runs
+LIMITS_PAGE = 200  # limits read per request
+LIMITS_READ_MAX = 2000  # more than this many limits: not read through, the worker asks as Prefect does
+
+
+def placement_tags_unlimited() -> bool:
+    """Whether the Prefect API has no concurrency limit on the tags a worker adds to its task runs
+    (``gpu:<id>``, ``gpu-tasks:emulated``): read (``POST /v2/concurrency_limits/filter``, no write)
+    before a profile's devices are leased, so the worker's engine need not ask for their slots
+    while it holds a device (a write a busy SQLite server can refuse for minutes).
+
+    ``False`` when one exists, when there are too many limits to read through, or when the read
+    fails at once (asked once, no retries): the worker then asks as Prefect's engine does.
+    """
+    from prefect.client.orchestration import get_client
+
+    from gpu_tasks.allocation import EMULATED_TAG
+    from gpu_tasks.prefect_api.states import no_client_retries
+
+    try:
+        with no_client_retries(), get_client(sync_client=True) as client:
+            for offset in range(0, LIMITS_READ_MAX, LIMITS_PAGE):
+                page = client.read_global_concurrency_limits(limit=LIMITS_PAGE, offset=offset)
+                if any(
+                    lim.name.startswith(PLACEMENT_PREFIX) or lim.name == f"tag:{EMULATED_TAG}" for lim in page
+                ):
+                    return False
+                if len(page) < LIMITS_PAGE:
+                    return True
+    except Exception as exc:
+        logger.debug("gpu-tasks: could not read the concurrency limits (%s); workers ask for theirs", exc)
+    return False
+
+
 def slot_names(tags: Sequence[str] | set[str]) -> list[str]:
     """The concurrency limit names Prefect's engine takes a slot of for a task run with ``tags``."""
     return [f"tag:{t}" for t in sorted(set(tags))]

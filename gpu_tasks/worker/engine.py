@@ -22,6 +22,7 @@ import uuid
 from typing import Any
 
 from gpu_tasks.allocation import (
+    PLACEMENT_FREE_ENV,
     WORKER_ENV_PROFILE,
     Allocation,
     allocated,
@@ -29,13 +30,14 @@ from gpu_tasks.allocation import (
     worker_allocation,
 )
 from gpu_tasks.compat import distributed as _dask_private
-from gpu_tasks.compat.api_busy import cap_client_waits
 from gpu_tasks.compat.prefect import (
     cache_qualified_names,
     ours,
+    remember_without_limits,
     tag_slots_held_by_flow,
     use_no_limits_cache,
 )
+from gpu_tasks.compat.prefect_client import cap_client_waits
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
 from gpu_tasks.policy import GPU_RESOURCE
 from gpu_tasks.prefect_api.futures import futures_to_states
@@ -362,6 +364,7 @@ def _prepared(task: Any, alloc: Allocation) -> Any:
         return hit[1]
     out = task
     placement = alloc.placement_tags()
+    _placement_unlimited(placement)
     if placement and not placement <= set(task.tags):
         # the task run shows where it ran in the Prefect UI: gpu:<id> per device, emulated or not
         out = out.with_options(tags=set(out.tags) | placement)
@@ -372,6 +375,21 @@ def _prepared(task: Any, alloc: Allocation) -> Any:
             _PREPARED.clear()
         _PREPARED[key] = (task, out)
     return out
+
+
+def _placement_unlimited(placement: set[str]) -> None:
+    """The flow process found no concurrency limit on the placement tags before the lease (its
+    :data:`~gpu_tasks.allocation.PLACEMENT_FREE_ENV`, fresh): the engine's check of their slots is
+    answered from the "no limits" cache, with no request while the device is held."""
+    found = os.environ.get(PLACEMENT_FREE_ENV)
+    if not placement or not found:
+        return
+    try:
+        age = time.time() - float(found)
+    except ValueError:
+        return
+    if 0 <= age < get_settings().tag_limit_cache_seconds:
+        remember_without_limits(sorted(f"tag:{t}" for t in placement))
 
 
 def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:

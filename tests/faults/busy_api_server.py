@@ -2,7 +2,8 @@
 requests of each side (``POST /api/v2/concurrency_limits/increment-with-lease``) with 503 Service Unavailable,
 as a Prefect server busy with tens of thousands of task runs does; the rest it serves as Prefect
 does. Each refusal is counted in ``BUSY_API_COUNT_FILE``, with when it was made (``refused_at``) and
-when the first request it then let through came (``accepted_at``).
+when the first request it then let through came (``accepted_at``), and every tag-slot request of
+each side (``asked``).
 
 ``BUSY_API_FAULT=worker``: it refuses the worker's requests alone (the task engine's check of the
 ``tag:gpu:<id>`` placement tags), the flow process's it lets through.
@@ -31,8 +32,8 @@ def _side(fault: str, body: bytes) -> str | None:
 def refusing(app: Any, refusals: int, count_file: Path, fault: str = "slots") -> Any:
     """``app``, less the first ``refusals`` requests to the tag-slot endpoint of each side (503
     instead): the flow process's (the task's own tags) and the worker's (Prefect's task engine,
-    with the ``tag:gpu:<id>`` placement tags). ``count_file`` gets ``{"flow": n, "worker": n}``."""
-    served: dict[str, Any] = {"flow": 0, "worker": 0, "refused_at": [], "accepted_at": None}
+    with the ``tag:gpu:<id>`` placement tags). ``count_file`` gets ``{"flow": n, "worker": n, ...}``."""
+    served: dict[str, Any] = {"flow": 0, "worker": 0, "refused_at": [], "accepted_at": None, "asked": {}}
 
     async def busy(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http" or scope["path"] != FAULT_PATH:
@@ -44,6 +45,9 @@ def refusing(app: Any, refusals: int, count_file: Path, fault: str = "slots") ->
             body += message.get("body", b"")
             more = message.get("more_body", False)
         side = _side(fault, body)
+        asker = "worker" if b"tag:gpu:" in body else "flow"  # every tag-slot request, by side
+        served["asked"][asker] = served["asked"].get(asker, 0) + 1
+        count_file.write_text(json.dumps(served))
         if side is not None and served[side] < refusals:
             served[side] += 1
             served["refused_at"].append(time.time())

@@ -17,6 +17,15 @@ from faults._procs import clean_env, free_port, run_flow_script, running_server,
 
 REFUSALS = 4
 
+
+def _placement_limit(url: str) -> None:
+    """A concurrency limit on the gpu:0 tag workers add (100 slots: it never binds)."""
+    import httpx
+
+    made = httpx.post(f"{url}/v2/concurrency_limits/", json={"name": "tag:gpu:0", "limit": 100}, timeout=30)
+    assert made.status_code in (200, 201), made.text
+
+
 SCRIPT = textwrap.dedent(
     """
     from prefect import flow, task
@@ -51,6 +60,7 @@ def test_tag_slot_checks_wait_out_503s_and_every_task_completes(tmp_path: Path):
     )
     server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
     with running_server(server, server_env, url):
+        _placement_limit(url)  # so the worker's engine asks for its gpu:0 slot (no limit: it need not)
         out = run_flow_script(
             tmp_path,
             "busy_api_flow.py",
@@ -114,6 +124,7 @@ def test_a_workers_refused_request_is_asked_again_within_the_longest_wait(tmp_pa
     )
     server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
     with running_server(server, server_env, url):
+        _placement_limit(url)
         out = run_flow_script(
             tmp_path,
             "refused_worker_flow.py",
@@ -135,3 +146,33 @@ def test_a_workers_refused_request_is_asked_again_within_the_longest_wait(tmp_pa
     # each at most 1 s x Prefect's jitter (1.2), plus the request's own time; uncapped the last is ~64 s
     assert max(gaps) < 15, gaps
     assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run"
+
+
+def test_a_worker_asks_for_no_placement_slot_when_no_limit_exists(tmp_path: Path):
+    """No concurrency limit on the gpu:<id> tags: the flow process reads so before the lease, and the
+    worker's engine makes no tag-slot request for them while it holds the device (each such request
+    is a write a busy SQLite server can refuse for minutes). With a limit on gpu:0 it asks."""
+    seen = {}
+    for limited in (False, True):
+        marker = f"placement-{uuid.uuid4().hex[:8]}"
+        port = free_port()
+        url = f"http://127.0.0.1:{port}/api"
+        count = tmp_path / f"asked-{limited}"
+        server_env = clean_env(
+            marker,
+            PREFECT_HOME=str(tmp_path / f"server-home-{limited}"),
+            PREFECT_UI_ENABLED="false",
+            BUSY_API_REFUSALS="0",
+            BUSY_API_COUNT_FILE=str(count),
+        )
+        server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
+        with running_server(server, server_env, url):
+            if limited:
+                _placement_limit(url)
+            out = run_flow_script(tmp_path, f"placement_{limited}.py", SCRIPT, marker, url, 200)
+        log = out.stdout + out.stderr
+        assert out.returncode == 0 and "RESULT 55" in out.stdout, log[-4000:]
+        seen[limited] = json.loads(count.read_text())["asked"]
+        assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run"
+    assert seen[False].get("worker", 0) == 0 and seen[False].get("flow", 0) >= 1, seen
+    assert seen[True].get("worker", 0) >= 1, seen

@@ -1,0 +1,82 @@
+"""Prefect's client waits between tries of a refused request, capped in gpu-tasks' processes.
+
+Prefect's client waits ``2**n`` s (with jitter) before its n-th try of a refused request, with no
+upper bound; see :mod:`gpu_tasks.compat.api_busy` for why and what was measured. Checked against
+prefect 3.8.8 and 3.9.1.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from gpu_tasks.compat.prefect import is_ours
+
+_CAP: dict[str, float] = {}  # the longest wait in force once the cap is installed
+
+
+def cap_client_waits(longest: float, whole_process: bool = False) -> bool:
+    """Cap each of Prefect's client waits between tries of a refused request at ``longest`` s (with
+    Prefect's jitter), in gpu-tasks' task runs (:func:`gpu_tasks.compat.prefect.is_ours`), or in
+    every request of the process with ``whole_process`` (a gpu-tasks worker process: all it runs is
+    gpu-tasks', Prefect's services' requests made off the task's thread included).
+
+    Returns whether the cap is in force (``False`` on a Prefect whose client waits otherwise:
+    its waits are then as shipped, and tests/test_compat.py fails).
+    """
+    import prefect.client.base as base
+
+    _CAP["longest"] = longest
+    if whole_process:
+        _CAP["whole_process"] = 1.0
+    current = getattr(base, "clamped_poisson_interval", None)
+    if not callable(current) or _check_client_waits() is not None:
+        return False
+    if getattr(current, "_gpu_tasks_capped", False):
+        return True
+
+    def capped(average_interval: float, clamping_factor: float = 0.3) -> float:
+        if _CAP.get("whole_process") or is_ours():
+            average_interval = min(average_interval, _CAP["longest"])
+        return float(current(average_interval, clamping_factor))
+
+    capped._gpu_tasks_capped = True  # type: ignore[attr-defined]  # installed once per process
+    capped.__wrapped__ = current  # type: ignore[attr-defined]  # Prefect's, for the feature check
+    setattr(base, "clamped_poisson_interval", capped)  # noqa: B010 - a name Prefect does not export
+    return True
+
+
+def _check_client_waits() -> str | None:
+    """Prefect's clients still wait ``clamped_poisson_interval(2**n, jitter)`` between tries."""
+
+    import prefect.client.base as base
+
+    from gpu_tasks.compat import params
+
+    fn = getattr(base, "clamped_poisson_interval", None)
+    problem = params(getattr(fn, "__wrapped__", fn), "average_interval", "clamping_factor")
+    if problem:
+        return f"prefect.client.base.clamped_poisson_interval: {problem}"
+    for client in ("PrefectHttpxAsyncClient", "PrefectHttpxSyncClient"):
+        source = inspect.getsource(getattr(getattr(base, client), "_send_with_retry"))  # noqa: B009
+        if "clamped_poisson_interval(" not in source or "2**try_count" not in source:
+            return f"{client}._send_with_retry no longer waits clamped_poisson_interval(2**try_count, ...)"
+    return None
+
+
+def _uses() -> list[Any]:
+    from gpu_tasks.compat import Use
+
+    return [
+        Use(
+            "prefect",
+            "prefect.client.base.clamped_poisson_interval",
+            "patched",
+            "each wait of Prefect's client between tries of a refused request capped at "
+            "GPU_TASKS_API_LONGEST_WAIT in gpu-tasks' task runs (2**n s otherwise: a device held idle)",
+            _check_client_waits,
+        ),
+    ]
+
+
+USES = _uses()
