@@ -68,7 +68,15 @@ def _install(installer: str, venv: Path, source: Path) -> None:
     """Install ``source`` into ``venv`` from outside it (``--python``: the venv needs no pip)."""
     python = str(venv / "bin" / "python")
     if installer == "uv":
-        cmd = [str(Path(sys.executable).parent / "uv"), "pip", "install", "--quiet", "--python", python]
+        cmd = [
+            str(Path(sys.executable).parent / "uv"),
+            "pip",
+            "install",
+            "--quiet",
+            "--compile-bytecode",
+            "--python",
+            python,
+        ]
     else:
         cmd = [
             sys.executable,

@@ -58,14 +58,18 @@ def placement_tags_unlimited() -> bool:
     before a profile's devices are leased, so the worker's engine need not ask for their slots
     while it holds a device (a write a busy SQLite server can refuse for minutes).
 
-    ``False`` when one exists, when there are too many limits to read through, or when the read
-    fails at once (asked once, no retries): the worker then asks as Prefect's engine does.
+    ``False`` when one exists, when there are too many limits to read through, when this process
+    has no API yet, or when the read fails at once (asked once, no retries): the worker then asks
+    as Prefect's engine does.
     """
     from prefect.client.orchestration import get_client
 
     from gpu_tasks.allocation import EMULATED_TAG
+    from gpu_tasks.prefect_api.api import flow_api_url
     from gpu_tasks.prefect_api.states import no_client_retries
 
+    if flow_api_url() is None:  # no API this process uses yet: never start one just for this
+        return False
     try:
         with no_client_retries(), get_client(sync_client=True) as client:
             for offset in range(0, LIMITS_READ_MAX, LIMITS_PAGE):
