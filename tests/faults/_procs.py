@@ -88,13 +88,21 @@ def free_port() -> int:
 @contextlib.contextmanager
 def running_server(command: list[str], env: dict[str, str], url: str) -> Iterator[None]:
     """A Prefect server process started with ``command``, once ``url``/health answers; stopped at the
-    end of the block."""
+    end of the block. It dies with this process too (Linux), so a test ended by its timeout (which
+    ends the test process, skipping the block's end) leaves no server behind."""
     import subprocess
 
     import httpx
 
+    from gpu_tasks.prefect_api.server import die_with_parent_hook
+
     server = subprocess.Popen(
-        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        command,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=die_with_parent_hook(),
     )
     try:
         deadline = time.monotonic() + 120
