@@ -12,7 +12,7 @@ from typing import Any
 
 from gpu_tasks.compat.prefect import is_ours
 
-_CAP: dict[str, float] = {}  # the longest wait in force once the cap is installed
+_CAP: dict[str, Any] = {"longest": None, "whole_process": False}  # in force once installed
 
 
 def cap_client_waits(longest: float, whole_process: bool = False) -> bool:
@@ -27,17 +27,16 @@ def cap_client_waits(longest: float, whole_process: bool = False) -> bool:
     import prefect.client.base as base
 
     _CAP["longest"] = longest
-    if whole_process:
-        _CAP["whole_process"] = 1.0
+    _CAP["whole_process"] = _CAP["whole_process"] or whole_process
     current = getattr(base, "clamped_poisson_interval", None)
+    if getattr(current, "_gpu_tasks_capped", False):
+        return True  # installed already: the new values above apply
     if not callable(current) or _check_client_waits() is not None:
         return False
-    if getattr(current, "_gpu_tasks_capped", False):
-        return True
 
     def capped(average_interval: float, clamping_factor: float = 0.3) -> float:
-        if _CAP.get("whole_process") or is_ours():
-            average_interval = min(average_interval, _CAP["longest"])
+        if _CAP["whole_process"] or is_ours():
+            average_interval = min(average_interval, float(_CAP["longest"]))
         return float(current(average_interval, clamping_factor))
 
     capped._gpu_tasks_capped = True  # type: ignore[attr-defined]  # installed once per process

@@ -5,10 +5,12 @@ refused request is asked again within ``GPU_TASKS_API_LONGEST_WAIT``, not after 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import textwrap
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -24,6 +26,25 @@ def _placement_limit(url: str) -> None:
 
     made = httpx.post(f"{url}/v2/concurrency_limits/", json={"name": "tag:gpu:0", "limit": 100}, timeout=30)
     assert made.status_code in (200, 201), made.text
+
+
+@contextlib.contextmanager
+def _busy_server(tmp_path: Path, marker: str, count: Path, refusals: int, **env: str) -> Iterator[str]:
+    """busy_api_server.py on a free port of 127.0.0.1 (``refusals`` per side, counted in ``count``);
+    its API URL, until the end of the block."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    server_env = clean_env(
+        marker,
+        PREFECT_HOME=str(tmp_path / f"server-home-{count.name}"),
+        PREFECT_UI_ENABLED="false",
+        BUSY_API_REFUSALS=str(refusals),
+        BUSY_API_COUNT_FILE=str(count),
+        **env,
+    )
+    server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
+    with running_server(server, server_env, url):
+        yield url
 
 
 SCRIPT = textwrap.dedent(
@@ -48,18 +69,8 @@ SCRIPT = textwrap.dedent(
 @pytest.mark.timeout(240)
 def test_tag_slot_checks_wait_out_503s_and_every_task_completes(tmp_path: Path):
     marker = f"busy-api-{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
     count = tmp_path / "refused"
-    server_env = clean_env(
-        marker,
-        PREFECT_HOME=str(tmp_path / "server-home"),
-        PREFECT_UI_ENABLED="false",
-        BUSY_API_REFUSALS=str(REFUSALS),
-        BUSY_API_COUNT_FILE=str(count),
-    )
-    server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
-    with running_server(server, server_env, url):
+    with _busy_server(tmp_path, marker, count, REFUSALS) as url:
         _placement_limit(url)  # so the worker's engine asks for its gpu:0 slot (no limit: it need not)
         out = run_flow_script(
             tmp_path,
@@ -111,19 +122,8 @@ def test_a_workers_refused_request_is_asked_again_within_the_longest_wait(tmp_pa
     second, so the task runs within seconds of the last refusal, not after the 64 s (2**6) Prefect's
     client waits after it uncapped."""
     marker = f"busy-state-{uuid.uuid4().hex[:8]}"
-    port = free_port()
-    url = f"http://127.0.0.1:{port}/api"
     count = tmp_path / "refused"
-    server_env = clean_env(
-        marker,
-        PREFECT_HOME=str(tmp_path / "server-home"),
-        PREFECT_UI_ENABLED="false",
-        BUSY_API_REFUSALS=str(WORKER_REFUSALS),
-        BUSY_API_COUNT_FILE=str(count),
-        BUSY_API_FAULT="worker",
-    )
-    server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
-    with running_server(server, server_env, url):
+    with _busy_server(tmp_path, marker, count, WORKER_REFUSALS, BUSY_API_FAULT="worker") as url:
         _placement_limit(url)
         out = run_flow_script(
             tmp_path,
@@ -155,18 +155,8 @@ def test_a_worker_asks_for_no_placement_slot_when_no_limit_exists(tmp_path: Path
     seen = {}
     for limited in (False, True):
         marker = f"placement-{uuid.uuid4().hex[:8]}"
-        port = free_port()
-        url = f"http://127.0.0.1:{port}/api"
         count = tmp_path / f"asked-{limited}"
-        server_env = clean_env(
-            marker,
-            PREFECT_HOME=str(tmp_path / f"server-home-{limited}"),
-            PREFECT_UI_ENABLED="false",
-            BUSY_API_REFUSALS="0",
-            BUSY_API_COUNT_FILE=str(count),
-        )
-        server = [sys.executable, str(Path(__file__).with_name("busy_api_server.py")), str(port)]
-        with running_server(server, server_env, url):
+        with _busy_server(tmp_path, marker, count, 0) as url:
             if limited:
                 _placement_limit(url)
             out = run_flow_script(tmp_path, f"placement_{limited}.py", SCRIPT, marker, url, 200)
