@@ -257,3 +257,36 @@ def test_a_warm_process_survives_a_ctrl_c_while_it_imports():
     finally:
         proc.process.kill()
         proc.process.join(10)
+
+
+def test_spawns_from_two_threads_leave_the_flow_processs_environment_as_it_was(monkeypatch):
+    """A pool refill and a profile's scheduler spawn from different threads; each sets the
+    child's environment in os.environ for the spawn. Interleaved, they restored each other's
+    values and left an empty CUDA_VISIBLE_DEVICES (and Prefect's ephemeral server off) in the
+    flow process for good."""
+    import threading
+
+    from gpu_tasks.worker.warm import _environ
+
+    monkeypatch.delenv("GPU_TASKS_TEST_SPAWN_ENV", raising=False)
+    inside = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+
+    def spawn(i: int) -> None:
+        with _environ({"GPU_TASKS_TEST_SPAWN_ENV": str(i)}):
+            inside[i].set()
+            release[i].wait(5)
+
+    threads = [threading.Thread(target=spawn, args=(i,)) for i in range(2)]
+    threads[0].start()
+    assert inside[0].wait(5)
+    threads[1].start()
+    # the second waits for the first to end (without a lock it would start inside it, and end after
+    # the first had restored the environment, restoring the first's value)
+    inside[1].wait(0.3)
+    release[0].set()
+    threads[0].join(5)
+    release[1].set()
+    threads[1].join(5)
+    assert inside[1].is_set()
+    assert "GPU_TASKS_TEST_SPAWN_ENV" not in os.environ

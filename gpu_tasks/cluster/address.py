@@ -9,9 +9,9 @@ import logging
 import time
 from typing import Any
 
-from gpu_tasks.cluster.backends import _within
 from gpu_tasks.cluster.board import SharedBoard
 from gpu_tasks.cluster.remote import RemoteCluster, security_for
+from gpu_tasks.cluster.within import within
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE, task_resources
 from gpu_tasks.reporting.ledger import LedgerRow
@@ -87,7 +87,7 @@ class AddressCluster(RemoteCluster):
             )
         security = security_for(self.profile) if address.startswith("tls://") else None
         try:
-            client = _within(
+            client = within(
                 self.provision_timeout,
                 lambda: Client(
                     address,

@@ -21,13 +21,14 @@ import contextlib
 import logging
 import os
 import signal
-import threading
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 from gpu_tasks import _gpu
 from gpu_tasks.allocation import Allocation
+from gpu_tasks.cluster.within import within
 from gpu_tasks.compat import distributed as _dask_private
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE, WorkerSpec
@@ -97,19 +98,30 @@ def nanny_spec(
     return {"cls": WatchedNanny if watched else Nanny, "options": options}
 
 
-def scheduler_spec(dashboard: bool, rerun_lost: bool = False) -> dict[str, Any]:
+def scheduler_spec(
+    dashboard: bool, rerun_lost: bool = False, pool: Any = None, timeout: float = 60.0
+) -> dict[str, Any]:
     """The ``SpecCluster`` scheduler entry.
 
     Args:
         rerun_lost: let Dask re-run a task whose worker died (its default); a profile's
-            scheduler does not: the runner reports the crash
-    # (gpu_tasks.prefect_api.states).
+            scheduler does not: the runner reports the crash (gpu_tasks.prefect_api.states).
+        pool: a :class:`~gpu_tasks.worker.warm.WarmPool`: the scheduler runs in a process of its own
+            forked from it (:class:`~gpu_tasks.worker.pooled.PooledScheduler`, started within
+            ``timeout``); without one, in the flow process (Dask's default).
     """
     from distributed import Scheduler
 
     options: dict[str, Any] = {"host": LOCALHOST, "dashboard": dashboard, "dashboard_address": _ANY_PORT}
     if not rerun_lost:
         options["allowed_failures"] = 0
+    if pool is not None:
+        from gpu_tasks.worker.pooled import PooledScheduler
+
+        return {
+            "cls": PooledScheduler,
+            "options": {**options, "pool": pool, "timeout": timeout, "silence_logs": dask_log_level()},
+        }
     return {"cls": Scheduler, "options": options}
 
 
@@ -123,53 +135,6 @@ def _non_daemon_workers() -> Any:
     # Without distributed's defaults in dask's config, leaving this block would remove the
     # whole "distributed" section it created, defaults loaded meanwhile included.
     return dask.config.set({"distributed.worker.daemon": False})
-
-
-def _within(seconds: float, fn: Callable[[], T], what: str, hint: str | None = None) -> T:
-    """``fn()`` in a daemon thread, giving up after ``seconds``.
-
-    Dask's SpecCluster can wait forever when a worker process fails while starting
-    (for one, a script that runs its flow at import time under the spawn start
-    method). A result that arrives after the deadline is closed, not leaked. ``hint``
-    replaces the timeout message's advice (which is about worker processes this host starts).
-    """
-    box: dict[str, Any] = {}
-    done = threading.Event()
-    lock = threading.Lock()
-
-    def run() -> None:
-        try:
-            value = fn()
-        except BaseException as exc:  # handed to the caller below
-            box["error"] = exc
-        else:
-            with lock:
-                box["value"] = value
-                late = box.get("abandoned", False)
-            if late:
-                with contextlib.suppress(Exception):
-                    value.close()  # type: ignore[attr-defined]  # a cluster
-        finally:
-            done.set()
-
-    threading.Thread(target=run, name=f"gpu-tasks-start-{what}", daemon=True).start()
-    if not done.wait(seconds):
-        with lock:
-            box["abandoned"] = True
-            value = box.get("value")
-        if value is None:
-            raise TimeoutError(
-                f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). "
-                + (
-                    hint
-                    or "Worker processes are spawned and re-import the script that started the flow: "
-                    'guard the flow call with `if __name__ == "__main__":`, and see the Dask log above'
-                )
-            )
-    if "error" in box:
-        raise box["error"]
-    result: T = box["value"]
-    return result
 
 
 # ---------------------------------------------------------------- backends
@@ -208,6 +173,11 @@ class Backend:
     def worker_names(self) -> set[str]:
         """Names of the workers it can stop one by one."""
         return set()
+
+    def lost(self, grace: float) -> list[tuple[str, str | None]]:
+        """``(name, address)`` of the workers whose process ended ``grace`` s ago or more though no
+        one closed them (a scheduler dropped them: they missed its worker TTL)."""
+        return []
 
     def processing(self, names: list[str]) -> set[str] | None:
         """Keys of the tasks handed to the workers ``names`` (``None``: cannot tell)."""
@@ -311,6 +281,14 @@ class DaskBackend(Backend):
     def worker_names(self) -> set[str]:
         return {str(n) for n in getattr(self.cluster, "workers", {})}
 
+    def lost(self, grace: float) -> list[tuple[str, str | None]]:
+        now = time.monotonic()
+        return [
+            (str(name), getattr(w, "worker_address", None))
+            for name, w in list(getattr(self.cluster, "workers", {}).items())
+            if (ended := getattr(w, "ended_at", None)) is not None and now - ended >= grace
+        ]
+
     def processing(self, names: list[str]) -> set[str] | None:
         assert self.client is not None
         try:
@@ -391,18 +369,18 @@ def start(
     elif uses_dask_cuda(profile, emulated):  # dask-cuda starts the workers
         next_devices = [s.devices[0].address for s in specs]
         with _non_daemon_workers():
-            cluster = _within(
+            cluster = within(
                 timeout, lambda: _cuda_cluster(profile, specs, every_spec(), next_devices, dashboard), what
             )
         return CudaBackend(cluster, next_devices, len(specs), timeout, dashboard)
     from distributed import SpecCluster
 
     with _non_daemon_workers():
-        cluster = _within(
+        cluster = within(
             timeout,
             lambda: SpecCluster(
                 workers={s.name: nanny_spec(s, pool=pool, timeout=timeout, cuda=cuda) for s in specs},
-                scheduler=scheduler_spec(dashboard),
+                scheduler=scheduler_spec(dashboard, pool=pool, timeout=timeout),
                 name=f"gpu-tasks:{profile.name}",
                 silence_logs=dask_log_level(),
             ),

@@ -74,6 +74,7 @@ class ProfileCluster:
         )
         self.limit = max_worker_count(profile, len(self.groups))
         self.specs: list[WorkerSpec] = []
+        self.retired: set[str] = set()  # names of workers removed one by one
         self.backend: backends.Backend | None = None
         self.usage = Usage()
         if profile.is_gpu and inventory.emulated:  # never sampled: the ledger says so, with no numbers
@@ -360,17 +361,18 @@ class ProfileCluster:
         spec = next((s for s in self.specs if s.name == name), None)
         return None if spec is None else tuple(d.address for d in spec.devices)
 
-    def retire(self, name: str, reason: str) -> LedgerRow | None:
+    def retire(self, name: str, reason: str, keep: bool = False) -> LedgerRow | None:
         """Remove the worker ``name`` (its process died) and give its devices back.
 
-        The whole cluster closes when that was its last worker, or when the worker is
-        not one of ours by name (dask-cuda names its own). Returns the ledger row for
-        what was given back, ``None`` when nothing was running.
+        The whole cluster closes when that was its last worker (unless ``keep``: its scheduler
+        stays up, with no worker, for tasks it holds), or when the worker is not one of ours by
+        name (dask-cuda names its own). Returns the ledger row for what was given back, ``None``
+        when nothing was running.
         """
         spec = next((s for s in self.specs if s.name == name), None)
-        if self.backend is None:
-            return None
-        if spec is None or len(self.specs) == 1:
+        if self.backend is None or (spec is None and name in self.retired):
+            return None  # nothing running, or retired already (found lost while idle)
+        if spec is None or (len(self.specs) == 1 and not keep):
             return self.close(reason)
         [held] = _held([spec])
         row = self.usage.row(self.profile.name, [held], self.emulated, time.time(), reason, whole=False)
@@ -381,6 +383,7 @@ class ProfileCluster:
                 "profile %r: error while removing worker %r", self.profile.name, name, exc_info=True
             )
         self.specs.remove(spec)
+        self.retired.add(name)
         self.usage.forget(held)
         self.book.release(self.profile.name, list(held.devices))
         logger.info(
@@ -431,6 +434,14 @@ class ProfileCluster:
         """The waiter a shared scheduler's task ``key`` was interrupted for (gpu_tasks.cluster.remote);
         a local profile's workers are stopped instead, so: ``{}``."""
         return {}
+
+    def lost_workers(self, grace: float) -> list[tuple[str, str | None]]:
+        """``(name, address)`` of this cluster's workers whose process ended ``grace`` s ago or more
+        though no one closed it (:meth:`~gpu_tasks.cluster.backends.Backend.lost`)."""
+        if self.backend is None:
+            return []
+        names = {s.name for s in self.specs}
+        return [(n, a) for n, a in self.backend.lost(grace) if n in names]
 
     def running_keys(self, names: list[str]) -> set[str] | None:
         """Keys of the tasks Dask has handed to the workers ``names`` (``None``: cannot tell)."""

@@ -10,12 +10,13 @@ import logging
 import time
 from typing import Any
 
-from gpu_tasks.cluster.backends import _non_daemon_workers, _within
+from gpu_tasks.cluster.backends import _non_daemon_workers
 from gpu_tasks.cluster.remote import RemoteCluster
 from gpu_tasks.cluster.remote_workers import (
     RemoteWorker,
     read_workers,
 )
+from gpu_tasks.cluster.within import within
 from gpu_tasks.compat.cpython import signal_handlers_kept
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE
@@ -136,7 +137,7 @@ class ManagedCluster(RemoteCluster):
                 return cls(**self.profile.cluster_kwargs)
 
         try:
-            manager = _within(self.provision_timeout, make, f"cluster of profile {self.profile.name!r}")
+            manager = within(self.provision_timeout, make, f"cluster of profile {self.profile.name!r}")
         except Exception as exc:
             # TypeError or ValueError for arguments the class does not take; anything else its own
             rejected = isinstance(exc, (TypeError, ValueError))

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from gpu_tasks.cluster.backends import _within
 from gpu_tasks.cluster.board import SharedBoard
 from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.cluster.remote_workers import (
@@ -33,6 +32,7 @@ from gpu_tasks.cluster.remote_workers import (
     executing_keys,
     read_workers,
 )
+from gpu_tasks.cluster.within import within
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
 from gpu_tasks.policy import GPU_RESOURCE, task_resources
@@ -197,9 +197,7 @@ class RemoteCluster(ProfileCluster):
         client = self.client
         if futures and client is not None:
             with contextlib.suppress(Exception):
-                _within(
-                    5.0, lambda: client.run(interrupt_tasks, keys, "stop", on_error="return"), "interrupt"
-                )
+                within(5.0, lambda: client.run(interrupt_tasks, keys, "stop", on_error="return"), "interrupt")
             with contextlib.suppress(Exception):
                 client.cancel(futures)
 
@@ -384,7 +382,7 @@ class RemoteCluster(ProfileCluster):
         w = next((w for w in self.remote.values() if w.name == name or w.address == name), None)
         return None if w is None else w.device_keys
 
-    def retire(self, name: str, reason: str) -> LedgerRow | None:
+    def retire(self, name: str, reason: str, keep: bool = False) -> LedgerRow | None:
         """A remote worker died under a task: nothing of ours to give back (its cluster replaces it)."""
         logger.warning(
             "profile %r: worker %r of %s died (%s)", self.profile.name, name, self._where(), reason
@@ -472,7 +470,7 @@ class RemoteCluster(ProfileCluster):
         run_id = str(ctx.flow_run.id) if ctx is not None and ctx.flow_run is not None else None
         headers, addresses = api_headers(), [w.address for w in workers]
         try:
-            answers = _within(
+            answers = within(
                 2 * API_PROBE_TIMEOUT_S + 5,
                 lambda: client.run(
                     probe_api, url, run_id, headers, API_PROBE_TIMEOUT_S, workers=addresses, on_error="return"

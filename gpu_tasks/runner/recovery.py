@@ -196,7 +196,9 @@ class Recovery:
         live, st, prof = self.live, job.st, job.profile
         ws = getattr(exc, "last_worker", None)
         if ws is None:  # lost with its cluster (closed when its last worker died), no worker named
-            name, devices, ended, address = self._last_death.get(prof.name, ("", (), None, None))
+            name, devices, ended, address = (
+                self._last_death.get(prof.name) or live.lost.get(prof.name) or ("", (), None, None)
+            )
             how = ended.describe() if ended else f"was lost ({type(exc).__name__}: {exc})"
             row = None
             with st.lock:
@@ -208,8 +210,12 @@ class Recovery:
             how = ended.describe() if ended else "died"
             with st.lock:
                 known = self._last_death.get(prof.name)
+                lost = live.lost.get(prof.name)
                 if known is not None and known[3] == address:  # another of its tasks: already retired
                     devices = known[1]
+                elif lost is not None and lost[3] == address:  # retired by the idle monitor (lost)
+                    devices = lost[1]
+                    self._last_death[prof.name] = lost
                 else:
                     devices = tuple(st.cluster.worker_devices(name) or st.cluster.devices)
                     self._last_death[prof.name] = (name, devices, ended, address)

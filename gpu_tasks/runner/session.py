@@ -9,6 +9,7 @@ whole when the flow run ends.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import threading
@@ -41,6 +42,9 @@ from gpu_tasks.settings import get_settings
 logger = logging.getLogger("gpu_tasks.runner")
 
 PREEMPTION_CHECK_S = 0.5  # how often a runner with preemptible clusters reads the device queue
+# a worker process that ended though no one closed it, while idle, is retired this long after (one
+# that ran a task is the task's crash report's to retire, which comes first)
+LOST_WORKER_GRACE_S = 2.0
 
 
 # preempt(st, addresses, waiter): stop st's workers on addresses for waiter (gpu_tasks.runner.recovery)
@@ -87,6 +91,8 @@ class Live:
             priority_aging=self.settings.priority_aging,
         )
         self.preempting: dict[str, threading.Thread] = {}  # profile -> the thread preempting it
+        # profile -> (worker name, devices, how it ended, address) of its last worker lost while idle
+        self.lost: dict[str, tuple[str, tuple[str, ...], Any, Any]] = {}
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
         # events are sent in the flow run's context, also after Prefect left it (exit-time events):
         # Prefect's events worker adds related resources from the sending context
@@ -201,6 +207,10 @@ class Live:
             for name, st in list(self.states.items()):
                 if name in closing and closing[name].is_alive():
                     continue
+                try:
+                    self._retire_lost(st)
+                except Exception:  # the idle monitor must go on
+                    logger.warning("gpu-tasks: could not retire a lost worker", exc_info=True)
                 if close_reason(st.idle_view(), time.monotonic()):
                     # close off the monitor thread so one slow close never delays another profile's
                     closing[name] = threading.Thread(
@@ -212,6 +222,41 @@ class Live:
                     closing[name].start()
         for thread in closing.values():
             thread.join(timeout=30)
+
+    def _retire_lost(self, st: ProfileState) -> None:
+        """Give back the devices of workers whose process ended though no one closed them (their
+        scheduler dropped them: no heartbeat within Dask's worker TTL). Tasks the scheduler holds
+        for the profile then get a new worker (when its devices can be had at once; else the
+        cluster closes and they are reported as for a dead worker): they never wait at a scheduler
+        with no worker."""
+        if not st.cluster.running or not (lost := st.cluster.lost_workers(LOST_WORKER_GRACE_S)):
+            return
+        from gpu_tasks.worker.exits import worker_exit
+
+        for name, address in lost:
+            ended = worker_exit(address) if address else None
+            how = ended.describe() if ended else "ended"
+            with st.lock:
+                devices = st.cluster.worker_devices(name) or ()
+                self.lost[st.cluster.profile.name] = (name, devices, ended, address)  # for crash reports
+                row = st.cluster.retire(name, f"worker lost: {how}", keep=True)
+            logger.warning(
+                "profile %r: worker %r%s %s though the runner did not stop it (Dask's log above says "
+                "why: a scheduler drops a worker it has not heard from for "
+                "distributed.scheduler.worker-ttl); its devices are given back",
+                st.cluster.profile.name,
+                name,
+                f" (pid {ended.pid})" if ended and ended.pid else "",
+                how,
+            )
+            if row is not None:
+                self.gave_back(st, row, "crashed", {"worker": name, "while": "idle"})
+        with st.lock:
+            if st.cluster.worker_count == 0 and st.dispatched and st.cluster.profile.is_gpu:
+                with contextlib.suppress(Exception):
+                    st.cluster.scale_to(1)  # the devices just given back, unless a waiter has them
+            if st.cluster.worker_count == 0:
+                self.close_cluster(st, "its workers were lost")
 
     def _close_if_idle(self, st: ProfileState) -> None:
         with st.lock:  # re-check under the lock: a task may have arrived meanwhile

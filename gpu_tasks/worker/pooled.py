@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
+import time
 from typing import Any
 
 import dask
@@ -22,8 +23,33 @@ from gpu_tasks.worker.warm import CLOSE_GRACE_S, MEMORY_POLL_S, WarmPool, WarmPr
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- SpecCluster entry
-class PooledWorker(ProcessInterface):
+# ---------------------------------------------------------------- SpecCluster entries
+class _Bound(ProcessInterface):
+    """A ``SpecCluster`` entry run by one warm process: closing it asks the process to close, then
+    ends it (:func:`~gpu_tasks.worker.warm.end_process`)."""
+
+    warm: WarmProcess | None = None
+    _watch: asyncio.Task[None] | None = None
+
+    def _released(self, warm: WarmProcess) -> None:
+        """``warm`` has ended after a close."""
+
+    async def close(self) -> None:
+        warm, self.warm = self.warm, None
+        if warm is not None:
+            with contextlib.suppress(OSError, ValueError):
+                warm.conn.send(("close",))
+            await asyncio.to_thread(end_process, warm.process, CLOSE_GRACE_S)
+            with contextlib.suppress(OSError):
+                warm.conn.close()
+            self._released(warm)
+        if self._watch is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._watch), 1.0)
+        await super().close()  # type: ignore[no-untyped-call]
+
+
+class PooledWorker(_Bound):
     """A ``SpecCluster`` worker entry that binds a warm process instead of spawning one.
 
     Takes the options gpu-tasks gives Dask's ``Nanny`` (:func:`gpu_tasks.cluster.backends.nanny_spec`):
@@ -53,6 +79,7 @@ class PooledWorker(ProcessInterface):
         self.warm: WarmProcess | None = None
         self.process: Any = None  # the multiprocessing.Process (its pid: the runner's terminate)
         self.worker_address: str | None = None
+        self.ended_at: float | None = None  # when its process ended though no one closed it
         self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -63,7 +90,7 @@ class PooledWorker(ProcessInterface):
         self.warm.conn.send(
             ("bind", self.scheduler, self.worker_kwargs, env, config, self.silence_logs, self.cuda)
         )
-        msg = await asyncio.to_thread(self._receive)
+        msg = await asyncio.to_thread(_receive, self.warm, self.timeout)
         if msg[0] != "up":
             await asyncio.to_thread(self.warm.stop)
             raise RuntimeError(
@@ -75,16 +102,6 @@ class PooledWorker(ProcessInterface):
         remember_pid(self.worker_address, self.warm.pid)
         self._watch = asyncio.ensure_future(self._watch_process())
         await super().start()  # type: ignore[no-untyped-call]
-
-    def _receive(self) -> tuple[Any, ...]:
-        assert self.warm is not None
-        if not self.warm.conn.poll(self.timeout):
-            return ("error", f"no answer within {self.timeout:g}s")
-        try:
-            msg: tuple[Any, ...] = self.warm.conn.recv()
-        except (EOFError, OSError):
-            return ("error", self.warm._died())
-        return msg
 
     async def _watch_process(self) -> None:
         """Record how the process ended; terminate it past the memory limit (the nanny's jobs)."""
@@ -121,23 +138,70 @@ class PooledWorker(ProcessInterface):
                 break
         await asyncio.to_thread(proc.join)
         record_exit(self.worker_address, proc.exitcode, proc.pid)
+        if self.warm is not None:  # not closed by its cluster
+            self.ended_at = time.monotonic()
         self.pool.released(warm)  # its place in the pool's capacity is free again
         self.status = Status.closed
         self._event_finished.set()
 
-    async def close(self) -> None:
-        warm, self.warm = self.warm, None
-        if warm is not None:
-            with contextlib.suppress(OSError, ValueError):
-                warm.conn.send(("close",))
-            await asyncio.to_thread(end_process, warm.process, CLOSE_GRACE_S)
-            with contextlib.suppress(OSError):
-                warm.conn.close()
-            self.pool.released(warm)
-        if self._watch is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._watch), 1.0)
-        await super().close()  # type: ignore[no-untyped-call]
+    def _released(self, warm: WarmProcess) -> None:
+        self.pool.released(warm)
+
+
+class PooledScheduler(_Bound):
+    """A ``SpecCluster`` scheduler entry: Dask's ``Scheduler`` in a process of its own, forked from
+    the warm pool's fork server (:meth:`~gpu_tasks.worker.warm.WarmPool.own`), not in the flow
+    process (:mod:`gpu_tasks.worker.serve` says why). ``scheduler_kwargs`` go to the ``Scheduler``;
+    the flow process's Dask config and environment go with them, as to a bound worker."""
+
+    def __init__(
+        self, *, pool: WarmPool, timeout: float, silence_logs: int | None = None, **scheduler_kwargs: Any
+    ):
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.pool = pool
+        self.timeout = timeout
+        self.silence_logs = silence_logs
+        self.scheduler_kwargs = scheduler_kwargs
+        self.warm: WarmProcess | None = None
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.warm = warm = await asyncio.to_thread(self.pool.own, self.timeout)
+        warm.conn.send(
+            ("scheduler", self.scheduler_kwargs, warm.bind_environ({}), dask.config.config, self.silence_logs)
+        )
+        msg = await asyncio.to_thread(_receive, warm, self.timeout)
+        if msg[0] != "up":
+            await asyncio.to_thread(warm.stop)
+            raise RuntimeError(f"the scheduler did not start in process {warm.pid}: {msg[1]}")
+        self.address = msg[1]
+        self._watch = asyncio.ensure_future(self._watch_process())
+        await super().start()  # type: ignore[no-untyped-call]
+
+    async def _watch_process(self) -> None:
+        """A scheduler process that ends (killed, out of memory) is closed to its cluster."""
+        from gpu_tasks.worker.exits import describe_exitcode
+
+        assert self.warm is not None
+        proc = self.warm.process
+        await asyncio.to_thread(proc.join)
+        if self.warm is not None:  # not closed by the cluster
+            logger.warning(
+                "the scheduler process %s at %s %s", proc.pid, self.address, describe_exitcode(proc.exitcode)
+            )
+        self.status = Status.closed
+        self._event_finished.set()
+
+
+def _receive(warm: WarmProcess, timeout: float) -> tuple[Any, ...]:
+    """The process's answer to a bind: ``("up", address)`` or ``("error", why)``."""
+    if not warm.conn.poll(timeout):
+        return ("error", f"no answer within {timeout:g}s")
+    try:
+        msg: tuple[Any, ...] = warm.conn.recv()
+    except (EOFError, OSError):
+        return ("error", warm._died())
+    return msg
 
 
 def _terminate_at(worker_kwargs: dict[str, Any]) -> int | None:

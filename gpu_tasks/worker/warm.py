@@ -28,7 +28,6 @@ terminates it past Dask's memory ``terminate`` fraction of its memory limit.
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import contextlib
 import logging
@@ -77,7 +76,8 @@ def cuda_modules_loaded() -> list[str]:
 
 # ---------------------------------------------------------------- the child process
 def _child_main(conn: Connection, flow: int) -> None:
-    """A warm process: import, say ready, wait for a bind (or close), run one Dask worker."""
+    """A warm process: import, say ready, wait for a bind (or close), run one Dask worker (or a
+    profile's scheduler)."""
     # exits with the flow process (its parent, or the pool's fork server's parent); SIGINT
     # ignored, SIGTERM ends its children
     _worker_guard.start(os.getppid(), flow=flow)
@@ -90,9 +90,12 @@ def _child_main(conn: Connection, flow: int) -> None:
         msg = conn.recv()
     except (EOFError, OSError):  # the pool closed
         return
-    if msg[0] != "bind":
+    if msg[0] not in ("bind", "scheduler"):
         return
-    _, scheduler, worker_kwargs, env, config, silence_logs, cuda = msg
+    if msg[0] == "bind":
+        _, scheduler, worker_kwargs, env, config, silence_logs, cuda = msg
+    else:  # a profile's scheduler (gpu_tasks.worker.pooled.PooledScheduler)
+        _, scheduler_kwargs, env, config, silence_logs = msg
     if env.pop(_WHOLE_ENVIRON, None):
         # the flow process's environment as it is now (a fork server's is as it was when the
         # server started), then the worker's: its devices, read by CUDA when it initialises
@@ -103,8 +106,12 @@ def _child_main(conn: Connection, flow: int) -> None:
     if silence_logs:
         logging.getLogger("distributed").setLevel(silence_logs)
     from gpu_tasks.compat.distributed import run_in_new_loop
+    from gpu_tasks.worker import serve
 
-    run_in_new_loop(_run_worker(conn, scheduler, worker_kwargs, cuda))
+    if msg[0] == "bind":
+        run_in_new_loop(serve.serve_worker(conn, scheduler, worker_kwargs, cuda))
+    else:
+        run_in_new_loop(serve.serve_scheduler(conn, scheduler_kwargs))
     _exit_now()
 
 
@@ -123,36 +130,6 @@ def _exit_now() -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(0)
-
-
-async def _run_worker(
-    conn: Connection, scheduler: str, worker_kwargs: dict[str, Any], cuda: dict[str, Any] | None
-) -> None:
-    from distributed import Worker
-
-    try:
-        if cuda is not None:  # a real GPU: dask-cuda's worker setup, now that the device is set
-            from gpu_tasks.compat.dask_cuda import worker_options
-
-            worker_kwargs = {**worker_kwargs, **worker_options(cuda, worker_kwargs)}
-        worker = Worker(scheduler, **worker_kwargs)
-        await worker
-    except Exception as exc:
-        conn.send(("error", f"{type(exc).__name__}: {exc}"))
-        return
-    conn.send(("up", worker.address))
-    loop = asyncio.get_running_loop()
-
-    def wait_for_close() -> None:
-        # "close" from the runner, or the pipe closing with the flow process
-        with contextlib.suppress(EOFError, OSError):
-            conn.recv()
-        loop.call_soon_threadsafe(
-            lambda: asyncio.ensure_future(worker.close(nanny=False, reason="gpu-tasks: closed by the runner"))
-        )
-
-    threading.Thread(target=wait_for_close, name="gpu-tasks-warm-close", daemon=True).start()
-    await worker.finished()
 
 
 # ---------------------------------------------------------------- the flow side
@@ -399,6 +376,13 @@ class WarmPool:
         proc.wait_ready(timeout)
         return proc
 
+    def own(self, timeout: float) -> WarmProcess:
+        """A new process outside the pool's count and capacity, ready (a profile's scheduler:
+        forked from the pool's fork server, it costs a fork, not an interpreter's imports)."""
+        proc = self._spawn_one()
+        proc.wait_ready(timeout)
+        return proc
+
     def _refill_later(self) -> None:
         """Start the replacements :data:`REFILL_DELAY_S` after a take, not at once: importing
         Prefect takes about a core-second, which the first tasks of the workers just bound
@@ -532,16 +516,25 @@ def _sigint_ignored_from_the_start() -> Any:
             spawn.set_executable(old)
 
 
+_ENVIRON_LOCK = threading.RLock()
+
+
 @contextlib.contextmanager
 def _environ(env: dict[str, str]) -> Any:
-    """``os.environ`` with ``env`` while a child is spawned (it inherits the environment)."""
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    """``os.environ`` with ``env`` while a child is spawned (it inherits the environment).
+
+    One spawn at a time: two interleaved (a refill of the pool and a profile's scheduler) would
+    restore each other's values and leave ``env`` (an empty ``CUDA_VISIBLE_DEVICES``, Prefect's
+    ephemeral server off) in the flow process's environment for good.
+    """
+    with _ENVIRON_LOCK:
+        old = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            yield
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v

@@ -1,0 +1,57 @@
+"""A blocking start with a deadline: :func:`within`."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def within(seconds: float, fn: Callable[[], T], what: str, hint: str | None = None) -> T:
+    """``fn()`` in a daemon thread, giving up after ``seconds``.
+
+    Dask's SpecCluster can wait forever when a worker process fails while starting
+    (for one, a script that runs its flow at import time under the spawn start
+    method). A result that arrives after the deadline is closed, not leaked. ``hint``
+    replaces the timeout message's advice (which is about worker processes this host starts).
+    """
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def run() -> None:
+        try:
+            value = fn()
+        except BaseException as exc:  # handed to the caller below
+            box["error"] = exc
+        else:
+            with lock:
+                box["value"] = value
+                late = box.get("abandoned", False)
+            if late:
+                with contextlib.suppress(Exception):
+                    value.close()  # type: ignore[attr-defined]  # a cluster
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name=f"gpu-tasks-start-{what}", daemon=True).start()
+    if not done.wait(seconds):
+        with lock:
+            box["abandoned"] = True
+            value = box.get("value")
+        if value is None:
+            raise TimeoutError(
+                f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). "
+                + (
+                    hint
+                    or "Worker processes are spawned and re-import the script that started the flow: "
+                    'guard the flow call with `if __name__ == "__main__":`, and see the Dask log above'
+                )
+            )
+    if "error" in box:
+        raise box["error"]
+    result: T = box["value"]
+    return result

@@ -1,0 +1,66 @@
+"""What a bound warm process runs (:mod:`gpu_tasks.worker.warm`): one Dask server, a worker or a
+profile's scheduler, until the flow process asks it to close or goes.
+
+A profile's scheduler runs in a process of its own, not in the flow process: there it shared
+the flow process's interpreter lock with Prefect's task submission and state reports, and a
+flow process busy long enough (100,000 tasks on a loaded 2-core machine) starved it until its
+workers' heartbeats went unanswered and it dropped them with every task they held. In its own
+process it answers its workers whatever the flow process is doing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from multiprocessing.connection import Connection
+from typing import Any
+
+
+async def serve_worker(
+    conn: Connection, scheduler: str, worker_kwargs: dict[str, Any], cuda: dict[str, Any] | None
+) -> None:
+    """A Dask ``Worker`` of ``scheduler``; says ``("up", address)`` on ``conn`` once started."""
+    from distributed import Worker
+
+    try:
+        if cuda is not None:  # a real GPU: dask-cuda's worker setup, now that the device is set
+            from gpu_tasks.compat.dask_cuda import worker_options
+
+            worker_kwargs = {**worker_kwargs, **worker_options(cuda, worker_kwargs)}
+        worker = Worker(scheduler, **worker_kwargs)
+        await worker
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    await _serve(conn, worker, lambda: worker.close(nanny=False, reason="gpu-tasks: closed by the runner"))
+
+
+async def serve_scheduler(conn: Connection, scheduler_kwargs: dict[str, Any]) -> None:
+    """A Dask ``Scheduler``; says ``("up", address)`` on ``conn`` once started."""
+    from distributed import Scheduler
+
+    try:
+        scheduler = Scheduler(**scheduler_kwargs)
+        await scheduler
+    except Exception as exc:
+        conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    await _serve(conn, scheduler, lambda: scheduler.close(reason="gpu-tasks: closed by the runner"))
+
+
+async def _serve(conn: Connection, server: Any, close: Any) -> None:
+    """Say the server is up, then run it until "close" arrives or the pipe closes with the flow
+    process."""
+    conn.send(("up", server.address))
+    loop = asyncio.get_running_loop()
+
+    def wait_for_close() -> None:
+        with contextlib.suppress(EOFError, OSError):
+            conn.recv()
+        # a server closed by Dask (a scheduler asked by its cluster) has ended its loop already
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(close()))
+
+    threading.Thread(target=wait_for_close, name="gpu-tasks-warm-close", daemon=True).start()
+    await server.finished()
