@@ -30,11 +30,17 @@ SUITE = (
     "cold_start",
     "waits",
     "scale",
+    "scale_100k",
+    "scale_loaded",
     "many_flows",
     "throughput",
 )
 APART = ("faults",)  # asked for by name only; runs as a process of its own and writes its own page
-MODULE = {"held_busy_long": "held_busy"}  # result key -> bench module, where they differ
+MODULE = {
+    "held_busy_long": "held_busy",
+    "scale_100k": "scale",
+    "scale_loaded": "scale",
+}  # result key -> bench module, where they differ
 
 FULL = {
     "overhead": ["--n", "100", "1000", "--repeats", "3"],
@@ -43,6 +49,8 @@ FULL = {
     "cold_start": ["--repeats", "5"],
     "waits": ["--repeats", "3"],
     "scale": ["--n", "1000", "10000", "--repeats", "1"],
+    "scale_100k": ["--n", "1000", "10000", "100000", "--no-reference"],
+    "scale_loaded": ["--n", "1000", "10000", "100000", "--no-reference", "--load", "2"],
     "many_flows": ["--flows", "10", "--tasks", "1000"],
     "throughput": ["--scale", "1", "10", "--repeats", "1"],
 }
@@ -53,6 +61,8 @@ QUICK = {
     "cold_start": ["--repeats", "1"],
     "waits": ["--repeats", "1", "--seconds", "0.5"],
     "scale": ["--n", "60", "600", "--repeats", "1"],
+    "scale_100k": ["--n", "60", "600", "--no-reference"],
+    "scale_loaded": ["--n", "60", "600", "--no-reference", "--load", "2"],
     "many_flows": ["--flows", "2", "--tasks", "20"],
     "throughput": ["--scale", "1", "--repeats", "1", "--rounds", "10"],
 }

@@ -3,6 +3,7 @@ timed child processes, and the emulation announcement."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -10,6 +11,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +109,22 @@ def write_json(path: str | Path | None, data: dict[str, Any]) -> None:
         tmp = Path(f"{path}.tmp")
         tmp.write_text(json.dumps(data, indent=2, default=str))
         tmp.replace(path)
+
+
+@contextlib.contextmanager
+def cpu_hogs(n: int) -> Iterator[None]:
+    """``n`` processes spinning on a core each for the block: a machine busy with other work."""
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"], stdin=subprocess.DEVNULL)
+        for _ in range(n)
+    ]
+    try:
+        yield
+    finally:
+        for h in hogs:
+            h.kill()
+        for h in hogs:
+            h.wait()
 
 
 def setup() -> None:

@@ -13,6 +13,7 @@ HELD_TARGET = 1.15  # held/busy, plus idle timeouts
 COLD_TARGET_S = 2.0
 LEASE_TO_BODY_TARGET_S = 0.3  # a device's lease to the first task body, fresh and re-provisioned
 SCALE_TARGET = 11.0  # wall-time ratio for 10x the tasks
+RSS_BOUND_MIB = 2048  # the flow process's peak at 100,000 tasks (issue 31)
 WAITS_TARGET = 0.0  # device-seconds held by tasks waiting for a slot or served from cache
 
 
@@ -777,6 +778,42 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
     return lines
 
 
+def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
+    """1k / 10k / 100k tasks on gpu-tasks alone, quiet or with CPU hogs beside (issue 31's bounds)."""
+    load = int(res.get("load") or 0)
+    beside = f"with {load} processes spinning on a core each beside it" if load else "on a quiet machine"
+    lines = [
+        f"## Scale to {max(int(n) for n in res['summary']):,} tasks, {beside}",
+        "",
+        "The scale workload above (three profiles, each size in a fresh process, "
+        f"{res['repeats']} repeat(s)), gpu-tasks only, {beside}. Bounds: the largest N within 11x the "
+        f"time of a tenth of it, and the flow process's peak RSS at most {RSS_BOUND_MIB:,} MiB.",
+        "",
+        "| N | wall s | ms/task | flow process peak RSS MiB | KiB per task above the RSS before |",
+        "| ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n, row in res["summary"].items():
+        grew = row["peak_rss_mib"]["median"] - row["rss_before_mib"]["median"]
+        lines.append(
+            f"| {int(n):,} | {_s(row['wall_s'], '{:.1f}')} | {_s(row['ms_per_task'])} | "
+            f"{_s(row['peak_rss_mib'], '{:.0f}')} | {grew * 1024 / int(n):.1f} |"
+        )
+    ns = sorted(int(n) for n in res["summary"])
+    large = ns[-1]
+    peak = res["summary"][str(large)]["peak_rss_mib"]["median"]
+    lines += ["", f"- Peak RSS at N = {large:,}: {peak:.0f} MiB: {_ok(peak <= RSS_BOUND_MIB)}."]
+    if large // 10 in ns:
+        ratio = (
+            res["summary"][str(large)]["wall_s"]["median"]
+            / res["summary"][str(large // 10)]["wall_s"]["median"]
+        )
+        lines.append(
+            f"- {large:,} tasks took {ratio:.2f}x the time of {large // 10:,}: {_ok(ratio <= SCALE_TARGET)} "
+            f"(at most {SCALE_TARGET:g}x)."
+        )
+    return lines + [""]
+
+
 # ---------------------------------------------------------------- throughput
 def throughput(res: dict[str, Any], img: Path) -> list[str]:
     lines = [
@@ -909,6 +946,8 @@ SECTIONS = {
     "cold_start": cold_start,
     "waits": waits,
     "scale": scale,
+    "scale_100k": scale_sizes,
+    "scale_loaded": scale_sizes,
     "many_flows": many_flows,
     "throughput": throughput,
 }

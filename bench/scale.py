@@ -1,13 +1,14 @@
 """Scale: N mapped tasks spread over three profiles; wall time and the flow's peak memory.
 
-    python -m bench.scale [--n 1000 10000] [--repeats 1] [--json out.json]
+    python -m bench.scale [--n 1000 10000] [--repeats 1] [--load 2] [--json out.json]
 
 Each size runs in a fresh process (its peak resident memory is the flow process's
 own: worker processes and the Prefect server are not counted). The tasks are
 trivial and split evenly over a CPU profile (8 threads), a second CPU profile
 (4 threads) and a ``gpus=0.25`` profile on two emulated devices (worker
 processes, four tasks per device at a time); all are submitted before any result
-is awaited. Near-linear means at most 11x the time for 10x the tasks.
+is awaited. Near-linear means at most 11x the time for 10x the tasks. ``--load K`` runs K
+processes spinning on a core each beside every size (a machine busy with other work).
 
 The same flow on Prefect's ThreadPoolTaskRunner, with Prefect as shipped, runs
 beside it as the reference: every task run carries tags, and what the Prefect
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import ROOT, machine, setup, spread, write_json
+from bench.common import ROOT, cpu_hogs, machine, setup, spread, write_json
 
 PROFILES = ("cpu", "io", "quarter")
 
@@ -88,7 +89,7 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
     return out
 
 
-def run(sizes: list[int], repeats: int, reference: bool = True) -> dict[str, Any]:
+def run(sizes: list[int], repeats: int, reference: bool = True, load: int = 0) -> dict[str, Any]:
     """Every size ``repeats`` times, each in a fresh process; with ``reference``, the same
     sizes on Prefect's ThreadPoolTaskRunner too (``out["reference"]``, same keys). The two
     alternate size by size, so both see the Prefect server's database grow alike."""
@@ -111,7 +112,8 @@ def run(sizes: list[int], repeats: int, reference: bool = True) -> dict[str, Any
                         str(out),
                         *(["--reference"] if ref else []),
                     ]
-                    subprocess.run(cmd, cwd=ROOT, check=True, timeout=3600)
+                    with cpu_hogs(load):
+                        subprocess.run(cmd, cwd=ROOT, check=True, timeout=3 * 3600)
                     row = json.loads(out.read_text())
                 rows[ref].setdefault(str(n), []).append(row)
                 print(
@@ -123,6 +125,7 @@ def run(sizes: list[int], repeats: int, reference: bool = True) -> dict[str, Any
     result = _summarize(rows[False], sizes, repeats, False)
     if reference:
         result["reference"] = _summarize(rows[True], sizes, repeats, True)
+    result["load"] = load  # CPU hogs beside each run
     result["machine"] = machine()
     return result
 
@@ -169,13 +172,14 @@ def main() -> None:
     parser.add_argument(
         "--no-reference", action="store_true", help="skip the same sizes on Prefect's ThreadPoolTaskRunner"
     )
+    parser.add_argument("--load", type=int, default=0, help="processes spinning on a core beside each run")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     setup()
     if args.one is not None:
         write_json(args.json, run_one(args.one, reference=args.reference))
     else:
-        write_json(args.json, run(args.n, args.repeats, reference=not args.no_reference))
+        write_json(args.json, run(args.n, args.repeats, reference=not args.no_reference, load=args.load))
 
 
 if __name__ == "__main__":

@@ -107,12 +107,13 @@ def test_a_quota_without_a_limit_says_how_to_create_it(quota):
 @pytest.mark.usefixtures("no_leaked_processes")
 def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_dir):
     """Four flow runs of one quota (limit 2) on four emulated devices, with random sizes, task
-    lengths and start times: never more than 2 of the quota's devices in use (task bodies
+    lengths and start times, submitting together: never more than 2 of the quota's devices in use (task bodies
     and the limit's own count, sampled), no deadlock, every result back, nothing left held."""
     quotas.set_limit(quota, 2)
     rng = random.Random(7)
     samples: list[int] = []
     stop = threading.Event()
+    go = tmp_path / "go"
 
     def sample() -> None:
         while not stop.wait(0.1):
@@ -133,9 +134,24 @@ def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_di
                 "idle_timeout": 0.3,
             }
             procs[f"run{n}"] = _start(
-                tmp_path, lease_dir, f"run{n}", holder, 3, rng.uniform(0.3, 1.2), GPU_TASKS_EMULATED_GPUS="4"
+                tmp_path,
+                lease_dir,
+                f"run{n}",
+                holder,
+                3,
+                rng.uniform(0.3, 1.2),
+                go=go,
+                GPU_TASKS_EMULATED_GPUS="4",
             )
             time.sleep(rng.uniform(0.0, 0.8))
+        # all four submit together once all are in their flow runs (on a loaded machine, runs
+        # started apart could each find the quota free and none wait: the test would show nothing)
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("go.*.ready"))) < 4:
+            assert all(p.poll() is None for p in procs.values()), _finish(procs, tmp_path)
+            assert time.monotonic() < deadline, "the flow runs did not start"
+            time.sleep(0.1)
+        go.touch()
         outs = _finish(procs, tmp_path)
     finally:
         stop.set()
