@@ -167,7 +167,8 @@ class NetHosts:
         ]
         done = self.run("flow", argv, clean_env(), timeout + 30)
         if done.returncode != 0:
-            tails = "\n".join(f"--- {n}\n{self.log(n)}" for n in self.procs)
+            # enough lines for the cause of a failed start, not only its last frames
+            tails = "\n".join(f"--- {n}\n{self.log(n, 120)}" for n in self.procs)
             raise RuntimeError(f"namespace hosts not ready: {done.stdout.decode()[-2000:]}\n{tails}")
 
     def stop(self) -> None:
