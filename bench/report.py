@@ -798,6 +798,11 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
             f"| {int(n):,} | {_s(row['wall_s'], '{:.1f}')} | {_s(row['ms_per_task'])} | "
             f"{_s(row['peak_rss_mib'], '{:.0f}')} | {grew * 1024 / int(n):.1f} |"
         )
+    lines += [
+        "",
+        "Every result is checked (a wrong one fails the run); the flow process's peak RSS is its own "
+        "(worker processes, the scheduler process and the Prefect server are not counted).",
+    ]
     ns = sorted(int(n) for n in res["summary"])
     large = ns[-1]
     peak = res["summary"][str(large)]["peak_rss_mib"]["median"]
