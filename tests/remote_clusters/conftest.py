@@ -4,6 +4,8 @@ server."""
 
 from __future__ import annotations
 
+import fcntl
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -61,11 +63,16 @@ def net_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NetHosts]:
     why = unavailable()
     if why is not None:
         pytest.skip(why)
-    hosts = start_net_hosts(tmp_path_factory.mktemp("net-hosts"))
-    try:
-        yield hosts
-    finally:
-        hosts.stop()
+    # One set of namespaces on the host at a time: the suite's processes may split this module's
+    # tests between them (--dist worksteal), and building the namespaces removes what exists of
+    # them first. Another process's share of the module waits here until this one's ends.
+    with open(Path(tempfile.gettempdir()) / "gpu-tasks-test-netns.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        hosts = start_net_hosts(tmp_path_factory.mktemp("net-hosts"))
+        try:
+            yield hosts
+        finally:
+            hosts.stop()
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,9 @@ import pytest
 from remote_clusters.hosts import overlaps
 from remote_clusters.netns import ADDRESS, NOBODY, NetHosts, clean_env
 
-pytestmark = pytest.mark.slow
+# a test's setup may wait for another test process's share of this module to end (the namespaces
+# are one set per host: conftest.net_hosts): more than the suite's 300 s
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 HERE = Path(__file__).parent
 
