@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from gpu_tasks.compat.prefect_server import count_task_runs, server_in_own_session_class
 
@@ -64,6 +65,10 @@ def _free_port() -> int:
 
 INTERRUPT_DRAIN_S = 2.0  # per service (events, logs): Ctrl-C must exit well within 10 s
 INTERRUPT_RECORD_S = 2.0  # for the server to write the interrupted run's last states
+SETTLED_S = 0.5  # a count of recorded task runs that held this long, none unfinished: all recorded
+DRAIN_S = 60.0  # per service, when the run ends: a drain returns as soon as its queue is sent
+RECORD_S = 120.0  # at most, for the server to record every task run's final state ...
+RECORD_STALL_S = 10.0  # ... given up sooner when its counts have not moved for this long
 
 
 @contextlib.contextmanager
@@ -78,8 +83,11 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     inherit the run's settings) retry up to 10 times. A server you run yourself
     (``PREFECT_API_URL``) keeps its own settings.
 
-    When the run ends, the server is stopped once it has recorded every task run's
-    final state (up to 15 s). The server runs in its own session, so a terminal's
+    When the run ends, the run's queued events and logs are sent and the server is
+    stopped once it has recorded every task run's final state: while it is making
+    progress (a loaded machine's server records a few hundred task runs in tens of
+    seconds) up to ``RECORD_S``, and ``RECORD_STALL_S`` after its counts stop moving.
+    The server runs in its own session, so a terminal's
     Ctrl-C does not reach it; on Ctrl-C (``KeyboardInterrupt``) the queued events and
     logs are sent and the server gets ``INTERRUPT_RECORD_S`` to record them before it
     is stopped, so the interrupted flow run ends ``Crashed`` in its database and the
@@ -121,9 +129,10 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
                 interrupted = not isinstance(exc, Exception)  # Ctrl-C: record it, but briefly
                 raise
             finally:
-                drain_s, record_s = (INTERRUPT_DRAIN_S, INTERRUPT_RECORD_S) if interrupted else (5.0, 15.0)
+                quick = (INTERRUPT_DRAIN_S, INTERRUPT_RECORD_S)
+                drain_s, record_s = quick if interrupted else (DRAIN_S, RECORD_S)
                 _drain(timeout=drain_s)
-                _wait_until_recorded(timeout=record_s, since=started)
+                _wait_until_recorded(timeout=record_s, since=started, stall=RECORD_STALL_S)
     finally:
         server.stop()
         dropped.report()
@@ -178,31 +187,43 @@ def _drain(timeout: float = 5) -> None:
     drain_logs(timeout)
 
 
-def _wait_until_recorded(timeout: float, since: datetime.datetime) -> bool:
+def _wait_until_recorded(timeout: float, since: datetime.datetime, stall: float | None = None) -> bool:
     """Wait, at most ``timeout`` s, until the server has recorded the final states of the task
-    runs that started ``since`` (those of this server's life: its database may hold older ones
-    that will stay "Running" for good, from a process killed long ago).
+    runs of this server's life (``since``: its database may hold older ones that will stay
+    "Running" for good, from a process killed long ago). Given up after ``stall`` s in which
+    nothing it counts changed (task runs a crashed run left unfinished never finish).
 
     Task run states reach the server as events and are written by its task-run
-    recorder in batches; stopping the server in the middle leaves the last task runs
-    "Running" in its database for good. Done: no task run is Running and the number
-    of task runs has stopped changing.
+    recorder as it gets to them; stopping the server in the middle leaves the last task
+    runs "Pending" or "Running" in its database for good, or missing. Done: none of
+    them is Pending or Running, and the count of task runs has held for ``SETTLED_S``.
     """
     from prefect.client.orchestration import get_client
 
-    recent = {"start_time": {"after_": since.isoformat()}}
-    running = {"task_runs": {**recent, "state": {"type": {"any_": ["RUNNING"]}}}}
+    after = {"after_": since.isoformat()}
+    started = {"start_time": after}
+    # Running since the server started; Pending in one of its flow runs (no start time yet)
+    unfinished: list[dict[str, Any]] = [
+        {"task_runs": {**started, "state": {"type": {"any_": ["RUNNING"]}}}},
+        {"flow_runs": {"start_time": after}, "task_runs": {"state": {"type": {"any_": ["PENDING"]}}}},
+    ]
     deadline = time.monotonic() + timeout
-    last = -1
+    seen: tuple[int, ...] = ()
+    moved = time.monotonic()
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             try:
-                busy = count_task_runs(client, running)
-                total = count_task_runs(client, {"task_runs": recent})
+                counts = (count_task_runs(client, {"task_runs": started}),) + tuple(
+                    count_task_runs(client, f) for f in unfinished
+                )
             except Exception:  # the run is over; an unreachable server is not its failure
                 return False
-            if busy == 0 and total == last:
+            now = time.monotonic()
+            if counts != seen:
+                seen, moved = counts, now
+            if sum(counts[1:]) == 0 and now - moved >= SETTLED_S:
                 return True
-            last = total
-            time.sleep(0.2)
+            if stall is not None and now - moved >= stall:
+                return False
+            time.sleep(0.1)
     return False
