@@ -52,15 +52,16 @@ if __name__ == "__main__":
             server_settings = client._client.get("/admin/settings").json()
         print(json.dumps({"url": url, "reasons": reasons,
                           "server_db_timeout": server_settings["server"]["database"]["timeout"],
+                          "server_analytics": server_settings["server"]["analytics_enabled"],
                           "client_max_retries": get_current_settings().client.max_retries}))
 """
 
 
 def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
-    """The embedded server is tuned for many short tasks, and an idle scale-down runs on a runner
-    thread; its events still reach the flow run's server when that server's URL lives in a
-    settings context (embedded server), not the environment, and no second, ephemeral Prefect
-    server is started for them."""
+    """The embedded server is tuned for many short tasks and sends no telemetry, and an idle
+    scale-down runs on a runner thread; its events still reach the flow run's server when that
+    server's URL lives in a settings context (embedded server), not the environment, and no
+    second, ephemeral Prefect server is started for them."""
     script = tmp_path / "idle_close.py"
     script.write_text(IDLE_CLOSE_SCRIPT)
     env = clean_env(
@@ -68,6 +69,7 @@ def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
         PREFECT_HOME=str(tmp_path / "prefect-home"),
         GPU_TASKS_EMULATED_GPUS="1",
         PREFECT_LOGGING_LEVEL="INFO",
+        PREFECT_SERVER_ANALYTICS_ENABLED="true",  # Prefect's default: the embedded server turns it off
     )
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path
@@ -84,6 +86,9 @@ def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
     assert any(r.startswith("scaled down: idle") for r in out["reasons"]), out
     # the embedded SQLite server waits on its writer instead of answering 503 under load
     assert out["server_db_timeout"] == 60 and out["client_max_retries"] == 10, out
+    # and nothing phones home: no usage telemetry from the server gpu-tasks started
+    assert out["server_analytics"] is False, out
+    assert "telemetry" not in proc.stderr.lower(), proc.stderr[-3000:]
 
 
 RECORDED_SCRIPT = """

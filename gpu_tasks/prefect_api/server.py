@@ -80,7 +80,8 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     and with Prefect's defaults (10 s statement timeout, 5 client retries) a busy
     moment turns into ``503 Service Unavailable`` and a failed task. So the server
     gets a 60 s statement timeout and this run's clients (workers included: they
-    inherit the run's settings) retry up to 10 times. A server you run yourself
+    inherit the run's settings) retry up to 10 times. It sends no usage telemetry
+    (``PREFECT_SERVER_ANALYTICS_ENABLED=false``). A server you run yourself
     (``PREFECT_API_URL``) keeps its own settings.
 
     When the run ends, the run's queued events and logs are sent and the server is
@@ -97,6 +98,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_CLIENT_MAX_RETRIES,
+        PREFECT_SERVER_ANALYTICS_ENABLED,
         PREFECT_SERVER_DATABASE_TIMEOUT,
         get_current_settings,
         temporary_settings,
@@ -108,7 +110,9 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
         return
     with temporary_settings(
         updates={
-            PREFECT_SERVER_DATABASE_TIMEOUT: max(60.0, get_current_settings().server.database.timeout or 0.0)
+            PREFECT_SERVER_DATABASE_TIMEOUT: max(60.0, get_current_settings().server.database.timeout or 0.0),
+            # nothing phones home: Prefect's server sends usage telemetry to Prefect by default
+            PREFECT_SERVER_ANALYTICS_ENABLED: False,
         }
     ):
         dropped = DroppedEvents()
