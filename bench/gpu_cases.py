@@ -868,7 +868,8 @@ def overhead() -> tuple[bool, dict[str, Any], str]:
     from bench.overhead import PROFILE_GPU, THREADS, run
 
     sizes = [20] if DRY else [100, 1000]
-    res = run(sizes, 1 if DRY else 3, only=(THREADS, PROFILE_GPU), n_gpu=1)
+    # a dry run shares its machine with other tests and times nothing: no waiting for a quiet machine
+    res = run(sizes, 1 if DRY else 3, only=(THREADS, PROFILE_GPU), n_gpu=1, quiet=not DRY)
     figures: dict[str, Any] = {}
     for n, by in res["ms_per_task"].items():
         med = {k: spread(v)["median"] for k, v in by.items()}

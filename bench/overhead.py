@@ -173,10 +173,15 @@ def _cmdline(proc: Any) -> list[str]:
 
 
 def run(
-    sizes: list[int], repeats: int, only: tuple[str, ...] | None = None, n_gpu: int = 2
+    sizes: list[int],
+    repeats: int,
+    only: tuple[str, ...] | None = None,
+    n_gpu: int = 2,
+    quiet: bool = True,
 ) -> dict[str, Any]:
     """ms per task for each runner and N: ``{"ms_per_task": {str(N): {label: [..]}}}``; ``only``:
-    these runners' labels alone; ``n_gpu``: devices the gpus=0.25 profile may use."""
+    these runners' labels alone; ``n_gpu``: devices the gpus=0.25 profile may use; ``quiet``: wait
+    (up to 60 s) for a near-idle machine before each row (a rehearsal that times nothing does not)."""
     from prefect import flow, task
 
     from gpu_tasks import profile
@@ -218,7 +223,8 @@ def run(
                             out.append(seconds * 1000 / n)
                     return out
 
-                _machine_quiet()
+                if quiet:
+                    _machine_quiet()
                 return overhead_flow()
 
             once(20, 1)  # warm-up: imports and Prefect's first-flow costs are not per-task overhead

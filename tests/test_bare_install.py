@@ -111,7 +111,8 @@ def test_the_plugin_alone_runs_a_gpu_profile_flow_without_dataframe_libraries(tm
     _install(installer, venv, source)
 
     marker = uuid.uuid4().hex
-    env = clean_env(marker, GPU_TASKS_EMULATED_GPUS="2", PREFECT_HOME=str(tmp_path / "prefect-home"))
+    # a new machine: no Prefect database yet
+    env = clean_env(marker, True, GPU_TASKS_EMULATED_GPUS="2", PREFECT_HOME=str(tmp_path / "prefect-home"))
     for var in ("PYTHONPATH", "PREFECT_API_URL", "VIRTUAL_ENV"):
         env.pop(var, None)
     script = tmp_path / "bare_flow.py"

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from faults import _procs
 
 BIN = Path(sys.executable).parent
 GPU_TASKS = str(BIN / "gpu-tasks")
@@ -159,20 +160,9 @@ def user_env(tmp_path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def migrated_db(tmp_path_factory) -> Path:
-    """A Prefect database as `prefect server database upgrade -y` leaves it (about 6 s, once)."""
-    home = tmp_path_factory.mktemp("migrated-home")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
-    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
-    done = subprocess.run(
-        [str(BIN / "prefect"), "server", "database", "upgrade", "-y"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    return home / "prefect.db"
+def migrated_db() -> Path:
+    """A Prefect database as `prefect server database upgrade -y` leaves it (made once per host)."""
+    return _procs.migrated_db()
 
 
 def _newer_prefects_db(migrated_db: Path, home: Path) -> Path:

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from faults._procs import ctrl_c
+from faults._procs import ctrl_c, seed_prefect_home
 
 EXIT_WITHIN_S = 10.0
 ENDED = {"CRASHED", "CANCELLED"}
@@ -43,6 +43,7 @@ def _env(tmp_path: Path, marker: str, **extra: str) -> dict[str, str]:
         PREFECT_HOME=str(tmp_path / "prefect-home"),
     )
     env.update(extra)
+    seed_prefect_home(Path(env["PREFECT_HOME"]))
     return env
 
 

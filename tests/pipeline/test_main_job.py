@@ -19,15 +19,16 @@ from gpu_tasks.cli import app
 GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
 
 
-def _clean_env(**extra: str) -> dict[str, str]:
+def _clean_env(fresh_home: bool = False, **extra: str) -> dict[str, str]:
     """This environment less gpu-tasks and Prefect API settings (and a marker no test here looks for)."""
-    return clean_env(uuid.uuid4().hex, **extra)
+    return clean_env(uuid.uuid4().hex, fresh_home, **extra)
 
 
 def test_run_command_on_embedded_server_with_announced_emulation(tmp_path: Path):
     """No PREFECT_API_URL, no GPU, no emulation set, `--emulate auto` (what ./scripts/run passes): the
     job starts its own server and emulates, loudly."""
-    env = _clean_env(PREFECT_HOME=str(tmp_path / "prefect-home"))
+    # a new machine's first run: no Prefect database yet
+    env = _clean_env(fresh_home=True, PREFECT_HOME=str(tmp_path / "prefect-home"))
     args = ["--limit", "20000", "--rounds", "5", "--data-dir", str(tmp_path), "--json", "--emulate", "auto"]
     proc = subprocess.run(
         [str(GPU_TASKS), "run", *args],

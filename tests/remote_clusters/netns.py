@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from faults._procs import seed_prefect_home
+
 INFRA = Path(__file__).resolve().parents[2] / "infra" / "netns"
 NET = "10.213.77"
 ADDRESS = {"sched": f"{NET}.2", "flow": f"{NET}.10", "gpu1": f"{NET}.11", "gpu2": f"{NET}.12"}
@@ -126,6 +128,7 @@ class NetHosts:
     def start_api(self) -> None:
         """The flow host's Prefect server on 0.0.0.0:4200 (again, on the same database)."""
         home = self.logdir / "prefect-home"
+        seed_prefect_home(home)  # (again: kept)
         server_env = clean_env(
             PREFECT_HOME=str(home),
             PREFECT_API_DATABASE_CONNECTION_URL=f"sqlite+aiosqlite:///{home}/prefect.db",

@@ -12,6 +12,7 @@ from pathlib import Path
 import cloudpickle
 import psutil
 import pytest
+from faults._procs import seed_prefect_home
 from prefect import flow, task
 from prefect.settings import get_current_settings
 from prefect_api import api
@@ -219,6 +220,7 @@ def test_a_plain_script_on_prefects_ephemeral_api(gpu_hosts: Hosts, tmp_path: Pa
     """No server started, no PREFECT_API_URL: the ephemeral API is on 127.0.0.1, as the scheduler."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API", "GPU_TASKS_EMULATED"))}
     env["PREFECT_HOME"] = str(tmp_path / "prefect-home")
+    seed_prefect_home(tmp_path / "prefect-home")
     out = tmp_path / "out.json"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), gpu_hosts.address, "1", "2", "0.2", str(out)],

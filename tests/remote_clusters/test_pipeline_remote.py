@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from faults._procs import seed_prefect_home
 
 from remote_clusters.hosts import Hosts
 
@@ -37,6 +38,7 @@ def test_gpu_tasks_run_with_gpu_stages_on_an_existing_cluster(gpu_hosts: Hosts, 
         GPU_TASKS_DATA_DIR=str(tmp_path / "data"),  # one filesystem for the flow and the workers
         PREFECT_HOME=str(tmp_path / "prefect-home"),
     )
+    seed_prefect_home(tmp_path / "prefect-home")
     gpu_tasks_cli = Path(sys.executable).with_name("gpu-tasks")
     proc = subprocess.run(
         # a smoke-sized run (as tests/pipeline/ runs it): every stage, on the hosts, in well under a minute
