@@ -59,13 +59,21 @@ def prefect_server():
         yield
 
 
+# per-interpreter singletons that end with the interpreter: multiprocessing's resource tracker
+# (the first spawned process starts it) and gpu-tasks' warm-pool fork server, shared by the flow
+# runs of one process and kept GPU_TASKS_WARM_SERVER_KEEP_SECONDS after its last pool closes
+# (tests/test_warm_pool.py checks that it ends)
+SINGLETONS = ("resource_tracker", "multiprocessing.forkserver")
+
+
 def _descendants() -> set[int]:
-    """Child processes, less multiprocessing's resource tracker: a per-interpreter
-    singleton that the first spawned process starts and that ends with the interpreter."""
+    """Child processes, less the interpreter's singletons (:data:`SINGLETONS`: this process's own
+    children; a worker forked from the fork server has its command line too, and counts)."""
     out = set()
+    me = os.getpid()
     for p in psutil.Process().children(recursive=True):
         try:
-            if "resource_tracker" in " ".join(p.cmdline()):
+            if p.ppid() == me and any(s in " ".join(p.cmdline()) for s in SINGLETONS):
                 continue
         except psutil.Error:
             continue

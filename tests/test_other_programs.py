@@ -140,6 +140,22 @@ LEASE_HOLDER = textwrap.dedent(
 )
 
 
+def test_a_program_that_ends_while_it_is_read_is_not_named():
+    """Sampling reads a process in steps (alive? ours? user, command); one that ends between them
+    (here: already a zombie, whose command line can no longer be read) uses nothing now and is not
+    named. Seen on a loaded machine: the wait was recorded twice, the second time with 'command
+    not visible', for a program that was exiting."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    try:
+        deadline = time.monotonic() + 30
+        while psutil.Process(child.pid).status() != psutil.STATUS_ZOMBIE:  # ended, not reaped
+            assert time.monotonic() < deadline, "the child did not end"
+            time.sleep(0.02)
+        assert programs._program(child.pid, 2**30, set()) is None
+    finally:
+        child.wait()
+
+
 def test_a_lease_holders_descendants_are_gpu_tasks_own(tmp_path, lease_dir):
     lease_dir.mkdir(parents=True)
     script = tmp_path / "holder.py"

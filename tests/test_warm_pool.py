@@ -236,6 +236,53 @@ def test_the_pool_keeps_no_more_idle_processes_than_can_still_be_bound():
         pool.close()
 
 
+def test_pools_of_one_process_share_its_fork_server_until_its_keep_runs_out(monkeypatch):
+    """Flow runs one after another in one process (a served deployment, a test session) fork their
+    warm processes from one fork server: the second pool's processes have the first's server as
+    parent; with no pool left it is kept GPU_TASKS_WARM_SERVER_KEEP_SECONDS, then ends; a pool
+    after that starts a new one; with a keep of 0 it ends with its last pool."""
+    from gpu_tasks.worker.forkserver import in_use as fork_server_in_use
+    from gpu_tasks.worker.warm import WarmPool, end_process
+
+    def server_of(pool: WarmPool) -> psutil.Process:
+        proc = pool.take(60)
+        server = psutil.Process(proc.pid).parent()
+        proc.conn.close()  # never bound: it ends
+        end_process(proc.process, 5)
+        assert server is not None and "multiprocessing.forkserver" in " ".join(server.cmdline())
+        return server
+
+    monkeypatch.setenv("GPU_TASKS_WARM_SERVER_KEEP_SECONDS", "2")
+    # (one kept by an earlier test of this process is used too, with the keep set here)
+    assert not fork_server_in_use().get("pools"), "a pool of another test is open"
+    first = WarmPool(1)
+    second = WarmPool(1)  # two pools at once (two runners) share it too
+    try:
+        server = server_of(first)
+        assert server_of(second).pid == server.pid
+        assert fork_server_in_use() == {"pools": 2, "kept": False}
+    finally:
+        first.close()
+        second.close()
+    assert fork_server_in_use() == {"pools": 0, "kept": True}
+    third = WarmPool(1)  # within the keep: the same server
+    try:
+        assert server_of(third).pid == server.pid
+    finally:
+        third.close()
+    _until(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, "the server ends", 30)
+    assert fork_server_in_use() == {}
+    monkeypatch.setenv("GPU_TASKS_WARM_SERVER_KEEP_SECONDS", "0")
+    fourth = WarmPool(1)
+    try:
+        again = server_of(fourth)
+        assert again.pid != server.pid  # a new one
+    finally:
+        fourth.close()
+    assert fork_server_in_use() == {}  # ended with its last pool
+    _until(lambda: not again.is_running() or again.status() == psutil.STATUS_ZOMBIE, "the server ends", 30)
+
+
 def test_a_warm_process_survives_a_ctrl_c_while_it_imports():
     """A terminal Ctrl-C reaches the warm processes too: one still importing ignores it (it starts
     with SIGINT ignored), prints no traceback, and becomes ready."""

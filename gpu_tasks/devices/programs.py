@@ -186,10 +186,14 @@ def _program(pid: int, memory: int | None, own: set[int]) -> Program | None:
     hidden = []
     try:
         user = proc.username()
+    except psutil.NoSuchProcess:  # seen above, ended since (a zombie included): it uses nothing now
+        return None
     except (psutil.Error, KeyError):
         hidden.append("user not visible")
     try:
         command = " ".join(proc.cmdline()) or f"[{proc.name()}]"
+    except psutil.NoSuchProcess:  # as above: ended while it was read
+        return None
     except psutil.AccessDenied:
         hidden.append("command hidden: another user's process")
     except psutil.Error:

@@ -43,6 +43,7 @@ from typing import Any
 import dask
 
 from gpu_tasks.compat.cpython import ForkServerContext
+from gpu_tasks.worker import forkserver
 from gpu_tasks.worker import guard as _worker_guard
 
 logger = logging.getLogger(__name__)
@@ -289,7 +290,7 @@ class WarmPool:
     def __init__(self, size: int, capacity: int | None = None) -> None:
         self.size = size
         self.capacity = capacity
-        self._ctx = _context()
+        self._ctx = _context()  # a shared fork server is given back by close()
         self._idle: list[WarmProcess] = []
         self._bound: list[WarmProcess] = []
         self._timers: list[threading.Timer] = []  # refills scheduled (cancelled by close)
@@ -416,7 +417,7 @@ class WarmPool:
         for proc in idle:
             end_process(proc.process, CLOSE_GRACE_S)
         if isinstance(self._ctx, ForkServerContext):
-            self._ctx.close()  # it ends once the processes forked from it have
+            forkserver.release(self._ctx)
 
     def _prune(self) -> None:
         for proc in [p for p in self._idle if not p.process.is_alive()]:
@@ -434,13 +435,13 @@ class WarmPool:
 
 
 def _context() -> Any:
-    """Where the pool's processes come from: forked from a fork server of the pool's own that
+    """Where the pool's processes come from: forked from this flow process's fork server, which
     imported :data:`WARM_IMPORTS` once (Linux; ``GPU_TASKS_WARM_START=forkserver``, the default),
     or each spawned and importing them itself (``spawn``, and elsewhere)."""
     from gpu_tasks.settings import get_settings
 
     if sys.platform.startswith("linux") and get_settings().warm_start == "forkserver":
-        return ForkServerContext(list(WARM_IMPORTS))
+        return forkserver.acquire(list(WARM_IMPORTS))
     return multiprocessing.get_context("spawn")
 
 

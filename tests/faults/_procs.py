@@ -81,8 +81,10 @@ def clean_env(marker: str, fresh_home: bool = False, **extra: str) -> dict[str, 
     """This environment less gpu-tasks and Prefect API settings, plus a marker every child inherits.
 
     A ``PREFECT_HOME`` given in ``extra`` gets the migrated database (:func:`seed_prefect_home`)
-    unless ``fresh_home``: a run on a home with no database at all, as on a new machine."""
-    if "PREFECT_HOME" in extra and not fresh_home:
+    unless ``fresh_home`` (a run on a home with no database at all, as on a new machine) or a
+    database of its own is named (``PREFECT_API_DATABASE_CONNECTION_URL``)."""
+    own_db = "PREFECT_API_DATABASE_CONNECTION_URL" in extra
+    if "PREFECT_HOME" in extra and not (fresh_home or own_db):
         seed_prefect_home(Path(extra["PREFECT_HOME"]))
     env = {
         k: v

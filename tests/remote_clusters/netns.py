@@ -25,8 +25,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from faults._procs import seed_prefect_home
-
 INFRA = Path(__file__).resolve().parents[2] / "infra" / "netns"
 NET = "10.213.77"
 ADDRESS = {"sched": f"{NET}.2", "flow": f"{NET}.10", "gpu1": f"{NET}.11", "gpu2": f"{NET}.12"}
@@ -127,6 +125,8 @@ class NetHosts:
 
     def start_api(self) -> None:
         """The flow host's Prefect server on 0.0.0.0:4200 (again, on the same database)."""
+        from faults._procs import seed_prefect_home  # not at the top: this file also runs as a script
+
         home = self.logdir / "prefect-home"
         seed_prefect_home(home)  # (again: kept)
         server_env = clean_env(

@@ -6,9 +6,10 @@ Each task leaves a file in ``STARTS`` when its body starts; the run's priority i
 ``GPU_TASKS_PRIORITY`` from the environment. ``OPTIONS`` is JSON of more profile fields
 (``quota``, ``preemptible``), ``per_second``: submit that many tasks a second, and ``go``: a
 file the flow waits for before it submits (a run started early arrives when the test says,
-its start-up done), and ``release``: a file each task waits for, after its SECONDS, before it
-ends (the test says when the workers become free; at most RELEASE_MAX_S). A task sleeps in short
-steps, so a preemption interrupts it within one.
+its start-up done; it leaves ``STARTS/<name>-ready`` once it waits), and ``release``: a file
+each task waits for, after its SECONDS, before it ends (the test says when the workers become
+free; at most RELEASE_MAX_S). A task sleeps in short steps, so a preemption interrupts it within
+one.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
 
     @flow(task_runner=ProfileTaskRunner(profiles=[shared]))
     def prioritized() -> list[dict]:
+        if go:  # in its flow run, its start-up done
+            (Path(starts) / f"{name}-ready").write_text(str(time.time()))
         while go and not Path(go).exists():
             time.sleep(0.02)
         (Path(starts) / f"{name}-submitted").write_text(str(time.time()))

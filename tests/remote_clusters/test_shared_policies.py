@@ -238,12 +238,17 @@ def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     Without aging it starts after (nearly) every task of the stream: under load the stream's
     last submissions may come after a worker freed."""
     env = {"GPU_TASKS_PRIORITY_AGING": str(aging), "GPU_TASKS_PREEMPTION_GRACE": "600"}
-    stream = prioritized_run(gpu_hosts, "stream", 36, 1.0, tmp_path, 3, env, per_second=3)
-    # started now, submitting once both workers are busy: its start-up is not on the stream's clock
+    # started first and submitting once both workers are busy with the stream: its start-up is not
+    # on the stream's clock (in one failed run the low task started after all 36 stream tasks: its
+    # process, started beside the stream's, had not submitted before the stream ended)
     go = tmp_path / "go-low"
     low = prioritized_run(gpu_hosts, "low", 1, 0.5, tmp_path, 0, env, go=str(go))
     starts = tmp_path / "starts"
     deadline = time.monotonic() + 120
+    while not (starts / "low-ready").exists():
+        assert low.poll() is None and time.monotonic() < deadline, low.communicate()[0][-3000:]
+        time.sleep(0.1)
+    stream = prioritized_run(gpu_hosts, "stream", 36, 1.0, tmp_path, 3, env, per_second=3)
     while len(list(starts.glob("stream-*.start"))) < 2:  # both workers busy with the stream
         assert stream.poll() is None and time.monotonic() < deadline, stream.communicate()[0][-3000:]
         assert low.poll() is None, low.communicate()[0][-3000:]
@@ -254,9 +259,11 @@ def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     stream_starts = sorted(t["start"] for t in json.loads((tmp_path / "stream.json").read_text()))
     assert len(stream_starts) == 36
     later = [s for s in stream_starts if s > l_run["start"]]
+    submitted = float((starts / "low-submitted").read_text())
     print(f"aging {aging}: the low task started after {36 - len(later)} of 36 stream tasks")
     if aging:
-        assert len(later) >= 6, (l_run["start"], stream_starts)
+        said = [line for line in logs[1].splitlines() if "priority" in line][-10:]
+        assert len(later) >= 6, (submitted - stream_starts[0], l_run["start"], stream_starts, said)
         assert "effective priority" in logs[0] and "exceeds this run's 3" in logs[0], logs[0][-3000:]
     else:
         assert len(later) <= 2, (l_run["start"], stream_starts)

@@ -1,0 +1,85 @@
+"""The flow process's warm-pool fork server, shared by its warm pools.
+
+One fork server per flow process: a process that runs flow runs one after another
+(`gpu-tasks serve`, a scheduled deployment's worker, a test session) pays its imports (about
+1.9 s of CPU) once, not once per flow run. Sharing is safe: a bound process takes the flow's whole
+environment at its bind (:meth:`gpu_tasks.worker.warm.WarmProcess.bind_environ`), and its Dask
+config and Prefect settings come with it. The server is kept ``GPU_TASKS_WARM_SERVER_KEEP_SECONDS``
+after its last pool closes, then told to end (it also ends with this process).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Any
+
+from gpu_tasks.compat.cpython import ForkServerContext
+
+_SHARED_LOCK = threading.Lock()
+_SHARED: dict[str, Any] = {}  # "ctx": the ForkServerContext, "users": pools using it, "timer"
+
+
+def acquire(preload: list[str]) -> ForkServerContext:
+    """This process's fork server for a new pool (started with ``preload`` imported when there is
+    none: every pool passes the same); give it back with :func:`release`."""
+    with _SHARED_LOCK:
+        timer = _SHARED.pop("timer", None)
+        if timer is not None:
+            timer.cancel()  # used again before its keep ran out
+        if "ctx" not in _SHARED:
+            _SHARED["ctx"], _SHARED["users"] = ForkServerContext(preload), 0
+        _SHARED["users"] += 1
+        ctx: ForkServerContext = _SHARED["ctx"]
+        return ctx
+
+
+def release(ctx: ForkServerContext) -> None:
+    """A pool closed: with no pool left the server is kept ``GPU_TASKS_WARM_SERVER_KEEP_SECONDS``,
+    then ends (at once with 0)."""
+    from gpu_tasks.settings import get_settings
+
+    keep = get_settings().warm_server_keep_seconds
+    with _SHARED_LOCK:
+        if _SHARED.get("ctx") is not ctx:  # not the shared one (forgotten after a fork)
+            ctx.close()
+            return
+        _SHARED["users"] -= 1
+        if _SHARED["users"] > 0:
+            return
+        if keep > 0:
+            timer = threading.Timer(keep, _close_fork_server, args=(ctx,))
+            timer.daemon = True
+            timer.name = "gpu-tasks-fork-server-keep"
+            _SHARED["timer"] = timer
+            timer.start()
+            return
+    _close_fork_server(ctx)
+
+
+def _close_fork_server(ctx: ForkServerContext) -> None:
+    with _SHARED_LOCK:
+        if _SHARED.get("ctx") is not ctx or _SHARED.get("users"):
+            return  # in use again
+        _SHARED.clear()
+    ctx.close()  # it ends once the processes forked from it have
+
+
+def in_use() -> dict[str, Any]:
+    """This process's fork server as :func:`acquire` shares it: ``pools`` using it
+    and whether it is ``kept`` (no pool uses it; it ends when its keep runs out); ``{}`` if none."""
+    with _SHARED_LOCK:
+        if "ctx" not in _SHARED:
+            return {}
+        return {"pools": _SHARED["users"], "kept": "timer" in _SHARED}
+
+
+def _forget_fork_server() -> None:
+    """In a child forked from this process: the parent's fork server is not the child's to use
+    (and the lock may have been held by another thread of the parent at the fork)."""
+    global _SHARED_LOCK
+    _SHARED_LOCK = threading.Lock()
+    _SHARED.clear()
+
+
+os.register_at_fork(after_in_child=_forget_fork_server)
