@@ -190,16 +190,21 @@ class RemoteCluster(ProfileCluster):
     def _cancel_unfinished(self) -> None:
         """Stop our tasks on the cluster (the flow run stopped): queued ones never start; running
         ones are interrupted in their worker thread (``KeyboardInterrupt``: they end ``Crashed``,
-        "aborted by an interrupt signal", as on this host) and give the workers' GPUs back."""
+        "aborted by an interrupt signal", as on this host) and give the workers' GPUs back.
+
+        Cancelled first, interrupted second: a worker freed by an interrupt would otherwise take
+        one of our queued tasks before its cancel arrived (seen on a loaded machine: the queued
+        task started after the Ctrl-C). A cancelled task's thread runs on until it returns, and
+        the interrupt finds it by its key in the worker's registry, not in Dask's state."""
         with self._busy_lock:
             futures = list(self._futures.values())
             keys = list(self._futures)
         client = self.client
         if futures and client is not None:
             with contextlib.suppress(Exception):
-                within(5.0, lambda: client.run(interrupt_tasks, keys, "stop", on_error="return"), "interrupt")
-            with contextlib.suppress(Exception):
                 client.cancel(futures)
+            with contextlib.suppress(Exception):
+                within(5.0, lambda: client.run(interrupt_tasks, keys, "stop", on_error="return"), "interrupt")
 
     # ------------------------------------------------------------ waiting, logged
     wait_log_every = _WAIT_LOG_EVERY  # seconds a task waits in the scheduler's queue before it is logged
