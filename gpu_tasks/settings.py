@@ -85,6 +85,14 @@ class GpuTasksSettings(BaseSettings):
         "waiting for a process to spawn and import Prefect; never more than the flow's profiles can still "
         "bind. 0: no pool, a process is spawned per worker after its lease.",
     )
+    events_backlog_limit: int = Field(
+        default=20000,
+        ge=0,
+        description="A task run waits to start while more than this many Prefect events of its process "
+        "wait to be sent to the server (each holds its task run's engine, about 15 KiB): a server slower "
+        "than the flow's tasks otherwise lets the process's memory grow without bound. "
+        "0: never wait (gpu_tasks.prefect_api.backlog).",
+    )
     warm_server_keep_seconds: float = Field(
         default=60.0,
         ge=0,

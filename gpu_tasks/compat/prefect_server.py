@@ -133,6 +133,26 @@ def drain_logs(timeout: float) -> None:
     APILogWorker.drain_all(timeout=timeout)
 
 
+def events_backlog() -> int:
+    """Events this process has emitted and Prefect's ``EventsWorker`` has not yet sent to the server
+    (private: ``_QueueServiceBase._instances`` and each worker's ``_context_cache``, the copy of
+    the run context it keeps per event until it sends it; 0 when none runs). Its ``_queue`` alone
+    stays short: events move on to its event loop at once and wait there."""
+    from prefect.events.worker import EventsWorker
+
+    instances = list(getattr(EventsWorker, "_instances", {}).values())
+    return sum(len(w._context_cache) for w in instances if isinstance(w, EventsWorker))
+
+
+def _check_events_backlog() -> str | None:
+    from prefect.events.worker import EventsWorker
+
+    if not isinstance(getattr(EventsWorker, "_instances", None), dict):
+        return "EventsWorker has no _instances dict"
+    names = vars(EventsWorker)["__init__"].__code__.co_names  # prefect 3.8.8
+    return None if "_context_cache" in names else "EventsWorker no longer keeps _context_cache"
+
+
 _REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([0-9A-Za-z_]+)["']""", re.MULTILINE)
 
 
@@ -250,6 +270,13 @@ def _uses() -> list[Any]:
             "undocumented",
             "send a run's last events and logs before the embedded server stops",
             _check_drains,
+        ),
+        Use(
+            "prefect",
+            "prefect.events.worker.EventsWorker (_instances, _context_cache)",
+            "private",
+            "how many events wait to be sent: task runs wait to start while too many do",
+            _check_events_backlog,
         ),
     ]
 

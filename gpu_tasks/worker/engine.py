@@ -40,6 +40,7 @@ from gpu_tasks.compat.prefect import (
 from gpu_tasks.compat.prefect_client import cap_client_waits
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
 from gpu_tasks.policy import GPU_RESOURCE
+from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.profiles import profile, profile_from_tags, requested_profile
 from gpu_tasks.reporting.ledger import worker_key
@@ -396,6 +397,7 @@ def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[An
     from prefect.task_engine import run_task_async, run_task_sync
 
     task = _prepared(task, alloc)
+    wait_to_start()  # while this process's Prefect events back up (gpu_tasks.prefect_api.backlog)
     start = time.time()
     try:
         with allocated(alloc), ours():  # what gpu-tasks changes in Prefect applies in here alone
