@@ -149,7 +149,8 @@ def _check_events_backlog() -> str | None:
 
     if not isinstance(getattr(EventsWorker, "_instances", None), dict):
         return "EventsWorker has no _instances dict"
-    names = vars(EventsWorker)["__init__"].__code__.co_names  # prefect 3.8.8
+    init = vars(EventsWorker).get("__init__")
+    names = getattr(getattr(init, "__code__", None), "co_names", ())  # prefect 3.8.8
     return None if "_context_cache" in names else "EventsWorker no longer keeps _context_cache"
 
 
