@@ -839,8 +839,18 @@ def measured_use() -> tuple[bool, dict[str, Any], str]:
 
 def cold_start() -> tuple[bool, dict[str, Any], str]:
     """Lease -> first task body, fresh and re-provisioned, with an RMM pool (and the CUDA context)."""
+    import logging
+
     from bench.cold_start import gpu_tasks_cases
 
+    # gpu-tasks' own lines, timed, into the check's log: where a slow fresh start went (devices
+    # found, warm processes launched, clusters provisioned and closed)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s.%(msecs)03d %(threadName)s %(message)s", "%H:%M:%S"))
+    gpu_logger = logging.getLogger("gpu_tasks")
+    gpu_logger.addHandler(handler)
+    gpu_logger.setLevel(logging.INFO)
+    logging.getLogger("gpu_tasks.worker.warm").setLevel(logging.DEBUG)  # when its processes launched
     warm = os.environ.get("GPU_TASKS_WARM_WORKERS", "2") != "0"
     out = gpu_tasks_cases(idle_timeout=1.0, cuda={"rmm_pool_size": RMM_POOL})
     figures = {

@@ -146,6 +146,10 @@ def _server_caught_up(expected: int, timeout: float = 180.0) -> None:
             time.sleep(0.1)
 
 
+# processes that outlive a row idle, by a word of their command line
+KEPT_IDLE = ("resource_tracker", "uvicorn", "multiprocessing.forkserver")
+
+
 def _machine_quiet(timeout: float = 60.0) -> None:
     """Wait until the previous row's processes (a local Ray cluster's) have gone and the CPUs are
     near idle, so that no row is timed while another row's processes stop (at most ``timeout``)."""
@@ -153,16 +157,24 @@ def _machine_quiet(timeout: float = 60.0) -> None:
     import psutil
 
     deadline = time.monotonic() + timeout
-    me = psutil.Process()
     while time.monotonic() < deadline:
-        others = [  # the Prefect server (uvicorn) stays; multiprocessing's tracker outlives its pools
-            p
-            for p in me.children(recursive=True)
-            if not any(word in " ".join(_cmdline(p)) for word in ("resource_tracker", "uvicorn"))
-        ]
-        if not others and psutil.cpu_percent(interval=0.5) < 25:
+        if not leftovers() and psutil.cpu_percent(interval=0.5) < 25:
             return
         time.sleep(0.5)
+
+
+def leftovers() -> list[Any]:
+    """This process's descendants that an earlier row left running, less those kept idle on
+    purpose (:data:`KEPT_IDLE`): the Prefect server (uvicorn) stays; multiprocessing's tracker
+    outlives its pools; gpu-tasks' warm-pool fork server is kept after its pool closes (the
+    processes forked from it still count)."""
+    import psutil
+
+    return [
+        p
+        for p in psutil.Process().children(recursive=True)
+        if not any(word in " ".join(_cmdline(p)) for word in KEPT_IDLE)
+    ]
 
 
 def _cmdline(proc: Any) -> list[str]:

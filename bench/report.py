@@ -486,6 +486,59 @@ def _ray_cold(s: dict[str, Any]) -> list[str]:
     ]
 
 
+GPU_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results" / "gpu.json"
+
+
+def _gpu_cold_start(path: Path = GPU_RESULTS) -> str:
+    """The cold-start and overhead figures of the last real-GPU check (scripts/gpu-check), as
+    docs/gpu.md has them, or what stays unverified on GPU."""
+    import json
+
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        data = {"checks": [], "dry_run": True}
+    checks = {} if data.get("dry_run") else {c["name"]: c for c in data.get("checks", []) if c.get("passed")}
+    device = (data.get("device") or {}).get("name", "GPU")
+    warm, local, over = (
+        checks.get(name, {}).get("figures")
+        for name in ("cold_start_warm_pool", "cold_start_local_cuda_cluster", "overhead")
+    )
+    line = f"- On a real GPU ({device}, [gpu.md](gpu.md), not these emulated figures): "
+    if warm:
+        line += (
+            "one-device profiles over `tcp` bind warm processes the same way; after the bind the worker "
+            "also loads dask-cuda's setup (CPU affinity, a 2 GiB RMM pool) and makes its CUDA context on "
+            f"the leased device: lease to first body {warm['fresh']['lease_to_body_s']:.2f} s fresh and "
+            f"{warm['reprovision']['lease_to_body_s']:.2f} s re-provisioned "
+            f"([cold-start-warm-pool](gpu.md#cold-start-warm-pool), commit "
+            f"`{checks['cold_start_warm_pool'].get('commit', '?')}`)"
+        )
+    else:
+        line += "the warm pool's lease to first body is unverified on GPU"
+    if local:
+        line += (
+            "; with `GPU_TASKS_WARM_WORKERS=0` dask-cuda's `LocalCUDACluster` spawns its worker after the "
+            f"lease: {local['fresh']['lease_to_body_s']:.2f} s and "
+            f"{local['reprovision']['lease_to_body_s']:.2f} s"
+        )
+    line += ". Over `ucx` (LocalCUDACluster too) it is unverified on GPU."
+    if over:
+        sizes = sorted(over.keys() - {"seconds"}, key=int)
+        ratios = " / ".join(f"{over[n]['ratio']:.2f}x" for n in sizes)
+        line += (
+            f" Per-task overhead of a `gpus=0.25` profile on that machine: {ratios} the thread pool at "
+            f"N={' / '.join(f'{int(n):,}' for n in sizes)} ([gpu.md: overhead](gpu.md#overhead), commit "
+            f"`{checks['overhead'].get('commit', '?')}`)."
+        )
+    else:
+        line += (
+            " Per-task overhead of a `gpus=0.25` profile: unverified on GPU in the last check "
+            "([gpu.md: overhead](gpu.md#overhead))."
+        )
+    return line
+
+
 def cold_start(res: dict[str, Any], img: Path) -> list[str]:
     s = res["summary"]
     lines = [
@@ -558,14 +611,7 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         f"{imp:.2f}s in a new process (measured by hand), which DaskTaskRunner's first task pays (the row "
         "above) and which a gpu-tasks profile paid after its lease before the pool "
         "(`GPU_TASKS_WARM_WORKERS=0` still does).",
-        "- On a real GPU (an NVIDIA H200, [gpu.md: cold-start-warm-pool](gpu.md#cold-start-warm-pool) and "
-        "[cold-start-local-cuda-cluster](gpu.md#cold-start-local-cuda-cluster), not these emulated figures): "
-        "one-device profiles over `tcp` bind warm processes the same way; after the bind the worker also "
-        "loads dask-cuda's setup (CPU affinity, a 2 GiB RMM pool) and makes its CUDA context on the leased "
-        "device: lease to first body 0.87 s fresh and 0.75 s re-provisioned; with `GPU_TASKS_WARM_WORKERS=0` "
-        "dask-cuda's `LocalCUDACluster` spawns its worker after the lease: 4.09 s and 3.69 s. Over `ucx` "
-        "(LocalCUDACluster too) it is unverified on GPU. Per-task overhead of a `gpus=0.25` profile on that "
-        "machine: 1.68x / 1.65x the thread pool at N=100 / 1,000 ([gpu.md: overhead](gpu.md#overhead)).",
+        _gpu_cold_start(),
         *_ray_cold(s),
         *_skipped(res),
         "",

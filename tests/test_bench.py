@@ -460,3 +460,39 @@ def test_gpu_mode_refuses_emulated_devices():
 def test_gpu_mode_refuses_a_machine_without_gpus():
     proc = _bench(["bench", "--gpu", "--only", "throughput"])
     assert proc.returncode != 0 and "needs real NVIDIA GPUs" in proc.stderr, proc.stderr
+
+
+def test_report_takes_real_gpu_figures_from_the_gpu_check_and_nothing_from_a_dry_run(tmp_path: Path):
+    """docs/benchmarks.md's real-GPU line comes from docs/results/gpu.json: figures of the checks
+    that passed, with their commit; a failed or missing check, or a dry run, reads unverified on GPU."""
+    import json
+
+    cold = {"fresh": {"lease_to_body_s": 1.234}, "reprovision": {"lease_to_body_s": 0.987}}
+    data = {
+        "device": {"name": "NVIDIA H200"},
+        "dry_run": False,
+        "checks": [
+            {"name": "cold_start_warm_pool", "passed": True, "commit": "abc1234", "figures": cold},
+            {"name": "cold_start_local_cuda_cluster", "passed": False, "figures": cold},
+            {
+                "name": "overhead",
+                "passed": True,
+                "commit": "abc1234",
+                "figures": {"100": {"ratio": 1.5}, "1000": {"ratio": 1.25}, "seconds": 9.0},
+            },
+        ],
+    }
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps(data))
+    line = report._gpu_cold_start(path)
+    assert "1.23 s fresh and 0.99 s re-provisioned" in line and "`abc1234`" in line
+    assert "LocalCUDACluster` spawns" not in line  # that check failed
+    assert "1.50x / 1.25x the thread pool at N=100 / 1,000" in line
+    data["checks"][2]["passed"] = False
+    path.write_text(json.dumps(data))
+    assert "overhead of a `gpus=0.25` profile: unverified on GPU" in report._gpu_cold_start(path)
+    data["dry_run"] = True
+    path.write_text(json.dumps(data))
+    line = report._gpu_cold_start(path)
+    assert "lease to first body is unverified on GPU" in line and "1.23" not in line
+    assert "unverified on GPU" in report._gpu_cold_start(tmp_path / "missing.json")

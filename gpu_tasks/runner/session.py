@@ -125,15 +125,19 @@ class Live:
         from gpu_tasks.worker.warm import WarmPool
 
         pool = WarmPool(size, capacity=bound_at_most(pooled, self.inventory))
-        pool.start()
-        logger.info("gpu-tasks: %d warm worker process(es) starting (GPU_TASKS_WARM_WORKERS)", pool.target())
+        target = pool.target()
+        pool.start_in_background()  # a new fork server's imports hold up no task of this flow
+        logger.info("gpu-tasks: %d warm worker process(es) starting (GPU_TASKS_WARM_WORKERS)", target)
         return pool
 
     @property
     def inventory(self) -> Inventory:
         if self._inventory is None:
+            t0 = time.monotonic()
             self._inventory = discover(self.settings)
-            logger.info("gpu-tasks devices: %s", self._inventory.describe())
+            logger.info(
+                "gpu-tasks devices: %s (found in %.2f s)", self._inventory.describe(), time.monotonic() - t0
+            )
             if self._inventory.emulated:
                 logger.warning(
                     "gpu-tasks is EMULATING devices (%s): tasks get CUDA_VISIBLE_DEVICES and Dask GPU "

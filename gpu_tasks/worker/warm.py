@@ -296,6 +296,7 @@ class WarmPool:
         self._timers: list[threading.Timer] = []  # refills scheduled (cancelled by close)
         self._lock = threading.Lock()
         self._closed = False
+        self._starter: threading.Thread | None = None  # start_in_background's thread
         self.taken = 0  # processes bound so far (for status and tests)
 
     def target(self) -> int:
@@ -307,8 +308,30 @@ class WarmPool:
             return max(0, min(self.size, self.capacity - len(self._bound)))
 
     def start(self) -> None:
-        """Start processes until the target is idle (non-blocking: they import in the background)."""
+        """Start processes until the target is idle (they import in the background; launching
+        the first ones waits for a new fork server's imports, :meth:`start_in_background` not)."""
         self.ensure(self.target())
+
+    def start_in_background(self) -> None:
+        """:meth:`start` from a thread of its own: a flow's first task does not wait for a new fork
+        server's imports (about a core-second; more on a busy host) unless it needs a warm process;
+        one that does waits in :meth:`wait_ready` or :meth:`take`, as for any process importing."""
+
+        def launch() -> None:
+            t0 = time.monotonic()
+            try:
+                self.start()
+            except Exception:  # a profile that needs a process starts one itself, and raises
+                logger.warning("gpu-tasks warm pool: starting its processes failed", exc_info=True)
+                return
+            logger.debug(
+                "gpu-tasks warm pool: %d process(es) launched in %.2f s", self.target(), time.monotonic() - t0
+            )
+
+        thread = threading.Thread(target=launch, name="gpu-tasks-warm-start", daemon=True)
+        with self._lock:
+            self._starter = thread
+        thread.start()
 
     def released(self, proc: WarmProcess) -> None:
         """A bound process ended: its place is free again; a replacement starts shortly."""
@@ -408,9 +431,12 @@ class WarmPool:
             self._closed = True
             idle, self._idle = self._idle, []
             timers, self._timers = self._timers, []
+            starter = self._starter
         for timer in timers:  # no refill after the close, and no timer thread outlives it
             timer.cancel()
             timer.join(timeout=1.0)
+        if starter is not None:  # it started nothing after the close (ensure holds the lock)
+            starter.join(timeout=1.0)
         for proc in idle:
             with contextlib.suppress(OSError):
                 proc.conn.close()
