@@ -22,6 +22,8 @@ os.environ["GPU_TASKS_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-leas
 # wait on the emulated devices that tests of the other processes hold (up to the lease timeout)
 os.environ["GPU_TASKS_PRESENCE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-presence-")
 
+import time
+
 import psutil
 import pytest
 
@@ -48,6 +50,73 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if workers > 1:
+        items[:] = _heavy_modules_first(items, workers)
+
+
+# Seconds each module's tests took in the parallel phase (2026-11-27, /work/main, three processes;
+# modules over 75 s): the order the processes start on, not a bound. Stale figures cost only balance.
+HEAVY_MODULES = {
+    "tests/remote_clusters/test_netns.py": 308,  # one host set of namespaces at a time: keep it whole
+    "tests/test_preemption.py": 239,
+    "tests/test_gpu_check.py": 169,
+    "tests/remote_clusters/test_address.py": 118,
+    "tests/test_conformance.py": 108,
+    "tests/test_runner.py": 103,
+    "tests/faults/test_api_busy.py": 101,
+    "tests/faults/test_ctrl_c.py": 101,
+    "tests/remote_clusters/test_shared_policies.py": 81,
+    "tests/pipeline/test_main_job.py": 78,
+}
+
+
+def _heavy_modules_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """The order pytest-xdist's worksteal scheduler hands out: it gives process i the i-th of
+    ``workers`` contiguous slices of the collection, and an idle process takes the far half of the
+    longest queue. So each slice starts with heavy modules (greedy: the heaviest left to the slice
+    with the least so far) and is filled up with the other tests in their collected order: no long
+    module starts last and stretches the phase, and the netns module stays whole in one process
+    (its tests in other processes waited for its host lock). Every process collects the same order."""
+    by_module: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_module.setdefault(item.nodeid.split("::")[0], []).append(item)
+    lanes: list[list[pytest.Item]] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for module, seconds in sorted(HEAVY_MODULES.items(), key=lambda kv: -kv[1]):
+        if module in by_module:
+            lane = load.index(min(load))
+            lanes[lane] += by_module.pop(module)
+            load[lane] += seconds
+    light = [item for module in by_module.values() for item in module]
+    # the slice sizes worksteal's first hand-out gives: len(pending) // processes left
+    sizes, left = [], len(items)
+    for i in range(workers):
+        sizes.append(left // (workers - i))
+        left -= sizes[-1]
+    out: list[pytest.Item] = []
+    for lane, size in zip(lanes, sizes, strict=True):
+        take = max(0, size - len(lane))
+        out += lane + light[:take]
+        light = light[take:]
+    out += light
+    assert sorted(i.nodeid for i in out) == sorted(i.nodeid for i in items), "a test was lost"
+    return out
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
+    """With GPU_TASKS_TEST_TIMELINE=DIR: each test's start and end (setup to teardown) and its test
+    process, one JSON line a test in DIR/<process>.jsonl, to see how the processes share the suite."""
+    out = os.environ.get("GPU_TASKS_TEST_TIMELINE")
+    start = time.time()
+    yield
+    if out:
+        import json
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        with open(os.path.join(out, f"{worker}.jsonl"), "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "start": start, "end": time.time()}) + "\n")
 
 
 @pytest.fixture(scope="session")
