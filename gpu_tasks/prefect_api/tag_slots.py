@@ -265,6 +265,8 @@ class SlotGate:
         if lease_id is not None:
             await self._leases.give_back(lease_id)
         self._done(hold)
+        if not hold.limits:  # no limit held: no waiter can take what this gave back (and a map's
+            return  # thousands of holds are not scanned for each of them)
         # a waiter of this gate for one of these limits tries again now, not after its Retry-After
         for other in list(self._holds):
             if other.state == "waiting" and other._wake is not None and set(other.names) & set(hold.limits):
