@@ -208,3 +208,30 @@ def test_a_long_wait_at_the_slot_gate_is_logged_while_it_lasts(monkeypatch, capl
     finally:
         gate.close()
         api("DELETE", f"/v2/concurrency_limits/tag:{tag}")
+
+
+def test_remembered_answers_are_renewed_and_a_limit_created_since_drops_its_answer(monkeypatch):
+    """Every half time-to-live the process asks the server again (GET, no slot taken): a tag set
+    still without a limit keeps its answer, one whose limit was created since loses it, so its
+    next task run asks Prefect's check and takes the slot. A long map's task runs then never all
+    miss at once when an answer expires."""
+    from gpu_tasks.compat.prefect import (
+        known_without_limits,
+        refresh_no_limits,
+        remember_without_limits,
+        use_no_limits_cache,
+    )
+
+    use_no_limits_cache(60)
+    free, limited = f"tag:free-{uuid.uuid4().hex[:8]}", f"tag:limited-{uuid.uuid4().hex[:8]}"
+    remember_without_limits([free])
+    remember_without_limits([limited, free])
+    code, body = api("POST", "/v2/concurrency_limits/", json={"name": limited, "limit": 1})
+    assert code == 201, body
+    try:
+        renewed, dropped = refresh_no_limits()
+    finally:
+        api("DELETE", f"/v2/concurrency_limits/{limited}")
+    assert dropped >= 1 and renewed >= 1
+    assert known_without_limits([free])
+    assert not known_without_limits([limited, free])
