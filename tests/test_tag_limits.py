@@ -215,12 +215,8 @@ def test_remembered_answers_are_renewed_and_a_limit_created_since_drops_its_answ
     still without a limit keeps its answer, one whose limit was created since loses it, so its
     next task run asks Prefect's check and takes the slot. A long map's task runs then never all
     miss at once when an answer expires."""
-    from gpu_tasks.compat.prefect import (
-        known_without_limits,
-        refresh_no_limits,
-        remember_without_limits,
-        use_no_limits_cache,
-    )
+    from gpu_tasks.compat.prefect import known_without_limits, remember_without_limits, use_no_limits_cache
+    from gpu_tasks.prefect_api.tag_answers import refresh_no_limits
 
     use_no_limits_cache(60)
     free, limited = f"tag:free-{uuid.uuid4().hex[:8]}", f"tag:limited-{uuid.uuid4().hex[:8]}"

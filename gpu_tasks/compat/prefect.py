@@ -73,9 +73,7 @@ def use_no_limits_cache(seconds: float) -> float | None:
     long, before Prefect's. Nothing of Prefect's changes: a ThreadPoolTaskRunner or
     DaskTaskRunner task run in the same process checks its tags as Prefect ships.
 
-    Returns the time-to-live in force, or ``None`` when this Prefect has no such cache (its
-    task engine then takes tag slots its own way and gpu-tasks leaves them alone).
-    """
+    Returns the time-to-live in force, or ``None`` without such a cache (Prefect checks as it ships)."""
     import cachetools
 
     if _no_limits() is None:
@@ -89,82 +87,25 @@ def use_no_limits_cache(seconds: float) -> float | None:
             if cache is not None:
                 longer.update(cache.items())
             _OWN_NO_LIMITS["cache"] = cache = longer
-        ttl = float(cache.ttl)
-    _start_refresher()
-    return ttl
+        return float(cache.ttl)
 
 
-# The refresher: every half time-to-live, this process asks the server (GET, no slot taken) whether
-# each remembered tag set still has no limit, and renews or drops its answer. A long map's task runs
-# then never all miss at once when an answer expires: each miss sends them to Prefect's own check,
-# which queued them behind one request at a time, and in a 30,000-task run on this Prefect (3.8.8)
-# that check never answered (docs/operations.md). Only with a server address in the settings: on
-# Prefect's ephemeral API a thread of its own would start another server.
-_REFRESHER: dict[str, int] = {}
-
-
-def _start_refresher() -> None:
-    import os
-
-    from prefect.context import SettingsContext
-
-    found = SettingsContext.get()
-    if found is None or not found.settings.api.url:
-        return
-    with _OWN_LOCK:
-        if _REFRESHER.get("pid") == os.getpid():
-            return
-        _REFRESHER["pid"] = os.getpid()
-    # the settings of the process's first such run (its server's address), never a run's context
-    profile, settings = found.profile, found.settings
-    threading.Thread(
-        target=_refresh_forever, args=(profile, settings), name="gpu-tasks-tag-limits", daemon=True
-    ).start()
-
-
-def _refresh_forever(profile: Any, settings: Any) -> None:
-    from prefect.context import SettingsContext
-
-    while True:
-        with _OWN_LOCK:
-            cache = _OWN_NO_LIMITS.get("cache")
-        time.sleep(max(0.5, (cache.ttl if cache is not None else 60.0) / 2))
-        try:
-            with SettingsContext(profile=profile, settings=settings):
-                refresh_no_limits()
-        except Exception:  # a busy or unreachable server: the answers expire as they would
-            logger.debug("gpu-tasks: could not renew the 'no tag limits' answers", exc_info=True)
-
-
-def refresh_no_limits() -> tuple[int, int]:
-    """Ask the server whether each remembered tag set still has no limit: renew those answers, drop
-    the others (their next task run asks Prefect's own check). Returns (renewed, dropped)."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectNotFound
-
+def remembered_tag_sets() -> tuple[float, list[frozenset[str]]]:
+    """gpu-tasks' own cache: its time-to-live and the tag sets it now says have no limit."""
     with _OWN_LOCK:
         cache = _OWN_NO_LIMITS.get("cache")
-        keys = list(cache.keys()) if cache is not None else []
-    if cache is None or not keys:
-        return 0, 0
-    limited: set[str] = set()
-    with get_client(sync_client=True) as client:
-        for name in sorted({n for key in keys for n in key}):
-            try:
-                client.read_global_concurrency_limit_by_name(name)
-            except ObjectNotFound:
-                continue
-            limited.add(name)
-    renewed = dropped = 0
+        return (float(cache.ttl), list(cache.keys())) if cache is not None else (0.0, [])
+
+
+def renew_answers(renew: Iterable[frozenset[str]], drop: Iterable[frozenset[str]]) -> int:
+    """Restart these answers' time-to-live (not those expired meanwhile), forget those; how many renewed."""
     with _OWN_LOCK:
-        for key in keys:
-            if key & limited:
-                cache.pop(key, None)
-                dropped += 1
-            elif key in cache:  # not expired meanwhile (an expired one is asked again as before)
-                cache[key] = True  # its time-to-live starts again
-                renewed += 1
-    return renewed, dropped
+        cache = _OWN_NO_LIMITS.get("cache", {})
+        for key in drop:
+            cache.pop(key, None)
+        kept = [key for key in renew if key in cache]
+        cache.update(dict.fromkeys(kept, True))
+    return len(kept)
 
 
 def deployment_context() -> tuple[str | None, Any]:

@@ -42,6 +42,7 @@ from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
 from gpu_tasks.policy import GPU_RESOURCE
 from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
+from gpu_tasks.prefect_api.tag_answers import start_renewing
 from gpu_tasks.profiles import profile, profile_from_tags, requested_profile
 from gpu_tasks.reporting.ledger import worker_key
 from gpu_tasks.settings import get_settings
@@ -317,6 +318,7 @@ def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
         built = _WORKER_SETTINGS.get(key)
     if built is None:
         use_no_limits_cache(get_settings().tag_limit_cache_seconds)  # once per worker and settings
+        start_renewing()  # the answers renewed before they expire (prefect_api.tag_answers)
         cap_client_waits(get_settings().api_longest_wait, whole_process=True)  # Prefect's waits, capped
         ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
         built = {"profile": ctx.profile, "settings": ctx.settings}

@@ -1,0 +1,76 @@
+"""Renewing gpu-tasks' "no tag limits" answers before they expire (docs/runner.md, "Tagged task runs
+and Prefect's tag-limit checks").
+
+Every half time-to-live, a thread of the process asks the server (GET, no slot taken) whether each
+remembered tag set still has no limit, and renews the answer, or drops it when a limit exists now
+(its next task run asks Prefect's check and takes the slot). A long map's task runs then never all
+miss at once when an answer expires: each miss sends them to Prefect's own check, which queues them
+behind one request at a time for a tag set, and in a 30,000-task run on Prefect 3.8.8 that check
+never answered (docs/operations.md). Only with a server address in the settings: on Prefect's
+ephemeral API a thread of its own would start another server.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from gpu_tasks.compat.prefect import remembered_tag_sets, renew_answers
+
+logger = logging.getLogger(__name__)
+
+_STARTED: dict[str, int] = {}
+_LOCK = threading.Lock()
+
+
+def start_renewing() -> None:
+    """Start this process's renewing thread (once per process; after a fork, once in the child)."""
+    from prefect.context import SettingsContext
+
+    found = SettingsContext.get()
+    if found is None or not found.settings.api.url:
+        return
+    with _LOCK:
+        if _STARTED.get("pid") == os.getpid():
+            return
+        _STARTED["pid"] = os.getpid()
+    # the settings of the process's first such run (its server's address), never a run's context
+    threading.Thread(
+        target=_renew_forever, args=(found.profile, found.settings), name="gpu-tasks-tag-limits", daemon=True
+    ).start()
+
+
+def _renew_forever(profile: Any, settings: Any) -> None:
+    from prefect.context import SettingsContext
+
+    while True:
+        time.sleep(max(0.5, (remembered_tag_sets()[0] or 60.0) / 2))
+        try:
+            with SettingsContext(profile=profile, settings=settings):
+                refresh_no_limits()
+        except Exception:  # a busy or unreachable server: the answers expire as they would
+            logger.debug("gpu-tasks: could not renew the 'no tag limits' answers", exc_info=True)
+
+
+def refresh_no_limits() -> tuple[int, int]:
+    """Ask the server whether each remembered tag set still has no limit: renew those answers, drop
+    the others. Returns (renewed, dropped)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    keys = remembered_tag_sets()[1]
+    if not keys:
+        return 0, 0
+    limited: set[str] = set()
+    with get_client(sync_client=True) as client:
+        for name in sorted({n for key in keys for n in key}):
+            try:
+                client.read_global_concurrency_limit_by_name(name)
+            except ObjectNotFound:
+                continue
+            limited.add(name)
+    drop = [key for key in keys if key & limited]
+    return renew_answers([key for key in keys if not key & limited], drop), len(drop)
