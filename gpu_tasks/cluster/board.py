@@ -105,7 +105,7 @@ class SharedBoard:
         ``preempting`` event).
 
         ``pending`` are our keys handed to the scheduler and not done (monotonic time of
-        hand-off); ``executing()`` the keys running on workers now (a broadcast: only asked
+        hand-off); ``executing()`` the keys running on workers now, or ended there (a broadcast: only asked
         when some key has waited ``grace``, or ``aging`` when that is shorter).
         """
         now = time.monotonic()

@@ -31,6 +31,7 @@ from gpu_tasks.cluster.remote_workers import (
     RemoteWorker,
     executing_keys,
     read_workers,
+    started_keys,
 )
 from gpu_tasks.cluster.within import within
 from gpu_tasks.devices.discovery import Inventory
@@ -82,6 +83,11 @@ def security_for(profile: ResourceProfile) -> Any:
 
 
 # ---------------------------------------------------------------- shared by both kinds
+def _by_worker(answers: dict[Any, Any]) -> dict[str, list[str]]:
+    """A ``Client.run`` of a keys function, by worker address (workers that failed left out)."""
+    return {str(w): [str(k) for k in keys] for w, keys in answers.items() if isinstance(keys, list)}
+
+
 class RemoteCluster(ProfileCluster):
     """What address and cluster_class profiles share: a client, remote workers, the ledger."""
 
@@ -240,11 +246,11 @@ class RemoteCluster(ProfileCluster):
 
     def _executing(self, client: Any) -> dict[str, list[str]]:
         """The keys each worker is executing now (not those it holds back for resources)."""
-        return {
-            str(w): [str(k) for k in keys]
-            for w, keys in client.run(executing_keys, on_error="return").items()
-            if isinstance(keys, list)
-        }
+        return _by_worker(client.run(executing_keys, on_error="return"))
+
+    def _started(self, client: Any) -> set[str]:
+        """The keys no longer queued on any worker: running, or ended and not yet heard of here."""
+        return {k for keys in _by_worker(client.run(started_keys, on_error="return")).values() for k in keys}
 
     def _log_waits(self, client: Any) -> None:
         now = time.monotonic()
@@ -253,7 +259,7 @@ class RemoteCluster(ProfileCluster):
         if not old:
             return
         try:
-            running = {k for keys in self._executing(client).values() for k in keys}
+            running = self._started(client)
         except Exception:
             return
         queued = [k for k in old if k not in running]
@@ -279,7 +285,7 @@ class RemoteCluster(ProfileCluster):
             dict(self.me or {}, priority=self.priority),
             pending,
             settings.preemption_grace,
-            lambda: {k for keys in self._executing(client).values() for k in keys},
+            lambda: self._started(client),
             settings.priority_aging,
         )
         if posted is not None and self.on_board is not None:

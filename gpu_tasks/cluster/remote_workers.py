@@ -42,6 +42,13 @@ def executing_keys(dask_worker: Any) -> list[str]:
     return [str(k) for k, ts in dask_worker.state.tasks.items() if ts.state in ("executing", "long-running")]
 
 
+def started_keys(dask_worker: Any) -> list[str]:
+    """Run on a worker (``Client.run``): the keys it is executing, and those that ended there whose
+    result or error it still holds (their client may not have heard yet: they are not queued)."""
+    started = ("executing", "long-running", "memory", "error")
+    return [str(k) for k, ts in dask_worker.state.tasks.items() if ts.state in started]
+
+
 @dataclass(frozen=True)
 class RemoteWorker:
     """One worker of a remote scheduler, as the runner sees it."""

@@ -163,7 +163,9 @@ def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
     assert again[0][-1] == "Completed" and not {"Failed", "AwaitingRetry", "Retrying"} & set(again[0]), again
     assert again[0].index("Preempted") < len(again[0]) - 1
     # an event on both sides: the waiter's entry went up, the holder interrupted a task for it
-    [asked] = flow_run_events(u["flow_run"], {"name": ["gpu-tasks.cluster.preempting"]})
+    asks = flow_run_events(u["flow_run"], {"name": ["gpu-tasks.cluster.preempting"]})
+    assert len(asks) == 1, [(e["occurred"], e["payload"]) for e in asks]
+    [asked] = asks
     assert asked["payload"]["priority"] == 10 and asked["payload"]["waited_s"] >= 1.0, asked["payload"]
     [gave] = flow_run_events(done[0]["flow_run"], {"name": ["gpu-tasks.cluster.preempted"]})
     assert gave["payload"]["by"]["flow_run_id"] == u["flow_run"] and gave["payload"]["interrupted"] == 1
@@ -179,6 +181,7 @@ def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
     that outrank it, picks its tasks on a worker the waiter is queued on, and not twice at once."""
     from gpu_tasks.cluster import board as shared_board
     from gpu_tasks.cluster.board import BOARD, SharedBoard
+    from gpu_tasks.cluster.remote_workers import executing_keys, started_keys
 
     with gpu_hosts.client() as client:
         urgent = SharedBoard("urgent", need=1.0, preemptible=False)
@@ -213,6 +216,17 @@ def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
         assert viewer.aged_ahead(client, 5) == [] and viewer.aged_ahead(client, 0) == []
         low.take_down(client)
         urgent.wait_step(client, me, {}, 1.0, set)  # nothing waits: taken down, not left as None
+        # a task that ended on its worker is not queued there, though its client has not heard yet
+        # (under load: the waiter's entry went up a second time, with a second preempting event)
+        ended = client.submit(sum, [1, 2], pure=False)
+        assert ended.result() == 3
+        key = str(ended.key)
+        assert not any(key in keys for keys in client.run(executing_keys).values())
+        left = {k for keys in client.run(started_keys).values() for k in keys}
+        assert key in left, left
+        assert urgent.wait_step(client, me, {key: time.monotonic() - 5}, 1.0, lambda: left) is None
+        assert urgent.posted is None
+        del ended
         assert SharedBoard("b3", 1.0, True).due_waiters(client, 0) == []
         assert client.get_metadata([BOARD], default={}) == {}
         # an entry left by a waiter that died is taken off the board after PRUNE_S
