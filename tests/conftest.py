@@ -109,14 +109,24 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
     """With GPU_TASKS_TEST_TIMELINE=DIR: each test's start and end (setup to teardown) and its test
     process, one JSON line a test in DIR/<process>.jsonl, to see how the processes share the suite."""
     out = os.environ.get("GPU_TASKS_TEST_TIMELINE")
-    start = time.time()
+    start, cpu = time.time(), _cpu_seconds()
     yield
     if out:
         import json
 
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        line = {"test": item.nodeid, "start": start, "end": time.time(), "cpu": _cpu_seconds() - cpu}
         with open(os.path.join(out, f"{worker}.jsonl"), "a") as f:
-            f.write(json.dumps({"test": item.nodeid, "start": start, "end": time.time()}) + "\n")
+            f.write(json.dumps(line) + "\n")
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this test process and of its children that ended (a module's fixture processes
+    are counted at the test after which they end)."""
+    import resource
+
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 @pytest.fixture(scope="session")
