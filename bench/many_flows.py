@@ -1,6 +1,7 @@
 """Many flow runs: N flow-run processes at once, each mapping M ``gpus=0.25`` tasks on two emulated devices.
 
-    python -m bench.many_flows [--flows 10] [--tasks 1000] [--sleep 0] [--check] [--json F] [--logs DIR]
+    python -m bench.many_flows [--flows 10] [--tasks 1000] [--sleep 0] [--check] [--server production]
+                               [--json F] [--logs DIR]
 
 One Prefect server (the embedded one, or ``PREFECT_API_URL`` when set) and one device
 lease directory (``GPU_TASKS_LEASE_DIR``, a temporary one) serve every flow run; each
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, machine, setup, write_json
+from bench.production import SERVERS, server
 from gpu_tasks.reporting.ledger import merge_intervals
 
 PROFILE = "quarter"
@@ -433,6 +435,12 @@ def main() -> None:
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None)
     parser.add_argument("--logs", default=None, help="a folder to keep each flow-run process's output in")
+    parser.add_argument(
+        "--server",
+        choices=SERVERS,
+        default="embedded",
+        help="embedded: one SQLite server for all flow runs; production: PostgreSQL and Redis (as root)",
+    )
     args = parser.parse_args()
     if args.child is not None:
         setup()
@@ -442,7 +450,8 @@ def main() -> None:
         os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="gpu-tasks-bench-prefect-"))
         os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "10")
     setup()
-    res = run(args.flows, args.tasks, args.sleep, args.timeout, args.logs)
+    with server(args.server):
+        res = run(args.flows, args.tasks, args.sleep, args.timeout, args.logs) | {"server": args.server}
     write_json(args.json, res)
     print_summary(res)
     if args.check and not res["ok"]:

@@ -1,6 +1,6 @@
 """Scale: N mapped tasks spread over three profiles; wall time and the flow's peak memory.
 
-    python -m bench.scale [--n 1000 10000] [--repeats 1] [--load 2] [--json out.json]
+    python -m bench.scale [--n 1000 10000] [--repeats 1] [--load 2] [--server production] [--json out.json]
 
 Each size runs in a fresh process (its peak resident memory is the flow process's
 own: worker processes and the Prefect server are not counted). The tasks are
@@ -18,6 +18,7 @@ server and task engine cost for tagged tasks shows there too.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import resource
 import sys
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, cpu_hogs, machine, setup, spread, write_json
+from bench.production import SERVERS, server, stored_events
 
 PROFILES = ("cpu", "io", "quarter")
 
@@ -76,9 +78,15 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
             raise RuntimeError("wrong results")
         return {"wall_s": wall, "submit_s": submitted}
 
-    with embedded_server():
+    since = datetime.datetime.now(datetime.UTC).isoformat()
+    with embedded_server() as url:
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = f()
+        # what the UI can show: each task run's Completed event, stored by the server (the embedded
+        # one's in-memory messaging drops events under load; the production set-up's Redis does not)
+        expected = n + 8 * len(PROFILES)
+        out["events_completed"] = stored_events(url, "prefect.task-run.Completed", since, expected)
+        out["events_expected"] = expected
     out.update(
         n=n,
         per_profile=dict(zip(PROFILES, per, strict=True)),
@@ -89,10 +97,19 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
     return out
 
 
-def run(sizes: list[int], repeats: int, reference: bool = True, load: int = 0) -> dict[str, Any]:
+def run(
+    sizes: list[int], repeats: int, reference: bool = True, load: int = 0, server_kind: str = "embedded"
+) -> dict[str, Any]:
     """Every size ``repeats`` times, each in a fresh process; with ``reference``, the same
     sizes on Prefect's ThreadPoolTaskRunner too (``out["reference"]``, same keys). The two
-    alternate size by size, so both see the Prefect server's database grow alike."""
+    alternate size by size, so both see the Prefect server's database grow alike. ``server_kind``:
+    ``embedded`` (each run starts its SQLite server) or ``production`` (bench.production: one
+    server on PostgreSQL and Redis for all the runs)."""
+    with server(server_kind):
+        return _run(sizes, repeats, reference, load) | {"server": server_kind}
+
+
+def _run(sizes: list[int], repeats: int, reference: bool, load: int) -> dict[str, Any]:
     import subprocess
 
     kinds = [False, True] if reference else [False]
@@ -119,7 +136,8 @@ def run(sizes: list[int], repeats: int, reference: bool = True, load: int = 0) -
                 print(
                     f"  {_label(ref):20s} N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} "
                     "ms/task  "
-                    f"peak RSS {row['peak_rss_mib']:.0f} MiB",
+                    f"peak RSS {row['peak_rss_mib']:.0f} MiB  "
+                    f"Completed events stored {row['events_completed']}/{row['events_expected']}",
                     flush=True,
                 )
     result = _summarize(rows[False], sizes, repeats, False)
@@ -173,13 +191,22 @@ def main() -> None:
         "--no-reference", action="store_true", help="skip the same sizes on Prefect's ThreadPoolTaskRunner"
     )
     parser.add_argument("--load", type=int, default=0, help="processes spinning on a core beside each run")
+    parser.add_argument(
+        "--server",
+        choices=SERVERS,
+        default="embedded",
+        help="embedded: each run's own SQLite server; production: PostgreSQL and Redis (as root)",
+    )
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     setup()
     if args.one is not None:
         write_json(args.json, run_one(args.one, reference=args.reference))
     else:
-        write_json(args.json, run(args.n, args.repeats, reference=not args.no_reference, load=args.load))
+        res = run(
+            args.n, args.repeats, reference=not args.no_reference, load=args.load, server_kind=args.server
+        )
+        write_json(args.json, res)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The production set-up for the Prefect server (docs/operations.md, "A Prefect server that holds the
-load"): PostgreSQL from Debian's packages started by infra/postgres/up.sh on 127.0.0.1, a
-`prefect server start` on it, and a gpu-tasks flow whose every task run the server records."""
+load"): PostgreSQL and Redis from Debian's packages, started by infra/postgres/up.sh and
+infra/redis/up.sh on 127.0.0.1, a `prefect server start` on both (its messaging on Redis streams,
+prefect-redis), and a gpu-tasks flow whose every task run and state event the server records."""
 
 from __future__ import annotations
 
@@ -65,11 +66,33 @@ def postgres():
         shutil.rmtree(base, ignore_errors=True)
 
 
+@pytest.fixture
+def redis_messaging():
+    """Redis by infra/redis/up.sh on a free port: the Prefect settings it printed."""
+    if why := _why_not():
+        pytest.skip(why)
+    base = Path(tempfile.mkdtemp(prefix="gpu-tasks-redis-"))
+    base.chmod(0o755)
+    env = {**os.environ, "REDIS_DIR": str(base / "redis"), "REDIS_PORT": str(free_port())}
+    up = subprocess.run(
+        [str(ROOT / "infra/redis/up.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert up.returncode == 0, up.stderr[-2000:]
+    settings = dict(line.split("=", 1) for line in up.stdout.splitlines() if line.startswith("PREFECT_"))
+    assert settings["PREFECT_MESSAGING_BROKER"] == "prefect_redis.messaging", up.stdout
+    try:
+        yield settings
+    finally:
+        subprocess.run([str(ROOT / "infra/redis/down.sh")], env={**env, "REDIS_CLEAN": "1"}, timeout=60)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 @pytest.mark.timeout(300)
-def test_a_flow_on_a_prefect_server_backed_by_postgresql_records_every_task_run(
-    tmp_path: Path, postgres: str
+def test_a_flow_on_a_prefect_server_on_postgresql_and_redis_records_every_task_run(
+    tmp_path: Path, postgres: str, redis_messaging: dict[str, str]
 ):
     import httpx
+    import redis
 
     marker = f"pg-{uuid.uuid4().hex[:8]}"
     port = free_port()
@@ -79,6 +102,7 @@ def test_a_flow_on_a_prefect_server_backed_by_postgresql_records_every_task_run(
         PREFECT_HOME=str(tmp_path / "server-home"),
         PREFECT_UI_ENABLED="false",
         PREFECT_API_DATABASE_CONNECTION_URL=postgres,
+        **redis_messaging,
     )
     command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
     with running_server(command, server_env, url):
@@ -92,4 +116,29 @@ def test_a_flow_on_a_prefect_server_backed_by_postgresql_records_every_task_run(
         ], states
         # the server's database is the PostgreSQL one (not a SQLite file under PREFECT_HOME)
         assert not list((tmp_path / "server-home").glob("*.db")), list((tmp_path / "server-home").iterdir())
+        # its events went through Redis streams and reached the database: each task run's Completed
+        completed = stored_events(url, "prefect.task-run.Completed", TASKS)
+        assert completed >= TASKS, completed
+        stream = redis.Redis(port=int(redis_messaging["PREFECT_REDIS_MESSAGING_PORT"]))
+        groups = {g["name"].decode(): g for g in stream.xinfo_groups("events")}
+        assert groups and all(g["entries-read"] >= TASKS for g in groups.values()), groups
     assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run and the server"
+
+
+def stored_events(url: str, name: str, at_least: int, timeout: float = 60.0) -> int:
+    """How many events called ``name`` the server stored, once ``at_least`` are (they are written
+    asynchronously, after the messaging hands them on), or what there is at ``timeout``."""
+    import time
+
+    import httpx
+
+    since = "2000-01-01T00:00:00Z"
+    deadline = time.monotonic() + timeout
+    while True:
+        body = {"filter": {"event": {"name": [name]}, "occurred": {"since": since}}, "limit": 1}
+        page = httpx.post(f"{url}/events/filter", json=body, timeout=30)
+        assert page.status_code == 200, page.text
+        total = int(page.json()["total"])
+        if total >= at_least or time.monotonic() > deadline:
+            return total
+        time.sleep(0.5)

@@ -1,0 +1,125 @@
+"""The production Prefect server for the benchmarks (``--server production``): PostgreSQL and Redis
+from Debian's packages (infra/postgres/up.sh, infra/redis/up.sh, as root), a fresh database, and
+``prefect server start`` on 127.0.0.1 with its messaging on Redis streams (prefect-redis): the set-up
+docs/operations.md describes ("A Prefect server that holds the load"), beside the embedded SQLite
+server that ``gpu-tasks run`` and a plain script start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench.common import ROOT
+
+SERVERS = ("embedded", "production")
+
+
+def _up(script: str, env: dict[str, str]) -> dict[str, str]:
+    """Run an infra up script; the ``KEY=value`` lines it printed."""
+    out = subprocess.run([str(ROOT / script)], env=env, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise SystemExit(f"{script} failed: {out.stderr[-2000:]}")
+    return dict(line.split("=", 1) for line in out.stdout.splitlines() if "=" in line)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextlib.contextmanager
+def production_server() -> Iterator[str]:
+    """PostgreSQL (a fresh database) and Redis up, a Prefect server on them; ``PREFECT_API_URL``
+    set in this process for the block (the benchmark's flow processes inherit it). Yields the URL."""
+    if os.geteuid() != 0:
+        raise SystemExit("--server production runs infra/postgres/up.sh and infra/redis/up.sh: run as root")
+    db = f"bench_{uuid.uuid4().hex[:8]}"  # a fresh database, as the embedded server's is
+    env = {**os.environ, "PG_DB": db}
+    database = _up("infra/postgres/up.sh", env)["PREFECT_API_DATABASE_CONNECTION_URL"]
+    messaging = _up("infra/redis/up.sh", env)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}/api"
+    with tempfile.TemporaryDirectory(prefix="gpu-tasks-bench-server-") as home:
+        server_env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")},
+            **messaging,
+            "PREFECT_API_DATABASE_CONNECTION_URL": database,
+            "PREFECT_HOME": home,
+            "PREFECT_UI_ENABLED": "false",
+            "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        }
+        log = open(Path(home) / "server.log", "wb")
+        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+        server = subprocess.Popen(cmd, env=server_env, stdout=log, stderr=subprocess.STDOUT)
+        old = os.environ.get("PREFECT_API_URL")
+        try:
+            _wait_healthy(server, url, Path(home) / "server.log")
+            print(f"production server: {url} (PostgreSQL database {db}, Redis messaging)", flush=True)
+            os.environ["PREFECT_API_URL"] = url
+            yield url
+        finally:
+            if old is None:
+                os.environ.pop("PREFECT_API_URL", None)
+            else:
+                os.environ["PREFECT_API_URL"] = old
+            server.terminate()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+            log.close()
+
+
+def _wait_healthy(server: subprocess.Popen[bytes], url: str, log: Path) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 180
+    while True:
+        if server.poll() is not None:
+            raise SystemExit(f"the Prefect server exited: {log.read_text()[-3000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the Prefect server did not answer in 180 s: {log.read_text()[-3000:]}")
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def server(kind: str) -> Iterator[str | None]:
+    """``embedded``: nothing here (each flow process starts its own, or uses ``PREFECT_API_URL``);
+    ``production``: :func:`production_server`."""
+    if kind == "production":
+        with production_server() as url:
+            yield url
+    else:
+        yield None
+
+
+def stored_events(url: str, name: str, since: str, expected: int, settle_s: float = 10.0) -> int:
+    """How many events called ``name`` since ``since`` the server stored, once ``expected`` are or
+    the count stops moving for ``settle_s`` (they are written after the messaging hands them on)."""
+    import httpx
+
+    body = {"filter": {"event": {"name": [name]}, "occurred": {"since": since}}, "limit": 1}
+    last, moved = -1, time.monotonic()
+    deadline = time.monotonic() + 300
+    while True:
+        total = int(httpx.post(f"{url}/events/filter", json=body, timeout=60).json()["total"])
+        if total != last:
+            last, moved = total, time.monotonic()
+        if total >= expected or time.monotonic() - moved > settle_s or time.monotonic() > deadline:
+            return total
+        time.sleep(1.0)
