@@ -32,6 +32,7 @@ SUITE = (
     "scale",
     "scale_100k",
     "scale_loaded",
+    "scale_production",
     "many_flows",
     "throughput",
 )
@@ -40,6 +41,7 @@ MODULE = {
     "held_busy_long": "held_busy",
     "scale_100k": "scale",
     "scale_loaded": "scale",
+    "scale_production": "scale",
 }  # result key -> bench module, where they differ
 
 FULL = {
@@ -51,6 +53,8 @@ FULL = {
     "scale": ["--n", "1000", "10000", "--repeats", "1"],
     "scale_100k": ["--n", "1000", "10000", "100000", "--no-reference"],
     "scale_loaded": ["--n", "1000", "10000", "100000", "--no-reference", "--load", "2"],
+    # PostgreSQL and Redis (as root: infra/postgres/up.sh, infra/redis/up.sh)
+    "scale_production": ["--n", "10000", "100000", "--no-reference", "--load", "2", "--server", "production"],
     "many_flows": ["--flows", "10", "--tasks", "1000"],
     "throughput": ["--scale", "1", "10", "--repeats", "1"],
 }
@@ -63,6 +67,7 @@ QUICK = {
     "scale": ["--n", "60", "600", "--repeats", "1"],
     "scale_100k": ["--n", "60", "600", "--no-reference"],
     "scale_loaded": ["--n", "60", "600", "--no-reference", "--load", "2"],
+    "scale_production": ["--n", "60", "600", "--no-reference", "--load", "2", "--server", "production"],
     "many_flows": ["--flows", "2", "--tasks", "20"],
     "throughput": ["--scale", "1", "--repeats", "1", "--rounds", "10"],
 }

@@ -45,12 +45,13 @@ def production_server() -> Iterator[str]:
     if os.geteuid() != 0:
         raise SystemExit("--server production runs infra/postgres/up.sh and infra/redis/up.sh: run as root")
     db = f"bench_{uuid.uuid4().hex[:8]}"  # a fresh database, as the embedded server's is
-    env = {**os.environ, "PG_DB": db}
-    database = _up("infra/postgres/up.sh", env)["PREFECT_API_DATABASE_CONNECTION_URL"]
-    messaging = _up("infra/redis/up.sh", env)
+    database = _up("infra/postgres/up.sh", {**os.environ, "PG_DB": db})["PREFECT_API_DATABASE_CONNECTION_URL"]
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
-    with tempfile.TemporaryDirectory(prefix="gpu-tasks-bench-server-") as home:
+    with (
+        tempfile.TemporaryDirectory(prefix="gpu-tasks-bench-server-") as home,
+        _fresh_redis(home) as messaging,
+    ):
         server_env = {
             **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")},
             **messaging,
@@ -82,6 +83,22 @@ def production_server() -> Iterator[str]:
             log.close()
 
 
+@contextlib.contextmanager
+def _fresh_redis(home: str) -> Iterator[dict[str, str]]:
+    """A Redis of this server's own, stopped and removed afterwards: a fresh database beside a Redis
+    that still holds another database's event streams never records a task run (its task-run
+    recorder retries, forever, events whose flow runs that database lacks: foreign key violations)."""
+    redis_dir = Path(home) / "redis"
+    redis_dir.mkdir()
+    redis_dir.chmod(0o755)
+    Path(home).chmod(0o755)  # the redis user reaches its directory
+    env = {**os.environ, "REDIS_DIR": str(redis_dir), "REDIS_PORT": str(_free_port())}
+    try:
+        yield _up("infra/redis/up.sh", env)
+    finally:
+        subprocess.run([str(ROOT / "infra/redis/down.sh")], env={**env, "REDIS_CLEAN": "1"}, timeout=60)
+
+
 def _wait_healthy(server: subprocess.Popen[bytes], url: str, log: Path) -> None:
     import httpx
 
@@ -108,7 +125,7 @@ def server(kind: str) -> Iterator[str | None]:
         yield None
 
 
-def stored_events(url: str, name: str, since: str, expected: int, settle_s: float = 10.0) -> int:
+def stored_events(url: str, name: str, since: str, expected: int, settle_s: float = 30.0) -> int:
     """How many events called ``name`` since ``since`` the server stored, once ``expected`` are or
     the count stops moving for ``settle_s`` (they are written after the messaging hands them on)."""
     import httpx

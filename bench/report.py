@@ -828,21 +828,35 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
     """1k / 10k / 100k tasks on gpu-tasks alone, quiet or with CPU hogs beside (issue 31's bounds)."""
     load = int(res.get("load") or 0)
     beside = f"with {load} processes spinning on a core each beside it" if load else "on a quiet machine"
+    production = res.get("server") == "production"
+    on = (
+        "a Prefect server on PostgreSQL and Redis (`--server production`, bench/production.py)"
+        if production
+        else "the embedded SQLite Prefect server"
+    )
     lines = [
-        f"## Scale to {max(int(n) for n in res['summary']):,} tasks, {beside}",
+        f"## Scale to {max(int(n) for n in res['summary']):,} tasks, {beside}"
+        + (", on PostgreSQL and Redis" if production else ""),
         "",
         "The scale workload above (three profiles, each size in a fresh process, "
-        f"{res['repeats']} repeat(s)), gpu-tasks only, {beside}. Bounds: the largest N within 11x the "
-        f"time of a tenth of it, and the flow process's peak RSS at most {RSS_BOUND_MIB:,} MiB.",
+        f"{res['repeats']} repeat(s)), gpu-tasks only, {beside}, on {on}. Bounds: the largest N within "
+        f"11x the time of a tenth of it, and the flow process's peak RSS at most {RSS_BOUND_MIB:,} MiB.",
         "",
-        "| N | wall s | ms/task | flow process peak RSS MiB | KiB per task above the RSS before |",
-        "| ---: | ---: | ---: | ---: | ---: |",
+        "| N | wall s | ms/task | flow process peak RSS MiB | KiB per task above the RSS before "
+        "| task runs' Completed events stored |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for n, row in res["summary"].items():
         grew = row["peak_rss_mib"]["median"] - row["rss_before_mib"]["median"]
+        first = res["runs"][n][0]
+        stored = (
+            f"{first['events_completed']:,} of {first['events_expected']:,}"
+            if "events_completed" in first
+            else "not counted"
+        )
         lines.append(
             f"| {int(n):,} | {_s(row['wall_s'], '{:.1f}')} | {_s(row['ms_per_task'])} | "
-            f"{_s(row['peak_rss_mib'], '{:.0f}')} | {grew * 1024 / int(n):.1f} |"
+            f"{_s(row['peak_rss_mib'], '{:.0f}')} | {grew * 1024 / int(n):.1f} | {stored} |"
         )
     lines += [
         "",
@@ -999,6 +1013,7 @@ SECTIONS = {
     "scale": scale,
     "scale_100k": scale_sizes,
     "scale_loaded": scale_sizes,
+    "scale_production": scale_sizes,
     "many_flows": many_flows,
     "throughput": throughput,
 }

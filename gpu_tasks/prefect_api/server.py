@@ -165,7 +165,7 @@ class DroppedEvents:
                 logger.warning(
                     "the embedded Prefect server is dropping event messages under load (its in-memory "
                     "queue is full): some task runs' states will be missing from the UI and the API. For "
-                    "this load run Prefect on PostgreSQL and point PREFECT_API_URL at it (%s)",
+                    "this load run Prefect on PostgreSQL and Redis and point PREFECT_API_URL at it (%s)",
                     LOAD_DOCS,
                 )
             return  # counted, not repeated: one per dropped message would flood the terminal

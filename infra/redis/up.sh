@@ -6,7 +6,8 @@
 #   sudo infra/redis/up.sh     -> prints the Prefect settings that put the server's messaging on it
 #   infra/redis/down.sh        -> stops it (REDIS_CLEAN=1 also removes its directory)
 # The server also needs the prefect-redis package: pip install 'gpu-tasks[server]'.
-# Idempotent: re-running while it is up prints the same settings.
+# Idempotent: re-running while it is up prints the same settings. A fresh Prefect database needs a
+# fresh Redis (another REDIS_DIR and REDIS_PORT): its streams still hold the old database's events.
 #
 # Env knobs:
 #   REDIS_DIR   data, pid and log directory (default /tmp/gpu-tasks-redis)
