@@ -12,7 +12,11 @@ which
   calls ``os._exit`` the moment the flow process dies, which would otherwise orphan
   processes a task started;
 - ignores SIGINT in the worker: a terminal Ctrl-C reaches the whole foreground process
-  group, and the flow process coordinates shutdown and closes its workers itself.
+  group, and the flow process coordinates shutdown and closes its workers itself;
+- turns on :mod:`faulthandler` (unless the worker has it on already): a worker killed by
+  SIGSEGV, SIGFPE, SIGABRT or SIGBUS prints every thread's Python traceback to its stderr
+  (the flow process's terminal or log) before it dies, where the task run's Crashed state
+  can only name the signal.
 
 :func:`dask_teardown` ends the worker's child processes when the worker closes normally.
 """
@@ -20,6 +24,7 @@ which
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
@@ -98,6 +103,9 @@ def start(parent: int, flow: int | None = None) -> None:
         real = replace_os_exit(_exit)
         watch = _flow_watch(flow) if flow is not None and flow != parent else None
         _state.update(pid=os.getpid(), parent=parent, flow=flow or parent, watch=watch, exit=first or real)
+    if not faulthandler.is_enabled():
+        with contextlib.suppress(Exception):  # a stderr without a file descriptor: nothing to write to
+            faulthandler.enable(all_threads=True)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _ignore_sigint)
         signal.signal(signal.SIGTERM, _terminate)

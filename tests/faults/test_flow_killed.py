@@ -216,3 +216,24 @@ def test_guard_without_dask_exits_with_its_parent_and_ignores_sigint():
             parent.kill()
             parent.wait(timeout=10)
         _kill_all(_marked(marker))
+
+
+def test_a_guarded_worker_that_segfaults_prints_where_it_was():
+    """A 100,000-task run lost a worker to SIGSEGV with nothing but the signal to go on: the guard
+    turns faulthandler on, so the dying worker prints its threads' Python tracebacks to its stderr."""
+    script = textwrap.dedent(
+        """
+        import os, signal
+        from gpu_tasks.worker import guard as _worker_guard
+
+        def task_body_that_crashes():
+            os.kill(os.getpid(), signal.SIGSEGV)
+
+        _worker_guard.start(os.getppid())
+        task_body_that_crashes()
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stderr[-2000:])
+    assert "Fatal Python error: Segmentation fault" in out.stderr, out.stderr[-2000:]
+    assert "task_body_that_crashes" in out.stderr, out.stderr[-2000:]
