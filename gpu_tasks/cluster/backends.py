@@ -36,6 +36,7 @@ from gpu_tasks.profiles import CudaOptions, ResourceProfile
 from gpu_tasks.worker.slots import SlotPool
 
 logger = logging.getLogger(__name__)
+PROCESSING_TRIES = 3  # asks of the scheduler which tasks workers run, before a preemption stops them all
 
 LOCALHOST = "127.0.0.1"
 _ANY_PORT = f"{LOCALHOST}:0"
@@ -291,13 +292,22 @@ class DaskBackend(Backend):
 
     def processing(self, names: list[str]) -> set[str] | None:
         assert self.client is not None
-        try:
-            info = self.client.scheduler_info(n_workers=-1)["workers"]
-            addresses = [a for a, w in info.items() if str(w.get("name")) in set(names)]
-            return {str(k) for keys in self.client.processing(addresses).values() for k in keys}
-        except Exception:
-            logger.warning("could not read which tasks workers %s run", names, exc_info=True)
-            return None
+        for attempt in range(PROCESSING_TRIES):  # a loaded scheduler's slow answer is not "cannot tell"
+            try:
+                info = self.client.scheduler_info(n_workers=-1)["workers"]
+                addresses = [a for a, w in info.items() if str(w.get("name")) in set(names)]
+                return {str(k) for keys in self.client.processing(addresses).values() for k in keys}
+            except Exception:
+                if attempt + 1 == PROCESSING_TRIES:
+                    logger.warning(
+                        "could not read which tasks workers %s run (%d tries): the whole cluster stops",
+                        names,
+                        PROCESSING_TRIES,
+                        exc_info=True,
+                    )
+                    return None
+                time.sleep(0.5)
+        return None
 
     def terminate(self, names: list[str] | None = None) -> None:
         workers = getattr(self.cluster, "workers", {})
