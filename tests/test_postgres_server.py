@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 from faults._procs import clean_env, free_port, run_flow_script, running_server, wait_gone
 
+from bench.production import stored_events
+
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = 24
 
@@ -117,28 +119,9 @@ def test_a_flow_on_a_prefect_server_on_postgresql_and_redis_records_every_task_r
         # the server's database is the PostgreSQL one (not a SQLite file under PREFECT_HOME)
         assert not list((tmp_path / "server-home").glob("*.db")), list((tmp_path / "server-home").iterdir())
         # its events went through Redis streams and reached the database: each task run's Completed
-        completed = stored_events(url, "prefect.task-run.Completed", TASKS)
+        completed = stored_events(url, "prefect.task-run.Completed", "2000-01-01T00:00:00Z", TASKS)
         assert completed >= TASKS, completed
         stream = redis.Redis(port=int(redis_messaging["PREFECT_REDIS_MESSAGING_PORT"]))
         groups = {g["name"].decode(): g for g in stream.xinfo_groups("events")}
         assert groups and all(g["entries-read"] >= TASKS for g in groups.values()), groups
     assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run and the server"
-
-
-def stored_events(url: str, name: str, at_least: int, timeout: float = 60.0) -> int:
-    """How many events called ``name`` the server stored, once ``at_least`` are (they are written
-    asynchronously, after the messaging hands them on), or what there is at ``timeout``."""
-    import time
-
-    import httpx
-
-    since = "2000-01-01T00:00:00Z"
-    deadline = time.monotonic() + timeout
-    while True:
-        body = {"filter": {"event": {"name": [name]}, "occurred": {"since": since}}, "limit": 1}
-        page = httpx.post(f"{url}/events/filter", json=body, timeout=30)
-        assert page.status_code == 200, page.text
-        total = int(page.json()["total"])
-        if total >= at_least or time.monotonic() > deadline:
-            return total
-        time.sleep(0.5)
