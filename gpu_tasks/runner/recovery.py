@@ -211,16 +211,19 @@ class Recovery:
             with st.lock:
                 known = self._last_death.get(prof.name)
                 lost = live.lost.get(prof.name)
-                if known is not None and known[3] == address:  # another of its tasks: already retired
+                # retired already: its replacement may have its name (the name comes from its devices)
+                row = None
+                if known is not None and known[3] == address:  # another of its tasks
                     devices = known[1]
-                elif lost is not None and lost[3] == address:  # retired by the idle monitor (lost)
+                elif lost is not None and lost[3] == address:  # found lost by the idle monitor
                     devices = lost[1]
                     self._last_death[prof.name] = lost
                 else:
                     devices = tuple(st.cluster.worker_devices(name) or st.cluster.devices)
                     self._last_death[prof.name] = (name, devices, ended, address)
-                row = st.cluster.retire(name, f"worker crashed: {how}")
+                    row = st.cluster.retire(name, f"worker crashed: {how}")
                 live.landed(job)
+                live.refill(st)  # a new worker for the tasks still queued on the workers left
         where = f"device(s) {','.join(devices)}" if devices else ("unknown devices" if prof.is_gpu else "CPU")
         if st.cluster.emulated:
             where += " (emulated)"

@@ -9,7 +9,6 @@ whole when the flow run ends.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import contextvars
 import logging
 import threading
@@ -27,7 +26,7 @@ from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Inventory, discover
 from gpu_tasks.devices.measure import Sampler
-from gpu_tasks.policy import bound_at_most, close_reason
+from gpu_tasks.policy import bound_at_most, close_reason, desired_workers
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
 from gpu_tasks.prefect_api.states import api_unreachable
 from gpu_tasks.prefect_api.tag_answers import start_renewing
@@ -258,11 +257,30 @@ class Live:
             if row is not None:
                 self.gave_back(st, row, "crashed", {"worker": name, "while": "idle"})
         with st.lock:
-            if st.cluster.worker_count == 0 and st.dispatched and st.cluster.profile.is_gpu:
-                with contextlib.suppress(Exception):
-                    st.cluster.scale_to(1)  # the devices just given back, unless a waiter has them
+            self.refill(st)
             if st.cluster.worker_count == 0:
                 self.close_cluster(st, "its workers were lost")
+
+    def refill(self, st: ProfileState) -> None:
+        """After workers were lost (retired by the idle monitor, or a crash report): grow ``st``'s
+        cluster back to as many workers as the tasks handed to it want, on the devices just given
+        back unless a waiter has them. No later dispatch may come to grow it: every task may have
+        been handed out already, and they would queue on the workers left. Call under ``st.lock``."""
+        cluster = st.cluster
+        if not (st.dispatched and cluster.running and cluster.profile.is_gpu):
+            return
+        want = desired_workers(
+            cluster.profile, st.dispatched, 0, cluster.limit, getattr(cluster, "slots", None)
+        )
+        if want <= cluster.worker_count:
+            return
+        before = set(cluster.devices)
+        try:
+            cluster.scale_to(want)
+        except Exception:
+            logger.warning("gpu-tasks: could not replace a lost worker", exc_info=True)
+        if added := [d for d in cluster.devices if d not in before]:
+            self.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
 
     def _close_if_idle(self, st: ProfileState) -> None:
         with st.lock:  # re-check under the lock: a task may have arrived meanwhile

@@ -149,6 +149,51 @@ def test_tasks_lost_with_a_dead_worker_are_retried_per_their_retries():
         assert run["run_count"] == 2, run
 
 
+def test_a_worker_that_dies_after_every_task_was_handed_out_is_replaced(tmp_path: Path):
+    """A quarter-GPU profile on both devices, every task already handed to its cluster (no retries);
+    one worker process dies of SIGSEGV. Its device is given back and a new worker takes it for the tasks left:
+    no later dispatch comes to grow the cluster again (at 100,000 tasks, one worker went on alone
+    for 9 minutes). The tasks started after the death wait until one of them runs on the dead
+    worker's device, so without a new worker there they time out and fail the test."""
+    seen = tmp_path
+
+    @task(tags=[profile("quarter")])
+    def work(i: int) -> str:
+        dev = os.environ["CUDA_VISIBLE_DEVICES"]
+        died = seen / "died"
+        if not died.exists():
+            (seen / f"before-{dev}-{i}").touch()
+            if i == 0:  # once a task has run on each device: this worker dies
+                while len({p.name.split("-")[1] for p in seen.glob("before-*")}) < 2:
+                    time.sleep(0.02)
+                (seen / "died.tmp").write_text(dev)
+                os.replace(seen / "died.tmp", died)
+                os.kill(os.getpid(), signal.SIGSEGV)
+            time.sleep(0.2)
+            return dev
+        (seen / f"after-{dev}-{i}").touch()
+        deadline = died.stat().st_mtime + 60  # one minute after the death, for all of them
+        while not list(seen.glob(f"after-{died.read_text()}-*")) and time.time() < deadline:
+            time.sleep(0.02)
+        return dev
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="quarter", gpus=0.25)]))
+    def one_worker_dies():
+        futures = [work.submit(i) for i in range(48)]
+        for f in futures:
+            f.wait()
+        return [f.state for f in futures]
+
+    states = one_worker_dies()
+    dead = (seen / "died").read_text()
+    after = {p.name.split("-")[1] for p in seen.glob("after-*")}
+    assert after == {"0", "1"}, (dead, sorted(p.name for p in seen.iterdir()))
+    # the tasks Dask had handed to the dead worker (queued on it, not only running) crashed with it
+    lost = [s for s in states if not s.is_completed()]
+    assert lost and all(s.type == StateType.CRASHED and "SIGSEGV" in (s.message or "") for s in lost), lost
+    assert all(f"device(s) {dead} (emulated)" in (s.message or "") for s in lost), lost
+
+
 # ---------------------------------------------------------------- BaseException raised by a task
 @pytest.mark.parametrize("kind", ["threads", "processes", "gpu"])
 def test_keyboard_interrupt_and_system_exit_in_a_task_end_crashed_and_wait_returns(kind: str):
