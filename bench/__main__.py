@@ -3,6 +3,7 @@
     python -m bench [--quick] [--only overhead held_busy ...] [--gpu] [--out docs]
     python -m bench --report-only      # re-render the docs from docs/results/benchmarks.json
     python -m bench --only faults      # the fault scenarios: docs/reliability.md (bench/faults.py)
+    python -m bench --merge scale_100k out.json   # one benchmark run on its own (its --json), into the report
 
 Every benchmark runs in a fresh process against one Prefect server on 127.0.0.1
 (a temporary PREFECT_HOME, so nothing is written to the user's Prefect database).
@@ -32,6 +33,7 @@ SUITE = (
     "scale",
     "scale_100k",
     "scale_loaded",
+    "scale_production_quiet",
     "scale_production",
     "many_flows",
     "throughput",
@@ -42,6 +44,7 @@ MODULE = {
     "scale_100k": "scale",
     "scale_loaded": "scale",
     "scale_production": "scale",
+    "scale_production_quiet": "scale",
 }  # result key -> bench module, where they differ
 
 FULL = {
@@ -54,6 +57,7 @@ FULL = {
     "scale_100k": ["--n", "1000", "10000", "100000", "--no-reference"],
     "scale_loaded": ["--n", "1000", "10000", "100000", "--no-reference", "--load", "2"],
     # PostgreSQL and Redis (as root: infra/postgres/up.sh, infra/redis/up.sh)
+    "scale_production_quiet": ["--n", "1000", "10000", "100000", "--no-reference", "--server", "production"],
     "scale_production": ["--n", "10000", "100000", "--no-reference", "--load", "2", "--server", "production"],
     "many_flows": ["--flows", "10", "--tasks", "1000"],
     "throughput": ["--scale", "1", "10", "--repeats", "1"],
@@ -67,6 +71,7 @@ QUICK = {
     "scale": ["--n", "60", "600", "--repeats", "1"],
     "scale_100k": ["--n", "60", "600", "--no-reference"],
     "scale_loaded": ["--n", "60", "600", "--no-reference", "--load", "2"],
+    "scale_production_quiet": ["--n", "60", "600", "--no-reference", "--server", "production"],
     "scale_production": ["--n", "60", "600", "--no-reference", "--load", "2", "--server", "production"],
     "many_flows": ["--flows", "2", "--tasks", "20"],
     "throughput": ["--scale", "1", "--repeats", "1", "--rounds", "10"],
@@ -92,11 +97,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="re-render the report from results/benchmarks.json"
     )
+    parser.add_argument(
+        "--merge",
+        nargs=2,
+        metavar=("NAME", "JSON"),
+        help="put one benchmark's results, run on its own with --json, into the report as NAME",
+    )
+    parser.add_argument(
+        "--commit", help="with --merge: the commit that benchmark measured (default: the one checked out)"
+    )
     args = parser.parse_args(argv)
     results_dir = args.out / "results"
     combined = results_dir / "benchmarks.json"
     from bench import report
 
+    if args.merge:
+        name, path = args.merge
+        if name not in SUITE:
+            parser.error(f"--merge: {name!r} is not a benchmark of the suite ({', '.join(SUITE)})")
+        results = json.loads(combined.read_text()) if combined.exists() else {}
+        results[name] = json.loads(Path(path).read_text())
+        finished = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(Path(path).stat().st_mtime))
+        results[name].update(quick=False, finished=finished, commit=args.commit or _commit())
+        (results_dir / f"{name}.json").write_text(json.dumps(results[name], indent=2, default=str))
+        combined.write_text(json.dumps(results, indent=2, default=str))
+        args.report_only = True
     if args.report_only:
         report.write(json.loads(combined.read_text()), args.out)
         print(f"wrote {args.out / 'benchmarks.md'}")

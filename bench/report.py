@@ -1013,6 +1013,7 @@ SECTIONS = {
     "scale": scale,
     "scale_100k": scale_sizes,
     "scale_loaded": scale_sizes,
+    "scale_production_quiet": scale_sizes,
     "scale_production": scale_sizes,
     "many_flows": many_flows,
     "throughput": throughput,

@@ -496,3 +496,47 @@ def test_report_takes_real_gpu_figures_from_the_gpu_check_and_nothing_from_a_dry
     line = report._gpu_cold_start(path)
     assert "lease to first body is unverified on GPU" in line and "1.23" not in line
     assert "unverified on GPU" in report._gpu_cold_start(tmp_path / "missing.json")
+
+
+def test_merge_puts_a_benchmark_run_on_its_own_into_the_report(tmp_path: Path):
+    """`python -m bench --merge NAME JSON`: a benchmark run by hand (its --json) joins the suite's
+    results with the commit it measured, and the report shows it; an unknown name is refused."""
+    import json
+
+    from bench.__main__ import main
+
+    (tmp_path / "results").mkdir()
+    results = _results(tmp_path)
+    (tmp_path / "results" / "benchmarks.json").write_text(json.dumps(results))
+    one = {
+        "repeats": 1,
+        "machine": results["scale"]["machine"],
+        "server": "production",
+        "load": 0,
+        "runs": {
+            n: [{"events_completed": int(n) + 24, "events_expected": int(n) + 24}] for n in ("10", "100")
+        },
+        "summary": results["scale"]["summary"],
+    }
+    (tmp_path / "one.json").write_text(json.dumps(one))
+    assert (
+        main(
+            [
+                "--out",
+                str(tmp_path),
+                "--merge",
+                "scale_production_quiet",
+                str(tmp_path / "one.json"),
+                "--commit",
+                "abc1234",
+            ]
+        )
+        == 0
+    )
+    merged = json.loads((tmp_path / "results" / "benchmarks.json").read_text())
+    assert merged["scale_production_quiet"]["commit"] == "abc1234" and "scale" in merged
+    text = (tmp_path / "benchmarks.md").read_text()
+    assert "## Scale to 100 tasks, on a quiet machine, on PostgreSQL and Redis" in text
+    assert "| 100 | 12.0 |" in text and "124 of 124" in text
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path), "--merge", "scale_huge", str(tmp_path / "one.json")])
