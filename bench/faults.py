@@ -974,10 +974,9 @@ def render(results: dict[str, Any]) -> str:
         "**Devices were EMULATED** (`GPU_TASKS_EMULATED_GPUS=2`: real Dask worker processes, each with its "
         "own "
         '`CUDA_VISIBLE_DEVICES`, compute on the CPU). The "CUDA out of memory" faults are raised errors, '
-        "not a "
-        "real GPU running out of memory. Nothing here is a GPU measurement; it tests processes, signals and "
-        "the "
-        "states Prefect records.",
+        "not a real GPU running out of memory (a real one, on an H200: "
+        "[gpu.md: out-of-memory](gpu.md#out-of-memory)). Nothing here is a GPU measurement; it tests "
+        "processes, signals and the states Prefect records.",
         "",
         "Each scenario is a fresh flow script (or `gpu-tasks run`) in a subprocess, as a user would run it, "
         "against one Prefect server (the first and the `gpu-tasks run` ones use their own, as a user's "

@@ -39,9 +39,14 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def production_server() -> Iterator[str]:
+def production_server(split: bool | None = None) -> Iterator[str]:
     """PostgreSQL (a fresh database) and Redis up, a Prefect server on them; ``PREFECT_API_URL``
-    set in this process for the block (the benchmark's flow processes inherit it). Yields the URL."""
+    set in this process for the block (the benchmark's flow processes inherit it). Yields the URL.
+
+    ``split``: the server's services in a process of their own (default: ``GPU_TASKS_BENCH_SPLIT_SERVICES``,
+    ``1`` unless set to ``0``)."""
+    if split is None:
+        split = os.environ.get("GPU_TASKS_BENCH_SPLIT_SERVICES", "1") != "0"
     if os.geteuid() != 0:
         raise SystemExit("--server production runs infra/postgres/up.sh and infra/redis/up.sh: run as root")
     db = f"bench_{uuid.uuid4().hex[:8]}"  # a fresh database, as the embedded server's is
@@ -61,12 +66,22 @@ def production_server() -> Iterator[str]:
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
         }
         log = open(Path(home) / "server.log", "wb")
-        cmd = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-        server = subprocess.Popen(cmd, env=server_env, stdout=log, stderr=subprocess.STDOUT)
+        prefect = [sys.executable, "-m", "prefect", "server"]
+        # the API in one process, the services that consume the event streams (task-run recorder,
+        # event persister, triggers) in another: one process for both shares one interpreter lock,
+        # and its API took events in more slowly while the services wrote them (docs/operations.md)
+        api = [*prefect, "start", "--host", "127.0.0.1", "--port", str(port)] + (
+            ["--no-services"] if split else []
+        )
+        procs = [subprocess.Popen(api, env=server_env, stdout=log, stderr=subprocess.STDOUT)]
         old = os.environ.get("PREFECT_API_URL")
         try:
-            _wait_healthy(server, url, Path(home) / "server.log")
-            print(f"production server: {url} (PostgreSQL database {db}, Redis messaging)", flush=True)
+            _wait_healthy(procs[0], url, Path(home) / "server.log")
+            if split:
+                services = [*prefect, "services", "start"]
+                procs.append(subprocess.Popen(services, env=server_env, stdout=log, stderr=subprocess.STDOUT))
+            how = "API and services in two processes" if split else "API and services in one process"
+            print(f"production server: {url} (PostgreSQL database {db}, Redis messaging, {how})", flush=True)
             os.environ["PREFECT_API_URL"] = url
             yield url
         finally:
@@ -74,12 +89,13 @@ def production_server() -> Iterator[str]:
                 os.environ.pop("PREFECT_API_URL", None)
             else:
                 os.environ["PREFECT_API_URL"] = old
-            server.terminate()
-            try:
-                server.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                server.kill()
-                server.wait()
+            for proc in reversed(procs):
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
             log.close()
 
 

@@ -861,8 +861,22 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
     lines += [
         "",
         "Every result is checked (a wrong one fails the run); the flow process's peak RSS is its own "
-        "(worker processes, the scheduler process and the Prefect server are not counted).",
+        "(worker processes, the scheduler process and the Prefect server are not counted). Stored events "
+        "are counted after the flow ends, until all are stored or the count stops moving for 30 s, "
+        "for at most 5 minutes (bench/production.py `stored_events`).",
     ]
+    behind = [
+        n
+        for n, runs in res["runs"].items()
+        if "events_completed" in runs[0] and runs[0]["events_completed"] < runs[0]["events_expected"]
+    ]
+    if behind and production:
+        lines += [
+            "",
+            f"- Fewer events than task runs at N = {', '.join(f'{int(n):,}' for n in behind)}: the count "
+            "ended before the server had stored them all (on Redis, events its consumers have not "
+            "read yet wait in the stream; the embedded server drops what its in-memory queue cannot hold).",
+        ]
     ns = sorted(int(n) for n in res["summary"])
     large = ns[-1]
     peak = res["summary"][str(large)]["peak_rss_mib"]["median"]
