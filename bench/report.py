@@ -829,8 +829,10 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
     load = int(res.get("load") or 0)
     beside = f"with {load} processes spinning on a core each beside it" if load else "on a quiet machine"
     production = res.get("server") == "production"
+    processes = {1: ", its API and services in one process", 2: ", its API and services in two processes"}
     on = (
-        "a Prefect server on PostgreSQL and Redis (`--server production`, bench/production.py)"
+        "a Prefect server on PostgreSQL and Redis (`--server production`, bench/production.py"
+        f"{processes.get(res.get('server_processes'), '')})"
         if production
         else "the embedded SQLite Prefect server"
     )

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import resource
 import sys
 import tempfile
@@ -106,7 +107,10 @@ def run(
     ``embedded`` (each run starts its SQLite server) or ``production`` (bench.production: one
     server on PostgreSQL and Redis for all the runs)."""
     with server(server_kind):
-        return _run(sizes, repeats, reference, load) | {"server": server_kind}
+        out = _run(sizes, repeats, reference, load) | {"server": server_kind}
+    if server_kind == "production":  # Prefect's API and its services: one process or two
+        out["server_processes"] = 1 if os.environ.get("GPU_TASKS_BENCH_SPLIT_SERVICES") == "0" else 2
+    return out
 
 
 def _run(sizes: list[int], repeats: int, reference: bool, load: int) -> dict[str, Any]:

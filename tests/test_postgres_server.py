@@ -1,10 +1,12 @@
 """The production set-up for the Prefect server (docs/operations.md, "A Prefect server that holds the
 load"): PostgreSQL and Redis from Debian's packages, started by infra/postgres/up.sh and
-infra/redis/up.sh on 127.0.0.1, a `prefect server start` on both (its messaging on Redis streams,
-prefect-redis), and a gpu-tasks flow whose every task run and state event the server records."""
+infra/redis/up.sh on 127.0.0.1, a Prefect server on both (its messaging on Redis streams,
+prefect-redis; the API and its services in two processes), and a gpu-tasks flow whose every task
+run and state event the server records."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -18,6 +20,7 @@ import pytest
 from faults._procs import clean_env, free_port, run_flow_script, running_server, wait_gone
 
 from bench.production import stored_events
+from gpu_tasks.prefect_api.server import die_with_parent_hook
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = 24
@@ -106,8 +109,21 @@ def test_a_flow_on_a_prefect_server_on_postgresql_and_redis_records_every_task_r
         PREFECT_API_DATABASE_CONNECTION_URL=postgres,
         **redis_messaging,
     )
-    command = [sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)]
-    with running_server(command, server_env, url):
+    prefect = [sys.executable, "-m", "prefect", "server"]
+    # as docs/operations.md starts it: the API in one process, the services (the task-run recorder
+    # and event persister that write what the flow reports) in another, meeting in Redis streams
+    api = [*prefect, "start", "--host", "127.0.0.1", "--port", str(port), "--no-services"]
+    services = subprocess.Popen(
+        [*prefect, "services", "start"],
+        env=server_env,
+        stdout=(tmp_path / "services.log").open("wb"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+        preexec_fn=die_with_parent_hook(),  # gone with this process, as running_server's server
+    )
+    with running_server(api, server_env, url), contextlib.ExitStack() as stop:
+        stop.callback(services.wait, 30)
+        stop.callback(services.terminate)
         out = run_flow_script(tmp_path, "on_postgres.py", SCRIPT, marker, url, 240)
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
         assert f"RESULT {sum(x * x for x in range(TASKS))}" in out.stdout
@@ -124,4 +140,5 @@ def test_a_flow_on_a_prefect_server_on_postgresql_and_redis_records_every_task_r
         stream = redis.Redis(port=int(redis_messaging["PREFECT_REDIS_MESSAGING_PORT"]))
         groups = {g["name"].decode(): g for g in stream.xinfo_groups("events")}
         assert groups and all(g["entries-read"] >= TASKS for g in groups.values()), groups
+        assert services.poll() is None, (tmp_path / "services.log").read_text()[-3000:]
     assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run and the server"
