@@ -269,13 +269,22 @@ def _stop(proc: subprocess.Popen[bytes]) -> None:
 
 
 def run(
-    flows: int, tasks: int, sleep: float = 0.0, timeout: float = 3600.0, logs: str | None = None
+    flows: int,
+    tasks: int,
+    sleep: float = 0.0,
+    timeout: float = 3600.0,
+    logs: str | None = None,
+    api_url: str | None = None,
 ) -> dict[str, Any]:
     """``flows`` flow-run processes at once against one Prefect server and lease directory; the checks.
-    ``logs``: a folder to keep each flow-run process's output in (``flow-<i>.log``)."""
+    ``logs``: a folder to keep each flow-run process's output in (``flow-<i>.log``). ``api_url``: that
+    server (the production one); ``None``: the embedded one, started here (this process's Prefect
+    settings were read when Prefect was imported: a ``PREFECT_API_URL`` set in its environment
+    afterwards is not seen by them)."""
     from gpu_tasks.prefect_api.server import embedded_server
 
-    with tempfile.TemporaryDirectory(prefix="gpu-tasks-many-flows-") as tmp, embedded_server() as url:
+    given = contextlib.nullcontext(api_url) if api_url else embedded_server()
+    with tempfile.TemporaryDirectory(prefix="gpu-tasks-many-flows-") as tmp, given as url:
         env = _child_env(url, Path(tmp) / "leases")
         procs: list[tuple[subprocess.Popen[bytes], float, Path, Path]] = []
         t0 = time.time()
@@ -450,8 +459,8 @@ def main() -> None:
         os.environ.setdefault("PREFECT_HOME", tempfile.mkdtemp(prefix="gpu-tasks-bench-prefect-"))
         os.environ.setdefault("PREFECT_CLIENT_MAX_RETRIES", "10")
     setup()
-    with server(args.server):
-        res = run(args.flows, args.tasks, args.sleep, args.timeout, args.logs) | {"server": args.server}
+    with server(args.server) as url:  # None: the embedded server, which run() starts
+        res = run(args.flows, args.tasks, args.sleep, args.timeout, args.logs, url) | {"server": args.server}
     write_json(args.json, res)
     print_summary(res)
     if args.check and not res["ok"]:
