@@ -196,7 +196,7 @@ def queue_order(flows: list[dict[str, Any]]) -> dict[str, Any]:
 
 # ---------------------------------------------------------------- the server's records
 def server_records(
-    api_url: str, flows: list[dict[str, Any]], tasks: int, timeout: float, quiet_s: float = 20.0
+    api_url: str, flows: list[dict[str, Any]], tasks: int, timeout: float, quiet_s: float = 90.0
 ) -> dict[str, Any]:
     """Task runs per flow run on the server (all, and ``Completed``), once it has recorded all of
     them, or their count has not moved for ``quiet_s``, or after ``timeout``; and each flow run's
