@@ -135,10 +135,32 @@ def server(kind: str) -> Iterator[str | None]:
     """``embedded``: nothing here (each flow process starts its own, or uses ``PREFECT_API_URL``);
     ``production``: :func:`production_server`."""
     if kind == "production":
-        with production_server() as url:
+        with _terminate_unwinds(), production_server() as url:
             yield url
     else:
         yield None
+
+
+@contextlib.contextmanager
+def _terminate_unwinds() -> Iterator[None]:
+    """SIGTERM (``kill``, ``pkill``, a timeout) raises ``SystemExit`` in the main thread for the
+    block, so the server, its Redis and their processes are stopped as at a normal end (killed by
+    the default SIGTERM, the benchmark left its Redis running)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def _exit(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, _exit)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 def stored_events(url: str, name: str, since: str, expected: int, settle_s: float = 30.0) -> int:
