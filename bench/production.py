@@ -3,12 +3,16 @@ from Debian's packages (infra/postgres/up.sh, infra/redis/up.sh, as root), a fre
 ``prefect server start`` on 127.0.0.1 with its messaging on Redis streams (prefect-redis): the set-up
 docs/operations.md describes ("A Prefect server that holds the load"), beside the embedded SQLite
 server that ``gpu-tasks run`` and a plain script start.
+
+``GPU_TASKS_BENCH_SPLIT_SERVICES=0``: the server's API and services in one process (default: two).
+``GPU_TASKS_BENCH_SERVER_LOG=FILE``: the server's log is copied there when it stops.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -97,6 +101,8 @@ def production_server(split: bool | None = None) -> Iterator[str]:
                     proc.kill()
                     proc.wait()
             log.close()
+            if keep := os.environ.get("GPU_TASKS_BENCH_SERVER_LOG"):  # the log outlives the server's home
+                shutil.copyfile(Path(home) / "server.log", keep)
 
 
 @contextlib.contextmanager
