@@ -169,32 +169,28 @@ class Dispatcher:
     def _provision(self, st: ProfileState) -> None:
         """Start ``st``'s cluster, or grow it, for one more task (call under ``st.lock``)."""
         cluster = st.cluster
+        if cluster.running:
+            self.live.grow(st, st.dispatched + 1)
+            return
         slots = getattr(cluster, "slots", None)
         want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit, slots)
-        if not cluster.running:
-            try:
-                cluster.start(want)
-            except Exception as exc:
-                st.start_failed = (time.monotonic(), exc)
-                raise
-            st.start_failed = None
-            cluster.usage.waited(devices=cluster.startup.get("wait_devices_s", 0.0))
-            st.ever_provisioned = True
-            self.live.emit(
-                "provisioned",
-                cluster,
-                {
-                    "workers": cluster.worker_count,
-                    **{k: round(v, 3) for k, v in cluster.startup.items()},
-                },
-            )
-            publish_dashboard(cluster)
-        elif want > cluster.worker_count:
-            before = set(cluster.devices)
-            cluster.scale_to(want)
-            added = [d for d in cluster.devices if d not in before]
-            if added:
-                self.live.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
+        try:
+            cluster.start(want)
+        except Exception as exc:
+            st.start_failed = (time.monotonic(), exc)
+            raise
+        st.start_failed = None
+        cluster.usage.waited(devices=cluster.startup.get("wait_devices_s", 0.0))
+        st.ever_provisioned = True
+        self.live.emit(
+            "provisioned",
+            cluster,
+            {
+                "workers": cluster.worker_count,
+                **{k: round(v, 3) for k, v in cluster.startup.items()},
+            },
+        )
+        publish_dashboard(cluster)
 
     def _dispatch_in_context(self, job: Job) -> None:
         from prefect import tags

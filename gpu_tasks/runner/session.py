@@ -266,19 +266,24 @@ class Live:
         cluster back to as many workers as the tasks handed to it want, on the devices just given
         back unless a waiter has them. No later dispatch may come to grow it: every task may have
         been handed out already, and they would queue on the workers left. Call under ``st.lock``."""
-        cluster = st.cluster
-        if not (st.dispatched and cluster.running and cluster.profile.is_gpu):
+        if not (st.dispatched and st.cluster.running and st.cluster.profile.is_gpu):
             return
-        want = desired_workers(
-            cluster.profile, st.dispatched, 0, cluster.limit, getattr(cluster, "slots", None)
-        )
+        try:
+            self.grow(st, st.dispatched)
+        except Exception:
+            logger.warning("gpu-tasks: could not replace a lost worker", exc_info=True)
+
+    def grow(self, st: ProfileState, outstanding: int) -> None:
+        """Grow ``st``'s running cluster to the workers ``outstanding`` tasks want
+        (:func:`~gpu_tasks.policy.desired_workers`), with a ``scaled`` event when it added devices.
+        Call under ``st.lock``."""
+        cluster = st.cluster
+        slots = getattr(cluster, "slots", None)  # a gpu_memory_per_task profile's, per its devices
+        want = desired_workers(cluster.profile, outstanding, cluster.worker_count, cluster.limit, slots)
         if want <= cluster.worker_count:
             return
         before = set(cluster.devices)
-        try:
-            cluster.scale_to(want)
-        except Exception:
-            logger.warning("gpu-tasks: could not replace a lost worker", exc_info=True)
+        cluster.scale_to(want)
         if added := [d for d in cluster.devices if d not in before]:
             self.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
 
