@@ -93,6 +93,14 @@ class GpuTasksSettings(BaseSettings):
         "than the flow's tasks otherwise lets the process's memory grow without bound. "
         "0: never wait (gpu_tasks.prefect_api.backlog).",
     )
+    events_drain_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        description="How long a closing worker process may take to send the Prefect events and run logs "
+        "it still queues (its task runs' states among them) before it exits; the runner waits that long "
+        "past its close grace before ending it. Events still queued after it are lost, and the worker "
+        "says how many (gpu_tasks.worker.warm).",
+    )
     warm_server_keep_seconds: float = Field(
         default=60.0,
         ge=0,

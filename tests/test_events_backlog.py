@@ -55,3 +55,56 @@ def test_task_runs_wait_while_their_processs_events_back_up(monkeypatch, caplog)
     assert max(seen) <= LIMIT + 3 * running_at_most + 20, max(seen)
     said = [r.getMessage() for r in caplog.records if r.name == "gpu_tasks.prefect_api.backlog"]
     assert len(said) == 1 and "task runs wait to start" in said[0] and "EVENTS_BACKLOG_LIMIT=40" in said[0]
+
+
+@task(tags=[profile("gpu")])
+def burst(n: int, name: str, size: int) -> int:
+    """Emits ``n`` events, then ends: its flow ends, and closes its worker, while most of them
+    still wait in the worker's queue."""
+    from prefect.events import emit_event
+
+    pad = "x" * size
+    for i in range(n):
+        emit_event(event=name, resource={"prefect.resource.id": f"burst.{i}"}, payload={"pad": pad})
+    return n
+
+
+def _stored_events(name: str, want: int, quiet_s: float = 20.0) -> int:
+    """Events named ``name`` the server has stored, once it has ``want`` or the count has not moved
+    for ``quiet_s``."""
+    import time
+
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    last, moved = -1, time.monotonic()
+    body = {"filter": {"event": {"name": [name]}}, "limit": 1}
+    url = f"{PREFECT_API_URL.value()}/events/filter"
+    while True:
+        total = int(httpx.post(url, json=body, timeout=30).json()["total"])
+        if total >= want:
+            return total
+        if total != last:
+            last, moved = total, time.monotonic()
+        elif time.monotonic() - moved > quiet_s:
+            return total
+        time.sleep(0.5)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_a_closing_worker_sends_its_queued_events_before_it_exits(monkeypatch):
+    """A task on a worker process emits a burst of events and returns; the flow ends and closes its
+    worker at once, with thousands of them still queued (more than the close grace takes to send).
+    The worker sends them before it exits, and the runner waits for it to: every event reaches the
+    server (before, the worker was ended 3 s after the close and the rest were lost)."""
+    import uuid
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    n, name = 4000, f"gpu-tasks-test.burst.{uuid.uuid4().hex[:8]}"  # 32 MiB of payload: seconds to send
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def one_burst() -> int:
+        return burst.submit(n, name, 8192).result()
+
+    assert one_burst() == n
+    assert _stored_events(name, n) == n

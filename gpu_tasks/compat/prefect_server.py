@@ -119,18 +119,25 @@ def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
     return int(client._client.post("/task_runs/count", json=task_run_filter).json())
 
 
-def drain_events(timeout: float) -> None:
-    """Send the events this process queued (``EventsWorker.drain_all``, undocumented)."""
+def drain_events(timeout: float) -> bool:
+    """Send the events this process queued (``EventsWorker.drain_all``, undocumented); whether all
+    were sent within ``timeout``."""
     from prefect.events.worker import EventsWorker
 
-    EventsWorker.drain_all(timeout=timeout)
+    return _all_done(EventsWorker.drain_all(timeout=timeout))
 
 
-def drain_logs(timeout: float) -> None:
-    """Send the run logs this process queued (``APILogWorker.drain_all``, undocumented)."""
+def drain_logs(timeout: float) -> bool:
+    """Send the run logs this process queued (``APILogWorker.drain_all``, undocumented); whether
+    all were sent within ``timeout``."""
     from prefect.logging.handlers import APILogWorker
 
-    APILogWorker.drain_all(timeout=timeout)
+    return _all_done(APILogWorker.drain_all(timeout=timeout))
+
+
+def _all_done(waited: Any) -> bool:
+    """``drain_all`` outside an event loop returns ``concurrent.futures.wait``'s (done, not done)."""
+    return not (isinstance(waited, tuple) and len(waited) == 2 and waited[1])
 
 
 def events_backlog() -> int:

@@ -18,7 +18,7 @@ import dask
 from distributed.core import Status
 from distributed.deploy.spec import ProcessInterface
 
-from gpu_tasks.worker.warm import CLOSE_GRACE_S, MEMORY_POLL_S, WarmPool, WarmProcess, end_process
+from gpu_tasks.worker.warm import CLOSE_GRACE_S, MEMORY_POLL_S, WarmPool, WarmProcess, end_closed
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class _Bound(ProcessInterface):
         if warm is not None:
             with contextlib.suppress(OSError, ValueError):
                 warm.conn.send(("close",))
-            await asyncio.to_thread(end_process, warm.process, CLOSE_GRACE_S)
+            await asyncio.to_thread(end_closed, warm, CLOSE_GRACE_S)
             with contextlib.suppress(OSError):
                 warm.conn.close()
             self._released(warm)
