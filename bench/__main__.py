@@ -36,6 +36,7 @@ SUITE = (
     "scale_production_quiet",
     "scale_production",
     "many_flows",
+    "many_flows_production",
     "throughput",
 )
 APART = ("faults",)  # asked for by name only; runs as a process of its own and writes its own page
@@ -45,6 +46,7 @@ MODULE = {
     "scale_loaded": "scale",
     "scale_production": "scale",
     "scale_production_quiet": "scale",
+    "many_flows_production": "many_flows",
 }  # result key -> bench module, where they differ
 
 FULL = {
@@ -60,6 +62,7 @@ FULL = {
     "scale_production_quiet": ["--n", "1000", "10000", "100000", "--no-reference", "--server", "production"],
     "scale_production": ["--n", "10000", "100000", "--no-reference", "--load", "2", "--server", "production"],
     "many_flows": ["--flows", "10", "--tasks", "1000"],
+    "many_flows_production": ["--flows", "10", "--tasks", "1000", "--server", "production"],
     "throughput": ["--scale", "1", "10", "--repeats", "1"],
 }
 QUICK = {
@@ -74,6 +77,7 @@ QUICK = {
     "scale_production_quiet": ["--n", "60", "600", "--no-reference", "--server", "production"],
     "scale_production": ["--n", "60", "600", "--no-reference", "--load", "2", "--server", "production"],
     "many_flows": ["--flows", "2", "--tasks", "20"],
+    "many_flows_production": ["--flows", "2", "--tasks", "20", "--server", "production"],
     "throughput": ["--scale", "1", "--repeats", "1", "--rounds", "10"],
 }
 

@@ -396,7 +396,7 @@ def summarize(
         "failed_flow_runs": failed,  # not "failed": the suite reads that as the benchmark failing
         "packing": pack,
         "queue": order,
-        "server": {"waited_s": records["waited_s"]},
+        "records": {"waited_s": records["waited_s"]},
         "finish_spread_s": round(max(finished) - min(finished), 3) if finished else None,
         "wall_s": round(max(finished), 3) if finished else None,
         "flow_s": {

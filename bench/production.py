@@ -62,6 +62,7 @@ def production_server(split: bool | None = None) -> Iterator[str]:
         _fresh_redis(home) as messaging,
     ):
         server_env = {
+            **server_settings(),  # the documented batches; the environment may override them
             **{k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API_URL")},
             **messaging,
             "PREFECT_API_DATABASE_CONNECTION_URL": database,
@@ -103,6 +104,12 @@ def production_server(split: bool | None = None) -> Iterator[str]:
             log.close()
             if keep := os.environ.get("GPU_TASKS_BENCH_SERVER_LOG"):  # the log outlives the server's home
                 shutil.copyfile(Path(home) / "server.log", keep)
+
+
+def server_settings() -> dict[str, str]:
+    """``infra/prefect-server.env``: the production set-up's service batch sizes."""
+    lines = (ROOT / "infra" / "prefect-server.env").read_text().splitlines()
+    return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
 
 
 @contextlib.contextmanager

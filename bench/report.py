@@ -942,12 +942,22 @@ def throughput(res: dict[str, Any], img: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------- many flow runs
-def many_flows(res: dict[str, Any], img: Path) -> list[str]:
+def many_flows(res: dict[str, Any], img: Path, key: str = "many_flows") -> list[str]:
     """bench.many_flows: N flow-run processes at once on one server, one lease directory, two devices."""
     prof = res["profile"]
+    production = res.get("server") == "production"
     lines = [
-        "## Many flow runs",
+        "## Many flow runs" + (" on PostgreSQL + Redis" if production else ""),
         "",
+        *(
+            [
+                "The Prefect server on PostgreSQL and Redis, its API and its services in two processes "
+                "(`--server production`, docs/operations.md#a-prefect-server-that-holds-the-load).",
+                "",
+            ]
+            if production
+            else []
+        ),
         f"{res['flows']} flow-run processes started at once, each mapping {res['tasks']:,} trivial "
         f"`gpus={prof['gpus']:g}` tasks (a ProfileTaskRunner profile, {prof['per_device']} tasks per device "
         f"at a time) on {len(res['machine']['devices'])} emulated devices, against one Prefect server and "
@@ -974,7 +984,12 @@ def many_flows(res: dict[str, Any], img: Path) -> list[str]:
         f"{pack['tasks_at_once']} (at most {prof['per_device']}); most flow runs on one device at once "
         f"{pack['flow_runs_at_once']}, holding its lease {pack['holders_at_once']} (at most 1): "
         f"{_ok(c['no_device_over_packed'])}.",
-        f"- Every task run recorded on the server, Completed: {_ok(c['all_task_runs_recorded'])}.",
+        f"- Every task run recorded on the server, Completed: {_ok(c['all_task_runs_recorded'])}"
+        + (
+            f" (counted {res['records']['waited_s']:.0f} s after the last flow run ended)."
+            if "records" in res
+            else "."
+        ),
         f"- Lease queue: served in the order {q['service_order']}, having begun to wait in the order "
         f"{q['arrival_order']}; flow runs served before one that began waiting a second or more earlier: "
         f"{len(q['out_of_order'])} {_ok(c['served_in_arrival_order'])}."
@@ -1006,7 +1021,7 @@ def many_flows(res: dict[str, Any], img: Path) -> list[str]:
         )
     for failure in res["failed_flow_runs"]:
         lines.append(f"- FAILED: {failure.splitlines()[0]}")
-    lines += ["", "![many flow runs](results/many_flows.png)", ""]
+    lines += ["", f"![many flow runs](results/{key}.png)", ""]
     plt = _plt()
     fig, ax = plt.subplots(figsize=(9, 0.4 * len(res["rows"]) + 1.2))
     for r in res["rows"]:
@@ -1016,7 +1031,7 @@ def many_flows(res: dict[str, Any], img: Path) -> list[str]:
     ax.set_xlabel("seconds from the first launch (gray: start-up, then waiting for devices; blue: leased)")
     ax.set_ylabel("flow run")
     ax.invert_yaxis()
-    _save(plt, fig, img / "many_flows.png")
+    _save(plt, fig, img / f"{key}.png")
     return lines
 
 
@@ -1032,6 +1047,7 @@ SECTIONS = {
     "scale_production_quiet": scale_sizes,
     "scale_production": scale_sizes,
     "many_flows": many_flows,
+    "many_flows_production": lambda res, img: many_flows(res, img, "many_flows_production"),
     "throughput": throughput,
 }
 

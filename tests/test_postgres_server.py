@@ -102,12 +102,15 @@ def test_a_flow_on_a_prefect_server_on_postgresql_and_redis_records_every_task_r
     marker = f"pg-{uuid.uuid4().hex[:8]}"
     port = free_port()
     url = f"http://127.0.0.1:{port}/api"
+    from bench.production import server_settings
+
     server_env = clean_env(
         marker,
         PREFECT_HOME=str(tmp_path / "server-home"),
         PREFECT_UI_ENABLED="false",
         PREFECT_API_DATABASE_CONNECTION_URL=postgres,
         **redis_messaging,
+        **server_settings(),  # infra/prefect-server.env: the services write in batches
     )
     prefect = [sys.executable, "-m", "prefect", "server"]
     # as docs/operations.md starts it: the API in one process, the services (the task-run recorder
