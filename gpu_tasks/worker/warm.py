@@ -43,7 +43,7 @@ from typing import Any
 import dask
 
 from gpu_tasks.compat.cpython import ForkServerContext
-from gpu_tasks.worker import forkserver
+from gpu_tasks.worker import forkserver, prefect_queues
 from gpu_tasks.worker import guard as _worker_guard
 
 logger = logging.getLogger(__name__)
@@ -111,46 +111,10 @@ def _child_main(conn: Connection, flow: int) -> None:
 
     if msg[0] == "bind":
         run_in_new_loop(serve.serve_worker(conn, scheduler, worker_kwargs, cuda))
-        send_prefect_queues(conn)
+        prefect_queues.send_before_exit(conn)
     else:
         run_in_new_loop(serve.serve_scheduler(conn, scheduler_kwargs))
     _exit_now()
-
-
-def send_prefect_queues(conn: Connection | None) -> None:
-    """Before a closed worker exits: send the Prefect events and run logs it still queues.
-
-    Its task runs' states reach the server as events, sent from a queue by Prefect's
-    ``EventsWorker`` (its exit handlers send the rest too, unbounded). Under load the queue holds
-    thousands (a slow server; ``GPU_TASKS_EVENTS_BACKLOG_LIMIT`` allows 20,000), and the runner
-    used to end the process 3 s after the close: task runs' records were lost. Says ``("draining", n)`` on
-    ``conn`` first, so the runner waits ``GPU_TASKS_EVENTS_DRAIN_SECONDS`` past its close grace
-    (:func:`end_closed`); what is still queued after that is lost, and said.
-    """
-    if "prefect.events.worker" not in sys.modules:  # no task run here
-        return
-    from gpu_tasks.compat.prefect_server import drain_events, drain_logs, events_backlog
-    from gpu_tasks.settings import get_settings
-
-    queued = events_backlog()
-    if conn is not None and queued:
-        with contextlib.suppress(OSError, ValueError):
-            conn.send(("draining", queued))
-    bound = get_settings().events_drain_seconds
-    start = time.monotonic()
-    sent = drain_events(bound)
-    logs_sent = drain_logs(max(1.0, bound - (time.monotonic() - start)))
-    if not (sent and logs_sent):
-        logging.getLogger(__name__).warning(
-            "gpu-tasks: worker process %d exits with Prefect %s still unsent after %.0f s (%d events were "
-            "queued when it closed): the server is slower than this flow's tasks; the UI misses what they "
-            "held (GPU_TASKS_EVENTS_DRAIN_SECONDS; a server that holds the load: "
-            "docs/operations.md#a-prefect-server-that-holds-the-load)",
-            os.getpid(),
-            "events" if not sent else "run logs",
-            time.monotonic() - start,
-            queued,
-        )
 
 
 def _exit_now() -> None:
@@ -305,23 +269,15 @@ def _end_all() -> None:  # pragma: no cover - interpreter exit
 
 def end_closed(warm: WarmProcess, grace: float) -> None:
     """End a bound process asked to close: as :func:`end_process`, but one that says it is sending
-    its queued Prefect events (:func:`send_prefect_queues`) gets ``GPU_TASKS_EVENTS_DRAIN_SECONDS``
-    more first."""
+    its queued Prefect events (:mod:`gpu_tasks.worker.prefect_queues`) gets
+    ``GPU_TASKS_EVENTS_DRAIN_SECONDS`` more first."""
     from gpu_tasks.settings import get_settings
 
     warm.process.join(timeout=grace)
     bound = get_settings().events_drain_seconds
-    if bound and warm.process.is_alive() and _says_draining(warm.conn):
+    if bound and warm.process.is_alive() and prefect_queues.says_draining(warm.conn):
         warm.process.join(timeout=bound + KILL_GRACE_S)
     end_process(warm.process, 0.0)
-
-
-def _says_draining(conn: Connection) -> bool:
-    with contextlib.suppress(OSError, EOFError, ValueError):
-        while conn.poll(0):
-            if conn.recv()[0] == "draining":
-                return True
-    return False
 
 
 def end_process(process: Any, grace: float) -> None:
