@@ -1,8 +1,7 @@
 """The private Prefect APIs gpu-tasks relies on, each with why and the versions checked.
 
-Checked against prefect 3.8.8 and 3.9.1, the two ends of the tested range. Each wrapper
-degrades to Prefect's shipped behaviour, or fails with a clear error, on a release where
-the private name is gone; tests/test_compat.py fails there, so an upgrade shows in CI.
+Checked against prefect 3.8.8 and 3.9.1, the ends of the tested range. Each wrapper degrades to
+Prefect's own behaviour, or fails clearly, where the name is gone; tests/test_compat.py says so.
 
 **The tag "no limits" cache** (``prefect.concurrency.services._no_limits_cache``).
 Prefect's task engine asks the server for tag concurrency slots before every task
@@ -409,7 +408,8 @@ def result_store_for_task(store: Any, task: Any) -> Any:
 
 
 def ensure_logging_setup() -> None:
-    """Prefect's one-time logging setup (``prefect.logging.configuration``, undocumented)."""
+    """Prefect's one-time logging setup (undocumented), after ``prefect.main`` (docs/runner.md)."""
+    import prefect.main  # noqa: F401  (it sets logging up at import, done or not: then once)
     from prefect.logging.configuration import ensure_logging_setup as setup
 
     setup()
