@@ -269,7 +269,18 @@ class DaskBackend(Backend):
             )
         with _non_daemon_workers():
             _dask_private.correct_state(self.cluster)
-        self._wait(total)
+        self._wait(total - self._absent(exclude={s.name for s in specs}))
+
+    def _absent(self, exclude: set[str]) -> int:
+        """Workers of the spec (less ``exclude``) the scheduler no longer lists: dropped ones whose
+        processes have not ended yet (one sending its queued events) would never arrive, and a
+        wait for them held the profile for the whole provisioning timeout."""
+        assert self.client is not None
+        spec = {str(n) for n in self.cluster.worker_spec} - exclude
+        if not spec:
+            return 0
+        listed = {str(w.get("name")) for w in self.client.scheduler_info(n_workers=-1)["workers"].values()}
+        return len(spec - listed)
 
     def _wait(self, total: int) -> None:
         assert self.client is not None
