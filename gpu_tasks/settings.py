@@ -99,7 +99,7 @@ class GpuTasksSettings(BaseSettings):
         description="How long a closing worker process may take to send the Prefect events and run logs "
         "it still queues (its task runs' states among them) before it exits; the runner waits that long "
         "past its close grace before ending it. Events still queued after it are lost, and the worker "
-        "says how many (gpu_tasks.worker.warm).",
+        "says how many (gpu_tasks.worker.prefect_queues).",
     )
     warm_server_keep_seconds: float = Field(
         default=60.0,

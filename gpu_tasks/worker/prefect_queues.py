@@ -18,7 +18,7 @@ from multiprocessing.connection import Connection
 logger = logging.getLogger(__name__)
 
 
-def send_before_exit(conn: Connection | None) -> None:
+def send_before_exit(conn: Connection) -> None:
     """Before a closed worker exits: send the Prefect events and run logs it still queues.
 
     Its task runs' states reach the server as events, sent from a queue by Prefect's
@@ -35,7 +35,7 @@ def send_before_exit(conn: Connection | None) -> None:
     from gpu_tasks.settings import get_settings
 
     queued = events_backlog()
-    if conn is not None and queued:
+    if queued:
         with contextlib.suppress(OSError, ValueError):
             conn.send(("draining", queued))
     bound = get_settings().events_drain_seconds
