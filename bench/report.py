@@ -867,6 +867,7 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
         "are counted after the flow ends, until all are stored or the count stops moving for 30 s, "
         "for at most 5 minutes (bench/production.py `stored_events`).",
     ]
+    lines += _scale_cpu(res)
     behind = [
         n
         for n, runs in res["runs"].items()
@@ -875,9 +876,10 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
     if behind and production:
         lines += [
             "",
-            f"- Fewer events than task runs at N = {', '.join(f'{int(n):,}' for n in behind)}: the count "
-            "ended before the server had stored them all (on Redis, events its consumers have not "
-            "read yet wait in the stream; the embedded server drops what its in-memory queue cannot hold).",
+            f"- Fewer events than task runs at N = {', '.join(f'{int(n):,}' for n in behind)}, when "
+            "counted: either the count ended before the server had stored them all (on Redis, events "
+            "its consumers have not read yet wait in the stream), or an event never reached the server "
+            '(docs/operations.md, "Events that never reach the server").',
         ]
     ns = sorted(int(n) for n in res["summary"])
     large = ns[-1]
@@ -893,6 +895,30 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
             f"(at most {SCALE_TARGET:g}x)."
         )
     return lines + [""]
+
+
+def _scale_cpu(res: dict[str, Any]) -> list[str]:
+    """Where the CPU went in each size's run (bench.scale records it since 2026-11-27)."""
+    rows = [(n, runs[0]) for n, runs in res["runs"].items() if "cpu_machine_s" in runs[0]]
+    if not rows:
+        return []
+    lines = [
+        "",
+        "Where the CPU went (CPU seconds of each part, from the flow process's start until its events "
+        "were counted; `machine`: every process on the machine, CPU hogs included):",
+        "",
+        "| N | flow process | Prefect API | Prefect services | PostgreSQL | Redis | machine | "
+        "machine ms per task |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for n, r in rows:
+        server = r["cpu_server_s"]
+        lines.append(
+            f"| {int(n):,} | {r['cpu_flow_s']:.0f} | {server['api']:.0f} | {server['services']:.0f} | "
+            f"{server['postgres']:.0f} | {server['redis']:.0f} | {r['cpu_machine_s']:.0f} | "
+            f"{r['cpu_machine_s'] * 1000 / int(n):.1f} |"
+        )
+    return lines
 
 
 # ---------------------------------------------------------------- throughput

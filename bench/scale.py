@@ -88,8 +88,11 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
         expected = n + 8 * len(PROFILES)
         out["events_completed"] = stored_events(url, "prefect.task-run.Completed", since, expected)
         out["events_expected"] = expected
+    own = resource.getrusage(resource.RUSAGE_SELF)
     out.update(
         n=n,
+        # this flow process's own CPU seconds (its workers' are in the parent's cpu_machine_s)
+        cpu_flow_s=own.ru_utime + own.ru_stime,
         per_profile=dict(zip(PROFILES, per, strict=True)),
         peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         rss_before_mib=rss_before / 1024,
@@ -133,15 +136,21 @@ def _run(sizes: list[int], repeats: int, reference: bool, load: int) -> dict[str
                         str(out),
                         *(["--reference"] if ref else []),
                     ]
+                    before, busy = _server_cpu(), _machine_busy()
                     with cpu_hogs(load):
                         subprocess.run(cmd, cwd=ROOT, check=True, timeout=3 * 3600)
                     row = json.loads(out.read_text())
+                    after = _server_cpu()
+                    row["cpu_server_s"] = {k: round(after[k] - before[k], 1) for k in after}
+                    row["cpu_machine_s"] = round(_machine_busy() - busy, 1)  # hogs included
                 rows[ref].setdefault(str(n), []).append(row)
                 print(
                     f"  {_label(ref):20s} N={n:<6} wall {row['wall_s']:7.1f}s  {row['ms_per_task']:.2f} "
                     "ms/task  "
                     f"peak RSS {row['peak_rss_mib']:.0f} MiB  "
-                    f"Completed events stored {row['events_completed']}/{row['events_expected']}",
+                    f"Completed events stored {row['events_completed']}/{row['events_expected']}  "
+                    f"CPU s: flow {row['cpu_flow_s']:.0f}, "
+                    f"server {row['cpu_server_s']}, machine {row['cpu_machine_s']:.0f}",
                     flush=True,
                 )
     result = _summarize(rows[False], sizes, repeats, False)
@@ -150,6 +159,40 @@ def _run(sizes: list[int], repeats: int, reference: bool, load: int) -> dict[str
     result["load"] = load  # CPU hogs beside each run
     result["machine"] = machine()
     return result
+
+
+def _server_cpu() -> dict[str, float]:
+    """CPU seconds so far of the Prefect server's processes (``api``; ``services``: the task-run
+    recorder, event persister, triggers), PostgreSQL's and Redis's, their ended children
+    included: where a flow's events and states are handled."""
+    import psutil
+
+    total = dict.fromkeys(("api", "services", "postgres", "redis"), 0.0)
+    for proc in psutil.process_iter(["cmdline", "name", "cpu_times"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if "prefect server services" in cmd:
+            part = "services"
+        elif "prefect server" in cmd:
+            part = "api"
+        elif proc.info["name"] in SERVER_NAMES:
+            part = SERVER_NAMES[proc.info["name"]]
+        else:
+            continue
+        t = proc.info["cpu_times"]
+        if t is not None:
+            total[part] += t.user + t.system + t.children_user + t.children_system
+    return total
+
+
+def _machine_busy() -> float:
+    """CPU seconds this machine's cores were busy since boot (every process, kernel included)."""
+    import psutil
+
+    t = psutil.cpu_times()
+    return float(t.user + t.nice + t.system + t.irq + t.softirq + t.steal)
+
+
+SERVER_NAMES = {"postgres": "postgres", "redis-server": "redis"}
 
 
 def _label(reference: bool) -> str:
