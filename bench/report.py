@@ -902,7 +902,26 @@ def _scale_cpu(res: dict[str, Any]) -> list[str]:
     rows = [(n, runs[0]) for n, runs in res["runs"].items() if "cpu_machine_s" in runs[0]]
     if not rows:
         return []
-    lines = [
+    lines = []
+    recorded = {n: r.get("recorded_s") for n, r in rows}
+    if any(v is not None for v in recorded.values()):
+        lines += [
+            "",
+            "From the first task's submission until the server had stored every task run's `Completed` "
+            "event (the whole run visible in the UI): "
+            + ", ".join(
+                f"N = {int(n):,}: " + (f"{v:.1f} s" if v is not None else "not all stored")
+                for n, v in recorded.items()
+            )
+            + ".",
+        ]
+        ns = sorted(int(n) for n in recorded)
+        big, small = recorded.get(str(ns[-1])), recorded.get(str(ns[-1] // 10))
+        if big is not None and small is not None:
+            lines.append(
+                f"- Measured this way, {ns[-1]:,} tasks took {big / small:.2f}x the time of {ns[-1] // 10:,}."
+            )
+    lines += [
         "",
         "Where the CPU went (CPU seconds of each part, from the flow process's start until its events "
         "were counted; `machine`: every process on the machine, CPU hogs included):",

@@ -514,7 +514,22 @@ def test_merge_puts_a_benchmark_run_on_its_own_into_the_report(tmp_path: Path):
         "server": "production",
         "load": 0,
         "runs": {
-            n: [{"events_completed": int(n) + 24, "events_expected": int(n) + 24}] for n in ("10", "100")
+            n: [
+                {
+                    "events_completed": int(n) + 24,
+                    "events_expected": int(n) + 24,
+                    "recorded_s": 0.5 * int(n),
+                    "cpu_flow_s": 0.3 * int(n),
+                    "cpu_server_s": {
+                        "api": 0.1 * int(n),
+                        "services": 0.5 * int(n),
+                        "postgres": 1.0,
+                        "redis": 0.0,
+                    },
+                    "cpu_machine_s": 1.2 * int(n),
+                }
+            ]
+            for n in ("10", "100")
         },
         "summary": results["scale"]["summary"],
     }
@@ -538,5 +553,8 @@ def test_merge_puts_a_benchmark_run_on_its_own_into_the_report(tmp_path: Path):
     text = (tmp_path / "benchmarks.md").read_text()
     assert "## Scale to 100 tasks, on a quiet machine, on PostgreSQL and Redis" in text
     assert "| 100 | 12.0 |" in text and "124 of 124" in text
+    # where the CPU went, and the time until the server had stored every task run
+    assert "| 100 | 30 | 10 | 50 | 1 | 0 | 120 | 1200.0 |" in text, text
+    assert "N = 10: 5.0 s, N = 100: 50.0 s" in text and "100 tasks took 10.00x the time of 10." in text
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--merge", "scale_huge", str(tmp_path / "one.json")])
