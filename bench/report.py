@@ -918,9 +918,11 @@ def _scale_cpu(res: dict[str, Any]) -> list[str]:
         ns = sorted(int(n) for n in recorded)
         big, small = recorded.get(str(ns[-1])), recorded.get(str(ns[-1] // 10))
         if big is not None and small is not None:
-            lines.append(
-                f"- Measured this way, {ns[-1]:,} tasks took {big / small:.2f}x the time of {ns[-1] // 10:,}."
-            )
+            lines += [
+                "",
+                f"- Measured this way, {ns[-1]:,} tasks took {big / small:.2f}x the time of "
+                f"{ns[-1] // 10:,}.",
+            ]
     lines += [
         "",
         "Where the CPU went (CPU seconds of each part, from the flow process's start until its events "
