@@ -885,16 +885,20 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
     large = ns[-1]
     peak = res["summary"][str(large)]["peak_rss_mib"]["median"]
     lines += ["", f"- Peak RSS at N = {large:,}: {peak:.0f} MiB: {_ok(peak <= RSS_BOUND_MIB)}."]
-    if large // 10 in ns:
-        ratio = (
-            res["summary"][str(large)]["wall_s"]["median"]
-            / res["summary"][str(large // 10)]["wall_s"]["median"]
-        )
+    ratio = _tenfold({n: row["wall_s"]["median"] for n, row in res["summary"].items()})
+    if ratio is not None:
         lines.append(
             f"- {large:,} tasks took {ratio:.2f}x the time of {large // 10:,}: {_ok(ratio <= SCALE_TARGET)} "
             f"(at most {SCALE_TARGET:g}x)."
         )
     return lines + [""]
+
+
+def _tenfold(seconds: dict[str, float | None]) -> float | None:
+    """The largest N's time over the time of a tenth of it (None without both)."""
+    large = max(int(n) for n in seconds)
+    big, small = seconds.get(str(large)), seconds.get(str(large // 10))
+    return big / small if big is not None and small is not None else None
 
 
 def _scale_cpu(res: dict[str, Any]) -> list[str]:
@@ -915,13 +919,12 @@ def _scale_cpu(res: dict[str, Any]) -> list[str]:
             )
             + ".",
         ]
-        ns = sorted(int(n) for n in recorded)
-        big, small = recorded.get(str(ns[-1])), recorded.get(str(ns[-1] // 10))
-        if big is not None and small is not None:
+        large = max(int(n) for n in recorded)
+        ratio = _tenfold(recorded)
+        if ratio is not None:
             lines += [
                 "",
-                f"- Measured this way, {ns[-1]:,} tasks took {big / small:.2f}x the time of "
-                f"{ns[-1] // 10:,}.",
+                f"- Measured this way, {large:,} tasks took {ratio:.2f}x the time of {large // 10:,}.",
             ]
     lines += [
         "",

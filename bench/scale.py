@@ -98,7 +98,7 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
         # this flow process's own CPU seconds (its workers' are in the parent's cpu_machine_s)
         cpu_flow_s=own.ru_utime + own.ru_stime,
         per_profile=dict(zip(PROFILES, per, strict=True)),
-        peak_rss_mib=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        peak_rss_mib=own.ru_maxrss / 1024,
         rss_before_mib=rss_before / 1024,
     )
     out["ms_per_task"] = out["wall_s"] * 1000 / n
