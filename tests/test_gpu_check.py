@@ -57,6 +57,7 @@ def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
     data = json.loads((tmp_path / "results" / "gpu.json").read_text())
     assert data["device"]["emulated"] is True and data["dry_run"] is True
     assert [c["name"] for c in data["checks"]] == [p[0] for p in PLAN]
+    assert data["runs"][-1]["note"] == "every check, budget 900 s"  # written after each check, too
     failed = [c for c in data["checks"] if not c["passed"]]
     assert not failed, failed
     by = {c["name"]: c for c in data["checks"]}
