@@ -106,24 +106,32 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
 
 
 def run(
-    sizes: list[int], repeats: int, reference: bool = True, load: int = 0, server_kind: str = "embedded"
+    sizes: list[int],
+    repeats: int,
+    reference: bool = True,
+    load: int = 0,
+    server_kind: str = "embedded",
+    reference_only: bool = False,
 ) -> dict[str, Any]:
     """Every size ``repeats`` times, each in a fresh process; with ``reference``, the same
     sizes on Prefect's ThreadPoolTaskRunner too (``out["reference"]``, same keys). The two
     alternate size by size, so both see the Prefect server's database grow alike. ``server_kind``:
     ``embedded`` (each run starts its SQLite server) or ``production`` (bench.production: one
-    server on PostgreSQL and Redis for all the runs)."""
+    server on PostgreSQL and Redis for all the runs). ``reference_only``: ThreadPoolTaskRunner's
+    rows alone (as the result's top level)."""
     with server(server_kind):
-        out = _run(sizes, repeats, reference, load) | {"server": server_kind}
+        out = _run(sizes, repeats, reference, load, reference_only) | {"server": server_kind}
     if server_kind == "production":  # Prefect's API and its services: one process or two
         out["server_processes"] = 1 if os.environ.get("GPU_TASKS_BENCH_SPLIT_SERVICES") == "0" else 2
     return out
 
 
-def _run(sizes: list[int], repeats: int, reference: bool, load: int) -> dict[str, Any]:
+def _run(
+    sizes: list[int], repeats: int, reference: bool, load: int, reference_only: bool = False
+) -> dict[str, Any]:
     import subprocess
 
-    kinds = [False, True] if reference else [False]
+    kinds = [True] if reference_only else [False, True] if reference else [False]
     rows: dict[bool, dict[str, list[dict[str, Any]]]] = {k: {} for k in kinds}
     for _ in range(repeats):
         for n in sizes:
@@ -157,6 +165,8 @@ def _run(sizes: list[int], repeats: int, reference: bool, load: int) -> dict[str
                     f"server {row['cpu_server_s']}, machine {row['cpu_machine_s']:.0f}",
                     flush=True,
                 )
+    if reference_only:
+        return _summarize(rows[True], sizes, repeats, True) | {"load": load, "machine": machine()}
     result = _summarize(rows[False], sizes, repeats, False)
     if reference:
         result["reference"] = _summarize(rows[True], sizes, repeats, True)
@@ -241,6 +251,9 @@ def main() -> None:
     parser.add_argument(
         "--no-reference", action="store_true", help="skip the same sizes on Prefect's ThreadPoolTaskRunner"
     )
+    parser.add_argument(
+        "--reference-only", action="store_true", help="Prefect's ThreadPoolTaskRunner alone, the same sizes"
+    )
     parser.add_argument("--load", type=int, default=0, help="processes spinning on a core beside each run")
     parser.add_argument(
         "--server",
@@ -255,7 +268,12 @@ def main() -> None:
         write_json(args.json, run_one(args.one, reference=args.reference))
     else:
         res = run(
-            args.n, args.repeats, reference=not args.no_reference, load=args.load, server_kind=args.server
+            args.n,
+            args.repeats,
+            reference=not args.no_reference,
+            load=args.load,
+            server_kind=args.server,
+            reference_only=args.reference_only,
         )
         write_json(args.json, res)
 
