@@ -60,7 +60,7 @@ FULL = {
     "scale_loaded": ["--n", "1000", "10000", "100000", "--no-reference", "--load", "2"],
     # PostgreSQL and Redis (as root: infra/postgres/up.sh, infra/redis/up.sh)
     "scale_production_quiet": ["--n", "1000", "10000", "100000", "--no-reference", "--server", "production"],
-    "scale_production": ["--n", "10000", "100000", "--no-reference", "--load", "2", "--server", "production"],
+    "scale_production": "--n 1000 10000 100000 --no-reference --load 2 --server production".split(),
     "many_flows": ["--flows", "10", "--tasks", "1000"],
     "many_flows_production": ["--flows", "10", "--tasks", "1000", "--server", "production"],
     "throughput": ["--scale", "1", "10", "--repeats", "1"],

@@ -176,14 +176,17 @@ def _terminate_unwinds() -> Iterator[None]:
         signal.signal(signal.SIGTERM, before)
 
 
-def stored_events(url: str, name: str, since: str, expected: int, settle_s: float = 30.0) -> int:
-    """How many events called ``name`` since ``since`` the server stored, once ``expected`` are or
-    the count stops moving for ``settle_s`` (they are written after the messaging hands them on)."""
+def stored_events(
+    url: str, name: str, since: str, expected: int, settle_s: float = 30.0, at_most_s: float = 300.0
+) -> int:
+    """How many events called ``name`` since ``since`` the server stored, once ``expected`` are, the
+    count stops moving for ``settle_s`` (they are written after the messaging hands them on), or
+    ``at_most_s`` have passed."""
     import httpx
 
     body = {"filter": {"event": {"name": [name]}, "occurred": {"since": since}}, "limit": 1}
     last, moved = -1, time.monotonic()
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + at_most_s
     while True:
         total = int(httpx.post(f"{url}/events/filter", json=body, timeout=60).json()["total"])
         if total != last:

@@ -864,8 +864,8 @@ def scale_sizes(res: dict[str, Any], img: Path) -> list[str]:
         "",
         "Every result is checked (a wrong one fails the run); the flow process's peak RSS is its own "
         "(worker processes, the scheduler process and the Prefect server are not counted). Stored events "
-        "are counted after the flow ends, until all are stored or the count stops moving for 30 s, "
-        "for at most 5 minutes (bench/production.py `stored_events`).",
+        "are counted after the flow ends, until all are stored or the count stops moving for 30 s "
+        "(bench/production.py `stored_events`; for at most 30 minutes since 2026-12-01, 5 before).",
     ]
     lines += _scale_cpu(res)
     behind = [
@@ -907,25 +907,47 @@ def _scale_cpu(res: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     lines = []
-    recorded = {n: r.get("recorded_s") for n, r in rows}
-    if any(v is not None for v in recorded.values()):
+    for key, until, missing in (
+        (
+            "sent_s",
+            "the flow process had sent every event it queued (a script ends then: Prefect "
+            "sends what is queued before the interpreter exits)",
+            "not all sent",
+        ),
+        (
+            "recorded_s",
+            "the server had stored every task run's `Completed` event (the whole run visible in the UI)",
+            "not all stored",
+        ),
+    ):
+        measured = {n: r.get(key) for n, r in rows}
+        if all(v is None for v in measured.values()):
+            continue
         lines += [
             "",
-            "From the first task's submission until the server had stored every task run's `Completed` "
-            "event (the whole run visible in the UI): "
+            f"From the first task's submission until {until}: "
             + ", ".join(
-                f"N = {int(n):,}: " + (f"{v:.1f} s" if v is not None else "not all stored")
-                for n, v in recorded.items()
+                f"N = {int(n):,}: " + (f"{v:.1f} s" if v is not None else missing)
+                for n, v in measured.items()
             )
             + ".",
         ]
-        large = max(int(n) for n in recorded)
-        ratio = _tenfold(recorded)
+        ratio = _tenfold(measured)
         if ratio is not None:
+            large = max(int(n) for n in measured)
             lines += [
                 "",
                 f"- Measured this way, {large:,} tasks took {ratio:.2f}x the time of {large // 10:,}.",
             ]
+    waits = {n: r["backlog_waited_s"] for n, r in rows if "backlog_waited_s" in r}
+    if waits:
+        lines += [
+            "",
+            "Seconds the flow process's task runs waited, summed over its slots, while more than "
+            "`GPU_TASKS_EVENTS_BACKLOG_LIMIT` of its events waited to be sent: "
+            + ", ".join(f"N = {int(n):,}: {v:,.0f} s" for n, v in waits.items())
+            + ".",
+        ]
     lines += [
         "",
         "Where the CPU went (CPU seconds of each part, from the flow process's start until its events "

@@ -32,6 +32,7 @@ from bench.common import ROOT, cpu_hogs, machine, setup, spread, write_json
 from bench.production import SERVERS, server, stored_events
 
 PROFILES = ("cpu", "io", "quarter")
+STORED_AT_MOST_S = 1800.0  # how long the stored events are counted after the flow, while they move
 
 
 def run_one(n: int, reference: bool = False) -> dict[str, Any]:
@@ -45,6 +46,7 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
     from prefect.task_runners import ThreadPoolTaskRunner
 
     from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+    from gpu_tasks.prefect_api.backlog import waited_seconds
     from gpu_tasks.prefect_api.server import embedded_server
 
     @task
@@ -83,10 +85,18 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
     with embedded_server() as url:
         rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         out = f()
+        # a script ends once its process has sent every event it queued (Prefect drains its
+        # EventsWorker at exit): at 10,000 tasks thousands still wait here when the flow returns
+        out["sent_s"] = _events_sent(out["began"])
+        out["backlog_waited_s"] = waited_seconds()  # the flow's task runs waiting on that queue
         # what the UI can show: each task run's Completed event, stored by the server (the embedded
         # one's in-memory messaging drops events under load; the production set-up's Redis does not)
         expected = n + 8 * len(PROFILES)
-        out["events_completed"] = stored_events(url, "prefect.task-run.Completed", since, expected)
+        # while the count still moves, for up to 30 minutes: with CPU hogs beside it the server
+        # needs longer than the flow to store 100,000 task runs (79,112 of them after 5 minutes)
+        out["events_completed"] = stored_events(
+            url, "prefect.task-run.Completed", since, expected, at_most_s=STORED_AT_MOST_S
+        )
         out["events_expected"] = expected
         # from the first task's submission until the server had stored every task run's Completed
         # event (what the UI shows then is the whole run); None when some never were
@@ -103,6 +113,19 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
     )
     out["ms_per_task"] = out["wall_s"] * 1000 / n
     return out
+
+
+def _events_sent(began: float, timeout_s: float = 900.0) -> float | None:
+    """Seconds from ``began`` until this process's Prefect events were all sent (None: not in
+    ``timeout_s``)."""
+    from gpu_tasks.compat.prefect_server import events_backlog
+
+    deadline = time.monotonic() + timeout_s
+    while events_backlog() > 0:
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.1)
+    return time.time() - began
 
 
 def run(
@@ -161,6 +184,8 @@ def _run(
                     "ms/task  "
                     f"peak RSS {row['peak_rss_mib']:.0f} MiB  "
                     f"Completed events stored {row['events_completed']}/{row['events_expected']}  "
+                    f"events sent at {_s(row.get('sent_s'))}, recorded at {_s(row.get('recorded_s'))}, "
+                    f"backlog waits {row.get('backlog_waited_s', 0):.0f}s  "
                     f"CPU s: flow {row['cpu_flow_s']:.0f}, "
                     f"server {row['cpu_server_s']}, machine {row['cpu_machine_s']:.0f}",
                     flush=True,
@@ -173,6 +198,10 @@ def _run(
     result["load"] = load  # CPU hogs beside each run
     result["machine"] = machine()
     return result
+
+
+def _s(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds:.1f}s"
 
 
 def _server_cpu() -> dict[str, float]:

@@ -518,7 +518,9 @@ def test_merge_puts_a_benchmark_run_on_its_own_into_the_report(tmp_path: Path):
                 {
                     "events_completed": int(n) + 24,
                     "events_expected": int(n) + 24,
+                    "sent_s": 0.2 * int(n) + 1.0,
                     "recorded_s": 0.5 * int(n),
+                    "backlog_waited_s": 0.0 if n == "10" else 1234.4,
                     "cpu_flow_s": 0.3 * int(n),
                     "cpu_server_s": {
                         "api": 0.1 * int(n),
@@ -556,5 +558,9 @@ def test_merge_puts_a_benchmark_run_on_its_own_into_the_report(tmp_path: Path):
     # where the CPU went, and the time until the server had stored every task run
     assert "| 100 | 30 | 10 | 50 | 1 | 0 | 120 | 1200.0 |" in text, text
     assert "N = 10: 5.0 s, N = 100: 50.0 s" in text and "100 tasks took 10.00x the time of 10." in text
+    # ... until the flow process had sent its events (a script's end), and its back-pressure waits
+    assert "had sent every event it queued" in text and "N = 10: 3.0 s, N = 100: 21.0 s" in text
+    assert "100 tasks took 7.00x the time of 10." in text
+    assert "events waited to be sent: N = 10: 0 s, N = 100: 1,234 s." in text
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--merge", "scale_huge", str(tmp_path / "one.json")])

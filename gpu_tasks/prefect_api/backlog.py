@@ -92,6 +92,11 @@ def wait_to_start() -> float:
     return _THIS_PROCESS[0].wait()
 
 
+def waited_seconds() -> float:
+    """The seconds this process's task runs have waited in all for its events to be sent (0 if none)."""
+    return _THIS_PROCESS[0].waited_s if _THIS_PROCESS else 0.0
+
+
 def _forget() -> None:  # a forked child counts its own events, with its own settings
     global _CREATE
     _CREATE = threading.Lock()
