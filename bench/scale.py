@@ -116,16 +116,11 @@ def run_one(n: int, reference: bool = False) -> dict[str, Any]:
 
 
 def _events_sent(began: float, timeout_s: float = 900.0) -> float | None:
-    """Seconds from ``began`` until this process's Prefect events were all sent (None: not in
-    ``timeout_s``)."""
-    from gpu_tasks.compat.prefect_server import events_backlog
+    """Seconds from ``began`` until this process's Prefect events were all sent, sending them as the
+    interpreter's exit does (None: not within ``timeout_s``)."""
+    from gpu_tasks.compat.prefect_server import drain_events
 
-    deadline = time.monotonic() + timeout_s
-    while events_backlog() > 0:
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.1)
-    return time.time() - began
+    return time.time() - began if drain_events(timeout_s) else None
 
 
 def run(
@@ -184,7 +179,7 @@ def _run(
                     "ms/task  "
                     f"peak RSS {row['peak_rss_mib']:.0f} MiB  "
                     f"Completed events stored {row['events_completed']}/{row['events_expected']}  "
-                    f"events sent at {_s(row.get('sent_s'))}, recorded at {_s(row.get('recorded_s'))}, "
+                    f"events sent at {_secs(row.get('sent_s'))}, recorded at {_secs(row.get('recorded_s'))}, "
                     f"backlog waits {row.get('backlog_waited_s', 0):.0f}s  "
                     f"CPU s: flow {row['cpu_flow_s']:.0f}, "
                     f"server {row['cpu_server_s']}, machine {row['cpu_machine_s']:.0f}",
@@ -200,7 +195,7 @@ def _run(
     return result
 
 
-def _s(seconds: float | None) -> str:
+def _secs(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds:.1f}s"
 
 
