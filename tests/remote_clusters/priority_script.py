@@ -6,7 +6,9 @@ Each task leaves a file in ``STARTS`` when its body starts; the run's priority i
 ``GPU_TASKS_PRIORITY`` from the environment. ``OPTIONS`` is JSON of more profile fields
 (``quota``, ``preemptible``), ``per_second``: submit that many tasks a second, and ``go``: a
 file the flow waits for before it submits (a run started early arrives when the test says,
-its start-up done; it leaves ``STARTS/<name>-ready`` once it waits), and ``release``: a file
+its start-up done; it leaves ``STARTS/<name>-ready`` once it waits), ``warm``: run one empty task
+on the profile before that (its client connected to the scheduler, so the first real submit is
+not on the connect's clock; ``idle_timeout`` keeps it connected), and ``release``: a file
 each task waits for, after its SECONDS, before it ends (the test says when the workers become
 free; at most RELEASE_MAX_S). A task sleeps in short steps, so a preemption interrupts it within
 one.
@@ -32,7 +34,9 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
     per_second = int(fields.pop("per_second", 0))  # a stream: this many submits a second, not all at once
     go = fields.pop("go", None)
     release = fields.pop("release", None)
-    shared = ResourceProfile(name="shared", gpus=1, address=address, idle_timeout=5, **fields)
+    warm = bool(fields.pop("warm", False))
+    fields.setdefault("idle_timeout", 5)
+    shared = ResourceProfile(name="shared", gpus=1, address=address, **fields)
     name = Path(out).stem
 
     @task(tags=["profile:shared"])
@@ -52,8 +56,14 @@ def main(address: str, n: int, seconds: float, out: str, starts: str, options: s
             "flow_run": str(run.flow_run_id),
         }
 
+    @task(tags=["profile:shared"])
+    def connect() -> int:
+        return 0
+
     @flow(task_runner=ProfileTaskRunner(profiles=[shared]))
     def prioritized() -> list[dict]:
+        if warm:
+            connect.submit().result()
         if go:  # in its flow run, its start-up done
             (Path(starts) / f"{name}-ready").write_text(str(time.time()))
         while go and not Path(go).exists():

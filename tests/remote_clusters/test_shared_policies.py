@@ -252,11 +252,13 @@ def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     Without aging it starts after (nearly) every task of the stream: under load the stream's
     last submissions may come after a worker freed."""
     env = {"GPU_TASKS_PRIORITY_AGING": str(aging), "GPU_TASKS_PREEMPTION_GRACE": "600"}
-    # started first and submitting once both workers are busy with the stream: its start-up is not
-    # on the stream's clock (in one failed run the low task started after all 36 stream tasks: its
-    # process, started beside the stream's, had not submitted before the stream ended)
+    # started first, connected to the scheduler (one empty task) and submitting once both workers
+    # are busy with the stream: neither its start-up nor its connect is on the stream's clock (in
+    # one failed run the low task started after all 36 stream tasks: its process, started beside
+    # the stream's, had not submitted before the stream ended; in a loaded CI run, it started
+    # after all 36 too, its first submit's connect taking the stream's hand-offs)
     go = tmp_path / "go-low"
-    low = prioritized_run(gpu_hosts, "low", 1, 0.5, tmp_path, 0, env, go=str(go))
+    low = prioritized_run(gpu_hosts, "low", 1, 0.5, tmp_path, 0, env, go=str(go), warm=True, idle_timeout=300)
     starts = tmp_path / "starts"
     deadline = time.monotonic() + 120
     while not (starts / "low-ready").exists():
@@ -278,7 +280,8 @@ def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     if aging:
         said = [line for line in logs[1].splitlines() if "priority" in line][-10:]
         # more stream tasks start after it than the at most 2 without aging (below). Measured on
-        # 2026-11-27: 9 later on a quiet machine, 3 in a clean-clone CI run's serial phase. Aging
+        # 2026-12-01 with the waiter connected first: 19 later on a quiet machine (4 the same day
+        # with its connect in its first submit, 0 in a slow clean-clone CI run's serial phase). Aging
         # holds back the stream's next hand-offs only: the stream tasks already with the scheduler
         # (27 when the hold began, traced) keep their place on the workers (docs/runner.md's limits)
         assert len(later) >= 3, (submitted - stream_starts[0], l_run["start"], stream_starts, said)
