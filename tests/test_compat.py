@@ -46,6 +46,58 @@ def test_a_changed_name_is_reported_not_silently_ignored(monkeypatch):
     assert "distributed.nanny._get_env_variables" in changed, changed
 
 
+RUN_TIME_CHECKS = """
+import logging, sys
+from prefect import flow, task
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, compat
+
+warned = []
+
+
+class Keep(logging.Handler):
+    def emit(self, record):
+        warned.append(record.getMessage())
+
+
+logging.getLogger("gpu_tasks.compat").addHandler(Keep())
+
+@task
+def one() -> int:
+    return 1
+
+@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="cpu", cpus=1)]))
+def tiny() -> int:
+    return one.submit().result()
+
+assert tiny() == 1
+print("server module after the flow:", "prefect.server.api.server" in sys.modules)
+import prefect.server.api.server as server
+del server.SubprocessASGIServer._instances
+compat.warn_if_changed()  # as the embedded server's start calls it
+print("warned:", warned)
+"""
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_the_run_time_check_leaves_the_server_module_unimported_until_the_process_uses_it():
+    """A flow run on a given server checks the private names it uses but does not import Prefect's
+    server (about 2 s a flow run): the server's names are checked once something imports it."""
+    import os
+    import subprocess
+    import sys
+
+    import prefect.settings
+
+    env = {**os.environ, "PREFECT_API_URL": str(prefect.settings.PREFECT_API_URL.value())}
+    out = subprocess.run(
+        [sys.executable, "-c", RUN_TIME_CHECKS], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "server module after the flow: False" in out.stdout, out.stdout
+    [line] = [x for x in out.stdout.splitlines() if x.startswith("warned:")]
+    assert "SubprocessASGIServer" in line and "_instances" in line, line
+
+
 # Modules (or module: name) of the libraries whose names only gpu_tasks/compat may import.
 UNDOCUMENTED = {
     "prefect.utilities.engine": None,

@@ -46,6 +46,9 @@ class Use:
         why: what gpu-tasks needs it for.
         check: returns ``None`` when the installed release has the name in the shape gpu-tasks
             uses, else what changed; raises :class:`NotInstalled` when the library is absent.
+        needs: a module that a process uses the name only with: the run-time check
+            (:func:`warn_if_changed`) waits until it is imported rather than import it
+            (``prefect.server.api.server`` takes about 2 s, which every flow run paid before).
     """
 
     library: str
@@ -53,6 +56,7 @@ class Use:
     kind: str
     why: str
     check: Callable[[], str | None]
+    needs: str | None = None
 
 
 def params(fn: Any, *names: str) -> str | None:
@@ -90,11 +94,11 @@ def uses() -> list[Use]:
     ]
 
 
-def verify() -> list[tuple[Use, str]]:
-    """The uses whose check fails on the installed releases, with what changed (absent libraries
-    are not reported)."""
+def verify(among: list[Use] | None = None) -> list[tuple[Use, str]]:
+    """The uses (``among``, default all) whose check fails on the installed releases, with what
+    changed (absent libraries are not reported)."""
     out = []
-    for use in uses():
+    for use in uses() if among is None else among:
         try:
             problem = use.check()
         except NotInstalled:
@@ -106,18 +110,24 @@ def verify() -> list[tuple[Use, str]]:
     return out
 
 
-_WARNED: list[bool] = []
+_CHECKED: set[str] = set()  # the uses this process has checked (warn_if_changed)
 _WARN_LOCK = threading.Lock()
 
 
 def warn_if_changed() -> None:
-    """Log, once per process, one warning naming each private name the installed releases changed."""
-    with _WARN_LOCK:
-        if _WARNED:
-            return
-        _WARNED.append(True)
+    """Log one warning naming each private name the installed releases changed, checking each use
+    once per process: those whose module (:attr:`Use.needs`) is not imported yet are left for a
+    later call (the embedded server's start makes one), since the process does not use them yet."""
+    import sys
+
     try:
-        changed = verify()
+        with _WARN_LOCK:
+            loaded = [u for u in uses() if u.needs is None or u.needs in sys.modules]
+            due = [u for u in loaded if u.name not in _CHECKED]
+            _CHECKED.update(u.name for u in due)
+        if not due:
+            return
+        changed = verify(due)
     except Exception:  # never let a check stop a flow run
         logger.debug("gpu-tasks: compat checks failed to run", exc_info=True)
         return

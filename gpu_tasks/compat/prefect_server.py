@@ -72,6 +72,10 @@ def server_in_own_session_class(
     import prefect.server.api.server as _prefect_server
     from prefect.server.api.server import SubprocessASGIServer
 
+    from gpu_tasks.compat import warn_if_changed
+
+    warn_if_changed()  # the server's private names, now that the process uses them
+
     class EmbeddedServer(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen[Any]:
             # The one change to Prefect's server process. A terminal's Ctrl-C sends SIGINT to
@@ -264,6 +268,7 @@ def _uses() -> list[Any]:
             "private",
             "the ephemeral server's URL for workers; the embedded server in its own session",
             _check_asgi_server,
+            needs="prefect.server.api.server",  # imported by Prefect's ephemeral mode or a server start
         ),
         Use(
             "prefect",
