@@ -360,3 +360,28 @@ def test_a_pool_started_in_the_background_is_ready_when_waited_for_and_leaves_no
         pool.close()
     assert not [t for t in threading.enumerate() if t.name == "gpu-tasks-warm-start"]
     assert not psutil.pid_exists(idle[0]["pid"])  # close() waited for it to end
+
+
+def test_the_fork_servers_imports_load_prefects_collections_and_start_no_thread():
+    """What a warm process's fork server imports (WARM_IMPORTS) includes Prefect's collections (its
+    ``prefect.collections`` entry points: prefect-redis here), which each worker loaded at its first
+    task before, and leaves the server with one thread: what it forks is safe to fork."""
+    from importlib.metadata import entry_points
+
+    from gpu_tasks.worker.warm import WARM_IMPORTS
+
+    names = sorted(ep.value.split(":")[0] for ep in entry_points(group="prefect.collections"))
+    assert names, "no Prefect collection installed here: nothing to check"
+    code = textwrap.dedent(
+        f"""
+        import importlib, json, sys, threading
+        for name in {list(WARM_IMPORTS)!r}:
+            importlib.import_module(name)
+        print(json.dumps({{"loaded": [n for n in {names!r} if n in sys.modules],
+                          "threads": threading.active_count()}}))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    seen = json.loads(out.stdout.strip().splitlines()[-1])
+    assert seen == {"loaded": names, "threads": 1}, seen

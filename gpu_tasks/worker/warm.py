@@ -62,7 +62,13 @@ CUDA_MODULES = (
     "tensorflow",
 )
 # what a warm process imports before it says it is ready (the engine is most of a cold start)
-WARM_IMPORTS = ("distributed", "distributed.worker", "prefect.task_engine", "gpu_tasks.worker.engine")
+WARM_IMPORTS = (
+    "distributed",
+    "distributed.worker",
+    "prefect.task_engine",
+    "gpu_tasks.worker.engine",
+    "gpu_tasks.worker.prefect_collections",  # Prefect's collections, loaded once per fork server
+)
 CLOSE_GRACE_S = 3.0  # a bound process asked to close, before SIGTERM
 KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL
 MEMORY_POLL_S = 0.5
