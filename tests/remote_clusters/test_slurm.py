@@ -66,17 +66,27 @@ def test_slurm_cluster_gives_each_job_its_own_gpu_and_scales_to_zero(prefect_ser
         idle_timeout=1,
     )
 
+    marks = tmp_path / "marks"  # the jobs run on this host: they see the test's files
+    marks.mkdir()
+
     @task(tags=["profile:gpu-slurm"])
-    def train(i: int) -> dict:
+    def train(i: int, until_both: bool = False) -> dict:
         start = time.time()
         alloc = current_allocation()
+        (marks / alloc.device_keys[0].replace(":", "_")).mkdir(exist_ok=True)  # one folder a device
+        # the first batch holds on (at most 60 s) until a task runs on the other job's device: on a
+        # loaded machine the second job's worker came up after the first had run all four tasks
+        while until_both and len(list(marks.iterdir())) < 2:
+            if time.time() - start > 60:
+                break
+            time.sleep(0.1)
         time.sleep(1.5)
         return {"devices": alloc.device_keys, "names": alloc.device_names, "start": start, "end": time.time()}
 
     @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
     def on_slurm() -> dict:
         runner = FlowRunContext.get().task_runner
-        first = [f.result() for f in [train.submit(i) for i in range(4)]]
+        first = [f.result() for f in [train.submit(i, until_both=True) for i in range(4)]]
         # a liveness bound: the idle close waits out a broadcast to workers Slurm already ended (30 s
         # connect timeouts under load: {"rows": 0} after 30 s in a clean-clone CI run)
         deadline = time.monotonic() + 120
