@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,8 +119,6 @@ def warn_if_changed() -> None:
     """Log one warning naming each private name the installed releases changed, checking each use
     once per process: those whose module (:attr:`Use.needs`) is not imported yet are left for a
     later call (the embedded server's start makes one), since the process does not use them yet."""
-    import sys
-
     try:
         with _WARN_LOCK:
             loaded = [u for u in uses() if u.needs is None or u.needs in sys.modules]
