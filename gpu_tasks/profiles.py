@@ -14,12 +14,15 @@ import tomllib
 from collections.abc import Iterable, Iterator, Mapping
 from fractions import Fraction
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from dask.utils import parse_bytes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpu_tasks.errors import ProfileError, UnknownProfileError
+
+if TYPE_CHECKING:
+    from gpu_tasks.settings import GpuTasksSettings
 
 TAG_PREFIX = "profile:"
 DEFAULT_PROFILE = "cpu"  # untagged tasks run here; added as a plain CPU profile when not defined
@@ -561,6 +564,56 @@ def resolve_profiles(
             f"{source}default profile {name!r} must be a CPU profile (gpus=0); untagged tasks run there"
         )
     return in_force, name
+
+
+def profile_sources(
+    code: Iterable[ResourceProfile],
+    in_force: Mapping[str, ResourceProfile],
+    path: str | Path | None,
+    from_file: Iterable[str],
+    runner_idle_timeout: float | None,
+    settings: GpuTasksSettings,
+) -> tuple[list[str], list[str]]:
+    """Where the profiles in force got their values, as lines for the run log: ``(info, warnings)``.
+
+    The rule (docs/profiles.md, "Where a profile's values come from"): the profiles file replaces
+    same-named profiles of the code; a field a profile sets wins; ``ProfileTaskRunner(idle_timeout=)``
+    then ``GPU_TASKS_IDLE_TIMEOUT`` fill ``idle_timeout`` where a profile leaves it unset;
+    ``GPU_TASKS_PRIORITY`` replaces every GPU profile's priority. A setting given (in the environment,
+    e.g. by a deployment's job variables) that changes no profile is a warning.
+    """
+    info: list[str] = []
+    warnings: list[str] = []
+    code_names = {p.name for p in code}
+    if path is not None:
+        names = sorted(from_file)
+        replaced = sorted(set(names) & code_names)
+        line = f"profiles file {str(path)!r} (GPU_TASKS_PROFILES_FILE): {', '.join(names) or 'no profile'}"
+        info.append(line + (f"; replacing the code's {', '.join(replaced)}" if replaced else ""))
+    given = settings.model_fields_set
+    unset = sorted(n for n, p in in_force.items() if p.idle_timeout is None)
+    if "idle_timeout" in given:
+        env = f"GPU_TASKS_IDLE_TIMEOUT={settings.idle_timeout:g}"
+        if runner_idle_timeout is not None:
+            warnings.append(
+                f"{env} changes no profile: ProfileTaskRunner(idle_timeout={runner_idle_timeout:g}) is "
+                "set in code and comes first; remove one of them"
+            )
+        elif unset:
+            info.append(f"{env} sets idle_timeout of {', '.join(unset)} (profiles that leave it unset)")
+        else:
+            own = ", ".join(f"{n}={p.idle_timeout:g}s" for n, p in sorted(in_force.items()))
+            warnings.append(
+                f"{env} changes no profile: every profile sets its own idle_timeout ({own}); remove the "
+                "setting, or idle_timeout from the profiles (in code or in GPU_TASKS_PROFILES_FILE)"
+            )
+    if settings.priority is not None:
+        gpu = sorted(n for n, p in in_force.items() if p.is_gpu)
+        if gpu:
+            info.append(f"GPU_TASKS_PRIORITY={settings.priority} replaces the priority of {', '.join(gpu)}")
+        else:
+            warnings.append(f"GPU_TASKS_PRIORITY={settings.priority} changes no profile: none asks for GPUs")
+    return info, warnings
 
 
 def requested_profile(task: Any) -> str | None:

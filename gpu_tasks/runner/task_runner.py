@@ -29,7 +29,15 @@ from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiablePro
 from gpu_tasks.policy import unsatisfiable_reason
 from gpu_tasks.prefect_api import environment as _environment
 from gpu_tasks.prefect_api.futures import pending_futures, when_all_done
-from gpu_tasks.profiles import DEFAULT_PROFILE, ResourceProfile, profile, requested_profile, resolve_profiles
+from gpu_tasks.profiles import (
+    DEFAULT_PROFILE,
+    ResourceProfile,
+    load_profiles_file,
+    profile,
+    profile_sources,
+    requested_profile,
+    resolve_profiles,
+)
 from gpu_tasks.reporting.alerts import AlertThresholds
 from gpu_tasks.reporting.artifacts import publish_run_artifacts
 from gpu_tasks.reporting.events import emit_run_summary
@@ -202,12 +210,26 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                     live.priorities(),
                 )
 
+    def _log_profile_sources(self, profiles: dict[str, ResourceProfile]) -> None:
+        """Say in the run log which profiles the file gave and which settings changed a profile."""
+        settings = get_settings()
+        path = settings.profiles_file
+        from_file = load_profiles_file(path)[0] if path is not None else {}
+        info, warnings = profile_sources(
+            self._profiles_arg, profiles, path, from_file, self._idle_timeout_arg, settings
+        )
+        for line in info:
+            logger.info("gpu-tasks: %s", line)
+        for line in warnings:
+            logger.warning("gpu-tasks: %s", line)
+
     def _ensure_live(self) -> tuple[Live, Admission, Dispatcher]:
         if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
         if self._live is None or self._admission is None or self._dispatcher is None:
             # each piece gets what it needs when it is built (docs/runner.md, "Where the code lives")
             profiles, default = self.resolve_profiles()
+            self._log_profile_sources(profiles)
             landings = Landings(hand_to, name="gpu-tasks-results")  # results fetched in batches
             live = Live(profiles, default, self.idle_timeout, close_results=landings.close)
             quota = TaskQuota(live)

@@ -1,0 +1,301 @@
+"""Schedules as users run them: a served gpu-tasks flow left to Prefect's own scheduler.
+
+A real ``prefect server start`` on 127.0.0.1 (its scheduler service on, its loop shortened with
+Prefect's own setting) and a serving process that nobody asks for a run: the runs that complete
+were created by the server's scheduler (``auto_scheduled``) and picked up by the served runner.
+Runs at both ends of the Prefect range (the full suite and scripts/test-compat). Stopping the
+serving process with Ctrl-C must print no traceback and leave nothing running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
+PREFECT = Path(sys.executable).with_name("prefect")
+
+FLOW_SCRIPT = textwrap.dedent(
+    """
+    import sys
+
+    from prefect import flow, task
+
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+    from gpu_tasks.deployments import deployment_info
+
+    RUNNER = ProfileTaskRunner(
+        profiles=[ResourceProfile(name="cpu", cpus=1), ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)],
+        default="cpu",
+    )
+
+
+    @task(tags=[profile("gpu")])
+    def on_gpu(x: int) -> dict:
+        a = current_allocation()
+        return {"x": x, "devices": list(a.devices), "emulated": a.emulated}
+
+
+    @task
+    def on_cpu(x: int) -> int:
+        return x + 1
+
+
+    @flow(name="scheduled-gpu", task_runner=RUNNER)
+    def scheduled_gpu() -> dict:
+        return on_gpu.submit(on_cpu.submit(1)).result()
+
+
+    if __name__ == "__main__":
+        scheduled_gpu.serve(
+            name=sys.argv[1], interval=int(sys.argv[2]), **deployment_info(scheduled_gpu).kwargs()
+        )
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _base_env() -> dict[str, str]:
+    """This process's environment less gpu-tasks' settings (but the test session's lease and
+    presence directories) and less Prefect's API settings."""
+    keep = ("GPU_TASKS_LEASE_DIR", "GPU_TASKS_PRESENCE_DIR")
+    return {
+        k: v
+        for k, v in os.environ.items()
+        if (k in keep or not k.startswith("GPU_TASKS_")) and not k.startswith("PREFECT_API")
+    }
+
+
+class Server:
+    """A ``prefect server start`` subprocess on 127.0.0.1 with its own home."""
+
+    def __init__(self, home: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}/api"
+        env = _base_env()
+        env.update(
+            PREFECT_HOME=str(home),
+            PREFECT_SERVER_ANALYTICS_ENABLED="false",
+            PREFECT_UI_ENABLED="false",
+            # Prefect's own setting: the scheduler service looks for deployments to schedule this often
+            PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS="2",
+        )
+        self.log = home / "server.log"
+        self.proc = subprocess.Popen(
+            [str(PREFECT), "server", "start", "--host", "127.0.0.1", "--port", str(self.port)],
+            env=env,
+            stdout=self.log.open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + 180
+        while True:
+            assert self.proc.poll() is None, f"prefect server exited: {self.log.read_text()[-3000:]}"
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, (
+                f"prefect server did not answer: {self.log.read_text()[-3000:]}"
+            )
+            time.sleep(0.5)
+
+    def api(self, method: str, path: str, **kw: Any) -> Any:
+        response = httpx.request(method, f"{self.url}{path}", timeout=30, **kw)
+        response.raise_for_status()
+        return response.json() if response.content else None
+
+    def stop(self) -> None:
+        _stop_group(self.proc, signal.SIGTERM)
+
+
+def _stop_group(proc: subprocess.Popen[Any], sig: int, timeout: float = 60) -> None:
+    """Send ``sig`` to the process group, wait for its leader, then kill what is left."""
+    try:
+        os.killpg(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    _kill_group(proc.pid)
+
+
+def _group(pgid: int) -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if os.getpgid(p.pid) == pgid:
+                out.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return out
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = Server(tmp_path_factory.mktemp("prefect-home"))
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def _serve_env(server: Server, data_dir: Path) -> dict[str, str]:
+    env = _base_env()
+    env.update(
+        PREFECT_API_URL=server.url,
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        # the served runner asks for scheduled runs this often (Prefect's default: 10 s)
+        PREFECT_RUNNER_POLL_FREQUENCY="2",
+        GPU_TASKS_EMULATED_GPUS="1",
+        GPU_TASKS_DATA_DIR=str(data_dir),
+    )
+    return env
+
+
+def _completed_scheduled_runs(server: Server, deployment_name: str, want: int, timeout: float) -> list[Any]:
+    """Wait until ``want`` runs of the deployment, created by the server's scheduler, completed;
+    fail at once on a run that ended otherwise."""
+    deadline = time.monotonic() + timeout
+    deployment_id = None
+    runs: list[Any] = []
+    while time.monotonic() < deadline:
+        if deployment_id is None:
+            found = server.api(
+                "POST", "/deployments/filter", json={"deployments": {"name": {"any_": [deployment_name]}}}
+            )
+            deployment_id = found[0]["id"] if found else None
+        if deployment_id is not None:
+            runs = server.api(
+                "POST",
+                "/flow_runs/filter",
+                json={
+                    "flow_runs": {"deployment_id": {"any_": [deployment_id]}},
+                    "sort": "EXPECTED_START_TIME_ASC",
+                },
+            )
+            ended = [r for r in runs if r["state_type"] in ("FAILED", "CRASHED", "CANCELLED")]
+            assert not ended, [(r["name"], r["state_type"], r["state"]["message"]) for r in ended]
+            done = [r for r in runs if r["state_type"] == "COMPLETED"]
+            if len(done) >= want:
+                return done
+        time.sleep(1)
+    pytest.fail(
+        f"fewer than {want} scheduled runs of {deployment_name!r} completed in {timeout:.0f} s: "
+        f"{[(r['name'], r['state_type'], r['auto_scheduled']) for r in runs]}; the server's log ends: "
+        f"{server.log.read_text()[-2000:]}"
+    )
+
+
+def _check_stops_cleanly(proc: subprocess.Popen[str], out: Path) -> None:
+    """Ctrl-C in the serving terminal: it exits, prints no traceback, and leaves no process."""
+    os.killpg(proc.pid, signal.SIGINT)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        left = [" ".join(p.cmdline())[:150] for p in _group(proc.pid)]
+        _kill_group(proc.pid)
+        pytest.fail(f"the serving process did not stop within 60 s of Ctrl-C: {left}")
+    deadline = time.monotonic() + 15
+    while _group(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    left = [" ".join(p.cmdline())[:150] for p in _group(proc.pid)]
+    _kill_group(proc.pid)
+    text = out.read_text()
+    assert not left, f"processes left after the serving process stopped: {left}"
+    assert "Traceback" not in text and "EOFError" not in text, text[-4000:]
+
+
+def _gpu_task_runs(server: Server, flow_run_ids: list[str]) -> list[Any]:
+    return [
+        t
+        for t in server.api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": flow_run_ids}}})
+        if "profile:gpu" in t["tags"] or "profile:gpu-etl" in t["tags"] or "profile:gpu-train" in t["tags"]
+    ]
+
+
+def test_a_served_flow_with_an_interval_gets_scheduled_runs_that_complete(server: Server, tmp_path: Path):
+    script = tmp_path / "scheduled_flow.py"
+    script.write_text(FLOW_SCRIPT)
+    name = f"interval-{os.getpid()}"
+    out = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        [sys.executable, str(script), name, "10"],
+        env=_serve_env(server, tmp_path),
+        cwd=tmp_path,
+        stdout=out.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        done = _completed_scheduled_runs(server, name, want=2, timeout=240)
+        assert all(r["auto_scheduled"] for r in done), done
+        gpu = _gpu_task_runs(server, [r["id"] for r in done])
+        assert len(gpu) >= 2 and all(t["state_type"] == "COMPLETED" for t in gpu), gpu
+        _check_stops_cleanly(proc, out)
+    finally:
+        _kill_group(proc.pid)
+
+
+def test_gpu_tasks_serve_with_a_cron_gets_scheduled_runs_that_complete(server: Server, tmp_path: Path):
+    name = f"cron-{os.getpid()}"
+    out = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        # six fields: croniter reads the sixth as seconds (every 15 s), so two runs come within a minute
+        [
+            str(GPU_TASKS),
+            "serve",
+            "--name",
+            name,
+            "--cron",
+            "* * * * * */15",
+            "--limit",
+            "15000",
+            "--rounds",
+            "3",
+        ],
+        env=_serve_env(server, tmp_path),
+        cwd=tmp_path,
+        stdout=out.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        done = _completed_scheduled_runs(server, name, want=2, timeout=150)
+        assert all(r["auto_scheduled"] for r in done), done
+        gpu = _gpu_task_runs(server, [r["id"] for r in done])
+        assert {t["state_type"] for t in gpu} == {"COMPLETED"} and len(gpu) >= 4, gpu  # ETL and train, twice
+        _check_stops_cleanly(proc, out)
+    finally:
+        _kill_group(proc.pid)
