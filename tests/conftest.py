@@ -22,6 +22,13 @@ os.environ["GPU_TASKS_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-leas
 # wait on the emulated devices that tests of the other processes hold (up to the lease timeout)
 os.environ["GPU_TASKS_PRESENCE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-presence-")
 
+# Prefect's home (its database, profiles and settings) of this test session, never the user's
+# ~/.prefect: a database there that a newer Prefect migrated cannot be opened by this one. scripts/test
+# sets one too; a PREFECT_HOME given explicitly is kept (tests/test_environment.py collects the
+# suite on a broken one).
+if "PREFECT_HOME" not in os.environ:
+    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="gpu-tasks-test-prefect-home-")
+
 import time
 
 import psutil

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from prefect import flow
@@ -23,12 +25,19 @@ GANG = ResourceProfile(
 )
 
 
-@flow(task_runner=ProfileTaskRunner(profiles=[CPU, QUARTER, GANG], default="cpu"))
-def pipeline() -> None:
-    """Nightly features and training.
+@functools.cache
+def _pipeline() -> Any:
+    """The flow these tests describe, built on first use (a runner checks Prefect's home when built;
+    test modules do no I/O at import)."""
 
-    More text that is not the summary.
-    """
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU, QUARTER, GANG], default="cpu"))
+    def pipeline() -> None:
+        """Nightly features and training.
+
+        More text that is not the summary.
+        """
+
+    return pipeline
 
 
 @pytest.fixture(autouse=True)
@@ -60,7 +69,7 @@ def test_most_gpus_held_at_once():
 
 
 def test_deployment_info_from_the_flows_profiles():
-    info = deployment_info(pipeline)
+    info = deployment_info(_pipeline())
     assert info.description == (
         "Nightly features and training. GPU profiles: quarter: 1/4 GPU per task, up to 2 workers; "
         "train: 2 GPUs per task as a gang, H100, >= 40 GiB, up to 2 workers, CPU fallback. Holds at most "
@@ -75,12 +84,12 @@ def test_deployment_info_from_the_flows_profiles():
 def test_a_profiles_file_remaps_what_the_deployment_needs(tmp_path: Path, monkeypatch):
     path = tmp_path / "p.toml"
     path.write_text('[profiles.train]\ngpus = 1\nmax_workers = 4\ngpu_model = "L4"\n')
-    info = deployment_info(pipeline, profiles_file=path, summary="Remapped")
+    info = deployment_info(_pipeline(), profiles_file=path, summary="Remapped")
     assert info.description.startswith("Remapped. GPU profiles: quarter: 1/4 GPU per task, up to 2 workers; ")
     assert "train: 1 GPU per task, L4, up to 4 workers." in info.description
     assert info.tags[-2:] == ["gpu-model:L4", "gpus:6"]
     monkeypatch.setenv("GPU_TASKS_PROFILES_FILE", str(path))  # the environment's file, as a flow run reads it
-    assert deployment_info(pipeline, summary="Remapped") == info
+    assert deployment_info(_pipeline(), summary="Remapped") == info
 
 
 def test_cpu_only_flow_and_a_flow_without_profiles():

@@ -407,3 +407,23 @@ def test_api_port_answered_by_something_that_is_not_prefect(tmp_path, user_env):
         f"PREFECT_API_URL {url} is answered by something that is not a Prefect API",
         "HTTP 404",
     )
+
+
+def test_the_suite_collects_on_a_prefect_home_a_newer_prefect_migrated(tmp_path, user_env, migrated_db):
+    """No test module does I/O at import (a runner built at module level checks Prefect's home): the
+    suite collects on a user's ~/.prefect that a newer Prefect migrated, as `pytest` run by hand
+    would meet it."""
+    home = tmp_path / "prefect-home"
+    _newer_prefects_db(migrated_db, home)
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "--collect-only", "-q", "tests"],
+        env=user_env,
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "EnvironmentProblem" not in result.stdout + result.stderr
+    assert (home / "prefect.db").exists()  # the test kept the home it was given

@@ -463,3 +463,61 @@ def test_settings_reject_non_positive_provision_timeout(monkeypatch):
     monkeypatch.setenv("GPU_TASKS_PROVISION_TIMEOUT", "0")
     with pytest.raises(ValidationError, match="provision_timeout"):
         get_settings()
+
+
+# ------------------------------------------------ where a profile's values come from
+def _sources(
+    monkeypatch, env: dict[str, str], code, file_text: str | None = None, runner_idle=None, tmp_path=None
+):
+    from gpu_tasks.profiles import load_profiles_file, profile_sources, resolve_profiles
+
+    for key in ("GPU_TASKS_IDLE_TIMEOUT", "GPU_TASKS_PRIORITY", "GPU_TASKS_PROFILES_FILE"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    path = None
+    if file_text is not None:
+        path = tmp_path / "profiles.toml"
+        path.write_text(file_text)
+    in_force, _ = resolve_profiles(code, "cpu", path)
+    from_file = load_profiles_file(path)[0] if path else {}
+    return profile_sources(code, in_force, path, from_file, runner_idle, GpuTasksSettings())
+
+
+def test_a_deployments_idle_timeout_that_the_profiles_override_is_a_warning(monkeypatch):
+    """The example's case: GPU profiles set idle_timeout=2 in code; GPU_TASKS_IDLE_TIMEOUT=30 from a
+    deployment changes only the profile that leaves it unset, and says so; with every profile
+    setting its own, it changes nothing and the warning says what to remove."""
+    gpu = ResourceProfile(name="gpu-etl", gpus=1, idle_timeout=2)
+    info, warnings = _sources(
+        monkeypatch, {"GPU_TASKS_IDLE_TIMEOUT": "30"}, [ResourceProfile(name="cpu"), gpu]
+    )
+    assert info == ["GPU_TASKS_IDLE_TIMEOUT=30 sets idle_timeout of cpu (profiles that leave it unset)"]
+    assert warnings == []
+    cpu = ResourceProfile(name="cpu", idle_timeout=5)
+    info, warnings = _sources(monkeypatch, {"GPU_TASKS_IDLE_TIMEOUT": "30"}, [cpu, gpu])
+    assert info == []
+    assert warnings == [
+        "GPU_TASKS_IDLE_TIMEOUT=30 changes no profile: every profile sets its own idle_timeout (cpu=5s, "
+        "gpu-etl=2s); remove the setting, or idle_timeout from the profiles (in code or in "
+        "GPU_TASKS_PROFILES_FILE)"
+    ]
+    info, warnings = _sources(monkeypatch, {"GPU_TASKS_IDLE_TIMEOUT": "30"}, [gpu], runner_idle=10)
+    assert info == [] and "ProfileTaskRunner(idle_timeout=10) is set in code and comes first" in warnings[0]
+    # not given: nothing to say, whatever the profiles set
+    assert _sources(monkeypatch, {}, [cpu, gpu]) == ([], [])
+
+
+def test_the_profiles_file_and_the_priority_setting_are_named(monkeypatch, tmp_path):
+    code = [ResourceProfile(name="cpu"), ResourceProfile(name="gpu-train", gpus=1)]
+    text = "[profiles.gpu-train]\ngpus = 2\n\n[profiles.extra]\ncpus = 2\n"
+    info, warnings = _sources(monkeypatch, {"GPU_TASKS_PRIORITY": "10"}, code, text, tmp_path=tmp_path)
+    path = tmp_path / "profiles.toml"
+    assert info == [
+        f"profiles file {str(path)!r} (GPU_TASKS_PROFILES_FILE): extra, gpu-train; "
+        "replacing the code's gpu-train",
+        "GPU_TASKS_PRIORITY=10 replaces the priority of gpu-train",
+    ]
+    assert warnings == []
+    info, warnings = _sources(monkeypatch, {"GPU_TASKS_PRIORITY": "10"}, [ResourceProfile(name="cpu")])
+    assert info == [] and warnings == ["GPU_TASKS_PRIORITY=10 changes no profile: none asks for GPUs"]

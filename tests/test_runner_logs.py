@@ -82,6 +82,8 @@ def test_runner_lines_in_the_flow_run_logs():
         "gpu-tasks devices:": logging.INFO,
         "profile 'gpu': provisioned 1 worker(s)": logging.INFO,
         "profile 'gpu': closed cluster (scaled down: idle": logging.INFO,
+        # the emulated fixture's GPU_TASKS_IDLE_TIMEOUT=30 fills the profiles that leave it unset
+        "GPU_TASKS_IDLE_TIMEOUT=30 sets idle_timeout of a100, cpu (profiles that": logging.INFO,
     }
     for needle, level in expected.items():
         assert recorded(needle) == [level], f"{needle!r}: {recorded(needle)}\n{text}"

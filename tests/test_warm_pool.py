@@ -385,3 +385,33 @@ def test_the_fork_servers_imports_load_prefects_collections_and_start_no_thread(
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
     assert seen == {"loaded": names, "threads": 1}, seen
+
+
+def test_a_refill_whose_fork_server_ended_prints_no_traceback(monkeypatch, caplog):
+    """Ctrl-C on a served flow can end the fork server while a refill is due: the refill logs one
+    line (DEBUG once the pool closed) instead of a thread's EOFError traceback."""
+    import logging
+
+    from gpu_tasks.worker.warm import WarmPool, end_process
+
+    monkeypatch.setenv("GPU_TASKS_WARM_SERVER_KEEP_SECONDS", "0")
+    hooked: list[Any] = []
+    monkeypatch.setattr(threading, "excepthook", hooked.append)
+    pool = WarmPool(1)
+    try:
+        proc = pool.take(60)
+        server = psutil.Process(proc.pid).parent()
+        assert server is not None and "multiprocessing.forkserver" in " ".join(server.cmdline())
+        proc.conn.close()
+        end_process(proc.process, 5)
+        server.kill()
+        server.wait(10)
+        with pytest.raises((EOFError, OSError)):  # what the timer thread met
+            pool.ensure(2)
+        with caplog.at_level(logging.DEBUG, logger="gpu_tasks.worker.warm"):
+            pool._refill()
+        lines = [r for r in caplog.records if "no refill, its fork server ended" in r.getMessage()]
+        assert [r.levelno for r in lines] == [logging.WARNING] and not lines[0].exc_info
+    finally:
+        pool.close()
+    assert not hooked

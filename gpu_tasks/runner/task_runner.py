@@ -229,9 +229,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if self._live is None or self._admission is None or self._dispatcher is None:
             # each piece gets what it needs when it is built (docs/runner.md, "Where the code lives")
             profiles, default = self.resolve_profiles()
-            self._log_profile_sources(profiles)
             landings = Landings(hand_to, name="gpu-tasks-results")  # results fetched in batches
             live = Live(profiles, default, self.idle_timeout, close_results=landings.close)
+            self._log_profile_sources(profiles)  # once Live sends the runner's lines to the run's logs
             quota = TaskQuota(live)
             finish = Finish(live, quota.release)
             self._dispatcher = Dispatcher(live, landings, quota, finish)  # with its Results and Recovery

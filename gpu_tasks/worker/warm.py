@@ -431,13 +431,28 @@ class WarmPool:
         """Start the replacements :data:`REFILL_DELAY_S` after a take, not at once: importing
         Prefect takes about a core-second, which the first tasks of the workers just bound
         need more (a profile that needs more processes meanwhile starts them itself)."""
-        timer = threading.Timer(REFILL_DELAY_S, lambda: self.ensure(self.target()))
+        timer = threading.Timer(REFILL_DELAY_S, self._refill)
         timer.daemon = True
         with self._lock:
             if self._closed:
                 return
             self._timers = [t for t in self._timers if t.is_alive()] + [timer]
         timer.start()
+
+    def _refill(self) -> None:
+        """The refill timer's work. A fork server that ended under it (the process is stopping:
+        Ctrl-C on a served flow, interpreter exit) is not an error to print: processes start on
+        demand, each profile raising its own failure."""
+        try:
+            self.ensure(self.target())
+        except (EOFError, OSError) as exc:  # its pipe closed mid-request, or it was reaped
+            with self._lock:
+                closed = self._closed
+            level = logging.DEBUG if closed or sys.is_finalizing() else logging.WARNING
+            why = f"{type(exc).__name__}: {exc}"
+            logger.log(level, "gpu-tasks warm pool: no refill, its fork server ended (%s)", why)
+        except Exception:
+            logger.warning("gpu-tasks warm pool: refilling failed; processes start on demand", exc_info=True)
 
     def describe(self) -> list[dict[str, Any]]:
         """The idle processes: ``pid`` and whether each is ``ready`` (done importing)."""

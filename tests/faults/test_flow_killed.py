@@ -72,12 +72,17 @@ def visible_device(i: int, folder: str) -> str:
     return os.environ.get("CUDA_VISIBLE_DEVICES", "")
 
 
-@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)]))
 def next_run(folder: str) -> tuple[list[str], float]:
-    futures = visible_device.map(range(2), unmapped(folder))
-    devices = [f.result() for f in futures]
-    startup = FlowRunContext.get().task_runner.status()["gpu"]["startup"]
-    return devices, startup["wait_devices_s"]
+    """A flow run after the killed one (its runner built here: test modules do no I/O at import)."""
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=0.5)]))
+    def next_run(folder: str) -> tuple[list[str], float]:
+        futures = visible_device.map(range(2), unmapped(folder))
+        devices = [f.result() for f in futures]
+        startup = FlowRunContext.get().task_runner.status()["gpu"]["startup"]
+        return devices, startup["wait_devices_s"]
+
+    return next_run(folder)
 
 
 @pytest.mark.usefixtures("prefect_server")
