@@ -157,7 +157,7 @@ class Dispatcher:
             self._finish(job, exc=exc)
             raise
 
-    def _may_provision(self, st: ProfileState) -> bool:
+    def may_provision(self, st: ProfileState) -> bool:
         """Whether the next dispatch of ``st`` starts or grows its cluster (a read without the lock)."""
         cluster = st.cluster
         if not cluster.running:
@@ -202,7 +202,7 @@ class Dispatcher:
             st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))
         if prof.quota is not None and not prof.is_local and job.quota_lease is None:
             self._take_quota(job)
-        if st.outbox and self._may_provision(st):
+        if st.outbox and self.may_provision(st):
             self.flush(st)  # what is ready leaves before this dispatch waits for devices or workers
         with st.lock:
             if live.stop.is_set():

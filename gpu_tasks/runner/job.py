@@ -27,9 +27,12 @@ class ProfileState:
     ``outstanding`` counts tasks submitted and not finished (waiting on upstream or for
     Prefect tag slots, queued or running); ``dispatched`` those handed to the cluster;
     ``waiting_for_slots`` those waiting for tag slots now, which hold no device and do not
-    keep a cluster from idling out. They change only through the methods below: the first
-    two under ``lock``, and all of them, with ``idle_since``, under ``counts_lock`` (a lock
-    that no one holds while waiting, unlike ``lock``, held while devices are awaited).
+    keep a cluster from idling out. They change only through the methods below (and
+    :meth:`gpu_tasks.runner.session.Live.running` / ``landed`` for ``dispatched``), under
+    ``counts_lock``, a lock no one holds while waiting. ``lock`` is the cluster's: held while its
+    workers start, grow, close or retire, devices awaited included. A submit, a finish or a landed
+    result never takes it, so none waits for a device or a cluster start (an arrival during an idle
+    close is dispatched after it and provisions again).
     """
 
     def __init__(self, cluster: ProfileCluster, idle_timeout: float):
@@ -62,7 +65,7 @@ class ProfileState:
 
     def arrive(self) -> None:
         """A task of this profile was submitted (or moved here)."""
-        with self.lock, self.counts_lock:
+        with self.counts_lock:
             self.outstanding += 1
             self._active_changed()
 
@@ -72,7 +75,7 @@ class ProfileState:
         Args:
             dispatched: it had been handed to the cluster.
         """
-        with self.lock, self.counts_lock:
+        with self.counts_lock:
             self.outstanding -= 1
             if dispatched:
                 self.dispatched -= 1

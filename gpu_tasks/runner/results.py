@@ -153,10 +153,9 @@ class Finish:
         if job.hold is not None:
             self.live.gate.release(job.hold)
         self._release_quota(job)
-        with st.lock:
-            if dispatched:
-                self.live.landed(job)
-            st.leave()
+        if dispatched:
+            self.live.landed(job)
+        st.leave()  # neither takes the profile's lock: a finish never waits on a provisioning
         if cf.done():
             return
         if exc is not None:
@@ -236,8 +235,7 @@ class Results:
         job.st.cluster.record(wkey, start, end)
         if isinstance(state, PreemptedRun):  # interrupted on a shared scheduler for a waiter
             by = job.st.cluster.preempted_by(job.key)
-            with job.st.lock:
-                live.landed(job)
+            live.landed(job)
             reason = f"preempted by {describe_waiter(by)}, queued {float(by.get('waited_s') or 0):.1f}s"
             fields = {k: by.get(k) for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority")}
             job.off_thread(self._preempted, job, reason, fields, name=f"gpu-tasks-requeue-{job.profile.name}")
@@ -250,8 +248,7 @@ class Results:
             and GpuOutOfMemoryError.__name__ in (state.message or "")
             and not live.stop.is_set()
         ):
-            with job.st.lock:
-                live.landed(job)
+            live.landed(job)
             job.off_thread(
                 self._out_of_memory,
                 job,

@@ -174,13 +174,15 @@ class Live:
 
     # ------------------------------------------------------------ in flight
     def running(self, job: Job) -> None:
-        """``job`` was handed to its cluster (call under its profile's lock)."""
-        job.st.dispatched += 1
+        """``job`` was handed to its cluster (its dispatch calls this under its profile's lock)."""
+        with job.st.counts_lock:
+            job.st.dispatched += 1
         self.inflight[job.task_run_id] = job
 
     def landed(self, job: Job) -> None:
-        """``job`` came back from its cluster, finished or not (call under its profile's lock)."""
-        job.st.dispatched -= 1
+        """``job`` came back from its cluster, finished or not (from any thread: no profile's lock)."""
+        with job.st.counts_lock:
+            job.st.dispatched -= 1
         self.inflight.pop(job.task_run_id, None)
 
     # ------------------------------------------------------------ idle close

@@ -309,8 +309,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         )
         future = ProfileFuture(job.task_run_id, job.cf, profile=prof.name)
         upstream = pending_futures((parameters, list(wait_for or ())))
-        if not upstream and st.dispatcher is None:
-            dispatcher.dispatch(job)  # CPU profiles: dispatch right here, the cheapest path
+        if not upstream and st.dispatcher is None and st.cluster.running and not dispatcher.may_provision(st):
+            dispatcher.dispatch(job)  # a CPU profile with its workers up: right here, the cheapest path
         elif not upstream:
             admission.admit(job, partial(dispatcher.soon, job))  # GPU: tag slots before devices
         else:

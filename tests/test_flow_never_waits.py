@@ -1,0 +1,181 @@
+"""The flow thread never waits for a device, and one profile's provisioning holds back no other
+profile's results (docs/runner.md, "Threads").
+
+Another process holds a device through its lease file, as another flow run on the host would;
+it lets go when the test says so, or after HOLD_S. Each test asserts an order: what must happen
+while the device is still held happens before the holder lets go.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from prefect import flow, task
+
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
+
+pytestmark = pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
+
+HOLD_S = 90  # the holder's own limit: a frozen flow ends the test late, never hangs it
+
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from gpu_tasks.devices import leases
+
+    lease_dir, address, folder, hold_s = sys.argv[1:5]
+    info = dict(leases.owner_info("holder"), flow_run_name="holder-run", flow_run_id="holder-id")
+    held = leases.take([address], info, lease_dir)
+    assert held is not None
+    Path(folder, "ready").write_text("held")
+    deadline = time.monotonic() + float(hold_s)
+    while not Path(folder, "release").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    leases.release(held)
+    Path(folder, "gone").write_text("released")
+    """
+)
+
+_PROCS: list[subprocess.Popen[bytes]] = []
+
+
+class Holder:
+    """Another process leasing one device until :meth:`release` (or ``HOLD_S``). Picklable (its
+    folder alone): the flows below use it, and Prefect sends a flow's closure to its workers."""
+
+    def __init__(self, tmp_path: Path, lease_dir: Path, address: str) -> None:
+        self.folder = tmp_path / "holder"
+        self.folder.mkdir()
+        script = tmp_path / "holder.py"
+        script.write_text(HOLDER)
+        args = [sys.executable, str(script), str(lease_dir), address, str(self.folder), str(HOLD_S)]
+        proc = subprocess.Popen(args)
+        _PROCS.append(proc)
+        _until((self.folder / "ready").exists, "the holder's lease", lambda: proc.poll() is None)
+
+    def holding(self) -> bool:
+        return not (self.folder / "gone").exists()
+
+    def release(self) -> None:
+        (self.folder / "release").write_text("go")
+        _until((self.folder / "gone").exists, "the holder to let go", timeout=30)
+
+
+@pytest.fixture(autouse=True)
+def _reap_holders():
+    yield
+    while _PROCS:
+        proc = _PROCS.pop()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _until(check, what: str, alive=lambda: True, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert alive(), f"gave up waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@task(tags=[profile("gpu")])
+def on_gpu(i: int) -> list[str]:
+    return list(current_allocation().devices)
+
+
+@task
+def on_cpu(i: int) -> int:
+    return i + 1
+
+
+def test_a_cpu_task_runs_while_the_flows_gpu_tasks_wait_for_a_device(tmp_path, lease_dir, monkeypatch):
+    """The only device is another process's: the flow's first GPU task waits for it, on its
+    profile's thread. Two more GPU submits and a CPU task submitted after it return, and the CPU
+    task finishes, while the device is still held."""
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    holder = Holder(tmp_path, lease_dir, "0")
+    seen: dict[str, object] = {}
+
+    @flow(
+        task_runner=ProfileTaskRunner(
+            profiles=[
+                ResourceProfile(name="cpu", cpus=1),
+                ResourceProfile(name="gpu", gpus=1, idle_timeout=5),
+            ],
+            default="cpu",
+        )
+    )
+    def waits_for_a_device() -> list[list[str]]:
+        from gpu_tasks.devices import leases
+
+        first = on_gpu.submit(0)
+        # the profile's thread is waiting for the device now (queued behind the holder)
+        _until(lambda: any(w.get("profile") == "gpu" for w in leases.waiters()), "the profile to queue")
+        more = [on_gpu.submit(i) for i in (1, 2)]
+        cpu = on_cpu.submit(41)
+        seen["cpu"] = cpu.result(timeout=HOLD_S)
+        seen["holding after the cpu task"] = holder.holding()
+        seen["gpu done before release"] = any(f.state.is_final() for f in [first, *more])
+        holder.release()
+        return [f.result() for f in [first, *more]]
+
+    try:
+        devices = waits_for_a_device()
+    finally:
+        holder.release()
+    assert seen == {"cpu": 42, "holding after the cpu task": True, "gpu done before release": False}
+    assert devices == [["0"]] * 3
+
+
+def test_a_cache_hit_returns_while_its_profile_waits_for_a_device(tmp_path, lease_dir, monkeypatch):
+    """A GPU profile's thread waits for the only device (another process's) to start its cluster;
+    a task of the same profile whose result Prefect has cached returns meanwhile: it needs no
+    device, and finishing it does not wait for the profile's provisioning."""
+    from prefect.cache_policies import INPUTS
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    salt = uuid.uuid4().hex  # inputs of this test only
+
+    @task(tags=[profile("gpu")], cache_policy=INPUTS, result_storage=tmp_path / "results")
+    def cached(x: int, salt: str) -> int:
+        return x * x
+
+    gpu = ResourceProfile(name="gpu", gpus=1, idle_timeout=5)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[gpu]))
+    def fill_the_cache() -> int:
+        return cached.submit(4, salt).result()
+
+    assert fill_the_cache() == 16
+    holder = Holder(tmp_path, lease_dir, "0")
+    seen: dict[str, object] = {}
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[gpu]))
+    def hit_while_waiting() -> list[str]:
+        from gpu_tasks.devices import leases
+
+        first = on_gpu.submit(0)
+        _until(lambda: any(w.get("profile") == "gpu" for w in leases.waiters()), "the profile to queue")
+        hit = cached.submit(4, salt)
+        seen["cached"] = hit.result(timeout=HOLD_S)
+        seen["state"] = hit.state.name
+        seen["holding after the cache hit"] = holder.holding()
+        holder.release()
+        return first.result()
+
+    try:
+        devices = hit_while_waiting()
+    finally:
+        holder.release()
+    assert seen == {"cached": 16, "state": "Cached", "holding after the cache hit": True}
+    assert devices == ["0"]
