@@ -415,3 +415,37 @@ def test_a_refill_whose_fork_server_ended_prints_no_traceback(monkeypatch, caplo
     finally:
         pool.close()
     assert not hooked
+
+
+def test_processes_forked_from_a_running_fork_server_leave_the_flows_environment_alone(monkeypatch):
+    """A refill or a take forks from the running fork server: the flow process's own environment
+    (which a CPU task or a cache hit running in the flow process reads) is not swapped meanwhile;
+    only the server's start set it, once. The processes still start with no device."""
+    from gpu_tasks.worker.warm import WarmPool, end_process
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    pool = WarmPool(1)
+    try:
+        first = pool.take(60)  # the fork server has started
+        seen: set[str | None] = set()
+        stop = threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                seen.add(os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        try:
+            pool.ensure(3)  # three processes forked while the sampler reads the environment
+            more = pool.take(60)
+        finally:
+            stop.set()
+            sampler.join()
+        assert seen == {"7"}, seen
+        assert _environ(more.pid).get("CUDA_VISIBLE_DEVICES") == ""  # an unbound process sees no device
+        for proc in (first, more):
+            proc.conn.close()
+            end_process(proc.process, 5)
+    finally:
+        pool.close()

@@ -82,6 +82,19 @@ class ForkServerContext:
             self.key = next(_SERVER_KEYS)
             _SERVERS[self.key] = self.server
         self.Pipe = multiprocessing.Pipe
+        self._started = False
+        self._start_lock = threading.Lock()
+
+    def ensure_started(self, around: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
+        """Start the server now (once) inside ``around()``: the environment and executable it
+        starts with are its children's. Otherwise it starts at its first fork with whatever
+        this process's environment is then."""
+        with self._start_lock:
+            if self._started:
+                return
+            with around():
+                self.server.ensure_running()
+            self._started = True
 
     def Process(self, **kwargs: Any) -> Any:
         """A process (not started) that forks from this context's server when started."""

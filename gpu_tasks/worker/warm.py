@@ -150,8 +150,12 @@ class WarmProcess:
         self.process = ctx.Process(
             target=_child_main, args=(child, os.getpid()), name="gpu-tasks warm worker", daemon=False
         )
-        with _sigint_ignored_from_the_start():
+        if self.forked:  # it takes the fork server's environment, set once when the server started
+            ctx.ensure_started(_spawn_environment)
             self.process.start()
+        else:  # a spawned interpreter takes this process's environment as it is now
+            with _spawn_environment():
+                self.process.start()
         child.close()
         _track(self)
         self.ready = False
@@ -368,9 +372,7 @@ class WarmPool:
             self._prune()
             missing = n - len(self._idle)
             if missing > 0:
-                env = _pre_spawn_environ()
-                with _environ(env):
-                    self._idle.extend(WarmProcess(self._ctx) for _ in range(missing))
+                self._idle.extend(WarmProcess(self._ctx) for _ in range(missing))
 
     def wait_ready(self, n: int, timeout: float) -> None:
         """Block until ``n`` idle processes are ready, starting more when fewer exist.
@@ -491,8 +493,7 @@ class WarmPool:
         proc.stop()
 
     def _spawn_one(self) -> WarmProcess:
-        with _environ(_pre_spawn_environ()):
-            return WarmProcess(self._ctx)
+        return WarmProcess(self._ctx)
 
 
 def _context() -> Any:
@@ -576,6 +577,17 @@ def _sigint_ignored_from_the_start() -> Any:
             yield
         finally:
             spawn.set_executable(old)
+
+
+@contextlib.contextmanager
+def _spawn_environment() -> Any:
+    """How a new interpreter starts: the environment Dask's nanny gives a worker, no device, and
+    SIGINT ignored from its first instruction. It changes this process's ``os.environ`` and
+    multiprocessing's spawn executable while a child starts: once per process for the fork
+    server (its children take its environment), once per process for ``GPU_TASKS_WARM_START=spawn``
+    (never on a refill or a take from a running fork server)."""
+    with _environ(_pre_spawn_environ()), _sigint_ignored_from_the_start():
+        yield
 
 
 _ENVIRON_LOCK = threading.RLock()
