@@ -253,3 +253,40 @@ def test_idle_timeout_default_is_60_seconds(monkeypatch):
     assert ProfileTaskRunner(profiles=[CPU], idle_timeout=0).idle_timeout == 0, (
         "0 is an argument, not 'unset'"
     )
+
+
+def test_dask_config_shared_by_profiles_starting_at_once_holds_until_the_last_leaves():
+    """Two profiles' threads start clusters at once, each inside the non-daemon setting: whichever
+    leaves first, the other's start still sees it; after both, Dask's value is back."""
+    import threading
+
+    import dask
+    import distributed  # noqa: F401  (its config defaults)
+
+    from gpu_tasks.cluster.backends import shared_config
+
+    key = "distributed.worker.daemon"
+    before = dask.config.get(key)
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen: dict[str, object] = {}
+
+    def a() -> None:
+        with shared_config(key, False):
+            a_in.set()
+            b_in.wait(10)
+        a_out.set()
+
+    def b() -> None:
+        a_in.wait(10)
+        with shared_config(key, False):
+            b_in.set()
+            a_out.wait(10)
+            seen["b after a left"] = dask.config.get(key)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert seen == {"b after a left": False}
+    assert dask.config.get(key) == before

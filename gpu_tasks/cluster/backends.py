@@ -21,6 +21,7 @@ import contextlib
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -126,16 +127,46 @@ def scheduler_spec(
     return {"cls": Scheduler, "options": options}
 
 
-def _non_daemon_workers() -> Any:
-    """Start worker processes as non-daemonic, so tasks may start processes of their own
-    (a training cluster, a dask-cuDF cluster). The nanny still stops them when the cluster
-    closes; the lifecycle tests prove none outlives the flow."""
+_SHARED_CONFIG_LOCK = threading.Lock()
+_SHARED_CONFIG: dict[tuple[str, Any], list[Any]] = {}  # (key, value) -> [users, its dask.config.set]
+
+
+@contextmanager
+def shared_config(key: str, value: Any) -> Iterator[None]:
+    """Dask's config ``key`` set to ``value`` while any thread of this process is inside.
+
+    Dask's config is process-wide, and ``dask.config.set`` blocks restore what they found on
+    entry: two profiles' threads starting clusters at once, each in its own block, would
+    restore each other's values and leave one block's cluster without the setting. Here the
+    first thread in sets it and the last one out restores it, whatever the order of exits.
+    """
     import dask
     import distributed  # noqa: F401  (loads its config defaults first: see below)
 
-    # Without distributed's defaults in dask's config, leaving this block would remove the
-    # whole "distributed" section it created, defaults loaded meanwhile included.
-    return dask.config.set({"distributed.worker.daemon": False})
+    # Without distributed's defaults in dask's config, leaving the block would remove the whole
+    # "distributed" section it created, defaults loaded meanwhile included.
+    with _SHARED_CONFIG_LOCK:
+        entry = _SHARED_CONFIG.get((key, value))
+        if entry is None:
+            block = dask.config.set({key: value})
+            block.__enter__()
+            entry = _SHARED_CONFIG[(key, value)] = [0, block]
+        entry[0] += 1
+    try:
+        yield
+    finally:
+        with _SHARED_CONFIG_LOCK:
+            entry[0] -= 1
+            if entry[0] == 0:
+                del _SHARED_CONFIG[(key, value)]
+                entry[1].__exit__(None, None, None)
+
+
+def _non_daemon_workers() -> contextlib.AbstractContextManager[None]:
+    """Start worker processes as non-daemonic, so tasks may start processes of their own
+    (a training cluster, a dask-cuDF cluster). The nanny still stops them when the cluster
+    closes; the lifecycle tests prove none outlives the flow."""
+    return shared_config("distributed.worker.daemon", False)
 
 
 # ---------------------------------------------------------------- backends

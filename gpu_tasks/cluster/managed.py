@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Any
 
-from gpu_tasks.cluster.backends import _non_daemon_workers
+from gpu_tasks.cluster.backends import _non_daemon_workers, shared_config
 from gpu_tasks.cluster.remote import RemoteCluster
 from gpu_tasks.cluster.remote_workers import (
     RemoteWorker,
@@ -125,15 +125,13 @@ class ManagedCluster(RemoteCluster):
         )
 
     def _create(self) -> None:
-        import dask
-
         cls = load_cluster_class(self.profile)
         name = self.profile.cluster_class
 
         def make() -> Any:
             # a task whose worker died is reported by the runner, not re-run by the scheduler
             # (for schedulers in this process: dask-jobqueue, LocalCUDACluster)
-            with _non_daemon_workers(), dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+            with _non_daemon_workers(), shared_config("distributed.scheduler.allowed-failures", 0):
                 return cls(**self.profile.cluster_kwargs)
 
         try:
