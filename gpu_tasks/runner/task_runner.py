@@ -72,11 +72,11 @@ class ProfileFuture(PrefectConcurrentFuture[Any]):
 
     def _block(self, timeout: float | None) -> float | None:
         """Wait here, leaving this thread's task slot to others meanwhile; the timeout left."""
-        if self._wrapped_future.done():
+        if self.wrapped_future.done():
             return timeout
         with waiting():  # a parent task waiting for its child must not hold the child's slot
-            concurrent.futures.wait([self._wrapped_future], timeout=timeout)
-        return timeout if self._wrapped_future.done() or timeout is None else 0
+            concurrent.futures.wait([self.wrapped_future], timeout=timeout)
+        return timeout if self.wrapped_future.done() or timeout is None else 0
 
     def wait(self, timeout: float | None = None) -> None:
         super().wait(self._block(timeout))

@@ -138,7 +138,7 @@ def run_on_worker(
     address = dask_worker.address if dask_worker is not None else None
     task = opened(task)
     context = {k: opened(v) for k, v in kwargs["context"].items()}
-    settings = _worker_settings(settings_key, context["settings_context"])
+    settings = _worker_settings(settings_key, context["settings_context"], remote)
     kwargs = {**kwargs, "context": {**context, "settings_context": settings}}
     if remote:
         own = owned_devices(dask_worker)
@@ -310,8 +310,12 @@ def _report_orphaned(flow_pid: int) -> None:
     drain_events(2)
 
 
-def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
-    """``SettingsContext`` fields (built profile and settings) for serialized settings sent under ``key``."""
+def _worker_settings(key: str, serialized: dict[str, Any], remote: bool = False) -> dict[str, Any]:
+    """``SettingsContext`` fields (built profile and settings) for serialized settings sent under ``key``.
+
+    The first one in a process installs gpu-tasks' cap on Prefect's client waits: for every request
+    of a worker process the runner started, for gpu-tasks' own task runs alone on a ``remote``
+    worker (an ``address`` or ``cluster_class`` profile's), which may run other people's code."""
     from prefect.context import SettingsContext
 
     with _WORKER_SETTINGS_LOCK:
@@ -319,7 +323,7 @@ def _worker_settings(key: str, serialized: dict[str, Any]) -> dict[str, Any]:
     if built is None:
         use_no_limits_cache(get_settings().tag_limit_cache_seconds)  # once per worker and settings
         start_renewing()  # the answers renewed before they expire (prefect_api.tag_answers)
-        cap_client_waits(get_settings().api_longest_wait, whole_process=True)  # Prefect's waits, capped
+        cap_client_waits(get_settings().api_longest_wait, whole_process=not remote)  # Prefect's waits, capped
         ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
         built = {"profile": ctx.profile, "settings": ctx.settings}
         with _WORKER_SETTINGS_LOCK:

@@ -123,6 +123,31 @@ def test_a_request_no_worker_can_satisfy_fails_fast_naming_the_workers(gpu_hosts
     assert "no worker of" in str(error) and "GPU=1 < 2" in str(error) and "--resources GPU=" in str(error)
 
 
+def test_a_shared_worker_caps_prefects_client_waits_only_in_gpu_tasks_task_runs(
+    gpu_hosts: Hosts, prefect_server
+):
+    """An address profile's workers run other people's tasks too: gpu-tasks' cap on Prefect's client
+    waits applies to its own task runs there, never to the whole process."""
+
+    @task(tags=["profile:shared"])
+    def cap_in_force() -> dict:
+        import prefect.client.base as base
+
+        from gpu_tasks.compat.prefect import is_ours
+        from gpu_tasks.compat.prefect_client import _CAP
+
+        installed = getattr(base.clamped_poisson_interval, "_gpu_tasks_capped", False)
+        return {"installed": installed, "whole_process": _CAP["whole_process"], "ours": is_ours()}
+
+    prof = ResourceProfile(name="shared", gpus=1, address=gpu_hosts.address)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def on_shared():
+        return cap_in_force.submit().result()
+
+    assert on_shared() == {"installed": True, "whole_process": False, "ours": True}
+
+
 def test_gpu_model_selects_workers_by_the_devices_they_publish(gpu_hosts: Hosts, prefect_server):
     ok = ResourceProfile(name="h100", gpus=1, gpu_model="H100", address=gpu_hosts.address)
     results = _address_flow(ok, n=2)()
