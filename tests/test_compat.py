@@ -46,6 +46,27 @@ def test_a_changed_name_is_reported_not_silently_ignored(monkeypatch):
     assert "distributed.nanny._get_env_variables" in changed, changed
 
 
+def test_tag_slots_taken_elsewhere_by_the_engine_fail_the_check(monkeypatch):
+    """The engine keeps ``_concurrency`` but no longer takes its task run's tag slots through it:
+    gpu-tasks' skip of the slots its flow process holds would not apply, so the check fails (a
+    worker would otherwise wait for the slot its own flow holds)."""
+    import prefect.task_engine as engine
+
+    from gpu_tasks.compat.prefect import _check_engine_concurrency
+
+    assert _check_engine_concurrency() is None
+
+    class SyncTaskRunEngine:  # a release whose engine takes slots some other way
+        def start(self):
+            return "slots taken elsewhere"
+
+    monkeypatch.setattr(engine, "SyncTaskRunEngine", SyncTaskRunEngine)
+    problem = _check_engine_concurrency()
+    assert (
+        problem == "prefect.task_engine.SyncTaskRunEngine no longer takes its tag slots through _concurrency"
+    )
+
+
 RUN_TIME_CHECKS = """
 import logging, sys
 from prefect import flow, task

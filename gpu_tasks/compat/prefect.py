@@ -451,6 +451,13 @@ def _check_engine_concurrency() -> str | None:
         problem = params(getattr(fn, "__wrapped__", fn), "names", "holder")
         if problem:
             return f"{name}: {problem}"
+    # the name alone is not enough: if the engines took tag slots elsewhere, a worker would wait
+    # for a slot its own flow process holds (with a limit of 1, holding its device forever)
+    for cls_name, call in (("SyncTaskRunEngine", "_concurrency("), ("AsyncTaskRunEngine", "_aconcurrency(")):
+        cls = getattr(engine, cls_name, None)
+        source = inspect.getsource(cls) if cls is not None else ""
+        if call not in source or 'f"tag:{tag}"' not in source:
+            return f"prefect.task_engine.{cls_name} no longer takes its tag slots through {call[:-1]}"
     return None
 
 
