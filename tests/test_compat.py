@@ -281,3 +281,37 @@ def test_prefect_as_shipped_for_task_runs_gpu_tasks_does_not_run():
     finally:
         with get_client(sync_client=True) as client:
             client.delete_concurrency_limit_by_tag(tag)
+
+
+def test_an_orphaned_async_attempt_reports_no_crash_as_a_sync_one(monkeypatch):
+    """Both engines skip the Crashed report of an attempt interrupted because its worker closed
+    (its scheduler runs it again elsewhere): an async task's used to report Crashed over its retry."""
+    import asyncio
+    import threading
+
+    from prefect import task
+    from prefect.task_engine import AsyncTaskRunEngine, SyncTaskRunEngine
+
+    from gpu_tasks.worker import interrupts
+
+    interrupts._quiet_orphan_crash()  # as a shared worker installs it (once per process)
+
+    @task
+    async def atask() -> None: ...
+
+    @task
+    def stask() -> None: ...
+
+    said: list[str] = []
+    monkeypatch.setattr(interrupts.logger, "warning", lambda msg, *args: said.append(msg % args))
+    interrupts.ORPHANED.add(threading.get_ident())
+    exc = KeyboardInterrupt()
+    try:
+        aengine = AsyncTaskRunEngine(task=atask)
+        asyncio.run(aengine.handle_crash(exc))  # no state set: the engine has no client here
+        sengine = SyncTaskRunEngine(task=stask)
+        sengine.handle_crash(exc)
+    finally:
+        interrupts.ORPHANED.discard(threading.get_ident())
+    assert aengine._raised is exc and sengine._raised is exc
+    assert len([m for m in said if "this attempt was interrupted and reports nothing" in m]) == 2, said

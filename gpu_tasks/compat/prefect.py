@@ -361,35 +361,50 @@ def emit_state_change_event(task_run: Any, initial_state: Any, validated_state: 
 
 
 def skip_crash_reports(skip: Callable[[], bool], say: Callable[[Any], None]) -> None:
-    """Once per process: Prefect's sync task engine reports no ``Crashed`` state
-    (``SyncTaskRunEngine.handle_crash``, undocumented) while ``skip()`` is true in the crashing
-    thread; ``say(task_run)`` is called instead."""
-    from prefect.task_engine import SyncTaskRunEngine
+    """Once per process: Prefect's task engines, sync and async, report no ``Crashed`` state
+    (``SyncTaskRunEngine.handle_crash`` / ``AsyncTaskRunEngine.handle_crash``, undocumented) while
+    ``skip()`` is true in the crashing thread; ``say(task_run)`` is called instead."""
+    from prefect.task_engine import AsyncTaskRunEngine, SyncTaskRunEngine
 
     original = SyncTaskRunEngine.handle_crash
-    if getattr(original, "_gpu_tasks_skip", False):
-        return
+    if not getattr(original, "_gpu_tasks_skip", False):
 
-    def handle_crash(self: Any, exc: BaseException) -> None:
-        if not skip():
-            original(self, exc)
-            return
-        say(self.task_run)
-        self._raised = exc
+        def handle_crash(self: Any, exc: BaseException) -> None:
+            if not skip():
+                original(self, exc)
+                return
+            say(self.task_run)
+            self._raised = exc
 
-    handle_crash._gpu_tasks_skip = True  # type: ignore[attr-defined]
-    setattr(SyncTaskRunEngine, "handle_crash", handle_crash)  # noqa: B010 - an engine internal
+        handle_crash._gpu_tasks_skip = True  # type: ignore[attr-defined]
+        setattr(SyncTaskRunEngine, "handle_crash", handle_crash)  # noqa: B010 - an engine internal
+    aoriginal = AsyncTaskRunEngine.handle_crash
+    if not getattr(aoriginal, "_gpu_tasks_skip", False):
+
+        async def ahandle_crash(self: Any, exc: BaseException) -> None:
+            if not skip():
+                await aoriginal(self, exc)
+                return
+            say(self.task_run)
+            self._raised = exc
+
+        ahandle_crash._gpu_tasks_skip = True  # type: ignore[attr-defined]
+        setattr(AsyncTaskRunEngine, "handle_crash", ahandle_crash)  # noqa: B010 - an engine internal
 
 
 def _check_handle_crash() -> str | None:
-    from prefect.task_engine import SyncTaskRunEngine
+    from prefect import task_engine
 
     from gpu_tasks.compat import params
 
-    engine = SyncTaskRunEngine
-    if not hasattr(engine, "_raised") and "_raised" not in getattr(engine, "__dataclass_fields__", {}):
-        return "SyncTaskRunEngine has no _raised"
-    return params(engine.handle_crash, "self", "exc")
+    for name in ("SyncTaskRunEngine", "AsyncTaskRunEngine"):
+        engine = getattr(task_engine, name)
+        if not hasattr(engine, "_raised") and "_raised" not in getattr(engine, "__dataclass_fields__", {}):
+            return f"{name} has no _raised"
+        problem = params(engine.handle_crash, "self", "exc")
+        if problem:
+            return f"{name}.handle_crash: {problem}"
+    return None
 
 
 def engine_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:
@@ -567,9 +582,10 @@ def _uses() -> list[Any]:
         ),
         Use(
             "prefect",
-            "prefect.task_engine.SyncTaskRunEngine.handle_crash",
+            "prefect.task_engine.SyncTaskRunEngine.handle_crash, AsyncTaskRunEngine.handle_crash",
             "patched",
-            "an attempt interrupted as its worker lost its scheduler reports no Crashed over its retry",
+            "an attempt (sync or async) interrupted as its worker lost its scheduler reports no Crashed "
+            "over its retry",
             _check_handle_crash,
         ),
         Use(
