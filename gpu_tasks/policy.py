@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpu_tasks.allocation import (
     WORKER_ENV_DEVICES,
@@ -260,6 +261,19 @@ def worker_spec(
         env=env,
         memory_limit=profile.memory,
     )
+
+
+def crash_retry(retries: int, attempts: int, retry_delay_seconds: Any, crashes: int) -> float | None:
+    """A task run whose worker died (the runner's report, or a shared scheduler's re-run): seconds
+    before it runs again, from Prefect's ``retry_delay_seconds`` (a number, or one per retry, the
+    last repeating), or ``None`` when its ``attempts`` (runs so far) used up its ``retries``.
+    ``crashes`` is how many re-runs came before this one (0 for the first)."""
+    if attempts > retries:
+        return None
+    delay = retry_delay_seconds
+    if isinstance(delay, (list, tuple)):
+        delay = delay[min(crashes, len(delay) - 1)] if delay else 0
+    return float(delay or 0)
 
 
 def aged_priority(base: int, aging: float, waited: float) -> int:

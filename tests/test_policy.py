@@ -339,3 +339,18 @@ def test_bound_at_most_counts_each_profiles_cap_on_the_devices_it_matches():
     assert bound_at_most([whole], inv) == 3
     assert bound_at_most([whole, quarter, big, cpu], inv) == 3 + 1 + 1 + 2
     assert bound_at_most([], inv) == 0
+
+
+def test_a_crashed_task_run_is_retried_by_one_rule_with_prefects_retry_delay():
+    """One rule for a dead worker's task run, in the runner and on a shared scheduler's re-run:
+    retried while runs <= retries, after retry_delay_seconds (a number, or one per retry with the
+    last repeating); None once they are used up."""
+    from gpu_tasks.policy import crash_retry
+
+    assert crash_retry(retries=0, attempts=1, retry_delay_seconds=0, crashes=0) is None
+    assert crash_retry(retries=2, attempts=1, retry_delay_seconds=5, crashes=0) == 5.0
+    assert crash_retry(retries=2, attempts=2, retry_delay_seconds=None, crashes=1) == 0.0
+    assert crash_retry(retries=2, attempts=3, retry_delay_seconds=5, crashes=2) is None
+    per_retry = [1, 4]
+    assert [crash_retry(3, a, per_retry, a - 1) for a in (1, 2, 3, 4)] == [1.0, 4.0, 4.0, None]
+    assert crash_retry(retries=1, attempts=1, retry_delay_seconds=[], crashes=0) == 0.0

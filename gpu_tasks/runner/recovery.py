@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpu_tasks.policy import crash_retry
 from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.prefect_api.states import await_retry, crash_task_run, preempt_task_run, read_task_run
 from gpu_tasks.profiles import profile
@@ -25,14 +26,6 @@ from gpu_tasks.runner.session import Live
 logger = logging.getLogger("gpu_tasks.runner")
 
 ESCALATED_TAG = "gpu-tasks:on-oom"
-
-
-def _retry_delay(task: Any, attempt: int) -> float:
-    """Seconds before re-run ``attempt`` (0-based), from the task's ``retry_delay_seconds``."""
-    delay = task.retry_delay_seconds
-    if isinstance(delay, (list, tuple)):
-        delay = delay[min(attempt, len(delay) - 1)] if delay else 0
-    return float(delay or 0)
 
 
 class Recovery:
@@ -262,7 +255,12 @@ class Recovery:
         attempts = max(job.crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
         retries = int(job.task.retries or 0)
         log = flow_logger()
-        if task_run is None or attempts > retries:
+        delay = (
+            None
+            if task_run is None
+            else crash_retry(retries, attempts, job.task.retry_delay_seconds, job.crashes)
+        )
+        if delay is None:
             log.error(
                 "Task run %s crashed: %s%s",
                 job.task_run_id,
@@ -271,7 +269,6 @@ class Recovery:
             )
             self._finish(job, result=state)
             return None
-        delay = _retry_delay(job.task, job.crashes)
         await_retry(task_run, live.flow_run_id, delay)
         job.crashes += 1
         job.continues(task_run)

@@ -39,7 +39,7 @@ from gpu_tasks.compat.prefect import (
 )
 from gpu_tasks.compat.prefect_client import cap_client_waits
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
-from gpu_tasks.policy import GPU_RESOURCE
+from gpu_tasks.policy import GPU_RESOURCE, crash_retry
 from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.tag_answers import start_renewing
@@ -242,15 +242,25 @@ def _after_lost_worker(
     state, task_run = crash_task_run(kwargs["task_run_id"], task, flow_run, message, tags=set(task.tags))
     attempts = max(1, int(getattr(task_run, "run_count", 0) or 0))
     retries = int(task.retries or 0)
-    if task_run is None or attempts > retries:
+    # the runner's own rule for a dead worker (gpu_tasks.runner.recovery), its retry delay included
+    delay = (
+        None if task_run is None else crash_retry(retries, attempts, task.retry_delay_seconds, attempts - 1)
+    )
+    if delay is None:
         logger.error(
             "task run %s crashed: %s; no retries left (%d allowed)", kwargs["task_run_id"], message, retries
         )
         return state
-    await_retry(task_run, flow_run)
+    await_retry(task_run, flow_run, delay)
     logger.warning(
-        "task run %r crashed: %s; retrying it (retry %d of %d)", task_run.name, message, attempts, retries
+        "task run %r crashed: %s; retrying it (retry %d of %d) in %gs",
+        task_run.name,
+        message,
+        attempts,
+        retries,
+        delay,
     )
+    time.sleep(delay)  # as Prefect's own retries wait retry_delay_seconds
     return task.with_options(retries=max(0, retries - attempts)), {**kwargs, "task_run": task_run}
 
 
