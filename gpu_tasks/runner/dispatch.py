@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextvars
 import logging
-import threading
 import time
 from functools import partial
 from typing import Any
@@ -34,7 +33,6 @@ logger = logging.getLogger("gpu_tasks.runner")
 
 # hand-offs a profile's dispatch thread sends to its Dask cluster as one graph, at most
 OUTBOX_MAX = 32
-_ON_DISPATCH_THREAD = threading.local()  # .st: the profile whose dispatch thread this is, while it dispatches
 
 
 class Dispatcher:
@@ -95,11 +93,9 @@ class Dispatcher:
             raise
 
     def _dispatch_queued(self, st: ProfileState, job: Job) -> None:
-        _ON_DISPATCH_THREAD.st = st
         try:
-            self.dispatch(job)
+            self.dispatch(job, batched=True)
         finally:
-            _ON_DISPATCH_THREAD.st = None
             with st.counts_lock:
                 st.queued -= 1
                 last = st.queued == 0
@@ -142,10 +138,15 @@ class Dispatcher:
             return
         self._finish(job, result=state, dispatched=True)
 
-    def dispatch(self, job: Job) -> None:
-        """Run ``job`` on its profile's cluster (its upstream futures are done)."""
+    def dispatch(self, job: Job, batched: bool = False) -> None:
+        """Run ``job`` on its profile's cluster (its upstream futures are done).
+
+        Args:
+            batched: called on the profile's dispatch thread (:meth:`later`), which sends a local
+                cluster's hand-offs in batches (:meth:`flush`); any other caller hands off at once.
+        """
         try:
-            job.ctx.run(self._dispatch_in_context, job)
+            job.ctx.run(self._dispatch_in_context, job, batched)
         except Exception as exc:
             # its cluster did not start (or the runner is stopping): a Failed task run, as if the
             # task had raised, so ``wait()`` returns and ``result()`` raises ``exc``
@@ -192,7 +193,7 @@ class Dispatcher:
         )
         publish_dashboard(cluster)
 
-    def _dispatch_in_context(self, job: Job) -> None:
+    def _dispatch_in_context(self, job: Job, batched: bool) -> None:
         from prefect import tags
 
         live, st, prof = self.live, job.st, job.profile
@@ -252,7 +253,7 @@ class Dispatcher:
                     not prof.is_local,
                     job.slot_names,
                 )
-                if prof.is_local and getattr(_ON_DISPATCH_THREAD, "st", None) is st:
+                if prof.is_local and batched:
                     st.outbox.append((job, job.attempt, args))  # sent by flush(), on this thread
                     return
                 dfut = st.cluster.submit(run_on_worker, *args, key=key, resources=task_resources(prof))
