@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from prefect.futures import PrefectFuture
 
@@ -19,6 +19,18 @@ from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.policy import IdleView
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.logs import flow_logger
+
+
+class LostWorker(NamedTuple):
+    """A profile's worker that died or was lost, as its crash reports name it."""
+
+    name: str
+    devices: tuple[str, ...]
+    ended: Any  # its gpu_tasks.worker.exits.WorkerExit (how it ended), if known
+    address: Any  # its Dask address, if known
+
+
+NO_WORKER = LostWorker("", (), None, None)
 
 
 class ProfileState:

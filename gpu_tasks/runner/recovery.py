@@ -19,7 +19,7 @@ from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.prefect_api.states import await_retry, crash_task_run, preempt_task_run, read_task_run
 from gpu_tasks.profiles import profile
 from gpu_tasks.reporting.logs import flow_logger
-from gpu_tasks.runner.job import Job, ProfileState
+from gpu_tasks.runner.job import NO_WORKER, Job, LostWorker, ProfileState
 from gpu_tasks.runner.results import Finish
 from gpu_tasks.runner.session import Live
 
@@ -44,7 +44,7 @@ class Recovery:
         self._redispatch = redispatch
         # profile -> (worker name, devices, how it ended) of its last dead worker: the tasks that were
         # lost with it (their futures cancelled when the first report closed its cluster) name it too
-        self._last_death: dict[str, tuple[str, tuple[str, ...], Any, Any]] = {}
+        self._last_death: dict[str, LostWorker] = {}
 
     # ------------------------------------------------------------ out of memory
     def escalate(self, job: Job, task_run: Any, why: str) -> None:
@@ -190,7 +190,7 @@ class Recovery:
         ws = getattr(exc, "last_worker", None)
         if ws is None:  # lost with its cluster (closed when its last worker died), no worker named
             name, devices, ended, address = (
-                self._last_death.get(prof.name) or live.lost.get(prof.name) or ("", (), None, None)
+                self._last_death.get(prof.name) or live.lost.get(prof.name) or NO_WORKER
             )
             how = ended.describe() if ended else f"was lost ({type(exc).__name__}: {exc})"
             row = None
@@ -206,14 +206,14 @@ class Recovery:
                 lost = live.lost.get(prof.name)
                 # retired already: its replacement may have its name (the name comes from its devices)
                 row = None
-                if known is not None and known[3] == address:  # another of its tasks
-                    devices = known[1]
-                elif lost is not None and lost[3] == address:  # found lost by the idle monitor
-                    devices = lost[1]
+                if known is not None and known.address == address:  # another of its tasks
+                    devices = known.devices
+                elif lost is not None and lost.address == address:  # found lost by the idle monitor
+                    devices = lost.devices
                     self._last_death[prof.name] = lost
                 else:
                     devices = tuple(st.cluster.worker_devices(name) or st.cluster.devices)
-                    self._last_death[prof.name] = (name, devices, ended, address)
+                    self._last_death[prof.name] = LostWorker(name, devices, ended, address)
                     row = st.cluster.retire(name, f"worker crashed: {how}")
                 live.landed(job)
                 live.refill(st)  # a new worker for the tasks still queued on the workers left

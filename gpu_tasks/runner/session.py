@@ -35,7 +35,7 @@ from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.events import RunRef, emit_cluster_event, emit_right_size, emit_task_event
 from gpu_tasks.reporting.ledger import LedgerRow, right_size
 from gpu_tasks.reporting.logs import RunLogs
-from gpu_tasks.runner.job import Job, ProfileState
+from gpu_tasks.runner.job import Job, LostWorker, ProfileState
 from gpu_tasks.runner.payload import ContextSerializer
 from gpu_tasks.settings import get_settings
 
@@ -93,7 +93,7 @@ class Live:
         )
         self.preempting: dict[str, threading.Thread] = {}  # profile -> the thread preempting it
         # profile -> (worker name, devices, how it ended, address) of its last worker lost while idle
-        self.lost: dict[str, tuple[str, tuple[str, ...], Any, Any]] = {}
+        self.lost: dict[str, LostWorker] = {}
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
         # events are sent in the flow run's context, also after Prefect left it (exit-time events):
         # Prefect's events worker adds related resources from the sending context
@@ -245,7 +245,9 @@ class Live:
             how = ended.describe() if ended else "ended"
             with st.lock:
                 devices = st.cluster.worker_devices(name) or ()
-                self.lost[st.cluster.profile.name] = (name, devices, ended, address)  # for crash reports
+                self.lost[st.cluster.profile.name] = LostWorker(
+                    name, devices, ended, address
+                )  # crash reports
                 row = st.cluster.retire(name, f"worker lost: {how}", keep=True)
             logger.warning(
                 "profile %r: worker %r%s %s though the runner did not stop it (Dask's log above says "
