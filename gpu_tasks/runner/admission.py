@@ -29,7 +29,7 @@ from gpu_tasks.compat.prefect import can_skip_engine_tag_slots, known_without_li
 from gpu_tasks.errors import GpuTasksError
 from gpu_tasks.prefect_api import quotas
 from gpu_tasks.prefect_api.futures import futures_to_states
-from gpu_tasks.prefect_api.states import await_retry, fail_task_run, read_task_run
+from gpu_tasks.prefect_api.states import await_retry, read_task_run
 from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
 from gpu_tasks.runner.job import Job
 from gpu_tasks.runner.results import Finish
@@ -196,15 +196,8 @@ class Admission:
         """``step(*args)`` for ``job`` on an executor thread; an error fails the task run, never loses it."""
         try:
             step(*args)
-        except Exception as exc:
-            if job.hold is not None:
-                self.live.gate.release(job.hold)
-            state = job.ctx.copy().run(
-                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
-            )
-            self._finish(job, result=state)
         except BaseException as exc:
-            self._finish(job, exc=exc)
+            self._finish.fail(job, exc)  # its tag slots go back with it
 
     def _look_up_cache(self, job: Job, then: Callable[[], Any]) -> None:
         key = job.ctx.run(cached_key, job.task, job.task_run_id, futures_to_states(job.parameters))
@@ -280,8 +273,7 @@ class Admission:
             f"concurrency slots ({', '.join(job.slot_names)}): {type(exc).__name__}: {exc}"
         )
         error.__cause__ = exc
-        state = job.ctx.run(fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, error, job.tags)
-        self._finish(job, result=state)
+        self._finish.fail(job, error)
 
     def _run_cached(self, job: Job, key: str, then: Callable[[], Any]) -> None:
         """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device).

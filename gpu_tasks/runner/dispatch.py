@@ -20,7 +20,6 @@ from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import desired_workers, task_resources
 from gpu_tasks.prefect_api.futures import futures_to_states
-from gpu_tasks.prefect_api.states import fail_task_run
 from gpu_tasks.reporting.events import publish_dashboard
 from gpu_tasks.runner.admission import TaskQuota
 from gpu_tasks.runner.job import Job, ProfileState
@@ -126,17 +125,7 @@ class Dispatcher:
 
     def _not_handed_off(self, job: Job, exc: BaseException) -> None:
         """``job`` was counted running but its cluster took no task: end it as :meth:`dispatch` does."""
-        if not isinstance(exc, Exception):
-            self._finish(job, exc=exc, dispatched=True)
-            return
-        try:
-            state = job.ctx.run(
-                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
-            )
-        except BaseException as err:  # never leave the future unresolved
-            self._finish(job, exc=err, dispatched=True)
-            return
-        self._finish(job, result=state, dispatched=True)
+        self._finish.fail(job, exc, dispatched=True)
 
     def dispatch(self, job: Job, batched: bool = False) -> None:
         """Run ``job`` on its profile's cluster (its upstream futures are done).
@@ -147,13 +136,8 @@ class Dispatcher:
         """
         try:
             job.ctx.run(self._dispatch_in_context, job, batched)
-        except Exception as exc:
-            # its cluster did not start (or the runner is stopping): a Failed task run, as if the
-            # task had raised, so ``wait()`` returns and ``result()`` raises ``exc``
-            state = job.ctx.run(
-                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
-            )
-            self._finish(job, result=state)
+        except Exception as exc:  # its cluster did not start (or the runner is stopping)
+            self._finish.fail(job, exc)
         except BaseException as exc:
             self._finish(job, exc=exc)
             raise

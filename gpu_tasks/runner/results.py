@@ -22,6 +22,7 @@ from typing import Any
 
 from gpu_tasks.errors import GpuOutOfMemoryError
 from gpu_tasks.preemption import PreemptedRun, describe_waiter
+from gpu_tasks.prefect_api.states import fail_task_run
 from gpu_tasks.runner.job import Job
 from gpu_tasks.runner.session import Live
 
@@ -162,6 +163,22 @@ class Finish:
             cf.set_exception(exc)
         else:
             cf.set_result(result)
+
+    def fail(self, job: Job, exc: BaseException, dispatched: bool = False) -> None:
+        """End ``job`` as if its task had raised ``exc``: a Failed task run, so ``wait()`` returns and
+        ``result()`` raises ``exc``. An ``exc`` that is no ``Exception`` (a Ctrl-C), or a failure to
+        record the Failed state, resolves the future with that error; it is never left unresolved."""
+        if not isinstance(exc, Exception):
+            self(job, exc=exc, dispatched=dispatched)
+            return
+        try:
+            state = job.ctx.copy().run(
+                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
+            )
+        except BaseException as err:
+            self(job, exc=err, dispatched=dispatched)
+            return
+        self(job, result=state, dispatched=dispatched)
 
 
 class Results:
