@@ -20,7 +20,14 @@ from gpu_tasks.devices import programs
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Device, Inventory
 from gpu_tasks.errors import ClusterError
-from gpu_tasks.policy import WorkerSpec, device_groups, matching_devices, max_worker_count, worker_spec
+from gpu_tasks.policy import (
+    WorkerSpec,
+    desired_workers,
+    device_groups,
+    matching_devices,
+    max_worker_count,
+    worker_spec,
+)
 from gpu_tasks.prefect_api.tag_slots import placement_tags_unlimited
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import Held, LedgerRow, Usage
@@ -98,6 +105,11 @@ class ProfileCluster:
     def slots(self) -> int | None:
         """Tasks one worker runs at once, where the workers started tell (the fewest of theirs)."""
         return min((s.nthreads for s in self.specs), default=None)
+
+    def workers_wanted(self, tasks: int) -> int:
+        """The workers ``tasks`` tasks handed to it want, within its limit
+        (:func:`gpu_tasks.policy.desired_workers`: the one rule the runner's starts and growth use)."""
+        return desired_workers(self.profile, tasks, self.worker_count, self.limit, self.slots)
 
     @property
     def devices(self) -> tuple[str, ...]:

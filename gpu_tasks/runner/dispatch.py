@@ -18,7 +18,7 @@ from typing import Any
 
 from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import ClusterError
-from gpu_tasks.policy import desired_workers, task_resources
+from gpu_tasks.policy import task_resources
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.reporting.events import publish_dashboard
 from gpu_tasks.runner.admission import TaskQuota
@@ -147,9 +147,7 @@ class Dispatcher:
         cluster = st.cluster
         if not cluster.running:
             return True
-        slots = getattr(cluster, "slots", None)  # a gpu_memory_per_task profile's, per its devices
-        want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit, slots)
-        return want > cluster.worker_count
+        return cluster.workers_wanted(st.dispatched + 1) > cluster.worker_count
 
     def _provision(self, st: ProfileState) -> None:
         """Start ``st``'s cluster, or grow it, for one more task (call under ``st.lock``)."""
@@ -157,10 +155,8 @@ class Dispatcher:
         if cluster.running:
             self.live.grow(st, st.dispatched + 1)
             return
-        slots = getattr(cluster, "slots", None)
-        want = desired_workers(cluster.profile, st.dispatched + 1, cluster.worker_count, cluster.limit, slots)
         try:
-            cluster.start(want)
+            cluster.start(cluster.workers_wanted(st.dispatched + 1))
         except Exception as exc:
             st.start_failed = (time.monotonic(), exc)
             raise

@@ -26,7 +26,7 @@ from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Inventory, discover
 from gpu_tasks.devices.measure import Sampler
-from gpu_tasks.policy import bound_at_most, close_reason, desired_workers
+from gpu_tasks.policy import bound_at_most, close_reason
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
 from gpu_tasks.prefect_api.states import api_unreachable
 from gpu_tasks.prefect_api.tag_answers import start_renewing
@@ -279,11 +279,10 @@ class Live:
 
     def grow(self, st: ProfileState, outstanding: int) -> None:
         """Grow ``st``'s running cluster to the workers ``outstanding`` tasks want
-        (:func:`~gpu_tasks.policy.desired_workers`), with a ``scaled`` event when it added devices.
-        Call under ``st.lock``."""
+        (:meth:`~gpu_tasks.cluster.local.ProfileCluster.workers_wanted`), with a ``scaled`` event when
+        it added devices. Call under ``st.lock``."""
         cluster = st.cluster
-        slots = getattr(cluster, "slots", None)  # a gpu_memory_per_task profile's, per its devices
-        want = desired_workers(cluster.profile, outstanding, cluster.worker_count, cluster.limit, slots)
+        want = cluster.workers_wanted(outstanding)
         if want <= cluster.worker_count:
             return
         before = set(cluster.devices)
