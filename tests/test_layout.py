@@ -2,7 +2,8 @@
 
 Every import counts: at module level, inside functions and under ``if TYPE_CHECKING:``. A module
 may import its own layer and the layers below it, never one above; no two modules import each
-other, directly or around a loop; no module is over 600 lines; the example pipeline is imported
+other, directly or around a loop; no module is over 800 lines (one concept a module; a concept may
+need more than 600); the example pipeline is imported
 by no plugin module (the CLI's ``run`` / ``serve`` load it inside the command).
 """
 
@@ -37,7 +38,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("flow side", ("gpu_tasks.runner",)),
     ("entry points", ("gpu_tasks.cli", "gpu_tasks.deployments", "gpu_tasks")),
 ]
-MAX_LINES = 600
+MAX_LINES = 800  # one concept per module; none past 800 (the line cap was 600, which cut by count)
 PUBLIC_API = {
     "Allocation",
     "ClusterError",
@@ -165,7 +166,7 @@ def test_each_layer_is_a_package_with_a_docstring(package: str):
 def test_no_module_is_over_the_line_limit():
     lines = {name: len(path.read_text().splitlines()) for name, path in plugin_modules().items()}
     over = {name: n for name, n in lines.items() if n > MAX_LINES}
-    assert over == {}, f"split these by concept (at most {MAX_LINES} lines): {over}"
+    assert over == {}, f"split these by concept (none over {MAX_LINES} lines): {over}"
 
 
 def test_the_public_api_is_unchanged_and_the_pipeline_stays_apart():

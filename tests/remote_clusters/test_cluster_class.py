@@ -62,7 +62,7 @@ def job_workers() -> list[psutil.Process]:
     return out
 
 
-def test_provision_scale_up_scale_to_zero_and_reprovision(prefect_server, no_leaked_processes):
+def test_provision_scale_up_scale_to_zero_and_reprovision(prefect_server, no_leaked_processes, tmp_path):
     prof = ResourceProfile(
         name="queue",
         gpus=1,
@@ -72,10 +72,20 @@ def test_provision_scale_up_scale_to_zero_and_reprovision(prefect_server, no_lea
         idle_timeout=1,
     )
 
+    marks = tmp_path / "marks"  # the jobs run on this host: they see the test's files
+    marks.mkdir()
+
     @task(tags=["profile:queue"])
-    def train(i: int) -> dict:
+    def train(i: int, until_both: bool = False) -> dict:
         import os
 
+        start = time.time()
+        (marks / str(os.getpid())).mkdir(exist_ok=True)  # one folder a worker process
+        # the first batch holds on (at most 60 s) until a task runs on the other job's worker: on a
+        # loaded machine (a clean-clone CI run) the second job's worker came up after the first had
+        # run all four tasks
+        while until_both and len(list(marks.iterdir())) < 2 and time.time() - start < 60:
+            time.sleep(0.1)
         time.sleep(1.5)
         alloc = current_allocation()
         return {"pid": os.getpid(), "devices": alloc.device_keys, "emulated": alloc.emulated}
@@ -83,7 +93,7 @@ def test_provision_scale_up_scale_to_zero_and_reprovision(prefect_server, no_lea
     @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
     def queued() -> dict:
         runner = FlowRunContext.get().task_runner
-        first = [f.result() for f in [train.submit(i) for i in range(4)]]
+        first = [f.result() for f in [train.submit(i, until_both=True) for i in range(4)]]
         deadline = time.monotonic() + 30
         while not runner.ledger and time.monotonic() < deadline:
             time.sleep(0.2)
