@@ -25,7 +25,7 @@ from gpu_tasks.profiles import ResourceProfile
 def new_cluster(
     profile: ResourceProfile,
     *,
-    inventory: Inventory,
+    inventory: Callable[[], Inventory],
     worker_env: dict[str, str],
     provision_timeout: float,
     dashboard: bool,
@@ -36,15 +36,15 @@ def new_cluster(
 ) -> ProfileCluster:
     """The cluster of ``profile`` in one flow run (not started: ``start`` provisions it).
 
-    ``inventory``: the devices a local GPU profile may lease (empty for the others: the caller
-    discovers devices only for a profile that uses them). ``on_board``: called with
+    ``inventory``: this host's devices, asked for only by a local GPU profile (discovering them
+    costs NVML's start; the other kinds get none). ``on_board``: called with
     ``("preempting" | "preempted", info)`` when an ``address`` GPU profile's entry on its shared
     scheduler's board goes up or it interrupts tasks for another's.
     """
     if profile.is_local:
         return ProfileCluster(
             profile,
-            inventory,
+            inventory() if profile.is_gpu else Inventory(),
             worker_env,
             provision_timeout,
             dashboard=dashboard,

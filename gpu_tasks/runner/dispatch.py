@@ -179,8 +179,7 @@ class Dispatcher:
         live, st, prof = self.live, job.st, job.profile
         parameters = futures_to_states(job.parameters)
         wait_for = futures_to_states(list(job.wait_for)) if job.wait_for else None
-        if prof.address is not None and prof.is_gpu:
-            st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))
+        st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))  # a shared scheduler's waiters
         if prof.quota is not None and not prof.is_local and job.quota_lease is None:
             self._take_quota(job)
         if st.outbox and self.may_provision(st):

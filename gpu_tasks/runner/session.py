@@ -159,7 +159,7 @@ class Live:
                 timeout = prof.idle_timeout if prof.idle_timeout is not None else self.idle_timeout
                 cluster = new_cluster(
                     prof,
-                    inventory=self.inventory if prof.is_local and prof.is_gpu else Inventory(),
+                    inventory=lambda: self.inventory,
                     worker_env=self.worker_env or {},
                     provision_timeout=self.settings.provision_timeout,
                     dashboard=self.settings.dashboard,
