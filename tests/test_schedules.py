@@ -63,7 +63,7 @@ FLOW_SCRIPT = textwrap.dedent(
 
     if __name__ == "__main__":
         scheduled_gpu.serve(
-            name=sys.argv[1], interval=int(sys.argv[2]), **deployment_info(scheduled_gpu).kwargs()
+            name=sys.argv[1], interval=int(sys.argv[2]), limit=1, **deployment_info(scheduled_gpu).kwargs()
         )
     """
 )
@@ -177,8 +177,9 @@ def _serve_env(server: Server, data_dir: Path) -> dict[str, str]:
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         # the served runner asks for scheduled runs this often (Prefect's default: 10 s)
         PREFECT_RUNNER_POLL_FREQUENCY="2",
-        # one flow run at a time (Prefect's default: 5): on a loaded 2-core machine overlapping runs
-        # each took minutes and too few completed in time; late runs still run, one after another
+        # one flow run at a time, as Prefect 3.8's runner reads it (3.9's serve ignores the setting:
+        # serve's limit=1 and `gpu-tasks serve --process-limit 1` say it there); on a loaded 2-core
+        # machine overlapping runs each took minutes and too few completed in time
         PREFECT_RUNNER_PROCESS_LIMIT="1",
         GPU_TASKS_EMULATED_GPUS="1",
         GPU_TASKS_DATA_DIR=str(data_dir),
@@ -328,6 +329,8 @@ def test_gpu_tasks_serve_with_a_cron_gets_scheduled_runs_that_complete(server: S
             "15000",
             "--rounds",
             "3",
+            "--process-limit",
+            "1",
         ],
         env=_serve_env(server, tmp_path),
         cwd=tmp_path,

@@ -81,7 +81,12 @@ def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Pat
 
 @pytest.mark.parametrize(
     ("args", "needle"),
-    [(["--cron", "bogus"], "--cron"), (["--scale", "0"], "--scale"), (["--rounds", "0"], "--rounds")],
+    [
+        (["--cron", "bogus"], "--cron"),
+        (["--scale", "0"], "--scale"),
+        (["--rounds", "0"], "--rounds"),
+        (["--process-limit", "0"], "--process-limit"),
+    ],
 )
 def test_serve_rejects_bad_input(args, needle, monkeypatch):
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")

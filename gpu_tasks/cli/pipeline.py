@@ -213,12 +213,22 @@ def serve(
         int | None, typer.Option(help="Default flight limit of scheduled runs (smoke runs).")
     ] = None,
     emulate: EmulateOption = None,
+    process_limit: Annotated[
+        int | None,
+        typer.Option(
+            "--process-limit",
+            help="Flow runs served at once (Prefect's runner: unlimited on 3.9, PREFECT_RUNNER_PROCESS_LIMIT "
+            "on 3.8); 1 runs late runs one after another.",
+        ),
+    ] = None,
 ) -> None:
     """Register the deployment with its schedule and run its flow runs until Ctrl-C."""
     from prefect.deployments.runner import EntrypointType  # type: ignore[attr-defined]  # re-exported
     from prefect.settings import get_current_settings
 
     _pipeline_options("serve", scale, rounds, limit)
+    if process_limit is not None and process_limit < 1:
+        fail(f"--process-limit must be at least 1, got {process_limit}")
     if not get_current_settings().api.url:
         fail(
             "PREFECT_API_URL is not set: start a server with `prefect server start --host 127.0.0.1` "
@@ -249,4 +259,5 @@ def serve(
     )
     from prefect import serve as prefect_serve
 
-    prefect_serve(deployment)  # type: ignore[arg-type]  # to_deployment is sync here, outside an event loop
+    limits = {"limit": process_limit} if process_limit is not None else {}
+    prefect_serve(deployment, **limits)  # type: ignore[arg-type]  # to_deployment is sync here, outside an event loop
