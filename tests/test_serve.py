@@ -89,6 +89,11 @@ def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Pat
     ],
 )
 def test_serve_rejects_bad_input(args, needle, monkeypatch):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    # Prefect's settings context, not only the environment: in a test process without the session's
+    # server (this test run alone) the context built at import has no API URL
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
-    result = CliRunner().invoke(app, ["serve", *args])
+    with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
+        result = CliRunner().invoke(app, ["serve", *args])
     assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.stderr
