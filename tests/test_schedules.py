@@ -289,61 +289,38 @@ def _gpu_task_runs(server: Server, flow_run_ids: list[str], per_run: int, timeou
         time.sleep(0.5)
 
 
+def _serve_and_check(server: Server, tmp_path: Path, name: str, command: list[str], gpu_per_run: int) -> None:
+    """Run ``command`` (a serving process) until two runs the scheduler created completed, each with
+    ``gpu_per_run`` GPU task runs Completed; then Ctrl-C it (:func:`_check_stops_cleanly`)."""
+    out = tmp_path / "serve.log"
+    proc = subprocess.Popen(
+        command,
+        env=_serve_env(server, tmp_path),
+        cwd=tmp_path,
+        stdout=out.open("w"),
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        done = _completed_scheduled_runs(server, name, want=2, timeout=300)
+        assert all(r["auto_scheduled"] for r in done), done
+        gpu = _gpu_task_runs(server, [r["id"] for r in done], per_run=gpu_per_run)
+        assert len(gpu) >= 2 * gpu_per_run and all(t["state_type"] == "COMPLETED" for t in gpu), gpu
+        _check_stops_cleanly(proc, out)
+    finally:
+        _kill_group(proc.pid)
+
+
 def test_a_served_flow_with_an_interval_gets_scheduled_runs_that_complete(server: Server, tmp_path: Path):
     script = tmp_path / "scheduled_flow.py"
     script.write_text(FLOW_SCRIPT)
     name = f"interval-{os.getpid()}"
-    out = tmp_path / "serve.log"
-    proc = subprocess.Popen(
-        [sys.executable, str(script), name, "10"],
-        env=_serve_env(server, tmp_path),
-        cwd=tmp_path,
-        stdout=out.open("w"),
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        done = _completed_scheduled_runs(server, name, want=2, timeout=300)
-        assert all(r["auto_scheduled"] for r in done), done
-        gpu = _gpu_task_runs(server, [r["id"] for r in done], per_run=1)
-        assert len(gpu) >= 2 and all(t["state_type"] == "COMPLETED" for t in gpu), gpu
-        _check_stops_cleanly(proc, out)
-    finally:
-        _kill_group(proc.pid)
+    _serve_and_check(server, tmp_path, name, [sys.executable, str(script), name, "10"], gpu_per_run=1)
 
 
 def test_gpu_tasks_serve_with_a_cron_gets_scheduled_runs_that_complete(server: Server, tmp_path: Path):
     name = f"cron-{os.getpid()}"
-    out = tmp_path / "serve.log"
-    proc = subprocess.Popen(
-        # six fields: croniter reads the sixth as seconds (every 15 s), so two runs come within a minute
-        [
-            str(GPU_TASKS),
-            "serve",
-            "--name",
-            name,
-            "--cron",
-            "* * * * * */15",
-            "--limit",
-            "15000",
-            "--rounds",
-            "3",
-            "--process-limit",
-            "1",
-        ],
-        env=_serve_env(server, tmp_path),
-        cwd=tmp_path,
-        stdout=out.open("w"),
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        done = _completed_scheduled_runs(server, name, want=2, timeout=300)
-        assert all(r["auto_scheduled"] for r in done), done
-        gpu = _gpu_task_runs(server, [r["id"] for r in done], per_run=2)  # ETL and train
-        assert {t["state_type"] for t in gpu} == {"COMPLETED"} and len(gpu) >= 4, gpu
-        _check_stops_cleanly(proc, out)
-    finally:
-        _kill_group(proc.pid)
+    # six fields: croniter reads the sixth as seconds (every 15 s), so two runs come within a minute
+    cron = ["--cron", "* * * * * */15", "--limit", "15000", "--rounds", "3", "--process-limit", "1"]
+    _serve_and_check(server, tmp_path, name, [str(GPU_TASKS), "serve", "--name", name, *cron], gpu_per_run=2)
