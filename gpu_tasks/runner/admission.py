@@ -31,7 +31,7 @@ from gpu_tasks.prefect_api import quotas
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.states import await_retry, read_task_run
 from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
-from gpu_tasks.runner.job import Job
+from gpu_tasks.runner.job import Counted, Job
 from gpu_tasks.runner.results import Finish
 from gpu_tasks.runner.session import Live
 from gpu_tasks.worker.engine import run_engine
@@ -175,15 +175,17 @@ class Admission:
         self.live = live
         self._finish = finish
 
-    def admit(self, job: Job, then: Callable[[], Any]) -> None:
-        """Call ``then()`` (which dispatches ``job``) once nothing but devices stands in its way.
+    def admit(self, job: Job) -> None:
+        """Dispatch ``job`` (:meth:`~gpu_tasks.runner.job.Job.dispatch`) once nothing but devices
+        stands in its way.
 
         A GPU task first looks for its cached result (found, it runs in the flow process and
-        never reaches ``then``) and takes its Prefect tag concurrency slots
+        is never dispatched) and takes its Prefect tag concurrency slots
         (:mod:`gpu_tasks.prefect_api.tag_slots`), so that neither ever holds a device. The common
         case (no cache policy, tags without limits) costs a few attribute reads and one cached
         answer. CPU tasks go on at once.
         """
+        then = job.dispatch
         if not job.profile.is_gpu:
             then()
             return
@@ -223,20 +225,20 @@ class Admission:
             then()  # the common case: no limit on these tags, nothing to take or wait for
             return
         st = job.st
-        st.count(waiting_for_slots=1)
+        st.post(Counted(waiting_for_slots=1))
 
         def ready(hold: Hold) -> None:  # on the gate's callback thread
-            st.count(waiting_for_slots=-1)
+            st.post(Counted(waiting_for_slots=-1))
             self._slots_taken(job, hold, then)
 
         def failed(exc: BaseException) -> None:
-            st.count(waiting_for_slots=-1)
+            st.post(Counted(waiting_for_slots=-1))
             job.off_thread(self._slots_failed, job, exc, name=f"gpu-tasks-slots-{job.profile.name}")
 
         try:
             job.hold = self.live.gate.take(names, job.task_run_id, job.ctx, ready, failed)
         except BaseException:
-            st.count(waiting_for_slots=-1)
+            st.post(Counted(waiting_for_slots=-1))
             raise
 
     def _slots_taken(self, job: Job, hold: Hold, then: Callable[[], Any]) -> None:
@@ -315,7 +317,7 @@ class Admission:
             )
             then()
             return
-        job.st.count(cache_hits=1)
+        job.st.post(Counted(cache_hits=1))
         job.say(
             logging.INFO,
             "Task %r: result found in Prefect's cache (key %s); read in the flow process, no device "

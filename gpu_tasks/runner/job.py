@@ -1,11 +1,18 @@
-"""One profile's book-keeping in an entered runner (:class:`ProfileState`) and one submitted task
-from submit to its final state (:class:`Job`): each field of a task's state has one writer, the
-job's own methods or the one step of its path named beside the field."""
+"""One profile's state and inbox in an entered runner (:class:`ProfileState`), the events its
+controller receives, and one submitted task from submit to its final state (:class:`Job`).
+
+A profile's state has one writer: its controller (:mod:`gpu_tasks.runner.controller`), one thread
+that takes the events below from the profile's inbox in the order they were posted. Any thread
+posts (the flow thread, the results thread, Dask's callback thread, a recovery's thread, the idle
+monitor, another profile waiting for devices); posting never waits.
+"""
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextvars
+import logging
 import threading
 import time
 import uuid
@@ -20,6 +27,8 @@ from gpu_tasks.policy import IdleView
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.logs import flow_logger
 
+logger = logging.getLogger("gpu_tasks.runner")
+
 
 class LostWorker(NamedTuple):
     """A profile's worker that died or was lost, as its crash reports name it."""
@@ -33,75 +42,205 @@ class LostWorker(NamedTuple):
 NO_WORKER = LostWorker("", (), None, None)
 
 
-class ProfileState:
-    """Book-keeping for one profile within one entered runner.
+# ---------------------------------------------------------------- events
+class Arrived(NamedTuple):
+    """A task of the profile was submitted, or moved here (``on_oom``)."""
 
-    ``outstanding`` counts tasks submitted and not finished (waiting on upstream or for
-    Prefect tag slots, queued or running); ``dispatched`` those handed to the cluster;
-    ``waiting_for_slots`` those waiting for tag slots now, which hold no device and do not
-    keep a cluster from idling out. They change only through the methods below (and
-    :meth:`gpu_tasks.runner.session.Live.running` / ``landed`` for ``dispatched``), under
-    ``counts_lock``, a lock no one holds while waiting. ``lock`` is the cluster's: held while its
-    workers start, grow, close or retire, devices awaited included. A submit, a finish or a landed
-    result never takes it, so none waits for a device or a cluster start (an arrival during an idle
-    close is dispatched after it and provisions again).
+
+class Dispatch(NamedTuple):
+    """``job`` is admitted (upstream done, tag slots held): provision, then hand it to the cluster."""
+
+    job: Job
+
+
+class Landed(NamedTuple):
+    """``job``'s hand-off came back, finished or not: it no longer runs on the cluster."""
+
+    job: Job
+
+
+class Left(NamedTuple):
+    """``job`` ended (its future is resolved); ``dispatched``: it was on the cluster until now."""
+
+    job: Job
+    dispatched: bool
+
+
+class Counted(NamedTuple):
+    """A task began (+1) or ended (-1) waiting for tag slots; a cached result was read."""
+
+    waiting_for_slots: int = 0
+    cache_hits: int = 0
+
+
+class WorkerDied(NamedTuple):
+    """The worker running ``job`` died (or was lost with its cluster): ``exc`` says how."""
+
+    job: Job
+    exc: BaseException
+
+
+class OutOfMemory(NamedTuple):
+    """``job`` failed out of GPU memory: it runs once more on its profile's ``on_oom`` profile."""
+
+    job: Job
+    why: str
+
+
+class Requeue(NamedTuple):
+    """``job`` was interrupted on a shared scheduler for a waiter: it is reported and queued again."""
+
+    job: Job
+    reason: str
+    by: dict[str, Any]
+
+
+class Preempt(NamedTuple):
+    """A higher-priority waiter is due the devices at ``addresses``: stop the workers on them."""
+
+    addresses: list[str]
+    waiter: dict[str, Any]
+
+
+class Board(NamedTuple):
+    """The profile's shared scheduler preempted for it (``preempting``) or interrupted its tasks."""
+
+    what: str
+    info: dict[str, Any]
+
+
+class Tick(NamedTuple):
+    """The idle monitor's beat: retire lost workers, close the cluster when idle."""
+
+
+class Reclaim(NamedTuple):
+    """Profile ``by`` waits for devices among ``wanted``: give them back now if idle."""
+
+    wanted: frozenset[str]
+    by: str
+
+
+Event = (
+    Arrived
+    | Dispatch
+    | Landed
+    | Left
+    | Counted
+    | WorkerDied
+    | OutOfMemory
+    | Requeue
+    | Preempt
+    | Board
+    | Tick
+    | Reclaim
+)
+# events of which one queued is enough (the monitor and a device waiter post them again and again)
+COALESCED = (Tick, Reclaim, Preempt)
+# a controller: handles one event; ``more``: others are queued behind it
+Handler = Callable[[Event, bool], None]
+
+
+class ProfileState:
+    """One profile's runtime state within one entered runner, and its controller's inbox.
+
+    Every field below is written by the controller thread alone (``handle``, built from this
+    state by ``controller(self)``), which takes the inbox's events one at a time. Other threads
+    read fields for reports (``status()``) and :meth:`post` events. The controller's thread
+    starts with the first event; :meth:`close` stops it once the queued events are handled.
+
+    ``outstanding`` counts tasks submitted and not finished (waiting on upstream or for tag
+    slots, queued or running); ``dispatched`` those handed to the cluster (``inflight`` by task
+    run id); ``waiting_for_slots`` those waiting for tag slots now, which hold no device and do
+    not keep a cluster from idling out.
     """
 
-    def __init__(self, cluster: ProfileCluster, idle_timeout: float):
+    def __init__(
+        self, cluster: ProfileCluster, idle_timeout: float, controller: Callable[[ProfileState], Handler]
+    ) -> None:
         self.cluster = cluster
         self.idle_timeout = idle_timeout
-        self.lock = threading.RLock()
-        self.counts_lock = threading.Lock()
         self.outstanding = 0
         self.dispatched = 0
         self.waiting_for_slots = 0
         self.cache_hits = 0  # tasks whose result Prefect had cached: run in the flow process, no device
         self.idle_since: float | None = None
         self.ever_provisioned = False
+        self.inflight: dict[uuid.UUID, Job] = {}  # handed to the cluster, no final state yet
         # when its cluster last failed to start, and why: a remote profile's tasks submitted before
-        # then fail with it at once instead of trying again (gpu_tasks.runner.dispatch)
+        # then fail with it at once instead of trying again (gpu_tasks.runner.controller)
         self.start_failed: tuple[float, Exception] | None = None
-        # GPU profiles dispatch on a thread of their own: waiting for devices another
-        # profile holds must block neither the flow nor other profiles' dispatch.
-        self.dispatcher: concurrent.futures.ThreadPoolExecutor | None = (
-            concurrent.futures.ThreadPoolExecutor(
-                max_workers=1, thread_name_prefix=f"gpu-tasks-{cluster.profile.name}"
-            )
-            if cluster.profile.is_gpu
-            else None
-        )
-        # hand-offs made on that thread and not yet sent to the cluster, and dispatches queued for
-        # it: the thread sends its hand-offs as one batch when none is left (gpu_tasks.runner.dispatch)
+        # hand-offs not yet sent to the cluster: sent as one graph when the inbox is empty
         self.outbox: list[tuple[Job, int, tuple[Any, ...]]] = []
-        self.queued = 0  # under counts_lock
+        # the last worker found dead or lost: the crash reports of the tasks lost with it name it
+        self.last_lost: LostWorker | None = None
+        self._inbox: collections.deque[Event] = collections.deque()
+        self._queued: set[type] = set()  # coalesced kinds in the inbox now
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self.closing = False
+        self._ctx = contextvars.copy_context()  # the flow run's, as when the profile's first task came
+        self._handle = controller(self)
 
-    def arrive(self) -> None:
-        """A task of this profile was submitted (or moved here)."""
-        with self.counts_lock:
-            self.outstanding += 1
-            self._active_changed()
+    @property
+    def profile(self) -> ResourceProfile:
+        return self.cluster.profile
 
-    def leave(self, dispatched: bool = False) -> None:
-        """A task of this profile finished (or moved away).
+    # ------------------------------------------------------------ inbox
+    def post(self, event: Event) -> bool:
+        """Queue ``event`` for the controller (never waits); ``False`` once the profile is closed."""
+        with self._cv:
+            if self.closing:
+                return False
+            kind = type(event)
+            if kind in COALESCED:
+                if kind in self._queued:
+                    return True
+                self._queued.add(kind)
+            self._inbox.append(event)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._ctx.copy().run,
+                    args=(self._run,),
+                    name=f"gpu-tasks-{self.profile.name}",
+                    daemon=True,
+                )
+                self._thread.start()
+            self._cv.notify()
+        return True
 
-        Args:
-            dispatched: it had been handed to the cluster.
-        """
-        with self.counts_lock:
-            self.outstanding -= 1
-            if dispatched:
-                self.dispatched -= 1
-            self._active_changed()
+    def close(self) -> None:
+        """Take no more events; wait until the controller handled those queued (a device wait in
+        progress ends with the runner's stop)."""
+        with self._cv:
+            self.closing = True
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
 
-    def count(self, waiting_for_slots: int = 0, cache_hits: int = 0) -> None:
-        """A task began (+1) or ended (-1) waiting for tag slots; a task's result came from the cache."""
-        with self.counts_lock:
-            self.waiting_for_slots += waiting_for_slots
-            self.cache_hits += cache_hits
-            self._active_changed()
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._inbox and not self.closing:
+                    self._cv.wait()
+                if not self._inbox:
+                    return
+                event = self._inbox.popleft()
+                self._queued.discard(type(event))
+                more = bool(self._inbox)
+            try:
+                self._handle(event, more)
+            except BaseException:  # the controller resolves its own futures; it never stops early
+                logger.warning(
+                    "gpu-tasks: profile %r could not handle %s",
+                    self.profile.name,
+                    type(event).__name__,
+                    exc_info=True,
+                )
 
-    def _active_changed(self) -> None:
-        # idle from the moment nothing but slot waits is outstanding (call under counts_lock)
+    # ------------------------------------------------------------ counts (controller only)
+    def active_changed(self) -> None:
+        """Idle from the moment nothing but slot waits is outstanding."""
         if self.outstanding - self.waiting_for_slots > 0:
             self.idle_since = None
         elif self.idle_since is None:
@@ -109,9 +248,8 @@ class ProfileState:
 
     def idle_view(self) -> IdleView:
         """What the idle policy needs to decide (a task waiting for tag slots is not work)."""
-        with self.counts_lock:
-            active = self.outstanding - self.waiting_for_slots
-            return IdleView(self.cluster.running, active, self.idle_since, self.idle_timeout)
+        active = self.outstanding - self.waiting_for_slots
+        return IdleView(self.cluster.running, active, self.idle_since, self.idle_timeout)
 
 
 @dataclass(eq=False)
@@ -167,6 +305,12 @@ class Job:
         """Seconds it waited for tag slots, once: a re-run reports none."""
         waited, self.slot_waited = self.slot_waited, 0.0
         return waited
+
+    def dispatch(self) -> None:
+        """Ask its profile's controller to run it (its upstream is done, it was admitted); once the
+        runner closes, its future resolves with that error instead."""
+        if not self.st.post(Dispatch(self)) and not self.cf.done():
+            self.cf.set_exception(RuntimeError("the task runner is shutting down"))
 
     def disown(self) -> None:
         """What its current hand-off reports is not its outcome (it was preempted and runs again)."""

@@ -3,23 +3,23 @@
 A task that ran out of memory is re-run once on its profile's ``on_oom`` profile; a task
 stopped for a higher-priority waiter is reported ``Preempted`` and queued again without
 using a retry; a dead worker is reported ``Crashed`` and its task re-run on a new worker
-while it has retries. Each re-run is a dispatch (:meth:`gpu_tasks.runner.dispatch.Dispatcher.dispatch`),
-which :class:`Recovery` is given as a callback.
+while it has retries. Its profile's controller (:mod:`gpu_tasks.runner.controller`) did the
+cluster's part (the task landed, the dead worker retired) and calls these on a thread of their
+own, as they wait on the Prefect API; a re-run is a :class:`~gpu_tasks.runner.job.Dispatch`
+event again (:meth:`~gpu_tasks.runner.job.Job.dispatch`).
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
 from typing import Any
 
 from gpu_tasks.policy import crash_retry
-from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.prefect_api.states import await_retry, crash_task_run, preempt_task_run, read_task_run
 from gpu_tasks.profiles import profile
+from gpu_tasks.reporting.ledger import LedgerRow
 from gpu_tasks.reporting.logs import flow_logger
-from gpu_tasks.runner.job import NO_WORKER, Job, LostWorker, ProfileState
+from gpu_tasks.runner.job import Arrived, Job, Left, LostWorker
 from gpu_tasks.runner.results import Finish
 from gpu_tasks.runner.session import Live
 
@@ -29,22 +29,16 @@ ESCALATED_TAG = "gpu-tasks:on-oom"
 
 
 class Recovery:
-    """Runs again the tasks whose hand-off went wrong, or ends them.
+    """Runs again the tasks whose hand-off went wrong, or ends them (each on a thread of its own).
 
     Args:
         live: the entered runner's session.
         finish: resolves a task's future (:class:`gpu_tasks.runner.results.Finish`).
-        redispatch: dispatches a task again, as the same task run
-            (:meth:`gpu_tasks.runner.dispatch.Dispatcher.dispatch`).
     """
 
-    def __init__(self, live: Live, finish: Finish, redispatch: Callable[[Job], None]) -> None:
+    def __init__(self, live: Live, finish: Finish) -> None:
         self.live = live
         self._finish = finish
-        self._redispatch = redispatch
-        # profile -> (worker name, devices, how it ended) of its last dead worker: the tasks that were
-        # lost with it (their futures cancelled when the first report closed its cluster) name it too
-        self._last_death: dict[str, LostWorker] = {}
 
     # ------------------------------------------------------------ out of memory
     def escalate(self, job: Job, task_run: Any, why: str) -> None:
@@ -68,8 +62,8 @@ class Recovery:
                 job.task_run_id, job.task, live.flow_run_id, set(job.task.tags), wait=2.0
             )
         old, new = job.st, live.state(target)
-        old.leave()
-        new.arrive()
+        old.post(Left(job, dispatched=False))
+        new.post(Arrived())
         job.st = new
         job.extra_tags = [profile(target.name), ESCALATED_TAG]
         job.escalated_from = source.name
@@ -86,59 +80,9 @@ class Recovery:
         live.emit_task(
             "escalated", job, {"from_profile": source.name, "to_profile": target.name, "reason": why}
         )
-        self._redispatch(job)
+        job.dispatch()
 
     # ------------------------------------------------------------ preemption
-    def preempt(self, st: ProfileState, addresses: list[str], waiter: dict[str, Any]) -> None:
-        """Stop ``st``'s workers on ``addresses`` for ``waiter``; re-queue the tasks they ran.
-
-        Runs on a thread of its own (gpu_tasks.runner.session checks the queue). The tasks end
-        ``Preempted`` and are dispatched again, as the same task runs with their retries
-        intact; they wait for devices like any task of the profile (without
-        ``GPU_TASKS_LEASE_TIMEOUT``).
-        """
-        live = self.live
-        waited = time.time() - float(waiter["arrived"])
-        reason = f"preempted by {describe_waiter(waiter)}, waiting {waited:.1f}s"
-        by = {
-            k: waiter.get(k)
-            for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "arrived")
-        }
-        with st.lock:
-            cluster = st.cluster
-            names = cluster.workers_on(addresses)
-            if not cluster.running or not names:
-                return
-            jobs = [j for j in live.inflight.values() if j.st is st]
-            keys = None if cluster.whole_stop(names) else cluster.running_keys(names)
-            if keys is None:  # the whole cluster stops (or Dask cannot tell which ran where)
-                names = [s.name for s in cluster.specs]
-            else:
-                jobs = [j for j in jobs if j.key in keys]
-            for j in jobs:
-                j.disown()  # what its worker reports now is not its outcome
-                live.landed(j)
-            logger.warning(
-                "profile %r: stopping worker(s) %s on device(s) %s, %d task(s) re-queued: %s",
-                cluster.profile.name,
-                ", ".join(names),
-                ",".join(addresses),
-                len(jobs),
-                reason,
-            )
-            try:
-                rows = cluster.stop_workers(names, reason)
-            except Exception:  # its tasks are re-queued whatever happens: stop it all instead
-                logger.warning(
-                    "profile %r: could not stop workers %s", cluster.profile.name, names, exc_info=True
-                )
-                whole = cluster.close(reason, hurry=True)
-                rows = [whole] if whole is not None else []
-            for row in rows:
-                live.gave_back(st, row, "preempted", {"by": dict(by, waited_s=round(waited, 3))})
-        for j in jobs:
-            j.off_thread(self.requeue, j, reason, by, name=f"gpu-tasks-requeue-{j.profile.name}")
-
     def requeue(self, job: Job, reason: str, by: dict[str, Any]) -> None:
         """Report ``job`` ``Preempted`` and dispatch it again (devices permitting)."""
         try:
@@ -163,13 +107,14 @@ class Recovery:
             logger.warning("gpu-tasks: could not re-queue a preempted task", exc_info=True)
             self._finish(job, exc=err)
             return
-        self._redispatch(job)
+        job.dispatch()
 
     # ------------------------------------------------------------ dead workers
-    def worker_died(self, job: Job, exc: BaseException) -> None:
-        """The worker running ``job`` died: report the crash, give its devices back, retry if allowed."""
+    def worker_died(self, job: Job, lost: LostWorker, how: str, row: LedgerRow | None) -> None:
+        """The worker running ``job`` died (``lost``, ``how``; ``row``: its ledger row when this report
+        retired it): report the crash, then retry ``job`` if allowed; whatever fails, its future resolves."""
         try:
-            retry = self._report_worker_death(job, exc)
+            retry = self._report_worker_death(job, lost, how, row)
         except BaseException as err:  # never leave the future unresolved
             logger.warning("gpu-tasks: error while handling a dead worker", exc_info=True)
             self._finish(job, exc=err)
@@ -180,43 +125,14 @@ class Recovery:
         if self.live.stop.wait(delay):
             self._finish(job, result=state)
             return
-        self._redispatch(job)
+        job.dispatch()
 
-    def _report_worker_death(self, job: Job, exc: BaseException) -> tuple[float, Any] | None:
+    def _report_worker_death(
+        self, job: Job, lost: LostWorker, how: str, row: LedgerRow | None
+    ) -> tuple[float, Any] | None:
         """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried."""
-        from gpu_tasks.worker.exits import worker_exit  # imports distributed: only once a worker died
-
         live, st, prof = self.live, job.st, job.profile
-        ws = getattr(exc, "last_worker", None)
-        if ws is None:  # lost with its cluster (closed when its last worker died), no worker named
-            name, devices, ended, address = (
-                self._last_death.get(prof.name) or live.lost.get(prof.name) or NO_WORKER
-            )
-            how = ended.describe() if ended else f"was lost ({type(exc).__name__}: {exc})"
-            row = None
-            with st.lock:
-                live.landed(job)  # nothing to retire: the first report did, a retry may run already
-        else:
-            name = str(getattr(ws, "name", "") or "")
-            address = getattr(ws, "address", None)
-            ended = worker_exit(address) if address else None
-            how = ended.describe() if ended else "died"
-            with st.lock:
-                known = self._last_death.get(prof.name)
-                lost = live.lost.get(prof.name)
-                # retired already: its replacement may have its name (the name comes from its devices)
-                row = None
-                if known is not None and known.address == address:  # another of its tasks
-                    devices = known.devices
-                elif lost is not None and lost.address == address:  # found lost by the idle monitor
-                    devices = lost.devices
-                    self._last_death[prof.name] = lost
-                else:
-                    devices = tuple(st.cluster.worker_devices(name) or st.cluster.devices)
-                    self._last_death[prof.name] = LostWorker(name, devices, ended, address)
-                    row = st.cluster.retire(name, f"worker crashed: {how}")
-                live.landed(job)
-                live.refill(st)  # a new worker for the tasks still queued on the workers left
+        name, devices, ended, address = lost
         where = f"device(s) {','.join(devices)}" if devices else ("unknown devices" if prof.is_gpu else "CPU")
         if st.cluster.emulated:
             where += " (emulated)"

@@ -14,6 +14,7 @@ scheduler). :class:`Finish` resolves a task's future once and gives back what it
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from typing import Any
 from gpu_tasks.errors import GpuOutOfMemoryError
 from gpu_tasks.preemption import PreemptedRun, describe_waiter
 from gpu_tasks.prefect_api.states import fail_task_run
-from gpu_tasks.runner.job import Job
+from gpu_tasks.runner.job import Job, Left, OutOfMemory, Requeue, WorkerDied
 from gpu_tasks.runner.session import Live
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -134,6 +135,17 @@ def _is_worker_death(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and str(exc) == "IOLoop is closed"
 
 
+def resolve(cf: concurrent.futures.Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
+    """Resolve ``cf`` with ``result`` (or ``exc``) unless it is resolved already."""
+    try:
+        if exc is not None:
+            cf.set_exception(exc)
+        else:
+            cf.set_result(result)
+    except concurrent.futures.InvalidStateError:
+        pass
+
+
 class Finish:
     """``finish(job, result=..., exc=..., dispatched=...)``: resolve ``job``'s future with its final
     state (or ``exc``) and account for it; its tag slots and quota slots go back.
@@ -150,19 +162,11 @@ class Finish:
     def __call__(
         self, job: Job, result: Any = None, exc: BaseException | None = None, dispatched: bool = False
     ) -> None:
-        st, cf = job.st, job.cf
         if job.hold is not None:
             self.live.gate.release(job.hold)
         self._release_quota(job)
-        if dispatched:
-            self.live.landed(job)
-        st.leave()  # neither takes the profile's lock: a finish never waits on a provisioning
-        if cf.done():
-            return
-        if exc is not None:
-            cf.set_exception(exc)
-        else:
-            cf.set_result(result)
+        job.st.post(Left(job, dispatched))  # its controller counts it; the future does not wait for that
+        resolve(job.cf, result, exc)
 
     def fail(self, job: Job, exc: BaseException, dispatched: bool = False) -> None:
         """End ``job`` as if its task had raised ``exc``: a Failed task run, so ``wait()`` returns and
@@ -182,37 +186,24 @@ class Finish:
 
 
 class Results:
-    """Where a task's hand-off to its cluster ends: its final state, or its recovery.
+    """Where a task's hand-off to its cluster ends: its final state, or an event for its profile's
+    controller (:mod:`gpu_tasks.runner.controller`) when it must run again: its worker died, it ran
+    out of memory (``on_oom``), or a shared scheduler preempted it.
 
     Args:
         live: the entered runner's session.
         landings: fetches a local cluster's finished results in batches (its items: ``hand_to``).
         release_quota: gives back a task's quota slots once its hand-off ended.
         finish: resolves a task's future (:class:`Finish`).
-        worker_died: ``(job, exc)``, the worker running ``job`` died (on a thread of its own).
-        out_of_memory: ``(job, task_run, why)``, ``job`` failed out of memory and runs on its
-            profile's ``on_oom`` profile (on a thread of its own).
-        preempted: ``(job, reason, by)``, ``job`` was interrupted on a shared scheduler for a waiter
-            and is queued again (on a thread of its own).
     """
 
     def __init__(
-        self,
-        live: Live,
-        landings: Landings,
-        release_quota: Callable[[Job], None],
-        finish: Finish,
-        worker_died: Callable[[Job, BaseException], None],
-        out_of_memory: Callable[[Job, Any, str], None],
-        preempted: Callable[[Job, str, dict[str, Any]], None],
+        self, live: Live, landings: Landings, release_quota: Callable[[Job], None], finish: Finish
     ) -> None:
         self.live = live
         self._landings = landings
         self._release_quota = release_quota
         self._finish = finish
-        self._worker_died = worker_died
-        self._out_of_memory = out_of_memory
-        self._preempted = preempted
 
     def on_done(self, job: Job, attempt: int, dfut: Any) -> None:
         """On Dask's callback thread (one per process): a local cluster's finished task has its
@@ -243,19 +234,19 @@ class Results:
                 raise error
             state, start, end, wkey = value
         except BaseException as exc:
-            if _is_worker_death(exc) and not live.stop.is_set():
-                # off Dask's callback thread: reporting may wait on the server, a retry on devices
-                job.off_thread(self._worker_died, job, exc, name=f"gpu-tasks-crash-{job.profile.name}")
+            if _is_worker_death(exc) and not live.stop.is_set() and job.st.post(WorkerDied(job, exc)):
                 return
             self._finish(job, exc=exc, dispatched=True)
             return
         job.st.cluster.record(wkey, start, end)
         if isinstance(state, PreemptedRun):  # interrupted on a shared scheduler for a waiter
             by = job.st.cluster.preempted_by(job.key)
-            live.landed(job)
             reason = f"preempted by {describe_waiter(by)}, queued {float(by.get('waited_s') or 0):.1f}s"
             fields = {k: by.get(k) for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority")}
-            job.off_thread(self._preempted, job, reason, fields, name=f"gpu-tasks-requeue-{job.profile.name}")
+            if not job.st.post(Requeue(job, reason, fields)):
+                self._finish(
+                    job, exc=RuntimeError(f"the task runner is shutting down; {reason}"), dispatched=True
+                )
             return
         prof = job.profile
         if (
@@ -264,14 +255,7 @@ class Results:
             and state.is_failed()
             and GpuOutOfMemoryError.__name__ in (state.message or "")
             and not live.stop.is_set()
+            and job.st.post(OutOfMemory(job, state.message or "out of memory"))
         ):
-            live.landed(job)
-            job.off_thread(
-                self._out_of_memory,
-                job,
-                None,
-                state.message or "out of memory",
-                name=f"gpu-tasks-oom-{prof.name}",
-            )
             return
         self._finish(job, result=state, dispatched=True)

@@ -13,7 +13,6 @@ import contextvars
 import logging
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -26,7 +25,7 @@ from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Inventory, discover
 from gpu_tasks.devices.measure import Sampler
-from gpu_tasks.policy import bound_at_most, close_reason
+from gpu_tasks.policy import bound_at_most
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
 from gpu_tasks.prefect_api.states import api_unreachable
 from gpu_tasks.prefect_api.tag_answers import start_renewing
@@ -35,20 +34,13 @@ from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.events import RunRef, emit_cluster_event, emit_right_size, emit_task_event
 from gpu_tasks.reporting.ledger import LedgerRow, right_size
 from gpu_tasks.reporting.logs import RunLogs
-from gpu_tasks.runner.job import Job, LostWorker, ProfileState
+from gpu_tasks.runner.job import Board, Handler, Job, Preempt, ProfileState, Reclaim, Tick
 from gpu_tasks.runner.payload import ContextSerializer
 from gpu_tasks.settings import get_settings
 
 logger = logging.getLogger("gpu_tasks.runner")
 
 PREEMPTION_CHECK_S = 0.5  # how often a runner with preemptible clusters reads the device queue
-# a worker process that ended though no one closed it, while idle, is retired this long after (one
-# that ran a task is the task's crash report's to retire, which comes first)
-LOST_WORKER_GRACE_S = 2.0
-
-
-# preempt(st, addresses, waiter): stop st's workers on addresses for waiter (gpu_tasks.runner.recovery)
-Preempt = Callable[[ProfileState, list[str], dict[str, Any]], None]
 
 
 class Live:
@@ -72,13 +64,13 @@ class Live:
         self._inventory: Inventory | None = None
         self.states: dict[str, ProfileState] = {}
         self.ledger: list[LedgerRow] = []
-        self.inflight: dict[uuid.UUID, Job] = {}  # handed to a cluster, no final state yet
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="gpu-tasks-dispatch"
         )
         self.monitor: threading.Thread | None = None
+        self._controller: Callable[[ProfileState], Handler] | None = None  # given by start()
         self.gate = SlotGate()  # the tag concurrency slots of GPU tasks (its thread starts on first use)
         self.worker_env: dict[str, str] | None = None
         self.context = ContextSerializer()
@@ -91,9 +83,6 @@ class Live:
             on_preempting=self._on_preempting,
             priority_aging=self.settings.priority_aging,
         )
-        self.preempting: dict[str, threading.Thread] = {}  # profile -> the thread preempting it
-        # profile -> (worker name, devices, how it ended, address) of its last worker lost while idle
-        self.lost: dict[str, LostWorker] = {}
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
         # events are sent in the flow run's context, also after Prefect left it (exit-time events):
         # Prefect's events worker adds related resources from the sending context
@@ -168,142 +157,44 @@ class Live:
                     api_url=self.context.api_url,
                     on_board=partial(self._on_board, prof.name),
                 )
-                st = self.states[prof.name] = ProfileState(cluster, timeout)
+                assert self._controller is not None, "Live.start() gives the profiles their controllers"
+                st = self.states[prof.name] = ProfileState(cluster, timeout, self._controller)
                 self.sampler.watch(cluster)
             return st
 
-    # ------------------------------------------------------------ in flight
-    def running(self, job: Job) -> None:
-        """``job`` was handed to its cluster (its dispatch calls this under its profile's lock)."""
-        with job.st.counts_lock:
-            job.st.dispatched += 1
-        self.inflight[job.task_run_id] = job
-
-    def landed(self, job: Job) -> None:
-        """``job`` came back from its cluster, finished or not (from any thread: no profile's lock)."""
-        with job.st.counts_lock:
-            job.st.dispatched -= 1
-        self.inflight.pop(job.task_run_id, None)
-
-    # ------------------------------------------------------------ idle close
-    def watch(self, preempt: Preempt) -> None:
-        """Start the monitor: idle clusters close; ``preempt`` runs when a waiter is due devices."""
+    # ------------------------------------------------------------ the monitor
+    def start(self, controller: Callable[[ProfileState], Handler]) -> None:
+        """Each profile's state gets its controller from ``controller`` (when its first task comes);
+        the monitor starts: it posts the idle beat (``Tick``) to every profile, and ``Preempt`` to a
+        preemptible profile whose devices a higher-priority waiter is due."""
+        self._controller = controller
         if self.monitor is None:
-            # The monitor and the close threads it starts run in the submitting thread's context:
-            # a thread starts with an empty one, which would lose the flow run's Prefect settings
-            # (an API URL set by `temporary_settings` or a test harness) and send the events of
-            # idle closes to a new ephemeral Prefect server started in this process.
+            # The monitor runs in the submitting thread's context: a thread starts with an empty
+            # one, which would lose the flow run's Prefect settings (an API URL set by
+            # `temporary_settings` or a test harness).
             self.monitor = threading.Thread(
-                target=contextvars.copy_context().run,
-                args=(self._watch, preempt),
-                name="gpu-tasks-idle",
-                daemon=True,
+                target=contextvars.copy_context().run, args=(self._watch,), name="gpu-tasks-idle", daemon=True
             )
             self.monitor.start()
 
-    def _watch(self, preempt: Preempt) -> None:
-        closing: dict[str, threading.Thread] = {}
+    def _watch(self) -> None:
         next_preemption_check = 0.0
         while not self.stop.wait(self._interval()):
             if time.monotonic() >= next_preemption_check:
                 next_preemption_check = time.monotonic() + PREEMPTION_CHECK_S
                 try:
-                    self._check_preemption(preempt)
+                    self._check_preemption()
                 except Exception:  # the idle monitor must go on
                     logger.warning("gpu-tasks: preemption check failed", exc_info=True)
-            for name, st in list(self.states.items()):
-                if name in closing and closing[name].is_alive():
-                    continue
-                try:
-                    self._retire_lost(st)
-                except Exception:  # the idle monitor must go on
-                    logger.warning("gpu-tasks: could not retire a lost worker", exc_info=True)
-                if close_reason(st.idle_view(), time.monotonic()):
-                    # close off the monitor thread so one slow close never delays another profile's
-                    closing[name] = threading.Thread(
-                        target=contextvars.copy_context().run,
-                        args=(self._close_if_idle, st),
-                        name=f"gpu-tasks-close-{name}",
-                        daemon=True,
-                    )
-                    closing[name].start()
-        for thread in closing.values():
-            thread.join(timeout=30)
+            for st in list(self.states.values()):
+                if st.cluster.running:
+                    st.post(Tick())
 
-    def _retire_lost(self, st: ProfileState) -> None:
-        """Give back the devices of workers whose process ended though no one closed them (their
-        scheduler dropped them: no heartbeat within Dask's worker TTL). Tasks the scheduler holds
-        for the profile then get a new worker (when its devices can be had at once; else the
-        cluster closes and they are reported as for a dead worker): they never wait at a scheduler
-        with no worker."""
-        if not st.cluster.running or not (lost := st.cluster.lost_workers(LOST_WORKER_GRACE_S)):
-            return
-        from gpu_tasks.worker.exits import worker_exit
-
-        for name, address in lost:
-            ended = worker_exit(address) if address else None
-            how = ended.describe() if ended else "ended"
-            with st.lock:
-                devices = st.cluster.worker_devices(name) or ()
-                self.lost[st.cluster.profile.name] = LostWorker(
-                    name, devices, ended, address
-                )  # crash reports
-                row = st.cluster.retire(name, f"worker lost: {how}", keep=True)
-            logger.warning(
-                "profile %r: worker %r%s %s though the runner did not stop it (Dask's log above says "
-                "why: a scheduler drops a worker it has not heard from for "
-                "distributed.scheduler.worker-ttl); its devices are given back",
-                st.cluster.profile.name,
-                name,
-                f" (pid {ended.pid})" if ended and ended.pid else "",
-                how,
-            )
-            if row is not None:
-                self.gave_back(st, row, "crashed", {"worker": name, "while": "idle"})
-        with st.lock:
-            self.refill(st)
-            if st.cluster.worker_count == 0:
-                self.close_cluster(st, "its workers were lost")
-
-    def refill(self, st: ProfileState) -> None:
-        """After workers were lost (retired by the idle monitor, or a crash report): grow ``st``'s
-        cluster back to as many workers as the tasks handed to it want, on the devices just given
-        back unless a waiter has them. No later dispatch may come to grow it: every task may have
-        been handed out already, and they would queue on the workers left. Call under ``st.lock``."""
-        if not (st.dispatched and st.cluster.running and st.cluster.profile.is_gpu):
-            return
-        try:
-            self.grow(st, st.dispatched)
-        except Exception:
-            logger.warning("gpu-tasks: could not replace a lost worker", exc_info=True)
-
-    def grow(self, st: ProfileState, outstanding: int) -> None:
-        """Grow ``st``'s running cluster to the workers ``outstanding`` tasks want
-        (:meth:`~gpu_tasks.cluster.local.ProfileCluster.workers_wanted`), with a ``scaled`` event when
-        it added devices. Call under ``st.lock``."""
-        cluster = st.cluster
-        want = cluster.workers_wanted(outstanding)
-        if want <= cluster.worker_count:
-            return
-        before = set(cluster.devices)
-        cluster.scale_to(want)
-        if added := [d for d in cluster.devices if d not in before]:
-            self.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
-
-    def _close_if_idle(self, st: ProfileState) -> None:
-        with st.lock:  # re-check under the lock: a task may have arrived meanwhile
-            reason = close_reason(st.idle_view(), time.monotonic())
-            if reason and not self.stop.is_set():
-                self.close_cluster(st, f"scaled down: {reason}")
-
-    # ------------------------------------------------------------ preemption
-    def _check_preemption(self, preempt: Preempt) -> None:
-        """Stop preemptible workers whose devices a higher-priority waiter has waited for too long."""
-        busy = {n for n, t in self.preempting.items() if t.is_alive()}
+    def _check_preemption(self) -> None:
+        """Ask preemptible profiles to stop the workers whose devices a higher-priority waiter has
+        waited for too long."""
         preemptible = {
-            name
-            for name, st in list(self.states.items())
-            if st.cluster.profile.preemptible and st.cluster.running and name not in busy
+            name for name, st in list(self.states.items()) if st.profile.preemptible and st.cluster.running
         }
         if not preemptible:
             return
@@ -312,15 +203,8 @@ class Live:
             return
         waiter, addresses = due
         for name in sorted({o for a in addresses if (o := self.book.holders.get(a)) in preemptible}):
-            st = self.states[name]
             mine = [a for a in addresses if self.book.holders.get(a) == name]
-            self.preempting[name] = thread = threading.Thread(
-                target=contextvars.copy_context().run,
-                args=(preempt, st, mine, waiter),
-                name=f"gpu-tasks-preempt-{name}",
-                daemon=True,
-            )
-            thread.start()
+            self.states[name].post(Preempt(mine, waiter))
 
     def _on_preempting(self, owner: str, holders: list[dict[str, Any]]) -> None:
         """Profile ``owner`` waited past its grace; ``holders`` give devices back (the waiter's event)."""
@@ -345,38 +229,17 @@ class Live:
         )
 
     def _on_board(self, name: str, what: str, info: dict[str, Any]) -> None:
-        """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board):
-        ``preempting`` (it waited past its grace: its entry went up) or ``preempted`` (we
-        interrupted tasks for another's entry)."""
+        """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board)."""
         st = self.states.get(name)
-        if st is None:  # told before the profile's state was kept: nothing to count it on yet
-            return
-        keep = "profile flow_run_name flow_run_id pid hostname priority waited_s workers".split()
-        if what == "preempting":
-            payload = {k: info.get(k) for k in ("priority", "waited_s", "workers", "need", "queued")}
-        else:
-            st.cluster.preemptions += 1
-            by = info.get("by") or {}
-            payload = {
-                "by": {k: by.get(k) for k in keep},
-                "worker": info.get("worker"),
-                "tasks": len(info.get("keys") or ()),
-                "interrupted": len(info.get("interrupted") or ()),
-            }
-        self.emit(what, st.cluster, payload)
+        if st is not None:  # told before the profile's state was kept: nothing to count it on yet
+            st.post(Board(what, info))
 
     def _reclaim(self, wanted: set[str], by: str) -> None:
-        """Close idle clusters that hold devices profile ``by`` waits for (before their timeout)."""
+        """Profile ``by`` waits for ``wanted``: idle profiles holding some give them back before their
+        timeout (asked on the waiter's thread; each holder's controller decides)."""
         for name, st in list(self.states.items()):
-            if name == by or not wanted.intersection(st.cluster.devices):
-                continue
-            if not st.lock.acquire(blocking=False):  # busy dispatching; try again next round
-                continue
-            try:
-                if st.cluster.running and st.idle_view().outstanding == 0:
-                    self.close_cluster(st, f"released its devices early: profile {by!r} is waiting for them")
-            finally:
-                st.lock.release()
+            if name != by and wanted.intersection(st.cluster.devices):
+                st.post(Reclaim(frozenset(wanted), by))
 
     def _interval(self) -> float:
         timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
@@ -463,23 +326,21 @@ class Live:
             self.monitor.join(timeout=5)
         self.sampler.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
-        for st in list(self.states.values()):
-            if st.dispatcher is not None:
-                st.dispatcher.shutdown(wait=False, cancel_futures=True)
+        states = list(self.states.values())
+        for st in states:  # each controller handles what is queued (a dispatch fails) and stops
+            st.close()
+        for st in states:  # from here on this thread is the only one that touches the clusters
             st.cluster.drain()
         # results already fetched or queued reach their tasks before the clusters go (a task that
         # finished is never reported Crashed for the close); later ones are fetched one by one
         self._close_results(2.0 if hurry else 10.0)
-        running = list(self.inflight.values())
-        for st in list(self.states.values()):
-            with st.lock:
-                self.close_cluster(st, reason, hurry=hurry)
-                try:
-                    st.cluster.shutdown()
-                except Exception:
-                    logger.warning(
-                        "profile %r: error while shutting down", st.cluster.profile.name, exc_info=True
-                    )
+        running = [j for st in states for j in st.inflight.values()]
+        for st in states:
+            self.close_cluster(st, reason, hurry=hurry)
+            try:
+                st.cluster.shutdown()
+            except Exception:
+                logger.warning("profile %r: error while shutting down", st.profile.name, exc_info=True)
         if self.pool is not None:
             self.pool.close()
         self.book.close()  # quota leases left (the clusters gave their devices back)

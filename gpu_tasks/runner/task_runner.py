@@ -44,9 +44,10 @@ from gpu_tasks.reporting.events import emit_run_summary
 from gpu_tasks.reporting.ledger import LedgerRow, remember_ended
 from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner.admission import Admission, TaskQuota
-from gpu_tasks.runner.dispatch import Dispatcher
-from gpu_tasks.runner.job import Job
-from gpu_tasks.runner.results import Finish, Landings, hand_to
+from gpu_tasks.runner.controller import Controller
+from gpu_tasks.runner.job import Arrived, Job
+from gpu_tasks.runner.recovery import Recovery
+from gpu_tasks.runner.results import Finish, Landings, Results, hand_to
 from gpu_tasks.runner.session import Live
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import engine as _worker
@@ -137,7 +138,6 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             raise ProfileError(f"idle_timeout must be >= 0 seconds; got {idle_timeout}")
         self._idle_timeout_arg = idle_timeout
         self._live: Live | None = None
-        self._dispatcher: Dispatcher | None = None
         self._admission: Admission | None = None
         self._last_ledger: list[LedgerRow] = []
         _environment.check_ephemeral()  # Prefect starts its ephemeral server before entering a runner
@@ -194,7 +194,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             super().__exit__(exc_type, exc_value, traceback)
 
     def _shutdown(self, reason: str, hurry: bool = False) -> None:
-        live, self._live, self._dispatcher, self._admission = self._live, None, None, None
+        live, self._live, self._admission = self._live, None, None
         _LIVE_RUNNERS.discard(self)
         if live is not None:
             live.close(reason, hurry=hurry)
@@ -223,10 +223,10 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         for line in warnings:
             logger.warning("gpu-tasks: %s", line)
 
-    def _ensure_live(self) -> tuple[Live, Admission, Dispatcher]:
+    def _ensure_live(self) -> tuple[Live, Admission]:
         if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
-        if self._live is None or self._admission is None or self._dispatcher is None:
+        if self._live is None or self._admission is None:
             # each piece gets what it needs when it is built (docs/runner.md, "Where the code lives")
             profiles, default = self.resolve_profiles()
             landings = Landings(hand_to, name="gpu-tasks-results")  # results fetched in batches
@@ -234,12 +234,16 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             self._log_profile_sources(profiles)  # once Live sends the runner's lines to the run's logs
             quota = TaskQuota(live)
             finish = Finish(live, quota.release)
-            self._dispatcher = Dispatcher(live, landings, quota, finish)  # with its Results and Recovery
+            results = Results(live, landings, quota.release, finish)
+            recovery = Recovery(live, finish)
             self._admission = Admission(live, finish)
-            live.watch(preempt=self._dispatcher.recovery.preempt)  # the idle and preemption monitor
+            # each profile's controller (its one thread) and the idle and preemption monitor
+            live.start(
+                partial(Controller, live=live, finish=finish, results=results, recovery=recovery, quota=quota)
+            )
             self._live = live
             _LIVE_RUNNERS.add(self)
-        return self._live, self._admission, self._dispatcher
+        return self._live, self._admission
 
     # ------------------------------------------------------------ routing
     def _route(self, live: Live, task: Any) -> tuple[ResourceProfile, str, str | None]:
@@ -281,7 +285,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             _, default = self.resolve_profiles()
             task_run_id, cf, here = _worker.submit_nested(task, parameters, wait_for, dependencies, default)
             return ProfileFuture(task_run_id, cf, profile=here)
-        live, admission, dispatcher = self._ensure_live()
+        live, admission = self._ensure_live()
         prof, requested, fallback_reason = self._route(live, task)
         extra_tags = [profile(prof.name)]
         if fallback_reason is not None:
@@ -295,7 +299,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 prof.name,
             )
         st = live.state(prof)
-        st.arrive()
+        st.post(Arrived())  # counted by its controller; nothing here waits for another thread
         job = Job(
             st=st,
             task=task,
@@ -309,12 +313,10 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         )
         future = ProfileFuture(job.task_run_id, job.cf, profile=prof.name)
         upstream = pending_futures((parameters, list(wait_for or ())))
-        if not upstream and st.dispatcher is None and st.cluster.running and not dispatcher.may_provision(st):
-            dispatcher.dispatch(job)  # a CPU profile with its workers up: right here, the cheapest path
-        elif not upstream:
-            admission.admit(job, partial(dispatcher.soon, job))  # GPU: tag slots before devices
+        if upstream:
+            when_all_done(upstream, partial(admission.admit, job))
         else:
-            when_all_done(upstream, lambda: admission.admit(job, partial(dispatcher.soon, job)))
+            admission.admit(job)  # GPU: cache and tag slots before devices; then its controller
         return future
 
     # ------------------------------------------------------------ inspection

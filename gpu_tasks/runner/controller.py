@@ -1,0 +1,440 @@
+"""A profile's controller: the one thread that runs a profile's cluster and writes its state.
+
+Each profile of an entered runner has one (:class:`Controller`, on the thread
+``gpu-tasks-<profile>`` of its :class:`~gpu_tasks.runner.job.ProfileState`). It takes the
+profile's events (:mod:`gpu_tasks.runner.job`) from one inbox, in the order they were posted,
+and is the only code that starts, grows, closes or retires the profile's workers or changes its
+counts. What it waits for (devices another flow run leases, a quota, a shared scheduler's
+queue, workers starting) holds up that profile alone: the flow thread only posts, and every
+other profile has a controller of its own. :mod:`gpu_tasks.policy` decides (how many workers,
+whether to close); the controller reads the clock and acts.
+
+Hand-offs to a local cluster leave in batches: each ``Dispatch`` adds its task to the outbox,
+sent as one graph when the inbox is empty or at ``OUTBOX_MAX`` (a lone task leaves at once; a
+``.map`` costs Dask one graph per batch). What comes back lands on the results thread
+(:mod:`gpu_tasks.runner.results`), which resolves the task's future without waiting for any
+controller and posts ``Left``; a task to run again comes back here as ``WorkerDied``,
+``OutOfMemory`` or ``Requeue``, whose Prefect API calls run on a thread of their own
+(:mod:`gpu_tasks.runner.recovery`) and end in a new ``Dispatch``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import logging
+import time
+from functools import partial
+from typing import Any
+
+from gpu_tasks.allocation import Allocation
+from gpu_tasks.errors import ClusterError
+from gpu_tasks.policy import close_reason, task_resources
+from gpu_tasks.preemption import describe_waiter
+from gpu_tasks.prefect_api.futures import futures_to_states
+from gpu_tasks.reporting.events import publish_dashboard
+from gpu_tasks.runner.admission import TaskQuota
+from gpu_tasks.runner.job import (
+    NO_WORKER,
+    Arrived,
+    Board,
+    Counted,
+    Dispatch,
+    Event,
+    Job,
+    Landed,
+    Left,
+    LostWorker,
+    OutOfMemory,
+    Preempt,
+    ProfileState,
+    Reclaim,
+    Requeue,
+    Tick,
+    WorkerDied,
+)
+from gpu_tasks.runner.recovery import Recovery
+from gpu_tasks.runner.results import Finish, Results
+from gpu_tasks.runner.session import Live
+from gpu_tasks.worker.engine import run_engine, run_on_worker
+
+logger = logging.getLogger("gpu_tasks.runner")
+
+# hand-offs a controller sends to its Dask cluster as one graph, at most
+OUTBOX_MAX = 32
+# a worker process that ended though no one closed it, while idle, is retired this long after (one
+# that ran a task is the task's crash report's to retire, which comes first)
+LOST_WORKER_GRACE_S = 2.0
+
+
+class Controller:
+    """The controller of profile ``st`` (``controller(event, more)`` handles one event).
+
+    Args:
+        st: the profile's state, written here alone.
+        live: the entered runner's session.
+        finish: resolves a task's future (:class:`gpu_tasks.runner.results.Finish`).
+        results: where hand-offs end (their Dask futures' done-callbacks).
+        recovery: reports and re-runs tasks whose hand-off went wrong (on threads of their own).
+        quota: an ``address`` profile's quota slots, taken before a hand-off.
+    """
+
+    def __init__(
+        self,
+        st: ProfileState,
+        live: Live,
+        finish: Finish,
+        results: Results,
+        recovery: Recovery,
+        quota: TaskQuota,
+    ) -> None:
+        self.st = st
+        self.live = live
+        self._finish = finish
+        self._results = results
+        self._recovery = recovery
+        self._quota = quota
+
+    def __call__(self, event: Event, more: bool) -> None:
+        st = self.st
+        if isinstance(event, Dispatch):
+            self.dispatch(event.job)
+        elif isinstance(event, Arrived):
+            st.outstanding += 1
+            st.active_changed()
+        elif isinstance(event, Left):
+            st.outstanding -= 1
+            if event.dispatched:
+                self._landed(event.job)
+            st.active_changed()
+        elif isinstance(event, Landed):
+            self._landed(event.job)
+        elif isinstance(event, Counted):
+            st.waiting_for_slots += event.waiting_for_slots
+            st.cache_hits += event.cache_hits
+            st.active_changed()
+        elif isinstance(event, Tick):
+            self._retire_lost()
+            reason = close_reason(st.idle_view(), time.monotonic())
+            if reason and not self.live.stop.is_set():
+                self.live.close_cluster(st, f"scaled down: {reason}")
+        elif isinstance(event, WorkerDied):
+            self._worker_died(event.job, event.exc)
+        elif isinstance(event, OutOfMemory):
+            self._landed(event.job)
+            event.job.off_thread(
+                self._recovery.escalate, event.job, None, event.why, name=f"gpu-tasks-oom-{st.profile.name}"
+            )
+        elif isinstance(event, Requeue):
+            self._landed(event.job)
+            self._requeue([event.job], event.reason, event.by)
+        elif isinstance(event, Preempt):
+            self._preempt(event.addresses, event.waiter)
+        elif isinstance(event, Reclaim):
+            if (
+                st.cluster.running
+                and st.idle_view().outstanding == 0
+                and event.wanted.intersection(st.cluster.devices)
+            ):
+                self.live.close_cluster(
+                    st, f"released its devices early: profile {event.by!r} is waiting for them"
+                )
+        elif isinstance(event, Board):
+            self._board(event.what, event.info)
+        if st.outbox and (not more or len(st.outbox) >= OUTBOX_MAX):
+            self.flush()
+
+    # ------------------------------------------------------------ counts
+    def _running(self, job: Job) -> None:
+        self.st.dispatched += 1
+        self.st.inflight[job.task_run_id] = job
+
+    def _landed(self, job: Job) -> None:
+        if self.st.inflight.pop(job.task_run_id, None) is not None:
+            self.st.dispatched -= 1
+
+    # ------------------------------------------------------------ dispatch
+    def dispatch(self, job: Job) -> None:
+        """Run ``job`` on the profile's cluster (its upstream futures are done), starting or growing
+        the cluster first when it needs to (the one place this profile waits for devices)."""
+        if self.st.closing:  # queued when the runner stopped: no server call, as no task ran
+            self._finish(job, exc=RuntimeError("the task runner is shutting down"))
+            return
+        try:
+            job.ctx.run(self._dispatch_in_context, job)
+        except Exception as exc:  # its cluster did not start (or the runner is stopping)
+            self._finish.fail(job, exc)
+        except BaseException as exc:
+            self._finish(job, exc=exc)
+            raise
+
+    def flush(self) -> None:
+        """Send the outbox to the cluster as one graph."""
+        st = self.st
+        batch, st.outbox = st.outbox, []
+        batch = [b for b in batch if b[0].attempt == b[1]]  # one preempted meanwhile is queued again
+        if not batch:
+            return
+        try:
+            dfuts = st.cluster.submit_many(
+                run_on_worker,
+                [b[2] for b in batch],
+                [b[0].key for b in batch],
+                task_resources(st.profile),
+            )
+        except BaseException as exc:
+            for job, _, _ in batch:
+                self._finish.fail(job, exc, dispatched=True)
+            if not isinstance(exc, Exception):
+                raise
+            return
+        for (job, attempt, _), dfut in zip(batch, dfuts, strict=True):
+            dfut.add_done_callback(partial(self._results.on_done, job, attempt))
+
+    def _may_provision(self) -> bool:
+        """Whether the next dispatch starts or grows the cluster."""
+        cluster = self.st.cluster
+        if not cluster.running:
+            return True
+        return cluster.workers_wanted(self.st.dispatched + 1) > cluster.worker_count
+
+    def _provision(self) -> None:
+        """Start the cluster, or grow it, for one more task."""
+        st, cluster = self.st, self.st.cluster
+        if cluster.running:
+            self._grow(st.dispatched + 1)
+            return
+        try:
+            cluster.start(cluster.workers_wanted(st.dispatched + 1))
+        except Exception as exc:
+            st.start_failed = (time.monotonic(), exc)
+            raise
+        st.start_failed = None
+        cluster.usage.waited(devices=cluster.startup.get("wait_devices_s", 0.0))
+        st.ever_provisioned = True
+        self.live.emit(
+            "provisioned",
+            cluster,
+            {
+                "workers": cluster.worker_count,
+                **{k: round(v, 3) for k, v in cluster.startup.items()},
+            },
+        )
+        publish_dashboard(cluster)
+
+    def _grow(self, tasks: int) -> None:
+        """Grow the running cluster to the workers ``tasks`` tasks want, with a ``scaled`` event
+        when it added devices."""
+        cluster = self.st.cluster
+        want = cluster.workers_wanted(tasks)
+        if want <= cluster.worker_count:
+            return
+        before = set(cluster.devices)
+        cluster.scale_to(want)
+        if added := [d for d in cluster.devices if d not in before]:
+            self.live.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
+
+    def _refill(self) -> None:
+        """After workers were lost: grow back to as many workers as the tasks handed out want, on the
+        devices just given back unless a waiter has them (no later dispatch may come to grow it)."""
+        st = self.st
+        if not (st.dispatched and st.cluster.running and st.profile.is_gpu):
+            return
+        try:
+            self._grow(st.dispatched)
+        except Exception:
+            logger.warning("gpu-tasks: could not replace a lost worker", exc_info=True)
+
+    def _dispatch_in_context(self, job: Job) -> None:
+        from prefect import tags
+
+        live, st, prof = self.live, self.st, job.profile
+        parameters = futures_to_states(job.parameters)
+        wait_for = futures_to_states(list(job.wait_for)) if job.wait_for else None
+        st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))  # a shared scheduler's waiters
+        if prof.quota is not None and not prof.is_local and job.quota_lease is None:
+            self._quota.take(job)
+        if st.outbox and self._may_provision():
+            self.flush()  # what is ready leaves before this dispatch waits for devices or workers
+        if live.stop.is_set():
+            raise RuntimeError("the task runner is shutting down")
+        failed = st.start_failed
+        if failed is not None and not prof.is_local and failed[0] >= job.submitted_at:
+            raise ClusterError(
+                f"{failed[1]} (the start failed {time.monotonic() - failed[0]:.1f}s ago, after this "
+                "task was submitted: it fails with it instead of trying again)"
+            ) from failed[1]
+        self._provision()
+        self._running(job)
+        st.cluster.usage.waited(slots=job.slot_wait())  # counted once, not again on a re-run
+        task = job.task
+        kwargs: dict[str, Any] = dict(
+            task_run_id=job.task_run_id,
+            parameters=parameters,
+            wait_for=wait_for,
+            dependencies=job.dependencies,
+            return_type="state",
+        )
+        if job.task_run is not None:  # a re-run after a crash continues the same task run
+            kwargs["task_run"] = job.task_run
+            task = task.with_options(retries=max(0, (task.retries or 0) - job.crashes))
+        key = job.hand_off(task.name)
+        with tags(*job.extra_tags):
+            if not prof.uses_processes:
+                alloc = Allocation(profile=prof.name, worker="in-process")
+                dfut = st.cluster.submit(
+                    contextvars.copy_context().run, run_engine, alloc, task, kwargs, key=key, resources=None
+                )
+            else:
+                kwargs["context"], settings_key = live.context.serialize(
+                    asset_ctx_kwargs={
+                        "task": task,
+                        "task_run_id": job.task_run_id,
+                        "task_inputs": job.dependencies or {},
+                        "copy_to_child_ctx": True,
+                    }
+                )
+                args = (
+                    prof.name,
+                    float(prof.share),
+                    live.context.blobs.blob(task, "task"),
+                    kwargs,
+                    settings_key,
+                    not prof.is_local,
+                    job.slot_names,
+                )
+                if prof.is_local:
+                    st.outbox.append((job, job.attempt, args))  # sent by flush(), when the inbox is empty
+                    return
+                dfut = st.cluster.submit(run_on_worker, *args, key=key, resources=task_resources(prof))
+        dfut.add_done_callback(partial(self._results.on_done, job, job.attempt))
+
+    # ------------------------------------------------------------ lost and dead workers
+    def _retire_lost(self) -> None:
+        """Give back the devices of workers whose process ended though no one closed them (their
+        scheduler dropped them: no heartbeat within Dask's worker TTL). Tasks the scheduler holds
+        for the profile then get a new worker (when its devices can be had at once; else the
+        cluster closes and they are reported as for a dead worker): they never wait at a scheduler
+        with no worker."""
+        st = self.st
+        if not st.cluster.running or not (lost := st.cluster.lost_workers(LOST_WORKER_GRACE_S)):
+            return
+        from gpu_tasks.worker.exits import worker_exit
+
+        for name, address in lost:
+            ended = worker_exit(address) if address else None
+            how = ended.describe() if ended else "ended"
+            devices = st.cluster.worker_devices(name) or ()
+            st.last_lost = LostWorker(name, devices, ended, address)  # crash reports name it
+            row = st.cluster.retire(name, f"worker lost: {how}", keep=True)
+            logger.warning(
+                "profile %r: worker %r%s %s though the runner did not stop it (Dask's log above says "
+                "why: a scheduler drops a worker it has not heard from for "
+                "distributed.scheduler.worker-ttl); its devices are given back",
+                st.profile.name,
+                name,
+                f" (pid {ended.pid})" if ended and ended.pid else "",
+                how,
+            )
+            if row is not None:
+                self.live.gave_back(st, row, "crashed", {"worker": name, "while": "idle"})
+        self._refill()
+        if st.cluster.worker_count == 0:
+            self.live.close_cluster(st, "its workers were lost")
+
+    def _worker_died(self, job: Job, exc: BaseException) -> None:
+        """The worker running ``job`` died: retire it (once for all its tasks), replace it for the
+        tasks still handed out, then report and retry ``job`` on a thread of its own."""
+        from gpu_tasks.worker.exits import worker_exit  # imports distributed: only once a worker died
+
+        st = self.st
+        ws = getattr(exc, "last_worker", None)
+        row = None
+        if ws is None:  # lost with its cluster (closed when its last worker died), no worker named
+            lost = st.last_lost or NO_WORKER
+            how = lost.ended.describe() if lost.ended else f"was lost ({type(exc).__name__}: {exc})"
+        else:
+            name = str(getattr(ws, "name", "") or "")
+            address = getattr(ws, "address", None)
+            known = st.last_lost
+            if known is not None and known.address == address:  # retired already (another of its tasks)
+                lost = known
+            else:
+                ended = worker_exit(address) if address else None
+                devices = tuple(st.cluster.worker_devices(name) or st.cluster.devices)
+                lost = st.last_lost = LostWorker(name, devices, ended, address)
+                row = st.cluster.retire(name, f"worker crashed: {ended.describe() if ended else 'died'}")
+            how = lost.ended.describe() if lost.ended else "died"
+        self._landed(job)
+        self._refill()  # a new worker for the tasks still queued on the workers left
+        job.off_thread(
+            self._recovery.worker_died, job, lost, how, row, name=f"gpu-tasks-crash-{st.profile.name}"
+        )
+
+    # ------------------------------------------------------------ preemption
+    def _preempt(self, addresses: list[str], waiter: dict[str, Any]) -> None:
+        """Stop the workers on ``addresses`` for ``waiter``; re-queue the tasks they ran.
+
+        The tasks end ``Preempted`` and are dispatched again, as the same task runs with their
+        retries intact; they wait for devices like any task of the profile (without
+        ``GPU_TASKS_LEASE_TIMEOUT``).
+        """
+        st, live = self.st, self.live
+        cluster = st.cluster
+        waited = time.time() - float(waiter["arrived"])
+        reason = f"preempted by {describe_waiter(waiter)}, waiting {waited:.1f}s"
+        by = {
+            k: waiter.get(k)
+            for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "arrived")
+        }
+        names = cluster.workers_on(addresses)
+        if not cluster.running or not names:
+            return
+        jobs = list(st.inflight.values())
+        keys = None if cluster.whole_stop(names) else cluster.running_keys(names)
+        if keys is None:  # the whole cluster stops (or Dask cannot tell which ran where)
+            names = [s.name for s in cluster.specs]
+        else:
+            jobs = [j for j in jobs if j.key in keys]
+        for j in jobs:
+            j.disown()  # what its worker reports now is not its outcome
+            self._landed(j)
+        logger.warning(
+            "profile %r: stopping worker(s) %s on device(s) %s, %d task(s) re-queued: %s",
+            st.profile.name,
+            ", ".join(names),
+            ",".join(addresses),
+            len(jobs),
+            reason,
+        )
+        try:
+            rows = cluster.stop_workers(names, reason)
+        except Exception:  # its tasks are re-queued whatever happens: stop it all instead
+            logger.warning("profile %r: could not stop workers %s", st.profile.name, names, exc_info=True)
+            whole = cluster.close(reason, hurry=True)
+            rows = [whole] if whole is not None else []
+        for row in rows:
+            live.gave_back(st, row, "preempted", {"by": dict(by, waited_s=round(waited, 3))})
+        self._requeue(jobs, reason, by)
+
+    def _requeue(self, jobs: list[Job], reason: str, by: dict[str, Any]) -> None:
+        for j in jobs:
+            j.off_thread(self._recovery.requeue, j, reason, by, name=f"gpu-tasks-requeue-{j.profile.name}")
+
+    def _board(self, what: str, info: dict[str, Any]) -> None:
+        """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board):
+        ``preempting`` (it waited past its grace: its entry went up) or ``preempted`` (we
+        interrupted tasks for another's entry)."""
+        st = self.st
+        keep = "profile flow_run_name flow_run_id pid hostname priority waited_s workers".split()
+        if what == "preempting":
+            payload = {k: info.get(k) for k in ("priority", "waited_s", "workers", "need", "queued")}
+        else:
+            st.cluster.preemptions += 1
+            by = info.get("by") or {}
+            payload = {
+                "by": {k: by.get(k) for k in keep},
+                "worker": info.get("worker"),
+                "tasks": len(info.get("keys") or ()),
+                "interrupted": len(info.get("interrupted") or ()),
+            }
+        self.live.emit(what, st.cluster, payload)
