@@ -214,7 +214,7 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         "`Task` and the flow run's context once per runner and sends them as bytes that Dask's scheduler "
         "passes on unopened; each worker process unpickles and validates them once "
         "(`gpu_tasks/worker/blobs.py`). "
-        "A profile's dispatch thread sends the tasks it has ready as one Dask graph (up to 32), and one "
+        "A profile's controller sends the tasks it has ready as one Dask graph (up to 32), and one "
         "thread per runner fetches finished tasks' results with one `Client.gather` per batch "
         "(`gpu_tasks/runner/results.py`). DaskTaskRunner and RayTaskRunner pay a submit, a context to "
         "rebuild and "

@@ -190,3 +190,27 @@ def test_the_public_api_is_unchanged_and_the_pipeline_stays_apart():
 
 def _pipeline_modules() -> set[str]:
     return {_module_name(p) for p in (ROOT / "pipeline").rglob("*.py")}
+
+
+# what tells the kinds of cluster apart; only gpu_tasks/cluster/ (and the profile model) reads it
+KIND_ATTRIBUTES = {"is_local", "address", "cluster_class"}
+
+
+def test_only_the_cluster_package_asks_which_kind_of_cluster_a_profile_has():
+    """``runner/`` holds every kind as a ``ProfileCluster`` and asks the cluster (``shared``,
+    ``stopped_note``) or ``cluster.kinds`` instead (docs/runner.md, "The layers")."""
+    asked: list[str] = []
+    for name, path in plugin_modules().items():
+        if not name.startswith("gpu_tasks.runner"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr in KIND_ATTRIBUTES:
+                asked.append(f"{name}:{node.lineno} .{node.attr}")
+    assert asked == []
+
+
+def test_the_kind_check_sees_an_attribute_read(tmp_path: Path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("def f(prof):\n    return prof.is_local and prof.address\n")
+    found = {n.attr for n in ast.walk(ast.parse(sample.read_text())) if isinstance(n, ast.Attribute)}
+    assert KIND_ATTRIBUTES & found == {"is_local", "address"}

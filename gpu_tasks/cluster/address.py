@@ -58,6 +58,10 @@ def scheduler_unreachable(address: str, within: float) -> str | None:
 class AddressCluster(RemoteCluster):
     """A client to an existing Dask cluster; the cluster is never started or closed here."""
 
+    stopped_note = (
+        "the runner interrupted it on the shared cluster (cancelled it there if it had not started)"
+    )
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if self.profile.is_gpu:  # waits, and preemptible work, go on the scheduler's waiter board

@@ -22,6 +22,17 @@ from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.profiles import ResourceProfile
 
 
+def placed_on_this_host(profile: ResourceProfile) -> bool:
+    """Whether ``profile``'s workers run on this host's devices, so this host's inventory tells at
+    submit whether it can ever be satisfied (the other kinds' workers are checked when they start)."""
+    return profile.is_local
+
+
+def starts_processes_here(profile: ResourceProfile) -> bool:
+    """Whether ``profile``'s workers are processes this host starts (the warm pool's candidates)."""
+    return profile.is_local and profile.uses_processes
+
+
 def new_cluster(
     profile: ResourceProfile,
     *,

@@ -57,6 +57,13 @@ def _addresses(specs: list[WorkerSpec]) -> list[str]:
 class ProfileCluster:
     """The live cluster of one profile within one flow run."""
 
+    # Its workers are not this flow run's own (``address``, ``cluster_class``): hand-offs go one at a
+    # time, a task's quota slots are held while it runs there, a failed start fails the tasks
+    # submitted before it, and the worker side caps its client waits per task run.
+    shared = False
+    # why a task still running when the flow run stopped did not finish (its crash report)
+    stopped_note = "its worker was closed"
+
     def __init__(
         self,
         profile: ResourceProfile,

@@ -91,6 +91,8 @@ def _by_worker(answers: dict[Any, Any]) -> dict[str, list[str]]:
 class RemoteCluster(ProfileCluster):
     """What address and cluster_class profiles share: a client, remote workers, the ledger."""
 
+    shared = True
+
     def __init__(
         self,
         profile: ResourceProfile,

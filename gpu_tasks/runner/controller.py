@@ -251,14 +251,14 @@ class Controller:
         parameters = futures_to_states(job.parameters)
         wait_for = futures_to_states(list(job.wait_for)) if job.wait_for else None
         st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))  # a shared scheduler's waiters
-        if prof.quota is not None and not prof.is_local and job.quota_lease is None:
+        if prof.quota is not None and st.cluster.shared and job.quota_lease is None:
             self._quota.take(job)
         if st.outbox and self._may_provision():
             self.flush()  # what is ready leaves before this dispatch waits for devices or workers
         if live.stop.is_set():
             raise RuntimeError("the task runner is shutting down")
         failed = st.start_failed
-        if failed is not None and not prof.is_local and failed[0] >= job.submitted_at:
+        if failed is not None and st.cluster.shared and failed[0] >= job.submitted_at:
             raise ClusterError(
                 f"{failed[1]} (the start failed {time.monotonic() - failed[0]:.1f}s ago, after this "
                 "task was submitted: it fails with it instead of trying again)"
@@ -299,10 +299,10 @@ class Controller:
                     live.context.blobs.blob(task, "task"),
                     kwargs,
                     settings_key,
-                    not prof.is_local,
+                    st.cluster.shared,
                     job.slot_names,
                 )
-                if prof.is_local:
+                if not st.cluster.shared:
                     st.outbox.append((job, job.attempt, args))  # sent by flush(), when the inbox is empty
                     return
                 dfut = st.cluster.submit(run_on_worker, *args, key=key, resources=task_resources(prof))
@@ -356,7 +356,7 @@ class Controller:
             name = str(getattr(ws, "name", "") or "")
             address = getattr(ws, "address", None)
             known = st.last_lost
-            if known is not None and known.address == address:  # retired already (another of its tasks)
+            if known is not None and known.worker_address == address:  # retired (another of its tasks)
                 lost = known
             else:
                 ended = worker_exit(address) if address else None

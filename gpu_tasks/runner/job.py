@@ -36,7 +36,7 @@ class LostWorker(NamedTuple):
     name: str
     devices: tuple[str, ...]
     ended: Any  # its gpu_tasks.worker.exits.WorkerExit (how it ended), if known
-    address: Any  # its Dask address, if known
+    worker_address: Any  # its Dask address, if known
 
 
 NO_WORKER = LostWorker("", (), None, None)

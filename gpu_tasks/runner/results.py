@@ -211,7 +211,7 @@ class Results:
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
         if (
-            job.profile.is_local
+            not job.st.cluster.shared
             and getattr(dfut, "status", None) == "finished"
             and self._landings.put(partial(self._landed, job, attempt), dfut)
         ):

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from gpu_tasks.cluster.backends import uses_warm_pool
-from gpu_tasks.cluster.kinds import new_cluster
+from gpu_tasks.cluster.kinds import new_cluster, starts_processes_here
 from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
@@ -105,7 +105,7 @@ class Live:
         hold no device, and :meth:`close` ends them.
         """
         size = self.settings.warm_workers
-        local = [p for p in self.profiles.values() if p.is_local and p.uses_processes]
+        local = [p for p in self.profiles.values() if starts_processes_here(p)]
         if size <= 0 or not local:
             return None
         emulated = self.inventory.emulated if any(p.is_gpu for p in local) else False
@@ -378,10 +378,9 @@ class Live:
         unreported: list[Job] = []
         for i, job in enumerate(unfinished):  # the others finished while the clusters closed
             prof = job.profile
-            message = f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; " + (
-                "the runner interrupted it on the shared cluster (cancelled it there if it had not started)"
-                if prof.address is not None
-                else "its worker was closed"
+            message = (
+                f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; "
+                f"{job.st.cluster.stopped_note}"
             )
             if down is None and i and i % 16 == 0 and hurry:
                 down = api_unreachable()

@@ -23,6 +23,7 @@ from typing import Any
 from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.task_runners import TaskRunner
 
+from gpu_tasks.cluster.kinds import placed_on_this_host
 from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiableProfileError
@@ -258,7 +259,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 "ProfileTaskRunner(profiles=[...]) or to GPU_TASKS_PROFILES_FILE"
             )
         # an address or cluster_class profile's workers are checked when its cluster starts
-        reason = unsatisfiable_reason(prof, live.inventory) if prof.is_gpu and prof.is_local else None
+        reason = (
+            unsatisfiable_reason(prof, live.inventory) if prof.is_gpu and placed_on_this_host(prof) else None
+        )
         if reason is None:
             return prof, name, None
         if prof.fallback == "cpu":
