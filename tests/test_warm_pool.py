@@ -311,37 +311,29 @@ def test_a_warm_process_survives_a_ctrl_c_while_it_imports():
         proc.process.join(10)
 
 
-def test_spawns_from_two_threads_leave_the_flow_processs_environment_as_it_was(monkeypatch):
-    """A pool refill and a profile's scheduler spawn from different threads; each sets the
-    child's environment in os.environ for the spawn. Interleaved, they restored each other's
-    values and left an empty CUDA_VISIBLE_DEVICES (and Prefect's ephemeral server off) in the
-    flow process for good."""
-    import threading
+def test_starting_a_warm_process_leaves_the_flow_processs_environment_alone(tmp_path):
+    """The child's environment (the nanny's variables, no device, SIGINT ignored) comes from a
+    launcher script: the flow process's os.environ is the same throughout, so a CPU task running in
+    the flow process meanwhile never sees CUDA_VISIBLE_DEVICES="" (as it did when os.environ was
+    swapped for the spawn)."""
+    from multiprocessing import spawn
 
-    from gpu_tasks.worker.warm import _environ
+    from gpu_tasks.worker.warm import _pre_spawn_environ, _spawn_environment
 
-    monkeypatch.delenv("GPU_TASKS_TEST_SPAWN_ENV", raising=False)
-    inside = [threading.Event(), threading.Event()]
-    release = [threading.Event(), threading.Event()]
-
-    def spawn(i: int) -> None:
-        with _environ({"GPU_TASKS_TEST_SPAWN_ENV": str(i)}):
-            inside[i].set()
-            release[i].wait(5)
-
-    threads = [threading.Thread(target=spawn, args=(i,)) for i in range(2)]
-    threads[0].start()
-    assert inside[0].wait(5)
-    threads[1].start()
-    # the second waits for the first to end (without a lock it would start inside it, and end after
-    # the first had restored the environment, restoring the first's value)
-    inside[1].wait(0.3)
-    release[0].set()
-    threads[0].join(5)
-    release[1].set()
-    threads[1].join(5)
-    assert inside[1].is_set()
-    assert "GPU_TASKS_TEST_SPAWN_ENV" not in os.environ
+    before, executable = dict(os.environ), spawn.get_executable()
+    with _spawn_environment():
+        inside = dict(os.environ)
+        launcher = spawn.get_executable()
+    assert inside == before == dict(os.environ) and spawn.get_executable() == executable
+    assert launcher != executable
+    probe = (
+        "import json, os, signal; "
+        "print(json.dumps([dict(os.environ), signal.getsignal(signal.SIGINT) == signal.SIG_IGN]))"
+    )
+    out = subprocess.run([launcher, "-c", probe], capture_output=True, text=True, timeout=60, check=True)
+    env, ignored = json.loads(out.stdout)
+    assert ignored and env["CUDA_VISIBLE_DEVICES"] == ""
+    assert {k: env.get(k) for k in _pre_spawn_environ()} == _pre_spawn_environ()
 
 
 def test_a_pool_started_in_the_background_is_ready_when_waited_for_and_leaves_no_thread():

@@ -173,6 +173,47 @@ else:
     _ForkedProcess = ForkedProcess
 
 
+def raise_in_thread(ident: int, exc: type[BaseException]) -> bool:
+    """Raise ``exc`` in the thread ``ident`` (at its next Python instruction); whether it was found."""
+    import ctypes
+
+    hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
+    return bool(hit == 1)
+
+
+_SPAWN_LOCK = threading.Lock()
+
+
+@contextmanager
+def spawn_executable(path: str) -> Iterator[None]:
+    """multiprocessing starts its spawned interpreters with ``path`` meanwhile (one swap at a time)."""
+    from multiprocessing import spawn
+
+    with _SPAWN_LOCK:
+        old = spawn.get_executable()
+        spawn.set_executable(path)
+        try:
+            yield
+        finally:
+            spawn.set_executable(old)
+
+
+def _check_async_exc() -> str | None:
+    import ctypes
+
+    found = hasattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc")
+    return None if found else "ctypes.pythonapi has no PyThreadState_SetAsyncExc"
+
+
+def _check_spawn_executable() -> str | None:
+    from multiprocessing import spawn
+
+    for name in ("get_executable", "set_executable"):
+        if not callable(getattr(spawn, name, None)):
+            return f"multiprocessing.spawn has no {name}"
+    return None
+
+
 def _check_exitfuncs() -> str | None:
     return None if callable(getattr(atexit, "_run_exitfuncs", None)) else "atexit has no _run_exitfuncs"
 
@@ -226,6 +267,22 @@ def _uses() -> list[Any]:
             "patched",
             "swapped while a cluster manager's module imports, so it cannot take over Ctrl-C",
             _check_signal,
+        ),
+        Use(
+            "cpython",
+            "ctypes.pythonapi.PyThreadState_SetAsyncExc",
+            "undocumented",
+            "a task on a shared worker is stopped in its thread: preempted for a waiter, or its flow run "
+            "stopped (Dask cannot stop a running task)",
+            _check_async_exc,
+        ),
+        Use(
+            "cpython",
+            "multiprocessing.spawn.get_executable, set_executable",
+            "patched",
+            "a warm process starts through a launcher that ignores SIGINT from its first instruction "
+            "(a Ctrl-C on the terminal would kill it while it imports)",
+            _check_spawn_executable,
         ),
         Use(
             "cpython",

@@ -137,6 +137,23 @@ def _check_expects_comm() -> str | None:
     return None if hasattr(fn, "cache_clear") else "_expects_comm is no longer a functools cache"
 
 
+def worker_tasks(dask_worker: Any) -> dict[Any, Any]:
+    """A Dask worker's tasks by key (``Worker.state.tasks``), each with its ``.state``
+    (``executing``, ``long-running``, ``memory``, ``error``, ``cancelled``, ...)."""
+    tasks: dict[Any, Any] = dask_worker.state.tasks
+    return tasks
+
+
+def _check_worker_tasks() -> str | None:
+    from distributed.worker_state_machine import TaskState, WorkerState
+
+    if "tasks" not in getattr(WorkerState, "__annotations__", {}):
+        return "distributed's WorkerState no longer has tasks"
+    if "state" not in getattr(TaskState, "__annotations__", {}):
+        return "distributed's TaskState no longer has state"
+    return None
+
+
 def _check_worker_state() -> str | None:
     from distributed.worker_state_machine import BaseWorker, WorkerState
 
@@ -199,6 +216,14 @@ def _uses() -> list[Any]:
             "undocumented",
             "nested tasks run on as many threads as their worker has",
             _check_worker_state,
+        ),
+        Use(
+            "distributed",
+            "distributed.Worker.state.tasks",
+            "undocumented",
+            "which tasks a shared worker executes now (preempted for a waiter, released by a client "
+            "that is gone, interrupted when the flow run stops)",
+            _check_worker_tasks,
         ),
         Use(
             "distributed",

@@ -107,6 +107,22 @@ def renew_answers(renew: Iterable[frozenset[str]], drop: Iterable[frozenset[str]
     return len(kept)
 
 
+# The layout of Prefect's ``serialize_context()``, which gpu-tasks builds itself for its workers
+# (gpu_tasks.runner.payload: the settings serialized once per flow run, not per task) and its
+# worker's engine reads (gpu_tasks.worker.engine): a key Prefect adds or renames fails the check.
+CONTEXT_KEYS = frozenset(
+    {
+        "flow_run_context",
+        "task_run_context",
+        "tags_context",
+        "settings_context",
+        "asset_context",
+        "deployment_id",
+        "deployment_parameters",
+    }
+)
+
+
 def deployment_context() -> tuple[str | None, Any]:
     """The deployment id (as a string) and parameters of the run in this context.
 
@@ -486,6 +502,15 @@ def _check_deployment_context() -> str | None:
     )
 
 
+def _check_context_layout() -> str | None:
+    from prefect.context import serialize_context
+
+    keys = set(serialize_context())
+    if keys != CONTEXT_KEYS:
+        return f"serialize_context() returns {sorted(keys)}; gpu-tasks builds {sorted(CONTEXT_KEYS)}"
+    return None
+
+
 def _check_serializers() -> str | None:
     import prefect.serializers as serializers
 
@@ -565,6 +590,14 @@ def _uses() -> list[Any]:
             "private",
             "sent to remote task runs as Prefect's serialize_context sends them",
             _check_deployment_context,
+        ),
+        Use(
+            "prefect",
+            "prefect.context.serialize_context (its layout)",
+            "undocumented",
+            "the flow run's context for workers, built with the settings serialized once per flow run "
+            "(they were nearly all of serialize_context's cost per task)",
+            _check_context_layout,
         ),
         Use(
             "prefect",

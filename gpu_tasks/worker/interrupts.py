@@ -35,7 +35,9 @@ _RELEASE_WATCH: dict[int, threading.Thread] = {}  # by id() of the Dask worker
 def released_keys(dask_worker: Any, keys: list[str]) -> list[str]:
     """Those of ``keys`` this worker still executes though its scheduler released them: the
     client that wanted them is gone (its flow process was killed) or cancelled them."""
-    tasks = dask_worker.state.tasks
+    from gpu_tasks.compat.distributed import worker_tasks
+
+    tasks = worker_tasks(dask_worker)
     return [k for k in keys if getattr(tasks.get(k), "state", None) == "cancelled"]
 
 
@@ -115,7 +117,7 @@ def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
     Python code in the task stops at once; a task inside one long call into C (a CUDA
     kernel, ``time.sleep``) stops when that call returns. Returns the keys interrupted.
     """
-    import ctypes
+    from gpu_tasks.compat.cpython import raise_in_thread
 
     exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
     wanted = set(keys)
@@ -123,7 +125,6 @@ def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
     with INTERRUPTIBLE_LOCK:
         for ident, key in INTERRUPTIBLE.items():
             if key in wanted:
-                hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
-                if hit == 1:
+                if raise_in_thread(ident, exc):
                     done.append(key)
     return done

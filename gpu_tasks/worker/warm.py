@@ -153,7 +153,7 @@ class WarmProcess:
         if self.forked:  # it takes the fork server's environment, set once when the server started
             ctx.ensure_started(_spawn_environment)
             self.process.start()
-        else:  # a spawned interpreter takes this process's environment as it is now
+        else:  # a spawned interpreter takes this process's environment as it is now, and the launcher's
             with _spawn_environment():
                 self.process.start()
         child.close()
@@ -166,7 +166,7 @@ class WarmProcess:
         as it is now for a process forked from the pool's fork server (whose environment is the
         flow's when the server started; a spawned process's is the flow's when it was spawned)."""
         if not self.forked:
-            return dict(env)
+            return {**_pre_spawn_environ(), **env}
         return {**os.environ, **_pre_spawn_environ(), **env, _WHOLE_ENVIRON: "1"}
 
     @property
@@ -521,30 +521,39 @@ def _pre_spawn_environ() -> dict[str, str]:
     return env
 
 
-_LAUNCHER: list[str] = []  # the launcher script of this flow process, once written
+_LAUNCHERS: dict[
+    tuple[tuple[str, str], ...], str
+] = {}  # this flow process's launcher scripts, by environment
 _LAUNCHER_LOCK = threading.Lock()
 
 
-def _launcher() -> str | None:
-    """A two-line shell script that runs this Python with SIGINT ignored (``None`` without /bin/sh).
+def _launcher(env: dict[str, str]) -> str | None:
+    """A shell script that runs this Python with ``env`` added to its environment and SIGINT
+    ignored (``None`` without /bin/sh).
 
-    An ignored signal stays ignored across ``exec``, and Python leaves an ignored SIGINT
-    ignored, so the child is safe from a Ctrl-C from its first instruction.
+    The child gets ``env`` without this process's ``os.environ`` changing (a CPU task running in
+    the flow process meanwhile sees its own environment). An ignored signal stays ignored across
+    ``exec``, and Python leaves an ignored SIGINT ignored, so the child is safe from a Ctrl-C from
+    its first instruction.
     """
+    import shlex
+
+    wanted = tuple(sorted((k, v) for k, v in env.items() if k.isidentifier()))
     with _LAUNCHER_LOCK:
-        if _LAUNCHER and os.path.exists(_LAUNCHER[0]):
-            return _LAUNCHER[0]
+        path = _LAUNCHERS.get(wanted)
+        if path is not None and os.path.exists(path):
+            return path
         if not os.path.exists("/bin/sh"):
             return None
-        import shlex
         import tempfile
 
+        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in wanted)
         fd, path = tempfile.mkstemp(prefix="gpu-tasks-warm-", suffix=".sh")
         with os.fdopen(fd, "w") as f:
-            f.write(f"#!/bin/sh\ntrap '' INT\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+            f.write(f"#!/bin/sh\ntrap '' INT\n{exports}exec {shlex.quote(sys.executable)} \"$@\"\n")
         os.chmod(path, 0o700)
         atexit.register(_remove, path)
-        _LAUNCHER[:] = [path]
+        _LAUNCHERS[wanted] = path
         return path
 
 
@@ -554,61 +563,25 @@ def _remove(path: str) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_ignored_from_the_start() -> Any:
-    """Spawn a warm process that ignores SIGINT from its start, not only once it has imported.
+def _spawn_environment() -> Any:
+    """How a new interpreter starts: with the environment Dask's nanny gives a worker and no device,
+    SIGINT ignored from its first instruction. While the child starts, multiprocessing's spawn
+    executable is a launcher script that adds that environment (:func:`_launcher`); this process's
+    ``os.environ`` never changes. Once per process for the fork server (its children take its
+    environment), once per spawned process for ``GPU_TASKS_WARM_START=spawn`` (never on a refill or
+    a take from a running fork server).
 
-    A terminal Ctrl-C reaches the whole foreground process group; a warm process still
-    importing (``spawn_main`` unpickling its target, before its worker guard ignores
-    SIGINT) would die of it with a traceback on the terminal. While the child is spawned,
-    multiprocessing's spawn executable is :func:`_launcher` (held under a lock, like the
-    environment around it); the flow process itself keeps its own Ctrl-C handling. (A
-    Ctrl-C in the millisecond between the spawn and the launcher's ``trap`` still ends it.)
+    A terminal Ctrl-C reaches the whole foreground process group; a warm process still importing
+    (``spawn_main`` unpickling its target, before its worker guard ignores SIGINT) would die of it
+    with a traceback on the terminal. (A Ctrl-C in the millisecond between the spawn and the
+    launcher's ``trap`` still ends it.) Without /bin/sh the child starts with this process's
+    environment, and its bind sends the rest (:meth:`WarmProcess.bind_environ`).
     """
-    launcher = _launcher()
+    launcher = _launcher(_pre_spawn_environ())
     if launcher is None:
         yield
         return
-    from multiprocessing import spawn
+    from gpu_tasks.compat.cpython import spawn_executable
 
-    with _LAUNCHER_LOCK:
-        old = spawn.get_executable()
-        spawn.set_executable(launcher)
-        try:
-            yield
-        finally:
-            spawn.set_executable(old)
-
-
-@contextlib.contextmanager
-def _spawn_environment() -> Any:
-    """How a new interpreter starts: the environment Dask's nanny gives a worker, no device, and
-    SIGINT ignored from its first instruction. It changes this process's ``os.environ`` and
-    multiprocessing's spawn executable while a child starts: once per process for the fork
-    server (its children take its environment), once per process for ``GPU_TASKS_WARM_START=spawn``
-    (never on a refill or a take from a running fork server)."""
-    with _environ(_pre_spawn_environ()), _sigint_ignored_from_the_start():
+    with spawn_executable(launcher):
         yield
-
-
-_ENVIRON_LOCK = threading.RLock()
-
-
-@contextlib.contextmanager
-def _environ(env: dict[str, str]) -> Any:
-    """``os.environ`` with ``env`` while a child is spawned (it inherits the environment).
-
-    One spawn at a time: two interleaved (a refill of the pool and a profile's scheduler) would
-    restore each other's values and leave ``env`` (an empty ``CUDA_VISIBLE_DEVICES``, Prefect's
-    ephemeral server off) in the flow process's environment for good.
-    """
-    with _ENVIRON_LOCK:
-        old = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield
-        finally:
-            for k, v in old.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
