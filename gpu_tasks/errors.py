@@ -11,6 +11,10 @@ class GpuTasksError(Exception):
     """Base class for every error gpu-tasks raises on purpose."""
 
 
+class SettingsError(GpuTasksError, ValueError):
+    """A ``GPU_TASKS_*`` environment variable holds a value its setting does not take."""
+
+
 class ProfileError(GpuTasksError, ValueError):
     """A resource profile (or its TOML file) is invalid."""
 

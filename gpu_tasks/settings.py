@@ -14,6 +14,8 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from gpu_tasks.errors import SettingsError
+
 
 def default_lease_dir() -> Path:
     """Per-user lease directory under the system temp dir (``/tmp/gpu-tasks-leases-<uid>``)."""
@@ -226,9 +228,80 @@ class GpuTasksSettings(BaseSettings):
         return value.upper() if isinstance(value, str) else value
 
 
+# ``GPU_TASKS_*`` variables that are no setting of this class: the example pipeline's, and those the
+# runner sets for its own worker processes (never set by users)
+NOT_SETTINGS = frozenset(
+    {
+        "DATA_DIR",
+        "WORKER_PROFILE",
+        "WORKER_DEVICES",
+        "WORKER_EMULATED",
+        "WORKER_GPU_MEMORY_LIMIT",
+        "WORKER_GPU_MEMORY_PER_TASK",
+        "PLACEMENT_TAGS_FREE_AT",
+        "EXTRAS",  # scripts/setup
+        "HOME",  # infra/prefect.yaml
+        "COMMIT",  # the benchmarks' record of the code they measured
+    }
+)
+SCRIPT_PREFIXES = (
+    "TEST_",
+    "BENCH_",
+    "COMPAT_",
+)  # the project's own scripts: scripts/test, bench/, test-compat
+PREFIX = "GPU_TASKS_"
+
+
 def get_settings() -> GpuTasksSettings:
-    """Read the settings from the environment now (cheap; not cached so tests can change env)."""
-    return GpuTasksSettings()
+    """Read the settings from the environment now (cheap; not cached so tests can change env).
+
+    Raises:
+        SettingsError: one line per invalid variable, naming it, its value and what it takes.
+    """
+    from pydantic import ValidationError
+
+    try:
+        return GpuTasksSettings()
+    except ValidationError as exc:
+        raise SettingsError(describe_invalid(exc)) from None
+
+
+def describe_invalid(exc: Any) -> str:
+    """``exc`` (pydantic's ValidationError of :class:`GpuTasksSettings`) as lines naming each variable."""
+    lines = []
+    for err in exc.errors():
+        field = "_".join(str(p) for p in err["loc"])
+        var = PREFIX + field.upper()
+        what = (
+            GpuTasksSettings.model_fields[field].description
+            if field in GpuTasksSettings.model_fields
+            else None
+        )
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        lines.append(
+            f"invalid setting {var}={os.environ.get(var, err.get('input'))!r}: {msg}"
+            + (f" ({what})" if what else "")
+        )
+    return "\n".join(lines)
+
+
+def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """One line per ``GPU_TASKS_*`` variable that is no gpu-tasks setting (a typo changes nothing
+    silently otherwise), with the closest known setting when one is close."""
+    import difflib
+
+    env = os.environ if environ is None else environ
+    known = {PREFIX + f.upper() for f in GpuTasksSettings.model_fields}
+    out = []
+    for var in sorted(env):
+        if not var.startswith(PREFIX) or var in known or var.removeprefix(PREFIX) in NOT_SETTINGS:
+            continue
+        if var.startswith(tuple(PREFIX + p for p in SCRIPT_PREFIXES)):
+            continue
+        close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.75)
+        hint = f"; did you mean {close[0]}?" if close else "; docs/profiles.md lists the settings"
+        out.append(f"{var} is not a gpu-tasks setting and changes nothing{hint}")
+    return out
 
 
 def resolve(value: Any, field: str, settings: GpuTasksSettings | None = None) -> Any:

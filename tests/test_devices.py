@@ -57,12 +57,13 @@ def test_emulated_count(count):
 
 
 def test_emulated_list():
-    devs = parse_emulated(" H100:80GiB, H100:80GiB ,L4:24GiB,Tesla T4 : 16 GB,EMU ")
+    devs = parse_emulated(" H100:80GiB, H100:80GiB ,L4:24GiB,Tesla T4 : 16 GB,A100 ,EMU:1GiB")
     assert [d.name for d in devs] == [
         "H100 (emulated)",
         "H100 (emulated)",
         "L4 (emulated)",
         "Tesla T4 (emulated)",
+        "A100 (emulated)",
         "EMU (emulated)",
     ]
     assert [d.memory_total for d in devs] == [
@@ -71,8 +72,9 @@ def test_emulated_list():
         24 * GiB,
         16 * 10**9,
         DEFAULT_EMULATED_MEMORY,
+        GiB,
     ]
-    assert [d.address for d in devs] == ["0", "1", "2", "3", "4"]
+    assert [d.address for d in devs] == ["0", "1", "2", "3", "4", "5"]
     assert all(d.emulated and not d.mig for d in devs)
 
 
@@ -125,7 +127,9 @@ _BAD_ITEMS = st.sampled_from(
     spec=st.one_of(
         st.integers(min_value=65, max_value=10**9).map(str),
         st.just("0" * 3 + "65"),
-        st.sampled_from(["", "   ", ",", ",,", "4,", ",H100", "-1", "+4", "4;4", "²", "٣"]),
+        st.sampled_from(
+            ["", "   ", ",", ",,", "4,", ",H100", "-1", "+4", "4;4", "²", "٣", "banana", "two", "2.5"]
+        ),
         st.tuples(
             st.lists(st.just("H100:80GiB"), max_size=3),
             _BAD_ITEMS,
@@ -138,6 +142,14 @@ def test_bad_emulated_specs_raise_discovery_errors(spec):
     with pytest.raises(DeviceDiscoveryError) as info:
         parse_emulated(spec)
     assert "GPU_TASKS_EMULATED_GPUS" in str(info.value)
+
+
+@pytest.mark.parametrize("spec", ["banana", "two", "2.5", "H100:80GiB,banana"])
+def test_a_word_or_a_fraction_is_no_emulated_device(spec):
+    """A typo once gave one device named after it, silently; now the accepted forms are named."""
+    with pytest.raises(DeviceDiscoveryError, match="neither a whole count nor a model name") as info:
+        parse_emulated(spec)
+    assert 'a count such as "4"' in str(info.value) and "NAME:MEMORY" in str(info.value)
 
 
 @settings(max_examples=300)

@@ -179,3 +179,69 @@ def test_a_cache_hit_returns_while_its_profile_waits_for_a_device(tmp_path, leas
         holder.release()
     assert seen == {"cached": 16, "state": "Cached", "holding after the cache hit": True}
     assert devices == ["0"]
+
+
+@task(tags=[profile("pair")])
+def on_two(i: int) -> list[str]:
+    return list(current_allocation().devices)
+
+
+@task(tags=[profile("gpu")])
+def until_told(folder: str) -> list[str]:
+    Path(folder, "started").write_text("yes")
+    deadline = time.monotonic() + HOLD_S
+    while not Path(folder, "go").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return list(current_allocation().devices)
+
+
+def test_one_gpu_profiles_result_lands_while_another_waits_for_devices(tmp_path, lease_dir, monkeypatch):
+    from prefect.context import FlowRunContext
+
+    """Two emulated devices, one held by another process. Profile "gpu" runs a task on the other;
+    profile "pair" (both devices, one worker) then waits for the held one on its controller. The
+    running task finishes meanwhile and its result reaches the flow while the device is still
+    held; the idle "gpu" cluster then gives its device to the waiting profile early."""
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "2")
+    holder = Holder(tmp_path, lease_dir, "1")
+    folder = tmp_path / "signals"
+    folder.mkdir()
+    seen: dict[str, object] = {}
+    runner = ProfileTaskRunner(
+        profiles=[
+            ResourceProfile(name="cpu", cpus=1),
+            ResourceProfile(name="gpu", gpus=1, idle_timeout=60),
+            ResourceProfile(name="pair", gpus=2, idle_timeout=5),
+        ],
+        default="cpu",
+    )
+
+    @flow(task_runner=runner)
+    def two_profiles() -> list[str]:
+        from gpu_tasks.devices import leases
+
+        running = until_told.submit(str(folder))
+        _until((folder / "started").exists, "the gpu task to start", timeout=HOLD_S)
+        pair = on_two.submit(0)
+        _until(lambda: any(w.get("profile") == "pair" for w in leases.waiters()), "the pair to queue")
+        (folder / "go").write_text("go")
+        seen["gpu"] = running.result(timeout=HOLD_S)
+        seen["pair done before release"] = pair.state.is_final()
+        seen["holding after the gpu result"] = holder.holding()
+        holder.release()
+        devices = pair.result(timeout=HOLD_S)
+        ledger = FlowRunContext.get().task_runner.ledger  # the run's copy of the runner
+        seen["gpu closed"] = [r.reason for r in ledger if r.profile == "gpu"]
+        return devices
+
+    try:
+        devices = two_profiles()
+    finally:
+        holder.release()
+    assert seen == {
+        "gpu": ["0"],
+        "pair done before release": False,
+        "holding after the gpu result": True,
+        "gpu closed": ["released its devices early: profile 'pair' is waiting for them"],
+    }
+    assert sorted(devices) == ["0", "1"]

@@ -169,7 +169,7 @@ def test_gpu_tasks_priority_replaces_every_profiles_priority(monkeypatch):
     monkeypatch.setenv("GPU_TASKS_PRIORITY", "-2")
     assert run_priority(train) == -2 and run_priority(train, get_settings()) == -2
     monkeypatch.setenv("GPU_TASKS_PRIORITY_AGING", "-1")
-    with pytest.raises(ValueError, match="priority_aging"):
+    with pytest.raises(ValueError, match="GPU_TASKS_PRIORITY_AGING='-1'"):
         get_settings()
 
 

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gpu_tasks.errors import ProfileError
+from gpu_tasks.errors import ProfileError, SettingsError
 from gpu_tasks.profiles import (
     MAX_SHARE,
     ResourceProfile,
@@ -455,13 +455,13 @@ def test_settings_defaults(monkeypatch):
 @pytest.mark.parametrize("value", ["-1", "-0.5", "soon"])
 def test_settings_reject_bad_idle_timeout(monkeypatch, value):
     monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", value)
-    with pytest.raises(ValidationError, match="idle_timeout"):
+    with pytest.raises(SettingsError, match="^invalid setting GPU_TASKS_IDLE_TIMEOUT="):
         get_settings()
 
 
 def test_settings_reject_non_positive_provision_timeout(monkeypatch):
     monkeypatch.setenv("GPU_TASKS_PROVISION_TIMEOUT", "0")
-    with pytest.raises(ValidationError, match="provision_timeout"):
+    with pytest.raises(SettingsError, match="GPU_TASKS_PROVISION_TIMEOUT='0'"):
         get_settings()
 
 

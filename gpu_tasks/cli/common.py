@@ -22,15 +22,14 @@ from typing import Any, NoReturn
 
 import typer
 from dask.utils import format_bytes
-from pydantic import ValidationError
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
 from gpu_tasks.devices import leases, programs
 from gpu_tasks.devices.discovery import Device, Inventory, discover
-from gpu_tasks.errors import DeviceDiscoveryError
-from gpu_tasks.settings import GpuTasksSettings, get_settings
+from gpu_tasks.errors import DeviceDiscoveryError, SettingsError
+from gpu_tasks.settings import GpuTasksSettings, get_settings, unknown_variables
 
 EXIT_USAGE = 2
 
@@ -75,13 +74,12 @@ def echo_json(data: Any) -> None:
 def load_settings() -> GpuTasksSettings:
     """The ``GPU_TASKS_*`` settings, or exit 2 naming the bad variable."""
     try:
-        return get_settings()
-    except ValidationError as exc:
-        lines = []
-        for err in exc.errors():
-            var = "GPU_TASKS_" + "_".join(str(p) for p in err["loc"]).upper()
-            lines.append(f"{var}: {err['msg']} (got {err.get('input')!r})")
-        fail("invalid setting " + "; ".join(lines))
+        settings = get_settings()
+    except SettingsError as exc:
+        fail(str(exc))
+    for line in unknown_variables():
+        typer.echo(f"warning: {line}", err=True)
+    return settings
 
 
 def load_inventory(settings: GpuTasksSettings) -> Inventory:

@@ -172,6 +172,12 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
         if not match:
             raise DeviceDiscoveryError(f"{hint}; item {i + 1} ({item.strip()!r}) is not NAME or NAME:MEMORY")
         name, mem = match.group(1), match.group(2)
+        if not mem and not (any(c.isalpha() for c in name) and any(c.isdigit() for c in name)):
+            # "banana", "two" or "2.5" alone is no device model: a typo, not one device of that name
+            raise DeviceDiscoveryError(
+                f"{hint}; item {i + 1} ({item.strip()!r}) is neither a whole count nor a model name such as "
+                f"H100 or L4 (give its memory to use another name: '{name}:16GiB')"
+            )
         memory = _size(mem, f"item {i + 1}") if mem else DEFAULT_EMULATED_MEMORY
         if memory <= 0:
             raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a memory size of zero")

@@ -50,7 +50,7 @@ from gpu_tasks.runner.job import Arrived, Job
 from gpu_tasks.runner.recovery import Recovery
 from gpu_tasks.runner.results import Finish, Landings, Results, hand_to
 from gpu_tasks.runner.session import Live
-from gpu_tasks.settings import get_settings
+from gpu_tasks.settings import get_settings, unknown_variables
 from gpu_tasks.worker import engine as _worker
 from gpu_tasks.worker.slots import waiting
 
@@ -88,6 +88,26 @@ class ProfileFuture(PrefectConcurrentFuture[Any]):
 
 
 _LIVE_RUNNERS: weakref.WeakSet[ProfileTaskRunner] = weakref.WeakSet()
+_WARNED: set[str] = set()  # the unknown GPU_TASKS_* variables this process warned about
+
+
+def _check_settings() -> None:
+    """Raise :class:`~gpu_tasks.errors.SettingsError` (one line a variable) for a ``GPU_TASKS_*`` value
+    its setting does not take, and :class:`~gpu_tasks.errors.DeviceDiscoveryError` for a
+    ``GPU_TASKS_EMULATED_GPUS`` that names no devices; warn once per flow process of each
+    ``GPU_TASKS_*`` variable that is no setting (a typo), naming the closest one. Reads the
+    environment only: no file, network or database."""
+    settings = get_settings()
+    if settings.emulated_gpus is not None:
+        from gpu_tasks.devices.discovery import parse_emulated
+
+        parse_emulated(settings.emulated_gpus)
+    if _worker.in_worker_process():  # the flow process warned; its workers get its environment
+        return
+    for line in unknown_variables():
+        if line not in _WARNED:
+            _WARNED.add(line)
+            logger.warning("gpu-tasks: %s", line)
 
 
 @atexit.register
@@ -138,6 +158,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if idle_timeout is not None and idle_timeout < 0:
             raise ProfileError(f"idle_timeout must be >= 0 seconds; got {idle_timeout}")
         self._idle_timeout_arg = idle_timeout
+        _check_settings()  # a bad GPU_TASKS_* value fails here, as the flow module builds its runner
         self._live: Live | None = None
         self._admission: Admission | None = None
         self._last_ledger: list[LedgerRow] = []
