@@ -18,8 +18,11 @@ from gpu_tasks.devices.discovery import Device, Inventory, discover
 from gpu_tasks.errors import (
     ClusterError,
     DeviceDiscoveryError,
+    EnvironmentProblem,
+    GpuOutOfMemoryError,
     GpuTasksError,
     ProfileError,
+    SettingsError,
     UnknownProfileError,
     UnsatisfiableProfileError,
 )
@@ -29,6 +32,7 @@ from gpu_tasks.profiles import (
     TlsOptions,
     load_profiles_file,
     profile,
+    profile_tag,
     use_profile,
 )
 from gpu_tasks.runner import ProfileFuture, ProfileTaskRunner
@@ -41,6 +45,8 @@ __all__ = [
     "TlsOptions",
     "Device",
     "DeviceDiscoveryError",
+    "EnvironmentProblem",
+    "GpuOutOfMemoryError",
     "GpuTasksError",
     "GpuTasksSettings",
     "Inventory",
@@ -48,13 +54,16 @@ __all__ = [
     "ProfileFuture",
     "ProfileTaskRunner",
     "ResourceProfile",
+    "SettingsError",
     "UnknownProfileError",
     "UnsatisfiableProfileError",
     "current_allocation",
     "discover",
     "get_settings",
     "load_profiles_file",
+    "per_device_client",
     "profile",
+    "profile_tag",
     "use_profile",
 ]
 
@@ -62,6 +71,10 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name: str) -> Any:
+    if name == "per_device_client":  # imports distributed: only when asked for
+        from gpu_tasks.cluster.backends import per_device_client
+
+        return per_device_client
     if name == "PipelineInputError":  # the example pipeline's error; the plugin never imports the pipeline
         raise AttributeError(
             "gpu_tasks.PipelineInputError is the example pipeline's error and lives with it: "

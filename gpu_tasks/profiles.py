@@ -435,11 +435,15 @@ def _describe(exc: ValidationError, name: Any) -> str:
 
 
 # --------------------------------------------------------------------- tags
-def profile(name: str) -> str:
-    """The tag that sends a task to profile ``name``: ``profile("gpu") == "profile:gpu"``."""
+def profile_tag(name: str) -> str:
+    """The tag that sends a task to profile ``name``: ``profile_tag("gpu") == "profile:gpu"``
+    (``profile`` is the same function under its first name)."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ProfileError(f"profile name {name!r} is not valid: use letters, digits, '_', '.', '-'")
     return f"{TAG_PREFIX}{name}"
+
+
+profile = profile_tag  # its first name, kept: tags=[profile("gpu")] works as before
 
 
 def profile_from_tags(tags: Iterable[str]) -> str | None:
@@ -509,11 +513,11 @@ def load_profiles_file(path: str | Path) -> tuple[dict[str, ResourceProfile], st
         raise ProfileError(
             f"profiles file {str(path)!r} (GPU_TASKS_PROFILES_FILE) cannot be read: {exc.strerror}; "
             "point GPU_TASKS_PROFILES_FILE at an existing TOML file"
-        ) from exc
+        ) from None  # the message says all: one line, not two tracebacks, where a flow module fails
     try:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise ProfileError(f"profiles file {str(path)!r} is not valid TOML: {exc}") from exc
+        raise ProfileError(f"profiles file {str(path)!r} is not valid TOML: {exc}") from None
     default = data.get("default")
     if default is not None and not isinstance(default, str):
         raise ProfileError(f"profiles file {str(path)!r}: default must be a profile name string")

@@ -46,6 +46,8 @@ PUBLIC_API = {
     "TlsOptions",
     "Device",
     "DeviceDiscoveryError",
+    "EnvironmentProblem",
+    "GpuOutOfMemoryError",
     "GpuTasksError",
     "GpuTasksSettings",
     "Inventory",
@@ -53,13 +55,16 @@ PUBLIC_API = {
     "ProfileFuture",
     "ProfileTaskRunner",
     "ResourceProfile",
+    "SettingsError",
     "UnknownProfileError",
     "UnsatisfiableProfileError",
     "current_allocation",
     "discover",
     "get_settings",
     "load_profiles_file",
+    "per_device_client",
     "profile",
+    "profile_tag",
     "use_profile",
 }
 
@@ -176,6 +181,13 @@ def test_the_public_api_is_unchanged_and_the_pipeline_stays_apart():
     from gpu_tasks.runner import ProfileTaskRunner
 
     assert ProfileTaskRunner is gpu_tasks.ProfileTaskRunner  # the documented import path
+    assert gpu_tasks.profile is gpu_tasks.profile_tag and gpu_tasks.profile_tag("gpu") == "profile:gpu"
+    from gpu_tasks.errors import EnvironmentProblem, GpuOutOfMemoryError
+
+    assert (
+        gpu_tasks.GpuOutOfMemoryError is GpuOutOfMemoryError
+        and gpu_tasks.EnvironmentProblem is EnvironmentProblem
+    )
     with pytest.raises(AttributeError, match="from gpu_tasks.pipeline.errors import PipelineInputError"):
         gpu_tasks.PipelineInputError  # noqa: B018
     for name, path in plugin_modules().items():

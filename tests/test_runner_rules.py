@@ -85,25 +85,30 @@ def test_untagged_tasks_run_on_the_added_cpu_profile_in_the_flow_process():
 
 
 def test_an_undefined_default_other_than_cpu_is_an_error_naming_it_and_the_known_profiles():
-    runner = ProfileTaskRunner(profiles=[CPU, GPU], default="small")
+    """It fails where the runner is built: at the import of a flow module that builds it."""
     with pytest.raises(
         UnknownProfileError, match=r"default profile 'small' is not defined; known profiles: cpu, gpu"
     ):
-        runner.resolve_profiles()
+        ProfileTaskRunner(profiles=[CPU, GPU], default="small")
 
 
 @pytest.mark.usefixtures("no_leaked_processes")
-def test_an_undefined_default_fails_the_first_submit_of_a_flow():
-    @flow(task_runner=ProfileTaskRunner(profiles=[CPU], default="small"))
-    def f():
-        try:
-            where.submit()
-        except UnknownProfileError as exc:
-            return str(exc)
-        return None
+def test_a_file_that_breaks_after_the_runner_was_built_fails_the_next_flow_run(tmp_path, monkeypatch):
+    """The file is read again for each flow run (a deployment may set it): a default it no longer
+    defines fails that run as it starts, naming it, before any task."""
+    path = _write(tmp_path, monkeypatch, 'default = "small"\n[profiles.small]\ncpus = 0.5\n')
+    runner = ProfileTaskRunner(profiles=[CPU])
+    path.write_text('default = "small"\n[profiles.big]\ncpus = 1\n')
+    ran: list[str] = []
 
-    message = f()
-    assert message is not None and "default profile 'small' is not defined" in message
+    @flow(task_runner=runner)
+    def f():
+        ran.append("body")
+        return where.submit().result()
+
+    with pytest.raises(UnknownProfileError, match="default profile 'small' is not defined"):
+        f()
+    assert ran == []
 
 
 def test_the_default_must_be_a_cpu_profile():

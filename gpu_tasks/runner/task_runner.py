@@ -129,9 +129,10 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             deployment can change hardware without a code change.
         default: Profile of untagged tasks (default: the file's ``default``, else
             ``"cpu"``, added as a plain CPU profile when no profile has that name). Any
-            other name must be defined in code or in the file; as the file is read when
-            the flow run's first task is submitted (a deployment may set it), an unknown
-            default fails there, with the known profiles, and in ``status()``.
+            other name must be defined in code or in the file. The runner checks its profiles
+            (the file's too) and the ``GPU_TASKS_*`` settings when it is built, so a flow
+            module with a bad file, default or setting fails as it is imported, in one line;
+            the file is read again for each flow run (a deployment may set it).
         idle_timeout: Seconds a cluster may sit idle before it is closed, for profiles
             that do not set their own; ``None`` takes ``GPU_TASKS_IDLE_TIMEOUT``.
 
@@ -158,7 +159,11 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if idle_timeout is not None and idle_timeout < 0:
             raise ProfileError(f"idle_timeout must be >= 0 seconds; got {idle_timeout}")
         self._idle_timeout_arg = idle_timeout
-        _check_settings()  # a bad GPU_TASKS_* value fails here, as the flow module builds its runner
+        if not self.__dict__.pop("_unpickled", False) and not _worker.in_worker_process():
+            # a bad GPU_TASKS_* value, profiles file, default or on_oom fails here, as the flow module
+            # builds its runner (read from the environment and the file alone: no network, no database)
+            _check_settings()
+            self.resolve_profiles()
         self._live: Live | None = None
         self._admission: Admission | None = None
         self._last_ledger: list[LedgerRow] = []
@@ -201,6 +206,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        self._unpickled = True  # in a worker: its flow process checked the settings and profiles
         self.__init__(  # type: ignore[misc]  # rebuilt from its pickled arguments
             profiles=state["_profiles_arg"],
             default=state["_default_arg"],

@@ -99,6 +99,5 @@ def test_on_oom_reruns_the_task_once_on_the_larger_profile(which: str):
 def test_on_oom_must_name_a_known_other_profile():
     with pytest.raises(ProfileError, match="on_oom must name another profile"):
         ResourceProfile(name="small", gpus=1, on_oom="small")
-    runner = ProfileTaskRunner(profiles=[ResourceProfile(name="small", gpus=1, on_oom="huge")])
     with pytest.raises(UnknownProfileError, match="on_oom='huge'.*Add a ResourceProfile"):
-        runner.resolve_profiles()
+        ProfileTaskRunner(profiles=[ResourceProfile(name="small", gpus=1, on_oom="huge")])  # as it is built

@@ -75,9 +75,9 @@ def test_building_a_runner_checks_the_settings(monkeypatch, caplog):
     ]
 
 
-def test_a_flow_script_with_a_bad_setting_fails_at_import_without_a_server(tmp_path):
-    """As a user runs it: a plain script that builds its runner at import. It fails before Prefect
-    starts a temporary server, with one traceback whose last line names the variable."""
+def _run_flow_script(tmp_path, **env_extra: str) -> list[str]:
+    """A plain flow script that builds its runner at import, run as a user runs it; its stderr lines
+    (it must fail: exit 1, one traceback, before Prefect starts a temporary server)."""
     script = tmp_path / "flow.py"
     script.write_text(
         "from prefect import flow\n"
@@ -87,11 +87,34 @@ def test_a_flow_script_with_a_bad_setting_fails_at_import_without_a_server(tmp_p
         "if __name__ == '__main__':\n    f()\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_API_URL", "GPU_TASKS_"))}
-    env["GPU_TASKS_IDLE_TIMEOUT"] = "-1"
-    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 1
-    lines = out.stderr.strip().splitlines()
+    out = subprocess.run(
+        [sys.executable, str(script)], env={**env, **env_extra}, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stderr.count("Traceback") == 1 and "Starting temporary server" not in out.stderr + out.stdout
+    return out.stderr.strip().splitlines()
+
+
+def test_a_flow_script_with_a_bad_setting_fails_at_import_without_a_server(tmp_path):
+    lines = _run_flow_script(tmp_path, GPU_TASKS_IDLE_TIMEOUT="-1")
     assert lines[-1].startswith(
         "gpu_tasks.errors.SettingsError: invalid setting GPU_TASKS_IDLE_TIMEOUT='-1': "
     )
-    assert out.stderr.count("Traceback") == 1 and "Starting temporary server" not in out.stderr + out.stdout
+
+
+@pytest.mark.parametrize(
+    ("text", "says"),
+    [
+        ("[profiles.gpu]\ngpus = 0.3\n", "profile 'gpu': gpus must be a whole number or 1/k"),
+        ("[profiles.gpu]\ngpus = 1\n\n[profiles.etl\n", "is not valid TOML: "),
+        ('default = "small"\n[profiles.gpu]\ngpus = 1\n', "default profile 'small' is not defined"),
+    ],
+    ids=["bad-field", "bad-toml", "unknown-default"],
+)
+def test_a_flow_script_with_a_bad_profiles_file_fails_at_import_naming_the_file(tmp_path, text, says):
+    path = tmp_path / "profiles.toml"
+    path.write_text(text)
+    last = _run_flow_script(tmp_path, GPU_TASKS_PROFILES_FILE=str(path))[-1]
+    assert last.startswith("gpu_tasks.errors.") and f"profiles file {str(path)!r}" in last and says in last
+    if "TOML" in says:
+        assert "(at line 4, column" in last
