@@ -41,7 +41,6 @@ from gpu_tasks.runner.job import (
     Dispatch,
     Event,
     Job,
-    Landed,
     Left,
     LostWorker,
     OutOfMemory,
@@ -106,8 +105,6 @@ class Controller:
             if event.dispatched:
                 self._landed(event.job)
             st.active_changed()
-        elif isinstance(event, Landed):
-            self._landed(event.job)
         elif isinstance(event, Counted):
             st.waiting_for_slots += event.waiting_for_slots
             st.cache_hits += event.cache_hits

@@ -53,12 +53,6 @@ class Dispatch(NamedTuple):
     job: Job
 
 
-class Landed(NamedTuple):
-    """``job``'s hand-off came back, finished or not: it no longer runs on the cluster."""
-
-    job: Job
-
-
 class Left(NamedTuple):
     """``job`` ended (its future is resolved); ``dispatched``: it was on the cluster until now."""
 
@@ -123,7 +117,6 @@ class Reclaim(NamedTuple):
 Event = (
     Arrived
     | Dispatch
-    | Landed
     | Left
     | Counted
     | WorkerDied
