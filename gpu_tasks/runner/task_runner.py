@@ -46,6 +46,7 @@ from gpu_tasks.reporting.ledger import LedgerRow, remember_ended
 from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner.admission import Admission, TaskQuota
 from gpu_tasks.runner.controller import Controller
+from gpu_tasks.runner.ctrl_c import on_interrupt
 from gpu_tasks.runner.job import Arrived, Job
 from gpu_tasks.runner.recovery import Recovery
 from gpu_tasks.runner.results import Finish, Landings, Results, hand_to
@@ -216,6 +217,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     # ------------------------------------------------------------ lifetime
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
+            if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+                states = list(self._live.states.values()) if self._live is not None else []  # sizes only
+                on_interrupt(sum(len(st.inflight) for st in states), [st.profile.name for st in states])
             reason = "flow run ended" if exc_type is None else f"flow run ended with {exc_type.__name__}"
             self._shutdown(reason, hurry=exc_type is not None)
         finally:

@@ -1,0 +1,101 @@
+"""Ctrl-C on a plain flow script: one line at once, and a second Ctrl-C that ends the process now.
+
+A terminal's Ctrl-C stops a plain script's flow, and with it Prefect's ephemeral server (same
+process group). gpu-tasks closes its workers in under a second, but Prefect's engine then retries
+recording the flow run's end and drains its log and event queues against that dead server: about
+two minutes of silence (measured: 152 s; a second Ctrl-C lands in one of those retries and the
+drain still takes 139 s).
+
+So when a ``ProfileTaskRunner`` ends with ``KeyboardInterrupt`` in a script's main thread, it
+says at once what is left and arms a second Ctrl-C: that one ends the process within seconds
+(its remaining child processes, such as Prefect's ephemeral server, are stopped first) with
+exit status 130. Nothing changes for flows on other task runners, for interactive sessions
+(a notebook's interrupt keeps its kernel) or for a handler the script set itself.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+
+import psutil
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
+CHILDREN_GRACE_S = 1.0  # a child left (the ephemeral server) gets SIGTERM, then SIGKILL after this
+
+_armed = False
+
+
+def _plain_script() -> bool:
+    """Whether this process is a script run from a terminal or a scheduler, not an interactive
+    session (``python -i``, a REPL, IPython or a notebook kernel: there an interrupt must not
+    end the session)."""
+    main = sys.modules.get("__main__")
+    return not (sys.flags.interactive or hasattr(sys, "ps1") or getattr(main, "__file__", None) is None)
+
+
+def on_interrupt(running: int, profiles: list[str]) -> bool:
+    """Called as the runner starts closing after a ``KeyboardInterrupt``: say what is left and arm
+    the second Ctrl-C. Returns whether it was armed (the main thread of a plain script whose SIGINT
+    handler is still Python's own)."""
+    global _armed
+    if _armed:
+        return True
+    if threading.current_thread() is not threading.main_thread() or not _plain_script():
+        return False
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        return False  # the script handles Ctrl-C itself
+    signal.signal(signal.SIGINT, _second_ctrl_c)
+    _armed = True
+    if profiles:
+        names = ", ".join(repr(n) for n in profiles)
+        left = f"closing the workers of profile(s) {names} ({running} task run(s) running)"
+    else:
+        left = "no workers were started"
+    _say(
+        f"gpu-tasks: Ctrl-C: {left}; Prefect then records the flow run's end, which takes minutes "
+        "when its API stopped with the same Ctrl-C. Press Ctrl-C again to end the process now."
+    )
+    return True
+
+
+def _second_ctrl_c(signum: int, frame: FrameType | None) -> None:
+    _say(
+        "gpu-tasks: second Ctrl-C: ending the process now (Prefect's records of this flow run may "
+        "stay incomplete)"
+    )
+    stop_children()
+    os._exit(EXIT_INTERRUPTED)
+
+
+def stop_children(grace: float = CHILDREN_GRACE_S) -> list[int]:
+    """Stop every process this one started, and theirs: SIGTERM, then SIGKILL for those still
+    running after ``grace`` seconds. Returns their pids."""
+    try:
+        kids = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    for kid in kids:
+        try:
+            kid.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(kids, timeout=grace)
+    for kid in alive:
+        try:
+            kid.kill()
+        except psutil.Error:
+            pass
+    psutil.wait_procs(alive, timeout=grace)
+    return [k.pid for k in kids]
+
+
+def _say(line: str) -> None:
+    try:
+        sys.stderr.write(line + "\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):  # a closed or broken stderr: the exit still happens
+        pass
