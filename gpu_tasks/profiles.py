@@ -621,12 +621,26 @@ def profile_sources(
 
 
 def requested_profile(task: Any) -> str | None:
-    """The profile a task's own tags and the enclosing ``prefect.tags`` blocks name, if any.
+    """The profile a task asks for, by one rule wherever it is submitted (the flow, or a task
+    running on a worker): its own ``profile:<name>`` tag wins; without one, the profile that the
+    ``use_profile`` / ``prefect.tags`` blocks around the submit name (in a worker, its parent's);
+    ``None`` when neither names one (the runner's default).
 
     Raises:
-        ProfileError: they name two different profiles.
+        ProfileError: the task's own tags, or the blocks around it, name two different profiles.
     """
     from prefect.context import TagsContext
 
+    own = profile_from_tags(task.tags)
+    if own is not None:
+        return own
     tags_ctx = TagsContext.get()
-    return profile_from_tags(set(task.tags) | set(tags_ctx.current_tags if tags_ctx else ()))
+    blocks = tags_ctx.current_tags if tags_ctx else ()
+    names = sorted({t[len(TAG_PREFIX) :] for t in blocks if isinstance(t, str) and t.startswith(TAG_PREFIX)})
+    if len(names) > 1:
+        raise ProfileError(
+            f"task {getattr(task, 'name', task)!r} was submitted inside blocks naming several profiles "
+            f"({', '.join(names)}) (use_profile / prefect.tags; inside a task, its parent's profile counts "
+            "too); give the task its own profile tag, which wins, or keep one block"
+        )
+    return names[0] if names else None

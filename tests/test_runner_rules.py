@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from prefect import flow, task
+from prefect import flow, tags, task
 from prefect.context import FlowRunContext
 
 from gpu_tasks import (
@@ -173,16 +173,13 @@ TWO = [CPU, ResourceProfile(name="a", cpus=0.5), ResourceProfile(name="b", cpus=
 
 
 @pytest.mark.usefixtures("no_leaked_processes")
-@pytest.mark.parametrize("how", ["own-tags", "own-tag-inside-block", "nested-blocks"])
+@pytest.mark.parametrize("how", ["own-tags", "blocks"])
 def test_two_different_profile_tags_fail_at_submit_naming_both(how):
     @flow(task_runner=ProfileTaskRunner(profiles=TWO))
     def f():
         try:
             if how == "own-tags":
                 where.with_options(tags=[profile("a"), profile("b")]).submit()
-            elif how == "own-tag-inside-block":
-                with use_profile("b"):  # a block does not override the task's own tag
-                    where.with_options(tags=[profile("a")]).submit()
             else:
                 with use_profile("a"), use_profile("b"):
                     where.submit()
@@ -194,8 +191,46 @@ def test_two_different_profile_tags_fail_at_submit_naming_both(how):
     assert out is not None, "submit must raise"
     kind, message, status = out
     assert kind is ProfileError
-    assert "several profiles (a, b)" in message and "keep exactly one profile:<name> tag" in message
+    assert "several profiles (a, b)" in message
+    fix = "keep exactly one profile:<name> tag" if how == "own-tags" else "its own profile tag, which wins"
+    assert fix in message, message
     assert status["a"]["state"] == status["b"]["state"] == "absent", "nothing ran on either profile"
+
+
+@task(tags=[profile("a")])
+def nested_parent() -> dict:
+    """On profile a's worker: its child's own tag (a) wins over the block naming b around its
+    submit, as in the flow; an untagged child there is inside blocks naming two profiles (its
+    parent's, a, and b) and fails with the fix."""
+    with use_profile("b"):
+        child = where.with_options(tags=[profile("a")]).submit().result()
+        try:
+            where.submit().result()
+        except ProfileError as exc:
+            return {"child": child["profile"], "untagged": str(exc)}
+    return {"child": child["profile"], "untagged": None}
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_a_tasks_own_profile_tag_wins_over_blocks_in_the_flow_and_in_nested_submits():
+    """One rule for the flow and for a task submitted by a task: the task's own profile tag wins;
+    without one, the blocks around the submit (use_profile, prefect.tags) name the profile."""
+
+    @flow(task_runner=ProfileTaskRunner(profiles=TWO))
+    def f():
+        with use_profile("b"):
+            own = where.with_options(tags=[profile("a")]).submit().result()
+            block = where.submit().result()
+        with tags(profile("b")):
+            own_in_tags = where.with_options(tags=[profile("a")]).submit().result()
+        return own["profile"], block["profile"], own_in_tags["profile"], nested_parent.submit().result()
+
+    own, block, own_in_tags, nested = f()
+    assert (own, block, own_in_tags) == ("a", "b", "a")
+    assert nested["child"] == "a", nested
+    assert nested["untagged"] is not None, nested
+    assert "naming several profiles (a, b)" in nested["untagged"], nested
+    assert "its own profile tag, which wins" in nested["untagged"], nested
 
 
 @pytest.mark.usefixtures("no_leaked_processes")

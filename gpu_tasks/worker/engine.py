@@ -43,7 +43,7 @@ from gpu_tasks.policy import GPU_RESOURCE, crash_retry
 from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.tag_answers import start_renewing
-from gpu_tasks.profiles import profile, profile_from_tags, requested_profile
+from gpu_tasks.profiles import profile, requested_profile
 from gpu_tasks.reporting.ledger import worker_key
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import guard as _worker_guard
@@ -530,8 +530,8 @@ def submit_nested(
     from prefect import tags
 
     here = os.environ[WORKER_ENV_PROFILE]
-    # the child's own tag first: the tags context it inherits carries its parent's profile
-    wanted = profile_from_tags(set(task.tags)) or requested_profile(task) or default
+    # its own tag first; the tags context it inherits carries its parent's profile
+    wanted = requested_profile(task) or default
     if wanted != here:
         raise ProfileError(
             f"task {task.name!r} asks for profile {wanted!r} but was submitted by a task running in a "
