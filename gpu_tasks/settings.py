@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic.fields import FieldInfo
@@ -28,7 +28,6 @@ from gpu_tasks.errors import SettingsError
 PREFIX = "GPU_TASKS_"
 TUNE_PREFIX = "GPU_TASKS_TUNE_"
 INTERNAL_PREFIX = "_GPU_TASKS_"  # set by the runner for its own worker processes, never by users
-MAX_USER_SETTINGS = 15  # more, and the first table stops being something a user reads through
 
 
 def default_lease_dir() -> Path:
@@ -454,14 +453,13 @@ def _shown(info: FieldInfo, doc: dict[str, Any]) -> str:
 def _takes(info: FieldInfo, doc: dict[str, Any]) -> str:
     if "takes" in doc:
         return str(doc["takes"])
-    kinds = {"float": "number", "int": "integer", "bool": "true or false", "str": "text"}
-    annotation = str(info.annotation)
-    if annotation.startswith("typing.Literal"):
-        return " or ".join(getattr(info.annotation, "__args__", ()))
-    kind = next((v for k, v in kinds.items() if f"'{k}'" in annotation or annotation.startswith(k)), "text")
+    if get_origin(info.annotation) is Literal:
+        return " or ".join(str(a) for a in get_args(info.annotation))
+    kind: Any = next((a for a in get_args(info.annotation) if a is not type(None)), info.annotation)
+    words = {float: "number", int: "integer", bool: "true or false"}.get(kind, "text")
     bounds = [f">= {m.ge:g}" for m in info.metadata if hasattr(m, "ge")]
     bounds += [f"> {m.gt:g}" for m in info.metadata if hasattr(m, "gt")]
-    return ", ".join([kind, *bounds])
+    return ", ".join([words, *bounds])
 
 
 def resolve(value: Any, field: str, settings: GpuTasksSettings | None = None) -> Any:
