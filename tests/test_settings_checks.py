@@ -120,11 +120,17 @@ def _run_flow_script(tmp_path, **env_extra: str) -> list[str]:
     return out.stderr.strip().splitlines()
 
 
-def test_a_flow_script_with_a_bad_setting_fails_at_import_without_a_server(tmp_path):
-    lines = _run_flow_script(tmp_path, GPU_TASKS_IDLE_TIMEOUT="-1")
-    assert lines[-1].startswith(
-        "gpu_tasks.errors.SettingsError: invalid setting GPU_TASKS_IDLE_TIMEOUT='-1': "
-    )
+@pytest.mark.parametrize(
+    ("var", "value", "says"),
+    [
+        ("GPU_TASKS_IDLE_TIMEOUT", "-1", ""),
+        ("GPU_TASKS_TUNE_WARM_START", "thread", ""),
+        ("GPU_TASKS_EVENTS_DRAIN_SECONDS", "-1", " (old name of GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS)"),
+    ],
+)
+def test_a_flow_script_with_a_bad_setting_fails_at_import_without_a_server(tmp_path, var, value, says):
+    lines = _run_flow_script(tmp_path, **{var: value})
+    assert lines[-1].startswith(f"gpu_tasks.errors.SettingsError: invalid setting {var}={value!r}{says}: ")
 
 
 @pytest.mark.parametrize(
