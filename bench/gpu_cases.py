@@ -111,7 +111,7 @@ class StandIn:
     def hold(self, nbytes: int) -> Iterator[None]:
         key = f"{os.getpid()}:{time.monotonic_ns()}"
         # the cap gpu-tasks sets on a gpu_memory_per_task worker's CuPy pool, as set_limit enforces it
-        cap = int(os.environ.get("GPU_TASKS_WORKER_GPU_MEMORY_LIMIT") or 0)
+        cap = int(os.environ.get("_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT") or 0)
         with self._book() as book:
             mine = sum(v for k, v in book.items() if k.startswith(f"{os.getpid()}:"))
             if cap and mine + nbytes > cap:
@@ -406,12 +406,13 @@ def inventory() -> tuple[bool, dict[str, Any], str]:
 
 
 def worker_path() -> tuple[bool, dict[str, Any], str]:
-    """A gpus=1 profile with an RMM pool, on the path GPU_TASKS_WARM_WORKERS selects (set by the driver)."""
+    """A gpus=1 profile with an RMM pool, on the path GPU_TASKS_TUNE_WARM_WORKERS selects (set by the
+    driver)."""
     from prefect import flow, task
 
     from gpu_tasks import ResourceProfile, profile
 
-    warm = os.environ.get("GPU_TASKS_WARM_WORKERS", "2") != "0"
+    warm = os.environ.get("GPU_TASKS_TUNE_WARM_WORKERS", "2") != "0"
     gpu = ResourceProfile(name="gpu", gpus=1, idle_timeout=5, cuda={"rmm_pool_size": RMM_POOL})
     on_device = task(_on_device, name="on-device", tags=[profile("gpu")])
 
@@ -442,7 +443,7 @@ def worker_path() -> tuple[bool, dict[str, Any], str]:
         mine = {int(k): v.get(str(row["pid"]), v.get(row["pid"])) for k, v in row["holders"].items()}
         if not any(mine.values()):
             problems.append(f"NVML lists no memory of the worker (pid {row['pid']}): {row['holders']}")
-    path = "warm pool (tcp)" if warm else "LocalCUDACluster (GPU_TASKS_WARM_WORKERS=0)"
+    path = "warm pool (tcp)" if warm else "LocalCUDACluster (GPU_TASKS_TUNE_WARM_WORKERS=0)"
     return (
         not problems,
         {"path": path, **row},
@@ -807,7 +808,7 @@ def measured_use() -> tuple[bool, dict[str, Any], str]:
             for line in lines
             if "right-size" in line or "not measured" in line or "profile 'gpu-train' held" in line
         ],
-        "sample_period_s": os.environ.get("GPU_TASKS_GPU_SAMPLE_SECONDS"),
+        "sample_period_s": os.environ.get("GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS"),
     }
     problems = []
     if DRY:
@@ -851,10 +852,10 @@ def cold_start() -> tuple[bool, dict[str, Any], str]:
     gpu_logger.addHandler(handler)
     gpu_logger.setLevel(logging.INFO)
     logging.getLogger("gpu_tasks.worker.warm").setLevel(logging.DEBUG)  # when its processes launched
-    warm = os.environ.get("GPU_TASKS_WARM_WORKERS", "2") != "0"
+    warm = os.environ.get("GPU_TASKS_TUNE_WARM_WORKERS", "2") != "0"
     out = gpu_tasks_cases(idle_timeout=1.0, cuda={"rmm_pool_size": RMM_POOL})
     figures = {
-        "path": "warm pool (tcp)" if warm else "LocalCUDACluster (GPU_TASKS_WARM_WORKERS=0)",
+        "path": "warm pool (tcp)" if warm else "LocalCUDACluster (GPU_TASKS_TUNE_WARM_WORKERS=0)",
         **{
             case: {k: v for k, v in out[case].items() if k != "pid"}
             for case in ("fresh", "reprovision", "warm")

@@ -39,21 +39,21 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
     (
         "worker_path_warm_pool",
         "worker_path",
-        {"GPU_TASKS_WARM_WORKERS": "2"},
+        {"GPU_TASKS_TUNE_WARM_WORKERS": "2"},
         120,
         "the warm pool over tcp: the task sees its CUDA_VISIBLE_DEVICES, CuPy computes there, an RMM pool",
     ),
     (
         "worker_path_local_cuda_cluster",
         "worker_path",
-        {"GPU_TASKS_WARM_WORKERS": "0"},
+        {"GPU_TASKS_TUNE_WARM_WORKERS": "0"},
         120,
-        "GPU_TASKS_WARM_WORKERS=0 (dask-cuda's LocalCUDACluster): the same",
+        "GPU_TASKS_TUNE_WARM_WORKERS=0 (dask-cuda's LocalCUDACluster): the same",
     ),
     (
         "cuda_contexts",
         "contexts",
-        {"GPU_TASKS_WARM_WORKERS": "2"},
+        {"GPU_TASKS_TUNE_WARM_WORKERS": "2"},
         120,
         "unbound warm processes hold no CUDA context; a bound worker's is on its device only",
     ),
@@ -87,7 +87,7 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
     (
         "measured_use",
         "measured_use",
-        {"GPU_TASKS_GPU_SAMPLE_SECONDS": "0.25"},
+        {"GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS": "0.25"},
         120,
         "a gpus=1 task holding 10 GiB with CuPy, SMs 30% busy for 5 s: the ledger's NVML peak is within "
         "[10, 12] GiB, mean SM > 0, and the right-size line suggests a smaller share (dry run: 'not "
@@ -96,14 +96,14 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
     (
         "cold_start_warm_pool",
         "cold_start",
-        {"GPU_TASKS_WARM_WORKERS": "2"},
+        {"GPU_TASKS_TUNE_WARM_WORKERS": "2"},
         120,
         "lease -> first task body, fresh and re-provisioned, warm pool, RMM pool included",
     ),
     (
         "cold_start_local_cuda_cluster",
         "cold_start",
-        {"GPU_TASKS_WARM_WORKERS": "0"},
+        {"GPU_TASKS_TUNE_WARM_WORKERS": "0"},
         120,
         "the same with LocalCUDACluster",
     ),

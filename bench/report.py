@@ -221,7 +221,7 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         "a result fetch for every task, which is most of their cost. gpu-tasks task runs carry tags (the "
         "thread pool's here do not): Prefect asks its server for tag concurrency slots before each tagged "
         'run and caches a "no limits" answer for 5 s; gpu-tasks keeps that answer 60 s '
-        "(`GPU_TASKS_TAG_LIMIT_CACHE_SECONDS`) and answers from it without Prefect's slot service.",
+        "(`GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS`) and answers from it without Prefect's slot service.",
         "",
         "Profiled by hand with py-spy (which thread holds each process's GIL), the CPU time of each process "
         "and timings inside the runner, N = 1,000 to 3,000 `gpus=0.25` tasks on this 2-core machine (shares "
@@ -518,7 +518,8 @@ def _gpu_cold_start(path: Path = GPU_RESULTS) -> str:
         line += "the warm pool's lease to first body is unverified on GPU"
     if local:
         line += (
-            "; with `GPU_TASKS_WARM_WORKERS=0` dask-cuda's `LocalCUDACluster` spawns its worker after the "
+            "; with `GPU_TASKS_TUNE_WARM_WORKERS=0` dask-cuda's `LocalCUDACluster` spawns its worker after "
+            "the "
             f"lease: {local['fresh']['lease_to_body_s']:.2f} s and "
             f"{local['reprovision']['lease_to_body_s']:.2f} s"
         )
@@ -599,8 +600,9 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
             "the server, the flow process, the bound worker and the pool's replacement importing Prefect)"
         )
         + ".",
-        "- Where the time goes: gpu-tasks keeps a pool of warm worker processes (`GPU_TASKS_WARM_WORKERS`, "
-        "docs/runner.md) that have started and imported Prefect's task engine while holding no device. "
+        "- Where the time goes: gpu-tasks keeps a pool of warm worker processes "
+        "(`GPU_TASKS_TUNE_WARM_WORKERS`, docs/runner.md) that have started and imported Prefect's task "
+        "engine while holding no device. "
         "A fresh flow run starts the pool at its first submit and waits for it before leasing (the "
         "prepare column: no device is held meanwhile); a re-provisioned profile finds it ready, but a "
         "task that arrives while the idle cluster is still closing waits for its processes to exit "
@@ -610,7 +612,7 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         "task run through the API) without importing it: importing Prefect's task engine alone takes "
         f"{imp:.2f}s in a new process (measured by hand), which DaskTaskRunner's first task pays (the row "
         "above) and which a gpu-tasks profile paid after its lease before the pool "
-        "(`GPU_TASKS_WARM_WORKERS=0` still does).",
+        "(`GPU_TASKS_TUNE_WARM_WORKERS=0` still does).",
         _gpu_cold_start(),
         *_ray_cold(s),
         *_skipped(res),
@@ -789,7 +791,7 @@ def scale(res: dict[str, Any], img: Path) -> list[str]:
                 f"N = {int(large):,} gpu-tasks took "
                 f"{less:.1f}x "
                 "less time than it. "
-                "gpu-tasks keeps that answer for `GPU_TASKS_TAG_LIMIT_CACHE_SECONDS` (60 s) in its "
+                "gpu-tasks keeps that answer for `GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS` (60 s) in its "
                 "processes; "
                 "see [the runner docs](runner.md#tagged-task-runs-and-prefects-tag-limit-checks)."
             )
@@ -944,7 +946,7 @@ def _scale_cpu(res: dict[str, Any]) -> list[str]:
         lines += [
             "",
             "Seconds the flow process's task runs waited, summed over its slots, while more than "
-            "`GPU_TASKS_EVENTS_BACKLOG_LIMIT` of its events waited to be sent: "
+            "`GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT` of its events waited to be sent: "
             + ", ".join(f"N = {int(n):,}: {v:,.0f} s" for n, v in waits.items())
             + ".",
         ]

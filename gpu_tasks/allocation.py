@@ -9,19 +9,19 @@ from contextlib import contextmanager
 
 from pydantic import BaseModel, ConfigDict
 
-WORKER_ENV_PROFILE = "GPU_TASKS_WORKER_PROFILE"
-WORKER_ENV_EMULATED = "GPU_TASKS_WORKER_EMULATED"
-WORKER_ENV_DEVICES = "GPU_TASKS_WORKER_DEVICES"
+WORKER_ENV_PROFILE = "_GPU_TASKS_WORKER_PROFILE"
+WORKER_ENV_EMULATED = "_GPU_TASKS_WORKER_EMULATED"
+WORKER_ENV_DEVICES = "_GPU_TASKS_WORKER_DEVICES"
 # a gpu_memory_per_task profile's worker: each task's share, and the cap of the worker's allocators
 # (slots x share), in bytes (gpu_tasks.worker.memory_caps applies it)
-WORKER_ENV_MEMORY_PER_TASK = "GPU_TASKS_WORKER_GPU_MEMORY_PER_TASK"
-WORKER_ENV_MEMORY_LIMIT = "GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"
+WORKER_ENV_MEMORY_PER_TASK = "_GPU_TASKS_WORKER_GPU_MEMORY_PER_TASK"
+WORKER_ENV_MEMORY_LIMIT = "_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"
 
 
 EMULATED_TAG = "gpu-tasks:emulated"
 # In a worker's environment: when (epoch seconds) the flow process found, before its devices were
 # leased, that no concurrency limit exists on any placement tag (``gpu:*``, ``gpu-tasks:emulated``)
-PLACEMENT_FREE_ENV = "GPU_TASKS_PLACEMENT_TAGS_FREE_AT"
+PLACEMENT_FREE_ENV = "_GPU_TASKS_PLACEMENT_TAGS_FREE_AT"
 
 
 class Allocation(BaseModel):

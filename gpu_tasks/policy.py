@@ -234,7 +234,7 @@ def worker_spec(
 
     ``free``: the device's free memory sampled at the lease, for a ``gpu_memory_per_task``
     profile, whose worker runs :func:`memory_slots` tasks at once and whose allocators are capped
-    to slots x per task (``GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``, :mod:`gpu_tasks.worker.memory_caps`).
+    to slots x per task (``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``, :mod:`gpu_tasks.worker.memory_caps`).
     """
     slots = slots_per_worker(profile, cores, devices[0] if devices else None, free)
     env = dict(extra_env or {})

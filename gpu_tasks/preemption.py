@@ -3,7 +3,7 @@
 A waiter (a profile waiting for devices, in this flow run or in another process on
 the host, :mod:`gpu_tasks.devices.leases`) may have devices taken back for it from
 **preemptible** holders of **lower priority** once it has waited its grace period
-(``GPU_TASKS_PREEMPTION_GRACE``, recorded in its waiter info so that every process
+(``GPU_TASKS_TUNE_PREEMPTION_GRACE``, recorded in its waiter info so that every process
 judges it alike). Only what lets the waiter start is taken back: enough of its device
 groups to satisfy it, each group either free or held only by such holders, the groups
 that preempt the fewest devices first. Work that is not preemptible, or of equal or

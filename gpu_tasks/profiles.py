@@ -125,7 +125,7 @@ class ResourceProfile(BaseModel):
             data-parallel training); provisioning fails as a whole if one cannot start.
         priority: Higher goes first when profiles wait for devices.
         preemptible: Its workers may be stopped, and its running tasks re-queued, when a
-            waiter of higher priority has waited ``GPU_TASKS_PREEMPTION_GRACE`` seconds for
+            waiter of higher priority has waited ``GPU_TASKS_TUNE_PREEMPTION_GRACE`` seconds for
             the devices it holds (docs/leases.md, Preemption); on a shared scheduler
             (``address``), its running tasks are interrupted. Not for ``cluster_class``.
         quota: Count the devices its workers hold (``address``: its running tasks use)

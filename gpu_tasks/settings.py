@@ -1,5 +1,13 @@
 """Settings, read from ``GPU_TASKS_*`` environment variables (pydantic-settings).
 
+Three kinds of variable, told apart by their name:
+
+- user settings, ``GPU_TASKS_<NAME>``: at most 15, the first table of docs/profiles.md;
+- tuning knobs, ``GPU_TASKS_TUNE_<NAME>``: defaults right for almost everyone, the second table;
+  each still reads its old name ``GPU_TASKS_<NAME>``, with a warning to rename it;
+- internal variables, ``_GPU_TASKS_*``: what the runner tells its own worker processes
+  (:mod:`gpu_tasks.allocation`); no user sets them and no check reports them.
+
 Arguments across gpu-tasks default to ``None`` and are resolved here: the explicit
 argument, then the setting, then the built-in default (:func:`resolve`).
 """
@@ -9,12 +17,17 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args, get_origin
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from gpu_tasks.errors import SettingsError
+
+PREFIX = "GPU_TASKS_"
+TUNE_PREFIX = "GPU_TASKS_TUNE_"
+INTERNAL_PREFIX = "_GPU_TASKS_"  # set by the runner for its own worker processes, never by users
 
 
 def default_lease_dir() -> Path:
@@ -27,26 +40,60 @@ def default_presence_dir() -> Path:
     return Path(tempfile.gettempdir()) / "gpu-tasks-presence"
 
 
+def _doc(shown: str | None = None, takes: str | None = None, see: str | None = None) -> dict[str, Any]:
+    """What the settings tables of docs/profiles.md show beyond the field: its default as a user writes
+    it, what it takes, and the docs section that tells more."""
+    return {k: v for k, v in {"shown": shown, "takes": takes, "see": see}.items() if v is not None}
+
+
+def _tune(
+    name: str, default: Any, description: str, *, doc: dict[str, Any] | None = None, **rules: Any
+) -> Any:
+    """A tuning knob: read from ``GPU_TASKS_TUNE_<NAME>``, else from its old name ``GPU_TASKS_<NAME>``
+    (which :func:`variable_warnings` asks to rename)."""
+    var = name.upper()
+    return Field(
+        default,
+        description=description,
+        validation_alias=AliasChoices(TUNE_PREFIX + var, PREFIX + var),
+        json_schema_extra={"tuning": True, **(doc or {})},
+        **rules,
+    )
+
+
 class GpuTasksSettings(BaseSettings):
-    """Process-wide settings. Every field maps to ``GPU_TASKS_<FIELD>``.
+    """Process-wide settings: a user setting ``<field>`` is ``GPU_TASKS_<FIELD>``, a tuning knob
+    ``GPU_TASKS_TUNE_<FIELD>``.
 
     Other ``GPU_TASKS_*`` variables are ignored here: the example pipeline reads its own
-    (``GPU_TASKS_DATA_DIR``, :mod:`gpu_tasks.pipeline.settings`), the runner its workers'.
+    (``GPU_TASKS_DATA_DIR``, :mod:`gpu_tasks.pipeline.settings`).
     """
 
-    model_config = SettingsConfigDict(env_prefix="GPU_TASKS_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", populate_by_name=True)
 
-    profiles_file: Path | None = Field(default=None, description="TOML file with [profiles.<name>] tables.")
+    # ---- user settings (docs/profiles.md, first table)
+    profiles_file: Path | None = Field(
+        default=None,
+        description="TOML file of `[profiles.<name>]` tables; its profiles replace the code's of the same "
+        "name.",
+        json_schema_extra=_doc(takes="path", see="#profiles-from-a-toml-file"),
+    )
     idle_timeout: float = Field(
-        default=60.0, ge=0, description="Seconds a profile's cluster may sit idle before it is closed."
+        default=60.0,
+        ge=0,
+        description="Seconds a profile's cluster may sit idle before it is closed.",
+        json_schema_extra=_doc(see="#where-a-profiles-values-come-from"),
     )
     emulated_gpus: str | None = Field(
         default=None,
         description='Emulate devices: a count ("4") or "NAME:MEMORY,..." ("H100:80GiB,L4:24GiB").',
+        json_schema_extra=_doc(takes="a count, or NAME[:MEMORY][@PID:MEMORY] items", see="#devices"),
     )
     discovery_command: str | None = Field(
         default=None,
-        description='Spark-style discovery command printing {"name": "gpu", "addresses": [...]}.',
+        description='Command (run without a shell) printing `{"name": "gpu", "addresses": [...]}`, '
+        "used instead of NVML.",
+        json_schema_extra=_doc(takes="command line", see="#devices"),
     )
     provision_timeout: float = Field(
         default=120.0, gt=0, description="Seconds to wait for a profile's workers to start."
@@ -54,154 +101,193 @@ class GpuTasksSettings(BaseSettings):
     dashboard: bool = Field(default=False, description="Start a Dask dashboard (127.0.0.1) per cluster.")
     lease_dir: Path = Field(
         default_factory=default_lease_dir,
-        description="Directory of per-device lease files; flow runs on this host that share it never put "
-        "workers on the same device at once. The default is per user (created 0700). For several Unix "
-        "users, an admin makes one shared directory once (`gpu-tasks leases setup DIR --group GROUP`: "
-        "setgid, sticky, root-owned read-only lock files) and every user sets it here; a group- or "
-        "world-writable directory without the sticky bit is refused (docs/shared-hosts.md).",
+        description="Directory of per-device lease files; flow runs that share it never put workers on "
+        "the same device at once. For several Unix users: one made by `gpu-tasks leases setup`.",
+        json_schema_extra=_doc(
+            shown="<tmp>/gpu-tasks-leases-<uid>",
+            takes="path",
+            see="shared-hosts.md#several-users-on-one-host",
+        ),
     )
     presence_dir: Path = Field(
         default_factory=default_presence_dir,
-        description="Host-wide directory (sticky, world-writable; created 1777 when missing) in which flow "
-        "runs of every user say which devices they lease, so a run never uses a device another user's "
-        "flow run leases through another lease directory (docs/shared-hosts.md).",
-    )
-    tag_limit_cache_seconds: float = Field(
-        default=60.0,
-        ge=0,
-        description="Seconds gpu-tasks' own task runs trust Prefect's 'no concurrency limit for these tags' "
-        "answer (Prefect's own, which other task runners keep: 5). Longer keeps thousands of tagged tasks "
-        "from queueing behind a busy server; "
-        "a tag limit created mid-run applies within this time. 0 keeps Prefect's.",
-    )
-    tls_ca_file: Path | None = Field(
-        default=None, description="CA certificate (PEM) for tls:// scheduler addresses of address profiles."
-    )
-    tls_cert: Path | None = Field(default=None, description="Client certificate (PEM) for tls:// addresses.")
-    tls_key: Path | None = Field(default=None, description="Client private key (PEM) for tls:// addresses.")
-    warm_workers: int = Field(
-        default=2,
-        ge=0,
-        description="Worker processes kept started and imported, holding no device, for profiles whose "
-        "workers this host starts (gpu_tasks.worker.warm); a lease binds one, so a first task starts without "
-        "waiting for a process to spawn and import Prefect; never more than the flow's profiles can still "
-        "bind. 0: no pool, a process is spawned per worker after its lease.",
-    )
-    events_backlog_limit: int = Field(
-        default=20000,
-        ge=0,
-        description="A task run waits to start while more than this many Prefect events of its process "
-        "wait to be sent to the server (each holds its task run's engine, about 15 KiB): a server slower "
-        "than the flow's tasks otherwise lets the process's memory grow without bound. "
-        "0: never wait (gpu_tasks.prefect_api.backlog).",
-    )
-    events_drain_seconds: float = Field(
-        default=30.0,
-        ge=0,
-        description="How long a closing worker process may take to send the Prefect events and run logs "
-        "it still queues (its task runs' states among them) before it exits; the runner waits that long "
-        "past its close grace before ending it. Events still queued after it are lost, and the worker "
-        "says how many (gpu_tasks.worker.prefect_queues).",
-    )
-    warm_server_keep_seconds: float = Field(
-        default=60.0,
-        ge=0,
-        description="How long the flow process's warm-pool fork server (GPU_TASKS_WARM_START=forkserver) "
-        "is kept after its last pool closes, so that flow runs one after another in one process "
-        "(gpu-tasks serve, a test session) fork from it instead of each starting one (about 1.9 s of CPU). "
-        "0: it ends with its last pool. It holds no device and no worker; it ends with the process.",
-    )
-    warm_start: Literal["forkserver", "spawn"] = Field(
-        default="forkserver",
-        description="How warm worker processes start (Linux): 'forkserver' forks each from a server "
-        "process of the pool's own that imported distributed and Prefect's task engine once (about "
-        "0.05 s of CPU a process instead of 1.5 s; the flow script is not re-imported in workers); "
-        "'spawn' starts a new interpreter per process that imports them itself (and re-imports the flow "
-        'script: guard its flow call with `if __name__ == "__main__":`). Other platforms always spawn.',
+        description="Host-wide directory (sticky, world-writable) in which flow runs of every user mark "
+        "the devices they lease, so no run uses a device another user's run leases.",
+        json_schema_extra=_doc(
+            shown="<tmp>/gpu-tasks-presence",
+            takes="path",
+            see="shared-hosts.md#the-per-user-default-other-users-are-seen-not-queued-with",
+        ),
     )
     lease_timeout: float = Field(
         default=600.0,
         ge=0,
-        description="Seconds a profile waits for devices that another process (flow run) leases before "
-        "failing.",
+        description="Seconds a profile waits for devices that other flow runs (or programs outside "
+        "gpu-tasks) hold before failing.",
+        json_schema_extra=_doc(see="leases.md"),
     )
     other_programs_memory: int = Field(
         default=2**30,
         ge=0,
-        description="Device memory (bytes, or a size such as 1GiB or 512MiB) that programs outside gpu-tasks "
-        "may use on a device before gpu-tasks stops leasing it; sampled right before each lease "
-        "(docs/shared-hosts.md). 0: any use by another program keeps the device from gpu-tasks.",
-    )
-    api_busy_timeout: float = Field(
-        default=600.0,
-        ge=0,
-        description="Seconds gpu-tasks waits out a busy or unreachable Prefect API (503, 429, timeouts, "
-        "dropped connections) on a tag-slot check or tag slots it takes for a task, asking again with a "
-        "warning in the log, before the task run fails with the API's error (gpu_tasks.compat.api_busy).",
-    )
-    api_longest_wait: float = Field(
-        default=30.0,
-        gt=0,
-        description="The longest wait, in seconds, between two tries of a request a busy Prefect API "
-        "refused, in the task runs gpu-tasks runs: gpu-tasks' own waits and Prefect's client's (which "
-        "doubles each time, without a bound otherwise), so a worker holding a device asks again within "
-        "that long after the API recovers (gpu_tasks.compat.api_busy).",
-    )
-    preemption_grace: float = Field(
-        default=30.0,
-        ge=0,
-        description="Seconds a waiter of higher priority waits for devices that preemptible profiles hold "
-        "before their workers are stopped and their tasks re-queued (docs/leases.md, Preemption).",
+        description="Device memory that programs outside gpu-tasks may use on a device before gpu-tasks "
+        "stops leasing it, sampled before each lease. 0: any use keeps the device from gpu-tasks.",
+        json_schema_extra=_doc(
+            shown="1GiB",
+            takes="a size (512MiB, 2GiB) or bytes, >= 0",
+            see="shared-hosts.md#programs-outside-gpu-tasks",
+        ),
     )
     priority: int | None = Field(
         default=None,
         description="Priority this flow run's GPU profiles wait for devices at, replacing each profile's "
-        "own priority (set per deployment or flow run with the job variable env). Unset: the profiles'.",
+        "own (set it per deployment or flow run in the job variable env).",
+        json_schema_extra=_doc(see="leases.md#priority-per-flow-run"),
     )
-    priority_aging: float = Field(
-        default=60.0,
-        ge=0,
-        description="Seconds of waiting for devices per +1 of a waiter's effective priority, so a "
-        "low-priority waiter is not starved by a stream of higher-priority ones. 0: no aging.",
+    tls_ca_file: Path | None = Field(
+        default=None,
+        description="CA certificate (PEM) for tls:// scheduler addresses of profiles that set no security.",
+        json_schema_extra=_doc(takes="path", see="distributed.md#tls"),
     )
-    quota_lease_seconds: float = Field(
-        default=60.0,
-        ge=60,
-        description="Lease of the Prefect global-concurrency slots a profile with a quota holds (renewed "
-        "every third of it while held): a flow run killed without giving them back frees them this long "
-        "after. At least 60 (Prefect's minimum).",
+    tls_cert: Path | None = Field(
+        default=None,
+        description="Client certificate (PEM) for tls:// addresses.",
+        json_schema_extra=_doc(takes="path", see="distributed.md#tls"),
     )
-    dask_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
-        default="WARNING",
-        description="Level of Dask's distributed loggers in the flow process while a runner is entered and "
-        "in the worker processes gpu-tasks starts. INFO shows Dask's scheduler and worker start/stop lines.",
+    tls_key: Path | None = Field(
+        default=None,
+        description="Client private key (PEM) for tls:// addresses.",
+        json_schema_extra=_doc(takes="path", see="distributed.md#tls"),
     )
 
-    gpu_sample_seconds: float = Field(
-        default=1.0,
+    # ---- tuning knobs, GPU_TASKS_TUNE_* (docs/profiles.md, second table)
+    warm_workers: int = _tune(
+        "warm_workers",
+        2,
+        "Worker processes kept started and imported, holding no device, that a lease binds so a first "
+        "task does not wait for a process to start. 0: none.",
+        doc=_doc(see="runner.md#warm-workers"),
         ge=0,
-        description="How often the flow process samples, with NVML, the real devices its local profiles hold "
-        "(SM utilization, memory used, per-process memory) for the ledger and the right-size advice "
-        "(gpu_tasks.devices.measure). 0: never. Emulated devices are never sampled.",
     )
-    alert_held_busy: float = Field(
-        default=2.0,
-        ge=0,
-        description="A flow run whose devices were held more than this many times as long as they were "
-        "busy (held/busy; 2 is under 50% busy) gets the alert held-busy-over-<N> on its "
-        "gpu-tasks.flow-run.summary event (gpu_tasks.reporting.alerts). 0: never.",
+    warm_start: Literal["forkserver", "spawn"] = _tune(
+        "warm_start",
+        "forkserver",
+        "How warm worker processes start on Linux: forked from a server that imported distributed and "
+        "Prefect once, or spawned (a new interpreter each, which re-imports the flow script).",
+        doc=_doc(see="runner.md#warm-workers"),
     )
-    alert_device_wait_seconds: float = Field(
-        default=60.0,
+    warm_server_keep_seconds: float = _tune(
+        "warm_server_keep_seconds",
+        60.0,
+        "Seconds the fork server is kept after the process's last warm pool closes, for the next flow "
+        "run in the same process. 0: it ends with its last pool.",
+        doc=_doc(see="runner.md#warm-workers"),
         ge=0,
-        description="A flow run in which a profile's cluster waited longer than this for its devices gets "
-        "the alert device-wait-over-<N> on its gpu-tasks.flow-run.summary event. 0: never.",
     )
-    alert_min_held_seconds: float = Field(
-        default=60.0,
+    events_backlog_limit: int = _tune(
+        "events_backlog_limit",
+        20000,
+        "A task run waits to start while more Prefect events than this wait to be sent from its "
+        "process, so a slow server cannot grow its memory without bound. 0: never wait.",
+        doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),
         ge=0,
-        description="The held/busy alert needs at least this many device-seconds held in the run, so a "
-        "short run's start-up does not raise it.",
+    )
+    events_drain_seconds: float = _tune(
+        "events_drain_seconds",
+        30.0,
+        "Seconds a closing worker process may take to send the Prefect events and logs it still "
+        "queues; events still queued after it are lost (and counted in a warning).",
+        doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),
+        ge=0,
+    )
+    tag_limit_cache_seconds: float = _tune(
+        "tag_limit_cache_seconds",
+        60.0,
+        "Seconds gpu-tasks' task runs trust Prefect's 'no concurrency limit for these tags' answer; a "
+        "tag limit created mid-run applies within this time. 0: Prefect's own (5).",
+        doc=_doc(see="runner.md#tagged-task-runs-and-prefects-tag-limit-checks"),
+        ge=0,
+    )
+    api_busy_timeout: float = _tune(
+        "api_busy_timeout",
+        600.0,
+        "Seconds gpu-tasks waits out a busy or unreachable Prefect API on tag-slot requests, asking "
+        "again with a warning, before the task run fails with the API's error.",
+        doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),
+        ge=0,
+    )
+    api_longest_wait: float = _tune(
+        "api_longest_wait",
+        30.0,
+        "The longest wait, in seconds, between two tries of a request a busy Prefect API refused, in "
+        "gpu-tasks' task runs (Prefect's client's own waits included).",
+        doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),
+        gt=0,
+    )
+    preemption_grace: float = _tune(
+        "preemption_grace",
+        30.0,
+        "Seconds a waiter of higher priority waits for devices preemptible profiles hold before their "
+        "workers are stopped and their tasks re-queued.",
+        doc=_doc(see="leases.md#preemption"),
+        ge=0,
+    )
+    priority_aging: float = _tune(
+        "priority_aging",
+        60.0,
+        "Seconds of waiting for devices per +1 of a waiter's effective priority, so a low-priority "
+        "waiter is not starved. 0: no aging.",
+        doc=_doc(see="leases.md#fairness-and-aging"),
+        ge=0,
+    )
+    quota_lease_seconds: float = _tune(
+        "quota_lease_seconds",
+        60.0,
+        "Lease of the Prefect global-concurrency slots a profile with a quota holds (renewed every third "
+        "of it): a killed flow run's slots free this long after. At least 60 (Prefect's minimum).",
+        doc=_doc(see="leases.md#quotas"),
+        ge=60,
+    )
+    dask_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = _tune(
+        "dask_log_level",
+        "WARNING",
+        "Level of Dask's distributed loggers in the flow process while a runner is entered and in the "
+        "worker processes gpu-tasks starts. INFO shows Dask's start and stop lines.",
+        doc=_doc(
+            takes="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)",
+            see="operations.md#seeing-what-ran-where",
+        ),
+    )
+    gpu_sample_seconds: float = _tune(
+        "gpu_sample_seconds",
+        1.0,
+        "How often the flow process samples, with NVML, the real devices its local profiles hold, for "
+        "the ledger's measured use and the right-size advice. 0: never.",
+        doc=_doc(see="shared-hosts.md#measured-use"),
+        ge=0,
+    )
+    alert_held_busy: float = _tune(
+        "alert_held_busy",
+        2.0,
+        "A flow run whose devices were held more than this many times as long as they were busy gets "
+        "the alert `held-busy-over-<N>` on its summary event. 0: never.",
+        doc=_doc(see="operations.md#events-and-the-gpu-waste-automation"),
+        ge=0,
+    )
+    alert_min_held_seconds: float = _tune(
+        "alert_min_held_seconds",
+        60.0,
+        "The held/busy alert needs at least this many device-seconds held in the run, so a short run's "
+        "start-up does not raise it.",
+        doc=_doc(see="operations.md#events-and-the-gpu-waste-automation"),
+        ge=0,
+    )
+    alert_device_wait_seconds: float = _tune(
+        "alert_device_wait_seconds",
+        60.0,
+        "A flow run in which a profile's cluster waited longer than this for its devices gets the alert "
+        "`device-wait-over-<N>` on its summary event. 0: never.",
+        doc=_doc(see="operations.md#events-and-the-gpu-waste-automation"),
+        ge=0,
     )
 
     @field_validator("other_programs_memory", mode="before")
@@ -228,17 +314,31 @@ class GpuTasksSettings(BaseSettings):
         return value.upper() if isinstance(value, str) else value
 
 
-# ``GPU_TASKS_*`` variables that are no setting of this class: the example pipeline's, and those the
-# runner sets for its own worker processes (never set by users)
+def _extra(field: FieldInfo) -> dict[str, Any]:
+    return field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+
+
+def is_tuning(field: str) -> bool:
+    """Whether the setting ``field`` is a tuning knob (``GPU_TASKS_TUNE_*``) rather than a user setting."""
+    return bool(_extra(GpuTasksSettings.model_fields[field]).get("tuning"))
+
+
+def variable(field: str) -> str:
+    """The environment variable of the setting ``field``: ``GPU_TASKS_<FIELD>`` (a user setting) or
+    ``GPU_TASKS_TUNE_<FIELD>`` (a tuning knob)."""
+    return (TUNE_PREFIX if is_tuning(field) else PREFIX) + field.upper()
+
+
+def old_names() -> dict[str, str]:
+    """Old variable names that still work, each with the name that replaced it."""
+    return {PREFIX + f.upper(): variable(f) for f in GpuTasksSettings.model_fields if is_tuning(f)}
+
+
+# ``GPU_TASKS_*`` variables that are no setting of this class (and not warned about): the example
+# pipeline's, and the project's own scripts'
 NOT_SETTINGS = frozenset(
     {
-        "DATA_DIR",
-        "WORKER_PROFILE",
-        "WORKER_DEVICES",
-        "WORKER_EMULATED",
-        "WORKER_GPU_MEMORY_LIMIT",
-        "WORKER_GPU_MEMORY_PER_TASK",
-        "PLACEMENT_TAGS_FREE_AT",
+        "DATA_DIR",  # the example pipeline (gpu_tasks.pipeline.settings)
         "EXTRAS",  # scripts/setup
         "HOME",  # infra/prefect.yaml
         "COMMIT",  # the benchmarks' record of the code they measured
@@ -249,7 +349,6 @@ SCRIPT_PREFIXES = (
     "BENCH_",
     "COMPAT_",
 )  # the project's own scripts: scripts/test, bench/, test-compat
-PREFIX = "GPU_TASKS_"
 
 
 def get_settings() -> GpuTasksSettings:
@@ -266,42 +365,101 @@ def get_settings() -> GpuTasksSettings:
         raise SettingsError(describe_invalid(exc)) from None
 
 
+def _field_of(loc: str) -> str | None:
+    """The field a validation error's location names: the field itself, or one of its variables."""
+    if loc in GpuTasksSettings.model_fields:
+        return loc
+    for field in GpuTasksSettings.model_fields:
+        if loc.upper() in (variable(field), PREFIX + field.upper()):
+            return field
+    return None
+
+
 def describe_invalid(exc: Any) -> str:
-    """``exc`` (pydantic's ValidationError of :class:`GpuTasksSettings`) as lines naming each variable."""
+    """``exc`` (pydantic's ValidationError of :class:`GpuTasksSettings`) as lines naming each variable:
+    the one that was set (an old name too), its value and what the setting takes."""
     lines = []
     for err in exc.errors():
-        field = "_".join(str(p) for p in err["loc"])
-        var = PREFIX + field.upper()
-        what = (
-            GpuTasksSettings.model_fields[field].description
-            if field in GpuTasksSettings.model_fields
-            else None
-        )
+        loc = "_".join(str(p) for p in err["loc"])
+        field = _field_of(loc)
+        var, what, renamed = PREFIX + loc.upper(), None, ""
+        if field is not None:
+            var, what = variable(field), GpuTasksSettings.model_fields[field].description
+            old = PREFIX + field.upper()
+            if is_tuning(field) and var not in os.environ and old in os.environ:
+                var, renamed = old, f" (old name of {variable(field)})"
         msg = str(err["msg"]).removeprefix("Value error, ")
         lines.append(
-            f"invalid setting {var}={os.environ.get(var, err.get('input'))!r}: {msg}"
+            f"invalid setting {var}={os.environ.get(var, err.get('input'))!r}{renamed}: {msg}"
             + (f" ({what})" if what else "")
         )
     return "\n".join(lines)
 
 
-def unknown_variables(environ: dict[str, str] | None = None) -> list[str]:
-    """One line per ``GPU_TASKS_*`` variable that is no gpu-tasks setting (a typo changes nothing
-    silently otherwise), with the closest known setting when one is close."""
+def variable_warnings(environ: dict[str, str] | None = None) -> list[str]:
+    """One line per ``GPU_TASKS_*`` variable to change: an old name (with the name that replaced it)
+    or one that is no gpu-tasks setting (a typo changes nothing silently otherwise; with the closest
+    setting when one is close). Internal ``_GPU_TASKS_*`` variables are never reported."""
     import difflib
 
     env = os.environ if environ is None else environ
-    known = {PREFIX + f.upper() for f in GpuTasksSettings.model_fields}
+    known = sorted(variable(f) for f in GpuTasksSettings.model_fields)
+    renamed = old_names()
     out = []
     for var in sorted(env):
         if not var.startswith(PREFIX) or var in known or var.removeprefix(PREFIX) in NOT_SETTINGS:
             continue
         if var.startswith(tuple(PREFIX + p for p in SCRIPT_PREFIXES)):
             continue
-        close = difflib.get_close_matches(var, sorted(known), n=1, cutoff=0.75)
+        if var in renamed:
+            new = renamed[var]
+            out.append(
+                f"{var} is ignored: {new}, its new name, is set too; remove {var}"
+                if new in env
+                else f"{var} is an old name: rename it {new} (the old name still works for now)"
+            )
+            continue
+        close = difflib.get_close_matches(var, known, n=1, cutoff=0.75)
         hint = f"; did you mean {close[0]}?" if close else "; docs/profiles.md lists the settings"
         out.append(f"{var} is not a gpu-tasks setting and changes nothing{hint}")
     return out
+
+
+def settings_table(tuning: bool) -> str:
+    """The user settings (or the tuning knobs) as the Markdown table docs/profiles.md shows."""
+    rows = ["| variable | default | takes | what it changes |", "|---|---|---|---|"]
+    for field, info in GpuTasksSettings.model_fields.items():
+        if is_tuning(field) != tuning:
+            continue
+        doc = _extra(info)
+        text = str(info.description) + (f" ([more]({doc['see']}))" if "see" in doc else "")
+        shown = _shown(info, doc)
+        shown = shown if shown == "unset" else f"`{shown}`"
+        rows.append(f"| `{variable(field)}` | {shown} | {_takes(info, doc)} | {text} |")
+    return "\n".join(rows)
+
+
+def _shown(info: FieldInfo, doc: dict[str, Any]) -> str:
+    if "shown" in doc:
+        return str(doc["shown"])
+    value = info.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _takes(info: FieldInfo, doc: dict[str, Any]) -> str:
+    if "takes" in doc:
+        return str(doc["takes"])
+    if get_origin(info.annotation) is Literal:
+        return " or ".join(str(a) for a in get_args(info.annotation))
+    kind: Any = next((a for a in get_args(info.annotation) if a is not type(None)), info.annotation)
+    words = {float: "number", int: "integer", bool: "true or false"}.get(kind, "text")
+    bounds = [f">= {m.ge:g}" for m in info.metadata if hasattr(m, "ge")]
+    bounds += [f"> {m.gt:g}" for m in info.metadata if hasattr(m, "gt")]
+    return ", ".join([words, *bounds])
 
 
 def resolve(value: Any, field: str, settings: GpuTasksSettings | None = None) -> Any:

@@ -147,7 +147,7 @@ def prefect_server():
 
 # per-interpreter singletons that end with the interpreter: multiprocessing's resource tracker
 # (the first spawned process starts it) and gpu-tasks' warm-pool fork server, shared by the flow
-# runs of one process and kept GPU_TASKS_WARM_SERVER_KEEP_SECONDS after its last pool closes
+# runs of one process and kept GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS after its last pool closes
 # (tests/test_warm_pool.py checks that it ends)
 SINGLETONS = ("resource_tracker", "multiprocessing.forkserver")
 

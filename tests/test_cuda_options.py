@@ -213,7 +213,7 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict, warm_workers: int) -> tuple[dic
         GPU_TASKS_DISCOVERY_COMMAND=f"{sys.executable} {tmp_path / 'discover.py'}",
         FAKE_DASK_CUDA_RECORD=str(record),
         FAKE_DASK_CUDA_WORKER_RECORD=str(workers),
-        GPU_TASKS_WARM_WORKERS=str(warm_workers),
+        GPU_TASKS_TUNE_WARM_WORKERS=str(warm_workers),
         PREFECT_API_URL=str(get_current_settings().api.url),
     )
     proc = subprocess.run(
@@ -320,7 +320,7 @@ def test_real_devices_without_dask_cuda_fail_the_task_with_cluster_error(tmp_pat
     (tmp_path / "discover.py").write_text(DISCOVER)
     monkeypatch.delenv("GPU_TASKS_EMULATED_GPUS", raising=False)
     monkeypatch.delenv("GPU_TASKS_PROFILES_FILE", raising=False)
-    monkeypatch.setenv("GPU_TASKS_WARM_WORKERS", warm_workers)
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_WORKERS", warm_workers)
     monkeypatch.setenv("GPU_TASKS_DISCOVERY_COMMAND", f"{sys.executable} {tmp_path / 'discover.py'}")
 
     @task(tags=[profile("gpu")])

@@ -163,7 +163,7 @@ def test_run_totals_count_device_rows_and_the_longest_device_wait():
     [
         (100.0, 10.0, 0.0, AlertThresholds(), ("held-busy-over-2",)),
         (100.0, 60.0, 0.0, AlertThresholds(), ()),
-        (30.0, 1.0, 0.0, AlertThresholds(), ()),  # under GPU_TASKS_ALERT_MIN_HELD_SECONDS
+        (30.0, 1.0, 0.0, AlertThresholds(), ()),  # under GPU_TASKS_TUNE_ALERT_MIN_HELD_SECONDS
         (30.0, 1.0, 0.0, AlertThresholds(min_held_seconds=0), ("held-busy-over-2",)),
         (100.0, 0.0, 0.0, AlertThresholds(held_busy=2.5), ("held-busy-over-2.5",)),
         (100.0, 90.0, 61.0, AlertThresholds(), ("device-wait-over-60",)),
@@ -178,12 +178,12 @@ def test_run_alerts(held, busy, wait, thresholds, expected):
 
 
 def test_alert_thresholds_come_from_settings(monkeypatch):
-    monkeypatch.setenv("GPU_TASKS_ALERT_HELD_BUSY", "3")
-    monkeypatch.setenv("GPU_TASKS_ALERT_DEVICE_WAIT_SECONDS", "0")
-    monkeypatch.setenv("GPU_TASKS_ALERT_MIN_HELD_SECONDS", "5")
+    monkeypatch.setenv("GPU_TASKS_TUNE_ALERT_HELD_BUSY", "3")
+    monkeypatch.setenv("GPU_TASKS_TUNE_ALERT_DEVICE_WAIT_SECONDS", "0")
+    monkeypatch.setenv("GPU_TASKS_TUNE_ALERT_MIN_HELD_SECONDS", "5")
     assert AlertThresholds.from_settings(get_settings()) == AlertThresholds(3.0, 0.0, 5.0)
-    monkeypatch.setenv("GPU_TASKS_ALERT_HELD_BUSY", "-1")
-    with pytest.raises(SettingsError, match="GPU_TASKS_ALERT_HELD_BUSY='-1'"):
+    monkeypatch.setenv("GPU_TASKS_TUNE_ALERT_HELD_BUSY", "-1")
+    with pytest.raises(SettingsError, match="GPU_TASKS_TUNE_ALERT_HELD_BUSY='-1'"):
         get_settings()
 
 
@@ -394,9 +394,9 @@ def _automation_events(automation_id: str, summary_id: str, want: set[str], time
 def test_the_shipped_automation_fires_on_a_mostly_idle_run(monkeypatch):
     """The documented command creates the automation; a run that holds its device mostly idle
     raises held-busy-over-2 on its summary, and the server fires the automation for it."""
-    monkeypatch.setenv("GPU_TASKS_ALERT_HELD_BUSY", "2")
-    monkeypatch.setenv("GPU_TASKS_ALERT_MIN_HELD_SECONDS", "0")  # a test run holds seconds, not minutes
-    monkeypatch.setenv("GPU_TASKS_ALERT_DEVICE_WAIT_SECONDS", "60")
+    monkeypatch.setenv("GPU_TASKS_TUNE_ALERT_HELD_BUSY", "2")
+    monkeypatch.setenv("GPU_TASKS_TUNE_ALERT_MIN_HELD_SECONDS", "0")  # a test run holds seconds, not minutes
+    monkeypatch.setenv("GPU_TASKS_TUNE_ALERT_DEVICE_WAIT_SECONDS", "60")
     automation_id = _create_automation_with_the_documented_command()
     try:
         idle = ResourceProfile(name="gpu-idle", gpus=1, idle_timeout=5)

@@ -24,7 +24,7 @@ def inc(x: int) -> int:
 
 @pytest.mark.usefixtures("prefect_server")
 def test_task_runs_wait_while_their_processs_events_back_up(monkeypatch, caplog):
-    monkeypatch.setenv("GPU_TASKS_EVENTS_BACKLOG_LIMIT", str(LIMIT))
+    monkeypatch.setenv("GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT", str(LIMIT))
     backlog._forget()  # this process's instance reads the limit set here
     seen: list[int] = []
     stop = threading.Event()

@@ -207,7 +207,7 @@ def test_no_sampler_thread_for_emulated_remote_or_switched_off(monkeypatch):
     assert sampler._thread is None
     off = _Cluster()
     measure.Sampler(0.0).watch(off)
-    assert off.usage.samples.note == "not measured (GPU_TASKS_GPU_SAMPLE_SECONDS=0)"
+    assert off.usage.samples.note == "not measured (GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS=0)"
 
 
 def test_nvml_absent_says_why(monkeypatch):

@@ -92,8 +92,8 @@ def test_the_worker_spec_carries_slots_resources_and_the_cap():
     spec = worker_spec(MEM, 0, (_device(),), emulated=True, free=70 * GiB)
     assert spec.nthreads == 3
     assert spec.resources == {GPU_RESOURCE: 1.0, GPU_MEMORY_RESOURCE: float(60 * GiB)}
-    assert spec.env["GPU_TASKS_WORKER_GPU_MEMORY_PER_TASK"] == str(20 * GiB)
-    assert spec.env["GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"] == str(60 * GiB)
+    assert spec.env["_GPU_TASKS_WORKER_GPU_MEMORY_PER_TASK"] == str(20 * GiB)
+    assert spec.env["_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"] == str(60 * GiB)
     assert task_resources(MEM) == {GPU_MEMORY_RESOURCE: float(20 * GiB)}
     # gpus= profiles are as before
     quarter = ResourceProfile(name="q", gpus=0.25)
@@ -136,7 +136,7 @@ def share(folder: str, n: int, seconds: float = 1.0) -> dict:
         "devices": a.devices,
         "memory_per_task": a.memory_per_task,
         "memory_limit": a.memory_limit,
-        "env_limit": os.environ.get("GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"),
+        "env_limit": os.environ.get("_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"),
         "applied": memory_caps.applied(),
     }
 

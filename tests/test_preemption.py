@@ -167,7 +167,7 @@ def _start(
     (tmp_path / "starts").mkdir(exist_ok=True)
     script = tmp_path / "run.py"
     script.write_text(RUN)
-    extra = {"GPU_TASKS_PREEMPTION_GRACE": str(GRACE), "GPU_TASKS_IDLE_TIMEOUT": "0.5", **env}
+    extra = {"GPU_TASKS_TUNE_PREEMPTION_GRACE": str(GRACE), "GPU_TASKS_IDLE_TIMEOUT": "0.5", **env}
     return subprocess.Popen(
         [sys.executable, str(script), json.dumps(cfg)],
         env=_env(lease_dir, **extra),
@@ -275,7 +275,7 @@ def test_one_flow_run_preempts_its_own_preemptible_profile(tmp_path, lease_dir, 
     from gpu_tasks import ProfileTaskRunner, profile
 
     monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
-    monkeypatch.setenv("GPU_TASKS_PREEMPTION_GRACE", str(GRACE))
+    monkeypatch.setenv("GPU_TASKS_TUNE_PREEMPTION_GRACE", str(GRACE))
 
     started = tmp_path / "batch-started"
 

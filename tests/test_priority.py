@@ -1,4 +1,4 @@
-"""Priority per flow run (GPU_TASKS_PRIORITY) and fairness with aging (GPU_TASKS_PRIORITY_AGING).
+"""Priority per flow run (GPU_TASKS_PRIORITY) and fairness with aging (GPU_TASKS_TUNE_PRIORITY_AGING).
 
 Every test has its own lease directory (the ``lease_dir`` fixture, passed to its
 subprocesses), so queues are never shared with another test.
@@ -168,8 +168,8 @@ def test_gpu_tasks_priority_replaces_every_profiles_priority(monkeypatch):
     assert run_priority(train) == 3
     monkeypatch.setenv("GPU_TASKS_PRIORITY", "-2")
     assert run_priority(train) == -2 and run_priority(train, get_settings()) == -2
-    monkeypatch.setenv("GPU_TASKS_PRIORITY_AGING", "-1")
-    with pytest.raises(ValueError, match="GPU_TASKS_PRIORITY_AGING='-1'"):
+    monkeypatch.setenv("GPU_TASKS_TUNE_PRIORITY_AGING", "-1")
+    with pytest.raises(ValueError, match="GPU_TASKS_TUNE_PRIORITY_AGING='-1'"):
         get_settings()
 
 
@@ -229,7 +229,7 @@ def test_a_stream_of_higher_priority_waiters_does_not_starve_a_low_one(tmp_path,
         _until(lambda: len(leases.waiters(lease_dir)) >= 2, "a high-priority waiter queued", procs=procs)
         return queued
 
-    env = _env(lease_dir, GPU_TASKS_PRIORITY_AGING=str(aging))
+    env = _env(lease_dir, GPU_TASKS_TUNE_PRIORITY_AGING=str(aging))
     streams = [("low", 0, 1, 0, 0.3), ("high", 1, 12, 0.25, 0.3, 0.3)]
     rows, queued = _race(tmp_path, lease_dir, env, streams, low_queued_then_a_high_one)
     assert queued["aging"] == aging, "the waiter file carries its aging"
@@ -258,7 +258,7 @@ def test_a_stream_of_higher_priority_waiters_does_not_starve_a_low_one(tmp_path,
 def test_equal_priorities_are_served_in_arrival_order_with_aging(tmp_path, lease_dir):
     """Two processes' waiters of one priority, interleaved, with a fast aging (0.3 s): aging never
     reorders them; the device goes by arrival."""
-    env = _env(lease_dir, GPU_TASKS_PRIORITY_AGING="0.3")
+    env = _env(lease_dir, GPU_TASKS_TUNE_PRIORITY_AGING="0.3")
     streams = [("a", 2, 4, 0.3, 0.2), ("b", 2, 4, 0.3, 0.2, 0.15)]
     rows, _ = _race(
         tmp_path,

@@ -943,7 +943,7 @@ def test_tag_limit_checks_are_cached_longer_in_flow_and_worker_processes(monkeyp
     monkeypatch.setattr(
         services, "_no_limits_cache", cachetools.TTLCache(maxsize=1000, ttl=5.0)
     )  # as shipped
-    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "45")
+    monkeypatch.setenv("GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS", "45")
 
     @flow(task_runner=runner(QUARTER))
     def f():

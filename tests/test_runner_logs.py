@@ -4,7 +4,7 @@ docs/runner.md promises log lines (the fallback warning, "waits (logged)", idle 
 decision is logged with its reason") and docs/operations.md quotes the cluster lines. They
 are logged with ``gpu_tasks.*`` module loggers, from the runner's threads, and sent to the
 flow run's logs by ``gpu_tasks.reporting.logs.RunLogs``: each line once, at its level. Dask's
-INFO chatter stays out of the terminal unless GPU_TASKS_DASK_LOG_LEVEL asks for it.
+INFO chatter stays out of the terminal unless GPU_TASKS_TUNE_DASK_LOG_LEVEL asks for it.
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ def test_plain_script_run_logs_and_dask_chatter(tmp_path: Path, dask_level: str 
     marker = uuid.uuid4().hex
     (tmp_path / "plain.py").write_text(SCRIPT)
     home = tmp_path / "prefect-home"
-    extra = {"GPU_TASKS_DASK_LOG_LEVEL": dask_level} if dask_level else {}
+    extra = {"GPU_TASKS_TUNE_DASK_LOG_LEVEL": dask_level} if dask_level else {}
     env = clean_env(marker, PREFECT_HOME=str(home), GPU_TASKS_EMULATED_GPUS="1", **extra)
     try:
         proc = subprocess.run(

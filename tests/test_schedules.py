@@ -232,7 +232,7 @@ def _check_stops_cleanly(proc: subprocess.Popen[str], out: Path) -> None:
         _kill_group(proc.pid)
         pytest.fail(f"the serving process did not stop within 60 s of Ctrl-C: {left}")
     # what the serving process started ends after it: a flow run it was running closes its clusters
-    # and sends its queued events first (GPU_TASKS_EVENTS_DRAIN_SECONDS); on a loaded machine the
+    # and sends its queued events first (GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS); on a loaded machine the
     # warm pool's fork server outlived a 15 s wait, then ended
     deadline = time.monotonic() + 90
     while _group(proc.pid) and time.monotonic() < deadline:

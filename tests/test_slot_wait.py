@@ -180,7 +180,7 @@ def _cached_square(storage: Path):
 
 
 def test_a_cached_gpu_task_holds_no_device_and_starts_no_worker(tmp_path, monkeypatch):
-    monkeypatch.setenv("GPU_TASKS_WARM_WORKERS", "0")  # so that any process started is a worker
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_WORKERS", "0")  # so that any process started is a worker
     cached_square = _cached_square(tmp_path / "results")
     salt = uuid.uuid4().hex  # inputs of this test only
     gpu = ResourceProfile(name="gpu", gpus=1, idle_timeout=30)

@@ -2,7 +2,7 @@
 Prefect's tag-limit checks"), against the test server with real tag concurrency limits.
 
 gpu-tasks keeps the "no limits" answers its own task runs learn in a cache of its own
-(``GPU_TASKS_TAG_LIMIT_CACHE_SECONDS``) and leaves Prefect's per-process cache as shipped;
+(``GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS``) and leaves Prefect's per-process cache as shipped;
 these flows use a CPU profile (threads in the flow process), so the caches they fill are
 this process's. Prefect's cache is private to Prefect (``prefect.concurrency.services``):
 each test puts a fresh one in place with monkeypatch.
@@ -60,21 +60,21 @@ def _run(*task_tags: str) -> None:
 
 def test_zero_keeps_prefects_own_cache(monkeypatch):
     shipped = _shipped_cache(monkeypatch)
-    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "0")
+    monkeypatch.setenv("GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS", "0")
     _run(f"t-{uuid.uuid4().hex[:8]}")
     assert services._no_limits_cache is shipped and shipped.ttl == 5.0
 
 
 def test_the_cache_is_never_shortened(monkeypatch):
     longer = _shipped_cache(monkeypatch, ttl=90.0)
-    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "45")
+    monkeypatch.setenv("GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS", "45")
     _run(f"t-{uuid.uuid4().hex[:8]}")
     assert services._no_limits_cache is longer and longer.ttl == 90.0
 
 
 def test_prefects_cache_stays_as_shipped_and_gpu_tasks_keeps_its_own_answers(monkeypatch):
     shipped = _shipped_cache(monkeypatch, frozen=True)
-    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
+    monkeypatch.setenv("GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS", "60")
     tag = f"own-{uuid.uuid4().hex[:8]}"
     _run(tag)  # Prefect's engine learns "no limits" for this tag set from the server
     assert services._no_limits_cache is shipped and shipped.ttl == 5.0  # untouched
@@ -84,7 +84,7 @@ def test_prefects_cache_stays_as_shipped_and_gpu_tasks_keeps_its_own_answers(mon
 
 def test_only_no_limits_answers_are_cached(monkeypatch):
     _shipped_cache(monkeypatch)
-    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
+    monkeypatch.setenv("GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS", "60")
     limited, free = f"limited-{uuid.uuid4().hex[:8]}", f"free-{uuid.uuid4().hex[:8]}"
     code, body = api("POST", "/v2/concurrency_limits/", json={"name": f"tag:{limited}", "limit": 5})
     assert code == 201, body
@@ -99,7 +99,7 @@ def test_only_no_limits_answers_are_cached(monkeypatch):
 def test_a_limit_created_after_the_first_check_waits_for_the_cache(monkeypatch, tmp_path):
     """Documented: a limit created mid-run applies within the cache time (60 s), not at once."""
     _shipped_cache(monkeypatch)
-    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
+    monkeypatch.setenv("GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS", "60")
     tag = f"late-limit-{uuid.uuid4().hex[:8]}"
 
     @flow(task_runner=ProfileTaskRunner(profiles=[CPU]))
@@ -124,7 +124,7 @@ def test_a_prefect_without_the_cache_is_left_as_it_is(monkeypatch):
     """Another Prefect release (no TTLCache there): nothing is replaced and tasks still run."""
     other = {}
     monkeypatch.setattr(services, "_no_limits_cache", other)
-    monkeypatch.setenv("GPU_TASKS_TAG_LIMIT_CACHE_SECONDS", "60")
+    monkeypatch.setenv("GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS", "60")
     _run(f"t-{uuid.uuid4().hex[:8]}")
     assert services._no_limits_cache is other
 

@@ -51,7 +51,7 @@ def test_an_unguarded_script_runs_with_forked_workers_and_fails_clearly_with_spa
     tmp_path: Path, prefect_server
 ):
     """Warm processes forked from the pool's fork server (the default) do not import the script:
-    one without the __main__ guard runs. Spawned ones (GPU_TASKS_WARM_START=spawn) re-import it
+    one without the __main__ guard runs. Spawned ones (GPU_TASKS_TUNE_WARM_START=spawn) re-import it
     and cannot start: a clear error, not a hang."""
     import prefect.settings
 
@@ -70,7 +70,7 @@ def test_an_unguarded_script_runs_with_forked_workers_and_fails_clearly_with_spa
         env = clean_env(
             marker,
             GPU_TASKS_EMULATED_GPUS="1",
-            GPU_TASKS_WARM_START=start,
+            GPU_TASKS_TUNE_WARM_START=start,
             # a worker that dies while starting fails the profile at once; this bound is only for a
             # warm process still importing, which a loaded 2-core machine can keep past 10 s
             GPU_TASKS_PROVISION_TIMEOUT="60",

@@ -96,7 +96,7 @@ def test_a_warm_process_holds_no_device_until_a_lease_binds_it(lease_dir: Path, 
 
 
 def test_no_pool_when_warm_workers_is_zero(monkeypatch, no_leaked_processes):
-    monkeypatch.setenv("GPU_TASKS_WARM_WORKERS", "0")
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_WORKERS", "0")
 
     @flow(task_runner=_runner())
     def f() -> tuple[list[Any], dict[str, Any]]:
@@ -138,7 +138,7 @@ def test_a_warm_process_that_fails_to_start_fails_the_task_clearly(tmp_path: Pat
     script = tmp_path / "broken_flow.py"
     script.write_text(BROKEN)
     # spawned warm processes re-import the script (forked ones do not: it cannot fail them this way)
-    env = clean_env(uuid.uuid4().hex, GPU_TASKS_EMULATED_GPUS="1", GPU_TASKS_WARM_START="spawn")
+    env = clean_env(uuid.uuid4().hex, GPU_TASKS_EMULATED_GPUS="1", GPU_TASKS_TUNE_WARM_START="spawn")
     env["PREFECT_API_URL"] = str(get_current_settings().api.url)
     done = subprocess.run(
         [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=180
@@ -218,7 +218,7 @@ def test_warm_processes_exit_with_a_killed_flow_process(tmp_path: Path):
 
 
 def test_the_pool_keeps_no_more_idle_processes_than_can_still_be_bound():
-    """GPU_TASKS_WARM_WORKERS=2 for profiles that can bind one worker at once: one process is started;
+    """GPU_TASKS_TUNE_WARM_WORKERS=2 for profiles that can bind one worker at once: one process is started;
     once it is bound none waits idle (nothing could take it); when it ends, a replacement starts."""
     from gpu_tasks.worker.warm import REFILL_DELAY_S, WarmPool, end_process
 
@@ -240,7 +240,7 @@ def test_the_pool_keeps_no_more_idle_processes_than_can_still_be_bound():
 def test_pools_of_one_process_share_its_fork_server_until_its_keep_runs_out(monkeypatch):
     """Flow runs one after another in one process (a served deployment, a test session) fork their
     warm processes from one fork server: the second pool's processes have the first's server as
-    parent; with no pool left it is kept GPU_TASKS_WARM_SERVER_KEEP_SECONDS, then ends; a pool
+    parent; with no pool left it is kept GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS, then ends; a pool
     after that starts a new one; with a keep of 0 it ends with its last pool."""
     from bench.overhead import leftovers as bench_leftovers
     from gpu_tasks.worker.forkserver import in_use as fork_server_in_use
@@ -254,7 +254,7 @@ def test_pools_of_one_process_share_its_fork_server_until_its_keep_runs_out(monk
         assert server is not None and "multiprocessing.forkserver" in " ".join(server.cmdline())
         return server
 
-    monkeypatch.setenv("GPU_TASKS_WARM_SERVER_KEEP_SECONDS", "2")
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS", "2")
     # (one kept by an earlier test of this process is used too, with the keep set here)
     assert not fork_server_in_use().get("pools"), "a pool of another test is open"
     first = WarmPool(1)
@@ -277,7 +277,7 @@ def test_pools_of_one_process_share_its_fork_server_until_its_keep_runs_out(monk
         third.close()
     _until(lambda: not server.is_running() or server.status() == psutil.STATUS_ZOMBIE, "the server ends", 30)
     assert fork_server_in_use() == {}
-    monkeypatch.setenv("GPU_TASKS_WARM_SERVER_KEEP_SECONDS", "0")
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS", "0")
     fourth = WarmPool(1)
     try:
         again = server_of(fourth)
@@ -386,7 +386,7 @@ def test_a_refill_whose_fork_server_ended_prints_no_traceback(monkeypatch, caplo
 
     from gpu_tasks.worker.warm import WarmPool, end_process
 
-    monkeypatch.setenv("GPU_TASKS_WARM_SERVER_KEEP_SECONDS", "0")
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS", "0")
     hooked: list[Any] = []
     monkeypatch.setattr(threading, "excepthook", hooked.append)
     pool = WarmPool(1)

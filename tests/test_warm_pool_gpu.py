@@ -62,7 +62,7 @@ def test_a_bound_warm_process_makes_its_cuda_context_on_the_leased_device_only(m
         pytest.skip("MIG instances: NVML's per-device process list does not name the instance")
     monkeypatch.delenv("GPU_TASKS_EMULATED_GPUS", raising=False)
     monkeypatch.delenv("GPU_TASKS_PROFILES_FILE", raising=False)
-    monkeypatch.setenv("GPU_TASKS_WARM_WORKERS", "2")
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_WORKERS", "2")
 
     @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=30)]))
     def f() -> dict[str, Any]:

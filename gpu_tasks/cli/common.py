@@ -29,7 +29,7 @@ from rich.text import Text
 from gpu_tasks.devices import leases, programs
 from gpu_tasks.devices.discovery import Device, Inventory, discover
 from gpu_tasks.errors import DeviceDiscoveryError, SettingsError
-from gpu_tasks.settings import GpuTasksSettings, get_settings, unknown_variables
+from gpu_tasks.settings import GpuTasksSettings, get_settings, variable_warnings
 
 EXIT_USAGE = 2
 
@@ -77,7 +77,7 @@ def load_settings() -> GpuTasksSettings:
         settings = get_settings()
     except SettingsError as exc:
         fail(str(exc))
-    for line in unknown_variables():
+    for line in variable_warnings():
         typer.echo(f"warning: {line}", err=True)
     return settings
 

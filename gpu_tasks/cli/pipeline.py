@@ -161,7 +161,7 @@ def run(
     from gpu_tasks.errors import GpuTasksError
     from gpu_tasks.pipeline.job import run_pipeline
 
-    # Dask's per-connection INFO lines drown the run's own log (GPU_TASKS_DASK_LOG_LEVEL: WARNING)
+    # Dask's per-connection INFO lines drown the run's own log (GPU_TASKS_TUNE_DASK_LOG_LEVEL: WARNING)
     logging.getLogger("distributed").setLevel(get_settings().dask_log_level)
     # gpu-tasks' own decisions (provisioned, waiting for devices, closed and why) are the point.
     logging.getLogger("gpu_tasks").setLevel(logging.INFO)

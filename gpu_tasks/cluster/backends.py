@@ -48,7 +48,7 @@ T = TypeVar("T")
 # ---------------------------------------------------------------- specs
 def dask_log_level() -> int:
     """The level of Dask's ``distributed`` loggers in the processes gpu-tasks starts
-    (``GPU_TASKS_DASK_LOG_LEVEL``, WARNING): INFO lets its start and stop chatter through."""
+    (``GPU_TASKS_TUNE_DASK_LOG_LEVEL``, WARNING): INFO lets its start and stop chatter through."""
     from gpu_tasks.settings import get_settings
 
     return logging.getLevelName(get_settings().dask_log_level)  # type: ignore[no-any-return]

@@ -3,7 +3,7 @@
 Flow runs on other hosts share nothing but the scheduler, so the waiters are kept
 there, in the scheduler's metadata (``Client.set_metadata``) under ``gpu-tasks-waiters``:
 
-* a **waiter**, a profile one of whose tasks has waited ``GPU_TASKS_PREEMPTION_GRACE``
+* a **waiter**, a profile one of whose tasks has waited ``GPU_TASKS_TUNE_PREEMPTION_GRACE``
   seconds in the scheduler's queue (not running), puts up an entry: its priority, its
   flow run, how much ``GPU`` one task needs and the workers its waiting tasks are queued
   on; it renews the entry while it waits (a beat count) and takes it down when it runs;

@@ -211,7 +211,7 @@ class ProfileCluster:
         """Before a GPU profile's devices are leased: when no concurrency limit exists on the
         placement tags, its workers are told so (:data:`~gpu_tasks.allocation.PLACEMENT_FREE_ENV`)
         and their engines do not ask for those tags' slots while they hold a device (for
-        ``GPU_TASKS_TAG_LIMIT_CACHE_SECONDS``, as any "no limits" answer; then they ask again)."""
+        ``GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS``, as any "no limits" answer; then they ask again)."""
         if not self.profile.is_gpu or get_settings().tag_limit_cache_seconds <= 0:
             return
         env = {k: v for k, v in self.worker_env.items() if k != PLACEMENT_FREE_ENV}

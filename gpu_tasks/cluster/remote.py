@@ -335,7 +335,7 @@ class RemoteCluster(ProfileCluster):
 
     def admit(self, stop: threading.Event, say: Callable[[str], None]) -> None:
         """Hold a new task back while a waiter of lower priority on the board has aged past our
-        priority (``GPU_TASKS_PRIORITY_AGING``) and waits on workers we use: so a stream of our
+        priority (``GPU_TASKS_TUNE_PRIORITY_AGING``) and waits on workers we use: so a stream of our
         tasks cannot starve it. Tasks already with the scheduler keep their place.
 
         Raises:
@@ -365,7 +365,7 @@ class RemoteCluster(ProfileCluster):
                     f"profile {self.profile.name!r}: a task waits before going to {self.scheduler_address}: "
                     f"{describe_waiter(first)} has waited {float(first.get('waited_s') or 0):.0f}s and its "
                     f"effective priority {first['effective_priority']} exceeds this run's {self.priority} "
-                    "(GPU_TASKS_PRIORITY_AGING)"
+                    "(GPU_TASKS_TUNE_PRIORITY_AGING)"
                 )
                 next_log = now + self.wait_log_every
             if stop.wait(BOARD_STEP_S):

@@ -5,7 +5,7 @@ Prefect's client retries a refusal (408, 429, 502, 503) or a dropped connection 
 (``PREFECT_CLIENT_MAX_RETRIES``, 5 by default: about a minute with its backoff); a busy embedded
 SQLite server under tens of thousands of task runs refuses for longer than that. gpu-tasks then
 waits and asks again, with a warning in the log each time it waits, for up to
-``GPU_TASKS_API_BUSY_TIMEOUT`` seconds (default 600) before it gives the error up:
+``GPU_TASKS_TUNE_API_BUSY_TIMEOUT`` seconds (default 600) before it gives the error up:
 
 - the tag-slot check Prefect's task engine makes before every task run gpu-tasks runs (its own
   placement tags, ``gpu:<id>`` and ``gpu-tasks:emulated``, are on every task), on the worker;
@@ -22,7 +22,7 @@ client waits ``2**n`` s (with jitter) before its n-th try of a refused request, 
 server waited 61 s after the sixth, on a worker holding a device with nothing running (measured
 with ``bench.many_flows``: a device held 126 s, and 460 s at 10 x 1,000, before its first task).
 In gpu-tasks' worker processes (every request) and in the task runs gpu-tasks runs, each such
-wait is at most ``GPU_TASKS_API_LONGEST_WAIT`` s (default 30, the same cap as gpu-tasks' own waits
+wait is at most ``GPU_TASKS_TUNE_API_LONGEST_WAIT`` s (default 30, the same cap as gpu-tasks' own waits
 above), so a worker asks again within that long after the API recovers; Prefect's number of tries
 is unchanged. The flow process's other requests wait as Prefect ships. Waits a server asks for
 (``Retry-After``) are kept, and with ``PREFECT_CLIENT_RETRY_JITTER_FACTOR=0`` Prefect's waits are
@@ -64,7 +64,7 @@ def busy_reason(exc: BaseException) -> str | None:
 @dataclass
 class BusyWait:
     """The waits between tries of one request to a busy API: 1 s, doubling to ``longest``
-    (``GPU_TASKS_API_LONGEST_WAIT``, 30 s), with jitter, until ``timeout`` seconds have passed since
+    (``GPU_TASKS_TUNE_API_LONGEST_WAIT``, 30 s), with jitter, until ``timeout`` seconds have passed since
     the first refusal."""
 
     what: str
@@ -83,7 +83,7 @@ class BusyWait:
         if waited >= self.timeout:
             (log or logger).error(
                 "gpu-tasks: the Prefect API still refuses %s after %.0f s (%s); giving up "
-                "(GPU_TASKS_API_BUSY_TIMEOUT=%g)",
+                "(GPU_TASKS_TUNE_API_BUSY_TIMEOUT=%g)",
                 self.what,
                 waited,
                 reason,
@@ -95,7 +95,7 @@ class BusyWait:
         self.tries += 1
         (log or logger).warning(
             "gpu-tasks: the Prefect API is busy (%s) for %s; asking again in %.1f s (try %d, %.0f s of "
-            "GPU_TASKS_API_BUSY_TIMEOUT=%g waited)",
+            "GPU_TASKS_TUNE_API_BUSY_TIMEOUT=%g waited)",
             reason,
             self.what,
             wait,
@@ -107,7 +107,7 @@ class BusyWait:
 
 
 def longest_wait() -> float:
-    """``GPU_TASKS_API_LONGEST_WAIT`` (seconds) from this process's environment."""
+    """``GPU_TASKS_TUNE_API_LONGEST_WAIT`` (seconds) from this process's environment."""
     from gpu_tasks.settings import get_settings
 
     longest: float = get_settings().api_longest_wait
@@ -115,7 +115,7 @@ def longest_wait() -> float:
 
 
 def busy_timeout() -> float:
-    """``GPU_TASKS_API_BUSY_TIMEOUT`` (seconds) from this process's environment."""
+    """``GPU_TASKS_TUNE_API_BUSY_TIMEOUT`` (seconds) from this process's environment."""
     from gpu_tasks.settings import get_settings
 
     timeout: float = get_settings().api_busy_timeout

@@ -14,7 +14,7 @@ on 2 cores with 10,000 tagged tasks on Prefect's own ThreadPoolTaskRunner: 141 s
 with the 5 s cache, 53 s (linear in the task count) with a longer one.
 
 gpu-tasks keeps its own "no limits" answers, in the flow process and in its worker
-processes, for ``GPU_TASKS_TAG_LIMIT_CACHE_SECONDS`` (default 60; 0 keeps Prefect's 5 s),
+processes, for ``GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS`` (default 60; 0 keeps Prefect's 5 s),
 and consults them for the task runs it runs alone (:func:`use_no_limits_cache`,
 :func:`is_ours`): Prefect's cache is not touched, so any other task run of the process
 checks its tags as Prefect ships. Limits that exist when a tag set is first checked are

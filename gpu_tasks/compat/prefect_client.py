@@ -72,7 +72,7 @@ def _uses() -> list[Any]:
             "prefect.client.base.clamped_poisson_interval",
             "patched",
             "each wait of Prefect's client between tries of a refused request capped at "
-            "GPU_TASKS_API_LONGEST_WAIT in gpu-tasks' task runs (2**n s otherwise: a device held idle)",
+            "GPU_TASKS_TUNE_API_LONGEST_WAIT in gpu-tasks' task runs (2**n s otherwise: a device held idle)",
             _check_client_waits,
         ),
     ]

@@ -45,7 +45,7 @@ class DeviceBook:
     not taken while a waiter that ranks before the taker (higher effective priority, then
     earlier arrival; :func:`gpu_tasks.devices.leases.rank`), of this book or of any process,
     wants one of its devices. A waiter's effective priority grows by one for every
-    ``priority_aging`` seconds it waits (``GPU_TASKS_PRIORITY_AGING``; 0: never).
+    ``priority_aging`` seconds it waits (``GPU_TASKS_TUNE_PRIORITY_AGING``; 0: never).
     """
 
     def __init__(
@@ -400,8 +400,8 @@ class DeviceBook:
             for h in holders
         )
         logger.info(
-            "profile %r (priority %d) waited %.1fs (GPU_TASKS_PREEMPTION_GRACE %gs): preemptible work gives "
-            "its devices back: %s",
+            "profile %r (priority %d) waited %.1fs (GPU_TASKS_TUNE_PREEMPTION_GRACE %gs): preemptible work "
+            "gives its devices back: %s",
             owner,
             me["priority"],
             time.time() - me["arrived"],

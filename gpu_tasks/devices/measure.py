@@ -1,4 +1,4 @@
-"""The flow-side sampler of measured use: NVML, every ``GPU_TASKS_GPU_SAMPLE_SECONDS``, on the real
+"""The flow-side sampler of measured use: NVML, every ``GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS``, on the real
 devices this flow run's local profiles hold.
 
 One thread per flow run, started when the first local GPU profile's cluster is made on real
@@ -75,7 +75,7 @@ class Sampler:
         if not (prof.is_gpu and prof.is_local) or cluster.emulated:
             return  # emulated: ProfileCluster says so itself; other hosts: not ours to sample
         if self.period <= 0:
-            cluster.usage.not_measured("not measured (GPU_TASKS_GPU_SAMPLE_SECONDS=0)")
+            cluster.usage.not_measured("not measured (GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS=0)")
             return
         reason = no_nvml_reason()
         if reason is not None:

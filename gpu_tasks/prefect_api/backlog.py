@@ -8,7 +8,7 @@ make them (the embedded SQLite server under thousands of short tasks), the queue
 bound: 17,852 events and 513 MiB at the peak of a 10,000-task run, and past 2 GiB at 100,000.
 So in each process that runs task runs (the flow process's threads for in-process profiles, each
 worker process), a task run waits to start, in its slot, while more than
-``GPU_TASKS_EVENTS_BACKLOG_LIMIT`` events of that process wait to be sent (0: never); it goes on
+``GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT`` events of that process wait to be sent (0: never); it goes on
 when fewer do, or when the queue has not shrunk for ``STALL_S`` (a server that takes nothing:
 waiting would only stop the flow; Prefect keeps or drops those events as it does without
 gpu-tasks). Tasks already running go on: the queue overshoots by what they emit.
@@ -53,9 +53,9 @@ class EventsBacklog:
         if first:
             logger.info(
                 "gpu-tasks: task runs wait to start while %d Prefect events wait to be sent to the server "
-                "(GPU_TASKS_EVENTS_BACKLOG_LIMIT=%d): the server takes them more slowly than this flow's "
-                "tasks make them, and each waiting event holds its task run's engine in memory. A server "
-                "that holds this load: docs/operations.md#a-prefect-server-that-holds-the-load",
+                "(GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT=%d): the server takes them more slowly than this "
+                "flow's tasks make them, and each waiting event holds its task run's engine in memory. A "
+                "server that holds this load: docs/operations.md#a-prefect-server-that-holds-the-load",
                 queued,
                 self.limit,
             )

@@ -8,7 +8,7 @@ Slots are taken with a Prefect lease when a worker group's devices are taken
 the devices (:class:`QuotaSlots`, through a
 :class:`gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`); a flow run that dies
 without giving them back loses them when its lease expires
-(``GPU_TASKS_QUOTA_LEASE_SECONDS``, at least 60 s: Prefect's minimum).
+(``GPU_TASKS_TUNE_QUOTA_LEASE_SECONDS``, at least 60 s: Prefect's minimum).
 """
 
 from __future__ import annotations

@@ -74,8 +74,8 @@ class AlertThresholds:
 
     @classmethod
     def from_settings(cls, settings: GpuTasksSettings) -> AlertThresholds:
-        """``GPU_TASKS_ALERT_HELD_BUSY``, ``GPU_TASKS_ALERT_DEVICE_WAIT_SECONDS``,
-        ``GPU_TASKS_ALERT_MIN_HELD_SECONDS``."""
+        """``GPU_TASKS_TUNE_ALERT_HELD_BUSY``, ``GPU_TASKS_TUNE_ALERT_DEVICE_WAIT_SECONDS``,
+        ``GPU_TASKS_TUNE_ALERT_MIN_HELD_SECONDS``."""
         return cls(
             held_busy=settings.alert_held_busy,
             device_wait_seconds=settings.alert_device_wait_seconds,

@@ -7,7 +7,7 @@ run's logs on the Prefect server (the UI's run logs), once each, while a runner 
 Prefect sends only its own loggers' records unless ``PREFECT_LOGGING_EXTRA_LOGGERS`` names
 others, and the runner's lines come from its threads and processes where Prefect's run
 logger has no context. Dask's ``distributed`` loggers are set to
-``GPU_TASKS_DASK_LOG_LEVEL`` (WARNING) while a runner is entered, so its INFO chatter
+``GPU_TASKS_TUNE_DASK_LOG_LEVEL`` (WARNING) while a runner is entered, so its INFO chatter
 (scheduler and worker start and stop lines) stays out unless asked for.
 """
 

@@ -1,6 +1,6 @@
 """Measured use: what NVML saw of the devices a profile held, and right-size advice from it.
 
-The flow-side sampler (:mod:`gpu_tasks.devices.measure`) reads, every ``GPU_TASKS_GPU_SAMPLE_SECONDS``,
+The flow-side sampler (:mod:`gpu_tasks.devices.measure`) reads, every ``GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS``,
 each real device a local profile holds: SM utilization, memory used, and the device memory of each
 of gpu-tasks' own processes (its worker processes) where NVML lists them. This module is pure: it
 turns those samples into a :class:`Measured` for a ledger row or device span, and a

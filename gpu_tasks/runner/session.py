@@ -117,7 +117,7 @@ class Live:
         pool = WarmPool(size, capacity=bound_at_most(pooled, self.inventory))
         target = pool.target()
         pool.start_in_background()  # a new fork server's imports hold up no task of this flow
-        logger.info("gpu-tasks: %d warm worker process(es) starting (GPU_TASKS_WARM_WORKERS)", target)
+        logger.info("gpu-tasks: %d warm worker process(es) starting (GPU_TASKS_TUNE_WARM_WORKERS)", target)
         return pool
 
     @property
@@ -141,7 +141,7 @@ class Live:
             st = self.states.get(prof.name)
             if st is None:
                 if self.worker_env is None and prof.uses_processes:
-                    RunLogs.dask_imported()  # Dask's INFO chatter stays out (GPU_TASKS_DASK_LOG_LEVEL)
+                    RunLogs.dask_imported()  # Dask's INFO chatter stays out (GPU_TASKS_TUNE_DASK_LOG_LEVEL)
                     api_url = require_flow_api_url(prof.name)
                     self.worker_env = worker_env(api_url)
                     self.context.api_url = api_url

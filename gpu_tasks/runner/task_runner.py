@@ -51,7 +51,7 @@ from gpu_tasks.runner.job import Arrived, Job
 from gpu_tasks.runner.recovery import Recovery
 from gpu_tasks.runner.results import Finish, Landings, Results, hand_to
 from gpu_tasks.runner.session import Live
-from gpu_tasks.settings import get_settings, unknown_variables
+from gpu_tasks.settings import get_settings, variable_warnings
 from gpu_tasks.worker import engine as _worker
 from gpu_tasks.worker.slots import waiting
 
@@ -89,15 +89,15 @@ class ProfileFuture(PrefectConcurrentFuture[Any]):
 
 
 _LIVE_RUNNERS: weakref.WeakSet[ProfileTaskRunner] = weakref.WeakSet()
-_WARNED: set[str] = set()  # the unknown GPU_TASKS_* variables this process warned about
+_WARNED: set[str] = set()  # the GPU_TASKS_* variables (unknown, old names) this process warned about
 
 
 def _check_settings() -> None:
     """Raise :class:`~gpu_tasks.errors.SettingsError` (one line a variable) for a ``GPU_TASKS_*`` value
     its setting does not take, and :class:`~gpu_tasks.errors.DeviceDiscoveryError` for a
     ``GPU_TASKS_EMULATED_GPUS`` that names no devices; warn once per flow process of each
-    ``GPU_TASKS_*`` variable that is no setting (a typo), naming the closest one. Reads the
-    environment only: no file, network or database."""
+    ``GPU_TASKS_*`` variable that is no setting (a typo), naming the closest one, and of each old
+    tuning name, naming its new one. Reads the environment only: no file, network or database."""
     settings = get_settings()
     if settings.emulated_gpus is not None:
         from gpu_tasks.devices.discovery import parse_emulated
@@ -105,7 +105,7 @@ def _check_settings() -> None:
         parse_emulated(settings.emulated_gpus)
     if _worker.in_worker_process():  # the flow process warned; its workers get its environment
         return
-    for line in unknown_variables():
+    for line in variable_warnings():
         if line not in _WARNED:
             _WARNED.add(line)
             logger.warning("gpu-tasks: %s", line)
@@ -379,7 +379,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     def warm_workers(self) -> list[dict[str, Any]]:
         """The warm pool's idle worker processes, each ``{"pid": ..., "ready": ...}``.
 
-        Empty before the first task, after the flow run, with ``GPU_TASKS_WARM_WORKERS=0``
+        Empty before the first task, after the flow run, with ``GPU_TASKS_TUNE_WARM_WORKERS=0``
         and when no profile's workers are processes this host starts. None of them holds
         a device (docs/runner.md, "Warm workers").
         """

@@ -4,7 +4,7 @@ One fork server per flow process: a process that runs flow runs one after anothe
 (`gpu-tasks serve`, a scheduled deployment's worker, a test session) pays its imports (about
 1.9 s of CPU) once, not once per flow run. Sharing is safe: a bound process takes the flow's whole
 environment at its bind (:meth:`gpu_tasks.worker.warm.WarmProcess.bind_environ`), and its Dask
-config and Prefect settings come with it. The server is kept ``GPU_TASKS_WARM_SERVER_KEEP_SECONDS``
+config and Prefect settings come with it. The server is kept ``GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS``
 after its last pool closes, then told to end (it also ends with this process).
 """
 
@@ -35,7 +35,7 @@ def acquire(preload: list[str]) -> ForkServerContext:
 
 
 def release(ctx: ForkServerContext) -> None:
-    """A pool closed: with no pool left the server is kept ``GPU_TASKS_WARM_SERVER_KEEP_SECONDS``,
+    """A pool closed: with no pool left the server is kept ``GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS``,
     then ends (at once with 0)."""
     from gpu_tasks.settings import get_settings
 

@@ -1,6 +1,6 @@
 """Cap a ``gpu_memory_per_task`` worker's allocators to its tasks' shares, before its first task.
 
-The runner puts the cap in the worker's environment (``GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``: the
+The runner puts the cap in the worker's environment (``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``: the
 tasks it runs at once x ``gpu_memory_per_task``, :func:`gpu_tasks.policy.worker_spec`);
 :func:`apply` reads it once per worker process and, on a real device, caps each library that
 imports here (through :mod:`gpu_tasks._gpu`): CuPy's default memory pool (``set_limit``), RMM's
@@ -42,7 +42,7 @@ def applied() -> dict[str, Any]:
 
 
 def apply() -> dict[str, Any]:
-    """Cap this worker's allocators to ``GPU_TASKS_WORKER_GPU_MEMORY_LIMIT`` bytes (once per process
+    """Cap this worker's allocators to ``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT`` bytes (once per process
     and cap: a warm process bound to another profile's worker is capped again)."""
     with _LOCK:
         raw = os.environ.get(WORKER_ENV_MEMORY_LIMIT)

@@ -23,9 +23,9 @@ def send_before_exit(conn: Connection) -> None:
 
     Its task runs' states reach the server as events, sent from a queue by Prefect's
     ``EventsWorker`` (its exit handlers send the rest too, unbounded). Under load the queue holds
-    thousands (a slow server; ``GPU_TASKS_EVENTS_BACKLOG_LIMIT`` allows 20,000), and the runner
+    thousands (a slow server; ``GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT`` allows 20,000), and the runner
     used to end the process 3 s after the close: task runs' records were lost. Says
-    ``("draining", n)`` on ``conn`` first, so the runner waits ``GPU_TASKS_EVENTS_DRAIN_SECONDS``
+    ``("draining", n)`` on ``conn`` first, so the runner waits ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS``
     past its close grace (:func:`~gpu_tasks.worker.warm.end_closed`); what is still queued after
     that is lost, and said.
     """
@@ -46,7 +46,7 @@ def send_before_exit(conn: Connection) -> None:
         logger.warning(
             "gpu-tasks: worker process %d exits with Prefect %s still unsent after %.0f s (%d events were "
             "queued when it closed): the server is slower than this flow's tasks; the UI misses what they "
-            "held (GPU_TASKS_EVENTS_DRAIN_SECONDS; a server that holds the load: "
+            "held (GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS; a server that holds the load: "
             "docs/operations.md#a-prefect-server-that-holds-the-load)",
             os.getpid(),
             "events" if not sent else "run logs",

@@ -2,7 +2,7 @@
 
 A profile's first task used to pay, after its device was leased, for spawning a worker
 process and importing distributed and Prefect's task engine in it (1.4 s isolated, 2.4 s
-inside the pipeline on a 2-core machine). :class:`WarmPool` keeps ``GPU_TASKS_WARM_WORKERS``
+inside the pipeline on a 2-core machine). :class:`WarmPool` keeps ``GPU_TASKS_TUNE_WARM_WORKERS``
 processes that have done that already and wait, unbound:
 
 - they are spawned with an empty ``CUDA_VISIBLE_DEVICES`` and import no CUDA library
@@ -232,7 +232,7 @@ class WarmProcess:
         if self.forked:
             return (
                 f"warm worker process {self.pid} {describe_exitcode(self.process.exitcode)} while starting "
-                "(forked from the warm pool's fork server); GPU_TASKS_WARM_START=spawn starts each one "
+                "(forked from the warm pool's fork server); GPU_TASKS_TUNE_WARM_START=spawn starts each one "
                 "in a new interpreter instead"
             )
         return (
@@ -280,7 +280,7 @@ def _end_all() -> None:  # pragma: no cover - interpreter exit
 def end_closed(warm: WarmProcess, grace: float) -> None:
     """End a bound process asked to close: as :func:`end_process`, but one that says it is sending
     its queued Prefect events (:mod:`gpu_tasks.worker.prefect_queues`) gets
-    ``GPU_TASKS_EVENTS_DRAIN_SECONDS`` more first."""
+    ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS`` more first."""
     from gpu_tasks.settings import get_settings
 
     warm.process.join(timeout=grace)
@@ -498,7 +498,7 @@ class WarmPool:
 
 def _context() -> Any:
     """Where the pool's processes come from: forked from this flow process's fork server, which
-    imported :data:`WARM_IMPORTS` once (Linux; ``GPU_TASKS_WARM_START=forkserver``, the default),
+    imported :data:`WARM_IMPORTS` once (Linux; ``GPU_TASKS_TUNE_WARM_START=forkserver``, the default),
     or each spawned and importing them itself (``spawn``, and elsewhere)."""
     from gpu_tasks.settings import get_settings
 
@@ -568,7 +568,7 @@ def _spawn_environment() -> Any:
     SIGINT ignored from its first instruction. While the child starts, multiprocessing's spawn
     executable is a launcher script that adds that environment (:func:`_launcher`); this process's
     ``os.environ`` never changes. Once per process for the fork server (its children take its
-    environment), once per spawned process for ``GPU_TASKS_WARM_START=spawn`` (never on a refill or
+    environment), once per spawned process for ``GPU_TASKS_TUNE_WARM_START=spawn`` (never on a refill or
     a take from a running fork server).
 
     A terminal Ctrl-C reaches the whole foreground process group; a warm process still importing

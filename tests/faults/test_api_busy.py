@@ -1,7 +1,8 @@
 """A busy Prefect API: the server refuses gpu-tasks' tag-slot requests with 503 for a while (as an
 embedded SQLite server under tens of thousands of task runs does, beyond Prefect's own client
 retries); the task runs wait it out and complete, and the log says what was waited for. A worker's
-refused request is asked again within ``GPU_TASKS_API_LONGEST_WAIT``, not after Prefect's doubling wait."""
+refused request is asked again within ``GPU_TASKS_TUNE_API_LONGEST_WAIT``, not after Prefect's
+doubling wait."""
 
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ ONE_TASK = textwrap.dedent(
 def test_a_workers_refused_request_is_asked_again_within_the_longest_wait(tmp_path: Path):
     """The worker's first request (the engine's tag-slot check of its placement tags) is refused six
     times in a row, as by a server busy with other flow runs (bench.many_flows measured a device then
-    held idle 126 s): with GPU_TASKS_API_LONGEST_WAIT=1 each of Prefect's client waits is about a
+    held idle 126 s): with GPU_TASKS_TUNE_API_LONGEST_WAIT=1 each of Prefect's client waits is about a
     second, so the task runs within seconds of the last refusal, not after the 64 s (2**6) Prefect's
     client waits after it uncapped."""
     marker = f"busy-state-{uuid.uuid4().hex[:8]}"
@@ -133,7 +134,7 @@ def test_a_workers_refused_request_is_asked_again_within_the_longest_wait(tmp_pa
             url,
             200,
             PREFECT_CLIENT_MAX_RETRIES="10",  # as the embedded server gives its clients
-            GPU_TASKS_API_LONGEST_WAIT="1",
+            GPU_TASKS_TUNE_API_LONGEST_WAIT="1",
         )
     log = out.stdout + out.stderr
     assert out.returncode == 0, log[-4000:]

@@ -112,7 +112,7 @@ def test_a_higher_priority_run_preempts_preemptible_tasks_on_a_shared_scheduler(
     ended); the interrupted task ends Preempted and completes later with its result and no retry.
     Not preemptible: the urgent task does not start while both batch tasks hold the workers (8 s
     watched, well past the grace), and starts once they are released."""
-    grace = {"GPU_TASKS_PREEMPTION_GRACE": "1"}
+    grace = {"GPU_TASKS_TUNE_PREEMPTION_GRACE": "1"}
     release = tmp_path / "release"
     batch = prioritized_run(
         gpu_hosts, "batch", 2, 0.5, tmp_path, 0, grace, preemptible=preemptible, release=str(release)
@@ -251,7 +251,7 @@ def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     after 4 s: the stream's later tasks wait in their flow process, and it starts before them.
     Without aging it starts after (nearly) every task of the stream: under load the stream's
     last submissions may come after a worker freed."""
-    env = {"GPU_TASKS_PRIORITY_AGING": str(aging), "GPU_TASKS_PREEMPTION_GRACE": "600"}
+    env = {"GPU_TASKS_TUNE_PRIORITY_AGING": str(aging), "GPU_TASKS_TUNE_PREEMPTION_GRACE": "600"}
     # started first, connected to the scheduler (one empty task) and submitting once both workers
     # are busy with the stream: neither its start-up nor its connect is on the stream's clock (in
     # one failed run the low task started after all 36 stream tasks: its process, started beside
