@@ -108,7 +108,8 @@ class GpuTasksSettings(BaseSettings):
         ge=0,
         description="How long the flow process's warm-pool fork server (GPU_TASKS_WARM_START=forkserver) "
         "is kept after its last pool closes, so that flow runs one after another in one process "
-        "(gpu-tasks serve, a test session) fork from it instead of each starting one (about 1.9 s of CPU). "
+        "(a served deployment, a test session) fork from it instead of each starting one (about 1.9 s of "
+        "CPU). "
         "0: it ends with its last pool. It holds no device and no worker; it ends with the process.",
     )
     warm_start: Literal["forkserver", "spawn"] = Field(
