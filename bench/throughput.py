@@ -2,7 +2,7 @@
 
     python -m bench.throughput [--scale 1 10] [--rounds 60] [--gpu] [--json out.json]
 
-Each run is ``gpu-tasks run --scale K --json`` in a fresh process. Without
+Each run is ``gpu-tasks example run --scale K --json`` in a fresh process. Without
 ``--gpu`` it runs on emulated devices (pandas backend, XGBoost on the CPU), also on
 a GPU host, so it is the CPU baseline. ``--gpu`` adds the same runs on the host's
 real GPUs (cuDF backend, XGBoost on CUDA) and refuses to run when the devices are
@@ -43,7 +43,7 @@ def require_real_gpus() -> None:
 
 
 def run_pipeline(scale: int, rounds: int, emulated: bool) -> dict[str, Any]:
-    """One ``gpu-tasks run`` in a fresh process; returns its summary plus rows per second."""
+    """One ``gpu-tasks example run`` in a fresh process; returns its summary plus rows per second."""
     env = dict(os.environ)
     if emulated:
         env.setdefault("GPU_TASKS_EMULATED_GPUS", "2")
@@ -52,14 +52,25 @@ def run_pipeline(scale: int, rounds: int, emulated: bool) -> dict[str, Any]:
     cli = Path(sys.executable).with_name("gpu-tasks")
     with tempfile.TemporaryDirectory(prefix="gpu-tasks-bench-") as tmp:
         proc = subprocess.run(
-            [str(cli), "run", "--scale", str(scale), "--rounds", str(rounds), "--data-dir", tmp, "--json"],
+            [
+                str(cli),
+                "example",
+                "run",
+                "--scale",
+                str(scale),
+                "--rounds",
+                str(rounds),
+                "--data-dir",
+                tmp,
+                "--json",
+            ],
             capture_output=True,
             text=True,
             env=env,
             timeout=3600,
         )
     if proc.returncode != 0:
-        raise RuntimeError(f"gpu-tasks run --scale {scale} failed: {proc.stderr[-2000:]}")
+        raise RuntimeError(f"gpu-tasks example run --scale {scale} failed: {proc.stderr[-2000:]}")
     out = json.loads(proc.stdout)
     flights = out["rows"]["raw"]["flights"] if isinstance(out["rows"]["raw"], dict) else out["rows"]["raw"]
     etl, train = out["stages"]["etl"], out["stages"]["train"]

@@ -32,7 +32,7 @@ class Allocation(BaseModel):
         devices: Device ids the task may use, as in ``CUDA_VISIBLE_DEVICES`` (empty for CPU).
         fraction: Share of each device the task holds (0.25 for a quarter; 0 for CPU).
         worker: Address of the Dask worker running the task.
-        emulated: Whether the devices are emulated (no real GPU: pandas, XGBoost on CPU).
+        emulated: Whether the devices are emulated (no real GPU: the task computes on the CPU).
         device_names: Names of the devices, in the order of ``devices``.
         host: The worker's host, for a worker of an ``address`` or ``cluster_class``
             profile (``None`` on this host's own workers).

@@ -500,8 +500,11 @@ def profiles_from_mapping(data: Mapping[str, Any], source: str = "profiles") -> 
     return out
 
 
-def load_profiles_file(path: str | Path) -> tuple[dict[str, ResourceProfile], str | None]:
+def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, ResourceProfile], str | None]:
     """Load profiles (and an optional ``default``) from a TOML file.
+
+    ``origin`` is where the user named the file (``GPU_TASKS_PROFILES_FILE``, a CLI option), for
+    the message when it cannot be read.
 
     Raises:
         ProfileError: the file is missing, is not TOML, or holds a bad profile.
@@ -510,9 +513,16 @@ def load_profiles_file(path: str | Path) -> tuple[dict[str, ResourceProfile], st
     try:
         raw = path.read_bytes()
     except OSError as exc:
+        named = f" ({origin})" if origin else ""
+        fix = (
+            f"give {origin} an existing TOML file"
+            if origin.startswith("-")
+            else f"point {origin} at an existing TOML file"
+            if origin
+            else "give the path of an existing TOML file"
+        )
         raise ProfileError(
-            f"profiles file {str(path)!r} (GPU_TASKS_PROFILES_FILE) cannot be read: {exc.strerror}; "
-            "point GPU_TASKS_PROFILES_FILE at an existing TOML file"
+            f"profiles file {str(path)!r}{named} cannot be read: {exc.strerror}; {fix}"
         ) from None  # the message says all: one line, not two tracebacks, where a flow module fails
     try:
         data = tomllib.loads(raw.decode("utf-8"))
@@ -529,13 +539,15 @@ def resolve_profiles(
     profiles: Iterable[ResourceProfile] = (),
     default: str | None = None,
     path: str | Path | None = None,
+    origin: str = "",
 ) -> tuple[dict[str, ResourceProfile], str]:
     """The profiles in force and the default profile's name.
 
     ``profiles`` (from code) come first; those of the TOML file at ``path``
     (``GPU_TASKS_PROFILES_FILE``) are added and override same-named ones. The default
     is ``default``, else the file's ``default``, else :data:`DEFAULT_PROFILE`, which is
-    added as a plain CPU profile when no profile has its name.
+    added as a plain CPU profile when no profile has its name. ``origin``: where the user named
+    the file (see :func:`load_profiles_file`).
 
     Raises:
         UnknownProfileError: the default, or a profile's ``on_oom``, names no profile.
@@ -544,7 +556,7 @@ def resolve_profiles(
     in_force = {p.name: p for p in profiles}
     file_default = None
     if path is not None:
-        loaded, file_default = load_profiles_file(path)
+        loaded, file_default = load_profiles_file(path, origin)
         in_force.update(loaded)
     name = default or file_default or DEFAULT_PROFILE
     source = f"profiles file {str(path)!r}: " if default is None and file_default is not None else ""

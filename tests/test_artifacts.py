@@ -11,7 +11,9 @@ from gpu_tasks.cluster.remote_workers import RemoteWorker
 from gpu_tasks.devices.discovery import model_text, parse_emulated
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.artifacts import (
+    MEASURED,
     NO_DEVICE,
+    TABLE_ROW_CHARS,
     WAITS,
     devices_text,
     ledger_description,
@@ -215,7 +217,8 @@ def test_the_timeline_has_a_row_per_device_holding_in_time_order_with_its_strip(
     assert markdown is not None
     first = markdown.splitlines()[0]
     assert first == "**2 devices held 50.0 device-s, busy 34.0 (68%), EMULATED.** " + (
-        "Devices were emulated: the scheduling is real, the compute ran on the CPU."
+        "Devices were emulated: the scheduling is real, the compute ran on the CPU, and GPU use was not "
+        "measured."
     )
     assert "Times of day in UTC" in markdown and "from 18:00:00 to 18:00:42" in markdown
     rows = _table_rows(markdown)
@@ -241,3 +244,66 @@ def test_a_pipe_in_a_device_name_does_not_break_the_table():
     assert markdown is not None and "\nDevices: 0: A|B 1 GiB.\n\n" in markdown  # a paragraph, not the table
     [row] = _table_rows(markdown)
     assert row[:2] == ["0", "p"] and len(row) == 7
+
+
+# ---------------------------------------------------------------- the timeline fits the page
+def _measured_run(emulated: bool) -> list[LedgerRow]:
+    """The run of :func:`_run` with what the sampler records: on emulated devices why nothing was
+    measured; on real ones NVML's figures (an 80 GiB device, 12 samples a second apart)."""
+    from gpu_tasks.reporting.measured import NOT_EMULATED, Measured
+
+    figures = Measured(
+        samples=12,
+        period=1.0,
+        sm_mean=23.4,
+        peak_used=int(9.1 * 2**30),
+        total=80 * 2**30,
+        process_peak=int(8.9 * 2**30),
+        task_peak=int(8.9 * 2**30),
+    )
+    m = Measured(note=NOT_EMULATED) if emulated else figures
+    model = H100 if emulated else "NVIDIA H100 80GB HBM3 79.6 GiB"
+    out = []
+    for row in _run():
+        spans = tuple(
+            DeviceSpan(s.device, model, s.profile, s.start, s.end, s.busy, s.tasks, m) for s in row.spans
+        )
+        out.append(
+            LedgerRow(
+                **(
+                    row.__dict__
+                    | {"spans": spans, "emulated": emulated and bool(spans), "measured": m if spans else None}
+                )
+            )
+        )
+    return out
+
+
+def _table_lines(markdown: str) -> list[str]:
+    return [line for line in markdown.splitlines() if line.startswith("|")]
+
+
+@pytest.mark.parametrize("emulated", [True, False])
+def test_every_timeline_table_row_fits_the_page(emulated: bool):
+    """A 1600 px page holds about TABLE_ROW_CHARS of a markdown table row without wrapping."""
+    markdown = timeline_markdown(_measured_run(emulated)) or ""
+    widest = max(_table_lines(markdown), key=len)
+    assert len(widest) <= TABLE_ROW_CHARS, (len(widest), widest)
+
+
+def test_an_emulated_timeline_says_once_that_nothing_was_measured():
+    rows = _measured_run(emulated=True)
+    markdown = timeline_markdown(rows) or ""
+    assert markdown.count("not measured") == 1 and "GPU use was not measured." in markdown.splitlines()[0]
+    assert "Right-size" not in markdown and "NVML" not in markdown, markdown
+    assert {len(r) for r in _table_rows(markdown)} == {7}, "no measured column"
+    assert all(MEASURED not in item for item in ledger_table(rows)), "nor in the ledger table"
+
+
+def test_a_real_timeline_keeps_the_figures_in_a_narrow_table_of_their_own():
+    rows = _measured_run(emulated=False)
+    markdown = timeline_markdown(rows) or ""
+    assert "Measured by NVML while held, a sample every 1 s" in markdown, markdown
+    figures = [line for line in _table_lines(markdown) if line.startswith("| 0 | etl | 23 ")]
+    assert figures == ["| 0 | etl | 23 | 9.1 of 80 | 8.9 | 12 |"], markdown
+    assert ledger_table(rows)[1][MEASURED].startswith("SM 23% mean, peak 9.1 GiB of 80")  # etl

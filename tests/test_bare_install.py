@@ -3,7 +3,7 @@
 A fresh virtual environment gets the project (pyproject.toml, README.md, gpu_tasks/, copied
 so that the build leaves nothing in the work tree) and its core dependencies only. There,
 the pipeline's libraries are absent, a flow with a ``gpus=1`` profile runs on an emulated
-device against Prefect's ephemeral API, and ``gpu-tasks run`` says which extra to install.
+device against Prefect's ephemeral API, and ``gpu-tasks example run`` says which extra to install.
 About half a minute: a few seconds to install with uv (scripts/setup installs it; pip otherwise, about
 30 s), 25 s for the flow.
 """
@@ -135,7 +135,7 @@ def test_the_plugin_alone_runs_a_gpu_profile_flow_without_dataframe_libraries(tm
     assert out["pid"] != out["flow_pid"], "the task ran on a worker process"
 
     run = subprocess.run(
-        [str(venv / "bin" / "gpu-tasks"), "run", "--limit", "100"],
+        [str(venv / "bin" / "gpu-tasks"), "example", "run", "--limit", "100"],
         capture_output=True,
         text=True,
         env=env,
@@ -144,7 +144,7 @@ def test_the_plugin_alone_runs_a_gpu_profile_flow_without_dataframe_libraries(tm
     )
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert (
-        "gpu-tasks run needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]'"
+        "gpu-tasks example run needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]'"
         in run.stderr
     )
     assert "Traceback" not in run.stderr

@@ -5,8 +5,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -62,8 +65,11 @@ def _failed(result) -> str:
 def test_devices_lists_emulated_devices(env, runner):
     out = _ok(runner.invoke(app, ["devices"]))
     assert "H100 (emulated)" in out and "L4 (emulated)" in out
-    assert "EMULATED devices: no real GPU" in out
-    assert "GPU_TASKS_EMULATED_GPUS='H100:80GiB,L4:24GiB'" in out
+    assert "EMULATED devices: no real GPU; workers get CUDA_VISIBLE_DEVICES" in out
+    assert "(GPU_TASKS_EMULATED_GPUS='H100:80GiB,L4:24GiB')" in out
+    # what emulation means for any flow; nothing of the example pipeline's libraries
+    assert "CUDA_VISIBLE_DEVICES and Dask GPU resources" in out and "tasks compute on the CPU" in out
+    assert not re.search("pandas|cuDF|XGBoost", out), out
     assert "emulated" in out.lower()
 
 
@@ -103,7 +109,10 @@ def test_devices_when_there_are_none(env, runner):
     env.delenv("GPU_TASKS_EMULATED_GPUS")
     env.setattr(devices_module, "nvml_devices", lambda: ((), "no NVIDIA driver (NVMLError_LibraryNotFound)"))
     out = _ok(runner.invoke(app, ["devices"]))
-    assert "No devices." in out
+    # no devices: how to try flows here anyway (emulation, what it means; or the CPU fallback)
+    assert "No devices: GPU profiles cannot run here" in out
+    assert "GPU_TASKS_EMULATED_GPUS=2 (no real GPU; workers get CUDA_VISIBLE_DEVICES" in out
+    assert "fallback='cpu'" in out
     assert "no GPUs found (no NVIDIA driver (NVMLError_LibraryNotFound))" in out
     data = json.loads(_ok(runner.invoke(app, ["devices", "--json"])))
     assert data == {
@@ -271,10 +280,13 @@ def test_profiles_bad_file(env, runner, tmp_path, text, needles):
 def test_profiles_missing_file(env, runner, tmp_path):
     path = tmp_path / "missing.toml"
     err = _failed(runner.invoke(app, ["profiles", "--file", str(path)]))
-    assert str(path) in err and "cannot be read" in err
+    # the message names the input the user gave: the option, not a variable they never set
+    assert err.startswith(f"error: profiles file {str(path)!r} (--file) cannot be read"), err
+    assert "give --file an existing TOML file" in err and "GPU_TASKS_PROFILES_FILE" not in err, err
     env.setenv("GPU_TASKS_PROFILES_FILE", str(path))
     err = _failed(runner.invoke(app, ["profiles", "--json"]))
-    assert "GPU_TASKS_PROFILES_FILE" in err
+    assert "(GPU_TASKS_PROFILES_FILE) cannot be read" in err
+    assert "point GPU_TASKS_PROFILES_FILE at an existing TOML file" in err
 
 
 def test_profiles_bad_devices(env, runner, profiles_file):
@@ -291,8 +303,22 @@ def test_no_arguments_shows_help(env, runner):
     assert result.exit_code in (0, 2)  # click >= 8.2 exits 2 for no_args_is_help
 
 
+def _commands(help_text: str) -> list[str]:
+    """The command names of a help page's Commands box, in order."""
+    box = help_text.split("Commands")[1]
+    return re.findall(r"^[│|] (\S+) ", box, flags=re.MULTILINE)
+
+
+def test_help_lists_the_plugins_commands_and_the_example_apart(env, runner):
+    """`run` and `serve` are the example pipeline's: under `gpu-tasks example`, listed last."""
+    top = _commands(_ok(runner.invoke(app, ["--help"])))
+    assert top[-1] == "example" and "run" not in top and "serve" not in top, top
+    assert {"devices", "profiles", "waiters", "deployment-info", "leases", "quotas"} <= set(top), top
+    assert _commands(_ok(runner.invoke(app, ["example", "--help"]))) == ["run", "serve"]
+
+
 def test_every_command_has_help(env, runner):
-    for command in ("devices", "profiles"):
+    for command in ("devices", "profiles", "waiters"):
         result = runner.invoke(app, [command, "--help"])
         out = _ok(result)
         assert "--json" in out
@@ -307,12 +333,9 @@ def test_main_runs_the_app(env, monkeypatch, capsys):
     assert json.loads(capsys.readouterr().out)["source"] == "emulated"
 
 
-# ------------------------------------------------------------ the pipeline
-@pytest.mark.parametrize("command", ["run", "serve"])
-def test_pipeline_commands_without_the_pipeline_extra_say_what_to_install(command):
-    """Without the pipeline's libraries (here: xgboost blocked), run/serve exit 2 with one line."""
-    import subprocess
-
+# ------------------------------------------------------------ the example pipeline
+def _without_the_pipeline_extra(*args: str) -> subprocess.CompletedProcess[str]:
+    """``gpu-tasks ARGS`` in a fresh process where xgboost cannot be imported."""
     code = (
         "import sys; sys.modules['xgboost'] = None; sys.argv = ['gpu-tasks', *sys.argv[1:]]; "
         "from gpu_tasks.cli import app; app()"
@@ -324,19 +347,94 @@ def test_pipeline_commands_without_the_pipeline_extra_say_what_to_install(comman
         "PREFECT_API_URL": "http://127.0.0.1:9/api",
         "GPU_TASKS_EMULATED_GPUS": "1",
     }
-    proc = subprocess.run(
-        [sys.executable, "-c", code, command, "--limit", "100"],
+    return subprocess.run(
+        [sys.executable, "-c", code, *args, "--limit", "100"],
         capture_output=True,
         text=True,
         timeout=120,
         env=env,
         cwd=Path(__file__).resolve().parents[1],
     )
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_example_commands_without_the_pipeline_extra_say_what_to_install(command):
+    """Without the pipeline's libraries (here: xgboost blocked), `example run/serve` exit 2 with one
+    line."""
+    proc = _without_the_pipeline_extra("example", command)
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert (
-        f"gpu-tasks {command} needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]'"
-        in lines[0]
+        f"gpu-tasks example {command} needs the example pipeline's libraries: pip install "
+        "'gpu-tasks[pipeline]'" in lines[0]
     ), lines
     assert "xgboost" in lines[0] and proc.stdout == ""
+
+
+@pytest.mark.parametrize("command", ["run", "serve"])
+def test_the_old_spellings_still_work_and_name_the_new_one(command):
+    """`gpu-tasks run` / `serve` (scripts and deployments may call them): hidden from --help, one
+    warning line naming `gpu-tasks example ...`, then the command itself."""
+    proc = _without_the_pipeline_extra(command)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    warning, error = proc.stderr.strip().splitlines()
+    assert warning == (
+        f"warning: `gpu-tasks {command}` is deprecated, use `gpu-tasks example {command}` (the example "
+        "pipeline's commands are apart from the plugin's)"
+    ), warning
+    assert error.startswith(f"error: gpu-tasks example {command} needs the example pipeline's"), error
+
+
+# ------------------------------------------------------------------ waiters
+@pytest.fixture
+def lease_dir(env, tmp_path):
+    path = tmp_path / "leases"
+    env.setenv("GPU_TASKS_LEASE_DIR", str(path))
+    return path
+
+
+def test_waiters_lists_this_hosts_queue(env, runner, lease_dir):
+    """Without an address: the flow runs queued for this host's devices (the lease queue)."""
+    from gpu_tasks.devices import leases
+
+    out = _ok(runner.invoke(app, ["waiters"]))
+    assert f"No flow run on this host waits for devices (queue in {lease_dir})" in out, out
+    info = dict(leases.owner_info("etl"), flow_run_name="queued-run")
+    waiter = leases.enqueue(["0"], info, priority=2, arrived=time.time() - 1.5, lease_dir=lease_dir)
+    try:
+        table = _ok(runner.invoke(app, ["waiters"], env={"COLUMNS": "200"}))
+        data = json.loads(_ok(runner.invoke(app, ["waiters", "--json"])))
+    finally:
+        leases.dequeue(waiter)
+    assert "Waiting for devices on this host" in table and "queued-run" in table and "etl" in table, table
+    assert data["lease_dir"] == str(lease_dir) and data["address"] is None and data["waiters"] == []
+    [queued] = data["this_host"]
+    assert queued["profile"] == "etl" and queued["priority"] == 2 and queued["addresses"] == ["0"]
+    assert queued["pid"] == os.getpid() and queued["waited_s"] >= 1.5
+
+
+def _closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then closed)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_waiters_on_a_closed_port_fails_at_once_as_an_input_error(env, runner, lease_dir):
+    address = f"tcp://127.0.0.1:{_closed_port()}"
+    t0 = time.monotonic()
+    err = _failed(runner.invoke(app, ["waiters", address, "--timeout", "30"]))
+    assert time.monotonic() - t0 < 10, "refused at once, not after --timeout"
+    assert err.strip() == (
+        f"error: address {address!r}: nothing listens there (connection refused); check the address, or "
+        "start the scheduler"
+    ), err
+
+
+def test_waiters_bad_address_names_the_input_not_an_internal_profile(env, runner, lease_dir):
+    err = _failed(runner.invoke(app, ["waiters", "gpu-scheduler"]))
+    assert "must be a Dask scheduler address" in err and "'gpu-scheduler'" in err, err
+    assert "profile" not in err, err
+    err = _failed(runner.invoke(app, ["waiters", "--timeout", "0"]))
+    assert "--timeout must be more than 0 seconds" in err

@@ -1,4 +1,4 @@
-"""A broken environment, as users meet it: `gpu-tasks run` / `serve` / `devices` and a flow script
+"""A broken environment, as users meet it: `gpu-tasks example run` / `serve` / `devices` and a flow script
 on the runner, each run as a user would (a subprocess, its own PREFECT_HOME), fail fast.
 
 Each case: exit code 2 (a flow script: 1), one line naming the cause and the fix, no traceback
@@ -113,17 +113,18 @@ def _run(args: list[str], env: dict[str, str], cwd: Path, prefix: list[str] | No
 
 
 def _one_line_error(result: Outcome, command: str, *needles: str) -> str:
-    """Exit 2, one line ``error: gpu-tasks <command>: ...`` with every needle, no traceback, fast."""
+    """Exit 2, one line ``error: gpu-tasks example <command>: ...`` with every needle, no traceback,
+    fast."""
     text = result.out + result.err
     assert "Traceback" not in text, text[-3000:]
     assert result.code == 2, text[-3000:]
     assert len(result.lines) == 1, text[-3000:]
     line = result.lines[0]
-    assert line.startswith(f"error: gpu-tasks {command}: "), line
+    assert line.startswith(f"error: gpu-tasks example {command}: "), line
     for needle in needles:
         assert needle in line, (needle, line)
     assert result.seconds < LIMIT_S, f"{result.seconds:.1f} s: {line}"
-    print(f"gpu-tasks {command}: {result.seconds:.2f} s to: {line}")
+    print(f"gpu-tasks example {command}: {result.seconds:.2f} s to: {line}")
     return line
 
 
@@ -179,7 +180,7 @@ def _newer_prefects_db(migrated_db: Path, home: Path) -> Path:
 # --------------------------------------------------- a database of an unknown schema
 def test_run_on_a_database_a_newer_prefect_migrated(tmp_path, user_env, migrated_db):
     db = _newer_prefects_db(migrated_db, Path(user_env["PREFECT_HOME"]))
-    result = _run([GPU_TASKS, "run", "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
+    result = _run([GPU_TASKS, "example", "run", "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
     _one_line_error(
         result, "run", str(db), repr(UNKNOWN_REVISION), "prefect server database reset -y", "PREFECT_HOME"
     )
@@ -193,7 +194,7 @@ def test_devices_lists_devices_and_warns_in_one_line(tmp_path, user_env, migrate
     result = _run([GPU_TASKS, "devices"], user_env, tmp_path)
     assert result.code == 0, result.out + result.err
     warning = [line for line in result.err.splitlines() if line.strip()]
-    assert len(warning) == 1 and warning[0].startswith("warning: gpu-tasks run would stop"), result.err
+    assert len(warning) == 1 and warning[0].startswith("warning: a flow run here would stop"), result.err
     assert str(db) in warning[0] and "prefect server database reset -y" in warning[0]
     assert "EMULATED" in result.out and "Traceback" not in result.out + result.err
     assert result.seconds < LIMIT_S
@@ -232,7 +233,7 @@ def test_prefect_home_under_a_regular_file(tmp_path, user_env, command):
     user_env["PREFECT_HOME"] = str(blocker / "prefect")
     if command == "serve":  # serve needs a server; its home is checked before the server is asked
         user_env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"
-    result = _run([GPU_TASKS, command, "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
+    result = _run([GPU_TASKS, "example", command, "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
     _one_line_error(
         result, command, f"PREFECT_HOME {blocker / 'prefect'}", f"{blocker} is a file", "set PREFECT_HOME"
     )
@@ -265,7 +266,9 @@ def test_prefect_home_owned_by_another_user(tmp_path, user_env, migrated_db):
     shutil.copy(migrated_db, home / "prefect.db")
     prefix = _not_writable_home(home)
     try:
-        result = _run([GPU_TASKS, "run", "--limit", "1000", "--emulate", "2"], user_env, tmp_path, prefix)
+        result = _run(
+            [GPU_TASKS, "example", "run", "--limit", "1000", "--emulate", "2"], user_env, tmp_path, prefix
+        )
         _one_line_error(result, "run", f"PREFECT_HOME {home} is not writable (Permission denied)")
         script = tmp_path / "flow.py"
         script.write_text(FLOW_SCRIPT)
@@ -302,7 +305,7 @@ def test_prefect_home_on_a_read_only_disk(tmp_path, user_env, migrated_db):
         shutil.copy(migrated_db, home / "prefect.db")
         subprocess.run(["mount", "-o", "remount,ro", str(mount)], check=True)
         user_env["PREFECT_HOME"] = str(home)
-        result = _run([GPU_TASKS, "run", "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
+        result = _run([GPU_TASKS, "example", "run", "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
         _one_line_error(result, "run", f"PREFECT_HOME {home} is not writable (Read-only file system)")
 
 
@@ -322,7 +325,9 @@ def test_full_disk_under_the_data_directory(tmp_path, user_env, command):
         user_env["GPU_TASKS_DATA_DIR"] = str(mount / "data")
         if command == "serve":
             user_env["PREFECT_API_URL"] = "http://127.0.0.1:9/api"  # disk first: nothing is asked
-        result = _run([GPU_TASKS, command, "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
+        result = _run(
+            [GPU_TASKS, "example", command, "--limit", "1000", "--emulate", "2"], user_env, tmp_path
+        )
         _one_line_error(
             result,
             command,
@@ -338,7 +343,7 @@ def test_full_disk_under_prefect_home(tmp_path, user_env):
         home.mkdir()
         _fill(mount)
         user_env["PREFECT_HOME"] = str(home)
-        result = _run([GPU_TASKS, "run", "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
+        result = _run([GPU_TASKS, "example", "run", "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
         _one_line_error(result, "run", f"Prefect's database {home}", f"free space on {home}", "PREFECT_HOME")
         script = tmp_path / "flow.py"
         script.write_text(FLOW_SCRIPT)
@@ -358,7 +363,7 @@ def test_api_url_pointing_at_nothing(tmp_path, user_env, command):
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     user_env["PREFECT_API_URL"] = url
-    result = _run([GPU_TASKS, command, "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
+    result = _run([GPU_TASKS, "example", command, "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
     line = _one_line_error(
         result,
         command,
@@ -379,7 +384,9 @@ def test_api_port_taken_by_something_that_does_not_answer(tmp_path, user_env, co
         port = holder.getsockname()[1]
         url = f"http://127.0.0.1:{port}/api"
         user_env["PREFECT_API_URL"] = url
-        result = _run([GPU_TASKS, command, "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
+        result = _run(
+            [GPU_TASKS, "example", command, "--limit", "1000", "--emulate", "2"], user_env, tmp_path
+        )
     _one_line_error(
         result,
         command,
@@ -397,7 +404,9 @@ def test_api_port_answered_by_something_that_is_not_prefect(tmp_path, user_env):
     try:
         url = f"http://127.0.0.1:{server.server_address[1]}/api"
         user_env["PREFECT_API_URL"] = url
-        result = _run([GPU_TASKS, "serve", "--limit", "1000", "--emulate", "2"], user_env, tmp_path)
+        result = _run(
+            [GPU_TASKS, "example", "serve", "--limit", "1000", "--emulate", "2"], user_env, tmp_path
+        )
     finally:
         server.shutdown()
         server.server_close()

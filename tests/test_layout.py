@@ -192,7 +192,9 @@ def test_the_public_api_is_unchanged_and_the_pipeline_stays_apart():
         gpu_tasks.PipelineInputError  # noqa: B018
     for name, path in plugin_modules().items():
         pipeline = {m for m in imports_of(path, _pipeline_modules()) if m.startswith("gpu_tasks.pipeline")}
-        if name == "gpu_tasks.cli.pipeline":  # `gpu-tasks run` / `serve` load it inside the command only
+        if (
+            name == "gpu_tasks.cli.pipeline"
+        ):  # `gpu-tasks example run` / `serve` load it inside the command only
             top = ast.parse(path.read_text()).body
             at_import = [n for n in top if isinstance(n, ast.ImportFrom) and "pipeline" in (n.module or "")]
             assert not at_import

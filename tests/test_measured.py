@@ -133,7 +133,8 @@ def test_a_sampled_row_carries_the_figures_to_its_span_table_and_advice():
     [(name, line, measured)] = right_size([row])
     assert name == "gpu-train" and line.startswith("profile 'gpu-train' held 1 device; peak 9 GiB of 80")
     markdown = timeline_markdown([row]) or ""
-    assert "measured (NVML)" in markdown and line in markdown
+    assert "Measured by NVML" in markdown and "| 0 | gpu-train | 23 | 9.1 of 80 |" in markdown, markdown
+    assert f"Right-size (measured use much less than held):\n\n- {line}" in markdown
     resource = right_size_resource(name, line, measured or Measured(), _run())
     assert resource["prefect.resource.name"] == line and resource["gpu-tasks.sm-mean-pct"] == "23"
 
@@ -144,14 +145,17 @@ def _run() -> Any:
     return RunRef(uuid.uuid4(), "crimson-otter")
 
 
-def test_an_emulated_row_says_not_measured_everywhere():
+def test_an_emulated_row_says_not_measured_without_a_column_of_it():
+    """The row's figures say why nothing was measured; the artifacts say it once, in the summary
+    (EMULATED), not in a column that repeats it on every row, and no right-size heading."""
     usage = Usage()
     usage.not_measured(NOT_EMULATED)
     row = _usage_row(usage, emulated=True)
     assert row.measured == Measured(note=NOT_EMULATED)
-    assert ledger_table([row])[0]["measured (NVML)"] == NOT_EMULATED
+    assert "measured (NVML)" not in ledger_table([row])[0]
     assert right_size([row]) == [("", EMULATED_ADVICE, None)]
-    assert NOT_EMULATED in (timeline_markdown([row]) or "")
+    markdown = timeline_markdown([row]) or ""
+    assert "GPU use was not measured" in markdown and "Right-size" not in markdown, markdown
 
 
 # ---------------------------------------------------------------- the sampler

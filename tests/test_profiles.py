@@ -18,6 +18,7 @@ from gpu_tasks.profiles import (
     profile,
     profile_from_tags,
     profiles_from_mapping,
+    resolve_profiles,
     use_profile,
 )
 from gpu_tasks.settings import GpuTasksSettings, get_settings, resolve
@@ -350,12 +351,22 @@ def test_file_without_default(tmp_path):
     assert profiles["gpu"].gpus == 1
 
 
-def test_missing_file_names_path_and_variable(tmp_path):
+def test_missing_file_names_path_and_where_it_was_named(tmp_path):
+    """The message names the input the user gave: the variable when the path came from it, nothing
+    they never set when it came from code."""
     path = tmp_path / "nope" / "profiles.toml"
     with pytest.raises(ProfileError) as info:
         load_profiles_file(path)
-    assert str(path) in str(info.value)
-    assert "GPU_TASKS_PROFILES_FILE" in str(info.value)
+    assert str(info.value) == (
+        f"profiles file {str(path)!r} cannot be read: No such file or directory; give the path of an "
+        "existing TOML file"
+    )
+    with pytest.raises(ProfileError) as info:
+        resolve_profiles(path=path, origin="GPU_TASKS_PROFILES_FILE")
+    assert str(info.value).endswith(
+        "(GPU_TASKS_PROFILES_FILE) cannot be read: No such file or directory; point "
+        "GPU_TASKS_PROFILES_FILE at an existing TOML file"
+    )
 
 
 def test_invalid_toml(tmp_path):

@@ -148,6 +148,10 @@ def test_plain_script_run_logs_and_dask_chatter(tmp_path: Path, dask_level: str 
     for needle, level in lines.items():
         shown = [line for line in out.splitlines() if needle in line]
         assert len(shown) == 1 and f"| {level}" in shown[0], (needle, shown, out[-3000:])
+    # the emulation warning says what emulation means for this flow, not for the example pipeline
+    [emulating] = [line for line in out.splitlines() if "gpu-tasks is EMULATING devices" in line]
+    assert "CUDA_VISIBLE_DEVICES and Dask GPU resources" in emulating, emulating
+    assert not re.search("pandas|cuDF|XGBoost", emulating), emulating
     # Dask's INFO lines: the flow process's in Prefect's format, the scheduler's and workers'
     # processes' in Python's
     chatter = [

@@ -178,7 +178,7 @@ def _serve_env(server: Server, data_dir: Path) -> dict[str, str]:
         # the served runner asks for scheduled runs this often (Prefect's default: 10 s)
         PREFECT_RUNNER_POLL_FREQUENCY="2",
         # one flow run at a time, as Prefect 3.8's runner reads it (3.9's serve ignores the setting:
-        # serve's limit=1 and `gpu-tasks serve --process-limit 1` say it there); on a loaded 2-core
+        # serve's limit=1 and `gpu-tasks example serve --process-limit 1` say it there); on a loaded 2-core
         # machine overlapping runs each took minutes and too few completed in time
         PREFECT_RUNNER_PROCESS_LIMIT="1",
         GPU_TASKS_EMULATED_GPUS="1",
@@ -323,4 +323,6 @@ def test_gpu_tasks_serve_with_a_cron_gets_scheduled_runs_that_complete(server: S
     name = f"cron-{os.getpid()}"
     # six fields: croniter reads the sixth as seconds (every 15 s), so two runs come within a minute
     cron = ["--cron", "* * * * * */15", "--limit", "15000", "--rounds", "3", "--process-limit", "1"]
-    _serve_and_check(server, tmp_path, name, [str(GPU_TASKS), "serve", "--name", name, *cron], gpu_per_run=2)
+    _serve_and_check(
+        server, tmp_path, name, [str(GPU_TASKS), "example", "serve", "--name", name, *cron], gpu_per_run=2
+    )

@@ -1,4 +1,4 @@
-"""`gpu-tasks serve`: a scheduled deployment of the pipeline, served against a real server."""
+"""`gpu-tasks example serve`: a scheduled deployment of the pipeline, served against a real server."""
 
 from __future__ import annotations
 
@@ -34,7 +34,19 @@ def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Pat
     )
     name = f"serve-test-{os.getpid()}"
     proc = subprocess.Popen(
-        [str(GPU_TASKS), "serve", "--name", name, "--cron", "0 2 * * *", "--limit", "15000", "--rounds", "3"],
+        [
+            str(GPU_TASKS),
+            "example",
+            "serve",
+            "--name",
+            name,
+            "--cron",
+            "0 2 * * *",
+            "--limit",
+            "15000",
+            "--rounds",
+            "3",
+        ],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -95,5 +107,5 @@ def test_serve_rejects_bad_input(args, needle, monkeypatch):
     # server (this test run alone) the context built at import has no API URL
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
-        result = CliRunner().invoke(app, ["serve", *args])
+        result = CliRunner().invoke(app, ["example", "serve", *args])
     assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.stderr

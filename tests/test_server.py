@@ -128,7 +128,7 @@ def test_embedded_server_stops_only_after_recording_every_task_run(tmp_path: Pat
 
 def test_waiting_for_records_ignores_task_runs_older_than_the_server(prefect_server):
     """A task run left Running in the database by a process killed long ago (the embedded
-    server's database outlives runs) must not hold every later `gpu-tasks run` for 15 s."""
+    server's database outlives runs) must not hold every later `gpu-tasks example run` for 15 s."""
     import datetime
     import time
 

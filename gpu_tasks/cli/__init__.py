@@ -1,4 +1,5 @@
-"""The ``gpu-tasks`` command line: inspect devices and profiles; run and serve the example pipeline.
+"""The ``gpu-tasks`` command line: devices, profiles, waiters, leases and quotas; the example pipeline
+apart, under ``gpu-tasks example``.
 
 Every command follows the same rules:
 
@@ -9,12 +10,14 @@ Every command follows the same rules:
 * emulated devices are always called out as such.
 
 To add a command, write a function decorated with ``@app.command(help=...)`` in the module of
-its kind (``inspect``, ``leases``, ``pipeline``, ``quotas``), read settings with ``common.settings`` and
-devices with ``common.inventory``, and report user errors with ``common.fail``.
+its kind (``inspect``, ``leases``, ``pipeline`` for ``example``, ``quotas``), read settings with
+``common.settings`` and devices with ``common.inventory``, and report user errors with ``common.fail``.
 """
 
 from gpu_tasks.cli import inspect, leases, pipeline, quotas  # noqa: F401  (each registers its commands on app)
 from gpu_tasks.cli.common import app
+
+app.add_typer(pipeline.example_app, name="example")
 
 __all__ = ["app", "main"]
 

@@ -1,4 +1,5 @@
-"""The ``gpu-tasks`` command line: inspect devices and profiles; run and serve the example pipeline.
+"""The ``gpu-tasks`` command line: devices, profiles, waiters, leases and quotas; the example pipeline
+apart, under ``gpu-tasks example``.
 
 Every command follows the same rules:
 
@@ -27,7 +28,7 @@ from rich.table import Table
 from rich.text import Text
 
 from gpu_tasks.devices import leases, programs
-from gpu_tasks.devices.discovery import Device, Inventory, discover
+from gpu_tasks.devices.discovery import EMULATION_MEANS, Device, Inventory, discover
 from gpu_tasks.errors import DeviceDiscoveryError, SettingsError
 from gpu_tasks.settings import GpuTasksSettings, get_settings, variable_warnings
 
@@ -35,8 +36,9 @@ EXIT_USAGE = 2
 
 app = typer.Typer(
     name="gpu-tasks",
-    help="GPU-aware Prefect task runner: run the ETL -> train pipeline, inspect devices and resource "
-    "profiles.",
+    help="GPU-aware Prefect task runner: inspect this host's devices, resource profiles and who waits for "
+    "devices; set up shared lease directories and team quotas. The example ETL -> train pipeline is under "
+    "`gpu-tasks example`.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -109,7 +111,7 @@ def size(value: int | None, unset: str = "-") -> str:
 def source_line(inventory: Inventory) -> Text:
     """Where the devices came from, in words."""
     if inventory.source == "emulated":
-        return Text(f"EMULATED devices: no real GPU ({inventory.detail})", style="bold yellow")
+        return Text(f"EMULATED devices: {EMULATION_MEANS} ({inventory.detail})", style="bold yellow")
     if inventory.source == "command":
         return Text(f"Source: discovery command (GPU_TASKS_DISCOVERY_COMMAND): {inventory.detail}")
     if inventory.source == "nvml":
@@ -173,7 +175,7 @@ def lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
 
 
 def waiters_table(queued: list[dict[str, Any]]) -> Table:
-    table = Table(title="Waiting for devices (first-ranked first)")
+    table = Table(title="Waiting for devices on this host (first-ranked first)")
     for column in ("Profile", "Flow run", "Pid", "Priority", "Effective", "Waited", "Devices"):
         table.add_column(column, overflow="fold")
     for w in queued:

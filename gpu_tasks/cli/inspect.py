@@ -31,7 +31,8 @@ from gpu_tasks.cli.common import (
     waiters_table,
 )
 from gpu_tasks.devices import lease_files, presence
-from gpu_tasks.devices.discovery import Inventory
+from gpu_tasks.devices.discovery import EMULATION_MEANS, Inventory
+from gpu_tasks.devices.emulation import DEFAULT_EMULATION
 from gpu_tasks.errors import ProfileError, UnknownProfileError
 from gpu_tasks.policy import (
     device_groups,
@@ -53,7 +54,7 @@ def devices(
     from gpu_tasks.prefect_api.environment import local_problems
 
     for problem in local_problems():  # nothing here needs Prefect: list the devices all the same
-        err_console.print(Text(f"warning: gpu-tasks run would stop at once here: {problem}"), soft_wrap=True)
+        err_console.print(Text(f"warning: a flow run here would stop at once: {problem}"), soft_wrap=True)
     if (unsafe := lease_files.problem(settings.lease_dir)) is not None:
         err_console.print(Text(f"warning: flow runs would fail here: {unsafe}"), soft_wrap=True)
     inventory = load_inventory(settings)
@@ -96,7 +97,11 @@ def devices(
             )
         console.print(table)
     else:
-        say("No devices.")
+        say(
+            "No devices: GPU profiles cannot run here. To try flows here anyway, set "
+            f"GPU_TASKS_EMULATED_GPUS={DEFAULT_EMULATION} ({EMULATION_MEANS}), or set fallback='cpu' on a "
+            "profile to run its tasks on the CPU profile."
+        )
     if queued:
         console.print(waiters_table(queued))
     if any(info and info.get("elsewhere") for info in held.values()):
@@ -114,9 +119,11 @@ def _load_profiles(
 ) -> tuple[dict[str, ResourceProfile], str, Path | None]:
     """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE, resolved as the runner resolves them,
     and the default."""
-    path = file if file is not None else settings.profiles_file
+    path, origin = (
+        (file, "--file") if file is not None else (settings.profiles_file, "GPU_TASKS_PROFILES_FILE")
+    )
     try:
-        profiles, default = resolve_profiles(path=path)
+        profiles, default = resolve_profiles(path=path, origin=origin)
     except (ProfileError, UnknownProfileError) as exc:
         fail(str(exc))
     return profiles, default, path
@@ -297,42 +304,66 @@ def deployment_info_command(
     typer.echo(f"tags: [{', '.join(info.tags)}]")
 
 
-@app.command(
-    help="List the waiters on a shared Dask scheduler's board (address profiles whose tasks wait "
-    "there: priority, aging, preemption; docs/distributed.md)."
-)
-def waiters(
-    address: Annotated[str, typer.Argument(help="The scheduler, as in an address profile: tcp://host:8786.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
-    timeout: Annotated[float, typer.Option(help="Seconds to wait for the scheduler.")] = 10.0,
-) -> None:
+def _probe(address: str, host: str, port: int, timeout: float) -> None:
+    """Exit 2 at once, naming ``address`` and the fix, when nothing listens there (rather than
+    waiting out ``--timeout`` as Dask's connect retries do)."""
+    import socket
+
+    try:
+        socket.create_connection((host.strip("[]"), port), timeout=timeout).close()
+    except ConnectionRefusedError:
+        fail(
+            f"address {address!r}: nothing listens there (connection refused); check the address, or start "
+            "the scheduler"
+        )
+    except TimeoutError:
+        fail(
+            f"address {address!r}: no answer within {timeout:g} s (--timeout); check the address and that "
+            "the scheduler's host is reachable"
+        )
+    except OSError as exc:
+        fail(f"address {address!r}: cannot connect ({exc.strerror or exc}); check the host name and port")
+
+
+def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
+    """The waiter board of the shared scheduler at ``address``, or exit 2 naming the address."""
     from distributed import Client
 
     from gpu_tasks.cluster.board import BOARD, effective_priority
     from gpu_tasks.cluster.remote import security_for
+    from gpu_tasks.errors import ClusterError
     from gpu_tasks.profiles import ResourceProfile
 
+    name = "waiters"
     try:
-        shared = ResourceProfile(name="waiters", address=address)
-    except Exception as exc:
-        fail(f"address {address!r}: {exc}")
-    security = security_for(shared) if address.startswith("tls://") else None
+        shared = ResourceProfile(name=name, address=address)
+    except ProfileError as exc:
+        fail(str(exc).removeprefix(f"profile {name!r}: "))  # "address must be ...; got '...'"
+    assert shared.address is not None
+    scheme, _, rest = shared.address.rpartition("://")
+    if scheme in ("", "tcp", "tls", "ws", "wss"):
+        host, _, port = rest.rpartition(":")
+        _probe(address, host, int(port), timeout)
     try:
-        with Client(address, security=security, timeout=timeout, set_as_default=False) as client:
+        security = security_for(shared) if scheme == "tls" else None
+    except ClusterError as exc:
+        fail(str(exc).removeprefix(f"profile {name!r}: "))
+    try:
+        with Client(shared.address, security=security, timeout=timeout, set_as_default=False) as client:
             board = client.get_metadata([BOARD], default=None) or {}
     except Exception as exc:
-        fail(f"could not read the waiter board of {address}: {type(exc).__name__}: {exc}", code=1)
-    rows = []
-    for token, entry in sorted(board.items()):
-        if not isinstance(entry, dict):
-            continue
-        rows.append(dict(entry, token=token, effective_priority=effective_priority(entry)))
-    if as_json:
-        echo_json({"address": address, "waiters": rows})
-        return
-    if not rows:
-        say(f"No waiters on {address}: no task of an address profile has waited past its aging or grace.")
-        return
+        fail(
+            f"address {address!r}: no Dask scheduler answered within {timeout:g} s ({type(exc).__name__}: "
+            f"{exc}); check that it is a scheduler's address"
+        )
+    return [
+        dict(entry, token=token, effective_priority=effective_priority(entry))
+        for token, entry in sorted(board.items())
+        if isinstance(entry, dict)
+    ]
+
+
+def _board_table(address: str, rows: list[dict[str, Any]]) -> Table:
     table = Table(title=f"Waiters on {address} (as of their last beat)")
     for column in ("Profile", "Flow run", "Process", "Priority", "Effective", "Waited", "Queued", "Workers"):
         table.add_column(column, overflow="fold")
@@ -347,4 +378,39 @@ def waiters(
             str(row.get("queued") or 0),
             Text(", ".join(row.get("workers") or ()) or "-"),
         )
-    console.print(table)
+    return table
+
+
+@app.command(
+    help="List who waits for devices: this host's flow runs queued for its devices (GPU_TASKS_LEASE_DIR's "
+    "queue), and with ADDRESS the waiter board of a shared Dask scheduler (address profiles whose tasks "
+    "wait there: priority, aging, preemption; docs/distributed.md)."
+)
+def waiters(
+    address: Annotated[
+        str | None,
+        typer.Argument(help="A shared scheduler, as in an address profile: tcp://host:8786 (optional)."),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for the scheduler.")] = 10.0,
+) -> None:
+    settings = load_settings()
+    if timeout <= 0:
+        fail(f"--timeout must be more than 0 seconds, got {timeout:g}")
+    here = lease_waiters(settings)
+    board = _scheduler_board(address, timeout) if address is not None else []
+    if as_json:
+        echo_json(
+            {"lease_dir": str(settings.lease_dir), "this_host": here, "address": address, "waiters": board}
+        )
+        return
+    if here:
+        console.print(waiters_table(here))
+    else:
+        say(f"No flow run on this host waits for devices (queue in {settings.lease_dir}).")
+    if address is None:
+        return
+    if board:
+        console.print(_board_table(address, board))
+    else:
+        say(f"No waiters on {address}: no task of an address profile has waited past its aging or grace.")

@@ -1,8 +1,12 @@
-"""``gpu-tasks run`` and ``serve``: the example ETL -> train pipeline (extra ``pipeline``), loaded
-inside the command so that the plugin never imports it."""
+"""``gpu-tasks example run`` and ``example serve``: the example ETL -> train pipeline (extra
+``pipeline``), loaded inside the command so that the plugin never imports it. The example's
+commands live apart from the plugin's; ``gpu-tasks run`` / ``serve`` stay as hidden aliases that
+name the new spelling."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, NoReturn
 
@@ -33,8 +37,14 @@ def pipeline_data_dir(data_dir: Path | None) -> Path:
     return data_dir if data_dir is not None else get_pipeline_settings().data_dir
 
 
-# `run` and `serve` run the example pipeline (gpu_tasks.pipeline, the `pipeline` extra):
-# imported inside the commands, so the plugin's commands work without it.
+# `example run` and `example serve` run the example pipeline (gpu_tasks.pipeline, the `pipeline`
+# extra): imported inside the commands, so the plugin's commands work without it.
+example_app = typer.Typer(
+    help="The example ETL -> train pipeline that ships with gpu-tasks (extra 'pipeline': pandas, XGBoost; "
+    "cuDF on a GPU host): run it once, or serve it on a schedule (docs/pipeline.md).",
+    no_args_is_help=True,
+)  # added to `app` last, in gpu_tasks/cli/__init__.py: the plugin's commands come first in --help
+RUN, SERVE = "example run", "example serve"
 
 
 def _pipeline_options(command: str, scale: int, rounds: int, limit: int | None) -> None:
@@ -61,6 +71,8 @@ def _pipeline_options(command: str, scale: int, rounds: int, limit: int | None) 
         fail(f"--limit must be at least 1 flight, got {limit}")
 
 
+EMULATED_STAGES = "its ETL reads with pandas instead of cuDF and XGBoost trains with device='cpu'"
+
 EmulateOption = Annotated[
     str | None,
     typer.Option(
@@ -78,10 +90,11 @@ def _pipeline_devices(command: str, emulate: str | None) -> None:
     from gpu_tasks.errors import GpuTasksError
     from gpu_tasks.pipeline.flow import etl_train
 
+    def announce(message: str) -> None:
+        err_console.print(Text(message, style="bold yellow"), soft_wrap=True)
+
     try:
-        ensure_devices(
-            emulate, lambda message: err_console.print(Text(message, style="bold yellow"), soft_wrap=True)
-        )
+        ensure_devices(emulate, announce)
         inventory = discover()
         profiles, _ = etl_train.task_runner.resolve_profiles()  # type: ignore[attr-defined]
     except GpuTasksError as exc:
@@ -89,8 +102,14 @@ def _pipeline_devices(command: str, emulate: str | None) -> None:
     for prof in profiles.values():  # the pipeline's profiles whose workers this host starts
         reason = unsatisfiable_reason(prof, inventory) if prof.is_local and prof.fallback != "cpu" else None
         if reason is not None:
-            hint = no_gpu_hint() if not inventory.devices else "Fix the profile or set fallback='cpu' on it"
+            hint = (
+                no_gpu_hint(f"gpu-tasks {command}")
+                if not inventory.devices
+                else "Fix the profile or set fallback='cpu' on it"
+            )
             fail(f"gpu-tasks {command}: the pipeline's stages cannot run here: {reason}. {hint}")
+    if inventory.emulated:  # what the example's own stages do without a GPU (the plugin cannot know)
+        announce(f"The example pipeline on emulated devices: {EMULATED_STAGES}.")
 
 
 def _stage_line(name: str, stage: dict[str, Any]) -> str:
@@ -118,7 +137,8 @@ def _run_records() -> str:
 
 
 def _interrupted() -> NoReturn:
-    """Ctrl-C during ``run``: one line on stderr and exit 130 (the cleanup already ran on the way out)."""
+    """Ctrl-C during ``example run``: one line on stderr and exit 130 (the cleanup already ran on the
+    way out)."""
     import gc
 
     err_console.print(
@@ -134,8 +154,8 @@ def _interrupted() -> NoReturn:
     raise typer.Exit(code=EXIT_INTERRUPTED)
 
 
-@app.command(
-    help="Run the ETL -> train pipeline once (embedded Prefect server unless PREFECT_API_URL is set)."
+@example_app.command(
+    help="Run the example ETL -> train pipeline once (embedded Prefect server unless PREFECT_API_URL is set)."
 )
 def run(
     scale: Annotated[
@@ -150,10 +170,10 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON on stdout.")] = False,
     emulate: EmulateOption = None,
 ) -> None:
-    """Run the pipeline flow and print where the model and metrics went."""
-    _pipeline_options("run", scale, rounds, limit)
-    preflight("run", pipeline_data_dir(data_dir))
-    _pipeline_devices("run", emulate)
+    """Run the example pipeline's flow and print where the model and metrics went."""
+    _pipeline_options(RUN, scale, rounds, limit)
+    preflight(RUN, pipeline_data_dir(data_dir))
+    _pipeline_devices(RUN, emulate)
     import logging
 
     import distributed  # noqa: F401  (configures its loggers on import; quieten them after)
@@ -196,12 +216,15 @@ def run(
     say(f"metrics   {out['metrics_path']}")
     if any(stage.get("emulated") for stage in out["stages"].values()):
         say(
-            "Devices were EMULATED: scheduling was real, compute ran on the CPU. Not GPU results.",
+            f"Devices were EMULATED: scheduling was real, compute ran on the CPU ({EMULATED_STAGES}). "
+            "Not GPU results.",
             style="yellow",
         )
 
 
-@app.command(help="Serve the etl-train flow as a scheduled Prefect deployment (needs PREFECT_API_URL).")
+@example_app.command(
+    help="Serve the example's etl-train flow as a scheduled Prefect deployment (needs PREFECT_API_URL)."
+)
 def serve(
     name: Annotated[str, typer.Option(help="Deployment name.")] = "nightly",
     cron: Annotated[
@@ -226,7 +249,7 @@ def serve(
     from prefect.deployments.runner import EntrypointType  # type: ignore[attr-defined]  # re-exported
     from prefect.settings import get_current_settings
 
-    _pipeline_options("serve", scale, rounds, limit)
+    _pipeline_options(SERVE, scale, rounds, limit)
     if process_limit is not None and process_limit < 1:
         fail(f"--process-limit must be at least 1, got {process_limit}")
     if not get_current_settings().api.url:
@@ -240,16 +263,16 @@ def serve(
         construct_schedule(cron=cron)
     except Exception as exc:
         fail(f"--cron {cron!r} is not a valid cron expression: {exc}")
-    preflight("serve", pipeline_data_dir(None))
+    preflight(SERVE, pipeline_data_dir(None))
     from gpu_tasks.pipeline.flow import etl_train
 
-    _pipeline_devices("serve", emulate)
+    _pipeline_devices(SERVE, emulate)
     parameters: dict[str, Any] = {"scale": scale, "num_rounds": rounds}
     if limit is not None:
         parameters["limit"] = limit
     from gpu_tasks.deployments import deployment_info
 
-    info = deployment_info(etl_train, summary="ETL -> train on GPU profiles (gpu-tasks serve)")
+    info = deployment_info(etl_train, summary="ETL -> train on GPU profiles (gpu-tasks example serve)")
     deployment = etl_train.to_deployment(
         name=name,
         cron=cron,
@@ -261,3 +284,25 @@ def serve(
 
     limits = {"limit": process_limit} if process_limit is not None else {}
     prefect_serve(deployment, **limits)  # type: ignore[arg-type]  # to_deployment is sync here, outside an event loop
+
+
+# ------------------------------------------------ the old spellings, kept for scripts and deployments
+def _deprecated_alias(command: Callable[..., None], name: str) -> None:
+    """Register ``gpu-tasks NAME`` (hidden) as ``gpu-tasks example NAME``, with one warning line."""
+
+    @functools.wraps(command)
+    def alias(*args: Any, **kwargs: Any) -> None:
+        err_console.print(
+            Text(
+                f"warning: `gpu-tasks {name}` is deprecated, use `gpu-tasks example {name}` (the example "
+                "pipeline's commands are apart from the plugin's)"
+            ),
+            soft_wrap=True,
+        )
+        command(*args, **kwargs)
+
+    app.command(name, hidden=True, help=f"Deprecated: use `gpu-tasks example {name}`.")(alias)
+
+
+_deprecated_alias(run, "run")
+_deprecated_alias(serve, "serve")

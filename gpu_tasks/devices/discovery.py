@@ -30,6 +30,11 @@ Source = Literal["emulated", "command", "nvml", "none"]
 DEFAULT_EMULATED_MODEL = "EMU"
 DEFAULT_EMULATED_MEMORY = 16 * 2**30
 EMULATED_SUFFIX = " (emulated)"  # ends the name of every emulated device
+EMULATION_MEANS = (
+    "no real GPU; workers get CUDA_VISIBLE_DEVICES and Dask GPU resources as on real devices, and "
+    "tasks compute on the CPU"
+)
+"""What emulated devices mean for any flow, in the words of the runner's warning and the CLI."""
 
 
 class Device(BaseModel):
@@ -86,7 +91,7 @@ class Inventory(BaseModel):
 
     @property
     def emulated(self) -> bool:
-        """Whether these devices are emulated (pandas instead of cuDF, XGBoost on CPU)."""
+        """Whether these devices are emulated (:data:`EMULATION_MEANS`)."""
         return self.source == "emulated"
 
     def describe(self) -> str:
@@ -323,8 +328,7 @@ def discover(settings: GpuTasksSettings | None = None) -> Inventory:
         return Inventory(
             devices=devices,
             source="emulated",
-            detail=f"GPU_TASKS_EMULATED_GPUS={settings.emulated_gpus!r}: pandas instead of cuDF, XGBoost on "
-            "CPU",
+            detail=f"GPU_TASKS_EMULATED_GPUS={settings.emulated_gpus!r}",
         )
     if settings.discovery_command:
         devices = run_discovery_command(settings.discovery_command)

@@ -8,7 +8,7 @@ Modules: :mod:`~gpu_tasks.pipeline.data` (ingest), :mod:`~gpu_tasks.pipeline.etl
 :mod:`~gpu_tasks.pipeline.train`, :mod:`~gpu_tasks.pipeline.evaluate` (the stages, plain
 Python), :mod:`~gpu_tasks.pipeline.tasks` (their Prefect tasks and profiles),
 :mod:`~gpu_tasks.pipeline.flow` (the ``etl-train`` flow), :mod:`~gpu_tasks.pipeline.job`
-(``gpu-tasks run``), :mod:`~gpu_tasks.pipeline.settings` (``GPU_TASKS_DATA_DIR``) and
+(``gpu-tasks example run``), :mod:`~gpu_tasks.pipeline.settings` (``GPU_TASKS_DATA_DIR``) and
 :mod:`~gpu_tasks.pipeline.errors`.
 
 ``from gpu_tasks.pipeline import etl_train`` (the deployment entrypoint

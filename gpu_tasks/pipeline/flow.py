@@ -82,5 +82,6 @@ def etl_train(
             "train": {**trained["placement"], "device": trained["device"], "seconds": trained["seconds"]},
             "evaluate": {**metrics["placement"], "seconds": metrics["seconds"]},
         },
-        "clusters": runner.status(),  # at the flow's end; `gpu-tasks run` reports them after they closed
+        # at the flow's end; `gpu-tasks example run` reports them after they closed
+        "clusters": runner.status(),
     }

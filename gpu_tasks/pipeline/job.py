@@ -1,8 +1,8 @@
-"""``gpu-tasks run``: the ETL -> train pipeline once, on an embedded Prefect server.
+"""``gpu-tasks example run``: the ETL -> train pipeline once, on an embedded Prefect server.
 
 Without ``PREFECT_API_URL`` a Prefect server is started for the run on 127.0.0.1
 (and stopped after it: :func:`gpu_tasks.prefect_api.server.embedded_server`). Devices are
-emulated only where ``GPU_TASKS_EMULATED_GPUS`` is set (``gpu-tasks run --emulate``,
+emulated only where ``GPU_TASKS_EMULATED_GPUS`` is set (``gpu-tasks example run --emulate``,
 :func:`gpu_tasks.devices.emulation.ensure_devices`).
 """
 

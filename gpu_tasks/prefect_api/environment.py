@@ -1,6 +1,6 @@
 """Preflight: the environment Prefect runs in, checked before anything starts.
 
-What a user meets, and what it cost before these checks (``gpu-tasks run``, 2 cores):
+What a user meets, and what it cost before these checks (``gpu-tasks example run``, 2 cores):
 
 - a Prefect database migrated by a newer Prefect (alembic "Can't locate revision"):
   Prefect's server retried for about 2 minutes, 21 tracebacks, then "Timed out while
@@ -8,7 +8,7 @@ What a user meets, and what it cost before these checks (``gpu-tasks run``, 2 co
 - a ``PREFECT_HOME`` it cannot write, a full disk under it or where results go;
 - ``PREFECT_API_URL`` pointing at nothing, or at a port something else holds.
 
-:func:`preflight` (the CLI's ``run`` and ``serve``, before a server, cluster or flow
+:func:`preflight` (the CLI's ``example run`` and ``example serve``, before a server, cluster or flow
 starts) raises :class:`~gpu_tasks.errors.EnvironmentProblem` with one line naming the
 cause, the path or URL, and the fix. :func:`local_problems` is the part that needs no
 network (``gpu-tasks devices`` reports it as a warning). :func:`check_ephemeral` is the
@@ -246,8 +246,12 @@ def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str |
     parts = urlsplit(url)
     host = parts.hostname or "?"
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    # `serve` needs a server of yours; `run` starts its own without PREFECT_API_URL
-    unset = "" if command == "serve" else f", or unset PREFECT_API_URL (gpu-tasks {command} starts its own)"
+    # `example serve` needs a server of yours; `example run` starts its own without PREFECT_API_URL
+    unset = (
+        ""
+        if command.endswith("serve")
+        else f", or unset PREFECT_API_URL (gpu-tasks {command} starts its own)"
+    )
     fix = f"start it (`prefect server start --host 127.0.0.1 --port {port}`){unset}"
     health = url.rstrip("/") + "/health"
     try:
@@ -324,7 +328,8 @@ def local_problems(data_dir: Path | None = None) -> list[str]:
 
 
 def preflight(command: str, data_dir: Path | None = None) -> None:
-    """Every check for ``gpu-tasks <command>`` (``run``, ``serve``) before it starts anything.
+    """Every check for ``gpu-tasks <command>`` (``example run``, ``example serve``) before it starts
+    anything.
 
     Raises:
         EnvironmentProblem: the first problem found, in one line with its fix.

@@ -1,12 +1,12 @@
 """The embedded Prefect server: :func:`embedded_server` and the process it runs in.
 
-Without ``PREFECT_API_URL``, ``gpu-tasks run``, the benchmarks and scripts that use
+Without ``PREFECT_API_URL``, ``gpu-tasks example run``, the benchmarks and scripts that use
 :func:`embedded_server` get a Prefect server on 127.0.0.1 for the duration of a
 ``with`` block. Its process is kept out of the terminal's Ctrl-C and never outlives
 its parent (:func:`gpu_tasks.compat.prefect.server_in_own_session_class`).
 
 ``prefect.server`` takes about 2 s to import; it is imported only when a server is
-actually started, so ``gpu-tasks serve`` and the benchmarks that import this module
+actually started, so ``gpu-tasks example serve`` and the benchmarks that import this module
 (and find ``PREFECT_API_URL`` set) need not pay for it.
 """
 

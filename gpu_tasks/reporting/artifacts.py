@@ -4,8 +4,10 @@
   when it held its devices (time of day, UTC), profile, devices with their model, held and
   busy seconds, busy %, tasks, why it closed.
 - ``device-timeline`` (markdown): one row per device and holding, in time order, with a
-  24-character strip that shows when across the run the device was held and busy. Runs that
-  held no device (CPU only) get none.
+  24-character strip that shows when across the run the device was held and busy; on real
+  devices, what NVML measured in a narrow table of its own below, and the right-size lines.
+  Every table row stays within :data:`TABLE_ROW_CHARS`, so it fits a 1600 px page without
+  wrapping. Runs that held no device (CPU only) get none.
 
 Everything but :func:`publish_run_artifacts` is a pure function of the ledger rows.
 """
@@ -21,15 +23,21 @@ from collections.abc import Sequence
 from typing import Any
 
 from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, right_size
+from gpu_tasks.reporting.measured import Measured, gib
 
 logger = logging.getLogger(__name__)
 
 LEDGER_ARTIFACT_KEY = "resource-ledger"
 TIMELINE_ARTIFACT_KEY = "device-timeline"
 STRIP_WIDTH = 24  # the UI keeps markdown to a reading width: a longer strip wraps
+# The most characters of markdown in one timeline table row (profile names of about 10): the UI's
+# reading width on a 1600 px page holds the 7-column holding row (about 80) but wrapped every row
+# once a 26-character "not measured (emulated)" cell was added to it.
+TABLE_ROW_CHARS = 90
 WAITS = "waits_s devices/slots"
 SKIPPED = "skipped (programs outside gpu-tasks)"
 MEASURED = "measured (NVML)"  # SM % mean, peak memory of total, samples; or why not measured
+NOT_MEASURED_CELL = "n/a"
 NO_DEVICE = "none (CPU)"  # a "-" alone in a table cell renders as a list bullet
 # the strip's characters: busy at least half of the held part of the column, busy less, held idle, not held
 BUSY, PARTLY_BUSY, HELD_IDLE, NOT_HELD = "#", "+", "-", "."
@@ -117,9 +125,11 @@ def ledger_table(rows: Sequence[LedgerRow]) -> list[dict[str, Any]]:
 
     ``waits_s devices/slots`` (for devices, for Prefect tag slots; apart from held time) appears
     only when some row waited; ``skipped (programs outside gpu-tasks)`` only when a device was skipped
-    for some row. Device cells leave out ``emulated``: the description says it.
+    for some row; ``measured (NVML)`` only on real devices (on emulated ones the description's
+    EMULATED says nothing was measured). Device cells leave out ``emulated``: the description says it.
     """
     waited = any(r.wait_devices_seconds + r.wait_slots_seconds >= 0.05 for r in rows)
+    measured_column = any(r.measured is not None and not r.emulated for r in rows)
     emulated_said = "EMULATED" in ledger_description(rows)
     table = []
     for row in sorted(rows, key=lambda r: (r.provisioned_at, r.closed_at)):
@@ -137,7 +147,7 @@ def ledger_table(rows: Sequence[LedgerRow]) -> list[dict[str, Any]]:
             item[WAITS] = f"{row.wait_devices_seconds:.1f} / {row.wait_slots_seconds:.1f}"
         if any(r.skipped for r in rows):
             item[SKIPPED] = "; ".join(row.skipped) or "-"
-        if any(r.measured is not None for r in rows):
+        if measured_column:
             item[MEASURED] = row.measured.text() if row.measured is not None else NO_DEVICE
         table.append(item)
     return table
@@ -199,10 +209,51 @@ def timeline_description(rows: Sequence[LedgerRow]) -> str:
     return _headline(rows) + "."
 
 
-def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> str | None:
-    """The ``device-timeline`` markdown: a summary line, a legend, one table row per device holding.
+def _measured_cells(m: Measured | None) -> tuple[str, str, str, str]:
+    """SM % mean, peak GiB of the device's total, the worker process's peak GiB, samples."""
+    if m is None or not m.measured:
+        return (NOT_MEASURED_CELL,) * 4
+    sm = f"{m.sm_mean:.0f}" if m.sm_mean is not None else NOT_MEASURED_CELL
+    peak = f"{gib(m.peak_used)} of {gib(m.total)}" if m.peak_used is not None else NOT_MEASURED_CELL
+    worker = gib(m.process_peak) if m.process_peak is not None else NOT_MEASURED_CELL
+    return sm, peak, worker, str(m.samples)
 
-    ``None`` when the run held no device.
+
+def measured_lines(spans: Sequence[DeviceSpan]) -> list[str]:
+    """What NVML measured of each holding, as a narrow table of its own (so the holding rows stay
+    narrow), and why any holding was not measured; ``[]`` when no holding says anything."""
+    with_figures = [s.measured for s in spans if s.measured is not None and s.measured.measured]
+    if not with_figures:
+        notes = sorted({span.measured.text() for span in spans if span.measured is not None})
+        return ["", f"GPU use: {_cell('; '.join(notes))}."] if notes else []
+    every = f", a sample every {with_figures[0].period:g} s" if with_figures[0].period else ""
+    lines = [
+        "",
+        f"Measured by NVML while held{every}: SM % mean, peak memory used (GiB of the device's), "
+        "the worker process's peak (GiB).",
+        "",
+        "| device | profile | SM % | peak GiB | worker GiB | samples |",
+        "| --- | --- | ---: | ---: | ---: | ---: |",
+    ]
+    unmeasured = []
+    for span in spans:
+        sm, peak, worker, samples = _measured_cells(span.measured)
+        lines.append(
+            f"| {_cell(span.device)} | {_cell(span.profile)} | {sm} | {peak} | {worker} | {samples} |"
+        )
+        if span.measured is not None and not span.measured.measured:
+            unmeasured.append(f"device {span.device} ({span.profile}): {span.measured.text()}")
+    if unmeasured:
+        lines += ["", _cell("Not measured: " + "; ".join(unmeasured) + ".")]
+    return lines
+
+
+def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> str | None:
+    """The ``device-timeline`` markdown: a summary line, a legend, one table row per device holding;
+    on real devices what NVML measured (a table of its own) and the right-size lines.
+
+    On emulated devices the summary says once that nothing was measured: no measured table, no
+    right-size heading. ``None`` when the run held no device.
     """
     spans = timeline_spans(rows)
     if not spans:
@@ -210,10 +261,14 @@ def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> st
     t0 = min([r.provisioned_at for r in rows] + [s.start for s in spans])
     t1 = max([r.closed_at for r in rows] + [s.end for s in spans])
     emulated = any(r.emulated for r in rows if r.devices)
-    measured = any(span.measured is not None for span in spans)  # a column: SM %, peak memory, or why not
     lines = [
         f"**{_headline(rows)}.**"
-        + (" Devices were emulated: the scheduling is real, the compute ran on the CPU." if emulated else ""),
+        + (
+            " Devices were emulated: the scheduling is real, the compute ran on the CPU, and GPU use "
+            "was not measured."
+            if emulated
+            else ""
+        ),
         "",
         f"Times of day in UTC. Each strip spans the run's {t1 - t0:.1f} s from {clock(t0)} to {clock(t1)}, "
         f"{(t1 - t0) / width:.2g} s a character: `{BUSY}` busy, `{PARTLY_BUSY}` partly busy, "
@@ -221,21 +276,21 @@ def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> st
         "",
         "Devices: " + device_models(spans) + ".",
         "",
-        "| device | profile | held (UTC) | held s | busy % | tasks | across the run |"
-        + (" measured (NVML) |" if measured else ""),
-        "| --- | --- | --- | ---: | ---: | ---: | --- |" + (" --- |" if measured else ""),
+        "| device | profile | held (UTC) | held s | busy % | tasks | across the run |",
+        "| --- | --- | --- | ---: | ---: | ---: | --- |",
     ]
     for span in spans:
         lines.append(
             f"| {_cell(span.device)} | {_cell(span.profile)} | {clock_range(span.start, span.end)} "
             f"| {span.held_seconds:.1f} | {percent(span.busy_seconds, span.held_seconds)} | {span.tasks} "
             f"| `{strip(span.start, span.end, span.busy, (t0, t1), width)}` |"
-            + (f" {_cell(span.measured.text() if span.measured else 'not measured')} |" if measured else "")
         )
-    advice = right_size(rows)
-    if advice:
-        lines += ["", "Right-size (measured use much less than held):", ""]
-        lines += [f"- {_cell(line)}" for _, line, _ in advice]
+    if not emulated:
+        lines += measured_lines(spans)
+        advice = [line for _, line, measured in right_size(rows) if measured is not None]
+        if advice:
+            lines += ["", "Right-size (measured use much less than held):", ""]
+            lines += [f"- {_cell(line)}" for line in advice]
     skipped = [(row.profile, reason) for row in rows for reason in row.skipped]
     if skipped:
         lines += ["", "Devices skipped because programs outside gpu-tasks used them:", ""]

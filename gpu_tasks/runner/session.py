@@ -23,7 +23,7 @@ from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
-from gpu_tasks.devices.discovery import Inventory, discover
+from gpu_tasks.devices.discovery import EMULATION_MEANS, Inventory, discover
 from gpu_tasks.devices.measure import Sampler
 from gpu_tasks.policy import bound_at_most
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
@@ -130,9 +130,7 @@ class Live:
             )
             if self._inventory.emulated:
                 logger.warning(
-                    "gpu-tasks is EMULATING devices (%s): tasks get CUDA_VISIBLE_DEVICES and Dask GPU "
-                    "resources as on real hardware, but compute runs on the CPU",
-                    self._inventory.detail,
+                    "gpu-tasks is EMULATING devices (%s): %s", self._inventory.detail, EMULATION_MEANS
                 )
         return self._inventory
 
@@ -409,8 +407,7 @@ class Live:
                 "the Prefect API is unreachable: %s. %d task run(s) that were running when the flow run "
                 "stopped (%s) could not be reported Crashed and stay 'Running' in that server's records "
                 "(%s%s). A plain script on Prefect's ephemeral API loses its server to the same Ctrl-C; "
-                "to keep the records, start a server (`prefect server start`, then PREFECT_API_URL) or "
-                "use `gpu-tasks run`",
+                "to keep the records, start a server (`prefect server start`, then PREFECT_API_URL)",
                 down,
                 len(unreported),
                 reason,

@@ -178,10 +178,14 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             return self._idle_timeout_arg
         return get_settings().idle_timeout
 
-    def resolve_profiles(self, path: Path | None = None) -> tuple[dict[str, ResourceProfile], str]:
+    def resolve_profiles(
+        self, path: Path | None = None, origin: str = ""
+    ) -> tuple[dict[str, ResourceProfile], str]:
         """The profiles in force (code, then ``path`` or GPU_TASKS_PROFILES_FILE) and the default
-        name (see :func:`gpu_tasks.profiles.resolve_profiles`)."""
-        return resolve_profiles(self._profiles_arg, self._default_arg, path or get_settings().profiles_file)
+        name (see :func:`gpu_tasks.profiles.resolve_profiles`); ``origin`` names where ``path`` came from."""
+        if path is None:
+            path, origin = get_settings().profiles_file, "GPU_TASKS_PROFILES_FILE"
+        return resolve_profiles(self._profiles_arg, self._default_arg, path, origin)
 
     def duplicate(self) -> ProfileTaskRunner:
         return type(self)(
@@ -246,7 +250,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         """Say in the run log which profiles the file gave and which settings changed a profile."""
         settings = get_settings()
         path = settings.profiles_file
-        from_file = load_profiles_file(path)[0] if path is not None else {}
+        from_file = load_profiles_file(path, "GPU_TASKS_PROFILES_FILE")[0] if path is not None else {}
         info, warnings = profile_sources(
             self._profiles_arg, profiles, path, from_file, self._idle_timeout_arg, settings
         )

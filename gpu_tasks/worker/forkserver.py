@@ -1,7 +1,7 @@
 """The flow process's warm-pool fork server, shared by its warm pools.
 
 One fork server per flow process: a process that runs flow runs one after another
-(`gpu-tasks serve`, a scheduled deployment's worker, a test session) pays its imports (about
+(a served deployment, a scheduled deployment's worker, a test session) pays its imports (about
 1.9 s of CPU) once, not once per flow run. Sharing is safe: a bound process takes the flow's whole
 environment at its bind (:meth:`gpu_tasks.worker.warm.WarmProcess.bind_environ`), and its Dask
 config and Prefect settings come with it. The server is kept ``GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS``

@@ -131,7 +131,7 @@ def _without_dask_profiler(output: str) -> str:
 
 
 def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
-    """`gpu-tasks run` on its embedded server, Ctrl-C while the GPU training stage runs."""
+    """`gpu-tasks example run` on its embedded server, Ctrl-C while the GPU training stage runs."""
     marker = uuid.uuid4().hex
     db = tmp_path / "prefect-home" / "prefect.db"
     # a few thousand flights keep ingest and ETL short; a million rounds keep training busy
@@ -140,6 +140,7 @@ def test_ctrl_c_on_gpu_tasks_run_mid_training(tmp_path: Path):
             sys.executable,
             "-m",
             "gpu_tasks.cli",
+            "example",
             "run",
             "--limit",
             "5000",

@@ -1,4 +1,4 @@
-"""The main job as a user runs it: `gpu-tasks run` in fresh processes (gpu_tasks.pipeline.job)."""
+"""The main job as a user runs it: `gpu-tasks example run` in fresh processes (gpu_tasks.pipeline.job)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def test_run_command_on_embedded_server_with_announced_emulation(tmp_path: Path)
     env = _clean_env(fresh_home=True, PREFECT_HOME=str(tmp_path / "prefect-home"))
     args = ["--limit", "20000", "--rounds", "5", "--data-dir", str(tmp_path), "--json", "--emulate", "auto"]
     proc = subprocess.run(
-        [str(GPU_TASKS), "run", *args],
+        [str(GPU_TASKS), "example", "run", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -40,6 +40,9 @@ def test_run_command_on_embedded_server_with_announced_emulation(tmp_path: Path)
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "EMULATING 2 devices" in proc.stderr and "not GPU results" in proc.stderr
+    # the plugin's line says what emulation means for any flow; the example adds what its stages do
+    assert "CUDA_VISIBLE_DEVICES and Dask GPU resources" in proc.stderr, proc.stderr[-3000:]
+    assert "The example pipeline on emulated devices: its ETL reads with pandas" in proc.stderr
     out = json.loads(proc.stdout)  # --json: stdout holds the summary and nothing else
     assert out["device_source"] == "emulated"
     assert re.match(r"http://127\.0\.0\.1:\d+/api", out["prefect_api_url"])
@@ -68,7 +71,7 @@ def test_run_command_human_output_on_a_given_server(tmp_path: Path, prefect_serv
     url = str(prefect.settings.PREFECT_API_URL.value())
     env = _clean_env(PREFECT_API_URL=url, GPU_TASKS_EMULATED_GPUS="2")
     proc = subprocess.run(
-        [str(GPU_TASKS), "run", "--limit", "15000", "--rounds", "3", "--data-dir", str(tmp_path)],
+        [str(GPU_TASKS), "example", "run", "--limit", "15000", "--rounds", "3", "--data-dir", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -97,7 +100,7 @@ def test_run_command_rejects_bad_input_before_starting_anything(
     # every process this invocation starts inherits the marker: none may be found
     marker = uuid.uuid4().hex
     monkeypatch.setenv("GPU_TASKS_TEST_MARKER", marker)
-    result = CliRunner().invoke(app, ["run", "--data-dir", str(tmp_path), *args])
+    result = CliRunner().invoke(app, ["example", "run", "--data-dir", str(tmp_path), *args])
     assert result.exit_code == 2
     assert needle in result.stderr and "Traceback" not in result.stderr
     assert not list(tmp_path.iterdir()), "nothing is written for bad input"
@@ -122,17 +125,20 @@ def test_pipeline_commands_on_a_host_without_gpus_say_how_to_emulate(
     monkeypatch.setattr(
         devices_module, "nvml_devices", lambda: ((), "no NVIDIA driver (NVMLError_LibraryNotFound)")
     )
-    result = CliRunner().invoke(app, [command, "--limit", "100"])
+    result = CliRunner().invoke(app, ["example", command, "--limit", "100"])
     assert result.exit_code == 2, result.output
     err = result.stderr
-    assert f"gpu-tasks {command}: the pipeline's stages cannot run here" in err and "no GPUs" in err, err
-    assert "GPU_TASKS_EMULATED_GPUS=2" in err and "--emulate auto" in err and "fallback='cpu'" in err, err
+    assert f"gpu-tasks example {command}: the pipeline's stages cannot run here" in err, err
+    assert "no GPUs" in err and "GPU_TASKS_EMULATED_GPUS=2" in err and "fallback='cpu'" in err, err
+    assert f"`gpu-tasks example {command}` takes --emulate auto" in err, err
     assert "Traceback" not in err and "GPU_TASKS_EMULATED_GPUS" not in os.environ
     assert not [p.pid for p in marked(marker) if p.pid != os.getpid()], "nothing was started"
 
 
 def test_run_command_rejects_a_bad_emulate_value(tmp_path: Path):
-    result = CliRunner().invoke(app, ["run", "--data-dir", str(tmp_path), "--emulate", "H100:lots"])
+    result = CliRunner().invoke(
+        app, ["example", "run", "--data-dir", str(tmp_path), "--emulate", "H100:lots"]
+    )
     assert result.exit_code == 2
     assert "--emulate 'H100:lots'" in result.stderr and "GPU_TASKS_EMULATED_GPUS must be" in result.stderr
     assert not list(tmp_path.iterdir())

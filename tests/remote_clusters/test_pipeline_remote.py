@@ -1,5 +1,5 @@
-"""The main job, `gpu-tasks run`, with its GPU stages on an existing Dask cluster (the stand-in hosts):
-the embedded Prefect server and the scheduler are both on 127.0.0.1."""
+"""The main job, `gpu-tasks example run`, with its GPU stages on an existing Dask cluster (the stand-in
+hosts): the embedded Prefect server and the scheduler are both on 127.0.0.1."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_gpu_tasks_run_with_gpu_stages_on_an_existing_cluster(gpu_hosts: Hosts, 
     gpu_tasks_cli = Path(sys.executable).with_name("gpu-tasks")
     proc = subprocess.run(
         # a smoke-sized run (as tests/pipeline/ runs it): every stage, on the hosts, in well under a minute
-        [str(gpu_tasks_cli), "run", "--json", "--limit", "30000", "--rounds", "30"],
+        [str(gpu_tasks_cli), "example", "run", "--json", "--limit", "30000", "--rounds", "30"],
         env=env,
         capture_output=True,
         text=True,
