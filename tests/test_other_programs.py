@@ -196,7 +196,10 @@ def test_the_book_skips_a_device_outsiders_use_and_takes_it_once_they_leave(outs
     lenient.release("gpu", ["0"])
     # a need above its free memory keeps the profile off it, whatever the limit
     assert lenient.acquire("big", [(dev0,)], 1, block=False, need_memory=21 * GiB) == []
-    assert "20.00 GiB free, less than the 21.00 GiB the profile needs (gpu_memory)" in lenient.skips("big")[0]
+    assert (
+        "20.00 GiB free, less than the 21.00 GiB the profile needs free "
+        "(gpu_memory_free / gpu_memory_per_task)" in lenient.skips("big")[0]
+    )
     assert lenient.acquire("big", [(dev1,)], 1, block=False, need_memory=80 * GiB) == [0]
     lenient.release("big", ["1"])
     # GPU_TASKS_OTHER_PROGRAMS_MEMORY=0: any program on the device keeps gpu-tasks off it
