@@ -552,8 +552,8 @@ def _old_gpu_memory(data: dict[str, Any]) -> dict[str, Any]:
     warnings.warn(
         f"{who}: gpu_memory is deprecated: write {total}{free}, which it stood for, or only the one you mean"
         if "gpu_memory_free" in new
-        else f"{who}: gpu_memory is deprecated: write {total}, which it stands for on a {data.get('kind')} "
-        "profile",
+        else f"{who}: gpu_memory is deprecated: write {total}, which it stands for on this "
+        f"{data.get('kind')} profile",
         FutureWarning,
         stacklevel=_caller_level(),
     )
