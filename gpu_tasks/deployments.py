@@ -62,11 +62,14 @@ def describe_profile(prof: ResourceProfile) -> str:
         parts = [_n(prof.devices_per_worker, "GPU") + " per task" + (" as a gang" if prof.gang else "")]
     if prof.gpu_model:
         parts.append(prof.gpu_model)
-    if prof.gpu_memory:
-        parts.append(f">= {_gib(prof.gpu_memory)}")
-    parts.append(
-        "up to " + _n(prof.max_workers, "worker") if prof.max_workers else "a worker per free device"
-    )
+    if prof.gpu_memory_total:
+        parts.append(f">= {_gib(prof.gpu_memory_total)}")
+    if prof.gpu_memory_free:
+        parts.append(f"{_gib(prof.gpu_memory_free)} free")
+    if prof.kind != "address":  # an existing cluster's workers are its owner's
+        parts.append(
+            "up to " + _n(prof.max_workers, "worker") if prof.max_workers else "a worker per free device"
+        )
     if prof.kind != "local":
         parts.append("on " + ("a remote Dask cluster" if prof.kind == "address" else "a cluster manager"))
     if prof.fallback == "cpu":

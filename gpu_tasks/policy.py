@@ -27,12 +27,14 @@ GPU_MEMORY_RESOURCE = "GPU_MEMORY"
 
 
 def matching_devices(profile: ResourceProfile, inventory: Inventory) -> list[Device]:
-    """Devices whose name contains ``gpu_model`` and whose memory is at least ``gpu_memory``."""
+    """Devices whose name contains ``gpu_model`` and whose total memory is at least ``gpu_memory_total``
+    and ``gpu_memory_free`` (a device smaller than the free memory a lease needs never has it)."""
     out = []
     for dev in inventory.devices:
         if profile.gpu_model and profile.gpu_model.lower() not in dev.name.lower():
             continue
-        if profile.gpu_memory and (dev.memory_total is None or dev.memory_total < profile.gpu_memory):
+        at_least = max(profile.gpu_memory_total or 0, profile.gpu_memory_free or 0)
+        if at_least and (dev.memory_total is None or dev.memory_total < at_least):
             continue
         per_task = profile.gpu_memory_per_task
         if per_task and dev.memory_total is not None and dev.memory_total < per_task:
@@ -77,8 +79,10 @@ def _describe_request(profile: ResourceProfile) -> str:
         parts = [f"gpus={profile.gpus:g}"]
     if profile.gpu_model:
         parts.append(f"gpu_model={profile.gpu_model!r}")
-    if profile.gpu_memory:
-        parts.append(f"gpu_memory>={profile.gpu_memory / 2**30:.1f}GiB")
+    if profile.gpu_memory_total:
+        parts.append(f"gpu_memory_total>={profile.gpu_memory_total / 2**30:.1f}GiB")
+    if profile.gpu_memory_free:
+        parts.append(f"gpu_memory_free>={profile.gpu_memory_free / 2**30:.1f}GiB")
     return "(" + ", ".join(parts) + ")"
 
 

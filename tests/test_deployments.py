@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CPU = ResourceProfile(name="cpu", cpus=0.5)
 QUARTER = ResourceProfile(name="quarter", gpus=0.25, max_workers=2)
 GANG = ResourceProfile(
-    name="train", gpus=2, gang=True, max_workers=2, gpu_model="H100", gpu_memory="40GiB", fallback="cpu"
+    name="train", gpus=2, gang=True, max_workers=2, gpu_model="H100", gpu_memory_total="40GiB", fallback="cpu"
 )
 
 
@@ -53,8 +53,8 @@ def _no_profiles_file(monkeypatch):
         (GANG, "train: 2 GPUs per task as a gang, H100, >= 40 GiB, up to 2 workers, CPU fallback"),
         (ResourceProfile(name="any", gpus=1), "any: 1 GPU per task, a worker per free device"),
         (
-            ResourceProfile(name="far", gpus=1, address="tcp://127.0.0.1:8786", max_workers=1),
-            "far: 1 GPU per task, up to 1 worker, on a remote Dask cluster",
+            ResourceProfile(name="far", gpus=1, address="tcp://127.0.0.1:8786"),
+            "far: 1 GPU per task, on a remote Dask cluster",
         ),
     ],
 )

@@ -207,7 +207,7 @@ def _pipeline_modules() -> set[str]:
 
 
 # what tells the kinds of cluster apart; only gpu_tasks/cluster/ (and the profile model) reads it
-KIND_ATTRIBUTES = {"is_local", "address", "cluster_class"}
+KIND_ATTRIBUTES = {"kind", "is_local", "address", "cluster_class"}
 
 
 def test_only_the_cluster_package_asks_which_kind_of_cluster_a_profile_has():

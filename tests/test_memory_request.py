@@ -55,7 +55,10 @@ def test_the_field_parses_sizes_and_makes_a_gpu_profile_of_one_device_per_worker
     ("fields", "words"),
     [
         ({"gpus": 0.25}, ["gpu_memory_per_task (20GiB) and gpus (0.25) exclude each other", "remove gpus"]),
-        ({"address": "tcp://h:8786"}, ["applies to this host's devices", "use gpus=1/k there"]),
+        (
+            {"address": "tcp://h:8786"},
+            ["applies to local profiles, not to this address", "use gpus=1/k there"],
+        ),
         ({"processes": False}, ["processes=False is not possible"]),
     ],
 )

@@ -196,7 +196,10 @@ def test_the_book_skips_a_device_outsiders_use_and_takes_it_once_they_leave(outs
     lenient.release("gpu", ["0"])
     # a need above its free memory keeps the profile off it, whatever the limit
     assert lenient.acquire("big", [(dev0,)], 1, block=False, need_memory=21 * GiB) == []
-    assert "20.00 GiB free, less than the 21.00 GiB the profile needs (gpu_memory)" in lenient.skips("big")[0]
+    assert (
+        "20.00 GiB free, less than the 21.00 GiB the profile needs free "
+        "(gpu_memory_free / gpu_memory_per_task)" in lenient.skips("big")[0]
+    )
     assert lenient.acquire("big", [(dev1,)], 1, block=False, need_memory=80 * GiB) == [0]
     lenient.release("big", ["1"])
     # GPU_TASKS_OTHER_PROGRAMS_MEMORY=0: any program on the device keeps gpu-tasks off it
@@ -307,3 +310,48 @@ def test_a_gpu_task_waits_while_another_program_uses_its_device_then_runs_there(
         f"device 0: used by pid {pid} (user {ME}"
     )
     assert ledger.as_dict()["skipped"] == list(ledger.skipped)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_gpu_memory_total_picks_by_size_and_gpu_memory_free_waits_for_free_memory(
+    outsider, lease_dir, monkeypatch
+):
+    """The two halves of the old ``gpu_memory``: a device's size (checked before a lease) and its
+    free memory at the lease (docs/profiles.md, "Kinds: local only")."""
+    from prefect import flow, task
+
+    pid = outsider()
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", f"H100:80GiB@{pid}:60GiB,L4:24GiB")
+    monkeypatch.setenv("GPU_TASKS_OTHER_PROGRAMS_MEMORY", "100GiB")  # only the free memory counts here
+    size = ResourceProfile(name="size", gpus=1, gpu_memory_total="30GiB", idle_timeout=0.2)
+    free = ResourceProfile(name="free", gpus=1, gpu_memory_free="30GiB", idle_timeout=0.2)
+    ended: dict[str, float] = {}
+
+    def end_it_once_named(said: _Said) -> None:
+        deadline = time.monotonic() + 60
+        while not [x for x in said.naming(pid) if "profile 'free'" in x] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the task keeps waiting: it has not started
+        ended["at"] = time.time()
+        _end(pid)
+
+    @task
+    def on_device() -> dict:
+        return {"devices": list(current_allocation().devices), "started": time.time()}
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[size, free]))
+    def f() -> tuple[dict, dict]:
+        by_size = on_device.with_options(tags=[profile("size")]).submit().result()
+        return by_size, on_device.with_options(tags=[profile("free")]).submit().result()
+
+    with _book_lines() as said:
+        threading.Thread(target=end_it_once_named, args=(said,), daemon=True).start()
+        by_size, by_free = f()
+    # 30 GiB total: the H100 (20 GiB free) at once, never the 24 GiB L4
+    assert by_size["devices"] == ["0"] and by_size["started"] < ended["at"], (
+        "ran while the program held 60 GiB"
+    )
+    # 30 GiB free: the same H100 only once the program holding 60 GiB of it has ended
+    lines = [x for x in said.naming(pid) if "profile 'free'" in x]
+    assert lines and "20.00 GiB free, less than the 30.00 GiB the profile needs free" in lines[0], said.lines
+    assert by_free["devices"] == ["0"] and by_free["started"] > ended["at"], "ran only after it had room"

@@ -65,21 +65,21 @@ def test_matching_by_model_is_a_case_insensitive_substring(model, expected):
     ],
 )
 def test_matching_by_memory_is_a_minimum(memory, expected):
-    prof = ResourceProfile(name="g", gpus=1, gpu_memory=memory)
+    prof = ResourceProfile(name="g", gpus=1, gpu_memory_total=memory)
     assert [d.address for d in matching_devices(prof, _inventory())] == expected
 
 
 def test_matching_by_model_and_memory_together():
-    prof = ResourceProfile(name="g", gpus=1, gpu_model="a10", gpu_memory="25GiB")
+    prof = ResourceProfile(name="g", gpus=1, gpu_model="a10", gpu_memory_total="25GiB")
     assert matching_devices(prof, _inventory()) == []
-    prof = ResourceProfile(name="g", gpus=1, gpu_model="H1", gpu_memory="40GiB")
+    prof = ResourceProfile(name="g", gpus=1, gpu_model="H1", gpu_memory_total="40GiB")
     assert len(matching_devices(prof, _inventory())) == 2
 
 
 def test_unknown_memory_never_satisfies_a_memory_request():
     inv = Inventory(devices=(_dev(0, memory=None), _dev(1)), source="command")
     assert [
-        d.address for d in matching_devices(ResourceProfile(name="g", gpus=1, gpu_memory="1GiB"), inv)
+        d.address for d in matching_devices(ResourceProfile(name="g", gpus=1, gpu_memory_total="1GiB"), inv)
     ] == ["1"]
     assert len(matching_devices(ResourceProfile(name="g", gpus=1), inv)) == 2
 
@@ -104,11 +104,11 @@ def test_reason_without_devices_names_request_and_why():
 
 def test_reason_when_no_device_matches_names_request_and_inventory():
     reason = unsatisfiable_reason(
-        ResourceProfile(name="big", gpus=1, gpu_model="A100", gpu_memory="40GiB"), _inventory()
+        ResourceProfile(name="big", gpus=1, gpu_model="A100", gpu_memory_total="40GiB"), _inventory()
     )
     assert reason is not None
     assert "profile 'big'" in reason
-    assert "gpu_model='A100'" in reason and "gpu_memory>=40.0GiB" in reason
+    assert "gpu_model='A100'" in reason and "gpu_memory_total>=40.0GiB" in reason
     assert "no device matches" in reason
     assert "4 emulated device(s)" in reason and "H100 (emulated)" in reason and "L4 (emulated)" in reason
 
@@ -334,7 +334,7 @@ def test_bound_at_most_counts_each_profiles_cap_on_the_devices_it_matches():
     inv = _inventory("H100:80GiB,H100:80GiB,L4:24GiB")
     whole = ResourceProfile(name="whole", gpus=1)  # one worker per device: 3
     quarter = ResourceProfile(name="quarter", gpus=0.25, max_workers=1)  # capped: 1
-    big = ResourceProfile(name="big", gpus=2, gpu_memory="40GiB")  # the two H100s make one group: 1
+    big = ResourceProfile(name="big", gpus=2, gpu_memory_total="40GiB")  # the two H100s make one group: 1
     cpu = ResourceProfile(name="cpu", cpus=1, processes=True, max_workers=2)  # its cap: 2
     assert bound_at_most([whole], inv) == 3
     assert bound_at_most([whole, quarter, big, cpu], inv) == 3 + 1 + 1 + 2

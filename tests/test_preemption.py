@@ -134,7 +134,7 @@ def test_grace_is_the_waiters_own():
 def test_preemptible_needs_gpus_and_no_cluster_class():
     with pytest.raises(ProfileError, match="preemptible applies to GPU profiles"):
         ResourceProfile(name="cpu", cpus=1, preemptible=True)
-    with pytest.raises(ProfileError, match="not to cluster_class profiles"):
+    with pytest.raises(ProfileError, match="not to this cluster_class profile"):
         ResourceProfile(name="slurm", gpus=1, preemptible=True, cluster_class="a.B", max_workers=1)
     assert ResourceProfile(name="far", gpus=1, preemptible=True, address="tcp://10.0.0.5:8786").preemptible
     assert ResourceProfile(name="batch", gpus=1, preemptible=True).preemptible

@@ -153,12 +153,14 @@ def test_bad_memory_fails_naming_memory(value):
 )
 def test_memory_sizes_parse(value, expected):
     assert ResourceProfile(name="m", memory=value).memory == expected
-    assert ResourceProfile(name="g", gpus=1, gpu_memory=value).gpu_memory == expected
+    assert ResourceProfile(name="g", gpus=1, gpu_memory_total=value).gpu_memory_total == expected
+    assert ResourceProfile(name="g", gpus=1, gpu_memory_free=value).gpu_memory_free == expected
 
 
 def test_bad_gpu_memory_and_rmm_pool_name_their_field():
-    with pytest.raises(ProfileError, match=r"profile 'g': gpu_memory must be a size"):
-        ResourceProfile(name="g", gpus=1, gpu_memory="big")
+    for field in ("gpu_memory_total", "gpu_memory_free"):
+        with pytest.raises(ProfileError, match=rf"profile 'g': {field} must be a size"):
+            ResourceProfile(name="g", gpus=1, **{field: "big"})
     with pytest.raises(ProfileError, match=r"profile 'g': cuda.rmm_pool_size must be a size"):
         ResourceProfile(name="g", gpus=1, cuda={"rmm_pool_size": "huge"})
     assert ResourceProfile(name="g", gpus=1, cuda={"rmm_pool_size": "2GiB"}).cuda.rmm_pool_size == 2 * 2**30
@@ -166,7 +168,11 @@ def test_bad_gpu_memory_and_rmm_pool_name_their_field():
 
 # --------------------------------------------------------- other fields
 @FAST
-@given(field=st.from_regex(r"\A[a-z][a-z_]{0,15}\Z").filter(lambda f: f not in ResourceProfile.model_fields))
+@given(
+    field=st.from_regex(r"\A[a-z][a-z_]{0,15}\Z").filter(
+        lambda f: f not in ResourceProfile.model_fields and f != "gpu_memory"  # its old spelling
+    )
+)
 def test_unknown_fields_fail_naming_the_field(field):
     with pytest.raises(ProfileError) as info:
         ResourceProfile(name="u", **{field: 1})
@@ -182,7 +188,9 @@ def test_unknown_cuda_option_lists_cuda_fields():
         ResourceProfile(name="u", gpus=1, cuda={"pool": 1})
 
 
-@pytest.mark.parametrize(("field", "value"), [("gpu_model", "H100"), ("gpu_memory", "40GiB")])
+@pytest.mark.parametrize(
+    ("field", "value"), [("gpu_model", "H100"), ("gpu_memory_total", "40GiB"), ("gpu_memory_free", "40GiB")]
+)
 def test_gpu_only_fields_on_cpu_profile_fail(field, value):
     with pytest.raises(ProfileError, match=rf"profile 'cpu': {field} needs gpus > 0"):
         ResourceProfile(name="cpu", **{field: value})

@@ -40,7 +40,7 @@ def quota(prefect_server, request):
 def test_quota_needs_a_gpu_profile_not_a_cluster_class_and_a_plain_name():
     with pytest.raises(ProfileError, match="quota applies to GPU profiles"):
         ResourceProfile(name="cpu", cpus=1, quota="team-a")
-    with pytest.raises(ProfileError, match="not to cluster_class profiles"):
+    with pytest.raises(ProfileError, match="not to this cluster_class profile"):
         ResourceProfile(name="slurm", gpus=1, quota="team-a", cluster_class="a.B", max_workers=2)
     assert ResourceProfile(name="far", gpus=1, quota="team-a", address="tcp://10.0.0.5:8786").quota
     with pytest.raises(ProfileError, match="quota must be a name"):

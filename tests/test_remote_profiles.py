@@ -43,9 +43,18 @@ def test_kinds_and_what_they_imply():
         ({"cluster_class": "SLURMCluster", "max_workers": 1}, "must be the import path"),
         ({"cluster_class": "a.B"}, "cluster_class needs max_workers"),
         ({"address": "tcp://h:1", "cluster_class": "a.B", "max_workers": 1}, "exclude each other"),
-        ({"cluster_kwargs": {"queue": "gpu"}}, "cluster_kwargs needs cluster_class"),
-        ({"security": {"ca_file": "ca.pem"}}, "security applies to an address profile"),
-        ({"address": "tcp://h:1", "fallback": "cpu"}, "fallback='cpu' applies to this host's devices"),
+        (
+            {"cluster_kwargs": {"queue": "gpu"}},
+            "cluster_kwargs applies to cluster_class profiles, not to this local",
+        ),
+        (
+            {"security": {"ca_file": "ca.pem"}},
+            "security applies to address profiles, not to this local profile",
+        ),
+        (
+            {"address": "tcp://h:1", "fallback": "cpu"},
+            "fallback applies to local profiles, not to this address",
+        ),
         ({"address": "tcp://h:1", "gang": True, "max_workers": 2}, "cannot be started as a gang"),
         ({"address": "tcp://h:1", "security": {"ca": "x"}}, "security.ca is not a profile field"),
     ],
@@ -56,9 +65,10 @@ def test_bad_placement_fields_name_the_field_and_the_fix(fields, says):
     assert says in str(info.value)
 
 
-def test_processes_false_is_refused_on_a_cluster():
-    with pytest.raises(ProfileError, match="processes=False is not possible with address"):
-        ResourceProfile(name="p", processes=False, address="tcp://h:1")
+def test_processes_is_refused_on_a_cluster():
+    for value in (False, True):
+        with pytest.raises(ProfileError, match="processes applies to local profiles, not to this address"):
+            ResourceProfile(name="p", processes=value, address="tcp://h:1")
 
 
 def test_the_issue_examples_load_from_a_toml_file(tmp_path: Path):
@@ -197,7 +207,9 @@ def test_which_remote_workers_fit_a_profile():
     assert h100.why_not(ResourceProfile(name="p", gpus=2)) == "GPU=1 < 2"
     assert h100.why_not(ResourceProfile(name="p", gpus=1, gpu_model="h100")) is None
     assert "do not match" in h100.why_not(ResourceProfile(name="p", gpus=1, gpu_model="A100"))
-    assert "below gpu_memory" in h100.why_not(ResourceProfile(name="p", gpus=1, gpu_memory="96GiB"))
+    assert "below gpu_memory_total" in h100.why_not(
+        ResourceProfile(name="p", gpus=1, gpu_memory_total="96GiB")
+    )
     silent = _worker()  # a worker without gpu-tasks cannot describe its devices
     assert "publishes no device names" in silent.why_not(ResourceProfile(name="p", gpus=1, gpu_model="H100"))
     assert _worker(gpus=0).why_not(ResourceProfile(name="p", gpus=0.5)) == "GPU=0 < 0.5"

@@ -263,7 +263,10 @@ def test_unknown_profile_fails_at_submit_listing_known_profiles():
             ResourceProfile(name="a100", gpus=1, gpu_model="A100"),
             ["gpu_model='A100'", "no device matches", "H100"],
         ),
-        (ResourceProfile(name="huge", gpus=1, gpu_memory="200GiB"), ["gpu_memory", "no device matches"]),
+        (
+            ResourceProfile(name="huge", gpus=1, gpu_memory_total="200GiB"),
+            ["gpu_memory_total", "no device matches"],
+        ),
     ],
 )
 def test_unsatisfiable_profile_fails_fast_naming_request_and_inventory(prof, words):

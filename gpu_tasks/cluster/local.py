@@ -426,7 +426,7 @@ class ProfileCluster:
             # its preempted tasks wait for devices without GPU_TASKS_LEASE_TIMEOUT
             "patient": self.preemptions > 0,
             # a device must have this much free when it is leased (programs outside gpu-tasks use the rest)
-            "need_memory": self.profile.gpu_memory or self.profile.gpu_memory_per_task,
+            "need_memory": self.profile.need_memory_free,
         }
 
     # ------------------------------------------------------------ preemption

@@ -111,7 +111,7 @@ class RemoteCluster(ProfileCluster):
         self._busy: dict[str, list[tuple[float, float]]] = {}
         self._tasks = 0
         self._busy_lock = threading.Lock()
-        self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory)
+        self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory_total)
         self._fit: list[RemoteWorker] = []  # the workers that can run this profile's tasks
         self._no_api: dict[str, str] = {}  # workers that could not reach the Prefect API: why
         self._pending: dict[str, float] = {}  # keys submitted and not done: when
@@ -169,7 +169,7 @@ class RemoteCluster(ProfileCluster):
         return future
 
     def _place(self, workers: dict[str, RemoteWorker]) -> None:
-        """Send tasks only to the workers that fit, when some do not (gpu_model, gpu_memory, or
+        """Send tasks only to the workers that fit, when some do not (gpu_model, gpu_memory_total, or
         a worker without gpu-tasks, which a task would break)."""
         why = {a: w.why_not(self.profile) or self._no_api.get(a) for a, w in workers.items()}
         for address, reason in why.items():

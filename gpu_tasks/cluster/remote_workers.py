@@ -103,11 +103,11 @@ class RemoteWorker:
                 return "publishes no device names (gpu_model)"
             if not all(profile.gpu_model.lower() in n.lower() for n in self.names):
                 return f"devices {'/'.join(self.names)} do not match gpu_model={profile.gpu_model!r}"
-        if profile.gpu_memory:
+        if profile.gpu_memory_total:
             if not self.memory or any(m is None for m in self.memory):
-                return "publishes no device memory (gpu_memory)"
-            if any(m is not None and m < profile.gpu_memory for m in self.memory):
-                return f"device memory below gpu_memory={profile.gpu_memory / 2**30:.1f}GiB"
+                return "publishes no device memory (gpu_memory_total)"
+            if any(m is not None and m < profile.gpu_memory_total for m in self.memory):
+                return f"device memory below gpu_memory_total={profile.gpu_memory_total / 2**30:.1f}GiB"
         return None
 
 

@@ -121,7 +121,7 @@ class DeviceBook:
             quota: count ``owner``'s devices against this quota (:mod:`gpu_tasks.prefect_api.quotas`); a
                 group is taken only with room for it there, a wait for room is logged and
                 counts towards ``lease_timeout``, and a need larger than the quota fails fast.
-            need_memory: bytes a device must have free (the profile's ``gpu_memory``).
+            need_memory: bytes a device must have free (the profile's ``need_memory_free``).
 
         A device is taken only when programs outside gpu-tasks leave it be, sampled right after its
         lease is taken (:mod:`gpu_tasks.devices.programs`): their use over ``other_programs_memory``,

@@ -13,7 +13,7 @@ holding a lease in the lease directory (other flow runs on this host), with all 
 descendants (worker processes and what their tasks start).
 
 :func:`blocked` decides: a device whose other programs use more than ``GPU_TASKS_OTHER_PROGRAMS_MEMORY``
-(0: any use at all), or whose free memory is below the profile's ``gpu_memory``, is not leased.
+(0: any use at all), or whose free memory is below the profile's ``gpu_memory_free``, is not leased.
 """
 
 from __future__ import annotations
@@ -100,7 +100,8 @@ def blocked(use: DeviceUse, limit: int, need: int | None = None) -> str | None:
 
     Args:
         limit: ``GPU_TASKS_OTHER_PROGRAMS_MEMORY``: bytes other programs may use (0: none at all).
-        need: the profile's ``gpu_memory``: the device must have that much free.
+        need: bytes the device must have free: the profile's ``gpu_memory_free``, or one task's
+            ``gpu_memory_per_task`` (:attr:`~gpu_tasks.profiles.ResourceProfile.need_memory_free`).
     """
     reasons = []
     if use.programs and (limit == 0 or use.used > limit):
@@ -115,7 +116,7 @@ def blocked(use: DeviceUse, limit: int, need: int | None = None) -> str | None:
         by = f" (other programs: {use.describe()})" if use.programs and not reasons else ""
         reasons.append(
             f"{format_bytes(use.free)} free, less than the {format_bytes(need)} the profile needs "
-            f"(gpu_memory){by}"
+            f"free (gpu_memory_free / gpu_memory_per_task){by}"
         )
     return "; ".join(reasons) or None
 

@@ -306,7 +306,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
 
             raise UnsatisfiableProfileError(f"task {task.name!r} cannot run: {reason}. {no_gpu_hint()}")
         raise UnsatisfiableProfileError(
-            f"task {task.name!r} cannot run: {reason}. Lower the request, fix gpu_model/gpu_memory, "
+            f"task {task.name!r} cannot run: {reason}. Lower the request, fix gpu_model/gpu_memory_total, "
             "or set fallback='cpu' on the profile"
         )
 

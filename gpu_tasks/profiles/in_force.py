@@ -1,0 +1,181 @@
+"""Which profiles are in force: the code's, a TOML file's (``GPU_TASKS_PROFILES_FILE``), the default.
+
+:func:`resolve_profiles` is the one place that decides which profiles are in force and which is the
+default; :func:`profile_sources` says where their values came from.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpu_tasks.errors import ProfileError, UnknownProfileError
+from gpu_tasks.profiles.model import ResourceProfile
+
+if TYPE_CHECKING:
+    from gpu_tasks.settings import GpuTasksSettings
+
+DEFAULT_PROFILE = "cpu"  # untagged tasks run here; added as a plain CPU profile when not defined
+
+
+def profiles_from_mapping(data: Mapping[str, Any], source: str = "profiles") -> dict[str, ResourceProfile]:
+    """Build profiles from ``{"profiles": {name: {field: value}}}``.
+
+    Raises:
+        ProfileError: naming ``source`` and the profile at fault.
+    """
+    tables = data.get("profiles")
+    if not isinstance(tables, Mapping) or not tables:
+        raise ProfileError(f"{source}: expected [profiles.<name>] tables, e.g. [profiles.gpu] with gpus = 1")
+    unknown_top = set(data) - {"profiles", "default"}
+    if unknown_top:
+        raise ProfileError(
+            f"{source}: unknown top-level keys {sorted(unknown_top)}; use [profiles.<name>] and default"
+        )
+    out: dict[str, ResourceProfile] = {}
+    for name, fields in tables.items():
+        if not isinstance(fields, Mapping):
+            raise ProfileError(f"{source}: [profiles.{name}] must be a table of fields")
+        if "name" in fields and fields["name"] != name:
+            raise ProfileError(
+                f"{source}: [profiles.{name}] sets name = {fields['name']!r}; drop it or make it match"
+            )
+        try:
+            out[name] = ResourceProfile(**{**fields, "name": name})
+        except ProfileError as exc:
+            raise ProfileError(f"{source}: {exc}") from None
+    return out
+
+
+def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, ResourceProfile], str | None]:
+    """Load profiles (and an optional ``default``) from a TOML file.
+
+    ``origin`` is where the user named the file (``GPU_TASKS_PROFILES_FILE``, a CLI option), for
+    the message when it cannot be read.
+
+    Raises:
+        ProfileError: the file is missing, is not TOML, or holds a bad profile.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        named = f" ({origin})" if origin else ""
+        fix = (
+            f"give {origin} an existing TOML file"
+            if origin.startswith("-")
+            else f"point {origin} at an existing TOML file"
+            if origin
+            else "give the path of an existing TOML file"
+        )
+        raise ProfileError(
+            f"profiles file {str(path)!r}{named} cannot be read: {exc.strerror}; {fix}"
+        ) from None  # the message says all: one line, not two tracebacks, where a flow module fails
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"profiles file {str(path)!r} is not valid TOML: {exc}") from None
+    default = data.get("default")
+    if default is not None and not isinstance(default, str):
+        raise ProfileError(f"profiles file {str(path)!r}: default must be a profile name string")
+    return profiles_from_mapping(data, source=f"profiles file {str(path)!r}"), default
+
+
+# --------------------------------------------------------------------- in force
+def resolve_profiles(
+    profiles: Iterable[ResourceProfile] = (),
+    default: str | None = None,
+    path: str | Path | None = None,
+    origin: str = "",
+) -> tuple[dict[str, ResourceProfile], str]:
+    """The profiles in force and the default profile's name.
+
+    ``profiles`` (from code) come first; those of the TOML file at ``path``
+    (``GPU_TASKS_PROFILES_FILE``) are added and override same-named ones. The default
+    is ``default``, else the file's ``default``, else :data:`DEFAULT_PROFILE`, which is
+    added as a plain CPU profile when no profile has its name. ``origin``: where the user named
+    the file (see :func:`load_profiles_file`).
+
+    Raises:
+        UnknownProfileError: the default, or a profile's ``on_oom``, names no profile.
+        ProfileError: the file is bad, or the default profile asks for GPUs.
+    """
+    in_force = {p.name: p for p in profiles}
+    file_default = None
+    if path is not None:
+        loaded, file_default = load_profiles_file(path, origin)
+        in_force.update(loaded)
+    name = default or file_default or DEFAULT_PROFILE
+    source = f"profiles file {str(path)!r}: " if default is None and file_default is not None else ""
+    if name not in in_force:
+        if name != DEFAULT_PROFILE:
+            raise UnknownProfileError(
+                f"{source}default profile {name!r} is not defined; known profiles: "
+                f"{', '.join(sorted(in_force)) or 'none'}"
+            )
+        in_force[DEFAULT_PROFILE] = ResourceProfile(name=DEFAULT_PROFILE)
+    for p in in_force.values():
+        if p.on_oom is not None and p.on_oom not in in_force:
+            raise UnknownProfileError(
+                f"profile {p.name!r} sets on_oom={p.on_oom!r}, which this runner does not know; known "
+                "profiles: "
+                f"{', '.join(sorted(in_force))}. Add a ResourceProfile(name={p.on_oom!r}, ...) or remove "
+                "on_oom"
+            )
+    if in_force[name].is_gpu:
+        raise ProfileError(
+            f"{source}default profile {name!r} must be a CPU profile (gpus=0); untagged tasks run there"
+        )
+    return in_force, name
+
+
+def profile_sources(
+    code: Iterable[ResourceProfile],
+    in_force: Mapping[str, ResourceProfile],
+    path: str | Path | None,
+    from_file: Iterable[str],
+    runner_idle_timeout: float | None,
+    settings: GpuTasksSettings,
+) -> tuple[list[str], list[str]]:
+    """Where the profiles in force got their values, as lines for the run log: ``(info, warnings)``.
+
+    The rule (docs/profiles.md, "Where a profile's values come from"): the profiles file replaces
+    same-named profiles of the code; a field a profile sets wins; ``ProfileTaskRunner(idle_timeout=)``
+    then ``GPU_TASKS_IDLE_TIMEOUT`` fill ``idle_timeout`` where a profile leaves it unset;
+    ``GPU_TASKS_PRIORITY`` replaces every GPU profile's priority. A setting given (in the environment,
+    e.g. by a deployment's job variables) that changes no profile is a warning.
+    """
+    info: list[str] = []
+    warnings: list[str] = []
+    code_names = {p.name for p in code}
+    if path is not None:
+        names = sorted(from_file)
+        replaced = sorted(set(names) & code_names)
+        line = f"profiles file {str(path)!r} (GPU_TASKS_PROFILES_FILE): {', '.join(names) or 'no profile'}"
+        info.append(line + (f"; replacing the code's {', '.join(replaced)}" if replaced else ""))
+    given = settings.model_fields_set
+    unset = sorted(n for n, p in in_force.items() if p.idle_timeout is None)
+    if "idle_timeout" in given:
+        env = f"GPU_TASKS_IDLE_TIMEOUT={settings.idle_timeout:g}"
+        if runner_idle_timeout is not None:
+            warnings.append(
+                f"{env} changes no profile: ProfileTaskRunner(idle_timeout={runner_idle_timeout:g}) is "
+                "set in code and comes first; remove one of them"
+            )
+        elif unset:
+            info.append(f"{env} sets idle_timeout of {', '.join(unset)} (profiles that leave it unset)")
+        else:
+            own = ", ".join(f"{n}={p.idle_timeout:g}s" for n, p in sorted(in_force.items()))
+            warnings.append(
+                f"{env} changes no profile: every profile sets its own idle_timeout ({own}); remove the "
+                "setting, or idle_timeout from the profiles (in code or in GPU_TASKS_PROFILES_FILE)"
+            )
+    if settings.priority is not None:
+        gpu = sorted(n for n, p in in_force.items() if p.is_gpu)
+        if gpu:
+            info.append(f"GPU_TASKS_PRIORITY={settings.priority} replaces the priority of {', '.join(gpu)}")
+        else:
+            warnings.append(f"GPU_TASKS_PRIORITY={settings.priority} changes no profile: none asks for GPUs")
+    return info, warnings

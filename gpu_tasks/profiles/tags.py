@@ -1,0 +1,71 @@
+"""The tag that sends a task to a profile: ``profile:<name>``, from a task's tags or a block."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from gpu_tasks.errors import ProfileError
+from gpu_tasks.profiles.model import _NAME_RE, TAG_PREFIX
+
+
+def profile_tag(name: str) -> str:
+    """The tag that sends a task to profile ``name``: ``profile_tag("gpu") == "profile:gpu"``
+    (``profile`` is the same function under its first name)."""
+    if not isinstance(name, str) or not _NAME_RE.match(name):
+        raise ProfileError(f"profile name {name!r} is not valid: use letters, digits, '_', '.', '-'")
+    return f"{TAG_PREFIX}{name}"
+
+
+profile = profile_tag  # its first name, kept: tags=[profile("gpu")] works as before
+
+
+def profile_from_tags(tags: Iterable[str]) -> str | None:
+    """The profile named by ``profile:<name>`` tags, or ``None``.
+
+    Raises:
+        ProfileError: when the tags name two different profiles.
+    """
+    names = {t[len(TAG_PREFIX) :] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)}
+    if len(names) > 1:
+        raise ProfileError(
+            f"a task carries tags for several profiles ({', '.join(sorted(names))}); keep exactly one "
+            "profile:<name> tag"
+        )
+    return next(iter(names), None)
+
+
+@contextlib.contextmanager
+def use_profile(name: str) -> Iterator[None]:
+    """Send every task submitted inside the block to profile ``name`` (a ``prefect.tags`` block)."""
+    from prefect import tags
+
+    with tags(profile(name)):
+        yield
+
+
+def requested_profile(task: Any) -> str | None:
+    """The profile a task asks for, by one rule wherever it is submitted (the flow, or a task
+    running on a worker): its own ``profile:<name>`` tag wins; without one, the profile that the
+    ``use_profile`` / ``prefect.tags`` blocks around the submit name (in a worker, its parent's);
+    ``None`` when neither names one (the runner's default).
+
+    Raises:
+        ProfileError: the task's own tags, or the blocks around it, name two different profiles.
+    """
+    from prefect.context import TagsContext
+
+    own = profile_from_tags(task.tags)
+    if own is not None:
+        return own
+    tags_ctx = TagsContext.get()
+    blocks = tags_ctx.current_tags if tags_ctx else ()
+    names = sorted({t[len(TAG_PREFIX) :] for t in blocks if isinstance(t, str) and t.startswith(TAG_PREFIX)})
+    if len(names) > 1:
+        raise ProfileError(
+            f"task {getattr(task, 'name', task)!r} was submitted inside blocks naming several profiles "
+            f"({', '.join(names)}) (use_profile / prefect.tags; inside a task, its parent's profile counts "
+            "too); give the task its own profile tag, which wins, or keep one block"
+        )
+    return names[0] if names else None
