@@ -46,7 +46,44 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+# The fast tier (./scripts/test --fast): modules of pure logic and in-process checks. Their tests
+# start no process (no Prefect server, no worker, no script; the `no_processes` guard below fails
+# one that does; a test of these modules that must start one is marked `processes` and left to the
+# full suite) and the tier runs in under 2 minutes; everything runs in the full suite too.
+FAST_MODULES = (
+    "tests/test_artifacts.py",
+    "tests/test_devices.py",
+    "tests/test_faults_report.py",
+    "tests/test_layout.py",
+    "tests/test_policy.py",
+    "tests/test_profiles.py",
+    "tests/test_profile_kinds.py",
+    "tests/test_remote_profiles.py",
+    "tests/pipeline/test_data.py",
+    "tests/pipeline/test_etl.py",
+    "tests/pipeline/test_settings.py",
+    "tests/faults/test_worker_interrupts.py",
+    "tests/test_cli.py",
+    "tests/test_compat.py",
+    "tests/test_measured.py",
+    "tests/test_deployments.py",
+    "tests/test_imports.py",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.nodeid.split("::")[0] in FAST_MODULES:
+            item.add_marker(pytest.mark.fast)
+    if os.environ.get("GPU_TASKS_TEST_TIER") == "fast":
+
+        def in_tier(item: pytest.Item) -> bool:
+            return (
+                item.get_closest_marker("fast") is not None and item.get_closest_marker("processes") is None
+            )
+
+        config.hook.pytest_deselected(items=[item for item in items if not in_tier(item)])
+        items[:] = [item for item in items if in_tier(item)]
     mode = config.getoption("--serial-tests")
     if mode == "with":
         return
@@ -206,3 +243,26 @@ def lease_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("GPU_TASKS_LEASE_DIR", str(path))
     monkeypatch.delenv("GPU_TASKS_LEASE_TIMEOUT", raising=False)
     return path
+
+
+@pytest.fixture(autouse=True)
+def no_processes(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """In the fast tier (GPU_TASKS_TEST_TIER=fast), a test that starts a process fails, naming the
+    fix: its module does not belong in FAST_MODULES."""
+    if os.environ.get("GPU_TASKS_TEST_TIER") != "fast":
+        return
+    if "prefect_server" in request.fixturenames:
+        raise AssertionError(
+            f"{request.node.nodeid} needs a Prefect server: mark it `processes` to leave it to the full suite"
+        )
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError(
+            f"{request.node.nodeid} starts a process: the fast tier is pure logic and in-process "
+            "checks; take its module out of FAST_MODULES (tests/conftest.py)"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

@@ -83,6 +83,7 @@ def test_devices_json(env, runner):
     assert all(d["emulated"] for d in data["devices"])
 
 
+@pytest.mark.processes
 def test_devices_from_discovery_command(env, runner, tmp_path):
     script = tmp_path / "disc.py"
     script.write_text('print(\'{"name": "gpu", "addresses": ["0", "1", "2"]}\')\n')
@@ -133,6 +134,7 @@ def test_devices_bad_emulated_env(env, runner, value):
     assert "GPU_TASKS_EMULATED_GPUS" in err
 
 
+@pytest.mark.processes
 def test_devices_bad_discovery_command(env, runner, tmp_path):
     env.delenv("GPU_TASKS_EMULATED_GPUS")
     script = tmp_path / "disc.py"
@@ -358,6 +360,7 @@ def _without_the_pipeline_extra(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_example_commands_without_the_pipeline_extra_say_what_to_install(command):
     """Without the pipeline's libraries (here: xgboost blocked), `example run/serve` exit 2 with one
@@ -373,6 +376,7 @@ def test_example_commands_without_the_pipeline_extra_say_what_to_install(command
     assert "xgboost" in lines[0] and proc.stdout == ""
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("command", ["run", "serve"])
 def test_the_old_spellings_still_work_and_name_the_new_one(command):
     """`gpu-tasks run` / `serve` (scripts and deployments may call them): hidden from --help, one

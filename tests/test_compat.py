@@ -19,7 +19,12 @@ PLUGIN = ROOT / "gpu_tasks"
 USES = compat.uses()
 
 
-@pytest.mark.parametrize("use", USES, ids=[f"{u.library}:{u.name}" for u in USES])
+@pytest.mark.parametrize(
+    "use",
+    # a check that starts Prefect's server process is left out of the fast tier
+    [pytest.param(u, marks=pytest.mark.processes) if "SubprocessASGIServer" in u.name else u for u in USES],
+    ids=[f"{u.library}:{u.name}" for u in USES],
+)
 def test_each_private_name_is_as_gpu_tasks_uses_it(use):
     try:
         problem = use.check()
@@ -99,6 +104,7 @@ print("warned:", warned)
 """
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("prefect_server")
 def test_the_run_time_check_leaves_the_server_module_unimported_until_the_process_uses_it():
     """A flow run on a given server checks the private names it uses but does not import Prefect's
@@ -255,6 +261,7 @@ def test_docs_list_every_use():
     assert not missing, f"docs/operations.md does not list: {missing}"
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("prefect_server")
 def test_prefect_as_shipped_for_task_runs_gpu_tasks_does_not_run():
     """After a ProfileTaskRunner flow in this process (gpu-tasks' wrappers installed, its own

@@ -165,6 +165,7 @@ def test_any_emulated_spec_parses_or_raises_a_discovery_error(spec):
 
 
 # ---------------------------------------------------------- discovery command
+@pytest.mark.processes
 def test_discovery_command_good_json(tmp_path):
     cmd = _script(
         tmp_path,
@@ -179,11 +180,13 @@ def test_discovery_command_good_json(tmp_path):
     assert not any(d.emulated for d in devs)
 
 
+@pytest.mark.processes
 def test_discovery_command_without_name_defaults_to_gpu(tmp_path):
     cmd = _script(tmp_path, "print('{\"addresses\": []}')\n")
     assert run_discovery_command(cmd) == ()
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize(
     ("body", "needle"),
     [
@@ -209,12 +212,14 @@ def test_discovery_command_failures(tmp_path, body, needle):
     assert "discover.py" in msg
 
 
+@pytest.mark.processes
 def test_discovery_command_timeout(tmp_path):
     cmd = _script(tmp_path, "import time\ntime.sleep(30)\n")
     with pytest.raises(DeviceDiscoveryError, match="did not finish within 0.5s"):
         run_discovery_command(cmd, timeout=0.5)
 
 
+@pytest.mark.processes
 @pytest.mark.parametrize("command", ["/nonexistent/discover-gpus", "'unbalanced", "", "   "])
 def test_discovery_command_that_cannot_start(command):
     with pytest.raises(DeviceDiscoveryError, match="could not start"):
@@ -338,6 +343,7 @@ def test_emulated_beats_command_and_nvml(clean_env, tmp_path):
     assert "emulated" in inv.describe()
 
 
+@pytest.mark.processes
 def test_command_beats_nvml(clean_env, tmp_path):
     cmd = _script(tmp_path, 'print(\'{"name": "gpu", "addresses": ["4", "5"]}\')\n')
     clean_env.setenv("GPU_TASKS_DISCOVERY_COMMAND", cmd)
@@ -374,6 +380,7 @@ def test_blank_command_fails_discovery(clean_env):
         discover()
 
 
+@pytest.mark.processes
 def test_failing_command_fails_discovery(clean_env, tmp_path):
     clean_env.setenv("GPU_TASKS_DISCOVERY_COMMAND", _script(tmp_path, "print('nope')\n"))
     with pytest.raises(DeviceDiscoveryError, match="must print JSON"):

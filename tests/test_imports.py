@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 HEAVY = (
     "cudf",
     "cupy",
@@ -40,6 +42,7 @@ def _imported_by(code: str) -> list[str]:
     return list(json.loads(out.stdout.strip().splitlines()[-1]))
 
 
+@pytest.mark.processes
 def test_import_gpu_tasks_loads_no_gpu_or_model_library():
     code = (
         "import json, sys; import gpu_tasks; "
@@ -51,6 +54,7 @@ def test_import_gpu_tasks_loads_no_gpu_or_model_library():
 GPU_LIBRARIES = ("cudf", "cupy", "rmm", "dask_cuda", "dask_cudf", "pynvml")
 
 
+@pytest.mark.processes
 def test_gpu_libraries_stay_unimported_even_where_they_are_installed(tmp_path):
     """Here the GPU libraries are not installed, so the check above holds trivially for them.
     With importable stand-ins first on the path (each leaves a file when imported), importing
@@ -90,6 +94,7 @@ def test_gpu_libraries_stay_unimported_even_where_they_are_installed(tmp_path):
     assert probe.returncode == 0 and (marks / "pynvml").exists()
 
 
+@pytest.mark.processes
 def test_plugin_modules_never_import_the_pipeline_at_module_level():
     """Every plugin module (gpu_tasks/ outside gpu_tasks/pipeline/) imports without the pipeline or its
     libraries."""

@@ -228,3 +228,12 @@ def test_the_kind_check_sees_an_attribute_read(tmp_path: Path):
     sample.write_text("def f(prof):\n    return prof.is_local and prof.address\n")
     found = {n.attr for n in ast.walk(ast.parse(sample.read_text())) if isinstance(n, ast.Attribute)}
     assert KIND_ATTRIBUTES & found == {"is_local", "address"}
+
+
+def test_every_fast_tier_module_exists_and_is_not_also_heavy():
+    """A module renamed or moved would drop out of ./scripts/test --fast without a word."""
+    from conftest import FAST_MODULES, HEAVY_MODULES
+
+    repo = ROOT.parent
+    assert [m for m in FAST_MODULES if not (repo / m).is_file()] == []
+    assert set(FAST_MODULES) & set(HEAVY_MODULES) == set()

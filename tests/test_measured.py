@@ -250,6 +250,7 @@ def _hold(seconds: float) -> int:
     return 1
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("no_leaked_processes", "emulated")
 def test_a_flow_run_on_emulated_devices_says_not_measured(caplog):
     gpu = ResourceProfile(name="gpu-train", gpus=1, idle_timeout=30)
