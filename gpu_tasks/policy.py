@@ -6,8 +6,10 @@ what these functions decide, and tests exercise them without starting anything.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +21,7 @@ from gpu_tasks.allocation import (
     WORKER_ENV_PROFILE,
 )
 from gpu_tasks.devices.discovery import Device, Inventory
+from gpu_tasks.devices.topology import LEVEL_MEANS, LEVELS, Topology, level_class, level_rank
 from gpu_tasks.profiles import ResourceProfile
 
 GPU_RESOURCE = "GPU"
@@ -69,7 +72,7 @@ def unsatisfiable_reason(profile: ResourceProfile, inventory: Inventory) -> str 
             f"profile {profile.name!r} asks for {wanted} per task, but only {len(matching)} matching "
             f"device(s) exist; inventory: {inventory.describe()}"
         )
-    return None
+    return topology_reason(profile, inventory)
 
 
 def _describe_request(profile: ResourceProfile) -> str:
@@ -96,6 +99,198 @@ def device_groups(profile: ResourceProfile, devices: list[Device]) -> list[tuple
     if per == 0:
         return []
     return [tuple(devices[i : i + per]) for i in range(0, len(devices) - per + 1, per)]
+
+
+# ------------------------------------------------------------------ wiring
+# Which devices a worker group or a gang takes, by how they are wired (gpu_tasks.devices.topology).
+# The rule: the best level every pair of the set meets (LEVELS: nvlink, pcie-switch, socket, any),
+# then the worst path (more NVLinks better), then the fewest good links it cuts from the free
+# devices it leaves, then today's order (the devices as given: inventory order).
+_SEARCH_SETS = 400  # candidate sets looked at per level: an 8-GPU host has at most 70 of any size
+_SEARCH_STEPS = 20_000  # search steps per level before taking what was found
+
+
+def level_index(level: str | None) -> int:
+    """The index in :data:`~gpu_tasks.devices.topology.LEVELS` of ``level`` (``None``: "any")."""
+    return LEVELS.index(level) if level is not None else len(LEVELS) - 1
+
+
+def pair_class(topology: Topology, a: str, b: str) -> int:
+    """The best level (index in LEVELS) devices ``a`` and ``b`` meet: their path, or their NUMA node."""
+    na, nb = topology.numa_of(a), topology.numa_of(b)
+    return level_class(topology.link(a, b), same_numa=na is not None and na == nb)
+
+
+def set_level(topology: Topology, addresses: Sequence[str]) -> int:
+    """The level (index in LEVELS) every pair of ``addresses`` meets; 0 for a single device."""
+    return max((pair_class(topology, a, b) for a, b in itertools.combinations(addresses, 2)), default=0)
+
+
+def best_connected(
+    topology: Topology, free: Sequence[Device], n: int, at_most: int | None = None
+) -> tuple[Device, ...] | None:
+    """The best-connected ``n`` of ``free`` (in today's order), or ``None`` when there are fewer, or
+    (``at_most``: an index in LEVELS) none whose every pair meets that level.
+
+    Best: every pair on NVLink, else under one PCIe switch, else on one socket / NUMA node, else
+    anything; then the worst path's :func:`~gpu_tasks.devices.topology.level_rank`; then the fewest
+    good links cut between the set and the free devices it leaves (for one device: the one whose
+    partners are busy, so NVLink pairs and switch islands stay whole); then order. Pure.
+    """
+    if n <= 0 or n > len(free):
+        return None
+    limit = len(LEVELS) - 1 if at_most is None else at_most
+    if not topology.known:
+        return tuple(free[:n]) if limit == len(LEVELS) - 1 or n == 1 else None
+    addrs = [d.address for d in free]
+    m = len(addrs)
+    pairs = [[(i, j) for j in range(m)] for i in range(m)]
+    cls = [[0 if i == j else pair_class(topology, addrs[i], addrs[j]) for i, j in row] for row in pairs]
+    rank = [[0 if i == j else level_rank(topology.link(addrs[i], addrs[j])) for i, j in row] for row in pairs]
+    for level in range(limit + 1):
+        sets = _cliques(m, n, lambda i, j, level=level: cls[i][j] <= level)
+        if not sets:
+            continue
+
+        def key(chosen: tuple[int, ...]) -> tuple[Any, ...]:
+            worst = max((rank[i][j] for i, j in itertools.combinations(chosen, 2)), default=0)
+            inside = set(chosen)
+            cut = [0] * (len(LEVELS) - 1)
+            for i in chosen:
+                for j in range(m):
+                    if j not in inside and cls[i][j] < len(LEVELS) - 1:
+                        cut[cls[i][j]] += 1
+            return (worst, tuple(cut), chosen)
+
+        best = min(sets, key=key)
+        return tuple(free[i] for i in best)
+    return None
+
+
+def _cliques(m: int, n: int, joined: Any) -> list[tuple[int, ...]]:
+    """Up to ``_SEARCH_SETS`` sets of ``n`` of ``range(m)`` (in order) whose every pair is ``joined``."""
+    found: list[tuple[int, ...]] = []
+    steps = 0
+
+    def grow(chosen: list[int], candidates: list[int]) -> bool:
+        nonlocal steps
+        if len(chosen) == n:
+            found.append(tuple(chosen))
+            return len(found) >= _SEARCH_SETS
+        for k, i in enumerate(candidates):
+            steps += 1
+            if steps > _SEARCH_STEPS or len(chosen) + len(candidates) - k < n:
+                return steps > _SEARCH_STEPS
+            if grow([*chosen, i], [j for j in candidates[k + 1 :] if joined(i, j)]):
+                return True
+        return False
+
+    grow([], list(range(m)))
+    return found
+
+
+def wired_groups(
+    topology: Topology, devices: Sequence[Device], per: int, at_most: int | None = None
+) -> list[tuple[Device, ...]]:
+    """``devices`` cut into disjoint groups of ``per``, each the best-connected of what is left
+    (:func:`best_connected`), best groups first; with ``at_most``, only groups that meet that level."""
+    left = list(devices)
+    out: list[tuple[Device, ...]] = []
+    while per > 0 and len(left) >= per:
+        group = best_connected(topology, left, per, at_most)
+        if group is None:
+            break
+        out.append(group)
+        left = [d for d in left if d not in group]
+    return out
+
+
+def worker_groups(profile: ResourceProfile, inventory: Inventory) -> list[tuple[Device, ...]]:
+    """Every device group ``profile``'s workers may own on ``inventory`` (how many it may hold at once):
+    :func:`device_groups`; with a ``topology`` level, the groups cut by wiring that meet it."""
+    devices = matching_devices(profile, inventory)
+    if profile.topology is None:
+        return device_groups(profile, devices)
+    if not inventory.wiring.known:
+        return []
+    return wired_groups(inventory.wiring, devices, profile.devices_per_worker, level_index(profile.topology))
+
+
+def placement_groups(
+    profile: ResourceProfile,
+    topology: Topology,
+    devices: Sequence[Device],
+    free: set[str],
+    n_groups: int,
+) -> list[tuple[Device, ...]]:
+    """The device groups, disjoint and in the order to try, for ``n_groups`` new workers of ``profile``
+    on ``devices`` (its matching devices, today's order), ``free`` being the addresses free now.
+
+    First the best-connected free sets (:func:`best_connected`): one set of ``n_groups`` x n devices
+    for a gang, a set of n for each other worker; then the rest cut by wiring, which the device queue
+    waits for when nothing is free. A profile's ``topology`` level keeps out every group (a gang: every
+    set) that does not meet it. Without a known wiring: :func:`device_groups` (today's groups).
+    """
+    per = profile.devices_per_worker
+    required = None if profile.topology is None else level_index(profile.topology)
+    if not topology.known or per == 0:
+        return device_groups(profile, list(devices)) if required is None else []
+    idle = [d for d in devices if d.address in free]
+    out: list[tuple[Device, ...]] = []
+    if profile.gang:
+        whole = best_connected(topology, idle, n_groups * per, required)
+        if whole is None and required is not None:  # wait for the qualifying set with the most free now
+            whole = _fewest_busy(topology, devices, free, n_groups * per, required)
+        if whole is not None:
+            out = wired_groups(topology, whole, per)
+    else:
+        out = wired_groups(topology, idle, per, required)
+    taken = {d.address for g in out for d in g}
+    rest = [d for d in devices if d.address not in taken]
+    if profile.gang and required is not None:
+        return out  # another set may not meet the level with these groups: wait for this one
+    return out + wired_groups(topology, rest, per, required)
+
+
+def _fewest_busy(
+    topology: Topology, devices: Sequence[Device], free: set[str], n: int, at_most: int
+) -> tuple[Device, ...] | None:
+    """The best set of ``n`` that meets level ``at_most``, ties going to free devices."""
+    ordered = sorted(devices, key=lambda d: d.address not in free)  # stable: free first, then order
+    return best_connected(topology, ordered, n, at_most)
+
+
+def topology_reason(profile: ResourceProfile, inventory: Inventory) -> str | None:
+    """Why ``profile``'s ``topology`` level can never be met on ``inventory`` (``None``: it can, or
+    the profile requires none)."""
+    if profile.topology is None or not profile.is_gpu:
+        return None
+    devices = matching_devices(profile, inventory)
+    per = profile.devices_per_worker
+    size = per * (profile.max_workers or 1) if profile.gang else per
+    per_what = f"a gang of {profile.max_workers} worker(s)" if profile.gang else f"gpus={profile.gpus:g}"
+    what = f"{size} device(s) ({per_what})"
+    wiring = inventory.wiring
+    if not wiring.known:
+        return (
+            f"profile {profile.name!r} requires topology={profile.topology!r} for its {what}, but this "
+            f"host's wiring is {wiring.source}; remove topology, or on emulated devices declare a shape "
+            "(GPU_TASKS_EMULATED_GPUS='8/2s4-nvpairs')"
+        )
+    if best_connected(wiring, devices, size, level_index(profile.topology)) is None:
+        best = best_connected(wiring, devices, size)
+        got = (
+            f"the best set is {','.join(d.address for d in best)} "
+            f"({LEVELS[set_level(wiring, [d.address for d in best])]})"
+            if best
+            else f"only {len(devices)} matching device(s)"
+        )
+        return (
+            f"profile {profile.name!r} requires topology={profile.topology!r} "
+            f"({LEVEL_MEANS[profile.topology]}) for its {what}, but no such set of matching devices exists "
+            f"on this host: {got}; lower topology or remove it"
+        )
+    return None
 
 
 def cpu_count() -> int:

@@ -86,8 +86,11 @@ class GpuTasksSettings(BaseSettings):
     )
     emulated_gpus: str | None = Field(
         default=None,
-        description='Emulate devices: a count ("4") or "NAME:MEMORY,..." ("H100:80GiB,L4:24GiB").',
-        json_schema_extra=_doc(takes="a count, or NAME[:MEMORY][@PID:MEMORY] items", see="#devices"),
+        description='Emulate devices: a count ("4") or "NAME:MEMORY,..." ("H100:80GiB,L4:24GiB"), '
+        'optionally wired ("8*H100:80GiB/nvswitch").',
+        json_schema_extra=_doc(
+            takes="a count, or [N*]NAME[:MEMORY][@PID:MEMORY] items; then optionally /SHAPE", see="#devices"
+        ),
     )
     discovery_command: str | None = Field(
         default=None,

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
         (
             "gpu_tasks.profiles",
             "gpu_tasks.devices.discovery",
+            "gpu_tasks.devices.topology",
             "gpu_tasks.allocation",
             "gpu_tasks.policy",
             "gpu_tasks.preemption",

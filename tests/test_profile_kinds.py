@@ -38,6 +38,7 @@ SAMPLES = {
     "gpu_memory_per_task": {"gpu_memory_per_task": "8GiB"},
     "fallback": {"gpus": 1, "fallback": "cpu"},
     "processes": {"processes": True},
+    "topology": {"gpus": 2, "topology": "nvlink"},
     "cuda": {"gpus": 1, "cuda": {"rmm_pool_size": "1GiB"}},
     "gang": {"gpus": 1, "gang": True, "max_workers": 2},
     "max_workers": {"max_workers": 2},

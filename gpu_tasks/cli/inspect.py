@@ -62,17 +62,16 @@ def devices(
     queued = lease_waiters(settings)
     others = other_programs(inventory, settings)
     if as_json:
-        echo_json(
-            {
-                "source": inventory.source,
-                "emulated": inventory.emulated,
-                "detail": inventory.detail,
-                "devices": [
-                    device_json(d, held[d.address], others.get(d.address)) for d in inventory.devices
-                ],
-                "waiters": queued,
-            }
-        )
+        data: dict[str, Any] = {
+            "source": inventory.source,
+            "emulated": inventory.emulated,
+            "detail": inventory.detail,
+            "devices": [device_json(d, held[d.address], others.get(d.address)) for d in inventory.devices],
+            "waiters": queued,
+        }
+        if inventory.devices:  # how they are wired, as `nvidia-smi topo -m` (gpu_tasks.devices.topology)
+            data["topology"] = inventory.wiring.as_json()
+        echo_json(data)
         return
     if inventory.devices:
         table = Table(title="Devices")
@@ -96,6 +95,7 @@ def devices(
                 other_programs_text(use, settings),
             )
         console.print(table)
+        _wiring(inventory)
     else:
         say(
             "No devices: GPU profiles cannot run here. To try flows here anyway, set "
@@ -111,6 +111,33 @@ def devices(
             style="yellow",
         )
     say(source_line(inventory))
+
+
+def _wiring(inventory: Inventory) -> None:
+    """How the devices are wired, as ``nvidia-smi topo -m`` shows it (or why that is unknown)."""
+    wiring = inventory.wiring
+    if len(inventory.devices) < 2 and not wiring.known:
+        return
+    if not wiring.known:
+        say(f"Wiring: {wiring.source}.", style="dim")
+        return
+    table = Table(title=f"Wiring ({wiring.source})")
+    table.add_column("")
+    for address in wiring.addresses:
+        table.add_column(f"GPU{address}", overflow="fold")
+    table.add_column("CPU Affinity")
+    table.add_column("NUMA Affinity")
+    for i, address in enumerate(wiring.addresses):
+        numa = wiring.numa[i]
+        table.add_row(
+            f"GPU{address}", *wiring.matrix[i], wiring.cpus[i] or "-", "-" if numa is None else str(numa)
+        )
+    console.print(table)
+    say(
+        "NV<n>: n NVLinks; PIX: one PCIe switch; PXB: several PCIe switches; PHB: a PCIe host bridge; "
+        "NODE: within one NUMA node; SYS: across NUMA nodes (sockets); ?: unknown",
+        style="dim",
+    )
 
 
 # ------------------------------------------------------------------ profiles

@@ -16,16 +16,19 @@ from typing import Any
 
 from gpu_tasks.allocation import PLACEMENT_FREE_ENV
 from gpu_tasks.cluster import backends
-from gpu_tasks.devices import programs
+from gpu_tasks.devices import leases, programs
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Device, Inventory
+from gpu_tasks.devices.topology import LEVELS
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import (
     WorkerSpec,
     desired_workers,
-    device_groups,
     matching_devices,
     max_worker_count,
+    placement_groups,
+    set_level,
+    worker_groups,
     worker_spec,
 )
 from gpu_tasks.prefect_api.tag_slots import placement_tags_unlimited
@@ -83,9 +86,9 @@ class ProfileCluster:
         self.worker_env = worker_env
         self.provision_timeout = provision_timeout
         self.dashboard = dashboard
-        self.groups: list[tuple[Device, ...]] = (
-            device_groups(profile, matching_devices(profile, inventory)) if profile.is_gpu else []
-        )
+        # every group its workers may own (cut by wiring where it is known); a start or a growth
+        # chooses among them by what is free then (_placement)
+        self.groups: list[tuple[Device, ...]] = worker_groups(profile, inventory) if profile.is_gpu else []
         self.limit = max_worker_count(profile, len(self.groups))
         self.specs: list[WorkerSpec] = []
         self.retired: set[str] = set()  # names of workers removed one by one
@@ -164,14 +167,15 @@ class ProfileCluster:
         prepared = time.monotonic()
         self._placement_limits()
         try:
-            indexes = self._acquire(n_workers)
+            groups = self._acquire(n_workers)
         except BaseException:
             if backend is not None:
                 backend.close()
             raise
         finally:
             self.usage.skipped(self.book.skips(self.profile.name))
-        specs = [self._spec(i) for i in indexes]
+        specs = [self._spec(i, g) for i, g in enumerate(groups)]
+        self._say_wiring(groups)
         acquired = time.time()  # devices are held from here: start-up time counts as held
         t0 = time.monotonic()
         try:
@@ -244,17 +248,54 @@ class ProfileCluster:
             f"(devices: {','.join(devices) or 'none'}){within}: {type(exc).__name__}: {exc}"
         )
 
-    def _acquire(self, n_workers: int) -> list[int]:
-        """Indexes of the device groups leased for ``n_workers`` workers (CPU profiles: 0..n-1)."""
-        if self.profile.is_gpu and self.profile.gang:
-            return self._acquire_gang(n_workers)
-        if self.profile.is_gpu:
-            return self.book.acquire(
-                self.profile.name, self.groups, n_workers, block=True, **self._queueing()
-            )
-        return list(range(n_workers))
+    def _acquire(self, n_workers: int) -> list[tuple[Device, ...]]:
+        """The device groups leased for ``n_workers`` workers (CPU profiles: ``n_workers`` empty ones)."""
+        if not self.profile.is_gpu:
+            return [()] * n_workers
+        groups = self._placement(n_workers)
+        if self.profile.gang:
+            return [groups[i] for i in self._acquire_gang(groups, n_workers)]
+        indexes = self.book.acquire(self.profile.name, groups, n_workers, block=True, **self._queueing())
+        return [groups[i] for i in indexes]
 
-    def _acquire_gang(self, n_workers: int) -> list[int]:
+    def _placement(self, n_workers: int) -> list[tuple[Device, ...]]:
+        """The groups to lease ``n_workers`` new workers from, in the order to try them: by wiring where
+        it is known (:func:`gpu_tasks.policy.placement_groups`, the best-connected free sets first),
+        else :attr:`groups` as they are."""
+        wiring = self.inventory.wiring
+        if not wiring.known:
+            return self.groups
+        matching = matching_devices(self.profile, self.inventory)
+        addresses = [d.address for d in matching]
+        with self.book.cond:
+            mine = set(self.book.holders)
+        others = leases.holders(self.book.lease_dir, [a for a in addresses if a not in mine])
+        free = {a for a in addresses if a not in mine and others.get(a) is None}
+        return placement_groups(self.profile, wiring, matching, free, n_workers)
+
+    def _say_wiring(self, groups: list[tuple[Device, ...]]) -> None:
+        """Log how the devices just leased are wired (a profile without a ``topology`` level takes the
+        best set free, never waiting for a better one: this says which level it got)."""
+        wiring = self.inventory.wiring
+        if not wiring.known or not groups or self.profile.devices_per_worker == 0:
+            return
+        sets = [[d.address for d in g] for g in groups]
+        if self.profile.gang:  # a gang's workers talk to each other: its whole set counts
+            sets = [[a for s in sets for a in s]]
+        for addresses in sets:
+            if len(addresses) < 2:
+                continue
+            paths = sorted({wiring.link(a, b) for i, a in enumerate(addresses) for b in addresses[i + 1 :]})
+            logger.info(
+                "profile %r: devices %s are wired %s (level %s; topology=%r)",
+                self.profile.name,
+                ",".join(addresses),
+                "/".join(paths),
+                LEVELS[set_level(wiring, addresses)],
+                self.profile.topology,
+            )
+
+    def _acquire_gang(self, groups: list[tuple[Device, ...]], n_workers: int) -> list[int]:
         """All ``n_workers`` device groups at once, or none: a gang never starts partly.
 
         It waits in the device queue for all of them (by priority, then arrival), so two
@@ -264,7 +305,7 @@ class ProfileCluster:
         try:
             return self.book.acquire(
                 self.profile.name,
-                self.groups,
+                groups,
                 n_workers,
                 block=True,
                 at_least=n_workers,
@@ -284,9 +325,10 @@ class ProfileCluster:
         n_workers = min(n_workers, self.limit)
         if self.backend is None or not self.profile.is_gpu or n_workers <= len(self.specs):
             return len(self.specs)
+        groups = self._placement(n_workers - len(self.specs))
         indexes = self.book.acquire(
             self.profile.name,
-            self.groups,
+            groups,
             n_workers - len(self.specs),
             block=False,
             **self._queueing(),
@@ -294,7 +336,8 @@ class ProfileCluster:
         self.usage.skipped(self.book.skips(self.profile.name))
         if not indexes:
             return len(self.specs)  # other profiles hold the rest: tasks queue on the workers we have
-        new = [self._spec(i) for i in indexes]
+        new = [self._spec(len(self.specs) + k, groups[i]) for k, i in enumerate(indexes)]
+        self._say_wiring([groups[i] for i in indexes])
         total = len(self.specs) + len(new)
         acquired = time.time()
         try:
@@ -491,8 +534,9 @@ class ProfileCluster:
         kind = "emulated devices" if self.inventory.emulated else "devices"
         return f"{kind} {','.join(self.devices) or '?'}"
 
-    def _spec(self, index: int) -> WorkerSpec:
-        devices = self.groups[index] if self.profile.is_gpu else ()
+    def _spec(self, index: int, devices: tuple[Device, ...] | None = None) -> WorkerSpec:
+        if devices is None:
+            devices = self.groups[index] if self.profile.is_gpu else ()
         if self.profile.by_memory and devices:  # tasks are packed against what others leave free
             use = programs.sample(devices, self.book.lease_dir).get(devices[0].address)
             free_bytes = use.free if use is not None else None

@@ -21,6 +21,8 @@ from dask.utils import format_bytes, parse_bytes
 from pydantic import BaseModel, ConfigDict
 
 from gpu_tasks import _gpu
+from gpu_tasks.devices import topology as wiring
+from gpu_tasks.devices.topology import Topology
 from gpu_tasks.errors import DeviceDiscoveryError
 from gpu_tasks.settings import GpuTasksSettings, get_settings
 
@@ -88,6 +90,13 @@ class Inventory(BaseModel):
     devices: tuple[Device, ...] = ()
     source: Source = "none"
     detail: str = ""
+    # how the devices are wired (gpu_tasks.devices.topology); None: not read (unknown)
+    topology: Topology | None = None
+
+    @property
+    def wiring(self) -> Topology:
+        """:attr:`topology`, or an unknown one for these devices."""
+        return self.topology or Topology.unknown([d.address for d in self.devices])
 
     @property
     def emulated(self) -> bool:
@@ -105,10 +114,13 @@ class Inventory(BaseModel):
 
 _ITEM_RE = re.compile(r"^\s*([A-Za-z0-9][A-Za-z0-9 _.\-]*?)\s*(?::\s*([0-9.]+\s*[A-Za-z]*))?\s*$")
 _USE_RE = re.compile(r"^\s*([0-9]+)\s*:\s*([0-9.]+\s*[A-Za-z]*)\s*$")
+_REPEAT_RE = re.compile(r"^\s*([0-9]+)\s*\*(.*)$")
 EMULATED_HINT = (
     'GPU_TASKS_EMULATED_GPUS must be a count such as "4" or a list of NAME:MEMORY items such as '
     '"H100:80GiB,L4:24GiB"; an item may end in @PID:MEMORY for a program outside gpu-tasks that uses '
-    'that much of the device while the process PID runs ("H100:80GiB@4242:60GiB")'
+    'that much of the device while the process PID runs ("H100:80GiB@4242:60GiB"), and start with N* '
+    'for N such devices ("8*H100:80GiB"); the whole may end in /SHAPE for how the devices are wired '
+    '("8/nvswitch", "8*H100:80GiB/2s4-nvpairs")'
 )
 
 
@@ -146,10 +158,49 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
 
     ``@PID:MEMORY`` after an item declares a program outside gpu-tasks using ``MEMORY`` of that
     device while the process ``PID`` runs (:attr:`Device.emulated_use`; several may follow).
+    ``N*`` before an item repeats it N times (``8*H100:80GiB``). A ``/SHAPE`` ending declares the
+    wiring (:func:`gpu_tasks.devices.topology.emulated_topology`; :func:`emulated_inventory`).
 
     Raises:
         DeviceDiscoveryError: naming GPU_TASKS_EMULATED_GPUS, the bad item and the expected format.
     """
+    text, shape = wiring.split_shape(spec)
+    devices = _parse_devices(text)
+    if shape is not None:
+        wiring.check_shape(shape, len(devices), EMULATED_HINT)
+    return devices
+
+
+def emulated_inventory(spec: str) -> Inventory:
+    """The inventory ``GPU_TASKS_EMULATED_GPUS=spec`` gives: its devices and their declared wiring."""
+    devices = parse_emulated(spec)
+    shape = wiring.split_shape(spec)[1]
+    return Inventory(
+        devices=devices,
+        source="emulated",
+        detail=f"GPU_TASKS_EMULATED_GPUS={spec!r}",
+        topology=wiring.emulated_topology(shape, [d.address for d in devices]),
+    )
+
+
+def _repeat(items: list[str], hint: str) -> list[str]:
+    """``["2*H100:80GiB", "L4"]`` -> ``["H100:80GiB", "H100:80GiB", "L4"]``."""
+    out: list[str] = []
+    for i, item in enumerate(items):
+        match = _REPEAT_RE.match(item)
+        if match is None:
+            out.append(item)
+            continue
+        times = int(match.group(1))
+        if not 1 <= times <= 64 or not match.group(2).strip():
+            raise DeviceDiscoveryError(
+                f"{hint}; item {i + 1} ({item.strip()!r}): N*ITEM needs N from 1 to 64 and an item after '*'"
+            )
+        out.extend([match.group(2)] * times)
+    return out
+
+
+def _parse_devices(spec: str) -> tuple[Device, ...]:
     hint = EMULATED_HINT
     text = spec.strip()
     if not text:
@@ -171,7 +222,7 @@ def parse_emulated(spec: str) -> tuple[Device, ...]:
             for i in range(count)
         )
     devices = []
-    for i, item in enumerate(text.split(",")):
+    for i, item in enumerate(_repeat(text.split(","), hint)):
         device, *uses = item.split("@")
         match = _ITEM_RE.match(device)
         if not match:
@@ -324,17 +375,15 @@ def discover(settings: GpuTasksSettings | None = None) -> Inventory:
     """Discover this host's devices (see the module docstring for precedence)."""
     settings = settings or get_settings()
     if settings.emulated_gpus is not None:
-        devices = parse_emulated(settings.emulated_gpus)
-        return Inventory(
-            devices=devices,
-            source="emulated",
-            detail=f"GPU_TASKS_EMULATED_GPUS={settings.emulated_gpus!r}",
-        )
+        return emulated_inventory(settings.emulated_gpus)
     if settings.discovery_command:
         devices = run_discovery_command(settings.discovery_command)
         return Inventory(devices=devices, source="command", detail=settings.discovery_command)
     devices, note = nvml_devices()
-    return Inventory(devices=devices, source="nvml" if devices else "none", detail=note)
+    if not devices:
+        return Inventory(source="none", detail=note)
+    topology = wiring.nvml_topology([d.address for d in devices])
+    return Inventory(devices=devices, source="nvml", detail=note, topology=topology)
 
 
 @functools.lru_cache(maxsize=1)

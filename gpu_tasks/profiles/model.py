@@ -134,6 +134,7 @@ KIND_FIELDS: dict[str, tuple[frozenset[str], str, str]] = {
         "remove fallback, or add a CPU profile for that work",
     ),
     "processes": (_LOCAL, "tasks run on that cluster's worker processes", "remove processes"),
+    "topology": (_LOCAL, "it chooses among this host's devices by how they are wired", "remove topology"),
     "cuda": (
         _LOCAL,
         "dask-cuda options for the workers the runner starts here",
@@ -248,6 +249,12 @@ class ResourceProfile(BaseModel):
         default=None,
         description="CPU profiles: run the worker as a process (true) instead of threads in the flow "
         "process (unset, false); GPU workers are always processes.",
+    )
+    topology: Literal["nvlink", "pcie-switch", "socket"] | None = Field(
+        default=None,
+        description="Wiring a worker's devices (a gang's: all of them) must have, every pair: 'nvlink', "
+        "'pcie-switch' (one switch tree), 'socket' (one NUMA node); the profile waits for such a set. "
+        "None: the best set free now.",
     )
     gang: bool = Field(
         default=False,
@@ -412,7 +419,7 @@ class ResourceProfile(BaseModel):
                 "remove gpus (or remove gpu_memory_per_task and use gpus=1/k)"
             )
         if not self.is_gpu:
-            for field in ("gpu_memory_total", "gpu_memory_free", "gpu_model"):
+            for field in ("gpu_memory_total", "gpu_memory_free", "gpu_model", "topology"):
                 if getattr(self, field) is not None:
                     raise ValueError(
                         f"{field} needs gpus > 0 or gpu_memory_per_task; set one of them or remove {field}"
