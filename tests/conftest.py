@@ -68,6 +68,7 @@ FAST_MODULES = (
     "tests/test_measured.py",
     "tests/test_deployments.py",
     "tests/test_imports.py",
+    "tests/test_topology.py",
 )
 
 

@@ -326,6 +326,7 @@ def _where() -> dict:
     return {"devices": list(a.devices), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
+@pytest.mark.processes
 @pytest.mark.usefixtures("no_leaked_processes", "lease_dir")
 def test_a_two_device_task_gets_an_nvlink_pair(monkeypatch):
     """Device 0 is an L4, 1-7 H100s wired as 2s4-nvpairs: today's consecutive groups of the H100s
