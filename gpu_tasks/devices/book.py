@@ -80,7 +80,8 @@ class DeviceBook:
         self.preemption_grace = float(resolve(preemption_grace, "preemption_grace", settings))
         # on_preempting(owner, holders) -> None: a waiter past its grace asks preemptible holders
         self.on_preempting = on_preempting
-        self.held_info: dict[str, dict[str, Any]] = {}  # profile -> its priority, preemptible
+        self.held_info: dict[str, dict[str, Any]] = {}  # profile -> its priority, preemptible, min_run_time
+        self.since: dict[str, float] = {}  # address -> when its holder of this book took it
         self.priority_aging = float(resolve(priority_aging, "priority_aging", settings))
         self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
         self.quota_lease_seconds = float(resolve(quota_lease_seconds, "quota_lease_seconds", settings))
@@ -103,6 +104,7 @@ class DeviceBook:
         patient: bool = False,
         quota: str | None = None,
         need_memory: int | None = None,
+        min_run_time: float = 0.0,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
@@ -122,6 +124,8 @@ class DeviceBook:
                 group is taken only with room for it there, a wait for room is logged and
                 counts towards ``lease_timeout``, and a need larger than the quota fails fast.
             need_memory: bytes a device must have free (the profile's ``need_memory_free``).
+            min_run_time: seconds from taking a device during which ``owner``'s run on it is not
+                preempted (recorded with its leases; :func:`gpu_tasks.policy.choose_victims`).
 
         A device is taken only when programs outside gpu-tasks leave it be, sampled right after its
         lease is taken (:mod:`gpu_tasks.devices.programs`): their use over ``other_programs_memory``,
@@ -147,6 +151,7 @@ class DeviceBook:
             "quota": quota,
             "local": True,
             "need_memory": need_memory,
+            "min_run_time": float(min_run_time or 0.0),
         }
         waiter: leases.Waiter | None = None
         waited_since = time.monotonic()
@@ -191,7 +196,7 @@ class DeviceBook:
                     now, held_by, foreign, first, me.pop("quota_full", None), me.pop("programs", None)
                 )
                 if not log.asked and preemption.due(me, self.preemption_grace):
-                    log.asked = self._ask_preemptible_holders(owner, me)
+                    log.asked = self._ask_preemptible_holders(owner, me, log)
                 with self.cond:
                     self.cond.wait(timeout=0.5)
         finally:
@@ -207,6 +212,7 @@ class DeviceBook:
             for address in devices:
                 if self.holders.get(address) == owner:
                     del self.holders[address]
+                    self.since.pop(address, None)
                     leases.release(self.leases.pop(address, None), [address])
                     self._release_quota(address)
             self.cond.notify_all()
@@ -247,6 +253,8 @@ class DeviceBook:
                 info = dict(
                     leases.owner_info(owner, me["priority"]), preemptible=me["preemptible"], quota=me["quota"]
                 )
+                if me["min_run_time"] > 0:
+                    info["min_run_time"] = me["min_run_time"]
                 lease = leases.take(new, info, self.lease_dir) if new else None
                 if new and lease is None:
                     foreign.update(new)
@@ -262,9 +270,15 @@ class DeviceBook:
                 if lease is not None:
                     for address in new:
                         self.leases[address] = lease
+                for address in new:
+                    self.since[address] = float(lease.info["since"]) if lease is not None else time.time()
                 for d in g:
                     self.holders[d.address] = owner
-                self.held_info[owner] = {"priority": me["priority"], "preemptible": me["preemptible"]}
+                self.held_info[owner] = {
+                    "priority": me["priority"],
+                    "preemptible": me["preemptible"],
+                    "min_run_time": me["min_run_time"],
+                }
                 free.append(i)
         except OSError as exc:
             self._give_back(owner, [groups[i] for i in free])
@@ -280,6 +294,7 @@ class DeviceBook:
             for d in g:
                 if self.holders.get(d.address) == owner:
                     del self.holders[d.address]
+                    self.since.pop(d.address, None)
                     leases.release(self.leases.pop(d.address, None), [d.address])
                     self._release_quota(d.address)
 
@@ -370,7 +385,8 @@ class DeviceBook:
         """Who holds a device now: a profile of this book, another process's lease, or ``None``."""
         with self.cond:
             mine = {
-                a: {"profile": o, "local": True, **self.held_info.get(o, {})} for a, o in self.holders.items()
+                a: {"profile": o, "local": True, **self.held_info.get(o, {}), "since": self.since.get(a)}
+                for a, o in self.holders.items()
             }
         cache: dict[str, dict[str, Any] | None] = {}
 
@@ -383,11 +399,16 @@ class DeviceBook:
 
         return holder_of
 
-    def _ask_preemptible_holders(self, owner: str, me: dict[str, Any]) -> bool:
-        """Past its grace: say which preemptible holders give devices back to ``owner`` (once a wait)."""
+    def _ask_preemptible_holders(self, owner: str, me: dict[str, Any], log: _WaitLog) -> bool:
+        """Past its grace: say which preemptible holders give devices back to ``owner`` (once a wait),
+        or, while the work it could take back is inside its protected run time, until when it waits."""
         holder_of = self._holder_of()
-        victims = preemption.plan(me, holder_of)
+        now = time.time()
+        choice = preemption.choose(me, holder_of, now)
+        victims = list(choice.devices)
         if not victims:
+            if choice.protected_until is not None:
+                log.protected(now, choice.protected_until, self.holders_text(list(choice.protected)))
             return False
         holders = [{"address": a, **(holder_of(a) or {})} for a in victims]
         text = "; ".join(
@@ -528,6 +549,22 @@ class _WaitLog:
         self.asked = False  # said (once a wait) that preemptible holders give devices back
         self.last_quota: float | None = None
         self.last_programs: float | None = None
+        self.last_protected: float | None = None
+
+    def protected(self, now: float, until: float, holders: str) -> None:
+        """The work it could take back is protected (``min_run_time``) until ``until``: say so."""
+        if self.last_protected is not None and now - self.last_protected < self.book.log_every:
+            return
+        self.last_protected = now
+        logger.info(
+            "profile %r (priority %d): preemptible work it could take back is inside its protected run "
+            "time (min_run_time) until %s (in %.1fs): %s; it preempts then",
+            self.owner,
+            self.priority,
+            time.strftime("%H:%M:%S", time.localtime(until)),
+            max(0.0, until - now),
+            holders,
+        )
 
     def waiting(
         self,
