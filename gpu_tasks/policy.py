@@ -377,3 +377,21 @@ def choose_victims(
     return VictimChoice(
         protected_until=waits[-1][0], protected=tuple(sorted({a for _, devs in waits for a in devs}))
     )
+
+
+# ------------------------------------------------------------------ fair share: who is served next
+def decayed_usage(usage: float, at: float, now: float, half_life: float) -> float:
+    """``usage`` (device-seconds, as of ``at``) decayed to ``now``: halved every ``half_life``
+    seconds; 0 when fair share is off (``half_life`` 0)."""
+    if half_life <= 0 or usage <= 0:
+        return 0.0
+    return float(usage * 0.5 ** (max(0.0, now - at) / half_life))
+
+
+def waiter_rank(
+    priority: int, aging: float, arrived: float, now: float, usage: float = 0.0, name: str = "\uffff"
+) -> tuple[int, float, float, str]:
+    """Sort key of a device waiter at ``now`` (lower goes first): higher aged priority
+    (:func:`aged_priority`), then less decayed usage of its team (fair share; 0 for a waiter with no
+    team, or with fair share off), then earlier arrival, then ``name``."""
+    return (-aged_priority(priority, aging, now - arrived), usage, arrived, name)

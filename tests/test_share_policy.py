@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import threading
+
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gpu_tasks.policy import Holding, choose_victims
+from gpu_tasks.devices import fair_share, leases
+from gpu_tasks.policy import Holding, aged_priority, choose_victims, decayed_usage, waiter_rank
 from gpu_tasks.preemption import choose, plan
 
 NOW = 10_000.0
@@ -108,3 +111,77 @@ def test_never_a_victim_inside_its_protection_and_never_more_work_lost_than_need
     lost = sum(by_address[a].lost_work(NOW) for a in choice.devices)  # type: ignore[union-attr]
     assert lost <= sum(eligible[:need]) + 1e-6, "another choice loses less work"
     assert choice.protected_until is None
+
+
+# ------------------------------------------------------------------ fair share over time
+def test_usage_halves_every_half_life_and_is_nothing_when_off():
+    assert decayed_usage(100.0, at=NOW, now=NOW + 3600, half_life=3600) == 50.0
+    assert decayed_usage(100.0, at=NOW, now=NOW + 7200, half_life=3600) == 25.0
+    assert decayed_usage(100.0, at=NOW, now=NOW - 5, half_life=3600) == 100.0  # a clock step back
+    assert decayed_usage(100.0, at=NOW, now=NOW, half_life=0) == 0.0
+
+
+_waiters = st.lists(
+    st.tuples(st.integers(0, 3), st.floats(0, 5000), st.floats(NOW - 600, NOW)), min_size=2, max_size=8
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(waiters=_waiters)
+def test_equal_priority_waiters_are_served_least_usage_first_then_by_arrival(waiters):
+    order = sorted(waiters, key=lambda w: waiter_rank(w[0], 0.0, w[2], NOW, usage=w[1]))
+    for (p1, u1, a1), (p2, u2, a2) in zip(order, order[1:], strict=False):
+        assert p1 >= p2
+        if p1 == p2:
+            assert u1 <= u2 and (u1 < u2 or a1 <= a2)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    priority=st.integers(0, 5),
+    usage=st.floats(0, 1e7),
+    newcomer=st.integers(0, 10),
+    aging=st.sampled_from([1.0, 30.0, 60.0]),
+    later=st.floats(0, 3600),
+)
+def test_aging_still_prevents_starvation_whatever_the_usage(priority, usage, newcomer, aging, later):
+    """A waiter of the heaviest team is never passed by a newcomer of no usage that arrives
+    ``(p_new - p + 1) * aging`` seconds or more after it: by then it has earned one step more."""
+    arrived = NOW - 10_000.0
+    new_arrived = arrived + max(0, newcomer - priority + 1) * aging + later
+    now = new_arrived + later
+    old = waiter_rank(priority, aging, arrived, now, usage=usage, name="a")
+    new = waiter_rank(newcomer, aging, new_arrived, now, usage=0.0, name="b")
+    assert aged_priority(priority, aging, now - arrived) > aged_priority(newcomer, aging, now - new_arrived)
+    assert old < new
+
+
+def test_leases_rank_uses_the_team_of_each_waiter(tmp_path):
+    early = {"priority": 1, "arrived": NOW - 60, "quota": "heavy", "file": "a"}
+    late = {"priority": 1, "arrived": NOW, "quota": "light", "file": "b"}
+    none = {"priority": 1, "arrived": NOW - 1, "file": "c"}  # no team: no usage
+    usage = {"heavy": 500.0, "light": 2.0}
+    assert sorted([early, late, none], key=lambda w: leases.rank(w, NOW, usage)) == [none, late, early]
+    assert sorted([early, late, none], key=lambda w: leases.rank(w, NOW)) == [early, none, late]
+    assert leases.rank(dict(early, priority=2), NOW, usage) < leases.rank(late, NOW, usage)
+
+
+def test_the_usage_file_adds_up_under_its_lock_and_survives_a_reread(tmp_path):
+    lease_dir = tmp_path / "leases"
+    fair_share.add(lease_dir, {"a": 10.0, "b": 0.0, "": 5.0}, now=NOW, half_life=100)
+    assert fair_share.read(lease_dir, now=NOW + 100, half_life=100) == {"a": 5.0}
+    fair_share.add(lease_dir, {"a": 5.0}, now=NOW + 100, half_life=100)
+    assert fair_share.read(lease_dir, now=NOW + 100, half_life=100) == {"a": 10.0}
+    assert fair_share.read(lease_dir, now=NOW, half_life=0) == {}, "off: nothing counts"
+    assert fair_share.shares({"a": 3.0, "b": 1.0}) == {"a": 0.75, "b": 0.25}
+
+    def many():
+        for _ in range(50):  # each its own open file: flock keeps the threads apart as it does processes
+            fair_share.add(lease_dir, {"c": 1.0}, now=NOW, half_life=1e12)
+
+    threads = [threading.Thread(target=many) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert round(fair_share.read(lease_dir, now=NOW, half_life=1e12)["c"], 6) == 200.0
