@@ -484,3 +484,108 @@ def aged_priority(base: int, aging: float, waited: float) -> int:
     if aging <= 0 or not math.isfinite(waited) or waited <= 0:
         return base
     return base + math.floor(waited / aging)
+
+
+# ------------------------------------------------------------------ preemption: whose work stops
+@dataclass(frozen=True)
+class Holding:
+    """A device's holder as preemption judges it: may it be stopped, and what would stopping it lose.
+
+    ``since``: when its run on the device began (wall time: it took the device); ``None`` when
+    unknown (it then loses nothing and is protected by nothing). ``min_run_time``: seconds from
+    ``since`` during which its run is protected (the profile's ``min_run_time``; 0: never).
+    """
+
+    preemptible: bool
+    priority: int
+    since: float | None = None
+    min_run_time: float = 0.0
+
+    def protected_until(self) -> float | None:
+        """When its protection ends; ``None``: it has none."""
+        if self.since is None or self.min_run_time <= 0:
+            return None
+        return self.since + self.min_run_time
+
+    def lost_work(self, now: float) -> float:
+        """Seconds of its run that stopping it at ``now`` throws away."""
+        return max(0.0, now - self.since) if self.since is not None else 0.0
+
+
+@dataclass(frozen=True)
+class VictimChoice:
+    """What a waiter may take back now (:func:`choose_victims`).
+
+    ``devices``: the held devices to take back (empty: none, or none needed). ``protected_until``:
+    set when nothing is taken back now only because protected work stands in the way: the moment
+    enough of it has run its ``min_run_time``; ``protected``: those protected devices.
+    """
+
+    devices: tuple[str, ...] = ()
+    protected_until: float | None = None
+    protected: tuple[str, ...] = ()
+
+
+def choose_victims(
+    groups: Sequence[Sequence[tuple[str, Holding | None]]], need: int, priority: int, now: float
+) -> VictimChoice:
+    """The devices a waiter of ``priority`` takes back to start ``need`` of its device ``groups``.
+
+    Each group lists ``(address, holder)`` (``None``: free). A group may be taken when every holder
+    in it is preemptible, of lower priority than the waiter, and past its protected run time
+    (:meth:`Holding.protected_until`); a non-preemptible or not lower-priority holder rules its group
+    out for good. Of the groups that may be taken, the ``need`` that lose the least work (device-
+    seconds run so far by the holders stopped) are chosen, then those that stop the fewest devices,
+    then the first listed. When too few may be taken now but enough would once protected holders
+    have run their time, nothing is taken and the choice says until when the waiter waits.
+    """
+    need = max(1, need)
+    takeable: list[tuple[float, int, int, list[str]]] = []
+    blocked: list[tuple[float, list[str]]] = []  # (protection ends, protected devices) per group
+    for index, group in enumerate(groups):
+        victims: list[str] = []
+        lost, until, protected = 0.0, -math.inf, []
+        for address, holder in group:
+            if holder is None:
+                continue
+            if not holder.preemptible or holder.priority >= priority:
+                break
+            ends = holder.protected_until()
+            if ends is not None and ends > now:
+                until = max(until, ends)
+                protected.append(address)
+            victims.append(address)
+            lost += holder.lost_work(now)
+        else:
+            if protected:
+                blocked.append((until, protected))
+            else:
+                takeable.append((lost, len(victims), index, victims))
+    if len(takeable) >= need:
+        chosen = sorted(takeable)[:need]
+        return VictimChoice(devices=tuple(sorted({a for *_, victims in chosen for a in victims})))
+    short = need - len(takeable)
+    if len(blocked) < short:
+        return VictimChoice()
+    waits = sorted(blocked)[:short]
+    return VictimChoice(
+        protected_until=waits[-1][0], protected=tuple(sorted({a for _, devs in waits for a in devs}))
+    )
+
+
+# ------------------------------------------------------------------ fair share: who is served next
+def decayed_usage(usage: float, at: float, now: float, half_life: float) -> float:
+    """``usage`` (device-seconds, as of ``at``) decayed to ``now``: halved every ``half_life``
+    seconds; 0 when fair share is off (``half_life`` 0)."""
+    if half_life <= 0 or usage <= 0:
+        return 0.0
+    return float(usage * 0.5 ** (max(0.0, now - at) / half_life))
+
+
+def waiter_rank(
+    priority: int, aging: float, arrived: float, now: float, usage: float = 0.0, name: str = "\uffff"
+) -> tuple[int, float, float, str]:
+    """Sort key of a device waiter at ``now`` (lower goes first): higher aged priority
+    (:func:`aged_priority`), then less decayed usage of its team (fair share; 0 for a waiter with no
+    team, or with fair share off), then earlier arrival, then ``name``."""
+    return (-aged_priority(priority, aging, now - arrived), usage, arrived, name)

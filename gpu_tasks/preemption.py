@@ -6,8 +6,10 @@ the host, :mod:`gpu_tasks.devices.leases`) may have devices taken back for it fr
 (``GPU_TASKS_TUNE_PREEMPTION_GRACE``, recorded in its waiter info so that every process
 judges it alike). Only what lets the waiter start is taken back: enough of its device
 groups to satisfy it, each group either free or held only by such holders, the groups
-that preempt the fewest devices first. Work that is not preemptible, or of equal or
-higher priority, is never touched; aging (a waiter's effective priority) does not
+that lose the least work first (:func:`gpu_tasks.policy.choose_victims`). Work that is not
+preemptible, or of equal or higher priority, is never touched, nor work still inside its
+protected run time (its profile's ``min_run_time``, counted from when it took the device: the
+waiter waits until then); aging (a waiter's effective priority) does not
 preempt: the waiter's own ``priority`` is compared with the holder's.
 
 Every holder process runs :func:`plan` on the waiters it can see and stops its own
@@ -21,6 +23,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from gpu_tasks.policy import Holding, VictimChoice, choose_victims
 
 HolderOf = Callable[[str], "dict[str, Any] | None"]
 
@@ -40,33 +44,49 @@ def may_preempt(waiter: dict[str, Any], holder: dict[str, Any]) -> bool:
     )
 
 
-def plan(waiter: dict[str, Any], holder_of: HolderOf) -> list[str]:
-    """The devices whose holders must give them back so ``waiter`` can start; ``[]``: none.
+def holding(holder: dict[str, Any]) -> Holding:
+    """A holder's lease info (``preemptible``, ``priority``, ``since``, ``min_run_time``) as
+    :func:`gpu_tasks.policy.choose_victims` judges it."""
+    since = holder.get("since")
+    return Holding(
+        preemptible=bool(holder.get("preemptible")),
+        priority=int(holder.get("priority") or 0),
+        since=float(since) if since is not None else None,
+        min_run_time=float(holder.get("min_run_time") or 0.0),
+    )
+
+
+def choose(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None) -> VictimChoice:
+    """What ``waiter`` may take back at ``now`` (default: now): :func:`gpu_tasks.policy.choose_victims`
+    on its device groups and their holders.
 
     ``waiter["groups"]`` lists its device groups (address lists) and ``waiter["need"]``
     how many of them it needs at once (a gang: all); a waiter that registered without
     them wants any one of its ``addresses``. ``holder_of(address)`` is the holder's
-    info (``priority``, ``preemptible``), ``None`` when the device is free. Empty when
-    preempting cannot satisfy the waiter, or when it needs no preemption.
+    info (``priority``, ``preemptible``, ``since``, ``min_run_time``), ``None`` when the device is free.
     """
     groups = waiter.get("groups") or [[a] for a in waiter.get("addresses") or ()]
-    need = max(1, int(waiter.get("need") or 1))
-    options: list[tuple[int, int, list[str]]] = []
-    for index, group in enumerate(groups):
-        victims: list[str] = []
-        for address in group:
+    seen: dict[str, Holding | None] = {}
+
+    def judged(address: str) -> Holding | None:
+        if address not in seen:
             holder = holder_of(address)
-            if holder is None:
-                continue
-            if not may_preempt(waiter, holder):
-                break
-            victims.append(address)
-        else:
-            options.append((len(victims), index, victims))
-    if len(options) < need:
-        return []
-    chosen = sorted(options)[:need]
-    return sorted({a for _, _, victims in chosen for a in victims})
+            seen[address] = None if holder is None else holding(holder)
+        return seen[address]
+
+    return choose_victims(
+        [[(a, judged(a)) for a in group] for group in groups],
+        max(1, int(waiter.get("need") or 1)),
+        int(waiter.get("priority") or 0),
+        time.time() if now is None else now,
+    )
+
+
+def plan(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None) -> list[str]:
+    """The devices whose holders must give them back so ``waiter`` can start at ``now``; ``[]``: none
+    (preempting cannot satisfy it, protected work stands in the way, or it needs no preemption).
+    See :func:`choose`."""
+    return list(choose(waiter, holder_of, now).devices)
 
 
 def describe_waiter(waiter: dict[str, Any]) -> str:

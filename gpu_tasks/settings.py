@@ -242,6 +242,14 @@ class GpuTasksSettings(BaseSettings):
         doc=_doc(see="leases.md#fairness-and-aging"),
         ge=0,
     )
+    fair_share_half_life: float = _tune(
+        "fair_share_half_life",
+        3600.0,
+        "Half-life, in seconds, of each team's (quota's) recorded device use: among device waiters of "
+        "equal priority, the team that used the least goes first. 0: off (arrival order).",
+        doc=_doc(see="leases.md#fair-share"),
+        ge=0,
+    )
     quota_lease_seconds: float = _tune(
         "quota_lease_seconds",
         60.0,

@@ -321,6 +321,71 @@ def test_one_flow_run_preempts_its_own_preemptible_profile(tmp_path, lease_dir, 
     assert _events(str(run_id), "gpu-tasks.cluster.preempting")
 
 
+PROTECT_S = 4.0  # the batch profile's min_run_time in the test below
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_a_run_inside_its_min_run_time_is_preempted_only_once_it_has_run_it(tmp_path, lease_dir, monkeypatch):
+    """Protected run time, end to end: the urgent profile is past its grace at once, but the batch
+    run took its device less than ``min_run_time`` ago: the urgent one waits, says until when, and
+    preempts it once it has run its time (its lease info, read here, says when it took the device)."""
+    import logging
+
+    from prefect import flow, task
+
+    from gpu_tasks import ProfileTaskRunner, profile
+    from gpu_tasks.devices import leases
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    monkeypatch.setenv("GPU_TASKS_TUNE_PREEMPTION_GRACE", "0")
+    started = tmp_path / "batch-started"
+
+    @task
+    def work(name: str, seconds: float) -> str:
+        if name == "b" and not started.exists():
+            started.write_text(json.dumps({"at": time.time(), "lease": leases.holders(lease_dir)["0"]}))
+            seconds = BATCH_S
+        time.sleep(seconds)
+        return name.upper()
+
+    batch = ResourceProfile(name="batch", gpus=1, preemptible=True, min_run_time=PROTECT_S, idle_timeout=30)
+    urgent = ResourceProfile(name="urgent", gpus=1, priority=5, idle_timeout=0)
+
+    @flow(
+        task_runner=ProfileTaskRunner(
+            profiles=[ResourceProfile(name="cpu", cpus=0.5), batch, urgent], default="cpu"
+        )
+    )
+    def protected():
+        b = work.with_options(tags=[profile("batch")]).submit("b", 0.2)
+        deadline = time.monotonic() + 60
+        while not started.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        u = work.with_options(tags=[profile("urgent")]).submit("u", 0.2)
+        u.wait()
+        return time.time(), u.result(), b.result()
+
+    said: list[str] = []
+    book_log = logging.getLogger("gpu_tasks.devices.book")
+    hears = logging.Handler(logging.INFO)
+    hears.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    book_log.addHandler(hears)
+    try:
+        got_u, u_result, b_result = protected()
+    finally:
+        book_log.removeHandler(hears)
+    assert (u_result, b_result) == ("U", "B")
+    seen = json.loads(started.read_text())
+    lease = seen["lease"]
+    assert lease["profile"] == "batch" and lease["min_run_time"] == PROTECT_S
+    protected_until = float(lease["since"]) + PROTECT_S
+    print(f"urgent got the device {got_u - protected_until:.2f}s after the protection ended")
+    assert got_u >= protected_until, "preempted inside its protected run time"
+    assert got_u < seen["at"] + BATCH_S, "not preempted once past it"
+    waits = [m for m in said if "protected run time" in m]
+    assert waits and "profile 'urgent'" in waits[0] and "device 0: profile 'batch'" in waits[0], said
+
+
 @pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
 def test_another_flow_run_preempts_within_the_grace_and_the_task_runs_again(tmp_path, lease_dir):
     holder = {"name": "batch", "gpus": 1, "preemptible": True, "idle_timeout": 30}

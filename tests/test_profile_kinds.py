@@ -43,6 +43,7 @@ SAMPLES = {
     "gang": {"gpus": 1, "gang": True, "max_workers": 2},
     "max_workers": {"max_workers": 2},
     "preemptible": {"gpus": 1, "preemptible": True},
+    "min_run_time": {"gpus": 1, "preemptible": True, "min_run_time": 60},
     "quota": {"gpus": 1, "quota": "team-a"},
     "address": {"address": "tcp://127.0.0.1:8786"},
     "security": {"security": {"ca_file": "ca.pem"}},
@@ -249,6 +250,7 @@ UNITS = {
     "max_workers": "workers",
     "idle_timeout": "Seconds",
     "priority": "no unit",
+    "min_run_time": "Seconds",
 }
 
 

@@ -173,3 +173,47 @@ def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_di
     assert "held on this host by device" in waited[0]
     [row] = [q for q in quotas.usage(leases.holders(lease_dir)) if q["quota"] == quota]
     assert row["in_use"] == 0 and row["holders_here"] == []
+
+
+def test_fair_share_serves_the_team_that_used_less_and_the_cli_shows_it(quota, lease_dir):
+    """Fair share, wired end to end on a real device book, lease directory and quota limits: a team's
+    held device-seconds are recorded when it gives the device back; then a waiter of another flow run
+    (a waiter file) of that team, though it arrived first, lets a profile of an unused team of equal
+    priority go first; with the half-life at 0, arrival order again. ``gpu-tasks quotas`` shows both."""
+    import json
+
+    from gpu_tasks.devices import fair_share
+    from gpu_tasks.devices.book import DeviceBook
+    from gpu_tasks.devices.discovery import Device
+
+    heavy, light = f"{quota}-a", f"{quota}-b"
+    dev0 = (Device(address="0", index=0, name="EMU"),)
+    book = DeviceBook(lease_dir=lease_dir, lease_timeout=5, fair_share_half_life=3600)
+    waiter = None
+    try:
+        quotas.set_limit(heavy, 1)
+        quotas.set_limit(light, 1)
+        assert book.acquire("train-a", [dev0], 1, block=False, quota=heavy) == [0]
+        time.sleep(0.5)
+        book.release("train-a", ["0"])
+        used = fair_share.read(lease_dir)
+        assert 0.5 <= used[heavy] < 5 and light not in used, used
+        # another flow run's waiter of the heavy team, arrived first
+        info = dict(leases.owner_info("train-a2"), quota=heavy)
+        waiter = leases.enqueue(["0"], info, priority=0, arrived=time.time() - 5, lease_dir=lease_dir)
+        off = DeviceBook(lease_dir=lease_dir, lease_timeout=5, fair_share_half_life=0)
+        assert off.acquire("train-b", [dev0], 1, block=False, quota=light) == [], "off: arrival order"
+        assert book.acquire("train-b", [dev0], 1, block=False, quota=light) == [0], "the unused team first"
+        book.release("train-b", ["0"])
+        code, out = _cli("quotas", "--json")
+        assert code == 0, out
+        rows = {q["quota"]: q for q in json.loads(out)["quotas"]}
+        assert rows[heavy]["usage_device_seconds"] >= 0.5 and rows[heavy]["share"] > 0.5, rows[heavy]
+        assert rows[light]["share"] < 0.5, rows[light]
+        code, out = _cli("quotas")
+        assert code == 0 and "Share" in out and heavy in out, out
+    finally:
+        leases.dequeue(waiter)
+        book.close()
+        quotas.delete_limit(heavy)
+        quotas.delete_limit(light)

@@ -16,7 +16,7 @@ from gpu_tasks.cli.common import (
     load_settings,
     say,
 )
-from gpu_tasks.devices import leases
+from gpu_tasks.devices import fair_share, leases
 
 # ------------------------------------------------------------------- quotas
 quotas_app = typer.Typer(
@@ -44,13 +44,19 @@ def quotas_list(
     ctx: typer.Context,
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
 ) -> None:
-    """List every quota with its limit, the devices in use, and who holds them on this host."""
+    """List every quota with its limit, the devices in use, its team's decayed device use on this host
+    (fair share) and its share of all teams' use, and who holds its devices on this host."""
     if ctx.invoked_subcommand is not None:
         return
     from gpu_tasks.prefect_api import quotas
 
     settings = load_settings()
     rows = _quota_api("read the quotas", quotas.usage, leases.holders(settings.lease_dir))
+    used = fair_share.read(settings.lease_dir, half_life=settings.fair_share_half_life)
+    share = fair_share.shares(used)
+    for row in rows:
+        row["usage_device_seconds"] = round(used.get(row["quota"], 0.0), 3)
+        row["share"] = round(share.get(row["quota"], 0.0), 4)
     if as_json:
         echo_json({"quotas": rows})
         return
@@ -58,7 +64,8 @@ def quotas_list(
         say("No quotas: create one with `gpu-tasks quotas set NAME N` (a gpu-quota:NAME limit).")
         return
     table = Table(title="Quotas (Prefect global concurrency limits gpu-quota:<name>)")
-    for column in ("Quota", "Limit (devices)", "In use", "Active"):
+    half_life = f"half-life {settings.fair_share_half_life:g}s" if settings.fair_share_half_life else "off"
+    for column in ("Quota", "Limit (devices)", "In use", "Active", f"Usage (device-s, {half_life})", "Share"):
         table.add_column(column)
     table.add_column("Held on this host by", overflow="fold")
     for row in rows:
@@ -70,6 +77,8 @@ def quotas_list(
             str(row["limit"]),
             str(row["in_use"]),
             "yes" if row["active"] else "no",
+            f"{row['usage_device_seconds']:.1f}",
+            f"{100 * row['share']:.0f}%",
             Text(here or "-"),
         )
     console.print(table)

@@ -470,6 +470,8 @@ class ProfileCluster:
             "patient": self.preemptions > 0,
             # a device must have this much free when it is leased (programs outside gpu-tasks use the rest)
             "need_memory": self.profile.need_memory_free,
+            # its run on a device is not preempted for this long after it took the device
+            "min_run_time": self.profile.min_run_time or 0.0,
         }
 
     # ------------------------------------------------------------ preemption

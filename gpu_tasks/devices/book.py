@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_tasks import preemption
-from gpu_tasks.devices import leases, programs
+from gpu_tasks.devices import fair_share, leases, programs
 from gpu_tasks.devices.discovery import Device
 from gpu_tasks.devices.lease_files import LeaseFileError
 from gpu_tasks.errors import ClusterError
@@ -23,7 +23,7 @@ from gpu_tasks.settings import get_settings, resolve
 logger = logging.getLogger(__name__)
 
 # what a waiter file carries beyond leases.enqueue's own fields, for gpu_tasks.preemption
-_SHARED_WAITER_FIELDS = ("groups", "need", "preemptible", "preemption_grace")
+_SHARED_WAITER_FIELDS = ("groups", "need", "preemptible", "preemption_grace", "quota")
 _WRITABLE = "; set GPU_TASKS_LEASE_DIR to a directory this user can write"
 
 
@@ -60,6 +60,7 @@ class DeviceBook:
         priority_aging: float | None = None,
         quota_lease_seconds: float | None = None,
         other_programs_memory: int | None = None,
+        fair_share_half_life: float | None = None,
     ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
@@ -73,6 +74,7 @@ class DeviceBook:
             priority_aging,
             quota_lease_seconds,
             other_programs_memory,
+            fair_share_half_life,
         )
         settings = get_settings() if any(v is None for v in given) else None
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
@@ -80,7 +82,8 @@ class DeviceBook:
         self.preemption_grace = float(resolve(preemption_grace, "preemption_grace", settings))
         # on_preempting(owner, holders) -> None: a waiter past its grace asks preemptible holders
         self.on_preempting = on_preempting
-        self.held_info: dict[str, dict[str, Any]] = {}  # profile -> its priority, preemptible
+        self.held_info: dict[str, dict[str, Any]] = {}  # profile -> its priority, preemptible, min_run_time
+        self.since: dict[str, float] = {}  # address -> when its holder of this book took it
         self.priority_aging = float(resolve(priority_aging, "priority_aging", settings))
         self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
         self.quota_lease_seconds = float(resolve(quota_lease_seconds, "quota_lease_seconds", settings))
@@ -90,6 +93,10 @@ class DeviceBook:
         # bytes programs outside gpu-tasks may use on a device it leases (gpu_tasks.devices.programs)
         self.other_programs_memory = int(resolve(other_programs_memory, "other_programs_memory", settings))
         self.skipped: dict[str, list[str]] = {}  # profile -> why devices were skipped for it, for its ledger
+        # fair share (gpu_tasks.devices.fair_share): half-life of the teams' usage (0: off), and
+        # address -> (its holder's team, the time up to which its use is counted)
+        self.fair_share_half_life = float(resolve(fair_share_half_life, "fair_share_half_life", settings))
+        self.accounted: dict[str, tuple[str, float]] = {}
 
     def acquire(
         self,
@@ -103,6 +110,7 @@ class DeviceBook:
         patient: bool = False,
         quota: str | None = None,
         need_memory: int | None = None,
+        min_run_time: float = 0.0,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
 
@@ -122,6 +130,8 @@ class DeviceBook:
                 group is taken only with room for it there, a wait for room is logged and
                 counts towards ``lease_timeout``, and a need larger than the quota fails fast.
             need_memory: bytes a device must have free (the profile's ``need_memory_free``).
+            min_run_time: seconds from taking a device during which ``owner``'s run on it is not
+                preempted (recorded with its leases; :func:`gpu_tasks.policy.choose_victims`).
 
         A device is taken only when programs outside gpu-tasks leave it be, sampled right after its
         lease is taken (:mod:`gpu_tasks.devices.programs`): their use over ``other_programs_memory``,
@@ -147,6 +157,7 @@ class DeviceBook:
             "quota": quota,
             "local": True,
             "need_memory": need_memory,
+            "min_run_time": float(min_run_time or 0.0),
         }
         waiter: leases.Waiter | None = None
         waited_since = time.monotonic()
@@ -154,8 +165,9 @@ class DeviceBook:
         log = _WaitLog(self, owner, priority, sorted(wanted))
         try:
             while True:
+                usage = self._usage()  # the teams' decayed usage, read outside the lock
                 with self.cond:
-                    free, foreign, first = self._take_free(owner, groups, n, me)
+                    free, foreign, first = self._take_free(owner, groups, n, me, usage)
                     if len(free) < at_least:  # all or none: give the part back, keep waiting
                         self._give_back(owner, [groups[i] for i in free])
                         free = []
@@ -191,7 +203,7 @@ class DeviceBook:
                     now, held_by, foreign, first, me.pop("quota_full", None), me.pop("programs", None)
                 )
                 if not log.asked and preemption.due(me, self.preemption_grace):
-                    log.asked = self._ask_preemptible_holders(owner, me)
+                    log.asked = self._ask_preemptible_holders(owner, me, log)
                 with self.cond:
                     self.cond.wait(timeout=0.5)
         finally:
@@ -202,14 +214,47 @@ class DeviceBook:
             leases.dequeue(waiter)
 
     def release(self, owner: str, devices: Any) -> None:
-        """Give back ``devices`` held by ``owner`` (and this process's leases on them)."""
+        """Give back ``devices`` held by ``owner`` (and this process's leases on them); their use
+        since last counted goes to the owner's team (fair share)."""
+        now, used = time.time(), dict[str, float]()
         with self.cond:
             for address in devices:
                 if self.holders.get(address) == owner:
                     del self.holders[address]
+                    self.since.pop(address, None)
+                    if (counted := self.accounted.pop(address, None)) is not None:
+                        used[counted[0]] = used.get(counted[0], 0.0) + max(0.0, now - counted[1])
                     leases.release(self.leases.pop(address, None), [address])
                     self._release_quota(address)
             self.cond.notify_all()
+        self._count_use(used, now)
+
+    def accrue(self) -> None:
+        """Count the use of the devices still held so far (the idle monitor calls it every
+        :data:`gpu_tasks.devices.fair_share.ACCRUE_S`), so a long hold weighs before it ends."""
+        now, used = time.time(), dict[str, float]()
+        with self.cond:
+            for address, (team, since) in list(self.accounted.items()):
+                used[team] = used.get(team, 0.0) + max(0.0, now - since)
+                self.accounted[address] = (team, now)
+        self._count_use(used, now)
+
+    def _count_use(self, used: dict[str, float], now: float) -> None:
+        """Add ``used`` (device-seconds by team) to the lease directory's usage (no lock held)."""
+        if not used or self.fair_share_half_life <= 0:
+            return
+        try:
+            fair_share.add(self.lease_dir, used, now, self.fair_share_half_life)
+        except OSError:
+            logger.warning(
+                "gpu-tasks: could not record the teams' device use in %s", self.lease_dir, exc_info=True
+            )
+
+    def _usage(self) -> dict[str, float]:
+        """The teams' decayed usage now (``{}`` when fair share is off or it cannot be read)."""
+        if self.fair_share_half_life <= 0:
+            return {}
+        return fair_share.read(self.lease_dir, half_life=self.fair_share_half_life)
 
     def _take_free(
         self,
@@ -217,6 +262,7 @@ class DeviceBook:
         groups: list[tuple[Device, ...]],
         n: int,
         me: dict[str, Any],
+        usage: dict[str, float] | None = None,
     ) -> tuple[list[int], set[str], list[dict[str, Any]]]:
         """Hold up to ``n`` groups free in this book whose new devices lease now (under ``cond``).
 
@@ -237,8 +283,8 @@ class DeviceBook:
                 if any(h not in (None, owner) for h in held) or all(h == owner for h in held):
                     continue
                 if rivals is None:
-                    rivals = self._rivals(owner)
-                before = leases.ahead(me, rivals, [d.address for d in g], now)
+                    rivals = self._rivals(owner, usage or {})
+                before = leases.ahead(me, rivals, [d.address for d in g], now, usage)
                 if before:
                     first.update((id(w), w) for w in before)
                     foreign.update(d.address for d in g if any(not w.get("local") for w in before))
@@ -247,6 +293,8 @@ class DeviceBook:
                 info = dict(
                     leases.owner_info(owner, me["priority"]), preemptible=me["preemptible"], quota=me["quota"]
                 )
+                if me["min_run_time"] > 0:
+                    info["min_run_time"] = me["min_run_time"]
                 lease = leases.take(new, info, self.lease_dir) if new else None
                 if new and lease is None:
                     foreign.update(new)
@@ -262,9 +310,17 @@ class DeviceBook:
                 if lease is not None:
                     for address in new:
                         self.leases[address] = lease
+                for address in new:
+                    self.since[address] = float(lease.info["since"]) if lease is not None else time.time()
+                    if me["quota"] is not None:
+                        self.accounted[address] = (me["quota"], self.since[address])
                 for d in g:
                     self.holders[d.address] = owner
-                self.held_info[owner] = {"priority": me["priority"], "preemptible": me["preemptible"]}
+                self.held_info[owner] = {
+                    "priority": me["priority"],
+                    "preemptible": me["preemptible"],
+                    "min_run_time": me["min_run_time"],
+                }
                 free.append(i)
         except OSError as exc:
             self._give_back(owner, [groups[i] for i in free])
@@ -272,7 +328,7 @@ class DeviceBook:
         except BaseException:  # a quota the API could not answer for, an interrupt: nothing kept
             self._give_back(owner, [groups[i] for i in free])
             raise
-        return free, foreign, sorted(first.values(), key=lambda w: leases.rank(w, now))
+        return free, foreign, sorted(first.values(), key=lambda w: leases.rank(w, now, usage))
 
     def _give_back(self, owner: str, groups: list[tuple[Device, ...]]) -> None:
         """Undo a take of ``groups`` by ``owner`` (under ``cond``)."""
@@ -280,6 +336,8 @@ class DeviceBook:
             for d in g:
                 if self.holders.get(d.address) == owner:
                     del self.holders[d.address]
+                    self.since.pop(d.address, None)
+                    self.accounted.pop(d.address, None)
                     leases.release(self.leases.pop(d.address, None), [d.address])
                     self._release_quota(d.address)
 
@@ -309,11 +367,11 @@ class DeviceBook:
         with self.cond:
             return self.skipped.pop(owner, [])
 
-    def _rivals(self, owner: str) -> list[dict[str, Any]]:
+    def _rivals(self, owner: str, usage: dict[str, float]) -> list[dict[str, Any]]:
         """Other profiles' waiters in this book, and the live waiters of other books (processes)."""
         local = [w for w in self.waiting.values() if w["profile"] != owner]
         mine = {w.get("file") for w in self.waiting.values()}
-        return local + [w for w in leases.waiters(self.lease_dir) if w["file"] not in mine]
+        return local + [w for w in leases.waiters(self.lease_dir, usage) if w["file"] not in mine]
 
     def _enqueue(self, owner: str, me: dict[str, Any]) -> leases.Waiter:
         """Register ``me`` as a waiter file, so other processes let it go first when it ranks first."""
@@ -370,7 +428,8 @@ class DeviceBook:
         """Who holds a device now: a profile of this book, another process's lease, or ``None``."""
         with self.cond:
             mine = {
-                a: {"profile": o, "local": True, **self.held_info.get(o, {})} for a, o in self.holders.items()
+                a: {"profile": o, "local": True, **self.held_info.get(o, {}), "since": self.since.get(a)}
+                for a, o in self.holders.items()
             }
         cache: dict[str, dict[str, Any] | None] = {}
 
@@ -383,11 +442,16 @@ class DeviceBook:
 
         return holder_of
 
-    def _ask_preemptible_holders(self, owner: str, me: dict[str, Any]) -> bool:
-        """Past its grace: say which preemptible holders give devices back to ``owner`` (once a wait)."""
+    def _ask_preemptible_holders(self, owner: str, me: dict[str, Any], log: _WaitLog) -> bool:
+        """Past its grace: say which preemptible holders give devices back to ``owner`` (once a wait),
+        or, while the work it could take back is inside its protected run time, until when it waits."""
         holder_of = self._holder_of()
-        victims = preemption.plan(me, holder_of)
+        now = time.time()
+        choice = preemption.choose(me, holder_of, now)
+        victims = list(choice.devices)
         if not victims:
+            if choice.protected_until is not None:
+                log.protected(now, choice.protected_until, self.holders_text(list(choice.protected)))
             return False
         holders = [{"address": a, **(holder_of(a) or {})} for a in victims]
         text = "; ".join(
@@ -420,10 +484,11 @@ class DeviceBook:
                 return None
             local = [dict(w) for w in self.waiting.values()]
         files = {w.get("file") for w in local}
-        rivals = local + [w for w in leases.waiters(self.lease_dir) if w["file"] not in files]
+        usage = self._usage()
+        rivals = local + [w for w in leases.waiters(self.lease_dir, usage) if w["file"] not in files]
         now = time.time()
         holder_of: preemption.HolderOf | None = None
-        for waiter in sorted(rivals, key=lambda w: leases.rank(w, now)):
+        for waiter in sorted(rivals, key=lambda w: leases.rank(w, now, usage)):
             if not preemption.due(waiter, self.preemption_grace, now):
                 continue
             holder_of = holder_of or self._holder_of()
@@ -528,6 +593,22 @@ class _WaitLog:
         self.asked = False  # said (once a wait) that preemptible holders give devices back
         self.last_quota: float | None = None
         self.last_programs: float | None = None
+        self.last_protected: float | None = None
+
+    def protected(self, now: float, until: float, holders: str) -> None:
+        """The work it could take back is protected (``min_run_time``) until ``until``: say so."""
+        if self.last_protected is not None and now - self.last_protected < self.book.log_every:
+            return
+        self.last_protected = now
+        logger.info(
+            "profile %r (priority %d): preemptible work it could take back is inside its protected run "
+            "time (min_run_time) until %s (in %.1fs): %s; it preempts then",
+            self.owner,
+            self.priority,
+            time.strftime("%H:%M:%S", time.localtime(until)),
+            max(0.0, until - now),
+            holders,
+        )
 
     def waiting(
         self,

@@ -39,16 +39,16 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from gpu_tasks.devices import lease_files, presence
+from gpu_tasks.devices import fair_share, lease_files, presence
 from gpu_tasks.devices.lease_files import PREFIX, QUEUE, SUFFIX, lock_path
 from gpu_tasks.devices.lease_files import read_info as _read_info
 from gpu_tasks.devices.lease_files import write_info as _write_info
-from gpu_tasks.policy import aged_priority
+from gpu_tasks.policy import aged_priority, waiter_rank
 
 
 class Lease:
@@ -251,14 +251,16 @@ def dequeue(waiter: Waiter | None) -> None:
     _close_all(waiter.files)
 
 
-def waiters(lease_dir: Path | None = None) -> list[dict[str, Any]]:
-    """The live waiters in ``<lease_dir>/queue``, first-ranked first (see :func:`rank`).
+def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
+    """The live waiters in ``<lease_dir>/queue``, first-ranked first (see :func:`rank`; ``usage``: the
+    teams' decayed usage, read from the lease directory when not given).
 
     Each is its file's JSON plus ``file`` (its name). A file that a non-blocking lock
     attempt gets is a dead waiter's (its process ended without :func:`dequeue`, even
     by SIGKILL): it is left out and deleted.
     """
-    queue = _lease_dir(lease_dir) / QUEUE
+    lease_dir = _lease_dir(lease_dir)
+    queue = lease_dir / QUEUE
     now = time.time()
     out = []
     for path in sorted(queue.glob("*.json")) if queue.is_dir() else []:
@@ -282,7 +284,9 @@ def waiters(lease_dir: Path | None = None) -> list[dict[str, Any]]:
                 path.unlink()
         finally:
             os.close(fd)
-    return sorted(out, key=lambda w: rank(w, now))
+    if usage is None and out:
+        usage = fair_share.read(lease_dir, now)
+    return sorted(out, key=lambda w: rank(w, now, usage))
 
 
 def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
@@ -298,31 +302,43 @@ def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
     return aged_priority(int(info.get("priority") or 0), float(info.get("aging") or 0.0), waited)
 
 
-def rank(info: dict[str, Any], now: float | None = None) -> tuple[int, float, str]:
-    """Sort key of a waiter at ``now`` (lower goes first): higher :func:`effective_priority`,
-    earlier ``arrived``, ``file`` name.
+def rank(
+    info: dict[str, Any], now: float | None = None, usage: Mapping[str, float] | None = None
+) -> tuple[int, float, float, str]:
+    """Sort key of a waiter at ``now`` (lower goes first): higher :func:`effective_priority`, less
+    decayed usage of its team (its ``quota``, looked up in ``usage``: fair share,
+    :mod:`gpu_tasks.devices.fair_share`; none without a quota), earlier ``arrived``, ``file`` name
+    (:func:`gpu_tasks.policy.waiter_rank`).
 
     Compare keys taken at one ``now`` (as :func:`ahead` and :func:`waiters` do). A waiter
     without a file (one that has not registered) comes after every same-priority,
     same-arrival waiter with one.
     """
-    return (
-        -effective_priority(info, now),
+    team = info.get("quota")
+    return waiter_rank(
+        int(info.get("priority") or 0),
+        float(info.get("aging") or 0.0),
         float(info.get("arrived", math.inf)),
+        time.time() if now is None else now,
+        float((usage or {}).get(team, 0.0)) if team else 0.0,
         str(info.get("file") or "\uffff"),
     )
 
 
 def ahead(
-    me: dict[str, Any], others: Iterable[dict[str, Any]], addresses: Any, now: float | None = None
+    me: dict[str, Any],
+    others: Iterable[dict[str, Any]],
+    addresses: Any,
+    now: float | None = None,
+    usage: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """The waiters of ``others`` that rank before ``me`` at ``now`` (default: now) and want any of
-    ``addresses``, first first."""
+    """The waiters of ``others`` that rank before ``me`` at ``now`` (default: now; ``usage``: the teams'
+    decayed usage) and want any of ``addresses``, first first."""
     now = time.time() if now is None else now
-    key, wanted = rank(me, now), set(addresses)
+    key, wanted = rank(me, now, usage), set(addresses)
     return sorted(
-        (w for w in others if rank(w, now) < key and wanted.intersection(w.get("addresses") or ())),
-        key=lambda w: rank(w, now),
+        (w for w in others if rank(w, now, usage) < key and wanted.intersection(w.get("addresses") or ())),
+        key=lambda w: rank(w, now, usage),
     )
 
 

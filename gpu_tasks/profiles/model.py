@@ -150,6 +150,12 @@ KIND_FIELDS: dict[str, tuple[frozenset[str], str, str]] = {
         "the runner never starts or scales an existing cluster's workers",
         "remove max_workers",
     ),
+    "min_run_time": (
+        _LOCAL,
+        "it protects a run on this host's devices; a shared scheduler interrupts tasks by their waiters' "
+        "grace alone",
+        "remove min_run_time",
+    ),
     "preemptible": (
         frozenset({"local", "address"}),
         "its cluster manager grants and takes back devices",
@@ -269,6 +275,11 @@ class ResourceProfile(BaseModel):
         description="Its workers (on a shared scheduler: its running tasks) may be stopped and their tasks "
         "re-queued for a higher-priority waiter that waited GPU_TASKS_TUNE_PREEMPTION_GRACE seconds.",
     )
+    min_run_time: float | None = Field(
+        default=None,
+        description="Seconds a preemptible profile's run on a device is protected from preemption, "
+        "counted from when it took the device; preemption then stops the run that lost the least work.",
+    )
     quota: str | None = Field(
         default=None,
         description="Count its devices against this quota: at most N devices at once across all flow runs, "
@@ -332,12 +343,19 @@ class ResourceProfile(BaseModel):
             )
         return value
 
-    @field_validator("cpus", "gpus", "max_workers", "idle_timeout", "priority", mode="before")
+    @field_validator("cpus", "gpus", "max_workers", "idle_timeout", "priority", "min_run_time", mode="before")
     @classmethod
     def _not_bool(cls, value: Any) -> Any:
         # pydantic's lax mode reads true/false as 1/0, so `gpus = true` would ask for a device.
         if isinstance(value, bool):
             raise ValueError("must be a number, not true/false")
+        return value
+
+    @field_validator("min_run_time")
+    @classmethod
+    def _min_run_time(cls, value: float | None) -> float | None:
+        if value is not None and (not math.isfinite(value) or value < 0):
+            raise ValueError("must be a number of seconds, 0 or more, e.g. 600")
         return value
 
     @field_validator("cpus")
@@ -436,6 +454,11 @@ class ResourceProfile(BaseModel):
         for field in ("quota", "preemptible"):
             if getattr(self, field) not in (None, False) and not self.is_gpu:
                 raise ValueError(f"{field} applies to GPU profiles (gpus > 0); remove {field}")
+        if self.min_run_time is not None and not self.preemptible:
+            raise ValueError(
+                "min_run_time protects preemptible work from preemption; set preemptible=True or remove "
+                "min_run_time"
+            )
         if self.quota is not None and not _NAME_RE.match(self.quota):
             raise ValueError(
                 "quota must be a name of letters, digits, '_', '.', '-' (at most 63 characters); got "

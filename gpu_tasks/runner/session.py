@@ -24,6 +24,7 @@ from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import EMULATION_MEANS, Inventory, discover
+from gpu_tasks.devices.fair_share import ACCRUE_S
 from gpu_tasks.devices.measure import Sampler
 from gpu_tasks.policy import bound_at_most
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
@@ -82,6 +83,7 @@ class Live:
             preemption_grace=self.settings.preemption_grace,
             on_preempting=self._on_preempting,
             priority_aging=self.settings.priority_aging,
+            fair_share_half_life=self.settings.fair_share_half_life,
         )
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
         # events are sent in the flow run's context, also after Prefect left it (exit-time events):
@@ -177,7 +179,11 @@ class Live:
 
     def _watch(self) -> None:
         next_preemption_check = 0.0
+        next_accrual = time.monotonic() + ACCRUE_S
         while not self.stop.wait(self._interval()):
+            if time.monotonic() >= next_accrual:  # the teams' use of devices still held (fair share)
+                next_accrual = time.monotonic() + ACCRUE_S
+                self.book.accrue()
             if time.monotonic() >= next_preemption_check:
                 next_preemption_check = time.monotonic() + PREEMPTION_CHECK_S
                 try:
