@@ -34,6 +34,7 @@ import time
 import psutil
 import pytest
 from hypothesis import settings as _hypothesis
+from tiers import FAST_MODULES, HEAVY_MODULES
 
 # No wall-clock deadline on property tests (hypothesis' default fails an example slower than
 # 200 ms, which a loaded 2-core CI machine makes of a fast one): speed is measured in bench/
@@ -50,32 +51,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "would skew): run them with the rest (default), only them, or none (scripts/test runs the "
         "rest on several processes, then these one after another)",
     )
-
-
-# The fast tier (./scripts/test --fast): modules of pure logic and in-process checks. Their tests
-# start no process (no Prefect server, no worker, no script; the `no_processes` guard below fails
-# one that does; a test of these modules that must start one is marked `processes` and left to the
-# full suite) and the tier runs in under 2 minutes; everything runs in the full suite too.
-FAST_MODULES = (
-    "tests/test_artifacts.py",
-    "tests/test_devices.py",
-    "tests/test_faults_report.py",
-    "tests/test_layout.py",
-    "tests/test_policy.py",
-    "tests/test_profiles.py",
-    "tests/test_profile_kinds.py",
-    "tests/test_remote_profiles.py",
-    "tests/pipeline/test_data.py",
-    "tests/pipeline/test_etl.py",
-    "tests/pipeline/test_settings.py",
-    "tests/faults/test_worker_interrupts.py",
-    "tests/test_cli.py",
-    "tests/test_compat.py",
-    "tests/test_measured.py",
-    "tests/test_deployments.py",
-    "tests/test_imports.py",
-    "tests/test_topology.py",
-)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -104,22 +79,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
     if workers > 1:
         items[:] = _heavy_modules_first(items, workers)
-
-
-# Seconds each module's tests took in the parallel phase (2026-11-27, /work/main, three processes;
-# modules over 75 s): the order the processes start on, not a bound. Stale figures cost only balance.
-HEAVY_MODULES = {
-    "tests/remote_clusters/test_netns.py": 308,  # one host set of namespaces at a time: keep it whole
-    "tests/test_preemption.py": 239,
-    "tests/test_gpu_check.py": 169,
-    "tests/remote_clusters/test_address.py": 118,
-    "tests/test_conformance.py": 108,
-    "tests/test_runner.py": 103,
-    "tests/faults/test_api_busy.py": 101,
-    "tests/faults/test_ctrl_c.py": 101,
-    "tests/remote_clusters/test_shared_policies.py": 81,
-    "tests/pipeline/test_main_job.py": 78,
-}
 
 
 def _heavy_modules_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:

@@ -233,7 +233,7 @@ def test_the_kind_check_sees_an_attribute_read(tmp_path: Path):
 
 def test_every_fast_tier_module_exists_and_is_not_also_heavy():
     """A module renamed or moved would drop out of ./scripts/test --fast without a word."""
-    from conftest import FAST_MODULES, HEAVY_MODULES
+    from tiers import FAST_MODULES, HEAVY_MODULES
 
     repo = ROOT.parent
     assert [m for m in FAST_MODULES if not (repo / m).is_file()] == []
