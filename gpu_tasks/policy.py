@@ -404,6 +404,8 @@ class WorkerSpec:
     resources: dict[str, float]
     env: dict[str, str] = field(default_factory=dict)
     memory_limit: int | None = None
+    # the CPUs its process is pinned to (``0-3``), or why not (gpu_tasks.worker.affinity); "" for none
+    cpus: str = ""
 
 
 def task_resources(profile: ResourceProfile) -> dict[str, float] | None:

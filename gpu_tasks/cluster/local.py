@@ -8,6 +8,7 @@ this module only acts on them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -36,13 +37,15 @@ from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import Held, LedgerRow, Usage
 from gpu_tasks.reporting.measured import NOT_EMULATED
 from gpu_tasks.settings import GpuTasksSettings, get_settings
+from gpu_tasks.worker import affinity
 
 logger = logging.getLogger(__name__)
 
 
 def _held(specs: list[WorkerSpec]) -> list[Held]:
     return [
-        Held(s.name, tuple(d.address for d in s.devices), tuple(d.model() for d in s.devices)) for s in specs
+        Held(s.name, tuple(d.address for d in s.devices), tuple(d.model() for d in s.devices), s.cpus)
+        for s in specs
     ]
 
 
@@ -535,6 +538,16 @@ class ProfileCluster:
         return f"{kind} {','.join(self.devices) or '?'}"
 
     def _spec(self, index: int, devices: tuple[Device, ...] | None = None) -> WorkerSpec:
+        spec = self._plain_spec(index, devices)
+        if not spec.devices:
+            return spec
+        # on its devices' CPUs (gpu_tasks.worker.affinity: the worker applies, the ledger records)
+        env, record = affinity.plan(
+            self.profile.cpu_affinity, [self.inventory.wiring.cpus_of(d.address) for d in spec.devices]
+        )
+        return dataclasses.replace(spec, env={**spec.env, affinity.ENV: env}, cpus=record)
+
+    def _plain_spec(self, index: int, devices: tuple[Device, ...] | None = None) -> WorkerSpec:
         if devices is None:
             devices = self.groups[index] if self.profile.is_gpu else ()
         if self.profile.by_memory and devices:  # tasks are packed against what others leave free

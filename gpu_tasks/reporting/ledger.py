@@ -39,6 +39,8 @@ class DeviceSpan:
     tasks: int = 0
     # what NVML measured of it while held (gpu_tasks.reporting.measured); says why when not measured
     measured: Measured | None = None
+    # the CPUs its worker's process was pinned to (``0-3``), or why not (gpu_tasks.worker.affinity)
+    cpus: str = ""
 
     @property
     def held_seconds(self) -> float:
@@ -65,6 +67,7 @@ class DeviceSpan:
             "busy_s": round(self.busy_seconds, 3),
             "tasks": self.tasks,
             "measured": self.measured.as_dict() if self.measured is not None else None,
+            "cpus": self.cpus,
         }
 
 
@@ -93,6 +96,8 @@ class LedgerRow:
     skipped: tuple[str, ...] = ()
     # measured use of its devices (SM %, peak memory; gpu_tasks.reporting.measured); None: CPU row
     measured: Measured | None = None
+    # each GPU worker's CPUs: ``devices 0,1: 0-3``, or why not pinned (gpu_tasks.worker.affinity)
+    cpu_affinity: tuple[str, ...] = ()
 
     @property
     def utilization(self) -> float:
@@ -118,6 +123,7 @@ class LedgerRow:
             "spans": [span.as_dict() for span in self.spans],
             "skipped": list(self.skipped),
             "measured": self.measured.as_dict() if self.measured is not None else None,
+            "cpu_affinity": list(self.cpu_affinity),
         }
 
 
@@ -148,12 +154,15 @@ def device_spans(
     start: float,
     end: float,
     intervals: Sequence[tuple[float, float]],
+    cpus: str = "",
 ) -> tuple[DeviceSpan, ...]:
     """The spans of one worker's ``(device, model)`` ``devices``, held from ``start`` to ``end``, whose
-    tasks ran over ``intervals`` (each device of a multi-device worker ran all of them)."""
+    tasks ran over ``intervals`` (each device of a multi-device worker ran all of them); ``cpus``: its
+    process's CPUs, or why not pinned."""
     busy = tuple((max(s, start), min(e, end)) for s, e in merge_intervals(intervals) if s < end and e > start)
     return tuple(
-        DeviceSpan(device, model, profile, start, end, busy, len(intervals)) for device, model in devices
+        DeviceSpan(device, model, profile, start, end, busy, len(intervals), cpus=cpus)
+        for device, model in devices
     )
 
 
@@ -173,6 +182,7 @@ class Held:
     name: str
     devices: tuple[str, ...]
     models: tuple[str, ...] = ()
+    cpus: str = ""  # its process's CPUs (``0-3``), or why not pinned; "" for none (CPU workers)
 
     def named_devices(self) -> list[tuple[str, str]]:
         """``(device, model)`` of each device ("" where the model is unknown)."""
@@ -262,7 +272,7 @@ class Usage:
                 busy += union_seconds(intervals) * weight
                 spans.extend(
                     measured_span(span, self.samples)
-                    for span in device_spans(profile, w.named_devices(), started, closed, intervals)
+                    for span in device_spans(profile, w.named_devices(), started, closed, intervals, w.cpus)
                 )
         measured = [span.measured for span in spans if span.measured is not None]
         return LedgerRow(
@@ -279,6 +289,9 @@ class Usage:
             spans=tuple(spans),
             skipped=skipped,
             measured=combine(measured) if measured else None,
+            cpu_affinity=tuple(
+                f"devices {','.join(w.devices)}: {w.cpus}" for w in workers if w.devices and w.cpus
+            ),
             **waits,
         )
 
