@@ -377,6 +377,62 @@ def test_cpu_affinity_is_a_local_field():
         ResourceProfile(name="a", address="tcp://127.0.0.1:8786", cpu_affinity=False)
 
 
+# ------------------------------------------------------------------ what a gang ran on, recorded
+def test_a_gangs_worst_link_and_a_better_set_that_existed():
+    from gpu_tasks.policy import gang_wiring
+
+    inventory = emulated_inventory(PAIRS)
+    devices = inventory.devices
+    # across sockets while socket 0's four existed (busy or free)
+    assert gang_wiring(inventory.wiring, ["2", "3", "4", "5"], devices) == ("SYS", "0,1,2,3 (socket)")
+    assert gang_wiring(inventory.wiring, ["0", "1", "2", "3"], devices) == ("NODE", "")
+    assert gang_wiring(inventory.wiring, ["0", "1"], devices) == ("NV4", "")
+    assert gang_wiring(inventory.wiring, ["0"], devices) == ("", "")
+    assert gang_wiring(Topology.unknown(["0", "1"]), ["0", "1"], devices[:2]) == ("", "")
+
+
+def test_the_ledger_timeline_events_and_advice_record_a_gangs_wiring():
+    from gpu_tasks.reporting.artifacts import TABLE_ROW_CHARS, timeline_markdown
+    from gpu_tasks.reporting.events import device_payload
+    from gpu_tasks.reporting.ledger import right_size
+
+    usage = Usage()
+    workers = [Held(f"g-gpu{d}", (d,), ("H100 80 GiB, emulated",), "") for d in "2345"]
+    usage.held(workers, since=100.0)
+    usage.gang(("2", "3", "4", "5"), "SYS", "0,1,2,3 (socket)")
+    row = usage.row("gang", workers, emulated=True, closed=110.0, reason="done")
+    assert (row.gang, row.worst_link, row.better_set) == (("2", "3", "4", "5"), "SYS", "0,1,2,3 (socket)")
+    data = row.as_dict()
+    assert (
+        data["gang"] == "2,3,4,5" and data["worst_link"] == "SYS" and data["better_set"] == "0,1,2,3 (socket)"
+    )
+    [*_, (profile, line, measured)] = right_size([row])
+    assert profile == "gang" and measured is None
+    assert line == (
+        "profile 'gang': its gang ran across sockets (devices 2,3,4,5: SYS) while 0,1,2,3 (socket) "
+        "existed; topology='socket' waits for such a set"
+    )
+    text = timeline_markdown([row]) or ""
+    assert "- profile gang: 2,3,4,5, worst SYS; better wired: 0,1,2,3 (socket)" in text and line in text
+    table = [t for t in text.splitlines() if t.startswith("|")]
+    assert table and max(len(t) for t in table) <= TABLE_ROW_CHARS
+    # a gang on one NVLink pair: recorded, no advice
+    usage.reset()
+    usage.held(workers[:2], since=100.0)
+    usage.gang(("0", "1"), "NV4", "")
+    pair = usage.row("pair", workers[:2], emulated=True, closed=110.0, reason="done")
+    assert pair.worst_link == "NV4" and right_size([pair])[1:] == []
+    assert usage.row("w", workers[:1], True, 111.0, "retired", whole=False).gang == ()
+    # the lease events carry it
+    payload = {"workers": 4, "gang": "2,3,4,5", "worst_link": "SYS"}
+    assert device_payload("gang", None, payload) == {
+        "profile": "gang",
+        "gang": "2,3,4,5",
+        "worst_link": "SYS",
+    }
+    assert device_payload("one", "idle", {"workers": 1}) == {"profile": "one", "reason": "idle"}
+
+
 # ------------------------------------------------------------------ gpu-tasks devices
 def test_devices_shows_the_wiring_matrix_and_its_json(monkeypatch):
     monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", PAIRS)

@@ -25,6 +25,7 @@ from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import (
     WorkerSpec,
     desired_workers,
+    gang_wiring,
     matching_devices,
     max_worker_count,
     placement_groups,
@@ -149,6 +150,12 @@ class ProfileCluster:
     def provisioned_at(self) -> float | None:
         """When the running cluster's devices were acquired (``None`` when not running)."""
         return self.usage.provisioned_at
+
+    @property
+    def gang_wiring(self) -> dict[str, str]:
+        """A running gang's devices and the worst link between them, for its events (``{}`` else)."""
+        gang, worst, _ = self.usage.gang_wiring
+        return {"gang": ",".join(gang), "worst_link": worst} if gang and worst else {}
 
     @property
     def dashboard_link(self) -> str | None:
@@ -285,6 +292,8 @@ class ProfileCluster:
         sets = [[d.address for d in g] for g in groups]
         if self.profile.gang:  # a gang's workers talk to each other: its whole set counts
             sets = [[a for s in sets for a in s]]
+            worst, better = gang_wiring(wiring, sets[0], matching_devices(self.profile, self.inventory))
+            self.usage.gang(tuple(sets[0]), worst, better)
         for addresses in sets:
             if len(addresses) < 2:
                 continue

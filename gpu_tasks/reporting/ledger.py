@@ -98,6 +98,11 @@ class LedgerRow:
     measured: Measured | None = None
     # each GPU worker's CPUs: ``devices 0,1: 0-3``, or why not pinned (gpu_tasks.worker.affinity)
     cpu_affinity: tuple[str, ...] = ()
+    # a gang's devices, the worst link between any two (``SYS``), and a better-wired set of matching
+    # devices that existed on the host when it was placed (``0,1,2,3 (socket)``; "" when none)
+    gang: tuple[str, ...] = ()
+    worst_link: str = ""
+    better_set: str = ""
 
     @property
     def utilization(self) -> float:
@@ -124,6 +129,9 @@ class LedgerRow:
             "skipped": list(self.skipped),
             "measured": self.measured.as_dict() if self.measured is not None else None,
             "cpu_affinity": list(self.cpu_affinity),
+            "gang": ",".join(self.gang),
+            "worst_link": self.worst_link,
+            "better_set": self.better_set,
         }
 
 
@@ -202,6 +210,12 @@ class Usage:
         self._skipped: list[str] = []
         self.samples = Samples()  # filled by the sampler thread (gpu_tasks.devices.measure)
         self._lock = threading.Lock()
+        self.gang_wiring: tuple[tuple[str, ...], str, str] = ((), "", "")
+
+    def gang(self, devices: tuple[str, ...], worst: str, better: str) -> None:
+        """The cluster is a gang on ``devices``, ``worst`` the worst link between them, ``better`` a
+        better-wired set that existed (:func:`gpu_tasks.policy.gang_wiring`)."""
+        self.gang_wiring = (devices, worst, better)
 
     def waited(self, devices: float = 0.0, slots: float = 0.0) -> None:
         """The cluster's start waited ``devices`` s for devices; a task of it waited ``slots`` s for
@@ -256,6 +270,7 @@ class Usage:
         held = busy = 0.0
         spans: list[DeviceSpan] = []
         waits = self.waits() if whole else {}
+        gang, worst, better = self.gang_wiring if whole else ((), "", "")
         with self._lock:
             skipped = tuple(self._skipped) if whole else ()
             if whole:
@@ -289,10 +304,14 @@ class Usage:
             spans=tuple(spans),
             skipped=skipped,
             measured=combine(measured) if measured else None,
+            gang=gang,
+            worst_link=worst,
+            better_set=better,
             cpu_affinity=tuple(
                 f"devices {','.join(w.devices)}: {w.cpus}" for w in workers if w.devices and w.cpus
             ),
-            **waits,
+            wait_devices_seconds=waits.get("wait_devices_seconds", 0.0),
+            wait_slots_seconds=waits.get("wait_slots_seconds", 0.0),
         )
 
     def forget(self, worker: Held) -> None:
@@ -313,15 +332,33 @@ class Usage:
             self._waits = {"devices": 0.0, "slots": 0.0}
             self._skipped = []
             self.samples.by_device.clear()
+            self.gang_wiring = ((), "", "")
+
+
+def wiring_advice(rows: Sequence[LedgerRow]) -> list[tuple[str, str]]:
+    """``(profile, line)`` for each gang of ``rows`` that ran across sockets (a ``SYS`` link between
+    two of its devices) while a better-wired set of its matching devices existed on the host."""
+    out: list[tuple[str, str]] = []
+    for r in rows:
+        if r.worst_link == "SYS" and r.better_set:
+            line = (
+                f"profile {r.profile!r}: its gang ran across sockets (devices {','.join(r.gang)}: SYS) "
+                f"while {r.better_set} existed; topology='socket' waits for such a set"
+            )
+            if (r.profile, line) not in out:
+                out.append((r.profile, line))
+    return out
 
 
 def right_size(rows: Sequence[LedgerRow]) -> list[tuple[str, str, Measured | None]]:
     """``(profile, line, measured)`` for each GPU profile of a run's ledger ``rows`` that used much less
-    than it held (:func:`gpu_tasks.reporting.measured.advice`). Emulated devices: one line,
-    ``GPU use not measured (emulated devices)``, with no profile and no numbers."""
+    than it held (:func:`gpu_tasks.reporting.measured.advice`), then each gang that ran across
+    sockets while a better set existed (:func:`wiring_advice`, no numbers). Emulated devices: one
+    line, ``GPU use not measured (emulated devices)``, with no profile and no numbers, then those."""
+    wired: list[tuple[str, str, Measured | None]] = [(p, line, None) for p, line in wiring_advice(rows)]
     gpu = [r for r in rows if r.devices and r.measured is not None]
     if any(r.emulated for r in gpu):
-        return [("", EMULATED_ADVICE, None)]
+        return [("", EMULATED_ADVICE, None), *wired]
     out: list[tuple[str, str, Measured | None]] = []
     for profile in dict.fromkeys(r.profile for r in gpu):
         mine = [r for r in gpu if r.profile == profile]
@@ -330,7 +367,7 @@ def right_size(rows: Sequence[LedgerRow]) -> list[tuple[str, str, Measured | Non
         line = advice(profile, devices, measured)
         if line is not None:
             out.append((profile, line, measured))
-    return out
+    return out + wired
 
 
 _ENDED: dict[uuid.UUID, list[LedgerRow]] = {}  # final ledgers of the last flow runs that ended here
