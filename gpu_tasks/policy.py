@@ -126,6 +126,24 @@ def set_level(topology: Topology, addresses: Sequence[str]) -> int:
     return max((pair_class(topology, a, b) for a, b in itertools.combinations(addresses, 2)), default=0)
 
 
+def gang_wiring(topology: Topology, chosen: Sequence[str], candidates: Sequence[Device]) -> tuple[str, str]:
+    """``(worst link, better set)`` of a gang that runs on ``chosen``: the worst path between any two
+    of its devices (``SYS``), and the best-connected set of that size among ``candidates`` (its
+    matching devices, busy or free) when that set meets a better level (``0,1,2,3 (socket)``), else
+    ``""``. ``("", "")`` for fewer than two devices or unknown wiring."""
+    if len(chosen) < 2 or not topology.known:
+        return "", ""
+    pairs = itertools.combinations(chosen, 2)
+    worst = max((topology.link(a, b) for a, b in pairs), key=level_rank)
+    best = best_connected(topology, candidates, len(chosen))
+    if best is None:
+        return worst, ""
+    addresses = [d.address for d in best]
+    level = set_level(topology, addresses)
+    better = level < set_level(topology, chosen)
+    return worst, f"{','.join(addresses)} ({LEVELS[level]})" if better else ""
+
+
 def best_connected(
     topology: Topology, free: Sequence[Device], n: int, at_most: int | None = None
 ) -> tuple[Device, ...] | None:
@@ -404,6 +422,8 @@ class WorkerSpec:
     resources: dict[str, float]
     env: dict[str, str] = field(default_factory=dict)
     memory_limit: int | None = None
+    # the CPUs its process is pinned to (``0-3``), or why not (gpu_tasks.worker.affinity); "" for none
+    cpus: str = ""
 
 
 def task_resources(profile: ResourceProfile) -> dict[str, float] | None:

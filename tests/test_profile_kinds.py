@@ -39,6 +39,7 @@ SAMPLES = {
     "fallback": {"gpus": 1, "fallback": "cpu"},
     "processes": {"processes": True},
     "topology": {"gpus": 2, "topology": "nvlink"},
+    "cpu_affinity": {"gpus": 1, "cpu_affinity": False},
     "cuda": {"gpus": 1, "cuda": {"rmm_pool_size": "1GiB"}},
     "gang": {"gpus": 1, "gang": True, "max_workers": 2},
     "max_workers": {"max_workers": 2},

@@ -20,7 +20,17 @@ from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, pr
 from gpu_tasks.cli import app
 from gpu_tasks.devices import topology as topo
 from gpu_tasks.devices.discovery import Device, Inventory, discover, emulated_inventory, parse_emulated
-from gpu_tasks.devices.topology import LEVELS, Topology, add_nvlinks, cpu_list, nvml_topology, pcie_matrix
+from gpu_tasks.devices.topology import (
+    LEVELS,
+    Topology,
+    add_nvlinks,
+    cpu_list,
+    format_cpus,
+    nvml_topology,
+    parse_cpus,
+    pcie_matrix,
+    worker_cores,
+)
 from gpu_tasks.errors import DeviceDiscoveryError, ProfileError
 from gpu_tasks.policy import (
     best_connected,
@@ -30,7 +40,9 @@ from gpu_tasks.policy import (
     unsatisfiable_reason,
     worker_groups,
 )
+from gpu_tasks.reporting.ledger import Held, Usage
 from gpu_tasks.settings import GpuTasksSettings
+from gpu_tasks.worker import affinity
 
 GiB = 2**30
 PAIRS = "8*H100:80GiB/2s4-nvpairs"
@@ -301,6 +313,126 @@ def test_the_topology_field_is_for_gpu_profiles_only():
         ResourceProfile(name="p", gpus=2, topology="nvswitch")
 
 
+# ------------------------------------------------------------------ CPU affinity, pure
+def test_cpu_lists_read_and_write():
+    assert parse_cpus("0-3,8, 10-11") == {0, 1, 2, 3, 8, 10, 11} and parse_cpus("") == frozenset()
+    assert format_cpus({11, 0, 1, 2, 3, 8, 10}) == "0-3,8,10-11" and format_cpus([]) == ""
+    for bad in ("a", "3-1", "-1"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_a_workers_cores_are_its_devices_cores_it_may_use():
+    # the union of its devices' CPUs, within what this process may use
+    assert worker_cores(["0-3", "8-11"], range(16)) == (frozenset({0, 1, 2, 3, 8, 9, 10, 11}), "0-3,8-11")
+    assert worker_cores(["0-47,96-143"], {1, 2, 100, 200}) == (frozenset({1, 2, 100}), "1-2,100")
+    # never an empty set: declared cores this machine lacks, unknown CPUs, no device
+    assert worker_cores(["8-15"], {0, 1}) == (None, "not applied: cores 8-15 not available here")
+    assert worker_cores(["0-3", None], {0, 1}) == (None, "not applied: the device's CPUs are unknown")
+    assert worker_cores([], {0, 1}) == (None, "not applied: no device")
+
+
+def test_a_shape_may_declare_each_sockets_cores():
+    wiring = emulated_inventory("4*H100:80GiB/2s2-nvpairs-c8").wiring
+    assert wiring.cpus == ("0-7", "0-7", "8-15", "8-15") and wiring.link("0", "1") == "NV4"
+    assert wiring.cpus_of("2") == "8-15" and wiring.cpus_of("9") is None
+    assert emulated_inventory("2/2s1-c1").wiring.cpus == ("0", "1")
+    assert emulated_inventory("4/nvswitch-c2").wiring.cpus == ("0-1", "0-1", "2-3", "2-3")
+    assert emulated_inventory(PAIRS).wiring.cpus == (None,) * 8  # undeclared: unknown, as before
+    with pytest.raises(DeviceDiscoveryError, match="-c<C>"):
+        parse_emulated("2/2s1-c0")
+
+
+def test_the_plan_a_worker_gets_and_dask_cudas_pinning_left_out():
+    allowed = os.sched_getaffinity(0)
+    mine = format_cpus(allowed)
+    assert affinity.plan(True, [mine]) == (mine, mine)
+    assert affinity.plan(False, [mine]) == ("", affinity.OFF)
+    assert affinity.plan(True, ["4096-4100"]) == ("", "not applied: cores 4096-4100 not available here")
+    # dask-cuda's CPUAffinity plugin (matched by name and package: dask-cuda is not installed here)
+    from gpu_tasks.compat.dask_cuda import without_cpu_affinity
+
+    theirs = type("CPUAffinity", (), {"__module__": "dask_cuda.plugins"})()
+    other = type("RMMSetup", (), {"__module__": "dask_cuda.plugins"})()
+    namesake = type("CPUAffinity", (), {"__module__": "someone_else"})()
+    assert without_cpu_affinity({theirs, other, namesake}) == {other, namesake}
+    assert without_cpu_affinity(None) == set()
+
+
+def test_the_ledger_records_each_workers_cpus():
+    usage = Usage()
+    workers = [Held("w0", ("0", "1"), ("H100",) * 2, "0-3"), Held("w1", ("2",), ("H100",), affinity.OFF)]
+    usage.held(workers, since=100.0)
+    row = usage.row("train", workers, emulated=True, closed=110.0, reason="done")
+    assert row.cpu_affinity == ("devices 0,1: 0-3", "devices 2: off (cpu_affinity=False)")
+    assert [s.cpus for s in row.spans] == ["0-3", "0-3", affinity.OFF]
+    data = row.as_dict()
+    assert data["cpu_affinity"] == list(row.cpu_affinity) and data["spans"][2]["cpus"] == affinity.OFF
+
+
+def test_cpu_affinity_is_a_local_field():
+    assert ResourceProfile(name="g", gpus=1).cpu_affinity is True
+    assert ResourceProfile(name="g", gpus=1, cpu_affinity=False).cpu_affinity is False
+    with pytest.raises(ProfileError, match="cpu_affinity"):
+        ResourceProfile(name="a", address="tcp://127.0.0.1:8786", cpu_affinity=False)
+
+
+# ------------------------------------------------------------------ what a gang ran on, recorded
+def test_a_gangs_worst_link_and_a_better_set_that_existed():
+    from gpu_tasks.policy import gang_wiring
+
+    inventory = emulated_inventory(PAIRS)
+    devices = inventory.devices
+    # across sockets while socket 0's four existed (busy or free)
+    assert gang_wiring(inventory.wiring, ["2", "3", "4", "5"], devices) == ("SYS", "0,1,2,3 (socket)")
+    assert gang_wiring(inventory.wiring, ["0", "1", "2", "3"], devices) == ("NODE", "")
+    assert gang_wiring(inventory.wiring, ["0", "1"], devices) == ("NV4", "")
+    assert gang_wiring(inventory.wiring, ["0"], devices) == ("", "")
+    assert gang_wiring(Topology.unknown(["0", "1"]), ["0", "1"], devices[:2]) == ("", "")
+
+
+def test_the_ledger_timeline_events_and_advice_record_a_gangs_wiring():
+    from gpu_tasks.reporting.artifacts import TABLE_ROW_CHARS, timeline_markdown
+    from gpu_tasks.reporting.events import device_payload
+    from gpu_tasks.reporting.ledger import right_size
+
+    usage = Usage()
+    workers = [Held(f"g-gpu{d}", (d,), ("H100 80 GiB, emulated",), "") for d in "2345"]
+    usage.held(workers, since=100.0)
+    usage.gang(("2", "3", "4", "5"), "SYS", "0,1,2,3 (socket)")
+    row = usage.row("gang", workers, emulated=True, closed=110.0, reason="done")
+    assert (row.gang, row.worst_link, row.better_set) == (("2", "3", "4", "5"), "SYS", "0,1,2,3 (socket)")
+    data = row.as_dict()
+    assert (
+        data["gang"] == "2,3,4,5" and data["worst_link"] == "SYS" and data["better_set"] == "0,1,2,3 (socket)"
+    )
+    [*_, (profile, line, measured)] = right_size([row])
+    assert profile == "gang" and measured is None
+    assert line == (
+        "profile 'gang': its gang ran across sockets (devices 2,3,4,5: SYS) while 0,1,2,3 (socket) "
+        "existed; topology='socket' waits for such a set"
+    )
+    text = timeline_markdown([row]) or ""
+    assert "- profile gang: 2,3,4,5, worst SYS; better wired: 0,1,2,3 (socket)" in text and line in text
+    table = [t for t in text.splitlines() if t.startswith("|")]
+    assert table and max(len(t) for t in table) <= TABLE_ROW_CHARS
+    # a gang on one NVLink pair: recorded, no advice
+    usage.reset()
+    usage.held(workers[:2], since=100.0)
+    usage.gang(("0", "1"), "NV4", "")
+    pair = usage.row("pair", workers[:2], emulated=True, closed=110.0, reason="done")
+    assert pair.worst_link == "NV4" and right_size([pair])[1:] == []
+    assert usage.row("w", workers[:1], True, 111.0, "retired", whole=False).gang == ()
+    # the lease events carry it
+    payload = {"workers": 4, "gang": "2,3,4,5", "worst_link": "SYS"}
+    assert device_payload("gang", None, payload) == {
+        "profile": "gang",
+        "gang": "2,3,4,5",
+        "worst_link": "SYS",
+    }
+    assert device_payload("one", "idle", {"workers": 1}) == {"profile": "one", "reason": "idle"}
+
+
 # ------------------------------------------------------------------ gpu-tasks devices
 def test_devices_shows_the_wiring_matrix_and_its_json(monkeypatch):
     monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", PAIRS)
@@ -324,6 +456,42 @@ def test_devices_shows_the_wiring_matrix_and_its_json(monkeypatch):
 def _where() -> dict:
     a = current_allocation()
     return {"devices": list(a.devices), "visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+
+@task
+def _cpus() -> dict:
+    return {"devices": list(current_allocation().devices), "cpus": sorted(os.sched_getaffinity(0))}
+
+
+@pytest.mark.processes
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two usable CPU cores (0 and 1)")
+@pytest.mark.usefixtures("no_leaked_processes", "lease_dir")
+def test_a_worker_runs_on_its_devices_cores_unless_the_profile_says_not(monkeypatch):
+    """Two devices, one per socket of one core each (the shape declares device 0 on core 0, device 1
+    on core 1): the pinned profile's task runs on its device's core; cpu_affinity=False keeps the
+    flow process's CPUs."""
+    assert {0, 1} <= os.sched_getaffinity(0)
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "2*H100:80GiB/2s1-c1")
+    pinned = ResourceProfile(name="pinned", gpus=1, max_workers=1, idle_timeout=30)
+    loose = ResourceProfile(name="loose", gpus=1, max_workers=1, idle_timeout=30, cpu_affinity=False)
+    box = []
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="cpu"), pinned, loose], default="cpu"))
+    def f():
+        from prefect.context import FlowRunContext
+
+        box.append(FlowRunContext.get().task_runner)
+        a = _cpus.with_options(tags=[profile_tag("pinned")]).submit()
+        b = _cpus.with_options(tags=[profile_tag("loose")]).submit()
+        return a.result(), b.result()
+
+    got, kept = f()
+    [device] = got["devices"]
+    assert got["cpus"] == [int(device)]  # device 0 on core 0, device 1 on core 1
+    assert kept["cpus"] == sorted(os.sched_getaffinity(0)) and kept["devices"] != got["devices"]
+    rows = {r.profile: r for r in box[0].ledger}
+    assert rows["pinned"].cpu_affinity == (f"devices {device}: {device}",)
+    assert rows["loose"].cpu_affinity == (f"devices {kept['devices'][0]}: off (cpu_affinity=False)",)
 
 
 @pytest.mark.processes

@@ -531,6 +531,8 @@ def _own_device_cluster_class(base: type) -> type:
         return cls
     from distributed import Nanny
 
+    from gpu_tasks.compat.dask_cuda import without_cpu_affinity
+    from gpu_tasks.worker import affinity
     from gpu_tasks.worker.exits import WatchedNanny
     from gpu_tasks.worker.guard import preload_options
 
@@ -555,6 +557,8 @@ def _own_device_cluster_class(base: type) -> type:
                 options["env"] = dict(self._gpu_tasks_specs[own].env)
                 options["resources"] = dict(self._gpu_tasks_specs[own].resources)
                 options["nthreads"] = self._gpu_tasks_specs[own].nthreads  # gpu_memory_per_task: per device
+                if affinity.ENV in options["env"]:  # gpu-tasks pins the worker's CPUs, dask-cuda does not
+                    options["plugins"] = without_cpu_affinity(options.get("plugins"))
                 if worker.get("cls") is Nanny:
                     worker["cls"] = WatchedNanny
                 options.update(preload_options(options.get("preload", []), options.get("preload_argv", [])))

@@ -8,6 +8,7 @@ this module only acts on them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -24,6 +25,7 @@ from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import (
     WorkerSpec,
     desired_workers,
+    gang_wiring,
     matching_devices,
     max_worker_count,
     placement_groups,
@@ -36,13 +38,15 @@ from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.ledger import Held, LedgerRow, Usage
 from gpu_tasks.reporting.measured import NOT_EMULATED
 from gpu_tasks.settings import GpuTasksSettings, get_settings
+from gpu_tasks.worker import affinity
 
 logger = logging.getLogger(__name__)
 
 
 def _held(specs: list[WorkerSpec]) -> list[Held]:
     return [
-        Held(s.name, tuple(d.address for d in s.devices), tuple(d.model() for d in s.devices)) for s in specs
+        Held(s.name, tuple(d.address for d in s.devices), tuple(d.model() for d in s.devices), s.cpus)
+        for s in specs
     ]
 
 
@@ -146,6 +150,12 @@ class ProfileCluster:
     def provisioned_at(self) -> float | None:
         """When the running cluster's devices were acquired (``None`` when not running)."""
         return self.usage.provisioned_at
+
+    @property
+    def gang_wiring(self) -> dict[str, str]:
+        """A running gang's devices and the worst link between them, for its events (``{}`` else)."""
+        gang, worst, _ = self.usage.gang_wiring
+        return {"gang": ",".join(gang), "worst_link": worst} if gang and worst else {}
 
     @property
     def dashboard_link(self) -> str | None:
@@ -282,6 +292,8 @@ class ProfileCluster:
         sets = [[d.address for d in g] for g in groups]
         if self.profile.gang:  # a gang's workers talk to each other: its whole set counts
             sets = [[a for s in sets for a in s]]
+            worst, better = gang_wiring(wiring, sets[0], matching_devices(self.profile, self.inventory))
+            self.usage.gang(tuple(sets[0]), worst, better)
         for addresses in sets:
             if len(addresses) < 2:
                 continue
@@ -537,6 +549,16 @@ class ProfileCluster:
         return f"{kind} {','.join(self.devices) or '?'}"
 
     def _spec(self, index: int, devices: tuple[Device, ...] | None = None) -> WorkerSpec:
+        spec = self._plain_spec(index, devices)
+        if not spec.devices:
+            return spec
+        # on its devices' CPUs (gpu_tasks.worker.affinity: the worker applies, the ledger records)
+        env, record = affinity.plan(
+            self.profile.cpu_affinity, [self.inventory.wiring.cpus_of(d.address) for d in spec.devices]
+        )
+        return dataclasses.replace(spec, env={**spec.env, affinity.ENV: env}, cpus=record)
+
+    def _plain_spec(self, index: int, devices: tuple[Device, ...] | None = None) -> WorkerSpec:
         if devices is None:
             devices = self.groups[index] if self.profile.is_gpu else ()
         if self.profile.by_memory and devices:  # tasks are packed against what others leave free

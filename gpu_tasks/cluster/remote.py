@@ -537,7 +537,8 @@ class RemoteCluster(ProfileCluster):
             spans=spans,
             skipped=(),  # its devices are on other hosts: no programs sampled here
             measured=Measured(note=NOT_EMULATED if self.emulated else NOT_ELSEWHERE) if devices else None,
-            **self.usage.waits(),
+            wait_devices_seconds=self.usage.waits()["wait_devices_seconds"],
+            wait_slots_seconds=self.usage.waits()["wait_slots_seconds"],
         )
 
     def _spans(

@@ -76,6 +76,19 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
     }
 
 
+def without_cpu_affinity(plugins: Any) -> set[Any]:
+    """``plugins`` less dask-cuda's ``CPUAffinity`` (``dask_cuda.plugins``; ``dask_cuda.utils`` before),
+    which pins a worker to the CPUs of the device dask-cuda counted for it: gpu-tasks pins its workers
+    itself (:mod:`gpu_tasks.worker.affinity`), to the devices it leased them. Matched by class name, so
+    no dask-cuda import is needed; unverified against a running dask-cuda (not installed where the
+    tests run)."""
+    return {p for p in plugins or () if not (type(p).__name__ == "CPUAffinity" and _from_dask_cuda(p))}
+
+
+def _from_dask_cuda(plugin: Any) -> bool:
+    return str(type(plugin).__module__).split(".")[0] == "dask_cuda"
+
+
 # ---------------------------------------------------------------- the uses, with feature checks
 def _dask_cuda() -> Any:
     from gpu_tasks.compat import NotInstalled

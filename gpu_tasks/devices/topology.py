@@ -5,8 +5,9 @@ The path between two devices is what ``nvidia-smi topo -m`` shows: ``NV<n>`` (n 
 ``PHB`` (a PCIe host bridge), ``NODE`` (host bridges of one NUMA node), ``SYS`` (across NUMA
 nodes / sockets); ``?`` when unknown. NVML gives it (:func:`nvml_topology`, read lazily; any call
 that fails or is missing gives ``?``, never an error), an emulated spec declares it
-(:func:`emulated_topology`: ``/nvswitch``, ``/<S>s<G>[-nvpairs]``). Choosing devices by it is
-:func:`gpu_tasks.policy.best_connected`.
+(:func:`emulated_topology`: ``/nvswitch``, ``/<S>s<G>[-nvpairs]``, ``-c<C>`` for CPUs). Choosing
+devices by it is :func:`gpu_tasks.policy.best_connected`; pinning a worker to its devices' CPUs,
+:func:`worker_cores` (applied by :mod:`gpu_tasks.worker.affinity`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
@@ -42,9 +43,11 @@ NVPAIR_LINKS = 4  # NVLinks of a bridged pair in the emulated /<S>s<G>-nvpairs s
 SHAPES_HINT = (
     "a shape after '/' is 'nvswitch' (every pair NV18) or '<S>s<G>' with S sockets of G devices each "
     "(S x G = the device count; pairs of devices share a PCIe switch), optionally '-nvpairs' (each pair "
-    "joined by NVLink): '8/nvswitch', '8*H100:80GiB/2s4-nvpairs'"
+    "joined by NVLink), then optionally '-c<C>' (C CPU cores per socket: socket k has cores k*C to "
+    "k*C+C-1): '8/nvswitch', '8*H100:80GiB/2s4-nvpairs', '2/2s1-c1'"
 )
-_SOCKETS_RE = re.compile(r"^([1-9][0-9]?)s([1-9][0-9]?)(-nvpairs)?$")
+_SOCKETS_RE = re.compile(r"^([1-9][0-9]?)s([1-9][0-9]?)(-nvpairs)?(?:-c([1-9][0-9]{0,3}))?$")
+_NVSWITCH_RE = re.compile(r"^nvswitch(?:-c([1-9][0-9]{0,3}))?$")
 
 
 class Topology(BaseModel):
@@ -91,6 +94,11 @@ class Topology(BaseModel):
         if i is None or j is None:
             return UNKNOWN
         return self.matrix[i][j]
+
+    def cpus_of(self, address: str) -> str | None:
+        """The CPUs of device ``address`` (``"0-47,96-143"``; ``None``: unknown)."""
+        i = self._at(address)
+        return None if i is None or i >= len(self.cpus) else self.cpus[i]
 
     def numa_of(self, address: str) -> int | None:
         """The NUMA node of device ``address`` (``None``: unknown)."""
@@ -156,7 +164,7 @@ def split_shape(spec: str) -> tuple[str, str | None]:
 
 def check_shape(shape: str, count: int, hint: str) -> None:
     """Raise :class:`DeviceDiscoveryError` (``hint`` first) unless ``shape`` fits ``count`` devices."""
-    if shape == "nvswitch":
+    if _NVSWITCH_RE.match(shape):
         return
     match = _SOCKETS_RE.match(shape)
     if not match:
@@ -175,16 +183,22 @@ def emulated_topology(shape: str | None, addresses: Sequence[str]) -> Topology:
     ``nvswitch``: every pair ``NV18``, the first half of the devices on NUMA node 0, the rest on 1
     (as a DGX H100). ``<S>s<G>``: S sockets (NUMA nodes) of G devices; devices 2k and 2k+1 of a
     socket share a PCIe switch (``PIX``), other devices of the socket are ``NODE`` apart, devices of
-    different sockets ``SYS``; ``-nvpairs`` joins each switch pair by ``NV4`` as well.
+    different sockets ``SYS``; ``-nvpairs`` joins each switch pair by ``NV4`` as well. ``-c<C>``
+    declares each device's CPUs: the C cores of its socket (NUMA node k: cores k*C to k*C+C-1);
+    without it they are unknown.
     """
     n = len(addresses)
     if shape is None:
         return Topology.unknown(addresses, "unknown (emulated devices without a shape)")
-    if shape == "nvswitch":
+    if switch := _NVSWITCH_RE.match(shape):
         numa = tuple(0 if i < (n + 1) // 2 else 1 for i in range(n))
         matrix = tuple(tuple(SELF if i == j else f"NV{NVSWITCH_LINKS}" for j in range(n)) for i in range(n))
         return Topology(
-            addresses=tuple(addresses), matrix=matrix, numa=numa, cpus=(None,) * n, source="emulated nvswitch"
+            addresses=tuple(addresses),
+            matrix=matrix,
+            numa=numa,
+            cpus=_socket_cpus(numa, switch.group(1)),
+            source=f"emulated {shape}",
         )
     match = _SOCKETS_RE.match(shape)
     assert match is not None  # parse_emulated checked it
@@ -203,24 +217,73 @@ def emulated_topology(shape: str | None, addresses: Sequence[str]) -> Topology:
         addresses=tuple(addresses),
         matrix=tuple(tuple(path(i, j) for j in range(n)) for i in range(n)),
         numa=tuple(i // per for i in range(n)),
-        cpus=(None,) * n,
+        cpus=_socket_cpus(tuple(i // per for i in range(n)), match.group(4)),
         source=f"emulated {shape}",
     )
+
+
+def _socket_cpus(numa: Sequence[int], per_socket: str | None) -> tuple[str | None, ...]:
+    """Each device's declared CPUs: the ``per_socket`` cores of its NUMA node (``None``: undeclared)."""
+    if per_socket is None:
+        return (None,) * len(numa)
+    c = int(per_socket)
+    return tuple(format_cpus(range(k * c, k * c + c)) for k in numa)
+
+
+# ------------------------------------------------------------------ CPU affinity
+def format_cpus(cores: Iterable[int]) -> str:
+    """CPU numbers as a Linux CPU list: ``{0, 1, 2, 3, 8}`` -> ``"0-3,8"`` (``""`` for none)."""
+    runs: list[list[int]] = []
+    for c in sorted(set(cores)):
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def parse_cpus(text: str) -> frozenset[int]:
+    """A Linux CPU list as CPU numbers: ``"0-3,8"`` -> ``{0, 1, 2, 3, 8}``.
+
+    Raises:
+        ValueError: ``text`` is not such a list.
+    """
+    cores: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        low, _, high = part.partition("-")
+        a, b = int(low), int(high or low)
+        if a < 0 or b < a:
+            raise ValueError(f"not a CPU list: {text!r}")
+        cores.update(range(a, b + 1))
+    return frozenset(cores)
+
+
+def worker_cores(cpus: Sequence[str | None], allowed: Iterable[int]) -> tuple[frozenset[int] | None, str]:
+    """The CPUs to pin a worker to, and what to record: the union of its devices' CPUs (``cpus``, as
+    :attr:`Topology.cpus`) that this process may use (``allowed``: ``os.sched_getaffinity(0)``).
+
+    ``(None, why)`` leaves the worker's CPUs as they are: no device, a device whose CPUs are unknown,
+    or none of them usable here (an emulated shape declaring more cores than this machine has).
+    Never an empty set: a process pinned to no CPU cannot run.
+    """
+    if not cpus:
+        return None, "not applied: no device"
+    if any(c is None for c in cpus):
+        return None, "not applied: the device's CPUs are unknown"
+    wanted = frozenset().union(*(parse_cpus(c) for c in cpus if c is not None))
+    usable = wanted & frozenset(allowed)
+    if not usable:
+        return None, f"not applied: cores {format_cpus(wanted)} not available here"
+    return usable, format_cpus(usable)
 
 
 # ---------------------------------------------------------------------- NVML
 def cpu_list(masks: Sequence[int], bits: int = 64) -> str | None:
     """``nvmlDeviceGetCpuAffinity``'s masks (``bits`` CPUs each, lowest first) as ``"0-47,96-143"``."""
     cpus = [w * bits + b for w, mask in enumerate(masks) for b in range(bits) if int(mask) >> b & 1]
-    if not cpus:
-        return None
-    runs: list[list[int]] = []
-    for c in cpus:
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return format_cpus(cpus) or None
 
 
 def pcie_matrix(n: int, ancestor: Any) -> list[list[str]]:

@@ -135,6 +135,11 @@ KIND_FIELDS: dict[str, tuple[frozenset[str], str, str]] = {
     ),
     "processes": (_LOCAL, "tasks run on that cluster's worker processes", "remove processes"),
     "topology": (_LOCAL, "it chooses among this host's devices by how they are wired", "remove topology"),
+    "cpu_affinity": (
+        _LOCAL,
+        "it pins the worker processes the runner starts here to their devices' CPUs",
+        "remove cpu_affinity",
+    ),
     "cuda": (
         _LOCAL,
         "dask-cuda options for the workers the runner starts here",
@@ -261,6 +266,11 @@ class ResourceProfile(BaseModel):
         description="Wiring a worker's devices (a gang's: all of them) must have, every pair: 'nvlink', "
         "'pcie-switch' (one switch tree), 'socket' (one NUMA node); the profile waits for such a set. "
         "None: the best set free now.",
+    )
+    cpu_affinity: bool = Field(
+        default=True,
+        description="Pin each GPU worker process to its devices' CPUs (those this process may use); "
+        "false leaves its CPUs as they are.",
     )
     gang: bool = Field(
         default=False,

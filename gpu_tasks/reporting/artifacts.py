@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, right_size
+from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, right_size, wiring_advice
 from gpu_tasks.reporting.measured import Measured, gib
 
 logger = logging.getLogger(__name__)
@@ -285,9 +285,20 @@ def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> st
             f"| {span.held_seconds:.1f} | {percent(span.busy_seconds, span.held_seconds)} | {span.tasks} "
             f"| `{strip(span.start, span.end, span.busy, (t0, t1), width)}` |"
         )
+    gangs = [r for r in rows if r.gang and r.worst_link]
+    if gangs:  # each gang's devices and its worst link (a line each, not a column: rows stay narrow)
+        lines += ["", "Gangs (devices, the worst link between two of them):", ""]
+        lines += [
+            _cell(f"- profile {r.profile}: {','.join(r.gang)}, worst {r.worst_link}")
+            + (_cell(f"; better wired: {r.better_set}") if r.better_set else "")
+            for r in gangs
+        ]
+        wiring = wiring_advice(rows)
+        if wiring:
+            lines += ["", "Wiring:", ""] + [f"- {_cell(line)}" for _, line in wiring]
     if not emulated:
         lines += measured_lines(spans)
-        advice = [line for _, line, measured in right_size(rows) if measured is not None]
+        advice = [line for _, line, measured in right_size(rows) if measured is not None]  # wiring: above
         if advice:
             lines += ["", "Right-size (measured use much less than held):", ""]
             lines += [f"- {_cell(line)}" for line in advice]

@@ -265,6 +265,14 @@ def device_resource(
     return resource
 
 
+def device_payload(profile: str, reason: str | None, cluster_payload: Mapping[str, Any]) -> dict[str, Any]:
+    """The payload of a ``gpu-tasks.device.<leased|released>`` event: its profile, the release's reason,
+    and a gang's devices and the worst link between them (``gang``, ``worst_link``) where the
+    cluster's event has them."""
+    wiring = {k: cluster_payload[k] for k in ("gang", "worst_link") if cluster_payload.get(k)}
+    return {"profile": profile, **({"reason": reason} if reason else {}), **wiring}
+
+
 def task_sentence(what: str, task_name: str, profile: str, payload: Mapping[str, Any]) -> str:
     """The resource name of a ``gpu-tasks.task.<what>`` event."""
     if what == "escalated":
@@ -440,7 +448,7 @@ def emit_cluster_event(
                 event=f"gpu-tasks.device.{lease_event}",
                 resource=device_resource(lease_event or "", address, name, cluster.emulated, reason),
                 related=related,
-                payload={"profile": name, **({"reason": reason} if reason else {})},
+                payload=device_payload(name, reason, payload),
             )
     except Exception:  # events are for watching; never fail the run over one
         logger.debug("could not emit gpu-tasks.cluster.%s", what, exc_info=True)

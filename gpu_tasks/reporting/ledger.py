@@ -39,6 +39,8 @@ class DeviceSpan:
     tasks: int = 0
     # what NVML measured of it while held (gpu_tasks.reporting.measured); says why when not measured
     measured: Measured | None = None
+    # the CPUs its worker's process was pinned to (``0-3``), or why not (gpu_tasks.worker.affinity)
+    cpus: str = ""
 
     @property
     def held_seconds(self) -> float:
@@ -65,6 +67,7 @@ class DeviceSpan:
             "busy_s": round(self.busy_seconds, 3),
             "tasks": self.tasks,
             "measured": self.measured.as_dict() if self.measured is not None else None,
+            "cpus": self.cpus,
         }
 
 
@@ -93,6 +96,13 @@ class LedgerRow:
     skipped: tuple[str, ...] = ()
     # measured use of its devices (SM %, peak memory; gpu_tasks.reporting.measured); None: CPU row
     measured: Measured | None = None
+    # each GPU worker's CPUs: ``devices 0,1: 0-3``, or why not pinned (gpu_tasks.worker.affinity)
+    cpu_affinity: tuple[str, ...] = ()
+    # a gang's devices, the worst link between any two (``SYS``), and a better-wired set of matching
+    # devices that existed on the host when it was placed (``0,1,2,3 (socket)``; "" when none)
+    gang: tuple[str, ...] = ()
+    worst_link: str = ""
+    better_set: str = ""
 
     @property
     def utilization(self) -> float:
@@ -118,6 +128,10 @@ class LedgerRow:
             "spans": [span.as_dict() for span in self.spans],
             "skipped": list(self.skipped),
             "measured": self.measured.as_dict() if self.measured is not None else None,
+            "cpu_affinity": list(self.cpu_affinity),
+            "gang": ",".join(self.gang),
+            "worst_link": self.worst_link,
+            "better_set": self.better_set,
         }
 
 
@@ -148,12 +162,15 @@ def device_spans(
     start: float,
     end: float,
     intervals: Sequence[tuple[float, float]],
+    cpus: str = "",
 ) -> tuple[DeviceSpan, ...]:
     """The spans of one worker's ``(device, model)`` ``devices``, held from ``start`` to ``end``, whose
-    tasks ran over ``intervals`` (each device of a multi-device worker ran all of them)."""
+    tasks ran over ``intervals`` (each device of a multi-device worker ran all of them); ``cpus``: its
+    process's CPUs, or why not pinned."""
     busy = tuple((max(s, start), min(e, end)) for s, e in merge_intervals(intervals) if s < end and e > start)
     return tuple(
-        DeviceSpan(device, model, profile, start, end, busy, len(intervals)) for device, model in devices
+        DeviceSpan(device, model, profile, start, end, busy, len(intervals), cpus=cpus)
+        for device, model in devices
     )
 
 
@@ -173,6 +190,7 @@ class Held:
     name: str
     devices: tuple[str, ...]
     models: tuple[str, ...] = ()
+    cpus: str = ""  # its process's CPUs (``0-3``), or why not pinned; "" for none (CPU workers)
 
     def named_devices(self) -> list[tuple[str, str]]:
         """``(device, model)`` of each device ("" where the model is unknown)."""
@@ -192,6 +210,12 @@ class Usage:
         self._skipped: list[str] = []
         self.samples = Samples()  # filled by the sampler thread (gpu_tasks.devices.measure)
         self._lock = threading.Lock()
+        self.gang_wiring: tuple[tuple[str, ...], str, str] = ((), "", "")
+
+    def gang(self, devices: tuple[str, ...], worst: str, better: str) -> None:
+        """The cluster is a gang on ``devices``, ``worst`` the worst link between them, ``better`` a
+        better-wired set that existed (:func:`gpu_tasks.policy.gang_wiring`)."""
+        self.gang_wiring = (devices, worst, better)
 
     def waited(self, devices: float = 0.0, slots: float = 0.0) -> None:
         """The cluster's start waited ``devices`` s for devices; a task of it waited ``slots`` s for
@@ -246,6 +270,7 @@ class Usage:
         held = busy = 0.0
         spans: list[DeviceSpan] = []
         waits = self.waits() if whole else {}
+        gang, worst, better = self.gang_wiring if whole else ((), "", "")
         with self._lock:
             skipped = tuple(self._skipped) if whole else ()
             if whole:
@@ -262,7 +287,7 @@ class Usage:
                 busy += union_seconds(intervals) * weight
                 spans.extend(
                     measured_span(span, self.samples)
-                    for span in device_spans(profile, w.named_devices(), started, closed, intervals)
+                    for span in device_spans(profile, w.named_devices(), started, closed, intervals, w.cpus)
                 )
         measured = [span.measured for span in spans if span.measured is not None]
         return LedgerRow(
@@ -279,7 +304,14 @@ class Usage:
             spans=tuple(spans),
             skipped=skipped,
             measured=combine(measured) if measured else None,
-            **waits,
+            gang=gang,
+            worst_link=worst,
+            better_set=better,
+            cpu_affinity=tuple(
+                f"devices {','.join(w.devices)}: {w.cpus}" for w in workers if w.devices and w.cpus
+            ),
+            wait_devices_seconds=waits.get("wait_devices_seconds", 0.0),
+            wait_slots_seconds=waits.get("wait_slots_seconds", 0.0),
         )
 
     def forget(self, worker: Held) -> None:
@@ -300,15 +332,33 @@ class Usage:
             self._waits = {"devices": 0.0, "slots": 0.0}
             self._skipped = []
             self.samples.by_device.clear()
+            self.gang_wiring = ((), "", "")
+
+
+def wiring_advice(rows: Sequence[LedgerRow]) -> list[tuple[str, str]]:
+    """``(profile, line)`` for each gang of ``rows`` that ran across sockets (a ``SYS`` link between
+    two of its devices) while a better-wired set of its matching devices existed on the host."""
+    out: list[tuple[str, str]] = []
+    for r in rows:
+        if r.worst_link == "SYS" and r.better_set:
+            line = (
+                f"profile {r.profile!r}: its gang ran across sockets (devices {','.join(r.gang)}: SYS) "
+                f"while {r.better_set} existed; topology='socket' waits for such a set"
+            )
+            if (r.profile, line) not in out:
+                out.append((r.profile, line))
+    return out
 
 
 def right_size(rows: Sequence[LedgerRow]) -> list[tuple[str, str, Measured | None]]:
     """``(profile, line, measured)`` for each GPU profile of a run's ledger ``rows`` that used much less
-    than it held (:func:`gpu_tasks.reporting.measured.advice`). Emulated devices: one line,
-    ``GPU use not measured (emulated devices)``, with no profile and no numbers."""
+    than it held (:func:`gpu_tasks.reporting.measured.advice`), then each gang that ran across
+    sockets while a better set existed (:func:`wiring_advice`, no numbers). Emulated devices: one
+    line, ``GPU use not measured (emulated devices)``, with no profile and no numbers, then those."""
+    wired: list[tuple[str, str, Measured | None]] = [(p, line, None) for p, line in wiring_advice(rows)]
     gpu = [r for r in rows if r.devices and r.measured is not None]
     if any(r.emulated for r in gpu):
-        return [("", EMULATED_ADVICE, None)]
+        return [("", EMULATED_ADVICE, None), *wired]
     out: list[tuple[str, str, Measured | None]] = []
     for profile in dict.fromkeys(r.profile for r in gpu):
         mine = [r for r in gpu if r.profile == profile]
@@ -317,7 +367,7 @@ def right_size(rows: Sequence[LedgerRow]) -> list[tuple[str, str, Measured | Non
         line = advice(profile, devices, measured)
         if line is not None:
             out.append((profile, line, measured))
-    return out
+    return out + wired
 
 
 _ENDED: dict[uuid.UUID, list[LedgerRow]] = {}  # final ledgers of the last flow runs that ended here

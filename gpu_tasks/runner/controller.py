@@ -214,6 +214,7 @@ class Controller:
             {
                 "workers": cluster.worker_count,
                 **{k: round(v, 3) for k, v in cluster.startup.items()},
+                **cluster.gang_wiring,  # a gang's devices and the worst link between them
             },
         )
         publish_dashboard(cluster)

@@ -75,8 +75,13 @@ def preload_options(preload: Any = None, preload_argv: Any = None) -> dict[str, 
 
 
 def dask_setup(worker: Any) -> None:
-    """Dask preload hook, run in the worker process: start the guard."""
+    """Dask preload hook, run in the worker process: start the guard; put the worker on its devices'
+    CPUs where the runner said which (:mod:`gpu_tasks.worker.affinity`; every worker path has this
+    preload, so this is the one place that applies them)."""
     start(os.getppid())
+    from gpu_tasks.worker.affinity import apply_from_env
+
+    apply_from_env()
 
 
 def dask_teardown(worker: Any) -> None:

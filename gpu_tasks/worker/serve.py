@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import threading
 from multiprocessing.connection import Connection
 from typing import Any
@@ -25,9 +26,12 @@ async def serve_worker(
 
     try:
         if cuda is not None:  # a real GPU: dask-cuda's worker setup, now that the device is set
-            from gpu_tasks.compat.dask_cuda import worker_options
+            from gpu_tasks.compat.dask_cuda import without_cpu_affinity, worker_options
+            from gpu_tasks.worker.affinity import ENV
 
             worker_kwargs = {**worker_kwargs, **worker_options(cuda, worker_kwargs)}
+            if ENV in os.environ:  # gpu-tasks sets its CPUs (gpu_tasks.worker.affinity), not dask-cuda
+                worker_kwargs["plugins"] = without_cpu_affinity(worker_kwargs.get("plugins"))
         worker = Worker(scheduler, **worker_kwargs)
         await worker
     except Exception as exc:

@@ -1,0 +1,76 @@
+"""A worker process on its devices' CPUs: the flow side decides (:func:`plan`), the worker applies.
+
+The runner puts the CPUs in the worker's environment (:data:`ENV`); gpu-tasks' worker preload
+(:mod:`gpu_tasks.worker.guard`) calls :func:`apply_from_env` in the worker process on every path
+this host starts (Dask's nanny, a warm process, dask-cuda's ``LocalCUDACluster``), before a task
+runs. Whenever :data:`ENV` is set, dask-cuda's own CPU-affinity plugin is left out
+(:func:`gpu_tasks.compat.dask_cuda.without_cpu_affinity`): one owner of the worker's CPUs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Sequence
+
+from gpu_tasks.devices.topology import format_cpus, parse_cpus, worker_cores
+
+logger = logging.getLogger(__name__)
+
+ENV = "GPU_TASKS_WORKER_CPUS"  # the CPU list to pin the worker to; "" leaves its CPUs as they are
+OFF = "off (cpu_affinity=False)"
+UNSUPPORTED = "not applied: this platform cannot set a process's CPU affinity"
+_said: list[bool] = []
+
+
+def supported() -> bool:
+    """Whether this platform sets a process's CPU affinity (Linux)."""
+    return hasattr(os, "sched_setaffinity") and hasattr(os, "sched_getaffinity")
+
+
+def plan(enabled: bool, cpus: Sequence[str | None]) -> tuple[str, str]:
+    """``(value of ENV, what the ledger records)`` for a worker whose devices have ``cpus``
+    (:attr:`gpu_tasks.devices.topology.Topology.cpus`), in this process's allowed CPUs."""
+    if not enabled:
+        return "", OFF
+    if not supported():
+        if not _said:
+            _said.append(True)
+            logger.info("workers keep their CPUs: %s", UNSUPPORTED.removeprefix("not applied: "))
+        return "", UNSUPPORTED
+    cores, record = worker_cores(cpus, os.sched_getaffinity(0))
+    if cores is None:
+        logger.info("worker CPU affinity %s", record)
+        return "", record
+    return format_cpus(cores), record
+
+
+def apply_from_env() -> str | None:
+    """Pin every thread of this process to the CPUs :data:`ENV` names (threads started later inherit
+    them); the CPU list applied, or ``None`` when there was nothing to apply or it failed (logged)."""
+    text = os.environ.get(ENV, "")
+    if not text or not supported():
+        return None
+    try:
+        cores = parse_cpus(text) & os.sched_getaffinity(0)
+        if not cores:
+            logger.warning("worker %d: CPUs %s are not available to it; left as they are", os.getpid(), text)
+            return None
+        for tid in _threads():
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+                os.sched_setaffinity(tid, cores)
+    except (OSError, ValueError):
+        logger.warning("worker %d: could not pin it to CPUs %s", os.getpid(), text, exc_info=True)
+        return None
+    applied = format_cpus(cores)
+    logger.info("worker %d: on CPUs %s (its devices')", os.getpid(), applied)
+    return applied
+
+
+def _threads() -> list[int]:
+    """This process's thread ids (Linux: /proc/self/task); the calling thread alone elsewhere."""
+    try:
+        return [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return [0]
