@@ -2,9 +2,10 @@
 tests/conftest.py; a module of its own so that tests can import it by name)."""
 
 # The fast tier (./scripts/test --fast): modules of pure logic and in-process checks. Their tests
-# start no process (no Prefect server, no worker, no script; the `no_processes` guard of tests/conftest.py fails
-# one that does; a test of these modules that must start one is marked `processes` and left to the
-# full suite) and the tier runs in under 2 minutes; everything runs in the full suite too.
+# start no process: no Prefect server, no worker, no script (in that tier the `no_processes` guard
+# of tests/conftest.py fails a test that does; a test of these modules that must start one is
+# marked `processes` and left to the full suite). The tier runs in under 2 minutes; everything in
+# it runs in the full suite too.
 FAST_MODULES = (
     "tests/test_artifacts.py",
     "tests/test_devices.py",

@@ -18,7 +18,7 @@ from gpu_tasks.devices.topology import format_cpus, parse_cpus, worker_cores
 
 logger = logging.getLogger(__name__)
 
-ENV = "GPU_TASKS_WORKER_CPUS"  # the CPU list to pin the worker to; "" leaves its CPUs as they are
+ENV = "_GPU_TASKS_WORKER_CPUS"  # the CPU list to pin the worker to; "" leaves its CPUs as they are
 OFF = "off (cpu_affinity=False)"
 UNSUPPORTED = "not applied: this platform cannot set a process's CPU affinity"
 _said: list[bool] = []
