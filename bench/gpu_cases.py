@@ -451,6 +451,71 @@ def worker_path() -> tuple[bool, dict[str, Any], str]:
     )
 
 
+def _cpus_here() -> dict[str, Any]:
+    from gpu_tasks import current_allocation
+
+    return {
+        "pid": os.getpid(),
+        "devices": list(current_allocation().devices),
+        "cpus": sorted(os.sched_getaffinity(0)),
+    }
+
+
+def cpu_affinity() -> tuple[bool, dict[str, Any], str]:
+    """A bound worker runs on its device's CPUs (NVML's CPU affinity of the device, within the CPUs
+    the flow process may use); with ``cpu_affinity=False`` it keeps the flow process's CPUs. The
+    ledger records what was applied. The dry run's emulated device declares core 0 (``/1s1-c1``)."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks import ResourceProfile, profile
+    from gpu_tasks.devices.discovery import discover
+    from gpu_tasks.devices.topology import format_cpus, worker_cores
+
+    if DRY:  # an emulated device that declares its CPUs: core 0, which every machine has
+        os.environ["GPU_TASKS_EMULATED_GPUS"] = "H100:80GiB/1s1-c1"
+    inv = discover()
+    here = sorted(os.sched_getaffinity(0))
+    pinned = ResourceProfile(name="pinned", gpus=1, idle_timeout=5)
+    free = ResourceProfile(name="free", gpus=1, idle_timeout=5, cpu_affinity=False)
+    on_pinned = task(_cpus_here, name="cpus-pinned", tags=[profile("pinned")])
+    on_free = task(_cpus_here, name="cpus-free", tags=[profile("free")])
+
+    @flow(task_runner=_runner(pinned, free), name="gpu-check-cpu-affinity")
+    def f() -> tuple[dict[str, Any], dict[str, Any], Any]:
+        a = on_pinned.submit().result()
+        return a, on_free.submit(wait_for=[a]).result(), FlowRunContext.get().task_runner
+
+    a, b, runner = f()  # the flow run's own runner (a copy of the flow's): its ledger
+    device = a["devices"][0] if a["devices"] else None
+    device_cpus = inv.wiring.cpus_of(device) if device is not None else None
+    want, recorded = worker_cores([device_cpus], here)
+    ledger = {r.profile: list(r.cpu_affinity) for r in runner.ledger}
+    problems = []
+    if want is None:
+        problems.append(f"no CPU affinity to apply for device {device}: {recorded}")
+    elif set(a["cpus"]) != set(want):
+        problems.append(f"the worker runs on CPUs {format_cpus(a['cpus'])}, not its device's {recorded}")
+    if set(b["cpus"]) != set(here):
+        kept = format_cpus(b["cpus"])
+        problems.append(f"cpu_affinity=False: the worker runs on {kept}, not {format_cpus(here)}")
+    if not any(recorded in entry for entry in ledger.get("pinned", [])):
+        problems.append(f"the ledger does not record {recorded!r}: {ledger}")
+    figures = {
+        "device": device,
+        "device_cpus": device_cpus,
+        "flow_cpus": format_cpus(here),
+        "worker_cpus": format_cpus(a["cpus"]),
+        "unpinned_worker_cpus": format_cpus(b["cpus"]),
+        "ledger": ledger,
+    }
+    detail = "; ".join(problems) or (
+        f"device {device}: worker on CPUs {figures['worker_cpus']} (NVML: {device_cpus}; flow process "
+        f"{figures['flow_cpus']}); cpu_affinity=False kept {figures['unpinned_worker_cpus']}"
+    )
+    return not problems, figures, detail
+
+
 def contexts() -> tuple[bool, dict[str, Any], str]:
     """Unbound warm processes hold no CUDA context; a bound worker's is on its device only."""
     from prefect import flow, task
@@ -1074,6 +1139,7 @@ def other_programs() -> tuple[bool, dict[str, Any], str]:
 CHECKS: dict[str, Callable[[], tuple[bool, dict[str, Any], str]]] = {
     "inventory": inventory,
     "worker_path": worker_path,
+    "cpu_affinity": cpu_affinity,
     "contexts": contexts,
     "packing": packing,
     "oom": oom,

@@ -57,6 +57,14 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
         120,
         "unbound warm processes hold no CUDA context; a bound worker's is on its device only",
     ),
+    (
+        "cpu_affinity",
+        "cpu_affinity",
+        {},
+        90,
+        "a bound worker runs on its device's CPUs (NVML's affinity within the flow's CPUs) and the ledger "
+        "says so; cpu_affinity=False keeps the flow's CPUs",
+    ),
     ("fractional_packing", "packing", {}, 120, "four gpus=0.25 tasks at once on one device, 2 GiB each"),
     (
         "out_of_memory",
