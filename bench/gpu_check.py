@@ -128,12 +128,12 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
 UNVERIFIED = [
     (
         "cuDF ETL (the example pipeline's feature stage on a GPU profile)",
-        "cuDF's wheels and libraries are far larger than the 64 MiB a device call can carry, and the GPU "
-        "machine reaches no package registry",
+        "cuDF's wheels are far larger than the 64 MiB a device call carries and the GPU machine reaches no "
+        "package registry; they can now travel in parts (below), which has not run on a GPU yet",
     ),
     (
         "XGBoost training with device='cuda'",
-        "XGBoost's wheel (~230 MB with NCCL) cannot travel to the GPU machine",
+        "xgboost-cu13's wheel (59 MiB, NCCL from the image) travels in the same parts, not yet run on a GPU",
     ),
     (
         "more than one GPU (placement across devices, gang-started multi-GPU profiles, CPU affinity per "
@@ -150,6 +150,48 @@ UNVERIFIED = [
         "needs cuDF on the GPU machine (see above)",
     ),
 ]
+
+
+# How the wheels too large for one device call travel (bench/gpu_parts.py); on the page as it is.
+PARTS_PROCEDURE = """## Carrying wheels in parts
+
+**Unverified on GPU**: nothing of this has run on the GPU machine yet; the whole sequence is rehearsed
+here by `scripts/gpu-check --dry-run --parts` (parts split, carried one at a time into a fresh staging
+directory and checked by sha256, a fresh machine and a damaged part refused in one line each, then
+joined, checked and every wheel opened; the wheels are not installed here).
+
+`scripts/gpu-wheels --pipeline` adds cuDF, dask-cuDF and XGBoost for CUDA 13 and Python 3.12 to
+gpu-tasks' own set, leaves out every distribution on the image's list (`scripts/gpu-image-packages.txt`,
+CUDA runtime libraries included; versions are not on that list, so the last call's `pip check` tells),
+and writes one tar of the wheels as `.gpu-parts/part-01` ... `part-NN` with `.gpu-parts/manifest.json`
+(each part's size and sha256, the whole archive's, each wheel's). A part is at most 64 MiB less the
+working tree as the device tool carries it (`git ls-files` tracked and untracked-not-ignored, plus
+`shared/`) less a 2 MiB margin, in whole MiB. Built 2026-12-02 (tree 3.7 MiB): 100 wheels, 625.9 MiB
+in 11 parts of 58 MiB (libcudf-cu13 287 MiB; the CUDA compiler pieces that cuDF's `cupy-cuda13x[ctk]`
+and `numba-cuda[cu13]` ask for and the image's list lacks: nvidia-nvvm 72 MiB, nvidia-cuda-nvcc 45 MiB,
+nvidia-cuda-cccl and nvidia-cuda-crt; numba-cuda-mlir 68 MiB; xgboost-cu13 59 MiB).
+
+Each device call sends the checkout the session was started in, so run `scripts/gpu-wheels --pipeline`
+and the rehearsal there (not in a helper's worktree), after the last commit (a tree grown by more than
+the margin fails the rehearsal's fit check: build again). Then, with `status` showing a machine and
+time to spare, make the calls back to back, each as soon as the previous returns (a machine idle 30 s
+goes back, and `.gpu-staging/` with it):
+
+| call | `run` command | `carry` | timeout_s |
+| --- | --- | --- | --- |
+| n = 1 to N-1 | `scripts/gpu-check --receive-part n` | the manifest, part n | 60 |
+| N | `scripts/gpu-check --receive-part N && scripts/gpu-check --from-parts --budget 300` | the same | 480 |
+
+`carry` is `[".gpu-parts/manifest.json", ".gpu-parts/part-NN"]`, NN in two digits (`part-01`).
+Each call's one line says `part-0n of N verified (sha256 ...); n of N staged; next: ...`. The last call
+joins the parts, checks the archive's and each wheel's sha256, installs the wheels with
+`pip install --no-index --no-deps --target /tmp/gpu-check-site`, runs `pip check`, then the checks
+above. Exit 3 on any call: a part from an earlier call is missing, so this is a fresh machine: start
+over from call 1 (if the time left allows N more calls). Exit 4: the part arrived damaged: make the same
+call again. Afterwards `give_back`. Device time, estimated, not measured: a start (1-2 min), N-1
+short calls of about 62 MiB each, and the last call's install and checks (up to 480 s) fit 15 minutes
+only once: keep `--budget` low enough that a restart is not needed, or use `--only`.
+"""
 
 
 def gpu_present() -> str | None:
@@ -432,7 +474,7 @@ def render(data: dict[str, Any]) -> str:
         "| --- | --- |",
     ]
     lines += [f"| {w} | {why} |" for w, why in UNVERIFIED]
-    lines.append("")
+    lines += ["", PARTS_PROCEDURE.rstrip("\n"), ""]
     return "\n".join(lines)
 
 

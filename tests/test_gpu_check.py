@@ -79,3 +79,79 @@ def test_docs_gpu_md_is_generated_from_the_committed_results():
     # committed results come from a real device: a dry run is never committed as GPU results
     assert data["device"]["emulated"] is False and not data.get("dry_run")
     assert {c["name"] for c in data["checks"]} <= {p[0] for p in PLAN}
+
+
+def _synthetic_wheels(d: Path, sizes: dict[str, int]) -> Path:
+    import zipfile
+
+    d.mkdir()
+    for i, (name, size) in enumerate(sizes.items()):
+        dist, version = name, f"1.{i}"
+        with zipfile.ZipFile(d / f"{dist}-{version}-py3-none-any.whl", "w") as z:
+            z.writestr(f"{dist}-{version}.dist-info/METADATA", f"Name: {dist}\nVersion: {version}\n")
+            z.writestr(f"{dist}/blob.bin", os.urandom(size))  # incompressible: the parts' sizes hold
+    return d
+
+
+def test_parts_split_verify_join_and_a_fresh_machine(tmp_path):
+    """The wheels carried in parts (issue 46): split here, each part verified and staged as it arrives
+    on the device, a part from an earlier call missing (a fresh machine) said in one line with exit 3,
+    a damaged part with exit 4, then joined, checked and the wheels back, byte for byte."""
+    from bench import gpu_parts as gp
+
+    wheels = _synthetic_wheels(tmp_path / "wheels", {"alpha": 300_000, "beta": 900_000, "gamma": 50})
+    here, device = tmp_path / "here", tmp_path / "device"
+    manifest = gp.split(wheels, here / gp.PARTS, 2**19, tree=0)
+    parts = manifest["parts"]
+    assert len(parts) == 3 and all(p["size"] <= 2**19 for p in parts)
+    assert sum(p["size"] for p in parts) == manifest["size"]
+    assert not (here / gp.PARTS / gp.ARCHIVE).exists()  # only parts and the manifest travel
+    assert [w["name"] for w in manifest["wheels"]] == sorted(p.name for p in wheels.iterdir())
+
+    def carry(n: int, to: Path = device) -> None:
+        (to / gp.PARTS).mkdir(parents=True, exist_ok=True)
+        for name in (gp.MANIFEST, gp.part_name(n)):
+            shutil.copyfile(here / gp.PARTS / name, to / gp.PARTS / name)
+
+    # a call that lands on a fresh machine: part-01 is not there
+    carry(2, tmp_path / "fresh")
+    with pytest.raises(gp.PartsError) as fresh:
+        gp.receive(tmp_path / "fresh", 2)
+    assert fresh.value.code == gp.FRESH and len(str(fresh.value).splitlines()) == 1
+    assert "part-01 of 3 missing" in str(fresh.value) and "start over from part 1" in str(fresh.value)
+    # a part changed on the way is refused and not staged
+    carry(1)
+    with open(device / gp.PARTS / "part-01", "r+b") as f:
+        f.write(b"\0")
+    with pytest.raises(gp.PartsError) as damaged:
+        gp.receive(device, 1)
+    assert damaged.value.code == gp.DAMAGED and not (device / gp.STAGING / "part-01").exists()
+    for n in (1, 2, 3):  # back to back: each verified and staged
+        carry(n)
+        line = gp.receive(device, n)
+        assert f"part-0{n} of 3 verified" in line and (device / gp.STAGING / f"part-0{n}").is_file()
+    assert "all here" in line
+    (device / gp.STAGING / "part-02").rename(tmp_path / "held")
+    with pytest.raises(gp.PartsError) as missing:
+        gp.assemble(device)
+    assert missing.value.code == gp.FRESH and "part-02 of 3 missing" in str(missing.value)
+    (tmp_path / "held").rename(device / gp.STAGING / "part-02")
+    out, line = gp.assemble(device)
+    assert "archive sha256" in line and "3 wheels" in line
+    for w in wheels.iterdir():
+        assert (out / w.name).read_bytes() == w.read_bytes()
+    assert gp.wheel_metadata(out / "beta-1.1-py3-none-any.whl") == "beta 1.1"
+    # a later set replaces the staged parts of an earlier one
+    gp.split(wheels, here / gp.PARTS, 2**20, tree=0)
+    carry(1)
+    assert "1 of 2 staged" in gp.receive(device, 1)
+    assert not (device / gp.STAGING / "part-03").exists()
+
+
+def test_parts_size_leaves_room_for_the_tree():
+    from bench import gpu_parts as gp
+
+    assert gp.part_size_for(int(3.7 * gp.MiB)) == 58 * gp.MiB  # 64 - 3.7 - 2, whole MiB
+    assert gp.tree_bytes(ROOT) > 0
+    with pytest.raises(gp.PartsError):
+        gp.part_size_for(60 * gp.MiB)
