@@ -225,12 +225,17 @@ def _check_stops_cleanly(proc: subprocess.Popen[str], out: Path) -> None:
     """Ctrl-C in the serving terminal: it exits, prints no traceback of gpu-tasks' (see
     :func:`_tracebacks`), and leaves no process."""
     os.killpg(proc.pid, signal.SIGINT)
+    # a bound on a hang, not a speed: Prefect's runner, interrupted as it starts a scheduled run's
+    # process, stops that process gracefully (SIGTERM, its cancel protocol, SIGKILL after a grace);
+    # in the CI's compat stage (nice 10 beside the parallel phase) both tests passed 60 s once
+    # (2026-12-02) and passed alone and beside two CPU hogs in 46-89 s
     try:
-        proc.wait(timeout=60)
+        proc.wait(timeout=150)
     except subprocess.TimeoutExpired:
         left = [" ".join(p.cmdline())[:150] for p in _group(proc.pid)]
         _kill_group(proc.pid)
-        pytest.fail(f"the serving process did not stop within 60 s of Ctrl-C: {left}")
+        tail = out.read_text(errors="replace")[-3000:]
+        pytest.fail(f"the serving process did not stop within 150 s of Ctrl-C: {left}\n{tail}")
     # what the serving process started ends after it: a flow run it was running closes its clusters
     # and sends its queued events first (GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS); on a loaded machine the
     # warm pool's fork server outlived a 15 s wait, then ended

@@ -30,10 +30,13 @@ _armed = False
 
 
 def _plain_script() -> bool:
-    """Whether this process is a script run from a terminal or a scheduler, not an interactive
-    session (``python -i``, a REPL, IPython or a notebook kernel: there an interrupt must not
-    end the session)."""
+    """Whether this process is a script run from a terminal, not an interactive session (``python
+    -i``, a REPL, IPython or a notebook kernel: there an interrupt must not end the session) nor a
+    deployment's flow run that Prefect's runner or worker started (``PREFECT__FLOW_RUN_ID``: that
+    supervisor stops it by its own protocol)."""
     main = sys.modules.get("__main__")
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):  # a deployment's run: its runner or worker owns the signals
+        return False
     return not (sys.flags.interactive or hasattr(sys, "ps1") or getattr(main, "__file__", None) is None)
 
 

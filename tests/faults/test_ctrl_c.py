@@ -599,3 +599,9 @@ def test_a_second_ctrl_c_ends_a_script_and_its_children_but_only_where_armed(tmp
         timeout=60,
     )
     assert interactive.stdout == "False\n" and not interactive.stderr, interactive
+    # nor in a deployment's flow run, whose runner or worker stops it by its own protocol
+    run = tmp_path / "deployment_run.py"
+    run.write_text("from gpu_tasks.runner.ctrl_c import on_interrupt\nprint(on_interrupt(1, ['gpu']))\n")
+    env = {**os.environ, "PREFECT__FLOW_RUN_ID": "00000000-0000-0000-0000-000000000000"}
+    deployed = subprocess.run([sys.executable, str(run)], capture_output=True, text=True, timeout=60, env=env)
+    assert deployed.stdout == "False\n" and not deployed.stderr, deployed
