@@ -25,7 +25,11 @@ import httpx
 import psutil
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+# serial: on a quiet machine, after the parallel phase (both tests failed twice in the CI's compat
+# stage beside the parallel phase, on Prefect 3.9.1: the serving process did not react to Ctrl-C
+# while it started a scheduled run; alone, beside CPU hogs and after the other compat modules they
+# passed: docs/operations.md, "Tests")
+pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(600)]
 
 GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
 PREFECT = Path(sys.executable).with_name("prefect")
