@@ -225,6 +225,12 @@ def _completed_scheduled_runs(server: Server, deployment_name: str, want: int, t
     )
 
 
+def _terminal_signals() -> None:
+    """In the child, before it runs: SIGINT and SIGQUIT as a terminal's foreground job has them."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def _check_stops_cleanly(proc: subprocess.Popen[str], out: Path) -> None:
     """Ctrl-C in the serving terminal: it exits, prints no traceback of gpu-tasks' (see
     :func:`_tracebacks`), and leaves no process."""
@@ -310,6 +316,10 @@ def _serve_and_check(server: Server, tmp_path: Path, name: str, command: list[st
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        # a terminal's foreground job: Ctrl-C's SIGINT not ignored, whatever the test runner's parent
+        # set (a background job of a non-interactive shell, as a CI launcher may be, ignores it, and
+        # Python keeps an ignored SIGINT ignored: the serving process then never saw the Ctrl-C)
+        preexec_fn=_terminal_signals,
     )
     try:
         done = _completed_scheduled_runs(server, name, want=2, timeout=300)
