@@ -25,10 +25,8 @@ import httpx
 import psutil
 import pytest
 
-# serial: on a quiet machine, after the parallel phase (both tests failed twice in the CI's compat
-# stage beside the parallel phase, on Prefect 3.9.1: the serving process did not react to Ctrl-C
-# while it started a scheduled run; alone, beside CPU hogs and after the other compat modules they
-# passed: docs/operations.md, "Tests")
+# serial: on the quiet machine after the parallel phase (they wait on Prefect's scheduler; the
+# compat stage runs them after the serial phase too: docs/operations.md, "Tests")
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(600)]
 
 GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
