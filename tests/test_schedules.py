@@ -234,9 +234,7 @@ def _check_stops_cleanly(proc: subprocess.Popen[str], out: Path) -> None:
     :func:`_tracebacks`), and leaves no process."""
     os.killpg(proc.pid, signal.SIGINT)
     # a bound on a hang, not a speed: Prefect's runner, interrupted as it starts a scheduled run's
-    # process, stops that process gracefully (SIGTERM, its cancel protocol, SIGKILL after a grace);
-    # in the CI's compat stage (nice 10 beside the parallel phase) both tests passed 60 s once
-    # (2026-12-02) and passed alone and beside two CPU hogs in 46-89 s
+    # process, stops that process gracefully (SIGTERM, its cancel protocol, SIGKILL after a grace)
     try:
         proc.wait(timeout=150)
     except subprocess.TimeoutExpired:
