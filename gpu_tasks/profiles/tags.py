@@ -27,13 +27,18 @@ def profile_from_tags(tags: Iterable[str]) -> str | None:
     Raises:
         ProfileError: when the tags name two different profiles.
     """
-    names = {t[len(TAG_PREFIX) :] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)}
+    names = _profile_names(tags)
     if len(names) > 1:
         raise ProfileError(
-            f"a task carries tags for several profiles ({', '.join(sorted(names))}); keep exactly one "
+            f"a task carries tags for several profiles ({', '.join(names)}); keep exactly one "
             "profile:<name> tag"
         )
     return next(iter(names), None)
+
+
+def _profile_names(tags: Iterable[str]) -> list[str]:
+    """The distinct profile names of ``profile:<name>`` tags, sorted."""
+    return sorted({t[len(TAG_PREFIX) :] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)})
 
 
 @contextlib.contextmanager
@@ -61,7 +66,7 @@ def requested_profile(task: Any) -> str | None:
         return own
     tags_ctx = TagsContext.get()
     blocks = tags_ctx.current_tags if tags_ctx else ()
-    names = sorted({t[len(TAG_PREFIX) :] for t in blocks if isinstance(t, str) and t.startswith(TAG_PREFIX)})
+    names = _profile_names(blocks)
     if len(names) > 1:
         raise ProfileError(
             f"task {getattr(task, 'name', task)!r} was submitted inside blocks naming several profiles "
