@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import os
 import re
 from types import SimpleNamespace
@@ -341,6 +342,16 @@ def test_a_shape_may_declare_each_sockets_cores():
     assert emulated_inventory(PAIRS).wiring.cpus == (None,) * 8  # undeclared: unknown, as before
     with pytest.raises(DeviceDiscoveryError, match="-c<C>"):
         parse_emulated("2/2s1-c0")
+
+
+def test_a_worker_without_known_cpus_is_said_once_at_info_then_at_debug(caplog):
+    caplog.set_level(logging.DEBUG, logger=affinity.logger.name)
+    for _ in range(3):
+        assert affinity.plan(True, [None]) == ("", "not applied: the device's CPUs are unknown")
+    levels = [r.levelno for r in caplog.records if "CPU affinity not applied" in r.getMessage()]
+    assert (
+        levels.count(logging.INFO) <= 1 and len(levels) == 3
+    )  # at most once (another test may have said it)
 
 
 def test_the_plan_a_worker_gets_and_dask_cudas_pinning_left_out():

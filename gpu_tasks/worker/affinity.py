@@ -21,7 +21,7 @@ logger = logging.getLogger(__name__)
 ENV = "_GPU_TASKS_WORKER_CPUS"  # the CPU list to pin the worker to; "" leaves its CPUs as they are
 OFF = "off (cpu_affinity=False)"
 UNSUPPORTED = "not applied: this platform cannot set a process's CPU affinity"
-_said: list[bool] = []
+_said: list[object] = []  # what this process has said once at INFO
 
 
 def supported() -> bool:
@@ -41,7 +41,9 @@ def plan(enabled: bool, cpus: Sequence[str | None]) -> tuple[str, str]:
         return "", UNSUPPORTED
     cores, record = worker_cores(cpus, os.sched_getaffinity(0))
     if cores is None:
-        logger.info("worker CPU affinity %s", record)
+        # once per process and reason at INFO (each worker start used to repeat it), then DEBUG
+        logger.log(logging.DEBUG if record in _said else logging.INFO, "worker CPU affinity %s", record)
+        _said.append(record)
         return "", record
     return format_cpus(cores), record
 
