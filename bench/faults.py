@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, commit, describe, machine
-from bench.procs import ctrl_c, kill_marked, marked, wait_gone
+from bench.procs import ctrl_c, kill_marked, marked, terminal_signals, wait_gone
 
 LEAK_GRACE_S = 10.0  # a marked process alive this long after its scenario ended is leaked
 SETTLE_S = 20.0  # states reach the server as events; wait this long for final ones
@@ -214,6 +214,7 @@ class Ctx:
             env=env or self.env,
             cwd=self.tmp,
             start_new_session=True,
+            preexec_fn=terminal_signals,
             stdout=(self.tmp / "stdout").open("wb"),
             stderr=(self.tmp / "stderr").open("wb"),
         )

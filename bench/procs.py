@@ -58,6 +58,15 @@ def kill_marked(marker: str) -> None:
     psutil.wait_procs(procs, timeout=5)
 
 
+def terminal_signals() -> None:
+    """A ``preexec_fn``: SIGINT and SIGQUIT in the child at their defaults, as a terminal's foreground
+    job has them. A background job of a non-interactive shell (``cmd &`` in a script, as a CI or a
+    benchmark may be launched) starts with SIGINT ignored, every descendant inherits that, and Python
+    keeps an ignored SIGINT ignored: without the reset a scenario's Ctrl-C would never be seen."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
+
+
 def ctrl_c(proc: subprocess.Popen[bytes]) -> float:
     """SIGINT to the whole group, as a terminal's Ctrl-C; seconds until the leader exited (killed at 30 s)."""
     t0 = time.monotonic()

@@ -25,6 +25,8 @@ import httpx
 import psutil
 import pytest
 
+from bench.procs import terminal_signals
+
 # serial: on the quiet machine after the parallel phase (they wait on Prefect's scheduler; the
 # compat stage runs them after the serial phase too: docs/operations.md, "Tests")
 pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(600)]
@@ -223,12 +225,6 @@ def _completed_scheduled_runs(server: Server, deployment_name: str, want: int, t
     )
 
 
-def _terminal_signals() -> None:
-    """In the child, before it runs: SIGINT and SIGQUIT as a terminal's foreground job has them."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGQUIT, signal.SIG_DFL)
-
-
 def _check_stops_cleanly(proc: subprocess.Popen[str], out: Path) -> None:
     """Ctrl-C in the serving terminal: it exits, prints no traceback of gpu-tasks' (see
     :func:`_tracebacks`), and leaves no process."""
@@ -315,7 +311,7 @@ def _serve_and_check(server: Server, tmp_path: Path, name: str, command: list[st
         # a terminal's foreground job: Ctrl-C's SIGINT not ignored, whatever the test runner's parent
         # set (a background job of a non-interactive shell, as a CI launcher may be, ignores it, and
         # Python keeps an ignored SIGINT ignored: the serving process then never saw the Ctrl-C)
-        preexec_fn=_terminal_signals,
+        preexec_fn=terminal_signals,
     )
     try:
         done = _completed_scheduled_runs(server, name, want=2, timeout=300)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from bench.procs import ctrl_c, kill_marked, marked, wait_gone
+from bench.procs import ctrl_c, kill_marked, marked, terminal_signals, wait_gone
 
 __all__ = [
     "AUTH",
@@ -24,6 +24,7 @@ __all__ = [
     "authed_task_states",
     "clean_env",
     "ctrl_c",
+    "terminal_signals",
     "db_rows",
     "free_port",
     "kill_marked",

@@ -22,7 +22,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from faults._procs import ctrl_c, seed_prefect_home
+from faults._procs import ctrl_c, seed_prefect_home, terminal_signals
 
 EXIT_WITHIN_S = 10.0
 ENDED = {"CRASHED", "CANCELLED"}
@@ -55,6 +55,7 @@ def _start(args: list[str], env: dict[str, str], tmp_path: Path) -> subprocess.P
         env=env,
         cwd=tmp_path,
         start_new_session=True,
+        preexec_fn=terminal_signals,
         stdout=(tmp_path / "stdout").open("wb"),
         stderr=(tmp_path / "stderr").open("wb"),
     )
