@@ -307,8 +307,8 @@ def test_a_host_run_by_the_policy_never_grants_twice_keeps_its_limits_and_serves
 
 def test_aging_and_fair_share_serve_a_low_priority_waiter_under_a_stream_of_high_priority_work():
     """Team a sends a priority-3 task every step, each holding a device for 2 steps, on 2 devices (the
-    host always busy, never overloaded); one priority-0 task of team b waits: with aging it starts within (3 + 1) x aging steps plus a run;
-    without aging it never does."""
+    host always busy, never overloaded); one priority-0 task of team b waits: with aging it starts
+    within (3 + 1) x aging steps plus a run; without aging it never does."""
     limits = {"a": Team(quota=2), "b": Team(quota=1)}
 
     def wait_of_b(aging: float) -> float | None:
