@@ -21,7 +21,7 @@ from gpu_tasks.devices import leases
 from gpu_tasks.prefect_api import quotas
 
 GRACE = 1.0
-LONG_S = 60.0  # a's first runs: this long unless reclaim stops one
+LONG_S = 60.0  # a's first runs hold their devices until b is done, never this long
 STARTS_WITHIN = GRACE + 8.0  # b's task starts this soon after it is submitted (a worker starts, too)
 
 
@@ -53,7 +53,13 @@ def test_a_borrowed_device_is_reclaimed_for_the_team_owed_it(teams, tmp_path, le
         (starts / f"{name}-{len(again)}").write_text(
             json.dumps({"at": at, "leases": leases.holders(lease_dir)})
         )
-        time.sleep(0.3 if again or name.startswith("b") else LONG_S)
+        if again or name.startswith("b"):
+            time.sleep(0.3)
+        while not again and name.startswith("a") and not (starts / "b-done").exists():
+            assert time.time() - at < LONG_S, "not reclaimed: a's task held its device to the end"
+            time.sleep(0.05)  # a's first runs hold their devices until b is done (or reclaim stops one)
+        if name.startswith("b"):
+            (starts / "b-done").touch()
         return {"name": name, "start": at, "end": time.time()}
 
     batch = ResourceProfile(
