@@ -125,3 +125,38 @@ def test_a_borrowed_device_is_reclaimed_for_the_team_owed_it(teams, tmp_path, le
     assert any(f"reclaimed by {team_b}" in log["message"] for log in logs), [log["message"] for log in logs]
     # and nothing is left borrowed
     assert [q["borrowed"] for q in quotas.usage() if q["quota"] == team_a] == [0]
+
+
+def test_the_cli_sets_and_shows_borrowing_and_lending_limits(prefect_server):
+    from typer.testing import CliRunner
+
+    from gpu_tasks.cli import app
+
+    name = f"lender-{random.randrange(10**6)}"
+
+    def cli(*args: str) -> tuple[int, str]:
+        result = CliRunner().invoke(app, list(args))
+        return result.exit_code, result.output
+
+    try:
+        code, out = cli("quotas", "set", name, "2", "--borrowing-limit", "1", "--lending-limit", "1")
+        assert code == 0 and "borrows at most 1 device(s)" in out and "lends at most 1" in out, out
+        code, out = cli("quotas", "--json")
+        [row] = [q for q in json.loads(out)["quotas"] if q["quota"] == name]
+        assert (row["limit"], row["borrowing_limit"], row["borrowed"], row["lending_limit"]) == (2, 1, 0, 1)
+        code, out = cli("quotas", "set", name, "2", "--lending-limit", "-1")  # lends all again
+        assert code == 0 and "lends all of its unused quota" in out, out
+        [row] = [q for q in quotas.usage() if q["quota"] == name]
+        assert row["lending_limit"] is None and row["borrowing_limit"] == 1
+        code, out = cli("quotas")
+        assert code == 0 and "Borrowed" in out and "0 of 1" in out, out
+        assert cli("quotas", "set", name, "2", "--borrowing-limit", "-1")[0] == 2
+    finally:
+        quotas.delete_limit(name)
+    assert not [n for n in (quotas.borrow_name(name), quotas.lend_name(name)) if n in _limit_names()]
+
+
+def _limit_names() -> set[str]:
+    from gpu_tasks.prefect_api.quotas import _all_limits
+
+    return {limit.name for limit in _all_limits()}
