@@ -30,6 +30,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
             "gpu_tasks.allocation",
             "gpu_tasks.policy",
             "gpu_tasks.preemption",
+            "gpu_tasks.borrowing",
         ),
     ),
     ("prefect glue and reporting", ("gpu_tasks.prefect_api", "gpu_tasks.reporting")),

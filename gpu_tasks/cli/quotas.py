@@ -65,7 +65,8 @@ def quotas_list(
         return
     table = Table(title="Quotas (Prefect global concurrency limits gpu-quota:<name>)")
     half_life = f"half-life {settings.fair_share_half_life:g}s" if settings.fair_share_half_life else "off"
-    for column in ("Quota", "Limit (devices)", "In use", "Active", f"Usage (device-s, {half_life})", "Share"):
+    columns = ("Quota", "Limit (devices)", "In use", "Borrowed", "Lends", "Active")
+    for column in (*columns, f"Usage (device-s, {half_life})", "Share"):
         table.add_column(column)
     table.add_column("Held on this host by", overflow="fold")
     for row in rows:
@@ -76,6 +77,8 @@ def quotas_list(
             Text(row["quota"]),
             str(row["limit"]),
             str(row["in_use"]),
+            f"{row['borrowed']} of {row['borrowing_limit']}",
+            "all unused" if row["lending_limit"] is None else f"<= {row['lending_limit']}",
             "yes" if row["active"] else "no",
             f"{row['usage_device_seconds']:.1f}",
             f"{100 * row['share']:.0f}%",
@@ -88,6 +91,22 @@ def quotas_list(
 def quotas_set(
     name: Annotated[str, typer.Argument(help="The quota's name, as in a profile's quota=.")],
     devices: Annotated[int, typer.Argument(help="The most devices its profiles hold at once (>= 1).")],
+    borrowing_limit: Annotated[
+        int | None,
+        typer.Option(
+            "--borrowing-limit",
+            help="Devices its preemptible profiles may borrow beyond the quota while no team owed them "
+            "waits (a gpu-borrow:<name> limit; 0: none, the default).",
+        ),
+    ] = None,
+    lending_limit: Annotated[
+        int | None,
+        typer.Option(
+            "--lending-limit",
+            help="The most of its unused quota other teams may borrow (a gpu-lend:<name> limit; "
+            "default: all of it; -1 removes the limit).",
+        ),
+    ] = None,
 ) -> None:
     from gpu_tasks.prefect_api import quotas
     from gpu_tasks.profiles import is_valid_name
@@ -98,8 +117,20 @@ def quotas_set(
         fail(
             f"devices must be at least 1 (got {devices}); `gpu-tasks quotas delete {name}` removes the quota"
         )
+    if borrowing_limit is not None and borrowing_limit < 0:
+        fail(f"--borrowing-limit must be at least 0 (got {borrowing_limit})")
     _quota_api(f"set quota {name!r}", quotas.set_limit, name, devices)
     say(f"quota {name!r}: at most {devices} device(s) at once ({quotas.limit_name(name)})")
+    if borrowing_limit is not None or lending_limit is not None:
+        _quota_api(f"set quota {name!r}'s sharing", quotas.set_sharing, name, borrowing_limit, lending_limit)
+    if borrowing_limit is not None:
+        say(
+            f"quota {name!r}: borrows at most {borrowing_limit} device(s) beyond it "
+            f"({quotas.borrow_name(name)})"
+        )
+    if lending_limit is not None:
+        lends = "all of its unused quota" if lending_limit < 0 else f"at most {lending_limit} device(s)"
+        say(f"quota {name!r}: lends {lends} of its unused quota ({quotas.lend_name(name)})")
 
 
 @quotas_app.command("delete", help="Delete a quota (profiles naming it then fail to start).")

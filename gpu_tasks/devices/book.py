@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_tasks import preemption
-from gpu_tasks.devices import fair_share, leases, programs
+from gpu_tasks.devices import fair_share, leases, lending, programs
 from gpu_tasks.devices.discovery import Device
 from gpu_tasks.devices.lease_files import LeaseFileError
 from gpu_tasks.errors import ClusterError
@@ -97,6 +97,7 @@ class DeviceBook:
         # address -> (its holder's team, the time up to which its use is counted)
         self.fair_share_half_life = float(resolve(fair_share_half_life, "fair_share_half_life", settings))
         self.accounted: dict[str, tuple[str, float]] = {}
+        self.borrowed: set[str] = set()  # addresses held beyond their quota (gpu_tasks.devices.lending)
 
     def acquire(
         self,
@@ -285,6 +286,8 @@ class DeviceBook:
                 if rivals is None:
                     rivals = self._rivals(owner, usage or {})
                 before = leases.ahead(me, rivals, [d.address for d in g], now, usage)
+                if before and me["quota"] is not None:  # a waiter beyond its quota yields to one owed it
+                    before = lending.still_ahead(me, before)
                 if before:
                     first.update((id(w), w) for w in before)
                     foreign.update(d.address for d in g if any(not w.get("local") for w in before))
@@ -397,6 +400,8 @@ class DeviceBook:
         """Room in ``me``'s quota for the devices ``new`` just leased (else the lease is given back)."""
         try:
             lease_id = self.quota_slots().take(me["quota"], len(new))
+            if lease_id is None and me["preemptible"]:  # beyond its quota: borrow, if allowed
+                lease_id = lending.borrow(self, me, new, lease)
         except Exception as exc:
             leases.release(lease, new)
             raise ClusterError(
@@ -414,6 +419,7 @@ class DeviceBook:
     def _release_quota(self, address: str) -> None:
         """Give back the quota slots of ``address``'s group once none of its devices is held
         (under ``cond``)."""
+        self.borrowed.discard(address)
         lease_id = self.quota_leases.pop(address, None)
         if lease_id is not None and lease_id not in self.quota_leases.values():
             self.quota_slots().release(lease_id)
@@ -428,7 +434,14 @@ class DeviceBook:
         """Who holds a device now: a profile of this book, another process's lease, or ``None``."""
         with self.cond:
             mine = {
-                a: {"profile": o, "local": True, **self.held_info.get(o, {}), "since": self.since.get(a)}
+                a: {
+                    "profile": o,
+                    "local": True,
+                    **self.held_info.get(o, {}),
+                    "since": self.since.get(a),
+                    "borrowed": a in self.borrowed,
+                    "quota": self.accounted.get(a, (None,))[0],
+                }
                 for a, o in self.holders.items()
             }
         cache: dict[str, dict[str, Any] | None] = {}

@@ -189,6 +189,18 @@ def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = No
     return lease
 
 
+def annotate(lease: Lease, addresses: Any, **fields: Any) -> None:
+    """Add ``fields`` to the holder info of ``addresses`` of ``lease`` (a borrowed lease says so)."""
+    lease.info.update(fields)
+    for address in addresses:
+        mine = dict(lease.info, address=address)
+        held = lease.held.get(address) or []
+        if held and held[0][1] is None:  # a shared directory: the info is in a file of our own
+            _write_info(held[0][0], mine)
+        elif address in lease.files:
+            _write_info(lease.files[address], mine)
+
+
 def _held_elsewhere(lease_dir: Path, addresses: list[str]) -> bool:
     """Whether another user's flow run holds any of ``addresses`` through another lease directory
     (each such holder is logged once)."""
@@ -411,6 +423,8 @@ def describe(
         notes = [f"priority {info['priority']}"] if priority and info.get("priority") is not None else []
         if info.get("preemptible"):
             notes.append("preemptible")
+        if info.get("borrowed"):
+            notes.append(f"borrowed beyond quota {info.get('quota')!r}")
         parts.append(f"profile {info['profile']!r}" + (f" ({', '.join(notes)})" if notes else ""))
     if info.get("flow_run_name") or info.get("flow_run_id"):
         run = f"flow run {info.get('flow_run_name')!r}"

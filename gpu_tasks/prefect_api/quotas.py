@@ -9,6 +9,11 @@ the devices (:class:`QuotaSlots`, through a
 :class:`gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`); a flow run that dies
 without giving them back loses them when its lease expires
 (``GPU_TASKS_TUNE_QUOTA_LEASE_SECONDS``, at least 60 s: Prefect's minimum).
+
+Borrowing (:mod:`gpu_tasks.borrowing`): a team's borrowing limit is the limit ``gpu-borrow:<name>``
+(absent: 0, no borrowing), whose slots its borrowed devices take instead of the quota's; its lending
+limit is the limit ``gpu-lend:<name>`` (absent: all of its unused quota may be lent; no slot of it is
+ever taken). ``gpu-tasks quotas set NAME N --borrowing-limit B --lending-limit L`` sets them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from gpu_tasks.prefect_api.concurrency_leases import MIN_LEASE_S, LeaseHolder
 logger = logging.getLogger(__name__)
 
 PREFIX = "gpu-quota:"
+BORROW_PREFIX = "gpu-borrow:"  # a team's borrowing limit; its borrowed devices take these slots
+LEND_PREFIX = "gpu-lend:"  # a team's lending limit (only read)
 CHECK_AGAIN_S = 5.0  # how long a need that fitted its quota is not read from the API again
 WAIT_LOG_EVERY = 30.0  # seconds between the lines that say a task still waits for its quota
 
@@ -34,6 +41,16 @@ WAIT_LOG_EVERY = 30.0  # seconds between the lines that say a task still waits f
 def limit_name(quota: str) -> str:
     """The Prefect global concurrency limit that keeps ``quota``: ``gpu-quota:<quota>``."""
     return f"{PREFIX}{quota}"
+
+
+def borrow_name(quota: str) -> str:
+    """The limit that keeps ``quota``'s borrowing limit: ``gpu-borrow:<quota>``."""
+    return f"{BORROW_PREFIX}{quota}"
+
+
+def lend_name(quota: str) -> str:
+    """The limit that keeps ``quota``'s lending limit: ``gpu-lend:<quota>``."""
+    return f"{LEND_PREFIX}{quota}"
 
 
 def holders_here(quota: str, holders: dict[str, Any]) -> list[dict[str, Any]]:
@@ -108,6 +125,14 @@ class QuotaSlots:
             raise ClusterError(f"quota {quota!r} has no limit: create it with {how_to_set(quota)}")
         return answer.lease_id
 
+    def borrow(self, quota: str, slots: int) -> uuid.UUID | None:
+        """Hold ``slots`` of ``quota``'s borrowing limit now (a lease id), or ``None`` when it has no
+        room or no borrowing limit."""
+        holder = ("flow_run", self.flow_run_id) if self.flow_run_id else None
+        what = f"{slots} borrowed slot(s) of quota {quota!r}"
+        answer = self.leases.take([borrow_name(quota)], slots, what, holder)
+        return answer.lease_id if answer.granted else None
+
     def release(self, lease_id: uuid.UUID | None) -> None:
         """Give the slots of ``lease_id`` back (best effort: an unreachable server lets it expire)."""
         self.leases.release(lease_id)
@@ -117,9 +142,8 @@ class QuotaSlots:
         self.leases.close()
 
 
-def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Every ``gpu-quota:*`` limit: quota, limit, devices in use, and this host's holders
-    (``holders``: :func:`gpu_tasks.devices.leases.holders` of this host's lease directory)."""
+def _all_limits() -> list[Any]:
+    """Every global concurrency limit of the Prefect API (one page of 200 at a time)."""
     from prefect.client.orchestration import get_client
 
     limits = []
@@ -131,23 +155,63 @@ def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:
             if len(page) < 200:
                 break
             offset += 200
-    holders = holders or {}
-    out = []
-    for limit in sorted(limits, key=lambda x: x.name):
-        if not limit.name.startswith(PREFIX):
+    return limits
+
+
+def _by_team(limits: list[Any]) -> dict[str, dict[str, Any]]:
+    """Each team's quota, borrowing and lending limits, from the ``gpu-quota:`` / ``gpu-borrow:`` /
+    ``gpu-lend:`` limits among ``limits`` (a team without a quota limit is left out)."""
+    named = {limit.name: limit for limit in limits}
+    out = {}
+    for name, limit in sorted(named.items()):
+        if not name.startswith(PREFIX):
             continue
-        quota = limit.name[len(PREFIX) :]
-        here = holders_here(quota, holders)
-        out.append(
-            {
-                "quota": quota,
-                "limit": int(limit.limit),
-                "in_use": int(limit.active_slots),
-                "active": bool(limit.active),
-                "holders_here": here,
-            }
-        )
+        quota = name[len(PREFIX) :]
+        borrow, lend = named.get(borrow_name(quota)), named.get(lend_name(quota))
+        out[quota] = {
+            "limit": int(limit.limit),
+            "in_use": int(limit.active_slots),
+            "active": bool(limit.active),
+            "borrowing_limit": int(borrow.limit) if borrow is not None and borrow.active else 0,
+            "borrowed": int(borrow.active_slots) if borrow is not None else 0,
+            "lending_limit": int(lend.limit) if lend is not None and lend.active else None,
+        }
     return out
+
+
+def teams() -> dict[str, dict[str, Any]]:
+    """Each team's quota (``limit``, ``in_use``), ``borrowing_limit``, ``borrowed`` and
+    ``lending_limit`` (``None``: lends all of its unused quota) now, in one read of the API."""
+    return _by_team(_all_limits())
+
+
+def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every ``gpu-quota:*`` limit: quota, limit, devices in use, its borrowing and lending limits and
+    devices borrowed, and this host's holders (``holders``: :func:`gpu_tasks.devices.leases.holders` of
+    this host's lease directory)."""
+    holders = holders or {}
+    return [
+        dict(quota=quota, **row, holders_here=holders_here(quota, holders))
+        for quota, row in _by_team(_all_limits()).items()
+    ]
+
+
+def set_sharing(quota: str, borrowing_limit: int | None = None, lending_limit: int | None = None) -> None:
+    """Set ``quota``'s borrowing limit and lending limit (``None``: leave it; a negative lending limit:
+    remove it, so that all of its unused quota may be lent)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+
+    with get_client(sync_client=True) as client:
+        if borrowing_limit is not None:
+            client.upsert_global_concurrency_limit_by_name(borrow_name(quota), max(0, borrowing_limit))
+        if lending_limit is not None and lending_limit >= 0:
+            client.upsert_global_concurrency_limit_by_name(lend_name(quota), lending_limit)
+        elif lending_limit is not None:
+            try:
+                client.delete_global_concurrency_limit_by_name(lend_name(quota))
+            except ObjectNotFound:
+                pass
 
 
 def set_limit(quota: str, n: int) -> None:
@@ -163,12 +227,17 @@ def delete_limit(quota: str) -> bool:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    try:
-        with get_client(sync_client=True) as client:
+    with get_client(sync_client=True) as client:
+        for name in (borrow_name(quota), lend_name(quota)):  # its borrowing and lending limits go too
+            try:
+                client.delete_global_concurrency_limit_by_name(name)
+            except ObjectNotFound:
+                pass
+        try:
             client.delete_global_concurrency_limit_by_name(limit_name(quota))
-        return True
-    except ObjectNotFound:
-        return False
+            return True
+        except ObjectNotFound:
+            return False
 
 
 def task_need(gpus: float) -> int:

@@ -380,9 +380,15 @@ class Controller:
         cluster = st.cluster
         waited = time.time() - float(waiter["arrived"])
         reason = f"preempted by {describe_waiter(waiter)}, waiting {waited:.1f}s"
+        if waiter.get("reclaimed_by"):  # borrowed devices taken back (gpu_tasks.devices.lending)
+            reason = (
+                f"reclaimed by {waiter['reclaimed_by']}: its borrowed device(s) go back to "
+                f"{describe_waiter(waiter)}, owed them within quota {waiter['reclaimed_by']!r}, "
+                f"waiting {waited:.1f}s"
+            )
         by = {
             k: waiter.get(k)
-            for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "arrived")
+            for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "arrived", "reclaimed_by")
         }
         names = cluster.workers_on(addresses)
         if not cluster.running or not names:

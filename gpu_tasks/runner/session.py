@@ -22,6 +22,7 @@ from gpu_tasks.cluster.kinds import new_cluster, starts_processes_here
 from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.prefect import use_no_limits_cache
+from gpu_tasks.devices import lending
 from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import EMULATION_MEANS, Inventory, discover
 from gpu_tasks.devices.fair_share import ACCRUE_S
@@ -202,7 +203,8 @@ class Live:
         }
         if not preemptible:
             return
-        due = self.book.preemption_due(preemptible)
+        # borrowed devices go back to a team owed them first (gpu_tasks.devices.lending), then priority
+        due = lending.reclaim_due(self.book, preemptible) or self.book.preemption_due(preemptible)
         if due is None:
             return
         waiter, addresses = due

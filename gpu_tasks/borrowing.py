@@ -1,0 +1,214 @@
+"""Borrowing and reclaim between teams' quotas: one pure policy for the host's leases and the shared
+scheduler (issue 49, items 1 and 5).
+
+A team (a quota name) is entitled to ``quota`` devices at once. Beyond that it may **borrow**
+devices while:
+
+* the profile asking is ``preemptible`` (borrowed work is always taken back when asked);
+* the team holds fewer than its ``borrowing_limit`` borrowed devices (0, the default: no borrowing);
+* the other teams' unused quota, each team counting at most its ``lending_limit`` (default: all of
+  its unused quota), covers every device borrowed once this one is (a team keeps what its lending
+  limit does not lend: the pool others borrow from shrinks when it uses its quota);
+* no waiter of another team that is **entitled** to devices (its team has room for its need in its
+  quota) waits for these devices.
+
+An entitled waiter that finds its devices held by borrowers of other teams **reclaims** them (after
+its preemption grace, which the caller keeps): :func:`reclaim_victims` picks the borrowed devices to
+take back, least work lost first, never a run inside its protected run time
+(:func:`gpu_tasks.policy.choose_victims`, whose rule it reuses), whatever the priorities: borrowing is
+lent room, not a place in the queue.
+
+:func:`admit` puts the two together for one request on a snapshot of the devices and the teams:
+``Grant`` (within quota or borrowed), ``Reclaim`` (these borrowed devices first), or ``Wait`` (and
+why). No clocks, no I/O: :mod:`gpu_tasks.devices.lending` (the host's leases) and
+:mod:`gpu_tasks.cluster.board` (a shared scheduler) read the state and act on the answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+from gpu_tasks.policy import Holding, VictimChoice, choose_victims
+
+
+@dataclass(frozen=True)
+class Team:
+    """One team's quota as the policy sees it at one moment.
+
+    ``used``: devices it holds within its quota; ``borrowed``: devices it holds beyond it.
+    ``lending_limit``: the most of its unused quota others may borrow (``None``: all of it).
+    """
+
+    quota: int
+    used: int = 0
+    borrowed: int = 0
+    borrowing_limit: int = 0
+    lending_limit: int | None = None
+
+    @property
+    def room(self) -> int:
+        """Devices it may still take within its quota."""
+        return max(0, self.quota - self.used)
+
+    @property
+    def lendable(self) -> int:
+        """Devices of its unused quota other teams may borrow now."""
+        limit = self.room if self.lending_limit is None else max(0, self.lending_limit)
+        return min(self.room, limit)
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A request for devices, or a waiter: its team (``None``: no quota), how many devices it takes
+    at once, whether its profile is preemptible."""
+
+    team: str | None
+    devices: int = 1
+    preemptible: bool = False
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A device's holder as reclaim judges it: its team, whether the device is borrowed, and its run
+    (``holding.since`` and ``min_run_time`` protect it, ``lost_work`` orders victims)."""
+
+    team: str | None
+    borrowed: bool
+    holding: Holding = Holding(preemptible=True, priority=0)
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Take ``groups`` (indexes of the request's device groups); ``borrowed``: beyond its quota."""
+
+    groups: tuple[int, ...]
+    borrowed: bool = False
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Take back ``victims`` (borrowed devices of other teams) first; then the request fits."""
+
+    victims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing now, and why (``until``: when protected borrowed work may be reclaimed)."""
+
+    reason: str
+    until: float | None = None
+
+
+Decision = Grant | Reclaim | Wait
+Groups = Sequence[Sequence[tuple[str, "Claim | None"]]]
+
+
+def entitled(ask: Ask, teams: Mapping[str, Team]) -> bool:
+    """Whether ``ask``'s team has room in its quota for all of it (then it may reclaim)."""
+    team = teams.get(ask.team) if ask.team is not None else None
+    return team is not None and team.room >= ask.devices
+
+
+def lending_pool(teams: Mapping[str, Team], borrower: str | None) -> int:
+    """Devices the teams other than ``borrower`` lend now, each up to its lending limit."""
+    return sum(t.lendable for name, t in teams.items() if name != borrower)
+
+
+def why_not_borrow(ask: Ask, teams: Mapping[str, Team], waiters: Iterable[Ask] = ()) -> str | None:
+    """Why ``ask`` (its quota full) may not borrow its devices now; ``None``: it may.
+
+    ``waiters``: the other waiters that want the same devices (an entitled one of another team
+    keeps them)."""
+    if ask.team is None or ask.team not in teams:
+        return "it has no quota to borrow beyond"
+    team = teams[ask.team]
+    if not ask.preemptible:
+        return f"quota {ask.team!r} is full and only preemptible profiles borrow beyond it"
+    if team.borrowed + ask.devices > team.borrowing_limit:
+        return (
+            f"quota {ask.team!r} is full and its borrowing limit is {team.borrowing_limit} device(s) "
+            f"({team.borrowed} borrowed now)"
+        )
+    lent = sum(t.borrowed for t in teams.values())
+    pool = lending_pool(teams, ask.team)
+    if lent + ask.devices > pool:
+        return (
+            f"quota {ask.team!r} is full and the other teams lend {pool} device(s) now "
+            f"({lent} borrowed; their lending limits keep the rest)"
+        )
+    for w in waiters:
+        if w.team != ask.team and entitled(w, teams):
+            return f"team {w.team!r} waits for devices within its quota"
+    return None
+
+
+def yields_to(first: Ask, me: Ask, teams: Mapping[str, Team]) -> bool:
+    """Whether a waiter ``first`` that ranks before ``me`` lets ``me`` have the devices both want:
+    ``first`` is beyond its team's quota (it could only borrow) and ``me`` is entitled, of another
+    team. A waiter that may not borrow never keeps devices from a team owed them (nor deadlocks
+    with one: the entitled waiter is what keeps it from borrowing)."""
+    return (
+        first.team is not None
+        and first.team != me.team
+        and not entitled(first, teams)
+        and entitled(me, teams)
+    )
+
+
+def quota_room(ask: Ask, teams: Mapping[str, Team], waiters: Iterable[Ask] = ()) -> Grant | Wait:
+    """Whether ``ask`` takes its devices within its quota (``Grant(borrowed=False)``), borrows them
+    (``Grant(borrowed=True)``) or waits (no devices judged here: ``groups`` is empty)."""
+    if ask.team is None or entitled(ask, teams):
+        return Grant(())
+    why = why_not_borrow(ask, teams, waiters)
+    return Wait(why) if why is not None else Grant((), borrowed=True)
+
+
+def reclaim_victims(team: str | None, groups: Groups, need: int, now: float) -> VictimChoice:
+    """The borrowed devices of other teams an entitled waiter of ``team`` takes back to start
+    ``need`` of its ``groups`` (``(address, claim)``, ``None``: free): a group may be taken when every
+    holder in it is a borrower of another team past its protected run time; the groups that lose the
+    least work first (:func:`gpu_tasks.policy.choose_victims`). Empty when free groups suffice or
+    reclaim cannot make room; ``protected_until`` when protected borrowed work is all that stands in
+    the way."""
+
+    def judged(claim: Claim | None) -> Holding | None:
+        if claim is None:
+            return None
+        h = claim.holding
+        takeable = claim.borrowed and (team is None or claim.team != team)
+        return Holding(preemptible=takeable, priority=0, since=h.since, min_run_time=h.min_run_time)
+
+    return choose_victims([[(a, judged(c)) for a, c in g] for g in groups], need, 1, now)
+
+
+def admit(
+    ask: Ask,
+    groups: Groups,
+    need: int,
+    teams: Mapping[str, Team],
+    waiters: Iterable[Ask] = (),
+    now: float = 0.0,
+) -> Decision:
+    """What ``ask`` gets now on ``groups`` (its device groups with their holders), ``need`` of them
+    at once: free groups within its quota or borrowed (:func:`quota_room`), or, entitled, the
+    borrowed devices of other teams to take back first (:func:`reclaim_victims`), or a wait."""
+    room = quota_room(ask, teams, waiters)
+    if isinstance(room, Wait):
+        return room
+    need = max(1, need)
+    free = [i for i, g in enumerate(groups) if all(c is None for _, c in g)]
+    if len(free) >= need:
+        return Grant(tuple(free[:need]), borrowed=room.borrowed)
+    if not room.borrowed and ask.team is not None:
+        choice = reclaim_victims(ask.team, groups, need, now)
+        if choice.devices:
+            return Reclaim(choice.devices)
+        if choice.protected_until is not None:
+            return Wait(
+                f"borrowed devices {','.join(choice.protected)} are inside their protected run time",
+                choice.protected_until,
+            )
+    return Wait("its devices are held")

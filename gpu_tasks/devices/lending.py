@@ -1,0 +1,161 @@
+"""Borrowing and reclaim on this host's leases: :mod:`gpu_tasks.borrowing` (the pure policy) on the quotas'
+limits (:func:`gpu_tasks.prefect_api.quotas.teams`) and the device queue.
+
+* **Borrow**: a preemptible profile whose quota has no room for a group it just leased
+  (:class:`gpu_tasks.devices.book.DeviceBook`) takes a slot of its team's borrowing limit instead, when the
+  policy allows it (:func:`gpu_tasks.borrowing.why_not_borrow`: the borrowing limit, the other teams'
+  lending limits, no entitled waiter of another team for those devices). Its lease info then says
+  ``borrowed: true``: every process sees which devices are borrowed.
+* **Yield**: a waiter beyond its quota that ranks first does not keep devices from an entitled waiter of
+  another team (:func:`gpu_tasks.borrowing.yields_to`).
+* **Reclaim**: the holder side (the runner's monitor, every half second) looks for an entitled waiter of
+  another team past its preemption grace that this book's borrowed devices keep waiting
+  (:func:`gpu_tasks.borrowing.reclaim_victims`); the profile holding them stops those workers and its
+  tasks run again later, their state saying ``reclaimed by <team>``.
+
+The book is passed in (``Any``): this module is below it and never imports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from gpu_tasks import borrowing, preemption
+from gpu_tasks.borrowing import Ask, Claim, Team
+from gpu_tasks.devices import leases
+from gpu_tasks.prefect_api import quotas
+
+logger = logging.getLogger("gpu_tasks.devices.book")
+
+TEAMS_FRESH_S = 1.0  # how long a read of the teams' limits serves the reclaim and queue checks
+_cache: tuple[float, dict[str, Team]] | None = None
+_lock = threading.Lock()
+
+
+def teams(fresh: bool = False) -> dict[str, Team]:
+    """Every team's quota, use, borrowing and lending now (one read of the Prefect API, reused for
+    ``TEAMS_FRESH_S`` unless ``fresh``)."""
+    global _cache
+    with _lock:
+        if not fresh and _cache is not None and time.monotonic() - _cache[0] < TEAMS_FRESH_S:
+            return _cache[1]
+    out = {
+        name: Team(
+            quota=row["limit"],
+            used=row["in_use"],
+            borrowed=row["borrowed"],
+            borrowing_limit=row["borrowing_limit"],
+            lending_limit=row["lending_limit"],
+        )
+        for name, row in quotas.teams().items()
+    }
+    with _lock:
+        _cache = (time.monotonic(), out)
+    return out
+
+
+def ask_of(waiter: dict[str, Any]) -> Ask:
+    """A waiter's (or a request's) :class:`gpu_tasks.borrowing.Ask`: its team, the devices it takes at
+    once (group size x groups needed), whether it is preemptible."""
+    groups = waiter.get("groups") or [[a] for a in waiter.get("addresses") or ()]
+    size = len(groups[0]) if groups else 1
+    return Ask(
+        waiter.get("quota"), size * max(1, int(waiter.get("need") or 1)), bool(waiter.get("preemptible"))
+    )
+
+
+def _waiters_for(book: Any, me: dict[str, Any], addresses: list[str]) -> list[dict[str, Any]]:
+    """The other waiters of ``book`` and of other processes that want any of ``addresses``."""
+    local = [w for w in book.waiting.values() if w is not me and w["profile"] != me["profile"]]
+    files = {w.get("file") for w in book.waiting.values()}
+    foreign = [w for w in leases.waiters(book.lease_dir, {}) if w["file"] not in files]
+    return [w for w in local + foreign if set(addresses) & set(w.get("addresses") or ())]
+
+
+def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease | None) -> Any:
+    """A slot of ``me``'s team's borrowing limit for the devices ``new`` it just leased (its quota full),
+    when the policy lets it borrow them; the lease then says ``borrowed``. ``None``: it may not (why is
+    kept in ``me["borrow_why"]``) or the limit has no room."""
+    team = me["quota"]
+    ask = Ask(team, len(new), bool(me["preemptible"]))
+    known = teams(fresh=True)
+    why = borrowing.why_not_borrow(ask, known)  # the cheap reasons first: no waiter files read
+    if why is None:
+        why = borrowing.why_not_borrow(ask, known, [ask_of(w) for w in _waiters_for(book, me, new)])
+    if why is not None:
+        me["borrow_why"] = why
+        return None
+    lease_id = book.quota_slots().borrow(team, len(new))
+    if lease_id is None:
+        me["borrow_why"] = f"quota {team!r} is full and its borrowing limit has no room"
+        return None
+    if lease is not None:
+        leases.annotate(lease, new, borrowed=True)
+    book.borrowed.update(new)
+    logger.info(
+        "profile %r: quota %r is full; borrowing device(s) %s beyond it (borrowing limit %d, %d borrowed "
+        "before): preemptible work, reclaimed when a team owed them asks",
+        me["profile"],
+        team,
+        ",".join(new),
+        known[team].borrowing_limit,
+        known[team].borrowed,
+    )
+    return lease_id
+
+
+def still_ahead(me: dict[str, Any], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The waiters of ``before`` (ranked before ``me``) that keep devices from ``me``: all but those
+    beyond their quota when ``me`` is entitled (:func:`gpu_tasks.borrowing.yields_to`)."""
+    if me.get("quota") is None or not any(w.get("quota") not in (None, me["quota"]) for w in before):
+        return before
+    try:
+        known = teams()
+    except Exception:  # the API cannot say: rank order, as without borrowing
+        return before
+    mine = ask_of(me)
+    return [w for w in before if not borrowing.yields_to(ask_of(w), mine, known)]
+
+
+def reclaim_due(book: Any, preemptible: set[str]) -> tuple[dict[str, Any], list[str]] | None:
+    """An entitled waiter of another team past its preemption grace, and the devices this book's
+    ``preemptible`` profiles borrowed that it takes back; ``None`` when there is none. The waiter comes
+    back with ``reclaimed_by`` (its team) for the state and log of the tasks stopped."""
+    with book.cond:
+        ours = {a for a in book.borrowed if book.holders.get(a) in preemptible}
+        if not ours:
+            return None
+        local = [dict(w) for w in book.waiting.values()]
+    files = {w.get("file") for w in local}
+    rivals = local + [w for w in leases.waiters(book.lease_dir, {}) if w["file"] not in files]
+    now = time.time()
+    due = [
+        w
+        for w in rivals
+        if w.get("quota") is not None
+        and set(w.get("addresses") or ()) & ours
+        and preemption.due(w, book.preemption_grace, now)
+    ]
+    if not due:
+        return None
+    known = teams()
+    holder_of = book._holder_of()
+    for waiter in sorted(due, key=lambda w: leases.rank(w, now, {})):
+        if not borrowing.entitled(ask_of(waiter), known):
+            continue
+        groups = waiter.get("groups") or [[a] for a in waiter.get("addresses") or ()]
+        claims = [[(a, _claim(holder_of(a))) for a in g] for g in groups]
+        choice = borrowing.reclaim_victims(waiter["quota"], claims, int(waiter.get("need") or 1), now)
+        mine = [a for a in choice.devices if a in ours]
+        if mine:
+            return dict(waiter, reclaimed_by=waiter["quota"]), mine
+    return None
+
+
+def _claim(holder: dict[str, Any] | None) -> Claim | None:
+    if holder is None:
+        return None
+    return Claim(holder.get("quota"), bool(holder.get("borrowed")), preemption.holding(holder))
