@@ -38,6 +38,7 @@ SUITE = (
     "many_flows",
     "many_flows_production",
     "throughput",
+    "sharing",
 )
 APART = ("faults",)  # asked for by name only; runs as a process of its own and writes its own page
 MODULE = {
@@ -64,6 +65,7 @@ FULL = {
     "many_flows": ["--flows", "10", "--tasks", "1000"],
     "many_flows_production": ["--flows", "10", "--tasks", "1000", "--server", "production"],
     "throughput": ["--scale", "1", "10", "--repeats", "1"],
+    "sharing": ["--duration", "60"],
 }
 QUICK = {
     "overhead": ["--n", "20", "100", "--repeats", "1"],
@@ -79,6 +81,7 @@ QUICK = {
     "many_flows": ["--flows", "2", "--tasks", "20"],
     "many_flows_production": ["--flows", "2", "--tasks", "20", "--server", "production"],
     "throughput": ["--scale", "1", "--repeats", "1", "--rounds", "10"],
+    "sharing": ["--duration", "15", "--bursts", "4", "--burst-tasks", "1", "--task-seconds", "2"],
 }
 
 

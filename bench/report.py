@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import describe, spread
+from bench.sharing import report as sharing_report
 
 OVERHEAD_TARGET_THREADS = 2.0  # within 2x of ThreadPoolTaskRunner
 OVERHEAD_TARGET_DASK = 5.0  # at least 5x faster than DaskTaskRunner
@@ -1123,6 +1124,7 @@ SECTIONS = {
     "many_flows": many_flows,
     "many_flows_production": lambda res, img: many_flows(res, img, "many_flows_production"),
     "throughput": throughput,
+    "sharing": sharing_report,
 }
 
 

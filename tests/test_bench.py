@@ -564,3 +564,37 @@ def test_merge_puts_a_benchmark_run_on_its_own_into_the_report(tmp_path: Path):
     assert "events waited to be sent: N = 10: 0 s, N = 100: 1,234 s." in text
     with pytest.raises(SystemExit):
         main(["--out", str(tmp_path), "--merge", "scale_huge", str(tmp_path / "one.json")])
+
+
+def test_sharing_figures_count_lost_work_waits_and_bs_time_to_running():
+    from bench.sharing import A, B, attempts, figures
+
+    def ev(team, task, pid, kind, t, dev="0"):
+        return {"team": team, "task": task, "pid": pid, "kind": kind, "t": t, "devices": [dev]}
+
+    lines = [
+        ev(A, 0, 10, "start", 0.0),
+        ev(A, 0, 10, "alive", 2.0),
+        ev(A, 0, 10, "end", 4.0),  # device 0
+        ev(A, 1, 11, "start", 0.0, "1"),
+        ev(A, 1, 11, "alive", 1.5, "1"),  # cut short on device 1
+        ev(B, 0, 20, "start", 3.0, "1"),
+        ev(B, 0, 20, "end", 7.0, "1"),
+        ev(A, 1, 12, "start", 4.0),
+        ev(A, 1, 12, "end", 8.0),  # A's task 1 again, on device 0
+    ]
+    runs = attempts(lines)
+    assert [(a["team"], a["task"], a["ended"]) for a in runs] == [
+        (A, 0, True),
+        (A, 1, False),
+        (B, 0, True),
+        (A, 1, True),
+    ]
+    submitted = {A: {"0": 0.0, "1": 0.0}, B: {"0": 2.0}}
+    f = figures(lines, submitted, t0=0.0, t_end=10.0, devices=2, bursts=[2.0], burst_tasks=1)
+    assert f["available_device_s"] == 20.0
+    assert f["busy_device_s"] == 8.0 + 1.5 + 4.0  # device 0: 0-8; device 1: 0-1.5 and 3-7
+    assert f["useful_device_s"] == 12.0 and f["lost_device_s"] == 1.5 and f["attempts_cut_short"] == 1
+    assert f["teams"][A]["tasks_done"] == 2 and f["teams"][A]["preempted"] == 1
+    assert f["teams"][A]["wait_p50_s"] == 2.0  # waits 0 and 4
+    assert f["teams"][B]["wait_p50_s"] == 1.0 and f["b_arrival_to_running_s"] == [1.0]
