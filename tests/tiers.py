@@ -26,6 +26,7 @@ FAST_MODULES = (
     "tests/test_imports.py",
     "tests/test_topology.py",
     "tests/test_share_policy.py",
+    "tests/test_wait_reasons.py",
 )
 
 
