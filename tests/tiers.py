@@ -27,6 +27,7 @@ FAST_MODULES = (
     "tests/test_topology.py",
     "tests/test_share_policy.py",
     "tests/test_borrowing_policy.py",
+    "tests/test_wait_reasons.py",
 )
 
 

@@ -158,7 +158,9 @@ def lease_holders(inventory: Inventory, settings: GpuTasksSettings) -> dict[str,
 
 def lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
     """The profiles queued for this host's devices (GPU_TASKS_LEASE_DIR), first-ranked first, each
-    with its ``effective_priority`` and ``waited_s`` now; ``[]`` when the queue cannot be read."""
+    with its ``effective_priority`` and ``waited_s`` now and ``why`` it waits (as the waiter last wrote
+    it, :mod:`gpu_tasks.devices.wait_reasons`; ``None`` before it did); ``[]`` when the queue cannot
+    be read."""
     now = time.time()
     try:
         queued = leases.waiters(settings.lease_dir)
@@ -169,6 +171,7 @@ def lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
             **w,
             "effective_priority": leases.effective_priority(w, now),
             "waited_s": round(max(0.0, now - float(w.get("arrived", now))), 1),
+            "why": leases.read_why(settings.lease_dir, str(w.get("file"))),
         }
         for w in queued
     ]
@@ -176,7 +179,7 @@ def lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
 
 def waiters_table(queued: list[dict[str, Any]]) -> Table:
     table = Table(title="Waiting for devices on this host (first-ranked first)")
-    for column in ("Profile", "Flow run", "Pid", "Priority", "Effective", "Waited", "Devices"):
+    for column in ("Profile", "Flow run", "Pid", "Priority", "Effective", "Waited", "Devices", "Waits for"):
         table.add_column(column, overflow="fold")
     for w in queued:
         table.add_row(
@@ -187,6 +190,7 @@ def waiters_table(queued: list[dict[str, Any]]) -> Table:
             str(w["effective_priority"]),
             f"{w['waited_s']:.1f}s",
             Text(",".join(w.get("addresses") or ()) or "-"),
+            Text(str((w.get("why") or {}).get("text") or "-")),
         )
     return table
 

@@ -359,6 +359,7 @@ def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
 
     from gpu_tasks.cluster.board import BOARD, effective_priority
     from gpu_tasks.cluster.remote import security_for
+    from gpu_tasks.devices.wait_reasons import board_reason
     from gpu_tasks.errors import ClusterError
     from gpu_tasks.profiles import ResourceProfile
 
@@ -384,16 +385,28 @@ def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
             f"address {address!r}: no Dask scheduler answered within {timeout:g} s ({type(exc).__name__}: "
             f"{exc}); check that it is a scheduler's address"
         )
-    return [
+    rows = [
         dict(entry, token=token, effective_priority=effective_priority(entry))
         for token, entry in sorted(board.items())
         if isinstance(entry, dict)
     ]
+    return [dict(row, why=board_reason(row, rows).as_dict()) for row in rows]
 
 
 def _board_table(address: str, rows: list[dict[str, Any]]) -> Table:
     table = Table(title=f"Waiters on {address} (as of their last beat)")
-    for column in ("Profile", "Flow run", "Process", "Priority", "Effective", "Waited", "Queued", "Workers"):
+    columns = (
+        "Profile",
+        "Flow run",
+        "Process",
+        "Priority",
+        "Effective",
+        "Waited",
+        "Queued",
+        "Workers",
+        "Waits for",
+    )
+    for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
         table.add_row(
@@ -405,6 +418,7 @@ def _board_table(address: str, rows: list[dict[str, Any]]) -> Table:
             f"{float(row.get('waited_s') or 0):.1f}s",
             str(row.get("queued") or 0),
             Text(", ".join(row.get("workers") or ()) or "-"),
+            Text(str((row.get("why") or {}).get("text") or "-")),
         )
     return table
 

@@ -34,6 +34,7 @@ from gpu_tasks.cluster.remote_workers import (
     started_keys,
 )
 from gpu_tasks.cluster.within import within
+from gpu_tasks.devices import wait_reasons
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
 from gpu_tasks.policy import GPU_RESOURCE, task_resources
@@ -359,6 +360,8 @@ class RemoteCluster(ProfileCluster):
             if not ahead:
                 self._clear_at = now
                 return
+            me = {"effective_priority": self.priority, "workers": sorted(ours), "token": "-"}
+            wait_reasons.tell(wait_reasons.board_reason(me, ahead))  # its task run's log says why
             if now >= next_log:
                 first = max(ahead, key=lambda e: int(e["effective_priority"]))
                 say(

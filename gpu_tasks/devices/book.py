@@ -7,13 +7,14 @@ processes on this host it leases them (:mod:`gpu_tasks.devices.leases`).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 from gpu_tasks import preemption
-from gpu_tasks.devices import fair_share, leases, lending, programs
+from gpu_tasks.devices import fair_share, leases, lending, programs, wait_reasons
 from gpu_tasks.devices.discovery import Device
 from gpu_tasks.devices.lease_files import LeaseFileError
 from gpu_tasks.errors import ClusterError
@@ -25,6 +26,8 @@ logger = logging.getLogger(__name__)
 # what a waiter file carries beyond leases.enqueue's own fields, for gpu_tasks.preemption
 _SHARED_WAITER_FIELDS = ("groups", "need", "preemptible", "preemption_grace", "quota")
 _WRITABLE = "; set GPU_TASKS_LEASE_DIR to a directory this user can write"
+EXPLAIN_EVERY_S = 1.0  # how often a waiter works out why it waits (gpu_tasks.devices.wait_reasons)
+QUOTA_READ_EVERY_S = 5.0  # how often a waiter for a full quota reads the quota's use from the API
 
 
 class DeviceBook:
@@ -200,9 +203,9 @@ class DeviceBook:
                     )
                 if self.reclaim is not None:
                     self.reclaim(wanted, owner)
-                log.waiting(
-                    now, held_by, foreign, first, me.pop("quota_full", None), me.pop("programs", None)
-                )
+                quota_full, others = me.pop("quota_full", None), me.pop("programs", None)
+                log.waiting(now, held_by, foreign, first, quota_full, others)
+                self._explain(me, wanted, waiter, log, quota_full, others, usage)
                 if not log.asked and preemption.due(me, self.preemption_grace):
                     log.asked = self._ask_preemptible_holders(owner, me, log)
                 with self.cond:
@@ -213,6 +216,97 @@ class DeviceBook:
                     del self.waiting[id(me)]
                     self.cond.notify_all()  # waiters that let this one go first may go now
             leases.dequeue(waiter)
+
+    # ------------------------------------------------------------ why it waits
+    def _explain(
+        self,
+        me: dict[str, Any],
+        wanted: set[str],
+        waiter: leases.Waiter | None,
+        log: _WaitLog,
+        quota_full: str | None,
+        others: dict[str, str] | None,
+        usage: dict[str, float],
+    ) -> None:
+        """Work out why ``me`` waits (at most every ``EXPLAIN_EVERY_S``), write it next to its waiter
+        file when it changed, and tell the caller's listener
+        (:data:`gpu_tasks.devices.wait_reasons.LISTENER`)."""
+        now = time.monotonic()
+        if log.explained_at is not None and now - log.explained_at < EXPLAIN_EVERY_S:
+            return
+        log.explained_at = now
+        try:
+            view = self._wait_view(me, wanted, quota_full, others, usage, log)
+            reason = wait_reasons.why_waiting(view, time.time())
+        except Exception:  # saying why is a courtesy: the wait goes on without it
+            logger.debug("profile %r: could not work out why it waits", me["profile"], exc_info=True)
+            return
+        noted = reason.as_dict()
+        if waiter is not None and noted != log.noted:
+            log.noted = noted
+            leases.note_why(waiter, noted)
+        wait_reasons.tell(reason)
+
+    def _wait_view(
+        self,
+        me: dict[str, Any],
+        wanted: set[str],
+        quota_full: str | None,
+        others: dict[str, str] | None,
+        usage: dict[str, float],
+        log: _WaitLog,
+    ) -> wait_reasons.WaitView:
+        """What the book knows now about ``me``'s wait (for
+        :func:`gpu_tasks.devices.wait_reasons.why_waiting`)."""
+        owner, wall = me["profile"], time.time()
+        with self.cond:
+            infos: dict[str, dict[str, Any]] = {
+                a: {"profile": o, "local": True, **self.held_info.get(o, {}), "since": self.since.get(a)}
+                for a in sorted(wanted)
+                if (o := self.holders.get(a)) not in (None, owner)
+            }
+            unheld = sorted(a for a in wanted if self.holders.get(a) is None)
+            local = [dict(w) for w in self.waiting.values() if w["profile"] != owner]
+            files = {w.get("file") for w in self.waiting.values()}
+        for address, info in leases.holders(self.lease_dir, unheld).items():
+            if info is not None:
+                infos[address] = dict(info, other_user=info.get("uid", os.getuid()) != os.getuid())
+        rivals = local + [w for w in leases.waiters(self.lease_dir, usage) if w["file"] not in files]
+        team = me.get("quota")
+        ahead = tuple(
+            wait_reasons.Ahead(
+                profile=w.get("profile"),
+                flow_run_name=w.get("flow_run_name"),
+                local=bool(w.get("local")),
+                priority=leases.effective_priority(w, wall),
+                team=w.get("quota"),
+                usage=float(usage.get(w["quota"], 0.0)) if w.get("quota") else 0.0,
+            )
+            for w in leases.ahead(me, rivals, wanted, wall, usage)
+        )
+        used = limit = None
+        if quota_full is not None:
+            if log.quota_read_at is None or time.monotonic() - log.quota_read_at >= QUOTA_READ_EVERY_S:
+                log.quota_read_at = time.monotonic()
+                try:
+                    got = self.quota_slots().limit(quota_full)
+                    log.quota_use = (int(got.active_slots), int(got.limit))
+                except Exception:
+                    log.quota_use = None
+            if log.quota_use is not None:
+                used, limit = log.quota_use
+        return wait_reasons.WaitView(
+            profile=owner,
+            priority=leases.effective_priority(me, wall),
+            team=team,
+            usage=float(usage.get(team, 0.0)) if team else 0.0,
+            holders=tuple(wait_reasons.Holder.of(a, info) for a, info in sorted(infos.items())),
+            quota_full=quota_full,
+            quota_used=used,
+            quota_limit=limit,
+            ahead=ahead,
+            programs=tuple(sorted((others or {}).items())),
+        )
 
     def release(self, owner: str, devices: Any) -> None:
         """Give back ``devices`` held by ``owner`` (and this process's leases on them); their use
@@ -607,6 +701,11 @@ class _WaitLog:
         self.last_quota: float | None = None
         self.last_programs: float | None = None
         self.last_protected: float | None = None
+        # why it waits (DeviceBook._explain): when last worked out, as last written, the quota's use
+        self.explained_at: float | None = None
+        self.noted: dict[str, Any] | None = None
+        self.quota_read_at: float | None = None
+        self.quota_use: tuple[int, int] | None = None
 
     def protected(self, now: float, until: float, holders: str) -> None:
         """The work it could take back is protected (``min_run_time``) until ``until``: say so."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import json
 import math
 import os
 import socket
@@ -255,12 +256,63 @@ def enqueue(
 
 
 def dequeue(waiter: Waiter | None) -> None:
-    """Leave the queue: delete the waiter file, then unlock it (by closing it)."""
+    """Leave the queue: delete the waiter file and its reason (:func:`note_why`), then unlock it (by
+    closing it)."""
     if waiter is None:
         return
     with contextlib.suppress(OSError):
         waiter.path.unlink()
+    with contextlib.suppress(OSError):
+        _why_path(waiter.path.parent, waiter.name).unlink()
     _close_all(waiter.files)
+
+
+WHY = ".why"  # a waiter's reason: <lease_dir>/queue/<unique>.json.why
+
+
+def _why_path(queue: Path, name: str) -> Path:
+    return queue / f"{name}{WHY}"
+
+
+def note_why(waiter: Waiter, why: dict[str, Any]) -> None:
+    """Write why ``waiter`` waits (JSON, :meth:`gpu_tasks.devices.wait_reasons.WaitReason.as_dict`) next to
+    its waiter file, for ``gpu-tasks waiters``: written under a temporary name and renamed into place.
+    Best effort: a reason that cannot be written is left out."""
+
+    path = _why_path(waiter.path.parent, waiter.name)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            os.fchmod(fd, 0o644)
+            os.write(fd, json.dumps(why, default=str).encode())
+        finally:
+            os.close(fd)
+        os.rename(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def read_why(lease_dir: Path | None, name: str) -> dict[str, Any] | None:
+    """Why the waiter of file ``name`` waits (as :func:`note_why` wrote it), or ``None``."""
+
+    path = _why_path(_lease_dir(lease_dir) / QUEUE, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | lease_files.OPEN_FLAGS)
+    except OSError:
+        return None
+    try:
+        data = os.read(fd, 1 << 16)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        why = json.loads(data)
+    except ValueError:
+        return None
+    return why if isinstance(why, dict) else None
 
 
 def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
@@ -294,6 +346,7 @@ def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = N
             # deleted in a sticky directory: it stays, unlocked, and is skipped like this each time
             with contextlib.suppress(FileNotFoundError, PermissionError):
                 path.unlink()
+                _why_path(queue, path.name).unlink()
         finally:
             os.close(fd)
     if usage is None and out:

@@ -7,7 +7,7 @@ shows in the flow run's event feed):
   ``gpu-tasks.cluster.<flow run id>.<profile>``;
 - ``gpu-tasks.device.<leased|released>``, resource ``gpu-tasks.device.<host>.<address>``;
 - ``gpu-tasks.task.<what>`` (``escalated``, ``slot-waited``, ``quota-waited``, ``cache-hit``,
-  ``preempted``), resource
+  ``preempted``, ``waiting``: why a task waits, sent when the reason changes), resource
   ``gpu-tasks.task.<task run id>``, related to the task run too;
 - ``gpu-tasks.profile.right-size`` when the runner exits, one per GPU profile that used much less
   than it held (measured with NVML; :mod:`gpu_tasks.reporting.measured`), resource
@@ -97,6 +97,7 @@ _LABELS = {
     "to_profile": "gpu-tasks.to-profile",
     "state": "gpu-tasks.state",
     "priority": "gpu-tasks.priority",
+    "kind": "gpu-tasks.wait-kind",
 }
 
 
@@ -291,6 +292,8 @@ def task_sentence(what: str, task_name: str, profile: str, payload: Mapping[str,
             f"{task_name} on profile {profile} waited {float(payload.get('seconds', 0)):.1f} s for room in "
             f"quota {payload.get('quota')}, holding no device"
         )
+    if what == "waiting":
+        return f"{task_name} on profile {profile} waits: {payload.get('text') or payload.get('kind')}"
     if what == "cache-hit":
         return f"{task_name} on profile {profile}: result from Prefect's cache, no device leased"
     if what == "preempted":

@@ -37,6 +37,27 @@ def flow_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
         return logger
 
 
+def task_run_log(
+    task_run_id: uuid.UUID, flow_run_id: uuid.UUID | None, task_name: str, flow_run_name: str | None = None
+) -> logging.LoggerAdapter[logging.Logger]:
+    """A logger whose lines reach task run ``task_run_id``'s logs on the Prefect server (Prefect's
+    ``prefect.task_runs`` logger with the run's ids, as Prefect's own ``task_run_logger``), also
+    before the task run has started; send from the flow run's context (its API settings)."""
+    from prefect.logging.loggers import PrefectLogAdapter, get_logger
+
+    return PrefectLogAdapter(
+        get_logger("prefect.task_runs"),
+        extra={
+            "task_run_id": str(task_run_id),
+            "flow_run_id": str(flow_run_id) if flow_run_id is not None else None,
+            "task_run_name": task_name,
+            "task_name": task_name,
+            "flow_run_name": flow_run_name or "<unknown>",
+            "flow_name": "<unknown>",
+        },
+    )
+
+
 class RunLogs(logging.Handler):
     """Sends ``gpu_tasks.*`` records (INFO and up) to the Prefect API as the flow run's logs.
 

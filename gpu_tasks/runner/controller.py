@@ -32,6 +32,7 @@ from gpu_tasks.policy import close_reason, task_resources
 from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.reporting.events import publish_dashboard
+from gpu_tasks.runner import waiting
 from gpu_tasks.runner.admission import TaskQuota
 from gpu_tasks.runner.job import (
     NO_WORKER,
@@ -243,6 +244,14 @@ class Controller:
             logger.warning("gpu-tasks: could not replace a lost worker", exc_info=True)
 
     def _dispatch_in_context(self, job: Job) -> None:
+        # what holds it up from here is said in its task run's log (gpu_tasks.runner.waiting)
+        token = waiting.reporting(self.live, job)
+        try:
+            self._dispatch_job(job)
+        finally:
+            waiting.done(token)
+
+    def _dispatch_job(self, job: Job) -> None:
         from prefect import tags
 
         live, st, prof = self.live, self.st, job.profile
