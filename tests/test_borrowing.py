@@ -160,3 +160,26 @@ def _limit_names() -> set[str]:
     from gpu_tasks.prefect_api.quotas import _all_limits
 
     return {limit.name for limit in _all_limits()}
+
+
+def test_a_waiter_at_its_teams_borrowing_limit_says_so(teams):
+    from gpu_tasks.devices import lending, wait_reasons
+
+    a, _ = teams
+    me = {"profile": "a-gpu", "quota": a, "preemptible": True}
+    assert lending.at_borrowing_limit(me) is None  # nothing borrowed yet: the limit has room
+    slots = quotas.QuotaSlots(lease_seconds=30)
+    try:
+        assert slots.borrow(a, 1) is not None
+        assert lending.at_borrowing_limit({**me, "preemptible": False}) is None  # may never borrow anyway
+        got = lending.at_borrowing_limit(me)
+        assert got is None or got == (a, 1.0, 1.0)  # None only while a 1 s old read of the teams serves
+        time.sleep(lending.TEAMS_FRESH_S + 0.1)
+        assert lending.at_borrowing_limit(me) == (a, 1.0, 1.0)
+        view = wait_reasons.WaitView(
+            profile="a-gpu", priority=0, team=a, quota_full=a, borrowing=(a, 1.0, 1.0)
+        )
+        reason = wait_reasons.why_waiting(view, time.time())
+        assert reason.kind == "borrowing-limit" and "borrowing limit is 1" in reason.text, reason
+    finally:
+        slots.close()

@@ -306,6 +306,7 @@ class DeviceBook:
             quota_limit=limit,
             ahead=ahead,
             programs=tuple(sorted((others or {}).items())),
+            borrowing=lending.at_borrowing_limit(me) if quota_full is not None else None,
         )
 
     def release(self, owner: str, devices: Any) -> None:

@@ -107,6 +107,22 @@ def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease | 
     return lease_id
 
 
+def at_borrowing_limit(me: dict[str, Any]) -> tuple[str, float, float] | None:
+    """``(team, borrowed, limit)`` when ``me``, preemptible and its quota full, cannot borrow because its
+    team has borrowed up to a borrowing limit above 0 (why it waits:
+    :func:`gpu_tasks.devices.wait_reasons.why_waiting`); ``None`` otherwise or when the API cannot say."""
+    team = me.get("quota")
+    if team is None or not me.get("preemptible"):
+        return None
+    try:
+        known = teams().get(team)
+    except Exception:
+        return None
+    if known is None or not known.borrowing_limit or known.borrowed < known.borrowing_limit:
+        return None
+    return team, float(known.borrowed), float(known.borrowing_limit)
+
+
 def still_ahead(me: dict[str, Any], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The waiters of ``before`` (ranked before ``me``) that keep devices from ``me``: all but those
     beyond their quota when ``me`` is entitled (:func:`gpu_tasks.borrowing.yields_to`)."""
