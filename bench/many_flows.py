@@ -204,7 +204,7 @@ def server_records(
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from gpu_tasks.compat.prefect_server import count_task_runs
+    from gpu_tasks.prefect_api.server import count_task_runs
 
     ids = {fl["index"]: fl["flow_run_id"] for fl in flows if fl.get("flow_run_id")}
     completed_only = {"state": {"type": {"any_": ["COMPLETED"]}}}

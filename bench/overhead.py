@@ -125,7 +125,7 @@ def _server_caught_up(expected: int, timeout: float = 180.0) -> None:
     from prefect.client.orchestration import get_client
     from prefect.context import FlowRunContext
 
-    from gpu_tasks.compat.prefect_server import count_task_runs
+    from gpu_tasks.prefect_api.server import count_task_runs
 
     ctx = FlowRunContext.get()
     if ctx is None or ctx.flow_run is None:

@@ -44,11 +44,11 @@ def test_a_changed_name_is_reported_not_silently_ignored(monkeypatch):
     monkeypatch.delattr(services, "_no_limits_cache")
     changed = {u.name: why for u, why in compat.verify()}
     assert any("_no_limits_cache" in name for name in changed), changed
-    import distributed.nanny
+    import distributed
 
-    monkeypatch.delattr(distributed.nanny, "_get_env_variables")
+    monkeypatch.delattr(distributed.Nanny, "_on_worker_exit_sync")
     changed = {u.name: why for u, why in compat.verify()}
-    assert "distributed.nanny._get_env_variables" in changed, changed
+    assert "distributed.Nanny._on_worker_exit_sync" in changed, changed
 
 
 def test_tag_slots_taken_elsewhere_by_the_engine_fail_the_check(monkeypatch):

@@ -169,6 +169,22 @@ def _non_daemon_workers() -> contextlib.AbstractContextManager[None]:
     return shared_config("distributed.worker.daemon", False)
 
 
+def apply_worker_spec(cluster: Any) -> None:
+    """Make a ``SpecCluster`` start or stop workers to match its edited ``worker_spec``, and wait.
+
+    ``SpecCluster.scale`` only adds copies of its ``new_spec``; a profile's workers each have
+    their own devices, so gpu-tasks edits ``worker_spec`` and awaits the cluster, which is how
+    distributed documents bringing a ``SpecCluster`` up to its spec (``await cluster``: the
+    workers the spec no longer names are retired and closed, the new ones started, and each
+    awaited). Run on the cluster's own event loop (``sync``, as its sync methods do).
+    """
+
+    async def applied() -> None:
+        await cluster
+
+    cluster.sync(applied)
+
+
 # ---------------------------------------------------------------- backends
 class Backend:
     """A running set of workers of one profile: submit to it, grow it, close it."""
@@ -299,7 +315,7 @@ class DaskBackend(Backend):
                 s, pool=self.pool, timeout=self.timeout, cuda=self.cuda
             )
         with _non_daemon_workers():
-            _dask_private.correct_state(self.cluster)
+            apply_worker_spec(self.cluster)
         self._wait(total - self._absent(exclude={s.name for s in specs}))
 
     def _absent(self, exclude: set[str]) -> int:
@@ -319,7 +335,7 @@ class DaskBackend(Backend):
 
     def remove(self, name: str) -> None:
         self.cluster.worker_spec.pop(name, None)
-        _dask_private.correct_state(self.cluster)  # stops that worker's nanny
+        apply_worker_spec(self.cluster)  # stops that worker's nanny
 
     def worker_names(self) -> set[str]:
         return {str(n) for n in getattr(self.cluster, "workers", {})}

@@ -17,16 +17,6 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 
-def correct_state(cluster: Any) -> None:
-    """Make a ``SpecCluster`` start or stop workers to match its ``worker_spec`` now.
-
-    ``SpecCluster.scale`` can only add copies of its ``new_spec``; a profile's workers
-    each have their own devices, so gpu-tasks edits ``worker_spec`` and applies it with
-    the private ``_correct_state`` (what ``scale`` itself calls), synchronously.
-    """
-    cluster.sync(cluster._correct_state)
-
-
 def forget_closed_schedulers() -> None:
     """Let closed Dask schedulers be freed.
 
@@ -66,24 +56,6 @@ def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
     return None if out is None else int(out)
 
 
-def nanny_pre_spawn_environ() -> dict[str, str]:
-    """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1`` and the like):
-    the private ``distributed.nanny._get_env_variables("distributed.nanny.pre-spawn-environ")``."""
-    from distributed.nanny import _get_env_variables
-
-    return dict(_get_env_variables("distributed.nanny.pre-spawn-environ"))
-
-
-def run_in_new_loop(main: Any) -> Any:
-    """Run coroutine ``main`` to completion in a new event loop of the kind Dask's worker processes
-    use (``distributed.compatibility.asyncio_run`` with ``distributed.config.get_loop_factory``,
-    both undocumented: the uvloop setting is honoured)."""
-    from distributed.compatibility import asyncio_run
-    from distributed.config import get_loop_factory
-
-    return asyncio_run(main, loop_factory=get_loop_factory())
-
-
 def nanny_class_with_exit_hook() -> type[Any]:
     """``distributed.Nanny`` whose worker-process exit calls ``self.on_worker_exit(exitcode)`` first.
 
@@ -120,14 +92,6 @@ def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, .
 
 
 # ---------------------------------------------------------------- the uses, with feature checks
-def _check_correct_state() -> str | None:
-    from distributed import SpecCluster
-
-    from gpu_tasks.compat import params
-
-    return params(SpecCluster._correct_state, "self")
-
-
 def _check_expects_comm() -> str | None:
     from distributed import core
 
@@ -161,27 +125,7 @@ def _check_worker_state() -> str | None:
 
     if "state" not in BaseWorker.__init__.__code__.co_names:
         return "a Dask worker no longer keeps its WorkerState in .state"
-    return params(WorkerState.__init__, "nthreads")
-
-
-def _check_nanny_env() -> str | None:
-    from distributed import nanny
-
-    from gpu_tasks.compat import params
-
-    return params(getattr(nanny, "_get_env_variables", None), "config_key")
-
-
-def _check_loop() -> str | None:
-    import importlib
-
-    from gpu_tasks.compat import params
-
-    compatibility = importlib.import_module("distributed.compatibility")
-    config = importlib.import_module("distributed.config")  # `distributed.config` the attribute is a dict
-    return params(getattr(compatibility, "asyncio_run", None), "main", "loop_factory") or params(
-        getattr(config, "get_loop_factory", None)
-    )
+    return params(WorkerState.__init__, "nthreads") or _check_worker_tasks()
 
 
 def _check_nanny_exit() -> str | None:
@@ -198,13 +142,6 @@ def _uses() -> list[Any]:
     return [
         Use(
             "distributed",
-            "distributed.SpecCluster._correct_state",
-            "private",
-            "apply an edited worker_spec now (each worker has its own devices; scale() only copies)",
-            _check_correct_state,
-        ),
-        Use(
-            "distributed",
             "distributed.core._expects_comm (cache_clear)",
             "private",
             "closed schedulers are freed (an unbounded functools.cache keeps them alive)",
@@ -212,32 +149,13 @@ def _uses() -> list[Any]:
         ),
         Use(
             "distributed",
-            "distributed.Worker.state.nthreads",
+            "distributed.Worker.state (nthreads, tasks)",
             "undocumented",
-            "nested tasks run on as many threads as their worker has",
-            _check_worker_state,
-        ),
-        Use(
-            "distributed",
-            "distributed.Worker.state.tasks",
-            "undocumented",
-            "which tasks a shared worker executes now (preempted for a waiter, released by a client "
+            "a Dask worker's state machine, which holds what its Worker no longer exposes: its thread "
+            "count (nested tasks run on as many threads as their worker has) and its tasks by key "
+            "(which tasks a shared worker executes now: preempted for a waiter, released by a client "
             "that is gone, interrupted when the flow run stops)",
-            _check_worker_tasks,
-        ),
-        Use(
-            "distributed",
-            "distributed.nanny._get_env_variables",
-            "private",
-            "warm processes get the environment the nanny gives a worker it spawns",
-            _check_nanny_env,
-        ),
-        Use(
-            "distributed",
-            "distributed.compatibility.asyncio_run, distributed.config.get_loop_factory",
-            "undocumented",
-            "a bound warm process runs its worker in Dask's kind of event loop",
-            _check_loop,
+            _check_worker_state,
         ),
         Use(
             "distributed",

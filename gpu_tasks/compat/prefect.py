@@ -123,19 +123,6 @@ CONTEXT_KEYS = frozenset(
 )
 
 
-def deployment_context() -> tuple[str | None, Any]:
-    """The deployment id (as a string) and parameters of the run in this context.
-
-    Prefect's ``serialize_context`` sends them to remote task runs from the private
-    context variables ``_deployment_id`` and ``_deployment_parameters``; gpu-tasks
-    serializes context itself (``gpu_tasks.runner.payload``) and sends the same.
-    """
-    from prefect import context as pctx
-
-    deployment_id = pctx._deployment_id.get()
-    return (str(deployment_id) if deployment_id else None), pctx._deployment_parameters.get()
-
-
 # ---------------------------------------------------------------- tag slots the flow process holds
 # A GPU task must not hold a device while it waits for a Prefect tag concurrency slot. The flow
 # process takes the task run's `tag:<tag>` slots before it leases a device (prefect_api.tag_slots) and
@@ -492,16 +479,6 @@ def _check_engine_concurrency() -> str | None:
     return None
 
 
-def _check_deployment_context() -> str | None:
-    from prefect import context as pctx
-
-    from gpu_tasks.compat import attr
-
-    return attr(pctx, "_deployment_id", contextvars.ContextVar) or attr(
-        pctx, "_deployment_parameters", contextvars.ContextVar
-    )
-
-
 def _check_context_layout() -> str | None:
     from prefect.context import serialize_context
 
@@ -583,13 +560,6 @@ def _uses() -> list[Any]:
             "the engine's tag-slot acquisition, wrapped (gpu-tasks' task runs only) to leave out slots "
             "the flow process holds and tags known to have no limit",
             _check_engine_concurrency,
-        ),
-        Use(
-            "prefect",
-            "prefect.context._deployment_id / _deployment_parameters",
-            "private",
-            "sent to remote task runs as Prefect's serialize_context sends them",
-            _check_deployment_context,
         ),
         Use(
             "prefect",

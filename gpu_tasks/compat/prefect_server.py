@@ -114,15 +114,6 @@ def _read_lines(stream: Any, each: Callable[[bytes], None]) -> None:
             each(line)
 
 
-def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
-    """How many task runs match ``task_run_filter`` (the API's filter JSON), on a sync client.
-
-    Prefect's client has no ``count_task_runs``; the server's ``POST /task_runs/count``
-    is reached through the client's private HTTP client ``_client`` (prefect 3.8.8).
-    """
-    return int(client._client.post("/task_runs/count", json=task_run_filter).json())
-
-
 def drain_events(timeout: float) -> bool:
     """Send the events this process queued (``EventsWorker.drain_all``, undocumented); whether all
     were sent within ``timeout``."""
@@ -223,13 +214,6 @@ def _check_asgi_server() -> str | None:
     )
 
 
-def _check_sync_client() -> str | None:
-    from prefect.client.orchestration import SyncPrefectClient
-
-    names = SyncPrefectClient.__init__.__code__.co_names
-    return None if "_client" in names else "SyncPrefectClient no longer sets _client"
-
-
 def _check_drains() -> str | None:
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
@@ -272,24 +256,13 @@ def _uses() -> list[Any]:
         ),
         Use(
             "prefect",
-            "prefect.client.orchestration.SyncPrefectClient._client",
+            "prefect.events.worker.EventsWorker (drain_all, _instances, _context_cache), "
+            "prefect.logging.handlers.APILogWorker.drain_all",
             "private",
-            "POST /task_runs/count, which the client does not offer",
-            _check_sync_client,
-        ),
-        Use(
-            "prefect",
-            "prefect.events.worker.EventsWorker.drain_all, prefect.logging.handlers.APILogWorker.drain_all",
-            "undocumented",
-            "send a run's last events and logs before the embedded server stops",
-            _check_drains,
-        ),
-        Use(
-            "prefect",
-            "prefect.events.worker.EventsWorker (_instances, _context_cache)",
-            "private",
-            "how many events wait to be sent: task runs wait to start while too many do",
-            _check_events_backlog,
+            "Prefect's queue services of events and logs: send a run's last events and logs before a "
+            "process or the embedded server stops (drain_all), and count the events waiting to be sent "
+            "(_instances, _context_cache: task runs wait to start while too many do)",
+            lambda: _check_drains() or _check_events_backlog(),
         ),
     ]
 

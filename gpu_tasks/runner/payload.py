@@ -11,7 +11,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from gpu_tasks.compat.prefect import deployment_context
 from gpu_tasks.prefect_api.api import for_workers
 from gpu_tasks.worker.blobs import Blob, Blobs
 
@@ -33,6 +32,7 @@ class ContextSerializer:
         self._result_store: tuple[Any, dict[str, Any]] | None = None
         self.blobs = Blobs()  # pickled once per runner: the flow run's context, its tasks
         self._flow_runs: dict[int, tuple[Any, Any, Blob]] = {}  # id(ctx) -> (ctx, its flow run, blob)
+        self._deployments: dict[int, tuple[Any, tuple[Any, Any]]] = {}  # id(ctx) -> (ctx, (id, parameters))
 
     def serialize(self, asset_ctx_kwargs: dict[str, Any] | None = None) -> tuple[dict[str, Any], str]:
         """The serialized context, and a key that names its settings (equal keys, equal settings)."""
@@ -48,7 +48,7 @@ class ContextSerializer:
         flow_run_ctx = pctx.EngineContext.get()
         task_run_ctx = pctx.TaskRunContext.get()
         tags_ctx = pctx.TagsContext.get()
-        deployment_id, deployment_parameters = deployment_context()
+        deployment_id, deployment_parameters = self._deployment(flow_run_ctx)
         context = {
             "flow_run_context": self._flow_run_blob(flow_run_ctx) if flow_run_ctx else {},
             "task_run_context": task_run_ctx.serialize() if task_run_ctx else {},
@@ -80,6 +80,22 @@ class ContextSerializer:
                 self.blobs.blob(self._flow_run(ctx), "flow_run_context"),
             )
         return made[2]
+
+    def _deployment(self, ctx: Any) -> tuple[Any, Any]:
+        """The deployment id and parameters Prefect's public ``serialize_context`` sends, taken from
+        one call of it per flow run context: the flow engine sets them when the flow run starts,
+        and they do not change while it runs (its settings are dumped that once, not per task)."""
+        from prefect.context import serialize_context
+
+        made = self._deployments.get(id(ctx)) if ctx is not None else None
+        if made is None or made[0] is not ctx:
+            full = serialize_context()
+            made = (ctx, (full["deployment_id"], full["deployment_parameters"]))
+            if ctx is not None:
+                if len(self._deployments) >= 8:
+                    self._deployments.clear()
+                self._deployments[id(ctx)] = made
+        return made[1]
 
     def _flow_run(self, ctx: Any) -> dict[str, Any]:
         """``ctx.serialize()``, with its result store (a block: costly to dump) dumped once per store."""

@@ -28,6 +28,7 @@ terminates it past Dask's memory ``terminate`` fraction of its memory limit.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
@@ -112,7 +113,6 @@ def _child_main(conn: Connection, flow: int) -> None:
     dask.config.set(config)
     if silence_logs:
         logging.getLogger("distributed").setLevel(silence_logs)
-    from gpu_tasks.compat.distributed import run_in_new_loop
     from gpu_tasks.worker import serve
 
     if msg[0] == "bind":
@@ -121,6 +121,19 @@ def _child_main(conn: Connection, flow: int) -> None:
     else:
         run_in_new_loop(serve.serve_scheduler(conn, scheduler_kwargs))
     _exit_now()
+
+
+def run_in_new_loop(main: Any) -> Any:
+    """Run coroutine ``main`` in a new event loop of the kind Dask's worker processes use: uvloop's
+    when Dask's documented ``distributed.admin.event-loop`` says ``uvloop``, asyncio's otherwise
+    (``asyncio.Runner``, public since Python 3.11)."""
+    factory = None
+    if dask.config.get("distributed.admin.event-loop", "tornado") == "uvloop":
+        import importlib
+
+        factory = importlib.import_module("uvloop").new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
 
 
 def _exit_now() -> None:
@@ -507,11 +520,17 @@ def _context() -> Any:
     return multiprocessing.get_context("spawn")
 
 
+def nanny_pre_spawn_environ() -> dict[str, str]:
+    """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1``, ``MALLOC_TRIM_THRESHOLD_``
+    and the like): Dask's documented ``distributed.nanny.pre-spawn-environ`` config, read as the
+    nanny reads it (a variable set in this process's environment wins; ``None`` unsets one)."""
+    cfg = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
+    return {str(k): os.environ.get(str(k), str(v)) for k, v in cfg.items() if v is not None}
+
+
 def _pre_spawn_environ() -> dict[str, str]:
     """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1`` and the like),
     and an empty device list: an unbound process sees no device."""
-    from gpu_tasks.compat.distributed import nanny_pre_spawn_environ
-
     env = nanny_pre_spawn_environ()
     if env.get("PYTHONHASHSEED") in (None, "0"):
         env["PYTHONHASHSEED"] = "6640"  # as the nanny: the same hashing in every worker
