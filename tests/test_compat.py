@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from gpu_tasks import compat
+from gpu_tasks.compat.prefect import CONTEXT_KEYS
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGIN = ROOT / "gpu_tasks"
@@ -145,15 +146,42 @@ UNDOCUMENTED = {
     "dask_cuda.worker_common": None,
     "dask_cuda.utils": None,
 }
-FOREIGN = ("prefect", "distributed", "dask", "dask_cuda", "atexit", "os", "signal")
+FOREIGN = (
+    "prefect",
+    "distributed",
+    "dask",
+    "dask_cuda",
+    "dask_gateway",
+    "dask_jobqueue",
+    "atexit",
+    "os",
+    "signal",
+    "sys",
+    "ctypes",
+    "multiprocessing",
+    "asyncio",
+    "threading",
+    "subprocess",
+)
+# documented names that happen to start with an underscore
+DOCUMENTED_PRIVATE = {"os._exit", "sys._getframe"}
 # attribute reads of undocumented names on objects the scan cannot trace to an import (a Dask
 # worker handed to a function, a module reached through another)
 UNDOCUMENTED_CHAINS = {
     "state.tasks",
+    "state.nthreads",
     "pythonapi.PyThreadState_SetAsyncExc",
     "spawn.set_executable",
     "spawn.get_executable",
 }
+# keys of a private layout gpu-tasks builds itself (Prefect's serialize_context): a dict literal
+# with several of them outside the compat layer is a copy of that layout
+PRIVATE_LAYOUTS = {"prefect.context.serialize_context": CONTEXT_KEYS}
+ACCESSORS = ("getattr", "setattr", "hasattr", "delattr")
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
 
 
 def _chain(node: ast.Attribute) -> str:
@@ -163,39 +191,141 @@ def _chain(node: ast.Attribute) -> str:
     return f"{inner}.{node.attr}"
 
 
+def _dotted(node: ast.AST) -> tuple[str, list[str]] | None:
+    """``a.b.c`` as (``a``, [``b``, ``c``]); ``None`` when the chain does not start at a name."""
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return (node.id, parts[::-1]) if isinstance(node, ast.Name) else None
+
+
+def _foreign(aliases: dict[str, str], node: ast.AST) -> str | None:
+    """The library name ``node`` stands for (``prefect.context.SettingsContext``), if it is one."""
+    found = _dotted(node)
+    if found is None or found[0] not in aliases:
+        return None
+    return ".".join([aliases[found[0]], *found[1]])
+
+
+def _has(dotted: str, name: str) -> bool:
+    """Whether the library class ``dotted`` has ``name`` (``True`` when it cannot be imported: the
+    override is reported rather than missed)."""
+    import importlib
+
+    module, _, attr = dotted.rpartition(".")
+    try:
+        owner = getattr(importlib.import_module(module), attr)
+    except Exception:
+        return True
+    return hasattr(owner, name)
+
+
+def _undocumented_module(dotted: str) -> bool:
+    return any(
+        rule is None and (dotted == mod or dotted.startswith(mod + ".")) for mod, rule in UNDOCUMENTED.items()
+    )
+
+
 def _violations(path: Path) -> list[str]:
     tree = ast.parse(path.read_text())
-    aliases = {}  # local name -> foreign module it is bound to
-    out = []
-    for node in ast.walk(tree):
+    aliases: dict[str, str] = {}  # local name -> the library name it is bound to
+    out: list[str] = []
+    where = path.name
+
+    for node in ast.walk(tree):  # every import first, those inside functions too
         if isinstance(node, ast.Import):
             for a in node.names:
                 if a.name.split(".")[0] in FOREIGN:
                     aliases[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
-                    if a.name in UNDOCUMENTED and UNDOCUMENTED[a.name] is None:
-                        out.append(f"{path.name}:{node.lineno}: import {a.name}")
+                    if _undocumented_module(a.name) or any(_private(p) for p in a.name.split(".")):
+                        out.append(f"{where}:{node.lineno}: import {a.name}")
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            top = node.module.split(".")[0]
-            if top not in FOREIGN:
+            if node.module.split(".")[0] not in FOREIGN:
                 continue
             rule = UNDOCUMENTED.get(node.module, ())
             for a in node.names:
-                if a.name.startswith("_") or rule is None or (rule and a.name in rule):
-                    out.append(f"{path.name}:{node.lineno}: from {node.module} import {a.name}")
+                if (
+                    _private(a.name)
+                    or any(_private(p) for p in node.module.split("."))
+                    or rule is None
+                    or (rule and a.name in rule)
+                    or _undocumented_module(node.module)
+                ):
+                    out.append(f"{where}:{node.lineno}: from {node.module} import {a.name}")
                 aliases[a.asname or a.name] = f"{node.module}.{a.name}"
-        elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
-            base = node.value
-            if isinstance(base, ast.Name) and base.id in aliases and f"{base.id}.{node.attr}" != "os._exit":
-                out.append(f"{path.name}:{node.lineno}: {base.id}.{node.attr}")
-            elif isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
-                out.append(f"{path.name}:{node.lineno}: super().{node.attr} (a private hook of a base class)")
-        if isinstance(node, ast.Attribute) and (chain := _chain(node)) in UNDOCUMENTED_CHAINS:
-            out.append(f"{path.name}:{node.lineno}: .{chain}")
-        if isinstance(node, ast.Assign):
-            for target in node.targets:
-                if isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name):
-                    if target.value.id in aliases and target.value.id in ("os", "signal", "atexit"):
-                        out.append(f"{path.name}:{node.lineno}: {target.value.id}.{target.attr} = ...")
+
+    own_classes: dict[str, list[str]] = {}  # class name -> the library classes it derives from
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            bases = [b for b in (_foreign(aliases, base) for base in node.bases) if b]
+            if bases:
+                own_classes[node.name] = bases
+                for item in node.body:
+                    if (
+                        isinstance(item, ast.FunctionDef | ast.AsyncFunctionDef)
+                        and _private(item.name)
+                        and any(_has(base, item.name) for base in bases)
+                    ):
+                        out.append(
+                            f"{where}:{item.lineno}: {node.name}.{item.name} overrides a private hook of "
+                            f"{', '.join(bases)}"
+                        )
+        if isinstance(node, ast.Attribute):
+            dotted = _foreign(aliases, node)
+            if dotted is not None and isinstance(node.ctx, ast.Load):
+                parts = dotted.split(".")
+                if dotted not in DOCUMENTED_PRIVATE and any(_private(p) for p in parts[1:]):
+                    out.append(f"{where}:{node.lineno}: {dotted}")
+                elif _undocumented_module(dotted):
+                    out.append(f"{where}:{node.lineno}: {dotted} (an undocumented module)")
+            if isinstance(node.ctx, ast.Store | ast.Del) and _foreign(aliases, node.value):
+                out.append(f"{where}:{node.lineno}: {_foreign(aliases, node.value)}.{node.attr} replaced")
+            if isinstance(node.ctx, ast.Load) and _private(node.attr):
+                base = node.value
+                if isinstance(base, ast.Call) and isinstance(base.func, ast.Name) and base.func.id == "super":
+                    out.append(f"{where}:{node.lineno}: super().{node.attr} (a private hook of a base class)")
+            if (chain := _chain(node)) in UNDOCUMENTED_CHAINS:
+                out.append(f"{where}:{node.lineno}: .{chain}")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ACCESSORS:
+            args = node.args
+            if len(args) >= 2 and isinstance(args[1], ast.Constant) and isinstance(args[1].value, str):
+                target, name = args[0], args[1].value
+                mine = isinstance(target, ast.Name) and target.id in ("self", "cls")
+                lib = _foreign(aliases, target)
+                if (_private(name) and not mine) or (lib and node.func.id in ("setattr", "delattr")):
+                    out.append(f"{where}:{node.lineno}: {node.func.id}(..., {name!r})")
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars":
+            if node.args and _foreign(aliases, node.args[0]):
+                out.append(f"{where}:{node.lineno}: vars({_foreign(aliases, node.args[0])})")
+        if isinstance(node, ast.Call) and (called := _dotted(node.func)) is not None:
+            name = ".".join([called[0], *called[1]])
+            first = node.args[0] if node.args else None
+            if (name.endswith("import_module") or name == "__import__") and isinstance(first, ast.Constant):
+                mod = str(first.value)
+                if mod.split(".")[0] in FOREIGN and (
+                    _undocumented_module(mod) or any(_private(p) for p in mod.split("."))
+                ):
+                    out.append(f"{where}:{node.lineno}: import_module({mod!r})")
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            text = node.value
+            segments = [p for p in text.replace("\\", "/").split("/") if p]
+            if "/" in text and any(_private(p) and p.isidentifier() for p in segments):
+                out.append(f"{where}:{node.lineno}: a private path {text!r}")
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Div):
+            for side in (node.left, node.right):
+                if isinstance(side, ast.Constant) and isinstance(side.value, str) and _private(side.value):
+                    out.append(f"{where}:{node.lineno}: a private path segment {side.value!r}")
+        layout_keys_of: set[str] | None = None
+        if isinstance(node, ast.Dict):
+            layout_keys_of = {str(k.value) for k in node.keys if isinstance(k, ast.Constant)}
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "dict":
+            layout_keys_of = {k.arg for k in node.keywords if k.arg}
+        if layout_keys_of is not None:
+            keys = layout_keys_of
+            for layout, layout_keys in PRIVATE_LAYOUTS.items():
+                if len(keys & layout_keys) >= 3:
+                    out.append(f"{where}:{node.lineno}: a copy of {layout}'s layout")
     return out
 
 
@@ -227,6 +357,29 @@ def test_the_scan_finds_what_it_is_for(tmp_path):
         "def h(dask_worker, ctypes, spawn):\n"
         "    spawn.set_executable(dask_worker.state.tasks)\n"
         "    ctypes.pythonapi.PyThreadState_SetAsyncExc(1, None)\n"
+        "import prefect.context\n"
+        "import prefect.serializers as ser\n"
+        "import importlib\n"
+        "from pathlib import Path\n"
+        "from distributed import SpecCluster\n"
+        "from prefect.client.orchestration import SyncPrefectClient\n"
+        "def k(client, store, gateway, cluster):\n"
+        "    prefect.context._deployment_id.get()\n"
+        "    getattr(gateway, '_loop_runner', None)\n"
+        "    setattr(ser, 'from_qualified_name', print)\n"
+        "    ser.from_qualified_name = print\n"
+        "    importlib.import_module('distributed.compatibility')\n"
+        "    Path(store) / '_migrations'\n"
+        "    open('prefect/server/database/_migrations/versions')\n"
+        "    SyncPrefectClient._client\n"
+        "    return {'flow_run_context': 1, 'task_run_context': 2, 'settings_context': 3}\n"
+        "class Mine(SpecCluster):\n"
+        "    async def _correct_state(self):\n"
+        "        pass\n"
+        "    def _mine_alone(self):\n"
+        "        pass\n"
+        "def m():\n"
+        "    return dict(tags_context=1, settings_context=2, deployment_id=3, asset_context=4)\n"
     )
     found = "\n".join(_violations(sample))
     for expected in (
@@ -234,13 +387,25 @@ def test_the_scan_finds_what_it_is_for(tmp_path):
         "SyncClientContext",
         "emit_task_run_state_change_event",
         "atexit._run_exitfuncs",
-        "os._exit = ...",
+        "os._exit replaced",
         "super()._on_worker_exit_sync",
         ".state.tasks",
         ".spawn.set_executable",
         ".pythonapi.PyThreadState_SetAsyncExc",
+        "prefect.context._deployment_id",  # attribute access on an imported module
+        "getattr(..., '_loop_runner')",  # a private name in a getattr string
+        "setattr(..., 'from_qualified_name')",  # a library's name replaced
+        "prefect.serializers.from_qualified_name replaced",
+        "import_module('distributed.compatibility')",
+        "a private path segment '_migrations'",
+        "a private path 'prefect/server/database/_migrations/versions'",
+        "prefect.client.orchestration.SyncPrefectClient._client",  # on an imported class
+        "Mine._correct_state overrides a private hook of distributed.SpecCluster",
+        "a copy of prefect.context.serialize_context's layout",
     ):
         assert expected in found, (expected, found)
+    assert "_mine_alone" not in found, found  # a private method of its own is not a hook
+    assert found.count("serialize_context's layout") == 2, found  # the dict literal and dict(...)
 
 
 def test_the_context_gpu_tasks_builds_has_prefects_layout():

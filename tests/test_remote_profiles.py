@@ -323,7 +323,7 @@ def test_a_closed_gateway_clients_stopped_loop_runner_is_dropped_and_a_running_o
 
     from distributed.utils import LoopRunner
 
-    from gpu_tasks.cluster.managed import _closed_loop_runner_dropped
+    from gpu_tasks.compat.dask_gateway import drop_stopped_loop_runner as _closed_loop_runner_dropped
 
     stopped = SimpleNamespace(gateway=SimpleNamespace(_loop_runner=LoopRunner(asynchronous=False)))
     _closed_loop_runner_dropped(stopped)

@@ -18,6 +18,7 @@ from gpu_tasks.cluster.remote_workers import (
 )
 from gpu_tasks.cluster.within import within
 from gpu_tasks.compat.cpython import signal_handlers_kept
+from gpu_tasks.compat.dask_gateway import drop_stopped_loop_runner
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE
 from gpu_tasks.profiles import ResourceProfile
@@ -272,25 +273,7 @@ class ManagedCluster(RemoteCluster):
                 logger.warning(
                     "profile %r: error while closing its cluster", self.profile.name, exc_info=True
                 )
-            _closed_loop_runner_dropped(manager)
+            drop_stopped_loop_runner(manager)  # dask-gateway's, through gpu_tasks.compat
 
     def _where(self) -> str:
         return f"{self.profile.cluster_class} at {self.scheduler_address}"
-
-
-def _closed_loop_runner_dropped(manager: Any) -> None:
-    """Let a closed cluster manager's client object be collected quietly.
-
-    dask-gateway 2026.3 on distributed 2026.7: ``GatewayCluster.close()`` closes its ``Gateway``
-    client, whose ``__del__`` closes it again and reads its stopped ``LoopRunner``'s loop, which
-    distributed refuses (``RuntimeError``, printed as "Exception ignored in Gateway.__del__" and an
-    error under pytest's unraisable-exception check). A closed client needs no second close, and
-    ``__del__`` closes only while it still has its loop runner: drop a stopped one. Any class whose
-    ``gateway`` attribute holds a stopped ``_loop_runner`` gets this; no other is touched.
-    """
-    client = getattr(manager, "gateway", None)
-    runner = getattr(client, "_loop_runner", None)
-    is_started = getattr(runner, "is_started", None)
-    if client is not None and callable(is_started) and not is_started():
-        with contextlib.suppress(AttributeError):
-            del client._loop_runner

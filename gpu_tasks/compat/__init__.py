@@ -7,6 +7,7 @@ CPython that gpu-tasks uses, in one package, each with why and a feature check.
 - :mod:`gpu_tasks.compat.prefect_client`: Prefect's client waits between tries, capped.
 - :mod:`gpu_tasks.compat.distributed`: distributed's cluster, nanny and event-loop internals.
 - :mod:`gpu_tasks.compat.dask_cuda`: dask-cuda's worker setup outside ``LocalCUDACluster``.
+- :mod:`gpu_tasks.compat.dask_gateway`: a closed ``Gateway`` client's loop runner.
 - :mod:`gpu_tasks.compat.cpython`: exit handlers, ``os._exit`` and ``signal.signal`` swaps.
 
 No module of gpu-tasks outside this package touches such a name (``tests/test_compat.py`` reads
@@ -81,9 +82,46 @@ def attr(owner: Any, name: str, kind: type | tuple[type, ...] | None = None) -> 
     return None
 
 
+def called_in(caller: Any, name: str, source: str | None = None) -> str | None:
+    """``None`` when the code of ``caller`` (a function, class or module; or ``source``, its text)
+    still calls ``name`` or hands it on (``on_exit=self._on_worker_exit_sync``), else what changed.
+
+    A patched or wrapped name that still exists but is no longer called where gpu-tasks relies on
+    it would be a silent no-op (a worker waiting for its own flow's tag slot, a crash reported
+    past its retries): such a release fails the check instead of passing it.
+    """
+    import ast
+    import textwrap
+
+    where = getattr(caller, "__qualname__", None) or getattr(caller, "__name__", None) or str(caller)
+    if source is None:
+        try:
+            source = inspect.getsource(caller)
+        except (OSError, TypeError) as exc:
+            return f"the source of {where} cannot be read ({exc})"
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError as exc:  # pragma: no cover - an installed library parses
+        return f"the source of {where} does not parse ({exc})"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load):
+            return None
+        if isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.ctx, ast.Load):
+            return None
+    return f"{where} no longer calls {name}"
+
+
 def uses() -> list[Use]:
     """Every use, from each compat module (importing them imports Prefect and distributed)."""
-    from gpu_tasks.compat import cpython, dask_cuda, distributed, prefect, prefect_client, prefect_server
+    from gpu_tasks.compat import (
+        cpython,
+        dask_cuda,
+        dask_gateway,
+        distributed,
+        prefect,
+        prefect_client,
+        prefect_server,
+    )
 
     return [
         *prefect.USES,
@@ -91,6 +129,7 @@ def uses() -> list[Use]:
         *prefect_client.USES,
         *distributed.USES,
         *dask_cuda.USES,
+        *dask_gateway.USES,
         *cpython.USES,
     ]
 

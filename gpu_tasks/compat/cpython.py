@@ -14,6 +14,7 @@ import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -206,12 +207,17 @@ def _check_async_exc() -> str | None:
 
 
 def _check_spawn_executable() -> str | None:
-    from multiprocessing import spawn
+    from multiprocessing import forkserver, spawn
+
+    from gpu_tasks.compat import called_in
 
     for name in ("get_executable", "set_executable"):
         if not callable(getattr(spawn, name, None)):
             return f"multiprocessing.spawn has no {name}"
-    return None
+    # where the swapped executable is read: a fork server's start, a spawned process's command line
+    return called_in(forkserver.ForkServer.ensure_running, "get_executable") or called_in(
+        spawn.get_command_line, "get_executable"
+    )
 
 
 def _check_exitfuncs() -> str | None:
@@ -223,7 +229,19 @@ def _check_os_exit() -> str | None:
 
 
 def _check_signal() -> str | None:
-    return None if callable(signal.signal) and callable(signal.getsignal) else "signal.signal is not callable"
+    import importlib.util
+
+    from gpu_tasks.compat import called_in
+
+    if not (callable(signal.signal) and callable(signal.getsignal)):
+        return "signal.signal is not callable"
+    # the module the swap is for sets a handler when imported (read, not imported: importing it
+    # here would take this process's Ctrl-C); no dask-jobqueue installed: nothing to check there
+    spec = importlib.util.find_spec("dask_jobqueue")
+    runner = Path(spec.origin).parent / "runner.py" if spec is not None and spec.origin else None
+    if runner is None or not runner.is_file():
+        return None
+    return called_in("dask_jobqueue.runner", "signal", source=runner.read_text(encoding="utf-8"))
 
 
 def _check_forkserver() -> str | None:

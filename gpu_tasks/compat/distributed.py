@@ -131,9 +131,12 @@ def _check_worker_state() -> str | None:
 def _check_nanny_exit() -> str | None:
     from distributed import Nanny
 
-    from gpu_tasks.compat import params
+    from gpu_tasks.compat import called_in, params
 
-    return params(getattr(Nanny, "_on_worker_exit_sync", None), "exitcode")
+    # the nanny hands it to its worker process as on_exit: a hook no longer called learns nothing
+    return params(getattr(Nanny, "_on_worker_exit_sync", None), "exitcode") or called_in(
+        Nanny, "_on_worker_exit_sync"
+    )
 
 
 def _uses() -> list[Any]:

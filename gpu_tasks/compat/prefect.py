@@ -123,6 +123,16 @@ CONTEXT_KEYS = frozenset(
 )
 
 
+def context_for_workers(**parts: Any) -> dict[str, Any]:
+    """What Prefect's ``serialize_context()`` returns, built from its parts (each key of
+    :data:`CONTEXT_KEYS`, given by name): the one place gpu-tasks copies that layout, which
+    ``hydrated_context`` reads in its worker processes. A part Prefect's layout does not have, or
+    one missing, raises ``TypeError``."""
+    if set(parts) != CONTEXT_KEYS:
+        raise TypeError(f"Prefect's serialized context has {sorted(CONTEXT_KEYS)}; got {sorted(parts)}")
+    return dict(parts)
+
+
 # ---------------------------------------------------------------- tag slots the flow process holds
 # A GPU task must not hold a device while it waits for a Prefect tag concurrency slot. The flow
 # process takes the task run's `tag:<tag>` slots before it leases a device (prefect_api.tag_slots) and
@@ -398,10 +408,13 @@ def skip_crash_reports(skip: Callable[[], bool], say: Callable[[Any], None]) -> 
 def _check_handle_crash() -> str | None:
     from prefect import task_engine
 
-    from gpu_tasks.compat import params
+    from gpu_tasks.compat import called_in, params
 
     for name in ("SyncTaskRunEngine", "AsyncTaskRunEngine"):
         engine = getattr(task_engine, name)
+        unused = called_in(engine, "handle_crash")  # a crash reported elsewhere would skip the patch
+        if unused:
+            return unused
         if not hasattr(engine, "_raised") and "_raised" not in getattr(engine, "__dataclass_fields__", {}):
             return f"{name} has no _raised"
         problem = params(engine.handle_crash, "self", "exc")
@@ -491,9 +504,12 @@ def _check_context_layout() -> str | None:
 def _check_serializers() -> str | None:
     import prefect.serializers as serializers
 
-    from gpu_tasks.compat import params
+    from gpu_tasks.compat import called_in, params
 
-    return params(getattr(serializers, "from_qualified_name", None), "name")
+    # resolve ``object_encoder`` by name at every dumps: the call gpu-tasks' cache answers
+    return params(getattr(serializers, "from_qualified_name", None), "name") or called_in(
+        serializers.JSONSerializer.dumps, "from_qualified_name"
+    )
 
 
 def _check_state_event() -> str | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
+from gpu_tasks.compat.prefect import context_for_workers
 from gpu_tasks.prefect_api.api import for_workers
 from gpu_tasks.worker.blobs import Blob, Blobs
 
@@ -49,19 +50,19 @@ class ContextSerializer:
         task_run_ctx = pctx.TaskRunContext.get()
         tags_ctx = pctx.TagsContext.get()
         deployment_id, deployment_parameters = self._deployment(flow_run_ctx)
-        context = {
-            "flow_run_context": self._flow_run_blob(flow_run_ctx) if flow_run_ctx else {},
-            "task_run_context": task_run_ctx.serialize() if task_run_ctx else {},
-            "tags_context": tags_ctx.serialize() if tags_ctx else {},
-            "settings_context": self.blobs.blob(cached[1]),
-            "asset_context": (
+        context = context_for_workers(
+            flow_run_context=self._flow_run_blob(flow_run_ctx) if flow_run_ctx else {},
+            task_run_context=task_run_ctx.serialize() if task_run_ctx else {},
+            tags_context=tags_ctx.serialize() if tags_ctx else {},
+            settings_context=self.blobs.blob(cached[1]),
+            asset_context=(
                 pctx.AssetContext.from_task_and_inputs(**asset_ctx_kwargs).serialize()
                 if asset_ctx_kwargs
                 else {}
             ),
-            "deployment_id": deployment_id,
-            "deployment_parameters": deployment_parameters,
-        }
+            deployment_id=deployment_id,
+            deployment_parameters=deployment_parameters,
+        )
         return context, cached[2]
 
     def _flow_run_blob(self, ctx: Any) -> Blob:

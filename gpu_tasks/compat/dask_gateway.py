@@ -1,0 +1,64 @@
+"""dask-gateway's client internals gpu-tasks touches: a closed ``Gateway`` client's private
+``_loop_runner``, dropped so that its ``__del__`` does not close it a second time.
+
+Checked against dask-gateway 2026.3 (the suite's) on distributed 2026.7.1 and 2026.8.0. Without
+dask-gateway installed the check raises :class:`~gpu_tasks.compat.NotInstalled`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any
+
+
+def drop_stopped_loop_runner(manager: Any) -> None:
+    """Let a closed cluster manager's ``Gateway`` client be collected quietly.
+
+    ``GatewayCluster.close()`` closes its ``Gateway`` client, whose ``__del__`` closes it again and
+    reads its stopped ``LoopRunner``'s loop, which distributed refuses (``RuntimeError``, printed as
+    "Exception ignored in Gateway.__del__", an error under pytest's unraisable-exception check). A
+    closed client needs no second close, and ``__del__`` closes only while it still has its private
+    ``_loop_runner``: a stopped one is dropped. Any manager whose ``gateway`` attribute holds a
+    stopped ``_loop_runner`` gets this; no other is touched.
+    """
+    client = getattr(manager, "gateway", None)
+    runner = getattr(client, "_loop_runner", None)
+    is_started = getattr(runner, "is_started", None)
+    if client is not None and callable(is_started) and not is_started():
+        with contextlib.suppress(AttributeError):
+            del client._loop_runner
+
+
+def _check_loop_runner() -> str | None:
+    import inspect
+
+    from gpu_tasks.compat import NotInstalled
+
+    if importlib.util.find_spec("dask_gateway") is None:
+        raise NotInstalled("dask_gateway")
+    from dask_gateway import Gateway
+
+    if "_loop_runner" not in Gateway.__init__.__code__.co_names:
+        return "dask_gateway.Gateway no longer keeps a _loop_runner"
+    # __del__ closes only while the client has its _loop_runner: the condition the drop relies on
+    source = inspect.getsource(Gateway.__del__)
+    return None if '"_loop_runner"' in source else "Gateway.__del__ no longer closes only with a _loop_runner"
+
+
+def _uses() -> list[Any]:
+    from gpu_tasks.compat import Use
+
+    return [
+        Use(
+            "dask-gateway",
+            "dask_gateway.Gateway._loop_runner",
+            "private",
+            "a closed GatewayCluster's client is collected without closing again on a stopped loop "
+            "(an error printed at every close otherwise)",
+            _check_loop_runner,
+        ),
+    ]
+
+
+USES = _uses()
