@@ -233,8 +233,9 @@ def _check_signal() -> str | None:
 
     from gpu_tasks.compat import called_in
 
-    if not (callable(signal.signal) and callable(signal.getsignal)):
-        return "signal.signal is not callable"
+    for name in ("signal", "getsignal"):
+        if not callable(getattr(signal, name, None)):
+            return f"signal.{name} is not callable"
     # the module the swap is for sets a handler when imported (read, not imported: importing it
     # here would take this process's Ctrl-C); no dask-jobqueue installed: nothing to check there
     spec = importlib.util.find_spec("dask_jobqueue")

@@ -37,7 +37,7 @@ def _check_loop_runner() -> str | None:
 
     if importlib.util.find_spec("dask_gateway") is None:
         raise NotInstalled("dask_gateway")
-    from dask_gateway import Gateway
+    Gateway: Any = importlib.import_module("dask_gateway").Gateway
 
     if "_loop_runner" not in Gateway.__init__.__code__.co_names:
         return "dask_gateway.Gateway no longer keeps a _loop_runner"
