@@ -131,7 +131,7 @@ UNDOCUMENTED = {
     "prefect.utilities.engine": None,
     "prefect.utilities.collections": None,
     "prefect.events.worker": None,
-    "prefect.logging.configuration": None,
+    "prefect.logging.configuration": {"setup_logging"},  # ensure_logging_setup: documented for workers
     "prefect.server.api.server": None,
     "prefect.server.database": None,
     "prefect.server.database.orm_models": None,

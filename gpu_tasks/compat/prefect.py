@@ -438,14 +438,6 @@ def result_store_for_task(store: Any, task: Any) -> Any:
     return store.update_for_task(task, _sync=True)
 
 
-def ensure_logging_setup() -> None:
-    """Prefect's one-time logging setup (undocumented), after ``prefect.main`` (docs/runner.md)."""
-    import prefect.main  # noqa: F401  (it sets logging up at import, done or not: then once)
-    from prefect.logging.configuration import ensure_logging_setup as setup
-
-    setup()
-
-
 def sync_client_context(client: Any) -> Any:
     """A ``SyncClientContext`` holding ``client`` (undocumented), so the task engine uses it."""
     from prefect.context import SyncClientContext
@@ -544,14 +536,6 @@ def _check_result_store() -> str | None:
     return params(fn, "task")
 
 
-def _check_logging_setup() -> str | None:
-    from prefect.logging import configuration
-
-    from gpu_tasks.compat import attr
-
-    return attr(configuration, "ensure_logging_setup")
-
-
 def _check_sync_client_context() -> str | None:
     from prefect.context import SyncClientContext
 
@@ -621,13 +605,6 @@ def _uses() -> list[Any]:
             "private",
             "cache keys computed in the flow process before a device is leased",
             _check_result_store,
-        ),
-        Use(
-            "prefect",
-            "prefect.logging.configuration.ensure_logging_setup",
-            "undocumented",
-            "Prefect's logging set up once per worker, under gpu-tasks' lock",
-            _check_logging_setup,
         ),
         Use(
             "prefect",

@@ -93,7 +93,8 @@ def prepare_process() -> None:
         return
     with _PROCESS_READY_LOCK:
         if not _PROCESS_READY.is_set():
-            from gpu_tasks.compat.prefect import ensure_logging_setup
+            import prefect.main  # noqa: F401  (it sets logging up at import, done or not: then once)
+            from prefect.logging.configuration import ensure_logging_setup  # documented for Dask workers
 
             ensure_logging_setup()
             cache_qualified_names()
