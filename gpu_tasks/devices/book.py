@@ -205,7 +205,7 @@ class DeviceBook:
                     self.reclaim(wanted, owner)
                 quota_full, others = me.pop("quota_full", None), me.pop("programs", None)
                 log.waiting(now, held_by, foreign, first, quota_full, others)
-                self._explain(me, wanted, waiter, log, quota_full, others, usage)
+                self._explain(me, wanted, waiter, log, quota_full, others, usage, foreign)
                 if not log.asked and preemption.due(me, self.preemption_grace):
                     log.asked = self._ask_preemptible_holders(owner, me, log)
                 with self.cond:
@@ -227,6 +227,7 @@ class DeviceBook:
         quota_full: str | None,
         others: dict[str, str] | None,
         usage: dict[str, float],
+        leased: set[str],
     ) -> None:
         """Work out why ``me`` waits (at most every ``EXPLAIN_EVERY_S``), write it next to its waiter
         file when it changed, and tell the caller's listener
@@ -236,7 +237,7 @@ class DeviceBook:
             return
         log.explained_at = now
         try:
-            view = self._wait_view(me, wanted, quota_full, others, usage, log)
+            view = self._wait_view(me, wanted, quota_full, others, usage, log, leased)
             reason = wait_reasons.why_waiting(view, time.time())
         except Exception:  # saying why is a courtesy: the wait goes on without it
             logger.debug("profile %r: could not work out why it waits", me["profile"], exc_info=True)
@@ -255,9 +256,14 @@ class DeviceBook:
         others: dict[str, str] | None,
         usage: dict[str, float],
         log: _WaitLog,
+        leased: set[str],
     ) -> wait_reasons.WaitView:
         """What the book knows now about ``me``'s wait (for
-        :func:`gpu_tasks.devices.wait_reasons.why_waiting`)."""
+        :func:`gpu_tasks.devices.wait_reasons.why_waiting`).
+
+        Other processes' holders are read only for ``leased``, the devices this round's take found
+        leased elsewhere: reading a free device's holder takes a shared lock on its lock file for a
+        moment, and a flow run that tries to lease it just then fails its try and waits a round."""
         owner, wall = me["profile"], time.time()
         with self.cond:
             infos: dict[str, dict[str, Any]] = {
@@ -265,7 +271,7 @@ class DeviceBook:
                 for a in sorted(wanted)
                 if (o := self.holders.get(a)) not in (None, owner)
             }
-            unheld = sorted(a for a in wanted if self.holders.get(a) is None)
+            unheld = sorted(a for a in wanted & leased if self.holders.get(a) is None)
             local = [dict(w) for w in self.waiting.values() if w["profile"] != owner]
             files = {w.get("file") for w in self.waiting.values()}
         for address, info in leases.holders(self.lease_dir, unheld).items():

@@ -37,23 +37,34 @@ def flow_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
         return logger
 
 
+_TASK_RUN_LOGS = "gpu_tasks.task_runs"  # lines for a task run's logs on the server only (no console)
+
+
 def task_run_log(
     task_run_id: uuid.UUID, flow_run_id: uuid.UUID | None, task_name: str, flow_run_name: str | None = None
 ) -> logging.LoggerAdapter[logging.Logger]:
-    """A logger whose lines reach task run ``task_run_id``'s logs on the Prefect server (Prefect's
-    ``prefect.task_runs`` logger with the run's ids, as Prefect's own ``task_run_logger``), also
-    before the task run has started; send from the flow run's context (its API settings)."""
-    from prefect.logging.loggers import PrefectLogAdapter, get_logger
+    """A logger whose lines reach task run ``task_run_id``'s logs on the Prefect server, also before
+    the task run has started; send from the flow run's context (its API settings).
 
-    return PrefectLogAdapter(
-        get_logger("prefect.task_runs"),
-        extra={
+    They go to the API alone (Prefect's ``APILogHandler`` on a logger that does not propagate): the
+    terminal already has the runner's own wait lines, and a flow run whose output is a pipe nobody
+    reads yet must not block on a line per waiting task."""
+    from prefect.logging.handlers import APILogHandler
+
+    lg = logging.getLogger(_TASK_RUN_LOGS)
+    with RunLogs._lock:
+        if not any(isinstance(h, APILogHandler) for h in lg.handlers):
+            lg.addHandler(APILogHandler())
+            lg.setLevel(logging.INFO)
+            lg.propagate = False
+    return logging.LoggerAdapter(
+        lg,
+        {
             "task_run_id": str(task_run_id),
             "flow_run_id": str(flow_run_id) if flow_run_id is not None else None,
             "task_run_name": task_name,
             "task_name": task_name,
             "flow_run_name": flow_run_name or "<unknown>",
-            "flow_name": "<unknown>",
         },
     )
 
