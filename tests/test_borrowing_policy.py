@@ -79,7 +79,8 @@ def test_a_waiter_that_holds_its_quota_slots_already_is_entitled():
     full_b = dict(TWO, b=Team(quota=1, used=1), c=Team(quota=1))
     queued = Ask("b", 1, held=True)
     assert not entitled(Ask("b", 1), full_b) and entitled(queued, full_b)
-    assert why_not_borrow(Ask("a", 1, True), full_b, [queued]) == "team 'b' waits for devices within its quota"
+    why = why_not_borrow(Ask("a", 1, True), full_b, [queued])
+    assert why == "team 'b' waits for devices within its quota"
     assert yields_to(Ask("a", 1, True), queued, full_b)
     assert not entitled(Ask("nobody", 1, held=True), full_b)  # no quota of that name: nothing owed
 

@@ -88,8 +88,8 @@ def borrow_slots(
     lets it borrow them (:func:`gpu_tasks.borrowing.why_not_borrow`; ``waiters()``: the others that want
     the same devices, asked only when the cheap reasons pass): ``(lease id, None)``, or ``(None, why
     not)``. ``slots``: a :class:`gpu_tasks.prefect_api.quotas.QuotaSlots`; ``what``: the profile and
-    the devices, for the log. Used by this host's leases
-    (:func:`borrow`) and by ``address`` profiles' task quota (:class:`gpu_tasks.runner.admission.TaskQuota`)."""
+    the devices, for the log. Used by this host's leases (:func:`borrow`) and by ``address``
+    profiles' task quota (:class:`gpu_tasks.runner.admission.TaskQuota`)."""
     ask = Ask(team, need, preemptible)
     known = teams(fresh=True)
     why = borrowing.why_not_borrow(ask, known)  # the cheap reasons first: no waiter read
