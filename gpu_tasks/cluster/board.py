@@ -75,6 +75,41 @@ def _dropper(token: str) -> Callable[..., None]:
     return remove
 
 
+def _mover(keys: list[str]) -> Callable[..., list[str]]:
+    """A function for ``Client.run_on_scheduler`` that moves those of ``keys`` queued on a worker whose
+    resources are over-asked (they cannot start there yet) to a worker with room for them, through
+    Dask's work stealing (``move_task_request``: the worker gives it up only if it has not started it).
+    Dask's own stealing leaves them: a worker with spare threads is not busy to it. Made in a closure so
+    that it travels by value: the scheduler needs no gpu-tasks."""
+    wanted = list(keys)
+
+    def move(dask_scheduler: Any = None) -> list[str]:
+        stealing = dask_scheduler.extensions.get("stealing")
+        moved: list[str] = []
+        if stealing is None:
+            return moved
+
+        def free(ws: Any, r: str) -> float:
+            return float(ws.resources.get(r, 0)) - float(ws.used_resources.get(r, 0))
+
+        for key in wanted:
+            ts = dask_scheduler.tasks.get(key)
+            here = getattr(ts, "processing_on", None)
+            if ts is None or ts.state != "processing" or here is None or not ts.resource_restrictions:
+                continue
+            if all(free(here, r) >= 0 for r in ts.resource_restrictions):
+                continue  # its worker has room for all it was given: it starts there
+            valid = dask_scheduler.valid_workers(ts)
+            for ws in sorted(valid if valid is not None else dask_scheduler.running, key=lambda w: w.address):
+                if ws is not here and all(free(ws, r) >= v for r, v in ts.resource_restrictions.items()):
+                    stealing.move_task_request(ts, here, ws)
+                    moved.append(key)
+                    break
+        return moved
+
+    return move
+
+
 def drop(client: Any, token: str) -> None:
     """Remove ``token``'s entry from the board (Dask has no call to delete metadata: the scheduler
     runs a small function; where it may not, the entry is cleared to ``None``)."""
@@ -147,6 +182,12 @@ class SharedBoard:
             "entitled": me.get("quota") is not None and any(not borrowed(k) for k in queued),
         }
         client.set_metadata([BOARD, self.token], entry)
+        try:  # a worker freed for us (a preemption, a reclaim) may not be the one we are queued on
+            client.run_on_scheduler(_mover(queued))
+        except Exception:
+            logger.debug(
+                "could not move queued tasks of %s to free workers", self.profile_name, exc_info=True
+            )
         first = waited >= grace and (self.posted is None or self.posted["waited_s"] < grace)
         self.posted = entry
         return entry if first else None
