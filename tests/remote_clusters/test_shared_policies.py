@@ -399,3 +399,51 @@ def test_a_team_borrows_beyond_its_quota_on_a_shared_scheduler_and_the_owed_team
     finally:
         quotas.delete_limit("team-a")
         quotas.delete_limit("team-b")
+
+
+def test_the_board_reclaims_only_borrowed_tasks_for_an_entitled_waiter_of_another_team(gpu_hosts: Hosts):
+    """On a real scheduler's board: an entry says its team and whether a waiting task holds quota slots
+    (entitled); a preemptible holder with borrowed tasks sees an entitled entry of another team as a
+    reclaim (whatever the priorities), and picks only borrowed tasks, on the waiter's worker first; the
+    entry keeps borrowers off (owed)."""
+    from gpu_tasks.borrowing import Ask, Claim
+    from gpu_tasks.cluster.board import SharedBoard
+    from gpu_tasks.policy import Holding
+
+    old = {"k-b": time.monotonic() - 5}
+    with gpu_hosts.client() as client:
+        b = SharedBoard("b", need=1.0, preemptible=False)
+        borrower = SharedBoard("b-borrower", need=1.0, preemptible=False)
+        a = SharedBoard("a", need=1.0, preemptible=True)
+        try:
+            # a waiter whose queued task runs on borrowed quota is not entitled
+            borrower.wait_step(
+                client,
+                {"profile": "bb", "priority": 0, "quota": "team-b"},
+                old,
+                1.0,
+                set,
+                0,
+                {"k-b"}.__contains__,
+            )
+            assert borrower.posted is not None and borrower.posted["entitled"] is False
+            borrower.take_down(client)
+            b.wait_step(client, {"profile": "b", "priority": 0, "quota": "team-b"}, old, 1.0, set)
+            assert b.posted is not None and b.posted["entitled"] and b.posted["quota"] == "team-b"
+            assert a.owed(client, set()) == [Ask("team-b", 1, held=True)]
+            assert a.due_waiters(client, 5) == []  # no borrowed task of ours, and b does not outrank us
+            assert a.due_waiters(client, 5, "team-b") == []  # one team: nothing to reclaim
+            [entry] = a.due_waiters(client, 5, "team-a")
+            assert entry["reclaimed_by"] == "team-b"
+
+            def claim(key: str) -> Claim:
+                return Claim("team-a", key.startswith("lent"), Holding(True, 5, since=time.monotonic() - 1))
+
+            waiter = dict(entry, workers=["tcp://x:1"])
+            mine = {"tcp://x:1": ["own1"], "tcp://y:2": ["lent1", "own2"]}
+            assert a.victims(waiter, mine, 1.0, claim) == ("tcp://y:2", ["lent1"])  # not on its worker
+            mine = {"tcp://x:1": ["lent2"], "tcp://y:2": ["lent1", "lent3"]}
+            assert a.victims(waiter, mine, 1.0, claim) == ("tcp://x:1", ["lent2"])  # its worker first
+            assert a.victims(waiter, {"tcp://x:1": ["own1"]}, 1.0, claim) is None
+        finally:
+            b.take_down(client)
