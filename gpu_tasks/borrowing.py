@@ -61,11 +61,13 @@ class Team:
 @dataclass(frozen=True)
 class Ask:
     """A request for devices, or a waiter: its team (``None``: no quota), how many devices it takes
-    at once, whether its profile is preemptible."""
+    at once, whether its profile is preemptible. ``held``: it holds its quota slots already (a task
+    queued on a shared scheduler within its quota): entitled whatever room its team has left."""
 
     team: str | None
     devices: int = 1
     preemptible: bool = False
+    held: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,9 +108,10 @@ Groups = Sequence[Sequence[tuple[str, "Claim | None"]]]
 
 
 def entitled(ask: Ask, teams: Mapping[str, Team]) -> bool:
-    """Whether ``ask``'s team has room in its quota for all of it (then it may reclaim)."""
+    """Whether ``ask``'s team has room in its quota for all of it, or holds it already (then it may
+    reclaim)."""
     team = teams.get(ask.team) if ask.team is not None else None
-    return team is not None and team.room >= ask.devices
+    return team is not None and (ask.held or team.room >= ask.devices)
 
 
 def lending_pool(teams: Mapping[str, Team], borrower: str | None) -> int:

@@ -73,6 +73,18 @@ def test_no_borrowing_while_a_team_entitled_to_the_devices_waits():
     assert why_not_borrow(a, dict(full_b, c=Team(quota=1)), [Ask("b", 1)]) is None  # b is not owed more
 
 
+def test_a_waiter_that_holds_its_quota_slots_already_is_entitled():
+    """A shared scheduler's queued task took its quota slots before it was handed off: its team has no
+    room left, yet it is owed the devices (it keeps borrowers off them, and others yield to it)."""
+    full_b = dict(TWO, b=Team(quota=1, used=1), c=Team(quota=1))
+    queued = Ask("b", 1, held=True)
+    assert not entitled(Ask("b", 1), full_b) and entitled(queued, full_b)
+    why = why_not_borrow(Ask("a", 1, True), full_b, [queued])
+    assert why == "team 'b' waits for devices within its quota"
+    assert yields_to(Ask("a", 1, True), queued, full_b)
+    assert not entitled(Ask("nobody", 1, held=True), full_b)  # no quota of that name: nothing owed
+
+
 def test_an_entitled_team_reclaims_borrowed_devices_first_whatever_the_priorities():
     b = Ask("b", 1)
     groups = _single(_claim("a", borrowed=False, ran=5), _claim("a", borrowed=True, ran=500))

@@ -11,6 +11,13 @@ there, in the scheduler's metadata (``Client.set_metadata``) under ``gpu-tasks-w
   workers, interrupts enough of them there (:func:`gpu_tasks.worker.interrupts.interrupt_tasks`:
   ``TaskPreempted`` raised in the task's thread) to free what one waiting task needs.
 
+Borrowing (:mod:`gpu_tasks.borrowing`, one policy with the host's leases): an entry carries its
+team (``quota``) and whether it is ``entitled`` (a waiting task of it holds slots within its quota,
+not borrowed ones). A preemptible holder running tasks on borrowed quota (a slot of its team's
+borrowing limit) takes them back for an entitled waiter of another team past its grace, whatever
+the priorities, before any priority preemption: only its borrowed tasks are victims
+(:func:`gpu_tasks.borrowing.reclaim_victims`), and their state says ``reclaimed by <team>``.
+
 The interrupted tasks end ``Preempted`` and are handed to the scheduler again by their
 runner (gpu_tasks.runner.recovery), with their retries intact; the freed ``GPU`` resource goes
 to the higher-priority task, which Dask's workers start first. An entry whose beat has
@@ -27,7 +34,10 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from gpu_tasks import borrowing
+from gpu_tasks.borrowing import Ask, Claim
 from gpu_tasks.preemption import may_preempt
+from gpu_tasks.prefect_api.quotas import task_need
 
 logger = logging.getLogger("gpu_tasks.runner")
 
@@ -65,6 +75,41 @@ def _dropper(token: str) -> Callable[..., None]:
     return remove
 
 
+def _mover(keys: list[str]) -> Callable[..., list[str]]:
+    """A function for ``Client.run_on_scheduler`` that moves those of ``keys`` queued on a worker whose
+    resources are over-asked (they cannot start there yet) to a worker with room for them, through
+    Dask's work stealing (``move_task_request``: the worker gives it up only if it has not started it).
+    Dask's own stealing leaves them: a worker with spare threads is not busy to it. Made in a closure so
+    that it travels by value: the scheduler needs no gpu-tasks."""
+    wanted = list(keys)
+
+    def move(dask_scheduler: Any = None) -> list[str]:
+        stealing = dask_scheduler.extensions.get("stealing")
+        moved: list[str] = []
+        if stealing is None:
+            return moved
+
+        def free(ws: Any, r: str) -> float:
+            return float(ws.resources.get(r, 0)) - float(ws.used_resources.get(r, 0))
+
+        for key in wanted:
+            ts = dask_scheduler.tasks.get(key)
+            here = getattr(ts, "processing_on", None)
+            if ts is None or ts.state != "processing" or here is None or not ts.resource_restrictions:
+                continue
+            if all(free(here, r) >= 0 for r in ts.resource_restrictions):
+                continue  # its worker has room for all it was given: it starts there
+            valid = dask_scheduler.valid_workers(ts)
+            for ws in sorted(valid if valid is not None else dask_scheduler.running, key=lambda w: w.address):
+                if ws is not here and all(free(ws, r) >= v for r, v in ts.resource_restrictions.items()):
+                    stealing.move_task_request(ts, here, ws)
+                    moved.append(key)
+                    break
+        return moved
+
+    return move
+
+
 def drop(client: Any, token: str) -> None:
     """Remove ``token``'s entry from the board (Dask has no call to delete metadata: the scheduler
     runs a small function; where it may not, the entry is cleared to ``None``)."""
@@ -100,13 +145,15 @@ class SharedBoard:
         grace: float,
         executing: Callable[[], set[str]],
         aging: float = 0.0,
+        borrowed: Callable[[str], bool] = lambda key: False,
     ) -> dict[str, Any] | None:
         """Put up, renew or take down our entry; the entry when it has just passed ``grace`` (the
         ``preempting`` event).
 
         ``pending`` are our keys handed to the scheduler and not done (monotonic time of
         hand-off); ``executing()`` the keys running on workers now, or ended there (a broadcast: only asked
-        when some key has waited ``grace``, or ``aging`` when that is shorter).
+        when some key has waited ``grace``, or ``aging`` when that is shorter); ``borrowed(key)``:
+        whether a key runs on borrowed quota (the entry is ``entitled`` when a queued key does not).
         """
         now = time.monotonic()
         after = min(grace, aging) if aging > 0 else grace
@@ -132,8 +179,15 @@ class SharedBoard:
             "preemption_grace": grace,
             "aging": aging,
             "beat": self.beat,
+            "entitled": me.get("quota") is not None and any(not borrowed(k) for k in queued),
         }
         client.set_metadata([BOARD, self.token], entry)
+        try:  # a worker freed for us (a preemption, a reclaim) may not be the one we are queued on
+            client.run_on_scheduler(_mover(queued))
+        except Exception:
+            logger.debug(
+                "could not move queued tasks of %s to free workers", self.profile_name, exc_info=True
+            )
         first = waited >= grace and (self.posted is None or self.posted["waited_s"] < grace)
         self.posted = entry
         return entry if first else None
@@ -175,9 +229,19 @@ class SharedBoard:
                 out.append(dict(entry, effective_priority=effective))
         return out
 
-    def due_waiters(self, client: Any, priority: int) -> list[dict[str, Any]]:
+    def owed(self, client: Any, workers: set[str]) -> list[Ask]:
+        """The live entries owed devices within their quota (``entitled``), as the policy's waiters,
+        that wait on any of ``workers`` (or did not say where): they keep borrowers off."""
+        return [
+            Ask(str(e["quota"]), task_need(float(e.get("need") or 1)), held=True)
+            for e in self.live_entries(client).values()
+            if e.get("entitled") and e.get("quota") and (not e.get("workers") or set(e["workers"]) & workers)
+        ]
+
+    def due_waiters(self, client: Any, priority: int, team: str | None = None) -> list[dict[str, Any]]:
         """Live entries of other profiles that waited their grace and outrank us (we are
-        preemptible), highest first."""
+        preemptible), highest first; with ``team`` (we run tasks on its borrowed quota), first the
+        entitled entries of other teams, marked ``reclaimed_by`` their team."""
         out = []
         now = time.monotonic()
         for token, entry in self.live_entries(client).items():
@@ -185,20 +249,54 @@ class SharedBoard:
                 continue  # up for aging, not yet for preemption
             if now - self.acted.get(token, -AGAIN_S) < AGAIN_S:
                 continue
-            if may_preempt(entry, {"preemptible": self.preemptible, "priority": priority}):
+            owed = entry.get("quota")
+            if self.preemptible and team is not None and entry.get("entitled") and owed not in (None, team):
+                out.append(dict(entry, token=token, reclaimed_by=owed))
+            elif may_preempt(entry, {"preemptible": self.preemptible, "priority": priority}):
                 out.append(dict(entry, token=token))
-        return sorted(out, key=lambda e: (-int(e.get("priority") or 0), -float(e.get("waited_s") or 0)))
+        return sorted(
+            out,
+            key=lambda e: (
+                not e.get("reclaimed_by"),
+                -int(e.get("priority") or 0),
+                -float(e.get("waited_s") or 0),
+            ),
+        )
 
     def victims(
-        self, waiter: dict[str, Any], mine: dict[str, list[str]], per_task: float
+        self,
+        waiter: dict[str, Any],
+        mine: dict[str, list[str]],
+        per_task: float,
+        claim: Callable[[str], Claim] | None = None,
     ) -> tuple[str, list[str]] | None:
         """``(worker, keys)``: our running tasks to interrupt for ``waiter``, on one of the workers it
-        is queued on (any, when it did not say) where we run the most; ``None``: we run none there."""
+        is queued on (any, when it did not say) where we run the most; ``None``: we run none there.
+
+        A reclaim (``waiter["reclaimed_by"]``): only our tasks on borrowed quota (``claim(key)``),
+        chosen by :func:`gpu_tasks.borrowing.reclaim_victims` (least work lost, none inside its
+        protected run time), on a worker the waiter is queued on if one has enough, else on any
+        (the scheduler moves the waiting task to the worker freed)."""
         allowed = set(waiter.get("workers") or ())
+        want = max(1, math.ceil(float(waiter.get("need") or 1) / max(per_task, 1e-9)))
+        if waiter.get("reclaimed_by"):
+            if claim is None:
+                return None
+            team, now = str(waiter["reclaimed_by"]), time.monotonic()
+            ranked = sorted(
+                mine.items(), key=lambda wk: (bool(allowed) and wk[0] not in allowed, -len(wk[1]))
+            )
+            for worker, keys in ranked:
+                groups = [[(k, claim(k))] for k in keys]
+                choice = borrowing.reclaim_victims(team, groups, min(want, len(keys)), now) if keys else None
+                if choice is not None and choice.devices:
+                    self.acted[str(waiter["token"])] = time.monotonic()
+                    return worker, list(choice.devices)
+            return None
         options = [(len(keys), w) for w, keys in mine.items() if keys and (not allowed or w in allowed)]
         if not options:
             return None
         _, worker = max(options)
-        n = min(len(mine[worker]), max(1, math.ceil(float(waiter.get("need") or 1) / max(per_task, 1e-9))))
+        n = min(len(mine[worker]), want)
         self.acted[str(waiter["token"])] = time.monotonic()
         return worker, sorted(mine[worker])[:n]

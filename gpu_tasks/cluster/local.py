@@ -511,6 +511,15 @@ class ProfileCluster:
         a local profile's workers are stopped instead, so: ``{}``."""
         return {}
 
+    def lend(self, task_run: str, borrowed: bool) -> None:
+        """Mark a shared scheduler's task (its task run's hex id) as running on borrowed quota, or not
+        (gpu_tasks.cluster.remote); a local profile's borrowed devices are in their leases: nothing here."""
+
+    def owed_waiters(self) -> list[Any]:
+        """The waiters of other teams a shared scheduler's board says are owed devices within their quota
+        (:class:`gpu_tasks.borrowing.Ask`; gpu_tasks.cluster.remote); none here."""
+        return []
+
     def lost_workers(self, grace: float) -> list[tuple[str, str | None]]:
         """``(name, address)`` of this cluster's workers whose process ended ``grace`` s ago or more
         though no one closed it (:meth:`~gpu_tasks.cluster.backends.Backend.lost`)."""

@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from gpu_tasks.borrowing import Claim
 from gpu_tasks.cluster.board import SharedBoard
 from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.cluster.remote_workers import (
@@ -37,7 +38,7 @@ from gpu_tasks.cluster.within import within
 from gpu_tasks.devices import wait_reasons
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
-from gpu_tasks.policy import GPU_RESOURCE, task_resources
+from gpu_tasks.policy import GPU_RESOURCE, Holding, task_resources
 from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.prefect_api.api import api_headers, unreachable_api_error
 from gpu_tasks.profiles import ResourceProfile
@@ -123,6 +124,7 @@ class RemoteCluster(ProfileCluster):
         self.board: SharedBoard | None = None
         self.me: dict[str, Any] | None = None  # who we are on the board (flow run, priority)
         self.preempted: dict[str, dict[str, Any]] = {}  # key interrupted -> the waiter it was for
+        self._lent: set[str] = set()  # task runs (hex ids) whose task runs on borrowed quota
 
     # ------------------------------------------------------------ properties
     @property
@@ -278,30 +280,41 @@ class RemoteCluster(ProfileCluster):
             )
 
     def _board_step(self, client: Any, board: SharedBoard) -> None:
-        """Put up (or take down) our waiter entry; as a preemptible holder, interrupt our running
-        tasks that a higher-priority waiter on the same workers needs."""
+        """Put up (or take down) our waiter entry (with our team, and whether it is owed devices); as
+        a preemptible holder, interrupt our running tasks that a higher-priority waiter on the same
+        workers needs, or our borrowed ones an entitled waiter of another team reclaims."""
         with self._busy_lock:
             pending = dict(self._pending)
         settings = get_settings()
         posted = board.wait_step(
             client,
-            dict(self.me or {}, priority=self.priority),
+            dict(self.me or {}, priority=self.priority, quota=self.profile.quota),
             pending,
             settings.preemption_grace,
             lambda: self._started(client),
             settings.priority_aging,
+            self.borrowed,
         )
         if posted is not None and self.on_board is not None:
             self.on_board("preempting", posted)
         if not self.profile.preemptible or not pending:
             return
-        waiters = board.due_waiters(client, self.priority)
+        lent = self.profile.quota if any(self.borrowed(k) for k in pending) else None
+        waiters = board.due_waiters(client, self.priority, lent)
         if not waiters:
             return
         mine = {w: [k for k in keys if k in pending] for w, keys in self._executing(client).items()}
         per_task = float((task_resources(self.profile) or {}).get(GPU_RESOURCE, 1.0))
+        protect = float(self.profile.min_run_time or 0.0)
+
+        def claim(key: str) -> Claim:
+            held = Holding(
+                preemptible=True, priority=self.priority, since=pending.get(key), min_run_time=protect
+            )
+            return Claim(self.profile.quota, self.borrowed(key), held)
+
         for waiter in waiters:
-            pick = board.victims(waiter, mine, per_task)
+            pick = board.victims(waiter, mine, per_task, claim)
             if pick is None:
                 continue
             worker, keys = pick
@@ -315,8 +328,11 @@ class RemoteCluster(ProfileCluster):
                     self.preempted.pop(key, None)
             mine[worker] = [k for k in mine[worker] if k not in keys]
             logger.warning(
-                "profile %r: preempting %d task(s) on worker %s of %s for %s, queued %.1fs there",
+                "profile %r: %s %d task(s) on worker %s of %s for %s, queued %.1fs there",
                 self.profile.name,
+                f"reclaimed by {waiter['reclaimed_by']}: stopping borrowed"
+                if waiter.get("reclaimed_by")
+                else "preempting",
                 len(keys),
                 worker,
                 self.scheduler_address,
@@ -380,6 +396,31 @@ class RemoteCluster(ProfileCluster):
         """The waiter ``key`` was interrupted for (``{}`` when not known)."""
         with self._busy_lock:
             return self.preempted.pop(key, {})
+
+    # ------------------------------------------------------------ borrowing (gpu_tasks.borrowing)
+    def lend(self, task_run: str, borrowed: bool) -> None:
+        """Mark the task of ``task_run`` (hex id) as running on borrowed quota (a slot of its team's
+        borrowing limit, :class:`gpu_tasks.runner.admission.TaskQuota`), or not: reclaim takes only those."""
+        with self._busy_lock:
+            (self._lent.add if borrowed else self._lent.discard)(task_run)
+
+    def borrowed(self, key: str) -> bool:
+        """Whether our Dask ``key`` (``<task>-<task run hex>-<attempt>``) runs on borrowed quota."""
+        parts = key.rsplit("-", 2)
+        return len(parts) == 3 and parts[1] in self._lent
+
+    def owed_waiters(self) -> list[Any]:
+        """The board's waiters of other teams owed devices within their quota, on workers we use (no
+        borrowing while one waits); none when the board cannot be read."""
+        board, client = self.board, self.client
+        if board is None or client is None:
+            return []
+        try:
+            return [
+                a for a in board.owed(client, {w.address for w in self._fit}) if a.team != self.profile.quota
+            ]
+        except Exception:
+            return []
 
     def _wait_reason(self) -> str:
         fit = [w for w in self.remote.values() if w.why_not(self.profile) is None]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gpu_tasks import borrowing, preemption
@@ -75,35 +76,60 @@ def _waiters_for(book: Any, me: dict[str, Any], addresses: list[str]) -> list[di
     return [w for w in local + foreign if set(addresses) & set(w.get("addresses") or ())]
 
 
+def borrow_slots(
+    slots: Any,
+    team: str,
+    need: int,
+    preemptible: bool,
+    waiters: Callable[[], list[Ask]] = list,
+    what: tuple[str, str] = ("", ""),
+) -> tuple[Any, str | None]:
+    """A slot of ``team``'s borrowing limit for ``need`` devices beyond its full quota, when the policy
+    lets it borrow them (:func:`gpu_tasks.borrowing.why_not_borrow`; ``waiters()``: the others that want
+    the same devices, asked only when the cheap reasons pass): ``(lease id, None)``, or ``(None, why
+    not)``. ``slots``: a :class:`gpu_tasks.prefect_api.quotas.QuotaSlots`; ``what``: the profile and
+    the devices, for the log. Used by this host's leases (:func:`borrow`) and by ``address``
+    profiles' task quota (:class:`gpu_tasks.runner.admission.TaskQuota`)."""
+    ask = Ask(team, need, preemptible)
+    known = teams(fresh=True)
+    why = borrowing.why_not_borrow(ask, known)  # the cheap reasons first: no waiter read
+    if why is None:
+        why = borrowing.why_not_borrow(ask, known, waiters())
+    if why is not None:
+        return None, why
+    lease_id = slots.borrow(team, need)
+    if lease_id is None:
+        return None, f"quota {team!r} is full and its borrowing limit has no room"
+    logger.info(
+        "profile %r: quota %r is full; borrowing %s beyond it (borrowing limit %d, %d borrowed before): "
+        "preemptible work, reclaimed when a team owed them asks",
+        what[0],
+        team,
+        what[1] or f"{need} device(s)",
+        known[team].borrowing_limit,
+        known[team].borrowed,
+    )
+    return lease_id, None
+
+
 def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease | None) -> Any:
     """A slot of ``me``'s team's borrowing limit for the devices ``new`` it just leased (its quota full),
-    when the policy lets it borrow them; the lease then says ``borrowed``. ``None``: it may not (why is
-    kept in ``me["borrow_why"]``) or the limit has no room."""
-    team = me["quota"]
-    ask = Ask(team, len(new), bool(me["preemptible"]))
-    known = teams(fresh=True)
-    why = borrowing.why_not_borrow(ask, known)  # the cheap reasons first: no waiter files read
-    if why is None:
-        why = borrowing.why_not_borrow(ask, known, [ask_of(w) for w in _waiters_for(book, me, new)])
-    if why is not None:
-        me["borrow_why"] = why
-        return None
-    lease_id = book.quota_slots().borrow(team, len(new))
+    when the policy lets it borrow them (:func:`borrow_slots`); the lease then says ``borrowed``.
+    ``None``: it may not (why is kept in ``me["borrow_why"]``) or the limit has no room."""
+    lease_id, why = borrow_slots(
+        book.quota_slots(),
+        me["quota"],
+        len(new),
+        bool(me["preemptible"]),
+        lambda: [ask_of(w) for w in _waiters_for(book, me, new)],
+        (me["profile"], "device(s) " + ",".join(new)),
+    )
     if lease_id is None:
-        me["borrow_why"] = f"quota {team!r} is full and its borrowing limit has no room"
+        me["borrow_why"] = why
         return None
     if lease is not None:
         leases.annotate(lease, new, borrowed=True)
     book.borrowed.update(new)
-    logger.info(
-        "profile %r: quota %r is full; borrowing device(s) %s beyond it (borrowing limit %d, %d borrowed "
-        "before): preemptible work, reclaimed when a team owed them asks",
-        me["profile"],
-        team,
-        ",".join(new),
-        known[team].borrowing_limit,
-        known[team].borrowed,
-    )
     return lease_id
 
 

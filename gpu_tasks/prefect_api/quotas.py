@@ -255,13 +255,16 @@ def wait_for_room(
     stop: threading.Event,
     timeout: float | None,
     say: Callable[[str], None],
-) -> tuple[uuid.UUID, float]:
+    borrow: Callable[[], tuple[uuid.UUID | None, str | None]] | None = None,
+) -> tuple[uuid.UUID, float, bool]:
     """Take ``need`` slots of ``quota`` for one task of profile ``owner``, waiting for room.
 
     Used by ``address`` profiles, whose tasks hold their devices while they run: the slots
     are taken before the task is handed to the shared scheduler and given back when it
     ends. A wait is told through ``say`` when it begins and every ``WAIT_LOG_EVERY`` s, with
-    the quota's use. Returns ``(lease id, seconds waited)``.
+    the quota's use. ``borrow`` (a preemptible profile): while the quota is full, try a slot of its
+    borrowing limit instead (:func:`gpu_tasks.devices.lending.borrow_slots`: ``(lease id, None)`` or
+    ``(None, why not)``). Returns ``(lease id, seconds waited, borrowed)``.
 
     Raises:
         ClusterError: the need can never fit the quota, or it waited ``timeout`` seconds.
@@ -274,7 +277,12 @@ def wait_for_room(
     while True:
         lease = slots.take(quota, need)
         if lease is not None:
-            return lease, time.monotonic() - t0
+            return lease, time.monotonic() - t0, False
+        why_not = None
+        if borrow is not None:
+            lease, why_not = borrow()
+            if lease is not None:
+                return lease, time.monotonic() - t0, True
         now = time.monotonic()
         limit = slots.limit(quota)
         use = f"{int(limit.active_slots)} of {int(limit.limit)} device(s) in use"
@@ -288,6 +296,7 @@ def wait_for_room(
             say(
                 f"profile {owner!r}: a task waits for room for {need} device(s) in quota {quota!r} "
                 f"({limits_text(limit)}: {use}), holding no device"
+                + (f"; it does not borrow: {why_not}" if why_not else "")
             )
             next_log = now + WAIT_LOG_EVERY
         if stop.wait(delay):

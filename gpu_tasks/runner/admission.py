@@ -26,6 +26,7 @@ from typing import Any
 
 from gpu_tasks.allocation import Allocation
 from gpu_tasks.compat.prefect import can_skip_engine_tag_slots, known_without_limits, tag_slots_held_by_flow
+from gpu_tasks.devices import lending
 from gpu_tasks.errors import GpuTasksError
 from gpu_tasks.prefect_api import quotas
 from gpu_tasks.prefect_api.futures import futures_to_states
@@ -336,7 +337,11 @@ class TaskQuota:
 
     Its task holds its devices while it runs on the shared cluster: it takes
     :func:`gpu_tasks.prefect_api.quotas.task_need` slots, waiting (logged, holding nothing) while the
-    quota is full; a re-queued preempted task waits without ``GPU_TASKS_LEASE_TIMEOUT``.
+    quota is full; a re-queued preempted task waits without ``GPU_TASKS_LEASE_TIMEOUT``. A
+    preemptible profile's task whose quota is full borrows a slot of its team's borrowing limit when
+    the policy allows it (:func:`gpu_tasks.devices.lending.borrow_slots`, the board's waiters owed
+    devices by :meth:`~gpu_tasks.cluster.remote.RemoteCluster.owed_waiters`); the cluster marks it
+    borrowed, so that an entitled team's waiter reclaims it (:mod:`gpu_tasks.cluster.board`).
     """
 
     def __init__(self, live: Live) -> None:
@@ -352,21 +357,43 @@ class TaskQuota:
             said.append(line)
             job.say(logging.INFO, "%s", line)
 
-        lease, waited = quotas.wait_for_room(
-            live.book.quota_slots(),
+        cluster = job.st.cluster
+        slots, need, team = live.book.quota_slots(), quotas.task_need(prof.gpus), prof.quota
+        what = (prof.name, f"{need} device(s) for task run {job.task_run_id.hex[:8]}")
+        borrow = (
+            (lambda: lending.borrow_slots(slots, team, need, True, cluster.owed_waiters, what))
+            if prof.preemptible
+            else None
+        )
+        lease, waited, borrowed = quotas.wait_for_room(
+            slots,
             prof.name,
-            prof.quota,
-            quotas.task_need(prof.gpus),
+            team,
+            need,
             live.stop,
             None if job.preemptions else live.settings.lease_timeout,
             say,
+            borrow,
         )
         job.quota_lease = lease
-        if said:
-            live.emit_task("quota-waited", job, {"quota": prof.quota, "seconds": round(waited, 3)})
+        cluster.lend(job.task_run_id.hex, borrowed)
+        if borrowed:
+            job.say(
+                logging.INFO,
+                "profile %r: quota %r is full; its task borrows %d device(s) beyond it: preemptible work, "
+                "reclaimed when a team owed them asks",
+                prof.name,
+                team,
+                need,
+            )
+        if said or borrowed:
+            live.emit_task(
+                "quota-waited", job, {"quota": team, "seconds": round(waited, 3), "borrowed": borrowed}
+            )
 
     def release(self, job: Job) -> None:
         """Give back ``job``'s quota slots (off the caller's thread: it is an API call)."""
         lease, job.quota_lease = job.quota_lease, None
+        job.st.cluster.lend(job.task_run_id.hex, False)
         if lease is not None:
             job.off_thread(self.live.book.quota_slots().release, lease, name="gpu-tasks-quota-release")

@@ -241,8 +241,17 @@ class Results:
         job.st.cluster.record(wkey, start, end)
         if isinstance(state, PreemptedRun):  # interrupted on a shared scheduler for a waiter
             by = job.st.cluster.preempted_by(job.key)
-            reason = f"preempted by {describe_waiter(by)}, queued {float(by.get('waited_s') or 0):.1f}s"
-            fields = {k: by.get(k) for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority")}
+            queued = f"queued {float(by.get('waited_s') or 0):.1f}s"
+            reason = f"preempted by {describe_waiter(by)}, {queued}"
+            if by.get("reclaimed_by"):  # its borrowed quota taken back (gpu_tasks.cluster.board)
+                reason = (
+                    f"reclaimed by {by['reclaimed_by']}: its borrowed device(s) go back to "
+                    f"{describe_waiter(by)}, owed them within quota {by['reclaimed_by']!r}, {queued}"
+                )
+            fields = {
+                k: by.get(k)
+                for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "reclaimed_by")
+            }
             if not job.st.post(Requeue(job, reason, fields)):
                 self._finish(
                     job, exc=RuntimeError(f"the task runner is shutting down; {reason}"), dispatched=True

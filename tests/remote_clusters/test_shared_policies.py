@@ -314,3 +314,136 @@ def test_gpu_tasks_waiters_lists_the_board(gpu_hosts: Hosts):
     assert row["effective_priority"] == 4  # 1 + floor(7.5 s / 2 s)
     bad = cli.invoke(app, ["waiters", "gpu-scheduler"])
     assert bad.exit_code == 2 and "must be a Dask scheduler address" in bad.output, bad.output
+
+
+def _borrowed(team: str) -> int:
+    return int(quotas.teams()[team]["borrowed"])
+
+
+def test_a_team_borrows_beyond_its_quota_on_a_shared_scheduler_and_the_owed_team_reclaims(
+    gpu_hosts: Hosts, prefect_server, tmp_path: Path
+):
+    """Quotas of 1 device each, team-a may borrow 1: team-a's preemptible run holds both GPU=1 workers
+    (one task within its quota, one borrowed while team-b is idle). team-b's task arrives, takes its own
+    quota slot and waits on the scheduler; after its 1 s grace team-a's borrowed task is reclaimed
+    (Preempted, 'reclaimed by team-b' in its state and the flow run's log), team-b's task runs while
+    team-a's other task holds on, and team-a's reclaimed task runs again and completes."""
+    quotas.set_limit("team-a", 1)
+    quotas.set_sharing("team-a", borrowing_limit=1)
+    quotas.set_limit("team-b", 1)
+    grace = {"GPU_TASKS_TUNE_PREEMPTION_GRACE": "1"}
+    release, go, starts = tmp_path / "release", tmp_path / "go-b", tmp_path / "starts"
+    try:
+        # team-b connected first (its start-up off the clock), submitting when the test says
+        b = prioritized_run(
+            gpu_hosts,
+            "b",
+            1,
+            0.5,
+            tmp_path,
+            0,
+            grace,
+            quota="team-b",
+            go=str(go),
+            warm=True,
+            idle_timeout=300,
+        )
+        deadline = time.monotonic() + 120
+        while not (starts / "b-ready").exists():
+            assert b.poll() is None and time.monotonic() < deadline, b.communicate()[0][-3000:]
+            time.sleep(0.1)
+        a = prioritized_run(
+            gpu_hosts, "a", 2, 0.5, tmp_path, 0, grace, quota="team-a", preemptible=True, release=str(release)
+        )
+        while len(list(starts.glob("a-*.start"))) < 2:  # both workers busy with team-a
+            assert a.poll() is None and time.monotonic() < deadline, a.communicate()[0][-3000:]
+            time.sleep(0.1)
+        assert _borrowed("team-a") == 1 and _in_use("team-a") == 1
+        go.write_text("")
+        waited = time.monotonic() + 30
+        while b.poll() is None:  # it runs beside team-a's task within its quota, and ends
+            if time.monotonic() > waited:
+                release.write_text("")
+                pytest.fail("team-b's task did not run beside team-a's:\n" + "\n".join(_finish([a, b])))
+            time.sleep(0.1)
+        released = time.time()
+        release.write_text("")
+        logs = _finish([a, b])
+        [b_run] = json.loads((tmp_path / "b.json").read_text())
+        done = json.loads((tmp_path / "a.json").read_text())
+        submitted = float((starts / "b-submitted").read_text())
+        print(f"team-b's task started {b_run['start'] - submitted:.2f}s after it was submitted (grace 1 s)")
+        assert b_run["end"] < released, (b_run, released)  # it did not wait for team-a's tasks to end
+        assert b_run["start"] - submitted < 1 + 6, (b_run["start"], submitted)
+        assert sorted(t["i"] for t in done) == [0, 1]
+        assert len(list(starts.glob("a-*.start"))) == 3  # one task of team-a ran twice
+        reclaimed = []
+        for t in done:
+            _, states = api("GET", f"/task_run_states/?task_run_id={t['task_run']}")
+            ordered = sorted(states, key=lambda s: s["timestamp"])
+            reclaimed += [s["message"] for s in ordered if s["name"] == "Preempted"]
+            assert ordered[-1]["name"] == "Completed", [s["name"] for s in ordered]
+        [message] = reclaimed
+        assert message.startswith("Preempted: reclaimed by team-b: its borrowed device(s) go back to"), (
+            message
+        )
+        assert "reclaimed by team-b" in logs[0] and "borrows 1 device(s) beyond it" in logs[0], logs[0][
+            -3000:
+        ]
+        with gpu_hosts.client() as client:
+            assert client.get_metadata(["gpu-tasks-waiters"], default={}) == {}
+        deadline = time.monotonic() + 10  # slots go back off the task's callback thread
+        while (_borrowed("team-a") or _in_use("team-a")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _borrowed("team-a") == 0 and _in_use("team-a") == 0 and _in_use("team-b") == 0
+    finally:
+        quotas.delete_limit("team-a")
+        quotas.delete_limit("team-b")
+
+
+def test_the_board_reclaims_only_borrowed_tasks_for_an_entitled_waiter_of_another_team(gpu_hosts: Hosts):
+    """On a real scheduler's board: an entry says its team and whether a waiting task holds quota slots
+    (entitled); a preemptible holder with borrowed tasks sees an entitled entry of another team as a
+    reclaim (whatever the priorities), and picks only borrowed tasks, on the waiter's worker first; the
+    entry keeps borrowers off (owed)."""
+    from gpu_tasks.borrowing import Ask, Claim
+    from gpu_tasks.cluster.board import SharedBoard
+    from gpu_tasks.policy import Holding
+
+    old = {"k-b": time.monotonic() - 5}
+    with gpu_hosts.client() as client:
+        b = SharedBoard("b", need=1.0, preemptible=False)
+        borrower = SharedBoard("b-borrower", need=1.0, preemptible=False)
+        a = SharedBoard("a", need=1.0, preemptible=True)
+        try:
+            # a waiter whose queued task runs on borrowed quota is not entitled
+            borrower.wait_step(
+                client,
+                {"profile": "bb", "priority": 0, "quota": "team-b"},
+                old,
+                1.0,
+                set,
+                0,
+                {"k-b"}.__contains__,
+            )
+            assert borrower.posted is not None and borrower.posted["entitled"] is False
+            borrower.take_down(client)
+            b.wait_step(client, {"profile": "b", "priority": 0, "quota": "team-b"}, old, 1.0, set)
+            assert b.posted is not None and b.posted["entitled"] and b.posted["quota"] == "team-b"
+            assert a.owed(client, set()) == [Ask("team-b", 1, held=True)]
+            assert a.due_waiters(client, 5) == []  # no borrowed task of ours, and b does not outrank us
+            assert a.due_waiters(client, 5, "team-b") == []  # one team: nothing to reclaim
+            [entry] = a.due_waiters(client, 5, "team-a")
+            assert entry["reclaimed_by"] == "team-b"
+
+            def claim(key: str) -> Claim:
+                return Claim("team-a", key.startswith("lent"), Holding(True, 5, since=time.monotonic() - 1))
+
+            waiter = dict(entry, workers=["tcp://x:1"])
+            mine = {"tcp://x:1": ["own1"], "tcp://y:2": ["lent1", "own2"]}
+            assert a.victims(waiter, mine, 1.0, claim) == ("tcp://y:2", ["lent1"])  # not on its worker
+            mine = {"tcp://x:1": ["lent2"], "tcp://y:2": ["lent1", "lent3"]}
+            assert a.victims(waiter, mine, 1.0, claim) == ("tcp://x:1", ["lent2"])  # its worker first
+            assert a.victims(waiter, {"tcp://x:1": ["own1"]}, 1.0, claim) is None
+        finally:
+            b.take_down(client)
