@@ -163,6 +163,10 @@ FOREIGN = (
     "threading",
     "subprocess",
 )
+# names of an undocumented module above that the library's reference documents: Prefect's API
+# reference gives resolve_inputs_sync ("Resolve any Quote, PrefectFuture, or State types nested
+# in parameters into data"), the engine's own resolution of a task's parameters
+DOCUMENTED_IN = {"prefect.utilities.engine": {"resolve_inputs_sync"}}
 # documented names that happen to start with an underscore
 DOCUMENTED_PRIVATE = {"os._exit", "sys._getframe"}
 # attribute reads of undocumented names on objects the scan cannot trace to an import (a Dask
@@ -245,6 +249,9 @@ def _violations(path: Path) -> list[str]:
                 continue
             rule = UNDOCUMENTED.get(node.module, ())
             for a in node.names:
+                if a.name in DOCUMENTED_IN.get(node.module, ()):
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    continue
                 if (
                     _private(a.name)
                     or any(_private(p) for p in node.module.split("."))
