@@ -82,7 +82,6 @@ def cached_key(task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any]) ->
     from prefect.client.schemas.objects import TaskRun
     from prefect.context import FlowRunContext, TaskRunContext
     from prefect.results import get_result_store
-
     from prefect.utilities.engine import resolve_inputs_sync
 
     flow_ctx = FlowRunContext.get()
