@@ -172,8 +172,6 @@ DOCUMENTED_PRIVATE = {"os._exit", "sys._getframe"}
 # attribute reads of undocumented names on objects the scan cannot trace to an import (a Dask
 # worker handed to a function, a module reached through another)
 UNDOCUMENTED_CHAINS = {
-    "state.tasks",
-    "state.nthreads",
     "pythonapi.PyThreadState_SetAsyncExc",
     "spawn.set_executable",
     "spawn.get_executable",
@@ -362,7 +360,7 @@ def test_the_scan_finds_what_it_is_for(tmp_path):
         "    def g(self):\n"
         "        super()._on_worker_exit_sync(0)\n"
         "def h(dask_worker, ctypes, spawn):\n"
-        "    spawn.set_executable(dask_worker.state.tasks)\n"
+        "    spawn.set_executable(dask_worker.nthreads)\n"
         "    ctypes.pythonapi.PyThreadState_SetAsyncExc(1, None)\n"
         "import prefect.context\n"
         "import prefect.serializers as ser\n"
@@ -396,7 +394,6 @@ def test_the_scan_finds_what_it_is_for(tmp_path):
         "atexit._run_exitfuncs",
         "os._exit replaced",
         "super()._on_worker_exit_sync",
-        ".state.tasks",
         ".spawn.set_executable",
         ".pythonapi.PyThreadState_SetAsyncExc",
         "prefect.context._deployment_id",  # attribute access on an imported module
