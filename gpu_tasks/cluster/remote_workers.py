@@ -39,20 +39,15 @@ def worker_facts(dask_worker: Any = None) -> dict[str, Any]:
 
 def executing_keys(dask_worker: Any) -> list[str]:
     """Run on a worker (``Client.run``): the keys of the tasks it is executing now."""
-    from gpu_tasks.compat.distributed import worker_tasks
-
-    return [
-        str(k) for k, ts in worker_tasks(dask_worker).items() if ts.state in ("executing", "long-running")
-    ]
+    # distributed's documented worker state machine: WorkerState.tasks and each TaskState.state
+    return [str(k) for k, ts in dask_worker.state.tasks.items() if ts.state in ("executing", "long-running")]
 
 
 def started_keys(dask_worker: Any) -> list[str]:
     """Run on a worker (``Client.run``): the keys it is executing, and those that ended there whose
     result or error it still holds (their client may not have heard yet: they are not queued)."""
     started = ("executing", "long-running", "memory", "error")
-    from gpu_tasks.compat.distributed import worker_tasks
-
-    return [str(k) for k, ts in worker_tasks(dask_worker).items() if ts.state in started]
+    return [str(k) for k, ts in dask_worker.state.tasks.items() if ts.state in started]
 
 
 @dataclass(frozen=True)

@@ -34,19 +34,6 @@ def forget_closed_schedulers() -> None:
         logger.debug("no distributed.core._expects_comm cache to clear", exc_info=True)
 
 
-def worker_threads() -> int:
-    """Threads of the Dask worker this code runs in (1 outside a worker).
-
-    ``Worker.state.nthreads`` (the worker state machine) has no public accessor.
-    """
-    try:
-        from distributed import get_worker
-
-        return max(1, int(get_worker().state.nthreads))
-    except Exception:
-        return 1
-
-
 def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
     """A worker's host memory limit in bytes, as Dask reads ``memory_limit`` (``"auto"``, a size,
     a fraction): the undocumented ``distributed.worker_memory.parse_memory_limit``."""
@@ -101,33 +88,6 @@ def _check_expects_comm() -> str | None:
     return None if hasattr(fn, "cache_clear") else "_expects_comm is no longer a functools cache"
 
 
-def worker_tasks(dask_worker: Any) -> dict[Any, Any]:
-    """A Dask worker's tasks by key (``Worker.state.tasks``), each with its ``.state``
-    (``executing``, ``long-running``, ``memory``, ``error``, ``cancelled``, ...)."""
-    tasks: dict[Any, Any] = dask_worker.state.tasks
-    return tasks
-
-
-def _check_worker_tasks() -> str | None:
-    from distributed.worker_state_machine import TaskState, WorkerState
-
-    if "tasks" not in getattr(WorkerState, "__annotations__", {}):
-        return "distributed's WorkerState no longer has tasks"
-    if "state" not in getattr(TaskState, "__annotations__", {}):
-        return "distributed's TaskState no longer has state"
-    return None
-
-
-def _check_worker_state() -> str | None:
-    from distributed.worker_state_machine import BaseWorker, WorkerState
-
-    from gpu_tasks.compat import params
-
-    if "state" not in BaseWorker.__init__.__code__.co_names:
-        return "a Dask worker no longer keeps its WorkerState in .state"
-    return params(WorkerState.__init__, "nthreads") or _check_worker_tasks()
-
-
 def _check_nanny_exit() -> str | None:
     from distributed import Nanny
 
@@ -149,16 +109,6 @@ def _uses() -> list[Any]:
             "private",
             "closed schedulers are freed (an unbounded functools.cache keeps them alive)",
             _check_expects_comm,
-        ),
-        Use(
-            "distributed",
-            "distributed.Worker.state (nthreads, tasks)",
-            "undocumented",
-            "a Dask worker's state machine, which holds what its Worker no longer exposes: its thread "
-            "count (nested tasks run on as many threads as their worker has) and its tasks by key "
-            "(which tasks a shared worker executes now: preempted for a waiter, released by a client "
-            "that is gone, interrupted when the flow run stops)",
-            _check_worker_state,
         ),
         Use(
             "distributed",

@@ -30,10 +30,6 @@ The same wrapper answers a check whose tags the cache knows have no limit withou
 Prefect's slot service: the outcome Prefect's own cached path gives (no lease), without its
 two thread hops and made-up HTTP response, which were 13% of a worker process's CPU per
 task.
-**Cache keys computed before a device is leased** (``gpu_tasks.runner.admission``) follow the
-engine's ``compute_transaction_key`` and call ``ResultStore.update_for_task(task,
-_sync=True)`` as the engine does (its ``async_dispatch`` keyword).
-
 **Names the serializers resolve** (``prefect.serializers.from_qualified_name``): see
 :func:`cache_qualified_names`.
 
@@ -423,19 +419,12 @@ def _check_handle_crash() -> str | None:
     return None
 
 
-def engine_helpers() -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """``visit_collection`` and ``resolve_to_final_result``, as the task engine resolves a task's
-    parameters (``prefect.utilities.collections`` / ``prefect.utilities.engine``, undocumented)."""
+def engine_helpers() -> tuple[Callable[..., Any]]:
+    """``visit_collection``, as the task engine walks a task's parameters
+    (``prefect.utilities.collections``, undocumented)."""
     from prefect.utilities.collections import visit_collection
-    from prefect.utilities.engine import resolve_to_final_result
 
-    return visit_collection, resolve_to_final_result
-
-
-def result_store_for_task(store: Any, task: Any) -> Any:
-    """``store.update_for_task(task)`` called synchronously, as the engine does (the private
-    ``_sync`` keyword of Prefect's ``async_dispatch``)."""
-    return store.update_for_task(task, _sync=True)
+    return (visit_collection,)
 
 
 def sync_client_context(client: Any) -> Any:
@@ -515,25 +504,8 @@ def _check_state_event() -> str | None:
 def _check_engine_helpers() -> str | None:
     from gpu_tasks.compat import params
 
-    visit, resolve = engine_helpers()
-    return params(visit, "expr", "visit_fn", "return_data") or params(resolve, "expr", "context")
-
-
-def _check_result_store() -> str | None:
-    import importlib
-
-    from prefect.results import ResultStore
-
-    from gpu_tasks.compat import params
-
-    fn = ResultStore.update_for_task
-    dispatch = importlib.import_module("prefect._internal.compatibility.async_dispatch")
-    # async_dispatch's wrapper pops the private _sync keyword and keeps the async one as .aio
-    if not hasattr(fn, "aio"):
-        return "update_for_task is no longer an async_dispatch function (no .aio)"
-    if '"_sync"' not in inspect.getsource(dispatch.async_dispatch):
-        return "async_dispatch no longer takes _sync"
-    return params(fn, "task")
+    (visit,) = engine_helpers()
+    return params(visit, "expr", "visit_fn", "return_data")
 
 
 def _check_sync_client_context() -> str | None:
@@ -593,18 +565,11 @@ def _uses() -> list[Any]:
         ),
         Use(
             "prefect",
-            "prefect.utilities.collections.visit_collection, "
-            "prefect.utilities.engine.resolve_to_final_result",
+            "prefect.utilities.collections.visit_collection",
             "undocumented",
-            "walk a task's inputs for futures, and resolve them as the engine does",
+            "walk a task's inputs for the futures it waits for (with Prefect's rules for models, "
+            "dataclasses, quote and allow_failure)",
             _check_engine_helpers,
-        ),
-        Use(
-            "prefect",
-            "prefect.results.ResultStore.update_for_task(_sync=True)",
-            "private",
-            "cache keys computed in the flow process before a device is leased",
-            _check_result_store,
         ),
         Use(
             "prefect",

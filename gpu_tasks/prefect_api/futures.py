@@ -15,7 +15,7 @@ from prefect.futures import PrefectFuture
 
 from gpu_tasks.compat.prefect import engine_helpers
 
-visit_collection = engine_helpers()[0]
+(visit_collection,) = engine_helpers()
 _ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 _SEQUENCES = frozenset({list, tuple, set, frozenset})
 _PLAIN_DEPTH = 32

@@ -17,8 +17,10 @@ slots while its task is handed off (taken on dispatch, given back when the task 
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import functools
+import inspect
 import logging
 import uuid
 from collections.abc import Callable
@@ -81,26 +83,17 @@ def cached_key(task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any]) ->
     from prefect.client.schemas.objects import TaskRun
     from prefect.context import FlowRunContext, TaskRunContext
     from prefect.results import get_result_store
+    from prefect.utilities.engine import resolve_inputs_sync
 
-    from gpu_tasks.compat.prefect import engine_helpers, result_store_for_task
-
-    visit_collection, resolve_to_final_result = engine_helpers()
     flow_ctx = FlowRunContext.get()
     if flow_ctx is None or flow_ctx.flow_run is None:
         return None
     try:
-        inputs = {
-            name: visit_collection(
-                value,
-                visit_fn=resolve_to_final_result,
-                return_data=True,
-                max_depth=-1,
-                remove_annotations=True,
-                context={"parameter_name": name},
-            )
-            for name, value in parameters.items()
-        }  # as the engine resolves them (SyncTaskRunEngine._resolve_parameters)
-        store: Any = result_store_for_task(get_result_store(), task)
+        # as the engine resolves them (its _resolve_parameters is Prefect's documented resolve_inputs_sync)
+        inputs = resolve_inputs_sync(parameters)
+        store: Any = get_result_store().update_for_task(task)
+        if inspect.isawaitable(store):  # an async flow's context: this executor thread runs no loop
+            store = asyncio.run(_awaited(store))
         task_run = TaskRun(
             id=task_run_id,
             name=task.name,
@@ -125,6 +118,10 @@ def cached_key(task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any]) ->
     except Exception:
         return None
     return None
+
+
+async def _awaited(awaitable: Any) -> Any:
+    return await awaitable
 
 
 class CacheOnly:

@@ -29,7 +29,6 @@ from gpu_tasks.allocation import (
     current_allocation,
     worker_allocation,
 )
-from gpu_tasks.compat import distributed as _dask_private
 from gpu_tasks.compat.prefect import (
     cache_qualified_names,
     ours,
@@ -502,12 +501,23 @@ _NESTED_POOLS: dict[str, SlotPool] = {}
 _NESTED_LOCK = threading.Lock()
 
 
+def _worker_threads() -> int:
+    """Threads of the Dask worker this code runs in (1 outside a worker): its documented
+    ``WorkerState.nthreads`` (distributed's worker state machine)."""
+    try:
+        from distributed import get_worker
+
+        return max(1, int(get_worker().state.nthreads))
+    except Exception:
+        return 1
+
+
 def nested_pool(profile_name: str) -> SlotPool:
     with _NESTED_LOCK:
         pool = _NESTED_POOLS.get(profile_name)
         if pool is None:
             pool = _NESTED_POOLS[profile_name] = SlotPool(
-                _dask_private.worker_threads(), name=f"gpu-tasks-nested-{profile_name}"
+                _worker_threads(), name=f"gpu-tasks-nested-{profile_name}"
             )
         return pool
 

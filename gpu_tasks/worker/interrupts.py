@@ -35,9 +35,7 @@ _RELEASE_WATCH: dict[int, threading.Thread] = {}  # by id() of the Dask worker
 def released_keys(dask_worker: Any, keys: list[str]) -> list[str]:
     """Those of ``keys`` this worker still executes though its scheduler released them: the
     client that wanted them is gone (its flow process was killed) or cancelled them."""
-    from gpu_tasks.compat.distributed import worker_tasks
-
-    tasks = worker_tasks(dask_worker)
+    tasks = dask_worker.state.tasks  # distributed's documented WorkerState.tasks, TaskState.state
     return [k for k in keys if getattr(tasks.get(k), "state", None) == "cancelled"]
 
 
