@@ -29,7 +29,11 @@ from faults import _procs
 
 BIN = Path(sys.executable).parent
 GPU_TASKS = str(BIN / "gpu-tasks")
-LIMIT_S = 10.0
+# A hang guard, not a speed claim (tests assert no wall-clock speed): the faults these tests pin took
+# 100-150 s and many lines before (Prefect's retries to a dead API, a temporary server's start); the
+# one-line, no-traceback checks below are what tell them apart. On the quiet machine each answer
+# comes in 2-5 s; under the CI's load, 10-13 s.
+LIMIT_S = 60.0
 IS_ROOT = os.geteuid() == 0
 UNKNOWN_REVISION = "ffffffffffff"
 

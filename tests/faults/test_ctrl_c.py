@@ -24,7 +24,9 @@ import pytest
 
 from faults._procs import ctrl_c, seed_prefect_home, terminal_signals
 
-EXIT_WITHIN_S = 10.0
+# A hang guard, not a speed claim: before the fix the process took 125-150 s to exit after Ctrl-C;
+# it takes 1-3 s on the quiet machine, more under the CI's load (ctrl_c gives up at 30 s: inf)
+EXIT_WITHIN_S = 45.0
 ENDED = {"CRASHED", "CANCELLED"}
 
 
