@@ -144,7 +144,11 @@ def prefect_server():
     """A temporary SQLite-backed Prefect server on 127.0.0.1 for the whole session."""
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness(server_startup_timeout=120):
+    # 240: the compat stage runs at nice 10 beside the parallel phase (.ci/run), where a saturated
+    # machine gave its server start a few per cent of a core; 120 timed out there (48 errors at
+    # a6f37fb). Prefect counts this bound in polls of 0.1 s, so it is at least that many seconds;
+    # pytest-timeout (300 s, setup included) still ends a real hang.
+    with prefect_test_harness(server_startup_timeout=240):
         yield
 
 
