@@ -117,7 +117,8 @@ def _heavy_modules_first(items: list[pytest.Item], workers: int) -> list[pytest.
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  # type: ignore[no-untyped-def]
     """With GPU_TASKS_TEST_TIMELINE=DIR: each test's start and end (setup to teardown) and its test
-    process, one JSON line a test in DIR/<process>.jsonl, to see how the processes share the suite."""
+    process, one JSON line a test in DIR/<process>-py<minor>.jsonl, to see how the processes share
+    the suite."""
     out = os.environ.get("GPU_TASKS_TEST_TIMELINE")
     start, cpu = time.time(), _cpu_seconds()
     yield
@@ -126,7 +127,10 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):  #
 
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         line = {"test": item.nodeid, "start": start, "end": time.time(), "cpu": _cpu_seconds() - cpu}
-        with open(os.path.join(out, f"{worker}.jsonl"), "a") as f:
+        import sys
+
+        # the Python in the name keeps the compat stage's processes apart from the main suite's
+        with open(os.path.join(out, f"{worker}-py{sys.version_info[1]}.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
