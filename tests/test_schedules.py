@@ -27,9 +27,15 @@ import pytest
 
 from bench.procs import terminal_signals
 
-# serial: on the quiet machine after the parallel phase (they wait on Prefect's scheduler; the
-# compat stage runs them after the serial phase too: docs/operations.md, "Tests")
-pytestmark = [pytest.mark.slow, pytest.mark.serial, pytest.mark.timeout(600)]
+# serial: after the parallel phase (they wait on Prefect's scheduler, and failed under its load),
+# on a test process of their own beside the timing tests (xdist group "scheduler"; the compat
+# stage runs them beside the serial phase too: docs/operations.md, "Tests")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.serial,
+    pytest.mark.xdist_group("scheduler"),
+    pytest.mark.timeout(600),
+]
 
 GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
 PREFECT = Path(sys.executable).with_name("prefect")

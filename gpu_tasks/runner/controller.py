@@ -412,12 +412,13 @@ class Controller:
             j.disown()  # what its worker reports now is not its outcome
             self._landed(j)
         logger.warning(
-            "profile %r: stopping worker(s) %s on device(s) %s, %d task(s) re-queued: %s",
+            "profile %r: stopping worker(s) %s on device(s) %s, %d task(s) re-queued: %s (Dask keys: %s)",
             st.profile.name,
             ", ".join(names),
             ",".join(addresses),
             len(jobs),
             reason,
+            ", ".join(j.key for j in jobs) or "none",
         )
         try:
             rows = cluster.stop_workers(names, reason)
