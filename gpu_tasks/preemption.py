@@ -66,20 +66,33 @@ def choose(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None
     info (``priority``, ``preemptible``, ``since``, ``min_run_time``), ``None`` when the device is free.
     """
     groups = waiter.get("groups") or [[a] for a in waiter.get("addresses") or ()]
-    seen: dict[str, Holding | None] = {}
-
-    def judged(address: str) -> Holding | None:
-        if address not in seen:
-            holder = holder_of(address)
-            seen[address] = None if holder is None else holding(holder)
-        return seen[address]
-
+    held = {a: holder_of(a) for group in groups for a in group}  # one read of each device
+    if any(_taken_by(waiter, h) for h in held.values()):
+        return VictimChoice()  # it got devices and is leaving the queue: nothing to take back for it
+    judged = {a: None if h is None else holding(h) for a, h in held.items()}
     return choose_victims(
-        [[(a, judged(a)) for a in group] for group in groups],
+        [[(a, judged[a]) for a in group] for group in groups],
         max(1, int(waiter.get("need") or 1)),
         int(waiter.get("priority") or 0),
         time.time() if now is None else now,
     )
+
+
+def _taken_by(waiter: dict[str, Any], holder: dict[str, Any] | None) -> bool:
+    """Whether ``holder`` is ``waiter`` itself on a device it took since it began to wait.
+
+    A waiter leaves the queue (its waiter file, or its entry in a runner's book) only after it
+    has taken its devices, so for a moment it shows as both. Judged then, its own new lease would
+    rule its group out and another group's holder would be stopped for a waiter that no longer
+    waits. Devices it held before it began to wait (a profile adding workers) do not count.
+    """
+    if not holder or holder.get("profile") != waiter.get("profile") or holder.get("since") is None:
+        return False
+    if waiter.get("local") or holder.get("local"):
+        same = bool(waiter.get("local") and holder.get("local"))
+    else:
+        same = holder.get("pid") == waiter.get("pid") and holder.get("hostname") == waiter.get("hostname")
+    return same and float(holder["since"]) >= float(waiter.get("arrived") or 0.0)
 
 
 def plan(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None) -> list[str]:

@@ -125,6 +125,23 @@ def test_plan_never_touches_equal_or_higher_priority_or_non_preemptible_work():
     assert plan(_waiter(), _holders(d0=STEADY, d1=STEADY)) == []
 
 
+def test_a_waiter_that_took_a_device_since_it_arrived_takes_nothing_back():
+    """A waiter shows as waiting for a moment after it took its device (it leaves the queue after
+    the take): its own new lease must not make another group's holder give its device back."""
+    me = {"profile": "urgent", "pid": 7, "hostname": "h"}
+    w = dict(_waiter(arrived=100.0), **me)
+    mine_now, mine_before = dict(me, since=101.0), dict(me, since=99.0)
+    assert plan(w, _holders(d0=mine_now, d1=BATCH)) == []
+    # a device it held before it began to wait (adding a worker) does not count: preempt as before
+    assert plan(w, _holders(d0=mine_before, d1=BATCH)) == ["1"]
+    # the same profile name in another process is another holder
+    assert plan(w, _holders(d0=dict(mine_now, pid=8), d1=BATCH)) == ["1"]
+    # within one runner's book (both local)
+    local = dict(_waiter(arrived=100.0), local=True)
+    assert plan(local, _holders(d0={"profile": "urgent", "local": True, "since": 101.0}, d1=BATCH)) == []
+    assert plan(local, _holders(d0={"profile": "urgent", "local": True, "since": 99.0}, d1=BATCH)) == ["1"]
+
+
 def test_grace_is_the_waiters_own():
     w = _waiter(arrived=100.0)
     assert not due(w, default_grace=5, now=104.0) and due(w, default_grace=5, now=105.0)
