@@ -86,12 +86,17 @@ def _taken_by(waiter: dict[str, Any], holder: dict[str, Any] | None) -> bool:
     rule its group out and another group's holder would be stopped for a waiter that no longer
     waits. Devices it held before it began to wait (a profile adding workers) do not count.
     """
-    if not holder or holder.get("profile") != waiter.get("profile") or holder.get("since") is None:
+    if not holder or holder.get("since") is None or not waiter.get("profile"):
+        return False
+    if holder.get("profile") != waiter.get("profile"):
         return False
     if waiter.get("local") or holder.get("local"):
         same = bool(waiter.get("local") and holder.get("local"))
-    else:
-        same = holder.get("pid") == waiter.get("pid") and holder.get("hostname") == waiter.get("hostname")
+    else:  # another process's: its pid and host name say who it is (a holder without them: unknown)
+        same = waiter.get("pid") is not None and (holder.get("pid"), holder.get("hostname")) == (
+            waiter.get("pid"),
+            waiter.get("hostname"),
+        )
     return same and float(holder["since"]) >= float(waiter.get("arrived") or 0.0)
 
 
