@@ -86,9 +86,12 @@ def _taken_by(waiter: dict[str, Any], holder: dict[str, Any] | None) -> bool:
     rule its group out and another group's holder would be stopped for a waiter that no longer
     waits. Devices it held before it began to wait (a profile adding workers) do not count.
     """
-    if not holder or holder.get("since") is None or not waiter.get("profile"):
-        return False
-    if holder.get("profile") != waiter.get("profile"):
+    if (
+        not holder
+        or holder.get("since") is None
+        or holder.get("profile") != waiter.get("profile")
+        or not waiter.get("profile")
+    ):
         return False
     if waiter.get("local") or holder.get("local"):
         same = bool(waiter.get("local") and holder.get("local"))
