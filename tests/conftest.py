@@ -29,7 +29,12 @@ os.environ["GPU_TASKS_PRESENCE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-p
 if "PREFECT_HOME" not in os.environ:
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="gpu-tasks-test-prefect-home-")
 
+import contextlib
+import shutil
 import time
+import warnings
+from collections.abc import Iterator
+from typing import Any
 
 import psutil
 import pytest
@@ -145,15 +150,54 @@ def _cpu_seconds() -> float:
 
 @pytest.fixture(scope="session")
 def prefect_server():
-    """A temporary SQLite-backed Prefect server on 127.0.0.1 for the whole session."""
-    from prefect.testing.utilities import prefect_test_harness
+    """A temporary SQLite-backed Prefect server on 127.0.0.1 for the whole session (Prefect's test
+    harness), on a database already migrated (:func:`seeded_harness_dir`)."""
+    from prefect.testing import utilities as harness
 
     # 240: the compat stage runs at nice 10 beside the parallel phase (.ci/run), where a saturated
     # machine gave its server start a few per cent of a core; 120 timed out there (48 errors at
     # a6f37fb). Prefect counts this bound in polls of 0.1 s, so it is at least that many seconds;
     # pytest-timeout (300 s, setup included) still ends a real hang.
-    with prefect_test_harness(server_startup_timeout=240):
-        yield
+    with seeded_harness_dir(harness) as seeded:
+        with harness.prefect_test_harness(server_startup_timeout=240):
+            import prefect.settings
+
+            url = str(prefect.settings.PREFECT_SERVER_DATABASE_CONNECTION_URL.value())
+            if not any(url.endswith(os.path.join(d, "prefect-test.db")) for d in seeded):
+                warnings.warn(
+                    f"Prefect's test harness runs on {url}, not the migrated database: tests/conftest.py",
+                    stacklevel=1,
+                )
+            yield
+
+
+@contextlib.contextmanager
+def seeded_harness_dir(harness: Any) -> Iterator[list[str]]:
+    """Prefect's test harness puts its database, ``prefect-test.db``, in a new ``mkdtemp()``
+    directory, and its server runs every migration on it (about 6 s of CPU and 10 s at the start of
+    each test process on the 2-core machine). Here that directory already holds the database a
+    home has after its first server start (tests/faults/_procs.py ``migrated_db``), so the server
+    finds it at the newest revision. A harness that no longer calls ``mkdtemp`` or names its
+    database otherwise still works, on a database it migrates (:func:`prefect_server` warns).
+    Yields the directories it made."""
+    from faults._procs import migrated_db
+
+    made: list[str] = []
+    real = getattr(harness, "mkdtemp", None)
+
+    def seeded_mkdtemp(*args: Any, **kwargs: Any) -> str:
+        d = tempfile.mkdtemp(*args, **kwargs)
+        shutil.copyfile(migrated_db(), os.path.join(d, "prefect-test.db"))
+        made.append(d)
+        return d
+
+    if real is not None:
+        harness.mkdtemp = seeded_mkdtemp
+    try:
+        yield made
+    finally:
+        if real is not None:
+            harness.mkdtemp = real
 
 
 # per-interpreter singletons that end with the interpreter: multiprocessing's resource tracker

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from faults._procs import seed_prefect_home
 
 from bench.gpu_check import PLAN, render
 
@@ -38,6 +39,11 @@ def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
     env.update(
         {k: os.environ[k] for k in ("GPU_TASKS_LEASE_DIR", "GPU_TASKS_PRESENCE_DIR") if k in os.environ}
     )
+    # a Prefect home of its own (never the user's ~/.prefect), with the database a home has after its
+    # first server start: its embedded server otherwise ran every migration (27 s of its 161 s alone)
+    home = tmp_path / "prefect-home"
+    seed_prefect_home(home)
+    env["PREFECT_HOME"] = str(home)
     out = subprocess.run(
         # a loaded 2-core CI machine (tests on three processes: 307-412 s measured) needs more than
         # the GPU machine's 480 s

@@ -24,7 +24,8 @@ from gpu_tasks.preemption import due, plan
 # One flow run: `tasks` tasks of one GPU profile, each sleeping `seconds` (`again` when it runs
 # again after a preemption, if given). With `hold_for`, a task's first run holds its device
 # until profile `hold_for` (another flow run) waits for a device in the lease queue, then sleeps
-# `seconds`: that run's start-up, however slow, finds the device held. With `go`, the flow
+# `seconds`: that run's start-up, however slow, finds the device held. `hold_for="*"`: until a
+# profile other than its own waits (once one has, no run's task holds). With `go`, the flow
 # submits its tasks once that file exists: a run started early arrives when the test says.
 # Every start of a task body leaves a file in `starts` (a preempted task starts twice); the
 # flow's outcome and the times it submitted and finished go to `out`.
@@ -40,6 +41,8 @@ RUN = textwrap.dedent(
     CFG = json.loads(sys.argv[1])
     STARTS = Path(CFG["starts"])
     SAW = Path(CFG["out"]).with_suffix(".saw")  # a task of this run saw `hold_for` wait
+    if CFG.get("hold_for") == "*":  # any other run's profile: once one waits, no run holds any more
+        SAW = STARTS.parent / "saw-another-run-wait"
 
     @task
     def work(i, seconds):
@@ -50,7 +53,11 @@ RUN = textwrap.dedent(
             seconds = CFG["again"]
         deadline = time.monotonic() + 120
         while CFG.get("hold_for") and not SAW.exists() and time.monotonic() < deadline:
-            if any(w.get("profile") == CFG["hold_for"] for w in leases.waiters()):
+            if any(
+                w.get("profile") == CFG["hold_for"]
+                or (CFG["hold_for"] == "*" and w.get("profile") != CFG["profile"]["name"])
+                for w in leases.waiters()
+            ):
                 SAW.write_text(str(time.time()))
             time.sleep(0.05)
         time.sleep(seconds)

@@ -141,6 +141,10 @@ def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_di
                 3,
                 rng.uniform(0.3, 1.2),
                 go=go,
+                # a task holds its device until another run waits: on a loaded machine the runs'
+                # leases came seconds apart, each found the quota free and none waited (the test
+                # would show nothing; 1 of 2 parallel phases on 2026-12-04)
+                hold_for="*",
                 GPU_TASKS_EMULATED_GPUS="4",
             )
             time.sleep(rng.uniform(0.0, 0.8))
