@@ -56,6 +56,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "would skew): run them with the rest (default), only them, or none (scripts/test runs the "
         "rest on several processes, then these one after another)",
     )
+    parser.addoption(
+        "--serial-lane",
+        choices=("timing", "scheduler"),
+        default=None,
+        help="with --serial-tests=only: the serial tests of this lane alone (the `lane` of their "
+        "`serial` mark, `timing` when it names none); scripts/test runs the two lanes side by side, "
+        "each in a pytest process of its own",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -74,10 +82,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     mode = config.getoption("--serial-tests")
     if mode == "with":
         return
+    lane = config.getoption("--serial-lane")
     keep, drop = [], []
     for item in items:
-        serial = item.get_closest_marker("serial") is not None
-        (keep if serial == (mode == "only") else drop).append(item)
+        mark = item.get_closest_marker("serial")
+        wanted = (mark is not None) == (mode == "only")
+        if wanted and lane is not None and mark is not None:
+            wanted = mark.kwargs.get("lane", "timing") == lane
+        (keep if wanted else drop).append(item)
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep

@@ -239,3 +239,50 @@ def test_every_fast_tier_module_exists_and_is_not_also_heavy():
     repo = ROOT.parent
     assert [m for m in FAST_MODULES if not (repo / m).is_file()] == []
     assert set(FAST_MODULES) & set(HEAVY_MODULES) == set()
+
+
+@pytest.mark.processes
+def test_the_serial_lanes_split_the_serial_tests_between_them():
+    """scripts/test runs the serial phase as two pytest processes, one a lane (--serial-lane): every
+    serial test is in exactly one lane, the schedule tests in theirs, the timing tests in the other."""
+    import subprocess
+    import sys
+
+    def collected(*args: str) -> set[str]:
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pytest",
+                "-p",
+                "no:cacheprovider",
+                "-p",
+                "no:xdist",
+                "--collect-only",
+                "-q",
+                *args,
+            ],
+            cwd=ROOT.parent,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+        return {line for line in out.stdout.splitlines() if "::" in line}
+
+    # the modules that mark tests serial (collecting the whole suite three times took 40 s)
+    marked = sorted(
+        str(p.relative_to(ROOT.parent))
+        for p in (ROOT.parent / "tests").rglob("test_*.py")
+        if "mark.serial" in p.read_text()
+    )
+    assert "tests/test_schedules.py" in marked
+    every = collected("--serial-tests=only", *marked)
+    timing = collected("--serial-tests=only", "--serial-lane=timing", *marked)
+    scheduler = collected("--serial-tests=only", "--serial-lane=scheduler", *marked)
+    assert timing and scheduler and not timing & scheduler
+    assert timing | scheduler == every
+    assert {t.split("::")[0] for t in scheduler} == {"tests/test_schedules.py"}
+    assert any("test_aging_keeps" in t for t in timing) and any(
+        "higher_priority_flow_run" in t for t in timing
+    )

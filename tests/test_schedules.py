@@ -28,12 +28,11 @@ import pytest
 from bench.procs import terminal_signals
 
 # serial: after the parallel phase (they wait on Prefect's scheduler, and failed under its load),
-# on a test process of their own beside the timing tests (xdist group "scheduler"; the compat
-# stage runs them beside the serial phase too: docs/operations.md, "Tests")
+# in a test process of their own beside the timing tests (lane "scheduler"; the compat stage runs
+# them beside the serial phase too: docs/operations.md, "Tests")
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.serial,
-    pytest.mark.xdist_group("scheduler"),
+    pytest.mark.serial(lane="scheduler"),
     pytest.mark.timeout(600),
 ]
 

@@ -390,10 +390,9 @@ def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, pre
 # serial: which worker Dask's scheduler gives each queued task (with GPU=1 restrictions, at arrival,
 # by its occupancy estimate) decides the order too; under the parallel phase's load both urgent
 # tasks once went to one worker and a batch task started first on the other (clean-clone CI at
-# bd79a0a), as at 2e5b610. Group "timing": the serial phase's timing tests one after another, on
-# one test process (they share the network-namespace hosts)
+# bd79a0a), as at 2e5b610. Lane "timing" (the default): the serial phase's timing tests one after
+# another, in one test process
 @pytest.mark.serial
-@pytest.mark.xdist_group("timing")
 @pytest.mark.parametrize("urgent_priority", [10, 0])
 def test_a_higher_priority_flow_run_goes_first_on_a_shared_scheduler(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, urgent_priority: int

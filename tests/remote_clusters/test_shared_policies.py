@@ -242,7 +242,6 @@ def test_the_waiter_board_on_a_real_scheduler(gpu_hosts: Hosts, monkeypatch):
 
 
 @pytest.mark.serial  # a grace or an aging rate against tasks' start times
-@pytest.mark.xdist_group("timing")  # the serial phase's timing tests, on one test process
 @pytest.mark.parametrize("aging", [1.0, 0.0])
 def test_aging_keeps_a_stream_of_higher_priority_tasks_from_starving_a_waiter(
     gpu_hosts: Hosts, prefect_server, tmp_path: Path, aging: float
