@@ -10,6 +10,7 @@ nothing running.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -192,6 +193,8 @@ def _serve_env(server: Server, data_dir: Path) -> dict[str, str]:
         PREFECT_RUNNER_PROCESS_LIMIT="1",
         GPU_TASKS_EMULATED_GPUS="1",
         GPU_TASKS_DATA_DIR=str(data_dir),
+        # each Python process dumps its threads' stacks on SIGABRT: what a hang after Ctrl-C waits on
+        PYTHONFAULTHANDLER="1",
     )
     return env
 
@@ -240,8 +243,11 @@ def _check_stops_cleanly(proc: subprocess.Popen[str], out: Path) -> None:
         proc.wait(timeout=150)
     except subprocess.TimeoutExpired:
         left = [" ".join(p.cmdline())[:150] for p in _group(proc.pid)]
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGABRT)  # each one's stacks into the log (PYTHONFAULTHANDLER)
+        time.sleep(3)
         _kill_group(proc.pid)
-        tail = out.read_text(errors="replace")[-3000:]
+        tail = out.read_text(errors="replace")[-12000:]
         pytest.fail(f"the serving process did not stop within 150 s of Ctrl-C: {left}\n{tail}")
     # what the serving process started ends after it: a flow run it was running closes its clusters
     # and sends its queued events first (GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS); on a loaded machine the

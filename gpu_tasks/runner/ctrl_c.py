@@ -11,14 +11,21 @@ says at once what is left and arms a second Ctrl-C: that one ends the process wi
 (its remaining child processes, such as Prefect's ephemeral server, are stopped first) with
 exit status 130. Nothing changes for flows on other task runners, for interactive sessions
 (a notebook's interrupt keeps its kernel) or for a handler the script set itself.
+
+A Ctrl-C that comes while the runner closes its clusters (its flow had ended) is held until the
+close is done, then raised (:func:`held_while_closing`). Interrupted half-way, a close left the
+profile's warm worker processes running, and a flow process that multiprocessing started (a
+served deployment's run) waited for them at exit forever, and its serving process with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
 from types import FrameType
 
 import psutil
@@ -63,6 +70,38 @@ def on_interrupt(running: int, profiles: list[str]) -> bool:
         "when its API stopped with the same Ctrl-C. Press Ctrl-C again to end the process now."
     )
     return True
+
+
+@contextlib.contextmanager
+def held_while_closing() -> Iterator[None]:
+    """Within the block (the runner closing its clusters), a Ctrl-C is held: said at once, and
+    raised as ``KeyboardInterrupt`` when the block ends; a second one ends the process now
+    (:func:`_second_ctrl_c`). Only in the main thread while Python's own handler is set: a
+    script's own handler, or the one :func:`on_interrupt` armed, is left as it is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+    held: list[int] = []
+
+    def hold(signum: int, frame: FrameType | None) -> None:
+        if held:
+            _second_ctrl_c(signum, frame)
+        held.append(signum)
+        _say(
+            "gpu-tasks: Ctrl-C while closing this flow run's workers: they are closed first, then the "
+            "Ctrl-C goes on. Press Ctrl-C again to end the process now."
+        )
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if held:
+        raise KeyboardInterrupt
 
 
 def _second_ctrl_c(signum: int, frame: FrameType | None) -> None:

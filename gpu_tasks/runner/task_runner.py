@@ -46,7 +46,7 @@ from gpu_tasks.reporting.ledger import LedgerRow, remember_ended
 from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner.admission import Admission, TaskQuota
 from gpu_tasks.runner.controller import Controller
-from gpu_tasks.runner.ctrl_c import on_interrupt
+from gpu_tasks.runner.ctrl_c import held_while_closing, on_interrupt
 from gpu_tasks.runner.job import Arrived, Job
 from gpu_tasks.runner.recovery import Recovery
 from gpu_tasks.runner.results import Finish, Landings, Results, hand_to
@@ -225,7 +225,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 states = list(self._live.states.values()) if self._live is not None else []  # sizes only
                 on_interrupt(sum(len(st.inflight) for st in states), [st.profile.name for st in states])
             reason = "flow run ended" if exc_type is None else f"flow run ended with {exc_type.__name__}"
-            self._shutdown(reason, hurry=exc_type is not None)
+            with held_while_closing():  # a Ctrl-C half-way through the close left warm processes running
+                self._shutdown(reason, hurry=exc_type is not None)
         finally:
             super().__exit__(exc_type, exc_value, traceback)
 

@@ -608,3 +608,97 @@ def test_a_second_ctrl_c_ends_a_script_and_its_children_but_only_where_armed(tmp
     env = {**os.environ, "PREFECT__FLOW_RUN_ID": "00000000-0000-0000-0000-000000000000"}
     deployed = subprocess.run([sys.executable, str(run)], capture_output=True, text=True, timeout=60, env=env)
     assert deployed.stdout == "False\n" and not deployed.stderr, deployed
+
+
+CLOSE_INTERRUPTED_SCRIPT = textwrap.dedent(
+    """
+    import logging, multiprocessing, os, signal, sys
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+
+    class CtrlCAtTheFirstClose(logging.Handler):
+        sent = False
+
+        def emit(self, record):
+            if "closed cluster" in record.getMessage() and not self.sent:
+                self.sent = True  # a terminal's Ctrl-C half-way through the runner's close
+                os.kill(os.getpid(), signal.SIGINT)
+
+
+    @task(tags=[profile("gpu")])
+    def on_gpu(x):
+        return x + 1
+
+
+    @task
+    def on_cpu(x):
+        return x + 1
+
+
+    PROFILES = [ResourceProfile(name="cpu", cpus=1), ResourceProfile(name="gpu", gpus=1)]
+
+
+    @flow(task_runner=ProfileTaskRunner(profiles=PROFILES, default="cpu"))
+    def closing():
+        return on_gpu.submit(on_cpu.submit(1)).result()
+
+
+    def run():
+        logging.getLogger("gpu_tasks.cluster.local").addHandler(CtrlCAtTheFirstClose())
+        try:
+            print("result", closing(), flush=True)
+        except KeyboardInterrupt:
+            print("KeyboardInterrupt after the close", flush=True)
+            raise
+
+
+    if __name__ == "__main__":
+        # as Prefect's runner starts a served deployment's run: a process multiprocessing spawned,
+        # whose exit joins its non-daemon children before the interpreter's exit handlers run
+        child = multiprocessing.get_context("spawn").Process(target=run)
+        child.start()
+        child.join(90)  # a hang guard: the flow ends in seconds
+        print("child exit code", child.exitcode, flush=True)
+        if child.exitcode is None:
+            child.kill()  # (its warm processes end with it: their guard watches it)
+            child.join()
+            sys.exit(3)
+    """
+)
+
+
+def test_a_ctrl_c_while_the_runner_closes_waits_for_the_close_and_leaves_nothing(
+    tmp_path: Path, prefect_server
+):
+    """A Ctrl-C that lands half-way through the runner's close (a served run stopped by Ctrl-C just
+    as its flow ended) is held until every cluster and warm process is closed, then raised: before,
+    the close stopped where it was, and a flow process multiprocessing started waited at exit for
+    the warm processes it left, forever (and the serving process waited for it)."""
+    from prefect.settings import get_current_settings
+
+    marker = uuid.uuid4().hex
+    script = tmp_path / "close_interrupted.py"
+    script.write_text(CLOSE_INTERRUPTED_SCRIPT)
+    env = _env(tmp_path, marker, PREFECT_API_URL=str(get_current_settings().api.url))
+    proc = _start([sys.executable, str(script)], env, tmp_path)
+    try:
+        proc.wait(timeout=150)
+        survivors = _survivors(marker, proc.pid)
+    finally:
+        _cleanup(proc, marker)
+    out = (tmp_path / "stdout").read_text()
+    err = _tail(tmp_path)
+    assert "child exit code" in out and "child exit code None" not in out, (
+        f"the flow process hung at exit:\n{out}\n{err}"
+    )
+    # both clusters closed after the Ctrl-C (what Prefect's engine does with the Ctrl-C raised after
+    # the close is its own: 3.8 finishes the flow run Completed)
+    closed = [line for line in err.splitlines() if "closed cluster (flow run ended)" in line]
+    assert len(closed) == 2, err
+    said = [line for line in err.splitlines() if "Ctrl-C while closing" in line]
+    assert said == [
+        "gpu-tasks: Ctrl-C while closing this flow run's workers: they are closed first, then the Ctrl-C "
+        "goes on. Press Ctrl-C again to end the process now."
+    ], err
+    assert not survivors, f"processes outlived the flow process: {survivors}"
