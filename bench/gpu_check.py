@@ -5,11 +5,13 @@
     python -m bench.gpu_check --report-only   # re-render docs/gpu.md from docs/results/gpu.json
 
 Each check runs in a process of its own, against one Prefect server on 127.0.0.1 (a temporary
-PREFECT_HOME), with its own time limit inside one budget (400 s by default: a device call of 480 s leaves
-about a minute for installing the wheels and starting the server), so a hang costs one check,
-not the run. The results are written after every check (and copied to ``$OUT``), so a run the
-device tool stops still brings back what it finished. ``--only NAME ...`` re-runs some checks
-and keeps the others' results.
+PREFECT_HOME, or ``--prefect-home``), with its own time limit inside one budget (400 s by
+default: a device call of 480 s leaves about a minute for installing the wheels and starting the
+server), so a hang costs one check, not the run. The results are written after every check (and
+copied to ``$OUT``), so a run the device tool stops still brings back what it finished.
+``--only NAME ...`` re-runs some checks and keeps the others' results. What the run writes
+besides its results (the Prefect home it made, lease and stand-in directories, each check's
+scratch files: the checks' ``TMPDIR``) goes in one temporary directory, removed when it ends.
 Without an NVIDIA GPU (and without ``--dry-run``) it stops with one line.
 """
 
@@ -256,7 +258,7 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
 def run_check(
     label: str, check: str, env: dict[str, str], limit: float, log: Path, own_limit: float
 ) -> dict[str, Any]:
-    out = Path(tempfile.mkdtemp(prefix="gpu-check-")) / f"{label}.json"
+    out = Path(tempfile.mkdtemp(prefix=f"{label}-")) / f"{label}.json"  # in the run's scratch TMPDIR
     t0 = time.time()
     with open(log, "ab") as err:
         err.write(f"\n===== {label} ({check}, limit {limit:.0f} s) =====\n".encode())
@@ -310,6 +312,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--report-only", action="store_true", help="re-render docs/gpu.md from docs/results/gpu.json"
     )
+    parser.add_argument(
+        "--prefect-home",
+        default=None,
+        help="the Prefect home of the run's server (default: a new temporary one; a home whose database "
+        "is already migrated saves the server its migrations)",
+    )
     args = parser.parse_args(argv)
 
     if args.report_only:
@@ -329,16 +337,25 @@ def main(argv: list[str] | None = None) -> int:
     results.parent.mkdir(parents=True, exist_ok=True)
     log = results.parent / "gpu-check.log"
     log.write_text("")
+    scratch = tempfile.mkdtemp(prefix="gpu-check-run-")
+    try:
+        return _run(args, results, page, log, scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
+
+def _run(args: argparse.Namespace, results: Path, page: Path, log: Path, scratch: str) -> int:
+    """Every check of the plan (``--only``'s), with what they write besides results under ``scratch``."""
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     os.environ["PYTHONUNBUFFERED"] = "1"
-    os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="gpu-check-prefect-")
+    os.environ["TMPDIR"] = tempfile.tempdir = scratch  # the checks' own temporary files, removed with it
+    os.environ["PREFECT_HOME"] = args.prefect_home or tempfile.mkdtemp(prefix="prefect-home-")
     os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
-    os.environ["GPU_TASKS_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpu-check-leases-")
+    os.environ["GPU_TASKS_LEASE_DIR"] = tempfile.mkdtemp(prefix="leases-")
     if args.dry_run:
         os.environ["GPU_CHECK_DRY_RUN"] = "1"
         os.environ["GPU_TASKS_EMULATED_GPUS"] = EMULATED_SPEC
-        os.environ["GPU_CHECK_STANDIN_DIR"] = tempfile.mkdtemp(prefix="gpu-check-standin-")
+        os.environ["GPU_CHECK_STANDIN_DIR"] = tempfile.mkdtemp(prefix="standin-")
     else:
         os.environ.pop("GPU_TASKS_EMULATED_GPUS", None)
         os.environ.pop("GPU_CHECK_DRY_RUN", None)

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -43,11 +44,16 @@ def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
     # first server start: its embedded server otherwise ran every migration (27 s of its 161 s alone)
     home = tmp_path / "prefect-home"
     seed_prefect_home(home)
-    env["PREFECT_HOME"] = str(home)
+    # the run's scratch directory (the checks' TMPDIR), under the system's: a deeper one, as this
+    # test's tmp_path, makes the fork server's socket path longer than AF_UNIX allows
+    before = set(Path(tempfile.gettempdir()).glob("gpu-check-run-*"))
     out = subprocess.run(
         # a loaded 2-core CI machine (tests on three processes: 307-412 s measured) needs more than
         # the GPU machine's 480 s
-        [sys.executable, "-m", "bench.gpu_check", "--dry-run", "--budget", "900", "--out-dir", str(tmp_path)],
+        [
+            *(sys.executable, "-m", "bench.gpu_check", "--dry-run", "--budget", "900"),
+            *("--out-dir", str(tmp_path), "--prefect-home", str(home)),
+        ],
         cwd=ROOT,
         env={**env, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
         capture_output=True,
@@ -74,6 +80,8 @@ def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
     page = (tmp_path / "gpu.md").read_text()
     assert "DRY RUN on emulated devices" in page and "not GPU results" in page
     assert page == render(data)
+    left = set(Path(tempfile.gettempdir()).glob("gpu-check-run-*")) - before
+    assert not left, f"the run left its scratch directory: {left}"
 
 
 def test_docs_gpu_md_is_generated_from_the_committed_results():
