@@ -155,6 +155,47 @@ def test_waiting_for_records_ignores_task_runs_older_than_the_server(prefect_ser
     assert not _wait_until_recorded(timeout=0.5, since=before), "the Running task run was not counted"
 
 
+def test_waiting_for_a_flow_runs_records_ends_when_its_running_task_runs_are_recorded(prefect_server):
+    """The wait on Prefect's ephemeral server at a flow run's end (wait_until_flow_run_recorded):
+    it holds while a task run of that flow run is recorded Running, ends once that one's final
+    state is recorded, and a Running task run of another flow run does not hold it."""
+    import threading
+    import time
+
+    from prefect import flow, task
+    from prefect.client.orchestration import get_client
+    from prefect.states import Completed, Running
+
+    from gpu_tasks.prefect_api.server import wait_until_flow_run_recorded
+
+    @task
+    def late() -> None: ...
+
+    @flow
+    def ending() -> None: ...
+
+    with get_client(sync_client=True) as client:
+        run, other = client.create_flow_run(ending), client.create_flow_run(ending)
+        mine = client.create_task_run(late, run.id, dynamic_key="0", state=Running())
+        client.create_task_run(late, other.id, dynamic_key="0", state=Running())
+        assert not wait_until_flow_run_recorded(run.id, timeout=30, stall=1.0), (
+            "a Running task run was not counted"
+        )
+
+        def record_late() -> None:
+            time.sleep(1.5)
+            with get_client(sync_client=True) as late_client:
+                late_client.set_task_run_state(mine.id, Completed(), force=True)
+
+        recorder = threading.Thread(target=record_late)
+        recorder.start()
+        t0 = time.monotonic()
+        assert wait_until_flow_run_recorded(run.id, timeout=30, stall=10.0)
+        waited = time.monotonic() - t0
+        recorder.join()
+    assert waited >= 1.5, f"the wait ended {waited:.2f} s in, before the task run's final state was recorded"
+
+
 def test_dropped_event_messages_are_counted_passed_over_and_reported(caplog, capfdbinary):
     """The embedded server's stderr goes through DroppedEvents: Prefect's own "queue is full" warning
     (made here by its in-memory messaging, as the server makes it under load) is counted, logged once

@@ -29,6 +29,14 @@ def flow_api_url() -> str | None:
     return ephemeral_server_url()
 
 
+def on_ephemeral_server() -> bool:
+    """Whether this process's Prefect clients use the ephemeral server it started (no
+    ``PREFECT_API_URL``): Prefect stops that server as the process exits."""
+    from prefect.settings import get_current_settings
+
+    return not get_current_settings().api.url and ephemeral_server_url() is not None
+
+
 def require_flow_api_url(profile: str) -> str:
     """``flow_api_url()``, starting Prefect's ephemeral server the way its client would if needed.
 

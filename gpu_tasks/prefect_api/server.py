@@ -209,8 +209,6 @@ def _wait_until_recorded(timeout: float, since: datetime.datetime, stall: float 
     runs "Pending" or "Running" in its database for good, or missing. Done: none of
     them is Pending or Running, and the count of task runs has held for ``SETTLED_S``.
     """
-    from prefect.client.orchestration import get_client
-
     after = {"after_": since.isoformat()}
     started = {"start_time": after}
     # Running since the server started; Pending in one of its flow runs (no start time yet)
@@ -218,13 +216,37 @@ def _wait_until_recorded(timeout: float, since: datetime.datetime, stall: float 
         {"task_runs": {**started, "state": {"type": {"any_": ["RUNNING"]}}}},
         {"flow_runs": {"start_time": after}, "task_runs": {"state": {"type": {"any_": ["PENDING"]}}}},
     ]
+    return _settled({"task_runs": started}, unfinished, timeout, stall)
+
+
+def wait_until_flow_run_recorded(
+    flow_run_id: Any, timeout: float = RECORD_S, stall: float = RECORD_STALL_S
+) -> bool:
+    """Wait, at most ``timeout`` s (``stall`` s without progress), until the server has recorded
+    every task run of flow run ``flow_run_id`` in a state other than Running, its count held for
+    ``SETTLED_S``. For Prefect's ephemeral server, which Prefect stops as the flow process exits:
+    the last states worker processes sent as events were lost when its task-run recorder had not
+    got to them yet (a task run left "Running" in a clean-clone CI run on a loaded machine)."""
+    runs = {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}}
+    running = {**runs, "task_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}
+    return _settled(runs, [running], timeout, stall)
+
+
+def _settled(
+    everything: dict[str, Any], unfinished: list[dict[str, Any]], timeout: float, stall: float | None
+) -> bool:
+    """Poll the counts of task runs matching ``everything`` and each of ``unfinished`` until none
+    is unfinished and the counts held for ``SETTLED_S``; ``False`` at ``timeout``, after ``stall``
+    s without a change, or when the server does not answer."""
+    from prefect.client.orchestration import get_client
+
     deadline = time.monotonic() + timeout
     seen: tuple[int, ...] = ()
     moved = time.monotonic()
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             try:
-                counts = (count_task_runs(client, {"task_runs": started}),) + tuple(
+                counts = (count_task_runs(client, everything),) + tuple(
                     count_task_runs(client, f) for f in unfinished
                 )
             except Exception:  # the run is over; an unreachable server is not its failure

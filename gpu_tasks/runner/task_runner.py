@@ -29,7 +29,9 @@ from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiableProfileError
 from gpu_tasks.policy import unsatisfiable_reason
 from gpu_tasks.prefect_api import environment as _environment
+from gpu_tasks.prefect_api.api import on_ephemeral_server
 from gpu_tasks.prefect_api.futures import pending_futures, when_all_done
+from gpu_tasks.prefect_api.server import wait_until_flow_run_recorded
 from gpu_tasks.profiles import (
     DEFAULT_PROFILE,
     ResourceProfile,
@@ -246,6 +248,10 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                     AlertThresholds.from_settings(live.settings),
                     live.priorities(),
                 )
+            if not hurry and self._last_ledger and on_ephemeral_server() and live.api_answers():
+                # Prefect stops its ephemeral server as this process exits: its task-run recorder
+                # gets to the workers' last state events first (docs/runner.md, "Leaving the flow")
+                live.in_run_context(wait_until_flow_run_recorded, live.flow_run_id)
 
     def _log_profile_sources(self, profiles: dict[str, ResourceProfile]) -> None:
         """Say in the run log which profiles the file gave and which settings changed a profile."""
