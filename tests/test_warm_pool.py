@@ -441,3 +441,37 @@ def test_processes_forked_from_a_running_fork_server_leave_the_flows_environment
             end_process(proc.process, 5)
     finally:
         pool.close()
+
+
+def test_a_temporary_directory_too_deep_for_the_fork_servers_socket_spawns_warm_workers(
+    tmp_path: Path, monkeypatch, caplog
+):
+    """The fork server listens on a Unix socket under TMPDIR; under a TMPDIR that makes its path
+    longer than Linux allows, every worker start failed ("OSError: AF_UNIX path too long", seen
+    with the deep per-test directory of a pytest run). The pool spawns its processes instead
+    (the path WARM_START=spawn tests run), saying once why and the fix."""
+    import tempfile
+
+    from gpu_tasks.compat.cpython import ForkServerContext
+    from gpu_tasks.worker import forkserver, warm
+
+    deep = tmp_path / ("d" * 60) / ("e" * 40)
+    deep.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", None)  # read TMPDIR again, as a new process would
+    monkeypatch.setenv("TMPDIR", str(deep))
+    monkeypatch.setattr(warm, "_SAID", set())
+    with caplog.at_level("WARNING", logger="gpu_tasks.worker.warm"):
+        first, second = warm._context(), warm._context()
+    assert not isinstance(first, ForkServerContext) and first.get_start_method() == "spawn"
+    assert second.get_start_method() == "spawn"
+    said = [
+        r.getMessage() for r in caplog.records if "too deep for the warm pool's fork server" in r.getMessage()
+    ]
+    assert len(said) == 1 and str(deep) in said[0] and "TMPDIR=/tmp" in said[0], said
+    monkeypatch.setenv("TMPDIR", "/tmp")
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    ctx = warm._context()
+    try:
+        assert isinstance(ctx, ForkServerContext)
+    finally:
+        forkserver.release(ctx)

@@ -516,8 +516,34 @@ def _context() -> Any:
     from gpu_tasks.settings import get_settings
 
     if sys.platform.startswith("linux") and get_settings().warm_start == "forkserver":
-        return forkserver.acquire(list(WARM_IMPORTS))
+        if (why := _socket_path_too_long()) is None:
+            return forkserver.acquire(list(WARM_IMPORTS))
+        if why not in _SAID:
+            _SAID.add(why)
+            logger.warning("gpu-tasks: %s", why)
     return multiprocessing.get_context("spawn")
+
+
+_SAID: set[str] = set()
+AF_UNIX_PATH_MAX = 107  # Linux: 108 bytes with the terminating NUL
+
+
+def _socket_path_too_long() -> str | None:
+    """Why a fork server cannot start here, if so: it listens on a Unix socket that multiprocessing
+    makes under the temporary directory (``<TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX``), and a deep
+    ``TMPDIR`` (a batch system's per-job scratch) makes that path longer than Linux allows
+    ("OSError: AF_UNIX path too long" at every worker start)."""
+    import tempfile
+
+    path = os.path.join(tempfile.gettempdir(), "pymp-" + "x" * 8, "listener-" + "x" * 8)
+    if len(os.fsencode(path)) <= AF_UNIX_PATH_MAX:
+        return None
+    return (
+        f"the temporary directory {tempfile.gettempdir()!r} is too deep for the warm pool's fork server "
+        f"(its socket path would be {len(os.fsencode(path))} bytes, Linux allows {AF_UNIX_PATH_MAX}): "
+        "warm workers are spawned instead, each importing Prefect and Dask itself (slower). Fix: set "
+        "TMPDIR to a shorter directory, e.g. TMPDIR=/tmp"
+    )
 
 
 def nanny_pre_spawn_environ() -> dict[str, str]:
