@@ -34,6 +34,7 @@ import shutil
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -64,6 +65,19 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "`serial` mark, `timing` when it names none); scripts/test runs the two lanes side by side, "
         "each in a pytest process of its own",
     )
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """With ``--serial-tests=only``, a test module whose text never marks a test ``serial`` is not
+    imported: collecting all 73 modules to keep 6 tests took each serial lane 5.4 s of CPU and
+    9 s at the start of the serial phase. A module named on the command line is still collected."""
+    if config.getoption("--serial-tests") != "only" or collection_path.suffix != ".py":
+        return None
+    if not collection_path.name.startswith("test_") or collection_path in {
+        Path(a.split("::")[0]).resolve() for a in config.args
+    }:
+        return None
+    return b"mark.serial" not in collection_path.read_bytes()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

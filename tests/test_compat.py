@@ -73,6 +73,37 @@ def test_tag_slots_taken_elsewhere_by_the_engine_fail_the_check(monkeypatch):
     )
 
 
+def test_a_crash_reported_elsewhere_by_the_engine_fails_the_check(monkeypatch):
+    """The checks read the engine's code: a release whose engine keeps ``handle_crash`` but no longer
+    calls it fails, and gpu-tasks' own replacement on the class (which calls Prefect's) does not
+    count as a call."""
+    import prefect.task_engine as engine
+
+    from gpu_tasks.compat import called_in
+    from gpu_tasks.compat.prefect import _check_handle_crash
+
+    assert _check_handle_crash() is None
+
+    class SyncTaskRunEngine:  # handle_crash kept, never called
+        _raised = None
+
+        def handle_crash(self, exc):
+            return exc
+
+        def start(self):
+            return "crashes reported some other way"
+
+    monkeypatch.setattr(engine, "SyncTaskRunEngine", SyncTaskRunEngine)
+    assert _check_handle_crash() == f"{SyncTaskRunEngine.__qualname__} no longer calls handle_crash"
+
+    def handle_crash(self, exc):  # as gpu-tasks' patch would: its module is gpu-tasks'
+        return self.handle_crash(exc)
+
+    handle_crash.__module__ = "gpu_tasks.compat.prefect"
+    monkeypatch.setattr(SyncTaskRunEngine, "start", handle_crash)
+    assert called_in(SyncTaskRunEngine, "handle_crash") is not None
+
+
 RUN_TIME_CHECKS = """
 import logging, sys
 from prefect import flow, task

@@ -17,6 +17,7 @@ from gpu_tasks.cluster.remote_workers import (
     read_workers,
 )
 from gpu_tasks.cluster.within import within
+from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.cpython import signal_handlers_kept
 from gpu_tasks.compat.dask_gateway import drop_stopped_loop_runner
 from gpu_tasks.errors import ClusterError
@@ -65,6 +66,7 @@ def load_cluster_class(profile: ResourceProfile) -> type:
             "distributed.deploy.Cluster such as dask_jobqueue.SLURMCluster, or a class with scale(), close() "
             "and scheduler_address such as dask_gateway.GatewayCluster); fix cluster_class"
         )
+    warn_if_changed()  # the private names of the library just imported (dask-gateway's), once a process
     return cls
 
 

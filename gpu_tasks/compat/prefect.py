@@ -43,7 +43,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import contextvars
-import inspect
 import logging
 import threading
 import time
@@ -454,7 +453,7 @@ def _check_no_limits_cache() -> str | None:
 def _check_engine_concurrency() -> str | None:
     import prefect.task_engine as engine
 
-    from gpu_tasks.compat import params
+    from gpu_tasks.compat import code_names, code_strings, params
 
     for name in ("_concurrency", "_aconcurrency"):
         fn = _ENGINE_ORIGINALS.get(name, getattr(engine, name, None))  # Prefect's, not gpu-tasks' wrapper
@@ -465,11 +464,11 @@ def _check_engine_concurrency() -> str | None:
             return f"{name}: {problem}"
     # the name alone is not enough: if the engines took tag slots elsewhere, a worker would wait
     # for a slot its own flow process holds (with a limit of 1, holding its device forever)
-    for cls_name, call in (("SyncTaskRunEngine", "_concurrency("), ("AsyncTaskRunEngine", "_aconcurrency(")):
+    # (read from the classes' code: f"tag:{tag}" leaves its "tag:" among their constants)
+    for cls_name, call in (("SyncTaskRunEngine", "_concurrency"), ("AsyncTaskRunEngine", "_aconcurrency")):
         cls = getattr(engine, cls_name, None)
-        source = inspect.getsource(cls) if cls is not None else ""
-        if call not in source or 'f"tag:{tag}"' not in source:
-            return f"prefect.task_engine.{cls_name} no longer takes its tag slots through {call[:-1]}"
+        if cls is None or call not in code_names(cls) or "tag:" not in code_strings(cls):
+            return f"prefect.task_engine.{cls_name} no longer takes its tag slots through {call}"
     return None
 
 
