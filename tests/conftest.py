@@ -21,6 +21,11 @@ os.environ["GPU_TASKS_LEASE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-leas
 # process (pytest-xdist worker) has lease and presence directories of its own, or its tests would
 # wait on the emulated devices that tests of the other processes hold (up to the lease timeout)
 os.environ["GPU_TASKS_PRESENCE_DIR"] = tempfile.mkdtemp(prefix="gpu-tasks-test-presence-")
+# One warm-pool fork server per test process for its whole session (a flow process keeps it 60 s
+# by default): each of the 15 restarts a clean-clone run had in its three test processes imported
+# Prefect and distributed again (about 2 s of CPU). It ends with its process; scripts a test starts
+# inherit the setting and end theirs as they exit.
+os.environ.setdefault("GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS", "3600")
 
 # Prefect's home (its database, profiles and settings) of this test session, never the user's
 # ~/.prefect: a database there that a newer Prefect migrated cannot be opened by this one. scripts/test
