@@ -73,6 +73,7 @@ def _install(installer: str, venv: Path, source: Path) -> None:
             "pip",
             "install",
             "--quiet",
+            "--compile-bytecode",
             "--python",
             python,
         ]
@@ -114,9 +115,6 @@ def test_the_plugin_alone_runs_a_gpu_profile_flow_without_dataframe_libraries(tm
     env = clean_env(marker, True, GPU_TASKS_EMULATED_GPUS="2", PREFECT_HOME=str(tmp_path / "prefect-home"))
     for var in ("PYTHONPATH", "PREFECT_API_URL", "VIRTUAL_ENV"):
         env.pop(var, None)
-    # its processes compile what they import, once (an install that compiled everything took 12 s
-    # of CPU), also where the machine sets PYTHONDONTWRITEBYTECODE
-    env["PYTHONDONTWRITEBYTECODE"] = ""
     script = tmp_path / "bare_flow.py"
     script.write_text(FLOW_SCRIPT)
     proc = subprocess.run(
