@@ -114,7 +114,11 @@ def _codes(owner: Any) -> list[Any]:
 
 def code_names(owner: Any) -> set[str]:
     """The global and attribute names that ``owner``'s code (:func:`_codes`) reads, calls or hands on."""
-    return {n for code in _codes(owner) for n in (*code.co_names, *code.co_freevars)}
+    return _names(_codes(owner))
+
+
+def _names(codes: list[Any]) -> set[str]:
+    return {n for code in codes for n in (*code.co_names, *code.co_freevars)}
 
 
 def code_strings(owner: Any) -> set[str]:
@@ -137,7 +141,7 @@ def called_in(caller: Any, name: str, source: str | None = None) -> str | None:
         codes = _codes(caller)
         if not codes:
             return f"{where} has no code to read"
-        return None if name in code_names(caller) else f"{where} no longer calls {name}"
+        return None if name in _names(codes) else f"{where} no longer calls {name}"
     import ast
     import textwrap
 
