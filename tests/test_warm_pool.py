@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -197,6 +199,10 @@ def test_warm_processes_exit_with_a_killed_flow_process(tmp_path: Path):
     out.mkdir()
     env = clean_env(marker, GPU_TASKS_EMULATED_GPUS="2")  # two: the pool keeps one beside the bound one
     env["PREFECT_API_URL"] = str(get_current_settings().api.url)
+    # a temporary directory of its own (short: the fork server's socket lives there), to see what
+    # the killed flow leaves in it: no launcher script
+    scratch = Path(tempfile.mkdtemp(prefix="gpu-tasks-killed-"))
+    env["TMPDIR"] = str(scratch)
     proc = subprocess.Popen([sys.executable, str(script), str(out)], env=env, cwd=tmp_path)
     try:
         _until(lambda: (out / "warm.json").exists() or proc.poll() is not None, "the pool's pids", 120)
@@ -210,11 +216,16 @@ def test_warm_processes_exit_with_a_killed_flow_process(tmp_path: Path):
             time.sleep(0.1)
         left = [p for p in pids if psutil.pid_exists(p)]
         assert not left, f"warm or bound worker processes outlived the SIGKILLed flow by 10 s: {left}"
+        # what gpu-tasks wrote there: the one shared launcher script, nothing of the killed process's own
+        ours = sorted(r for p in scratch.rglob("*") if "gpu-tasks" in (r := str(p.relative_to(scratch))))
+        assert ours[:1] == [f"gpu-tasks-{os.getuid()}"] and len(ours) == 2, ours
+        assert ours[1].endswith(".sh") and "/launch-" in ours[1], ours
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
         kill_marked(marker)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def test_the_pool_keeps_no_more_idle_processes_than_can_still_be_bound():
@@ -334,6 +345,11 @@ def test_starting_a_warm_process_leaves_the_flow_processs_environment_alone(tmp_
     env, ignored = json.loads(out.stdout)
     assert ignored and env["CUDA_VISIBLE_DEVICES"] == ""
     assert {k: env.get(k) for k in _pre_spawn_environ()} == _pre_spawn_environ()
+    # one script per interpreter and environment, in a directory of this user's alone, reused
+    with _spawn_environment():
+        assert spawn.get_executable() == launcher
+    folder = os.stat(os.path.dirname(launcher))
+    assert folder.st_uid == os.getuid() and folder.st_mode & 0o777 == 0o700
 
 
 def test_a_pool_started_in_the_background_is_ready_when_waited_for_and_leaves_no_thread():

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import stat
 import sys
 import threading
 import time
@@ -566,45 +567,40 @@ def _pre_spawn_environ() -> dict[str, str]:
     return env
 
 
-_LAUNCHERS: dict[
-    tuple[tuple[str, str], ...], str
-] = {}  # this flow process's launcher scripts, by environment
-_LAUNCHER_LOCK = threading.Lock()
-
-
 def _launcher(env: dict[str, str]) -> str | None:
     """A shell script that runs this Python with ``env`` added to its environment and SIGINT
-    ignored (``None`` without /bin/sh).
+    ignored (``None`` without /bin/sh, or where the directory below is not this user's alone).
 
     The child gets ``env`` without this process's ``os.environ`` changing (a CPU task running in
     the flow process meanwhile sees its own environment). An ignored signal stays ignored across
     ``exec``, and Python leaves an ignored SIGINT ignored, so the child is safe from a Ctrl-C from
-    its first instruction.
+    its first instruction. Scripts are named by their content in a directory of this user's
+    (``$TMPDIR/gpu-tasks-<uid>``, mode 0700) and reused by every flow process that starts the same
+    interpreter with the same environment: a flow process that is killed leaves nothing of its own
+    (each once wrote one that only its exit handlers removed).
     """
+    if not os.path.exists("/bin/sh"):
+        return None
+    import hashlib
     import shlex
+    import tempfile
 
-    wanted = tuple(sorted((k, v) for k, v in env.items() if k.isidentifier()))
-    with _LAUNCHER_LOCK:
-        path = _LAUNCHERS.get(wanted)
-        if path is not None and os.path.exists(path):
-            return path
-        if not os.path.exists("/bin/sh"):
-            return None
-        import tempfile
-
-        exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in wanted)
-        fd, path = tempfile.mkstemp(prefix="gpu-tasks-warm-", suffix=".sh")
+    exports = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in sorted(env.items()) if k.isidentifier())
+    text = f"#!/bin/sh\ntrap '' INT\n{exports}exec {shlex.quote(sys.executable)} \"$@\"\n"
+    folder = os.path.join(tempfile.gettempdir(), f"gpu-tasks-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(folder, 0o700)
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        return None  # another user's, or open to others: never run a script from there
+    path = os.path.join(folder, f"launch-{hashlib.sha256(text.encode()).hexdigest()[:20]}.sh")
+    if not os.path.exists(path):
+        fd, part = tempfile.mkstemp(dir=folder, suffix=".part")
         with os.fdopen(fd, "w") as f:
-            f.write(f"#!/bin/sh\ntrap '' INT\n{exports}exec {shlex.quote(sys.executable)} \"$@\"\n")
-        os.chmod(path, 0o700)
-        atexit.register(_remove, path)
-        _LAUNCHERS[wanted] = path
-        return path
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+            f.write(text)
+        os.chmod(part, 0o700)
+        os.replace(part, path)  # whole or not at all, for a flow process starting beside this one
+    return path
 
 
 @contextlib.contextmanager
