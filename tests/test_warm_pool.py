@@ -491,3 +491,26 @@ def test_a_temporary_directory_too_deep_for_the_fork_servers_socket_spawns_warm_
         assert isinstance(ctx, ForkServerContext)
     finally:
         forkserver.release(ctx)
+
+
+def test_a_launcher_directory_others_can_write_is_not_used_and_is_named(tmp_path, monkeypatch, caplog):
+    """The launcher scripts live in $TMPDIR/gpu-tasks-<uid>, mode 0700: one that others can write (or
+    that another user made first) is never run from; the warning names it and the fix, once."""
+    import logging
+    import tempfile
+
+    from gpu_tasks.worker.warm import _launcher, _pre_spawn_environ
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    shared = tmp_path / f"gpu-tasks-{os.getuid()}"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with caplog.at_level(logging.WARNING, logger="gpu_tasks.worker.warm"):
+        assert _launcher(_pre_spawn_environ()) is None
+        assert _launcher(_pre_spawn_environ()) is None
+    said = [r.getMessage() for r in caplog.records if str(shared) in r.getMessage()]
+    assert len(said) == 1 and "drwxrwxrwx" in said[0] and "TMPDIR" in said[0], said
+    assert list(shared.iterdir()) == []
+    shared.chmod(0o700)
+    path = _launcher(_pre_spawn_environ())
+    assert path is not None and Path(path).parent == shared and os.access(path, os.X_OK)

@@ -592,7 +592,15 @@ def _launcher(env: dict[str, str]) -> str | None:
         os.mkdir(folder, 0o700)
     info = os.lstat(folder)
     if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
-        return None  # another user's, or open to others: never run a script from there
+        why = (
+            f"{folder} is not a directory of this user's alone (owner {info.st_uid}, mode "
+            f"{stat.filemode(info.st_mode)}): warm processes start without their launcher (this process's "
+            "environment until bound, and a Ctrl-C reaches them while they import); remove it, or set TMPDIR"
+        )
+        if why not in _SAID:
+            _SAID.add(why)
+            logger.warning("gpu-tasks: %s", why)
+        return None  # never run a script from a directory others can write
     path = os.path.join(folder, f"launch-{hashlib.sha256(text.encode()).hexdigest()[:20]}.sh")
     if not os.path.exists(path):
         fd, part = tempfile.mkstemp(dir=folder, suffix=".part")
