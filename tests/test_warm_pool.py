@@ -370,10 +370,12 @@ def test_a_pool_started_in_the_background_is_ready_when_waited_for_and_leaves_no
     assert not psutil.pid_exists(idle[0]["pid"])  # close() waited for it to end
 
 
-def test_the_fork_servers_imports_load_prefects_collections_and_start_no_thread():
+def test_the_fork_servers_imports_load_what_each_worker_paid_for_and_start_no_thread():
     """What a warm process's fork server imports (WARM_IMPORTS) includes Prefect's collections (its
     ``prefect.collections`` entry points: prefect-redis here), which each worker loaded at its first
-    task before, and leaves the server with one thread: what it forks is safe to fork."""
+    task before, and the package versions a Dask worker registers with (read from each package's
+    metadata at every bind before); a bound process re-reads Dask's config only where its ``DASK_*``
+    environment changed. The server is left with one thread: what it forks is safe to fork."""
     from importlib.metadata import entry_points
 
     from gpu_tasks.worker.warm import WARM_IMPORTS
@@ -382,17 +384,31 @@ def test_the_fork_servers_imports_load_prefects_collections_and_start_no_thread(
     assert names, "no Prefect collection installed here: nothing to check"
     code = textwrap.dedent(
         f"""
-        import importlib, json, sys, threading
+        import importlib, importlib.metadata, json, os, sys, threading
         for name in {list(WARM_IMPORTS)!r}:
             importlib.import_module(name)
-        print(json.dumps({{"loaded": [n for n in {names!r} if n in sys.modules],
-                          "threads": threading.active_count()}}))
+        threads = threading.active_count()
+
+        def unreadable(*args, **kwargs):
+            raise RuntimeError("package metadata read after the fork server's imports")
+
+        importlib.metadata.Distribution.from_name = unreadable  # what a bind would read: known already
+        from distributed.versions import get_versions
+        from gpu_tasks.worker.inherited import dask_config_is_current
+
+        packages = get_versions()["packages"]
+        current = dask_config_is_current()
+        os.environ["DASK_DISTRIBUTED__WORKER__DAEMON"] = "False"
+        print(json.dumps({{"loaded": [n for n in {names!r} if n in sys.modules], "threads": threads,
+                          "versions": [packages[p] is not None for p in ("dask", "distributed")],
+                          "current": [current, dask_config_is_current()]}}))
         """
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k != "DASK_DISTRIBUTED__WORKER__DAEMON"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     seen = json.loads(out.stdout.strip().splitlines()[-1])
-    assert seen == {"loaded": names, "threads": 1}, seen
+    assert seen == {"loaded": names, "threads": 1, "versions": [True, True], "current": [True, False]}, seen
 
 
 def test_a_refill_whose_fork_server_ended_prints_no_traceback(monkeypatch, caplog):

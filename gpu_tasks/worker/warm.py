@@ -69,7 +69,7 @@ WARM_IMPORTS = (
     "distributed.worker",
     "prefect.task_engine",
     "gpu_tasks.worker.engine",
-    "gpu_tasks.worker.prefect_collections",  # Prefect's collections, loaded once per fork server
+    "gpu_tasks.worker.inherited",  # Prefect's collections and Dask's versions, once per fork server
 )
 CLOSE_GRACE_S = 3.0  # a bound process asked to close, before SIGTERM
 KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL
@@ -110,7 +110,10 @@ def _child_main(conn: Connection, flow: int) -> None:
         # server started), then the worker's: its devices, read by CUDA when it initialises
         os.environ.clear()
     os.environ.update(env)
-    dask.config.refresh()
+    from gpu_tasks.worker.inherited import dask_config_is_current
+
+    if not dask_config_is_current():  # as a new process would read it (else the same, at no cost)
+        dask.config.refresh()
     dask.config.set(config)
     if silence_logs:
         logging.getLogger("distributed").setLevel(silence_logs)
