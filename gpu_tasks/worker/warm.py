@@ -522,13 +522,20 @@ def _context() -> Any:
     if sys.platform.startswith("linux") and get_settings().warm_start == "forkserver":
         if (why := _socket_path_too_long()) is None:
             return forkserver.acquire(list(WARM_IMPORTS))
-        if why not in _SAID:
-            _SAID.add(why)
-            logger.warning("gpu-tasks: %s", why)
+        _warn_once(why)
     return multiprocessing.get_context("spawn")
 
 
 _SAID: set[str] = set()
+
+
+def _warn_once(why: str) -> None:
+    """Log ``why`` as a warning, once per process."""
+    if why not in _SAID:
+        _SAID.add(why)
+        logger.warning("gpu-tasks: %s", why)
+
+
 AF_UNIX_PATH_MAX = 107  # Linux: 108 bytes with the terminating NUL
 
 
@@ -600,9 +607,7 @@ def _launcher(env: dict[str, str]) -> str | None:
             f"{stat.filemode(info.st_mode)}): warm processes start without their launcher (this process's "
             "environment until bound, and a Ctrl-C reaches them while they import); remove it, or set TMPDIR"
         )
-        if why not in _SAID:
-            _SAID.add(why)
-            logger.warning("gpu-tasks: %s", why)
+        _warn_once(why)
         return None  # never run a script from a directory others can write
     path = os.path.join(folder, f"launch-{hashlib.sha256(text.encode()).hexdigest()[:20]}.sh")
     if not os.path.exists(path):
