@@ -69,7 +69,8 @@ class GpuTasksSettings(BaseSettings):
     (``GPU_TASKS_DATA_DIR``, :mod:`gpu_tasks.pipeline.settings`).
     """
 
-    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", populate_by_name=True)
+    # frozen: get_settings hands the same object to every caller until a variable changes
+    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", populate_by_name=True, frozen=True)
 
     # ---- user settings (docs/profiles.md, first table)
     profiles_file: Path | None = Field(
@@ -362,18 +363,36 @@ SCRIPT_PREFIXES = (
 )  # the project's own scripts: scripts/test, bench/, test-compat
 
 
+# the settings last read, with the GPU_TASKS_* variables they were read from (get_settings)
+_READ: tuple[tuple[tuple[str, str], ...], GpuTasksSettings] | None = None
+
+
 def get_settings() -> GpuTasksSettings:
-    """Read the settings from the environment now (cheap; not cached so tests can change env).
+    """The settings as the environment gives them now: read again only when a ``GPU_TASKS_*``
+    variable changed since the last read (reading them validates every field, about 2 ms of CPU,
+    and a flow run asked about twenty times). The settings object is frozen.
 
     Raises:
         SettingsError: one line per invalid variable, naming it, its value and what it takes.
     """
+    global _READ
     from pydantic import ValidationError
 
+    # pydantic-settings matches the prefix in any case; beside those variables only the temporary
+    # directory (the lease and presence directories' defaults) goes into a read
+    key = (
+        ("", tempfile.gettempdir()),
+        *sorted((k, v) for k, v in os.environ.items() if k[: len(PREFIX)].upper() == PREFIX),
+    )
+    read = _READ
+    if read is not None and read[0] == key:
+        return read[1]
     try:
-        return GpuTasksSettings()
+        settings = GpuTasksSettings()
     except ValidationError as exc:
         raise SettingsError(describe_invalid(exc)) from None
+    _READ = (key, settings)
+    return settings
 
 
 def _field_of(loc: str) -> str | None:

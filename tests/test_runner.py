@@ -837,6 +837,7 @@ def probe(i: int) -> dict:
         "level": settings.logging.level,
         "api_url": str(settings.api.url),
         "profile": current_allocation().profile,
+        "version_check": settings.client.server_version_check_enabled,
     }
 
 
@@ -865,6 +866,7 @@ def test_process_workers_get_each_flow_runs_own_context_and_settings():
 
     api_url = str(get_current_settings().api.url)
     level = get_current_settings().logging.level
+    checks = get_current_settings().client.server_version_check_enabled
     first_id, a, b = first()
     second_id, c = second()
     assert first_id != second_id
@@ -882,6 +884,8 @@ def test_process_workers_get_each_flow_runs_own_context_and_settings():
                 task_run_id,
             )
             assert row["level"] == want_level and row["api_url"] == api_url
+            # this host's workers run the flow process's Prefect against the API it checked
+            assert row["version_check"] is False and checks is True
             assert "profile:quarter" in row["tags"] and (tag is None or tag in row["tags"])
             assert not {"batch-a", "batch-b"} - {tag} & set(row["tags"]), row["tags"]
             code, body = api("GET", f"/task_runs/{task_run_id}")

@@ -54,6 +54,37 @@ def test_futures_to_states_returns_plain_data_as_it_is_and_replaces_futures():
     assert out["x"][1] == 3 and isinstance(out["x"][0], State)  # the future became its state
 
 
+@pytest.mark.parametrize(("url", "built"), [("http://127.0.0.1:9/api", 0), ("https://127.0.0.1:9/api", 1)])
+def test_a_workers_api_client_builds_a_tls_context_only_for_an_https_api(monkeypatch, url, built):
+    """A worker thread's Prefect client: over plain http no TLS context is built (Prefect's client
+    loads certifi's bundle into a new one, about 38 ms of CPU per worker process), and the one it
+    is handed trusts nothing; over https Prefect builds its own, as always."""
+    import ssl
+
+    from prefect.settings import (
+        PREFECT_API_URL,
+        PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED,
+        temporary_settings,
+    )
+
+    from gpu_tasks.worker import engine
+
+    made: list[object] = []
+    real = ssl.create_default_context
+    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: made.append(k) or real(*a, **k))
+    key = f"test-{uuid.uuid4().hex}"
+    with temporary_settings({PREFECT_API_URL: url, PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False}):
+        client = engine._thread_client(key)
+        try:
+            assert len(made) == built, made
+            assert engine._thread_client(key) is client  # one per thread and settings
+        finally:
+            client.__exit__(None, None, None)
+            engine._WORKER_THREAD.client = None
+    no_tls = engine._no_tls()
+    assert no_tls.verify_mode == ssl.CERT_REQUIRED and not no_tls.get_ca_certs()
+
+
 def test_a_task_is_prepared_once_per_allocation_on_a_worker():
     from gpu_tasks.worker.engine import _prepared
 

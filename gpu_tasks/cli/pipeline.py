@@ -57,14 +57,11 @@ def _pipeline_options(command: str, scale: int, rounds: int, limit: int | None) 
             f"gpu-tasks {command} needs the example pipeline's libraries: pip install 'gpu-tasks[pipeline]' "
             f"(missing: {', '.join(missing)})"
         )
-    from gpu_tasks.errors import GpuTasksError
-    from gpu_tasks.pipeline.data import validate_scale
-
     load_settings()
-    try:
-        validate_scale(scale)  # before a server or cluster starts
-    except GpuTasksError as exc:
-        fail(f"--scale: {exc}")
+    # checked here, not with the pipeline's validate_scale: that module imports pandas (about a
+    # CPU-second), which a command refused for its input or environment never needs
+    if scale < 1:
+        fail(f"--scale must be at least 1 (the number of copies of the flights data), got {scale}")
     if rounds < 1:
         fail(f"--rounds must be at least 1, got {rounds}")
     if limit is not None and limit < 1:

@@ -40,16 +40,18 @@ class ContextSerializer:
         from prefect import context as pctx
 
         settings_ctx = pctx.SettingsContext.get()
-        cached = self._settings
-        if cached is None or cached[0] is not settings_ctx:
-            serialized = settings_ctx.serialize() if settings_ctx else {}
-            if self.api_url is not None:
-                serialized = for_workers(serialized, self.api_url)
-            cached = self._settings = (settings_ctx, serialized, uuid.uuid4().hex)
         flow_run_ctx = pctx.EngineContext.get()
         task_run_ctx = pctx.TaskRunContext.get()
         tags_ctx = pctx.TagsContext.get()
-        deployment_id, deployment_parameters = self._deployment(flow_run_ctx)
+        deployment_id, deployment_parameters, dumped = self._deployment(flow_run_ctx)
+        cached = self._settings
+        if cached is None or cached[0] is not settings_ctx:
+            # the settings the deployment's serialize_context() just dumped (the same context, in
+            # this thread, this moment), else dumped here: each dump is about 27 ms of CPU
+            serialized = dumped if dumped is not None else (settings_ctx.serialize() if settings_ctx else {})
+            if self.api_url is not None:
+                serialized = for_workers(serialized, self.api_url)
+            cached = self._settings = (settings_ctx, serialized, uuid.uuid4().hex)
         context = context_for_workers(
             flow_run_context=self._flow_run_blob(flow_run_ctx) if flow_run_ctx else {},
             task_run_context=task_run_ctx.serialize() if task_run_ctx else {},
@@ -82,21 +84,23 @@ class ContextSerializer:
             )
         return made[2]
 
-    def _deployment(self, ctx: Any) -> tuple[Any, Any]:
+    def _deployment(self, ctx: Any) -> tuple[Any, Any, dict[str, Any] | None]:
         """The deployment id and parameters Prefect's public ``serialize_context`` sends, taken from
         one call of it per flow run context: the flow engine sets them when the flow run starts,
-        and they do not change while it runs (its settings are dumped that once, not per task)."""
+        and they do not change while it runs. Third, the settings that call dumped (the current
+        settings context's ``serialize()``), or ``None`` where nothing was called now."""
         from prefect.context import serialize_context
 
         made = self._deployments.get(id(ctx)) if ctx is not None else None
-        if made is None or made[0] is not ctx:
-            full = serialize_context()
-            made = (ctx, (full["deployment_id"], full["deployment_parameters"]))
-            if ctx is not None:
-                if len(self._deployments) >= 8:
-                    self._deployments.clear()
-                self._deployments[id(ctx)] = made
-        return made[1]
+        if made is not None and made[0] is ctx:
+            return (*made[1], None)
+        full = serialize_context()
+        made = (ctx, (full["deployment_id"], full["deployment_parameters"]))
+        if ctx is not None:
+            if len(self._deployments) >= 8:
+                self._deployments.clear()
+            self._deployments[id(ctx)] = made
+        return (*made[1], full["settings_context"])
 
     def _flow_run(self, ctx: Any) -> dict[str, Any]:
         """``ctx.serialize()``, with its result store (a block: costly to dump) dumped once per store."""

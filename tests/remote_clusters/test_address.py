@@ -127,7 +127,8 @@ def test_a_shared_worker_caps_prefects_client_waits_only_in_gpu_tasks_task_runs(
     gpu_hosts: Hosts, prefect_server
 ):
     """An address profile's workers run other people's tasks too: gpu-tasks' cap on Prefect's client
-    waits applies to its own task runs there, never to the whole process."""
+    waits applies to its own task runs there, never to the whole process; Prefect's server version
+    check stays on there."""
 
     @task(tags=["profile:shared"])
     def cap_in_force() -> dict:
@@ -137,7 +138,13 @@ def test_a_shared_worker_caps_prefects_client_waits_only_in_gpu_tasks_task_runs(
         from gpu_tasks.compat.prefect_client import _CAP
 
         installed = getattr(base.clamped_poisson_interval, "_gpu_tasks_capped", False)
-        return {"installed": installed, "whole_process": _CAP["whole_process"], "ours": is_ours()}
+        check = get_current_settings().client.server_version_check_enabled
+        return {
+            "installed": installed,
+            "whole_process": _CAP["whole_process"],
+            "ours": is_ours(),
+            "check": check,
+        }
 
     prof = ResourceProfile(name="shared", gpus=1, address=gpu_hosts.address)
 
@@ -145,7 +152,8 @@ def test_a_shared_worker_caps_prefects_client_waits_only_in_gpu_tasks_task_runs(
     def on_shared():
         return cap_in_force.submit().result()
 
-    assert on_shared() == {"installed": True, "whole_process": False, "ours": True}
+    # and its Prefect, maybe not the flow's, still checks the server's version (a local worker does not)
+    assert on_shared() == {"installed": True, "whole_process": False, "ours": True, "check": True}
 
 
 def test_gpu_model_selects_workers_by_the_devices_they_publish(gpu_hosts: Hosts, prefect_server):
