@@ -67,6 +67,7 @@ def test_a_workers_api_client_builds_a_tls_context_only_for_an_https_api(monkeyp
         temporary_settings,
     )
 
+    from gpu_tasks.prefect_api.api import client_tls
     from gpu_tasks.worker import engine
 
     made: list[object] = []
@@ -81,8 +82,12 @@ def test_a_workers_api_client_builds_a_tls_context_only_for_an_https_api(monkeyp
         finally:
             client.__exit__(None, None, None)
             engine._WORKER_THREAD.client = None
-    no_tls = engine._no_tls()
-    assert no_tls.verify_mode == ssl.CERT_REQUIRED and not no_tls.get_ca_certs()
+    handed = client_tls(url)
+    if built:
+        assert handed is None  # Prefect's own context
+    else:  # the one handed over plain http trusts nothing: never a weaker TLS
+        assert handed is not None and handed["verify"].verify_mode == ssl.CERT_REQUIRED
+        assert not handed["verify"].get_ca_certs()
 
 
 def test_a_task_is_prepared_once_per_allocation_on_a_worker():

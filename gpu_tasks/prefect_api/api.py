@@ -13,10 +13,38 @@ environment and in the serialized settings they run tasks under.
 from __future__ import annotations
 
 import copy
+import functools
+import ssl
 from typing import Any
 
 from gpu_tasks.compat.prefect_server import ephemeral_server_url
 from gpu_tasks.errors import GpuTasksError
+
+
+@functools.cache
+def _trusts_nothing() -> ssl.SSLContext:
+    """A client TLS context with no trusted certificate: a TLS connection made with it fails its
+    verification, so handing it to a client of a plain-http API can never weaken one."""
+    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+
+
+def client_tls(api_url: str | None) -> dict[str, Any] | None:
+    """``httpx_settings`` for a Prefect client of ``api_url``. Prefect's client loads certifi's
+    bundle into a new TLS context for every client it builds (about 38 ms of CPU; two or three a
+    flow run, four a worker process), which a plain-http API never uses: there it is handed a
+    context that trusts nothing. ``None`` (Prefect's own context, as always) for anything else."""
+    if api_url and api_url.lower().startswith("http://"):
+        return {"verify": _trusts_nothing()}
+    return None
+
+
+def sync_client() -> Any:
+    """Prefect's ``get_client(sync_client=True)`` for the current settings (:func:`client_tls`)."""
+    from prefect.client.orchestration import get_client
+    from prefect.settings import get_current_settings
+
+    url = get_current_settings().api.url
+    return get_client(sync_client=True, httpx_settings=client_tls(str(url) if url else None))
 
 
 def flow_api_url() -> str | None:

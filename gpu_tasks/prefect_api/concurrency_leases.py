@@ -406,12 +406,14 @@ def _new_client(purpose: str) -> Any:
     from prefect.client.orchestration import PrefectClient
     from prefect.settings import get_current_settings
 
-    from gpu_tasks.prefect_api.api import require_flow_api_url
+    from gpu_tasks.prefect_api.api import client_tls, require_flow_api_url
 
     settings = get_current_settings()
     key, auth = settings.api.key, settings.api.auth_string
+    url = require_flow_api_url(f"({purpose})")
     return PrefectClient(
-        require_flow_api_url(f"({purpose})"),
+        url,
         api_key=key.get_secret_value() if key else None,
         auth_string=auth.get_secret_value() if auth else None,
+        httpx_settings=client_tls(url),
     )

@@ -97,13 +97,14 @@ def read_task_run(
     task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str], wait: float
 ) -> Any:
     """The task run as the server knows it, else as the engine would have made it."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import TaskRun
     from prefect.states import Running
 
+    from gpu_tasks.prefect_api.api import sync_client
+
     deadline = time.monotonic() + wait
     try:
-        with get_client(sync_client=True) as client:
+        with sync_client() as client:
             while True:
                 try:
                     run = client.read_task_run(task_run_id)

@@ -58,14 +58,15 @@ def _renew_forever(profile: Any, settings: Any) -> None:
 def refresh_no_limits() -> tuple[int, int]:
     """Ask the server whether each remembered tag set still has no limit: renew those answers, drop
     the others. Returns (renewed, dropped)."""
-    from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
+
+    from gpu_tasks.prefect_api.api import sync_client
 
     keys = remembered_tag_sets()[1]
     if not keys:
         return 0, 0
     limited: set[str] = set()
-    with get_client(sync_client=True) as client:
+    with sync_client() as client:
         for name in sorted({n for key in keys for n in key}):
             try:
                 client.read_global_concurrency_limit_by_name(name)

@@ -62,16 +62,14 @@ def placement_tags_unlimited() -> bool:
     has no API yet, or when the read fails at once (asked once, no retries): the worker then asks
     as Prefect's engine does.
     """
-    from prefect.client.orchestration import get_client
-
     from gpu_tasks.allocation import EMULATED_TAG
-    from gpu_tasks.prefect_api.api import flow_api_url
+    from gpu_tasks.prefect_api.api import flow_api_url, sync_client
     from gpu_tasks.prefect_api.states import no_client_retries
 
     if flow_api_url() is None:  # no API this process uses yet: never start one just for this
         return False
     try:
-        with no_client_retries(), get_client(sync_client=True) as client:
+        with no_client_retries(), sync_client() as client:
             for offset in range(0, LIMITS_READ_MAX, LIMITS_PAGE):
                 page = client.read_global_concurrency_limits(limit=LIMITS_PAGE, offset=offset)
                 if any(

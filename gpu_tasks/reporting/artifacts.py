@@ -316,8 +316,9 @@ def publish_run_artifacts(rows: Sequence[LedgerRow], flow_run_id: uuid.UUID | No
     if not rows or flow_run_id is None:
         return
     try:
-        from prefect.client.orchestration import get_client
         from prefect.client.schemas.actions import ArtifactCreate
+
+        from gpu_tasks.prefect_api.api import sync_client
 
         artifacts = [
             ArtifactCreate(
@@ -339,7 +340,7 @@ def publish_run_artifacts(rows: Sequence[LedgerRow], flow_run_id: uuid.UUID | No
                     flow_run_id=flow_run_id,
                 )
             )
-        with get_client(sync_client=True) as client:
+        with sync_client() as client:
             for artifact in artifacts:
                 client.create_artifact(artifact)
     except Exception:  # the artifacts must never fail a flow run that succeeded

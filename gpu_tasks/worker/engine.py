@@ -12,12 +12,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextvars
-import functools
 import logging
 import math
 import os
 import socket
-import ssl
 import threading
 import time
 import uuid
@@ -41,6 +39,7 @@ from gpu_tasks.compat.prefect import (
 from gpu_tasks.compat.prefect_client import cap_client_waits
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
 from gpu_tasks.policy import GPU_RESOURCE, crash_retry
+from gpu_tasks.prefect_api.api import sync_client
 from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.tag_answers import start_renewing
@@ -345,16 +344,8 @@ def _worker_settings(key: str, serialized: dict[str, Any], remote: bool = False)
     return built
 
 
-@functools.cache
-def _no_tls() -> ssl.SSLContext:
-    """A client TLS context with no trusted certificates: any TLS connection made with it fails its
-    verification, so handing it to a client of a plain-http API can never weaken one."""
-    return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-
-
 def _thread_client(key: str) -> Any:
     """This thread's started sync Prefect client for the settings under ``key`` (active now)."""
-    from prefect.client.orchestration import get_client
     from prefect.context import SettingsContext
 
     cached = getattr(_WORKER_THREAD, "client", None)
@@ -365,11 +356,8 @@ def _thread_client(key: str) -> Any:
             cached[1].__exit__(None, None, None)
         except Exception:  # pragma: no cover - closing a stale client is best effort
             logger.debug("could not close a worker's Prefect client", exc_info=True)
+    client = sync_client().__enter__()  # left open: later tasks re-enter it
     settings = SettingsContext.get()
-    plain = settings is not None and str(settings.settings.api.url or "").startswith("http://")
-    # over plain http no TLS context is used: hand Prefect's client one without certificates (it
-    # builds one from certifi's bundle otherwise, about 38 ms of CPU); over https, Prefect's own
-    client = get_client(sync_client=True, httpx_settings={"verify": _no_tls()} if plain else None).__enter__()
     if settings is None or settings.settings.client.server_version_check_enabled:
         client.raise_for_api_version_mismatch_once()
     _WORKER_THREAD.client = (key, client)
