@@ -182,9 +182,20 @@ def test_submit_and_wait_on_the_runner_itself(task_runner: ProfileTaskRunner):
     assert state.is_completed() and state.result() == 42
 
 
-def test_as_completed_yields_in_finishing_order(task_runner: ProfileTaskRunner):
+def test_as_completed_yields_in_finishing_order(task_runner: ProfileTaskRunner, tmp_path):
+    """The tasks sleep from a common start (each waits for the others to begin), so the order they
+    finish in is their sleeps' however late a starved machine starts each (one started 5 s after
+    another under a CI run on four test processes, which made the first sleep end second)."""
+    started = tmp_path / "started"
+    started.mkdir()
+
     @task(tags=ON_P)
     def sleep_for(seconds: float) -> float:
+        (started / str(seconds)).touch()
+        deadline = time.monotonic() + 60
+        while len(list(started.iterdir())) < 3:  # all three run at once on every kind here
+            assert time.monotonic() < deadline, "the three tasks never ran at the same time"
+            time.sleep(0.01)
         time.sleep(seconds)
         return seconds
 
