@@ -54,11 +54,19 @@ def test_futures_to_states_returns_plain_data_as_it_is_and_replaces_futures():
     assert out["x"][1] == 3 and isinstance(out["x"][0], State)  # the future became its state
 
 
-@pytest.mark.parametrize(("url", "built"), [("http://127.0.0.1:9/api", 0), ("https://127.0.0.1:9/api", 1)])
-def test_a_workers_api_client_builds_a_tls_context_only_for_an_https_api(monkeypatch, url, built):
+@pytest.mark.parametrize(
+    ("url", "proxy", "built"),
+    [
+        ("http://127.0.0.1:9/api", None, 0),
+        ("https://127.0.0.1:9/api", None, 1),
+        ("http://127.0.0.1:9/api", "https://127.0.0.1:8/", 1),
+    ],
+)
+def test_a_workers_api_client_builds_a_tls_context_only_for_an_https_api(monkeypatch, url, proxy, built):
     """A worker thread's Prefect client: over plain http no TLS context is built (Prefect's client
     loads certifi's bundle into a new one, about 38 ms of CPU per worker process), and the one it
-    is handed trusts nothing; over https Prefect builds its own, as always."""
+    is handed trusts nothing; over https, or through a proxy (which may speak TLS), Prefect builds
+    its own, as always."""
     import ssl
 
     from prefect.settings import (
@@ -67,9 +75,13 @@ def test_a_workers_api_client_builds_a_tls_context_only_for_an_https_api(monkeyp
         temporary_settings,
     )
 
-    from gpu_tasks.prefect_api.api import client_tls
+    from gpu_tasks.prefect_api.api import PROXY_VARIABLES, client_tls
     from gpu_tasks.worker import engine
 
+    for variable in PROXY_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    if proxy:
+        monkeypatch.setenv("HTTP_PROXY", proxy)
     made: list[object] = []
     real = ssl.create_default_context
     monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: made.append(k) or real(*a, **k))

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import ssl
 from typing import Any
 
 from gpu_tasks.compat.prefect_server import ephemeral_server_url
 from gpu_tasks.errors import GpuTasksError
+
+PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
 @functools.cache
@@ -32,7 +35,11 @@ def client_tls(api_url: str | None) -> dict[str, Any] | None:
     """``httpx_settings`` for a Prefect client of ``api_url``. Prefect's client loads certifi's
     bundle into a new TLS context for every client it builds (about 38 ms of CPU; two or three a
     flow run, four a worker process), which a plain-http API never uses: there it is handed a
-    context that trusts nothing. ``None`` (Prefect's own context, as always) for anything else."""
+    context that trusts nothing. ``None`` (Prefect's own context, as always) for anything else,
+    and wherever a proxy may be in the way (httpx reads the proxy variables; the proxy itself may
+    speak TLS)."""
+    if any(os.environ.get(v) for v in PROXY_VARIABLES):
+        return None
     if api_url and api_url.lower().startswith("http://"):
         return {"verify": _trusts_nothing()}
     return None
