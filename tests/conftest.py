@@ -44,8 +44,14 @@ from typing import Any
 
 import psutil
 import pytest
+from faults._procs import SEEDED_SERVER
 from hypothesis import settings as _hypothesis
 from tiers import FAST_MODULES, HEAVY_MODULES
+
+# Every Prefect server the tests start skips registering Prefect's block types (2.3 s of CPU a
+# server start): tests/faults/_procs.py SEEDED_SERVER (Prefect itself is imported later)
+for _k, _v in SEEDED_SERVER.items():
+    os.environ.setdefault(_k, _v)
 
 # No wall-clock deadline on property tests (hypothesis' default fails an example slower than
 # 200 ms, which a loaded 2-core CI machine makes of a fast one): speed is measured in bench/
@@ -197,6 +203,13 @@ def prefect_server():
             if not any(url.endswith(os.path.join(d, "prefect-test.db")) for d in seeded):
                 warnings.warn(
                     f"Prefect's test harness runs on {url}, not the migrated database: tests/conftest.py",
+                    stacklevel=1,
+                )
+            server = prefect.settings.get_current_settings().server
+            if server.register_blocks_on_start or server.memoize_block_auto_registration:
+                warnings.warn(
+                    "this Prefect no longer reads SEEDED_SERVER's settings: each server start registers "
+                    "block types again (tests/faults/_procs.py)",
                     stacklevel=1,
                 )
             yield

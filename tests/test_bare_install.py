@@ -5,7 +5,8 @@ so that the build leaves nothing in the work tree) and its core dependencies onl
 the pipeline's libraries are absent, a flow with a ``gpus=1`` profile runs on an emulated
 device against Prefect's ephemeral API, and ``gpu-tasks example run`` says which extra to install.
 About half a minute: a few seconds to install with uv (scripts/setup installs it; pip otherwise, about
-30 s), 25 s for the flow.
+30 s), 25 s for the flow. The install compiles no bytecode: the flow's processes compile what they
+import (compiling the whole environment at install cost 8.8 s more CPU for the same test time).
 """
 
 from __future__ import annotations
@@ -73,7 +74,6 @@ def _install(installer: str, venv: Path, source: Path) -> None:
             "pip",
             "install",
             "--quiet",
-            "--compile-bytecode",
             "--python",
             python,
         ]

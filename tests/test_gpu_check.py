@@ -13,7 +13,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from faults._procs import seed_prefect_home
+from faults._procs import SEEDED_SERVER, seed_prefect_home
 
 from bench.gpu_check import PLAN, render
 
@@ -55,7 +55,7 @@ def test_the_dry_run_runs_every_check_on_emulated_devices(tmp_path):
             *("--out-dir", str(tmp_path), "--prefect-home", str(home)),
         ],
         cwd=ROOT,
-        env={**env, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
+        env={**env, **SEEDED_SERVER, "PREFECT_SERVER_ANALYTICS_ENABLED": "false"},
         capture_output=True,
         text=True,
         timeout=930,
