@@ -68,6 +68,7 @@ def test_a_workers_api_client_builds_a_tls_context_only_for_an_https_api(monkeyp
     is handed trusts nothing; over https, or through a proxy (which may speak TLS), Prefect builds
     its own, as always."""
     import ssl
+    import threading
 
     from prefect.settings import (
         PREFECT_API_URL,
@@ -83,8 +84,16 @@ def test_a_workers_api_client_builds_a_tls_context_only_for_an_https_api(monkeyp
     if proxy:
         monkeypatch.setenv("HTTP_PROXY", proxy)
     made: list[object] = []
-    real = ssl.create_default_context
-    monkeypatch.setattr(ssl, "create_default_context", lambda *a, **k: made.append(k) or real(*a, **k))
+    real, here = ssl.create_default_context, threading.get_ident()
+
+    def counted(*a: object, **k: object) -> ssl.SSLContext:
+        # this thread's only: a Prefect client another thread of the test process builds meanwhile
+        # (an earlier test's events or logs worker) is not the worker's (it made this fail once)
+        if threading.get_ident() == here:
+            made.append(k)
+        return real(*a, **k)
+
+    monkeypatch.setattr(ssl, "create_default_context", counted)
     key = f"test-{uuid.uuid4().hex}"
     with temporary_settings({PREFECT_API_URL: url, PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED: False}):
         client = engine._thread_client(key)
