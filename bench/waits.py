@@ -190,6 +190,14 @@ class ProfileProbe(Probe):
             "cache_hits": row.get("cache_hits", 0),
         }
 
+    def stop(self) -> None:
+        """The last sample once the profile's owner counted every task whose future resolved: a
+        future does not wait for that, so its counts may lag a moment (docs/runner.md)."""
+        deadline = time.monotonic() + 10.0
+        while self.sample()["outstanding"] and time.monotonic() < deadline:
+            time.sleep(0.02)
+        super().stop()
+
     def to_dict(self) -> dict[str, Any]:
         last = self.samples[-1][1] if self.samples else {}
         return {"leased_devices": sorted(self.devices), "cache_hits": last.get("cache_hits", 0)}
