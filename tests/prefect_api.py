@@ -51,3 +51,21 @@ def flow_run_events(
         if len(events) >= at_least or time.monotonic() > deadline:
             return events
         time.sleep(0.25)
+
+
+def run_logs(flow_run_id: Any, words: str, timeout: float = 15.0) -> list[str]:
+    """The flow run's log lines, as the server stored them, that contain ``words``: once one is
+    there (this process's queued logs are sent first; the server stores them asynchronously), or
+    none after ``timeout``."""
+    import time
+
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)
+    deadline = time.monotonic() + timeout
+    while True:
+        _, logs = api("POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [str(flow_run_id)]}}})
+        found = [log["message"] for log in logs if words in log["message"]]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.25)

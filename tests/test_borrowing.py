@@ -13,7 +13,7 @@ import time
 
 import pytest
 from prefect import flow, task
-from prefect_api import api
+from prefect_api import api, run_logs
 from test_preemption import _state_names
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
@@ -119,10 +119,7 @@ def test_a_borrowed_device_is_reclaimed_for_the_team_owed_it(teams, tmp_path, le
     assert sorted(r["name"] for r in out["a"]) == ["a0", "a1"]
     assert len(list(starts.glob("a*-1"))) == 1, "the reclaimed task ran again"
     # its run log says so
-    _, logs = api(
-        "POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [out["run"]]}}, "limit": 200}
-    )
-    assert any(f"reclaimed by {team_b}" in log["message"] for log in logs), [log["message"] for log in logs]
+    assert run_logs(out["run"], f"reclaimed by {team_b}")
     # and nothing is left borrowed
     assert [q["borrowed"] for q in quotas.usage() if q["quota"] == team_a] == [0]
 

@@ -20,7 +20,7 @@ import pytest
 from prefect import flow, task
 from prefect.cache_policies import INPUTS
 from prefect.context import FlowRunContext
-from prefect_api import api, flow_run_events
+from prefect_api import api, flow_run_events, run_logs
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
 from gpu_tasks.devices import leases
@@ -61,20 +61,6 @@ def _events(run_id, name: str, at_least: int = 1) -> list:
 
     EventsWorker.drain_all(timeout=10)
     return flow_run_events(run_id, {"name": [name]}, at_least=at_least)
-
-
-def _logged(run_id, words: str) -> list[str]:
-    """The flow run's log lines (as the server stored them) that contain ``words``."""
-    from prefect.logging.handlers import APILogWorker
-
-    APILogWorker.drain_all(timeout=10)
-    deadline = time.monotonic() + 15
-    while True:
-        _, logs = api("POST", "/logs/filter", json={"logs": {"flow_run_id": {"any_": [str(run_id)]}}})
-        found = [log["message"] for log in logs if words in log["message"]]
-        if found or time.monotonic() > deadline:
-            return found
-        time.sleep(0.25)
 
 
 def test_a_task_waiting_for_a_tag_slot_leases_no_device(serial_tag):
@@ -121,7 +107,7 @@ def test_a_task_waiting_for_a_tag_slot_leases_no_device(serial_tag):
         time.sleep(0.25)
     assert longest["payload"]["seconds"] >= 1.0, waits
     assert longest["payload"]["limits"] == [f"tag:{serial_tag}"]  # the limits that exist
-    assert _logged(run_id, "held no device meanwhile")
+    assert run_logs(run_id, "held no device meanwhile")
 
 
 def test_the_slot_is_taken_once_so_a_limit_of_one_never_deadlocks(serial_tag):
@@ -222,7 +208,7 @@ def test_a_cached_gpu_task_holds_no_device_and_starts_no_worker(tmp_path, monkey
     assert profile("gpu") in task_run["tags"]
     [hit] = _events(run_id, "gpu-tasks.task.cache-hit")
     assert hit["payload"]["state"] == "Cached" and hit["payload"]["cache_key"]
-    assert _logged(run_id, "result found in Prefect's cache")
+    assert run_logs(run_id, "result found in Prefect's cache")
     others = flow_run_events(run_id, {"prefix": ["gpu-tasks.cluster.", "gpu-tasks.device."]}, timeout=2)
     assert not [e for e in others if e["resource"].get("gpu-tasks.profile") == "gpu"], others
 
