@@ -121,7 +121,7 @@ PLAN: list[tuple[str, str, dict[str, str], int, str]] = [
         "overhead",
         "overhead",
         {},
-        240,
+        300,
         "per-task overhead of a gpus=0.25 profile against ThreadPoolTaskRunner",
     ),
 ]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import sys
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -136,14 +137,22 @@ def _server_caught_up(expected: int, timeout: float = 180.0) -> None:
             "state": {"type": {"any_": ["COMPLETED"]}},
         }
     }
-    deadline = time.monotonic() + timeout
+    start = time.monotonic()
     with get_client(sync_client=True) as client:
         while count_task_runs(client, done) < expected:
-            if time.monotonic() > deadline:
+            if time.monotonic() > start + timeout:
                 raise RuntimeError(
                     f"Prefect's server recorded fewer than {expected} task runs in {timeout:g}s"
                 )
             time.sleep(0.1)
+    _said_wait(f"for Prefect's server to record {expected} task runs", time.monotonic() - start)
+
+
+def _said_wait(what: str, seconds: float, why: str = "") -> None:
+    """A wait of more than 2 s between timed repeats, on stderr (the gpu-check log shows where a
+    run's time went, even when its limit stops it)."""
+    if seconds > 2:
+        print(f"    (waited {seconds:.1f} s {what}{why})", file=sys.stderr, flush=True)
 
 
 # processes that outlive a row idle, by a word of their command line
@@ -156,11 +165,19 @@ def _machine_quiet(timeout: float = 60.0) -> None:
 
     import psutil
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not leftovers() and psutil.cpu_percent(interval=0.5) < 25:
+    start = time.monotonic()
+    left: list[Any] = []
+    busy = 0.0
+    while time.monotonic() < start + timeout:
+        left = leftovers()
+        busy = psutil.cpu_percent(interval=0.5)
+        if not left and busy < 25:
+            _said_wait("for a quiet machine", time.monotonic() - start)
             return
         time.sleep(0.5)
+    names = [" ".join(_cmdline(p))[:80] for p in left]
+    why = f", in vain: CPUs {busy:.0f}% busy, left {names}"
+    _said_wait("for a quiet machine", time.monotonic() - start, why)
 
 
 def leftovers() -> list[Any]:
