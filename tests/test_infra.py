@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -169,11 +170,13 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
         assert labels["gpu-tasks.priorities"] == f"gpu-etl={priority},gpu-train={priority}", labels
     # the flow run carries its deployment's tags; they never route a task (profile: tags do)
     assert "gpus:2" in body["tags"], body["tags"]
-    code, task_runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
-    assert code == 200 and task_runs
-    assert {t for r in task_runs for t in r["tags"] if t.startswith("profile:")} == {
-        "profile:cpu",
-        "profile:gpu-etl",
-        "profile:gpu-train",
-    }
+    want = {"profile:cpu", "profile:gpu-etl", "profile:gpu-train"}
+    deadline = time.monotonic() + 20  # the server records task runs from their events, a moment later
+    while True:
+        code, task_runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
+        seen = {t for r in task_runs for t in r["tags"] if t.startswith("profile:")} if code == 200 else set()
+        if seen == want or time.monotonic() > deadline:
+            break
+        time.sleep(0.25)
+    assert code == 200 and task_runs and seen == want, (code, seen)
     assert not [t for r in task_runs for t in r["tags"] if t.startswith(("gpu-profile:", "gpus:"))]

@@ -12,6 +12,7 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
+from faults._procs import server_task_run
 from prefect import flow, tags, task, unmapped
 from prefect.context import FlowRunContext
 from prefect.futures import as_completed, wait
@@ -888,8 +889,8 @@ def test_process_workers_get_each_flow_runs_own_context_and_settings():
             assert row["version_check"] is False and checks is True
             assert "profile:quarter" in row["tags"] and (tag is None or tag in row["tags"])
             assert not {"batch-a", "batch-b"} - {tag} & set(row["tags"]), row["tags"]
-            code, body = api("GET", f"/task_runs/{task_run_id}")
-            assert code == 200 and body["flow_run_id"] == run_id, body
+            body = server_task_run(task_run_id, lambda r: r["state_type"] == "COMPLETED")  # from events
+            assert body["flow_run_id"] == run_id, body
             assert body["state_type"] == "COMPLETED" and "profile:quarter" in body["tags"]
 
 
