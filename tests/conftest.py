@@ -95,12 +95,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.nodeid.split("::")[0] in FAST_MODULES:
             item.add_marker(pytest.mark.fast)
-    if os.environ.get("GPU_TASKS_TEST_TIER") == "fast":
+    tier = os.environ.get("GPU_TASKS_TEST_TIER")
+    if tier in ("fast", "rest"):  # the fast tier, or everything else (scripts/test runs them apart)
 
         def in_tier(item: pytest.Item) -> bool:
-            return (
-                item.get_closest_marker("fast") is not None and item.get_closest_marker("processes") is None
-            )
+            fast = item.get_closest_marker("fast") is not None and item.get_closest_marker("processes") is None
+            return fast == (tier == "fast")
 
         config.hook.pytest_deselected(items=[item for item in items if not in_tier(item)])
         items[:] = [item for item in items if in_tier(item)]
