@@ -99,7 +99,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if tier in ("fast", "rest"):  # the fast tier, or everything else (scripts/test runs them apart)
 
         def in_tier(item: pytest.Item) -> bool:
-            fast = item.get_closest_marker("fast") is not None and item.get_closest_marker("processes") is None
+            fast = (
+                item.get_closest_marker("fast") is not None and item.get_closest_marker("processes") is None
+            )
             return fast == (tier == "fast")
 
         config.hook.pytest_deselected(items=[item for item in items if not in_tier(item)])
