@@ -176,8 +176,12 @@ PUBLISH = textwrap.dedent(
         # default 5, so that it is the periodic flush that writes (the race is the same at 5, rarer)
         ticking = lambda topic: Publisher(topic, Cache(topic=topic), deduplicate_by="id", batch_size=100,
                                           publish_every=timedelta(seconds=0.005))
+        # the loss is a race: up to five tries, stopping at the first that loses an event
+        tries = []
+        while len(tries) < 5 and not any(t["stored"] < N for t in tries):
+            tries.append(await publish(ticking, N))
         print(json.dumps({"few": await publish(configured, 3), "configured": await publish(configured, N),
-                          "ticking": await publish(ticking, N)}))
+                          "ticking": tries}))
 
     asyncio.run(main())
     """
@@ -207,11 +211,13 @@ def test_the_api_writes_each_event_to_redis_as_it_arrives_and_loses_none(
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(out.stdout.strip().splitlines()[-1])
     few, configured, ticking = res["few"], res["configured"], res["ticking"]
-    print(f"as configured: {configured['stored']} of 1000 written; with a 5 ms flush: {ticking['stored']}")
+    lost = [t["stored"] for t in ticking]
+    print(f"as configured: {configured['stored']} of 1000 written; with a 5 ms flush, per try: {lost}")
     assert configured["batch"] == 1 and configured["every"] >= 86400, configured
     # each event is in Redis before the publisher closes: nothing waits for a batch or a period
     assert few["written"] == few["stored"] == 3, few
     assert configured["stored"] == 1000, configured
-    # the race the settings avoid: a periodic flush loses events published meanwhile (if this
-    # starts to hold, prefect-redis has fixed it: the settings' comment in infra/ can say so)
-    assert ticking["stored"] < 1000, ticking
+    # the race the settings avoid: a periodic flush loses events published meanwhile, in one try of
+    # five at least (a clean-clone run once saw none lost in a single try; if five in a row lose
+    # none, prefect-redis has likely fixed it: the settings' comment in infra/ can say so)
+    assert any(n < 1000 for n in lost), ticking
