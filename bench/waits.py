@@ -169,6 +169,16 @@ class Probe:
         return {}
 
 
+def counted(runner: Any, name: str = "gpu", timeout: float = 10.0) -> dict[str, Any]:
+    """``runner.status()[name]`` once the profile's owner counted every task whose future resolved
+    (``outstanding`` 0): a future does not wait for that, so its counts may lag a moment
+    (docs/runner.md); as it is after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while (row := runner.status()[name])["outstanding"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return dict(row)
+
+
 class ProfileProbe(Probe):
     """ProfileTaskRunner: this process's device leases (the lease book) and ``status()``."""
 
@@ -191,11 +201,8 @@ class ProfileProbe(Probe):
         }
 
     def stop(self) -> None:
-        """The last sample once the profile's owner counted every task whose future resolved: a
-        future does not wait for that, so its counts may lag a moment (docs/runner.md)."""
-        deadline = time.monotonic() + 10.0
-        while self.sample()["outstanding"] and time.monotonic() < deadline:
-            time.sleep(0.02)
+        """The last sample once the profile's owner counted every finished task (:func:`counted`)."""
+        counted(self.runner)
         super().stop()
 
     def to_dict(self) -> dict[str, Any]:

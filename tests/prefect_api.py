@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 
@@ -68,4 +69,19 @@ def run_logs(flow_run_id: Any, words: str, timeout: float = 15.0) -> list[str]:
         found = [log["message"] for log in logs if words in log["message"]]
         if found or time.monotonic() > deadline:
             return found
+        time.sleep(0.25)
+
+
+def flow_run_task_runs(
+    flow_run_id: Any, until: Callable[[list[Any]], bool], timeout: float = 20.0
+) -> list[Any]:
+    """The flow run's task runs as the server recorded them, once ``until(runs)`` holds (it records
+    them from their events, a moment after the runs), or as they are after ``timeout``."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        _, runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [str(flow_run_id)]}}})
+        if until(runs) or time.monotonic() > deadline:
+            return list(runs)
         time.sleep(0.25)

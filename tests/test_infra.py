@@ -8,13 +8,12 @@ import os
 import re
 import subprocess
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import pytest
 import yaml
-from prefect_api import api, flow_run_events
+from prefect_api import api, flow_run_events, flow_run_task_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 POOLS = ROOT / "infra" / "work-pools"
@@ -171,12 +170,10 @@ def test_prefect_deploy_registers_the_deployments(prefect_server, tmp_path: Path
     # the flow run carries its deployment's tags; they never route a task (profile: tags do)
     assert "gpus:2" in body["tags"], body["tags"]
     want = {"profile:cpu", "profile:gpu-etl", "profile:gpu-train"}
-    deadline = time.monotonic() + 20  # the server records task runs from their events, a moment later
-    while True:
-        code, task_runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [run["id"]]}}})
-        seen = {t for r in task_runs for t in r["tags"] if t.startswith("profile:")} if code == 200 else set()
-        if seen == want or time.monotonic() > deadline:
-            break
-        time.sleep(0.25)
-    assert code == 200 and task_runs and seen == want, (code, seen)
+
+    def profiles(runs: list) -> set:
+        return {t for r in runs for t in r["tags"] if t.startswith("profile:")}
+
+    task_runs = flow_run_task_runs(run["id"], lambda runs: profiles(runs) == want)
+    assert task_runs and profiles(task_runs) == want, profiles(task_runs)
     assert not [t for r in task_runs for t in r["tags"] if t.startswith(("gpu-profile:", "gpus:"))]

@@ -23,6 +23,7 @@ from prefect.cache_policies import INPUTS
 from prefect.context import FlowRunContext
 from prefect_api import api, flow_run_events, run_logs
 
+from bench.waits import counted
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
 from gpu_tasks.devices import leases
 
@@ -146,15 +147,6 @@ def _children() -> set[int]:
     return {p.pid for p in psutil.Process().children(recursive=True) if "resource_tracker" not in _cmd(p)}
 
 
-def _counted(runner, name: str = "gpu") -> dict:
-    """``runner.status()[name]`` once its owner counted every task whose future resolved (a
-    future does not wait for that: the counts may lag a moment, docs/runner.md)."""
-    deadline = time.monotonic() + 10
-    while (row := runner.status()[name])["outstanding"] and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return row
-
-
 def _cmd(p: psutil.Process) -> str:
     try:
         return " ".join(p.cmdline())
@@ -190,7 +182,7 @@ def test_a_cached_gpu_task_holds_no_device_and_starts_no_worker(tmp_path, monkey
         future = cached_square.submit(base.submit(3), salt)
         out = future.result()
         started = _children() - before
-        return out, future.state, _counted(runner), runner, started, FlowRunContext.get().flow_run.id
+        return out, future.state, counted(runner), runner, started, FlowRunContext.get().flow_run.id
 
     first, first_state, first_status, _, first_started, _ = squares()
     assert first["value"] == 16 and first["devices"], first  # ran on a worker, on a device
@@ -239,7 +231,7 @@ def test_a_cache_record_gone_before_the_run_sends_the_task_to_its_worker(tmp_pat
     @flow(task_runner=ProfileTaskRunner(profiles=[gpu]))
     def once():
         future = square.submit(5)
-        return future.result(), future.state, _counted(FlowRunContext.get().task_runner)
+        return future.result(), future.state, counted(FlowRunContext.get().task_runner)
 
     out, state, status = once()
     assert out["value"] == 25 and out["pid"] != os.getpid() and out["devices"], out  # on a worker

@@ -15,7 +15,7 @@ import pytest
 from faults._procs import seed_prefect_home
 from prefect import flow, task
 from prefect.settings import get_current_settings
-from prefect_api import api
+from prefect_api import api, flow_run_task_runs
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.cluster.remote_workers import executing_keys
@@ -29,20 +29,11 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])
 SCRIPT = Path(__file__).with_name("flow_script.py")
 
 
-def _task_runs(flow_run_id: str) -> list[dict]:
-    _, runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
-    return runs
-
-
 def _settled_task_runs(flow_run_id: str, n: int, timeout: float = 20.0) -> list[dict]:
-    deadline = time.monotonic() + timeout
-    runs: list[dict] = []
-    while time.monotonic() < deadline:
-        runs = _task_runs(flow_run_id)
-        if len(runs) >= n and all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") for r in runs):
-            return runs
-        time.sleep(0.25)
-    return runs
+    def settled(runs: list[dict]) -> bool:
+        return len(runs) >= n and all(r["state_type"] in ("COMPLETED", "FAILED", "CRASHED") for r in runs)
+
+    return flow_run_task_runs(flow_run_id, settled, timeout)
 
 
 def _two_flow_runs(hosts: Hosts, gpus: float, n: int, seconds: float, tmp_path: Path) -> list[dict]:
