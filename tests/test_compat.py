@@ -40,11 +40,11 @@ def test_each_private_name_is_as_gpu_tasks_uses_it(use):
 def test_a_changed_name_is_reported_not_silently_ignored(monkeypatch):
     """The checks look at the installed release: take a name away and its check (and
     warn_if_changed's log line) says so."""
-    from prefect.concurrency import services
+    import prefect.utilities.engine as engine_utilities
 
-    monkeypatch.delattr(services, "_no_limits_cache")
+    monkeypatch.delattr(engine_utilities, "emit_task_run_state_change_event")
     changed = {u.name: why for u, why in compat.verify()}
-    assert any("_no_limits_cache" in name for name in changed), changed
+    assert any("emit_task_run_state_change_event" in name for name in changed), changed
     import distributed
 
     monkeypatch.delattr(distributed.Nanny, "_on_worker_exit_sync")

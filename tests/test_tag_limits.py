@@ -4,8 +4,9 @@ Prefect's tag-limit checks"), against the test server with real tag concurrency 
 gpu-tasks keeps the "no limits" answers its own task runs learn in a cache of its own
 (``GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS``) and leaves Prefect's per-process cache as shipped;
 these flows use a CPU profile (threads in the flow process), so the caches they fill are
-this process's. Prefect's cache is private to Prefect (``prefect.concurrency.services``):
-each test puts a fresh one in place with monkeypatch.
+this process's. gpu-tasks never reads Prefect's cache (private to Prefect,
+``prefect.concurrency.services``); the tests put a fresh one in place with monkeypatch to show it
+is left as shipped.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _cached(tag: str) -> bool:
     """Whether gpu-tasks' own cache holds a "no limits" answer for a tag set with ``tag``."""
     from gpu_tasks.compat.prefect import _OWN_NO_LIMITS
 
-    return any(any(tag in name for name in key) for key in list(_OWN_NO_LIMITS["cache"].keys()))
+    return any(v and any(tag in name for name in key) for key, v in list(_OWN_NO_LIMITS["cache"].items()))
 
 
 def _cached_by_prefect(tag: str) -> bool:
@@ -120,8 +121,9 @@ def test_a_limit_created_after_the_first_check_waits_for_the_cache(monkeypatch, 
     assert all(r["met"] for r in rows), "the cached answer let both run at once"
 
 
-def test_a_prefect_without_the_cache_is_left_as_it_is(monkeypatch):
-    """Another Prefect release (no TTLCache there): nothing is replaced and tasks still run."""
+def test_a_prefect_with_another_cache_is_left_as_it_is(monkeypatch):
+    """Another Prefect release (no TTLCache there): gpu-tasks neither reads nor replaces Prefect's
+    cache, and tasks still run."""
     other = {}
     monkeypatch.setattr(services, "_no_limits_cache", other)
     monkeypatch.setenv("GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS", "60")
@@ -232,3 +234,38 @@ def test_remembered_answers_are_renewed_and_a_limit_created_since_drops_its_answ
     assert dropped >= 1 and renewed >= 1
     assert known_without_limits([free])
     assert not known_without_limits([limited, free])
+
+
+def test_a_worker_learns_a_tag_set_after_prefects_check_by_reading_the_limits(monkeypatch):
+    """Where the flow process did not learn a tag set (a worker's own tags), gpu-tasks' wrapper of
+    the engine's slot check reads the limits by name after Prefect's check (public API; Prefect's
+    cache is not read): a tag set without limits is skipped from then on, one with a limit keeps
+    Prefect's check and is not read again before its answer expires."""
+    import prefect.task_engine as engine
+    from prefect.client.schemas.objects import ConcurrencyLeaseHolder
+
+    from gpu_tasks.compat.prefect import known_without_limits, ours, use_no_limits_cache
+    from gpu_tasks.prefect_api import tag_answers
+
+    read: list[list[str]] = []
+
+    def counted(names):  # the real reads, counted
+        read.append(sorted(names))
+        return tag_answers.limited_names(names)
+
+    free, limited = f"tag:w-free-{uuid.uuid4().hex[:8]}", f"tag:w-limited-{uuid.uuid4().hex[:8]}"
+    # Prefect's own cache, made to say the limited set has none: gpu-tasks does not read it
+    _shipped_cache(monkeypatch, frozen=True)[frozenset([limited])] = True
+    use_no_limits_cache(60, counted)
+    code, body = api("POST", "/v2/concurrency_limits/", json={"name": limited, "limit": 5})
+    assert code == 201, body
+    try:
+        for _ in range(3):
+            for names in ([free], [limited]):
+                holder = ConcurrencyLeaseHolder(type="task_run", id=uuid.uuid4())
+                with ours(), engine._concurrency(names=names, holder=holder):
+                    pass
+    finally:
+        api("DELETE", f"/v2/concurrency_limits/{limited}")
+    assert known_without_limits([free]) and not known_without_limits([limited])
+    assert read == [[free], [limited]]  # once each: the answers are kept, both of them

@@ -3,25 +3,23 @@
 Checked against prefect 3.8.8 and 3.9.1, the ends of the tested range. Each wrapper degrades to
 Prefect's own behaviour, or fails clearly, where the name is gone; tests/test_compat.py says so.
 
-**The tag "no limits" cache** (``prefect.concurrency.services._no_limits_cache``).
-Prefect's task engine asks the server for tag concurrency slots before every task
-run that has tags, and every gpu-tasks task run has tags (``profile:<name>``,
-``gpu:<id>``). Prefect caches a "no limits for this tag set" answer per process
-for 5 seconds. Each time that cache expires, the next check goes to the server,
-and on a busy SQLite server (thousands of short tasks, the task-run recorder
-writing) every task carrying the same tags waits behind that one request. Measured
-on 2 cores with 10,000 tagged tasks on Prefect's own ThreadPoolTaskRunner: 141 s
-with the 5 s cache, 53 s (linear in the task count) with a longer one.
+**"No tag limits" answers.** Prefect's task engine asks the server for tag concurrency slots
+before every task run that has tags, and every gpu-tasks task run has tags (``profile:<name>``,
+``gpu:<id>``). Prefect caches a "no limits for this tag set" answer per process for 5 seconds.
+Each time that cache expires, the next check goes to the server, and on a busy SQLite server
+(thousands of short tasks, the task-run recorder writing) every task carrying the same tags
+waits behind that one request. Measured on 2 cores with 10,000 tagged tasks on Prefect's own
+ThreadPoolTaskRunner: 141 s with the 5 s cache, 53 s (linear in the task count) with a longer one.
 
-gpu-tasks keeps its own "no limits" answers, in the flow process and in its worker
-processes, for ``GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS`` (default 60; 0 keeps Prefect's 5 s),
-and consults them for the task runs it runs alone (:func:`use_no_limits_cache`,
-:func:`is_ours`): Prefect's cache is not touched, so any other task run of the process
-checks its tags as Prefect ships. Limits that exist when a tag set is first checked are
-always honoured, since only "no limits" answers are cached; a limit created in the middle
-of a run applies to gpu-tasks' task runs within that many seconds instead of 5. The cache
-is a private part of Prefect: when it is not found (another Prefect release), nothing is
-changed and Prefect behaves as it ships (and ``tests/test_compat.py`` fails).
+gpu-tasks keeps its own answers, in the flow process and in its worker processes, for
+``GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS`` (default 60; 0 keeps Prefect's 5 s), and consults them
+for the task runs it runs alone (:func:`use_no_limits_cache`, :func:`is_ours`). It learns them
+through public API only: the flow process from the grants of its own slot requests, a worker after
+Prefect's check of a tag set it does not know, by reading the limits by name (one read per name;
+``ask_limited``). Prefect's cache is neither read nor touched, so any other task run of the process
+checks its tags as Prefect ships. Limits that exist when a tag set is first checked are always
+honoured, since only "no limits" answers let a check be skipped; a limit created in the middle of
+a run applies to gpu-tasks' task runs within that many seconds instead of 5.
 
 **Tag slots the flow process holds** (``prefect.task_engine._concurrency`` and
 ``_aconcurrency``): see :func:`tag_slots_held_by_flow`; the "no limits" cache is read and
@@ -58,23 +56,22 @@ _OWN_NO_LIMITS: dict[str, Any] = {}
 _OWN_LOCK = threading.Lock()
 
 
-def use_no_limits_cache(seconds: float) -> float | None:
+def use_no_limits_cache(seconds: float, ask_limited: Callable[[list[str]], set[str]] | None = None) -> float:
     """Keep gpu-tasks' own "no tag limits" answers ``seconds`` long (its task runs only).
 
-    Prefect caches a "no limits for this tag set" answer per process for 5 s in the private
-    ``prefect.concurrency.services._no_limits_cache``; gpu-tasks' task runs consult their own
-    cache of such answers (filled from Prefect's, see :func:`_left_to_take`), kept ``seconds``
-    long, before Prefect's. Nothing of Prefect's changes: a ThreadPoolTaskRunner or
-    DaskTaskRunner task run in the same process checks its tags as Prefect ships.
-
-    Returns the time-to-live in force, or ``None`` without such a cache (Prefect checks as it ships)."""
+    Filled from the flow process's own slot grants (:func:`remember_without_limits`) and, after
+    Prefect's check of a tag set this cache does not know, from ``ask_limited(names)``: the names
+    among them that have a limit on the server now (a read each; an answer of "limited" is kept
+    too, so such a tag set is not read again before it expires, and its checks stay Prefect's).
+    Nothing of Prefect's changes: a ThreadPoolTaskRunner or DaskTaskRunner task run in the same
+    process checks its tags as Prefect ships. ``seconds`` 0 keeps Prefect's 5 s alone (nothing is
+    learned). Returns the time-to-live in force (never shortened within a process)."""
     import cachetools
 
-    if _no_limits() is None:
-        logger.debug("gpu-tasks: Prefect has no tag 'no limits' cache here; leaving tag checks as they are")
-        return None
     _install_tag_slot_skip()
     with _OWN_LOCK:
+        if ask_limited is not None and seconds > 0:
+            _OWN_NO_LIMITS["ask"] = ask_limited
         cache = _OWN_NO_LIMITS.get("cache")
         if cache is None or seconds > cache.ttl:
             longer: cachetools.TTLCache[Any, Any] = cachetools.TTLCache(maxsize=1000, ttl=max(seconds, 0.001))
@@ -85,7 +82,7 @@ def use_no_limits_cache(seconds: float) -> float | None:
 
 
 def remembered_tag_sets() -> tuple[float, list[frozenset[str]]]:
-    """gpu-tasks' own cache: its time-to-live and the tag sets it now says have no limit."""
+    """gpu-tasks' own cache: its time-to-live and the tag sets it holds an answer for."""
     with _OWN_LOCK:
         cache = _OWN_NO_LIMITS.get("cache")
         return (float(cache.ttl), list(cache.keys())) if cache is not None else (0.0, [])
@@ -202,17 +199,24 @@ _ENGINE_ORIGINALS: dict[str, Any] = {}  # Prefect's own, once gpu-tasks' wrapper
 
 
 def _learn(kwargs: dict[str, Any]) -> None:
-    """After Prefect's own check of a gpu-tasks task run's tags: keep its "no limits" answer in
-    gpu-tasks' cache (Prefect's keeps it 5 s)."""
+    """After Prefect's own check of a gpu-tasks task run's tags: when gpu-tasks' cache does not know
+    that tag set, ask the server which of its names have a limit and keep the answer (a tag set
+    without limits is then skipped, :func:`_left_to_take`; Prefect's cache keeps its own 5 s)."""
     names = kwargs.get("names")
-    if not _OURS.get() or not names or isinstance(names, str):
+    if not _OURS.get() or not names or isinstance(names, str) or not all(n.startswith("tag:") for n in names):
         return
-    found = _no_limits()
-    if found is not None:
-        with found[1]:
-            no_limits = bool(found[0].get(frozenset(names), False))
-        if no_limits:
-            remember_without_limits(list(names))
+    key = frozenset(names)
+    with _OWN_LOCK:
+        own, ask = _OWN_NO_LIMITS.get("cache"), _OWN_NO_LIMITS.get("ask")
+        if own is None or ask is None or key in own:
+            return
+    try:
+        limited = ask(sorted(key))
+    except Exception:  # a busy or unreachable server: Prefect's check runs next time too
+        logger.debug("gpu-tasks: could not read the limits of %s", sorted(key), exc_info=True)
+        return
+    with _OWN_LOCK:
+        own[key] = not limited
 
 
 def _install_tag_slot_skip() -> None:
@@ -277,29 +281,12 @@ def tag_slots_held_by_flow(task_run_id: Any, names: Iterable[str]) -> Iterator[N
         _OURS.reset(ours)
 
 
-def _no_limits() -> tuple[Any, Any] | None:
-    """Prefect's "no limits for this tag set" cache and its lock (``None`` on another release)."""
-    from prefect.concurrency import services
-
-    cache = getattr(services, "_no_limits_cache", None)
-    lock = getattr(services, "_cache_lock", None)
-    return None if cache is None or lock is None else (cache, lock)
-
-
 def known_without_limits(names: list[str]) -> bool:
-    """Whether a cached answer says the concurrency limits ``names`` do not exist: gpu-tasks' own
-    (:func:`use_no_limits_cache`), else Prefect's ``prefect.concurrency.services._no_limits_cache``
-    (keyed by the frozenset of names). ``False`` when unknown or absent."""
-    key = frozenset(names)
+    """Whether gpu-tasks' own cache (:func:`use_no_limits_cache`) says the concurrency limits
+    ``names`` do not exist. ``False`` when unknown, or known to have one."""
     with _OWN_LOCK:
         own = _OWN_NO_LIMITS.get("cache")
-        if own is not None and own.get(key, False):
-            return True
-    found = _no_limits()
-    if found is None:
-        return False
-    with found[1]:
-        return bool(found[0].get(key, False))
+        return own is not None and bool(own.get(frozenset(names), False))
 
 
 def remember_without_limits(names: list[str]) -> None:
@@ -441,15 +428,6 @@ def current_sync_client_context() -> Any:
 
 
 # ---------------------------------------------------------------- the uses, with feature checks
-def _check_no_limits_cache() -> str | None:
-    import cachetools
-    from prefect.concurrency import services
-
-    from gpu_tasks.compat import attr
-
-    return attr(services, "_no_limits_cache", cachetools.TTLCache) or attr(services, "_cache_lock")
-
-
 def _check_engine_concurrency() -> str | None:
     import prefect.task_engine as engine
 
@@ -517,13 +495,6 @@ def _uses() -> list[Any]:
     from gpu_tasks.compat import Use
 
     return [
-        Use(
-            "prefect",
-            "prefect.concurrency.services._no_limits_cache / _cache_lock",
-            "private",
-            "read Prefect's 'no tag limits' answers; gpu-tasks keeps its own, longer, for its task runs",
-            _check_no_limits_cache,
-        ),
         Use(
             "prefect",
             "prefect.task_engine._concurrency / _aconcurrency",

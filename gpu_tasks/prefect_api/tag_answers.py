@@ -16,6 +16,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from gpu_tasks.compat.prefect import remembered_tag_sets, renew_answers
@@ -58,20 +59,27 @@ def _renew_forever(profile: Any, settings: Any) -> None:
 def refresh_no_limits() -> tuple[int, int]:
     """Ask the server whether each remembered tag set still has no limit: renew those answers, drop
     the others. Returns (renewed, dropped)."""
+    keys = remembered_tag_sets()[1]
+    if not keys:
+        return 0, 0
+    limited = limited_names({n for key in keys for n in key})
+    drop = [key for key in keys if key & limited]
+    return renew_answers([key for key in keys if not key & limited], drop), len(drop)
+
+
+def limited_names(names: Iterable[str]) -> set[str]:
+    """The concurrency limits among ``names`` (``tag:<tag>``) that exist on the server now: a read
+    each (``GET /v2/concurrency_limits/<name>``), no slot taken."""
     from prefect.exceptions import ObjectNotFound
 
     from gpu_tasks.prefect_api.api import sync_client
 
-    keys = remembered_tag_sets()[1]
-    if not keys:
-        return 0, 0
     limited: set[str] = set()
     with sync_client() as client:
-        for name in sorted({n for key in keys for n in key}):
+        for name in sorted(set(names)):
             try:
                 client.read_global_concurrency_limit_by_name(name)
             except ObjectNotFound:
                 continue
             limited.add(name)
-    drop = [key for key in keys if key & limited]
-    return renew_answers([key for key in keys if not key & limited], drop), len(drop)
+    return limited

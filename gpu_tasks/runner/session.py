@@ -30,7 +30,7 @@ from gpu_tasks.devices.measure import Sampler
 from gpu_tasks.policy import bound_at_most
 from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
 from gpu_tasks.prefect_api.states import api_unreachable
-from gpu_tasks.prefect_api.tag_answers import start_renewing
+from gpu_tasks.prefect_api.tag_answers import limited_names, start_renewing
 from gpu_tasks.prefect_api.tag_slots import SlotGate
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.events import RunRef, emit_cluster_event, emit_right_size, emit_task_event
@@ -59,7 +59,7 @@ class Live:
         self.profiles, self.default = profiles, default
         self._close_results = close_results
         self.settings = get_settings()
-        use_no_limits_cache(self.settings.tag_limit_cache_seconds)
+        use_no_limits_cache(self.settings.tag_limit_cache_seconds, limited_names)
         start_renewing()  # the answers renewed before they expire (prefect_api.tag_answers)
         warn_if_changed()  # once per process: a release that changed a private name gpu-tasks uses
         self.idle_timeout = idle_timeout

@@ -42,7 +42,7 @@ from gpu_tasks.policy import GPU_RESOURCE, crash_retry
 from gpu_tasks.prefect_api.api import sync_client
 from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
-from gpu_tasks.prefect_api.tag_answers import start_renewing
+from gpu_tasks.prefect_api.tag_answers import limited_names, start_renewing
 from gpu_tasks.profiles import profile, requested_profile
 from gpu_tasks.reporting.ledger import worker_key
 from gpu_tasks.settings import get_settings
@@ -332,7 +332,7 @@ def _worker_settings(key: str, serialized: dict[str, Any], remote: bool = False)
     with _WORKER_SETTINGS_LOCK:
         built = _WORKER_SETTINGS.get(key)
     if built is None:
-        use_no_limits_cache(get_settings().tag_limit_cache_seconds)  # once per worker and settings
+        use_no_limits_cache(get_settings().tag_limit_cache_seconds, limited_names)  # once per settings
         start_renewing()  # the answers renewed before they expire (prefect_api.tag_answers)
         cap_client_waits(get_settings().api_longest_wait, whole_process=not remote)  # Prefect's waits, capped
         ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
