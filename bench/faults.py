@@ -73,10 +73,15 @@ def task_states(url: str, task_run_id: str) -> list[dict]:
 
 
 def runs_under(
-    url: str, flow_run_ids: list[str] | None = None, flow_name: str | None = None, wait: float = SETTLE_S
+    url: str,
+    flow_run_ids: list[str] | None = None,
+    flow_name: str | None = None,
+    wait: float = SETTLE_S,
+    at_least: int = 0,
 ) -> list[dict]:
-    """Task runs of these flow runs (or of every run of ``flow_name``), once none is unfinished
-    (or after ``wait`` s)."""
+    """Task runs of these flow runs (or of every run of ``flow_name``), once at least ``at_least`` are
+    recorded (the server records them from their events, a moment later) and none is unfinished (or
+    after ``wait`` s)."""
     body: dict[str, Any] = {"limit": 200}
     if flow_run_ids is not None:
         body["flow_runs"] = {"id": {"any_": flow_run_ids}}
@@ -85,7 +90,8 @@ def runs_under(
     deadline = time.monotonic() + wait
     while True:
         runs = api(url, "POST", "/task_runs/filter", json=body)
-        if not any(r["state_type"] in UNFINISHED for r in runs) or time.monotonic() > deadline:
+        settled = len(runs) >= at_least and not any(r["state_type"] in UNFINISHED for r in runs)
+        if settled or time.monotonic() > deadline:
             return runs
         time.sleep(0.25)
 
@@ -448,7 +454,7 @@ def nested_one_slot(ctx: Ctx) -> dict:
             report(nested())
         """
     )
-    runs = runs_under(ctx.url, [out["flow_run_id"]])
+    runs = runs_under(ctx.url, [out["flow_run_id"]], at_least=8)  # top, middle, 2 leaves per profile
     done = sum(r["state_type"] == "COMPLETED" for r in runs)
     return {
         "sees": f"both chains return 140; {done}/{len(runs)} task runs COMPLETED (top → middle → 2 leaves, "
@@ -754,7 +760,7 @@ def ctrl_c_flow_script(ctx: Ctx) -> dict:
     finally:
         stop(proc)
     flow_run_id = ready.read_text()
-    runs = runs_under(ctx.url, [flow_run_id])
+    runs = runs_under(ctx.url, [flow_run_id], at_least=1)
     flow = flow_run(ctx.url, flow_run_id, lambda r: r["state_type"] in ("CRASHED", "CANCELLED"))
     return {
         "sees": f'exit {proc.returncode}; flow run {flow["state_type"]}: "{msg(flow["state"]["message"])}"; '
@@ -846,7 +852,7 @@ def soak(ctx: Ctx, runs: int = 20) -> dict:
     rows = json.loads(done.stdout.strip().splitlines()[-1])
     by_run = {r["run"]: r for r in rows}
     first, base, last = by_run[1], by_run[min(5, runs)], by_run[runs]
-    records = runs_under(ctx.url, flow_name="soak-run")
+    records = runs_under(ctx.url, flow_name="soak-run", at_least=4 * runs)
     done_runs = sum(r["state_type"] == "COMPLETED" for r in records)
     return {
         "sees": f"{runs} flow runs in one process; {done_runs}/{4 * runs} task runs COMPLETED; every cluster "

@@ -108,9 +108,9 @@ def test_a_borrowed_device_is_reclaimed_for_the_team_owed_it(teams, tmp_path, le
     # exactly one of a's tasks was reclaimed (Preempted, then Completed), and its state says by whom
     reclaimed = []
     for task_run_id in out["a_ids"]:
+        names = _state_names(task_run_id)  # polls until the server recorded the final state
         status, states = api("GET", "/task_run_states/", params={"task_run_id": task_run_id})
         assert status == 200
-        names = _state_names(task_run_id)
         assert names[-1] == "Completed", names
         if "Preempted" in names:
             [state] = [s for s in states if s["name"] == "Preempted"]

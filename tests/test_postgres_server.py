@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import uuid
 from pathlib import Path
 
@@ -130,11 +131,17 @@ def test_a_flow_on_a_prefect_server_on_postgresql_and_redis_records_every_task_r
         out = run_flow_script(tmp_path, "on_postgres.py", SCRIPT, marker, url, 240)
         assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
         assert f"RESULT {sum(x * x for x in range(TASKS))}" in out.stdout
-        runs = httpx.post(f"{url}/task_runs/filter", json={"limit": 200}, timeout=30).json()
-        states = sorted({r["state_type"] for r in runs if r["name"].startswith("square")})
-        assert len([r for r in runs if r["name"].startswith("square")]) == TASKS and states == [
-            "COMPLETED"
-        ], states
+        # the services process records the task runs from their events (through Redis, in batches):
+        # a moment after the flow script ended
+        deadline = time.monotonic() + 60
+        while True:
+            runs = httpx.post(f"{url}/task_runs/filter", json={"limit": 200}, timeout=30).json()
+            squares = [r for r in runs if r["name"].startswith("square")]
+            states = sorted({r["state_type"] for r in squares})
+            if (len(squares) == TASKS and states == ["COMPLETED"]) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert len(squares) == TASKS and states == ["COMPLETED"], (len(squares), states)
         # the server's database is the PostgreSQL one (not a SQLite file under PREFECT_HOME)
         assert not list((tmp_path / "server-home").glob("*.db")), list((tmp_path / "server-home").iterdir())
         # its events went through Redis streams and reached the database: each task run's Completed

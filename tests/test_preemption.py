@@ -242,6 +242,7 @@ def _state_names(task_run_id: str) -> list[str]:
         names = [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
         if names and names[-1] == "Completed" or time.monotonic() > deadline:
             return names
+        time.sleep(0.25)
 
 
 def _epoch(iso: str) -> float:

@@ -241,9 +241,9 @@ def _wait_running_on_server(proc: subprocess.Popen[bytes], flow_run_id: str, n: 
         time.sleep(0.1)
 
 
-def _final_states(flow_run_id: str, wait: float = 5.0) -> tuple[str, dict[str, str]]:
-    """The flow run's state type and its task runs' (by name), once no task run is Running (at most ``wait``
-    s)."""
+def _final_states(flow_run_id: str, wait: float = 20.0) -> tuple[str, dict[str, str]]:
+    """The flow run's state type and its task runs' (by name), once they are recorded and none is Running
+    (at most ``wait`` s: the server records task runs from their events, a moment later)."""
     from prefect_api import api
 
     deadline = time.monotonic() + wait
@@ -255,7 +255,7 @@ def _final_states(flow_run_id: str, wait: float = 5.0) -> tuple[str, dict[str, s
         )
         assert status == 200, task_runs
         states = {t["name"]: t["state_type"] for t in task_runs}
-        if time.monotonic() > deadline or not {"RUNNING", "PENDING"} & set(states.values()):
+        if time.monotonic() > deadline or (states and not {"RUNNING", "PENDING"} & set(states.values())):
             return flow_run["state_type"], states
         time.sleep(0.25)
 

@@ -74,7 +74,8 @@ def test_on_oom_reruns_the_task_once_on_the_larger_profile(which: str):
 
     task_run_id, result = escalates()
     assert result.startswith("big"), result
-    run = server_task_run(task_run_id)
+    # its first attempt FAILED (then AwaitingRetry, Running): wait for the rerun's final state
+    run = server_task_run(task_run_id, lambda r: r["state_type"] == "COMPLETED")
     assert run["state_type"] == "COMPLETED" and run["run_count"] == 2, run
     escalated: list = []
     deadline = time.monotonic() + 30  # events are persisted in batches

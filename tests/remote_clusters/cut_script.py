@@ -43,7 +43,14 @@ def main(address: str, marker: str, out: str, sleep: float) -> None:
 
     result = cut()
     with get_client(sync_client=True) as client:
-        run = client.read_task_run(result["task_run_id"])
+        # the server records the task run from its events, a moment after the result came back
+        deadline = time.monotonic() + 30
+        while True:
+            run = client.read_task_run(result["task_run_id"])
+            done = run.state_type is not None and run.state_type.value == "COMPLETED" and run.run_count >= 2
+            if done or time.monotonic() > deadline:
+                break
+            time.sleep(0.25)
         result["state"] = run.state_type.value if run.state_type else None
         result["run_count"] = run.run_count
         result["states"] = [s.type.value for s in client.read_task_run_states(run.id)]

@@ -53,7 +53,16 @@ def main(address: str, n: int, seconds: float, out: str) -> None:
     result = faulty()
     result["seconds"] = time.time() - start
     with get_client(sync_client=True) as client:
-        runs = [client.read_task_run(i) for i in result["ids"]]
+        # the server records the task runs from their events, a moment after the results came back
+        deadline = time.monotonic() + 30
+        while True:
+            runs = [client.read_task_run(i) for i in result["ids"]]
+            if (
+                all(r.state_type and r.state_type.value == "COMPLETED" for r in runs)
+                or time.monotonic() > deadline
+            ):
+                break
+            time.sleep(0.25)
         result["runs"] = [
             {
                 "state": r.state_type.value if r.state_type else None,

@@ -97,9 +97,21 @@ def test_a_shared_scheduler_quota_that_cannot_fit_fails_fast(gpu_hosts: Hosts, p
         quotas.delete_limit("nobody")
 
 
+def _ordered_states(task_run_id: str, timeout: float = 20.0) -> list[dict]:
+    """The task run's states, oldest first, once the server recorded a final one (it records them
+    from the flow process's events, a moment after that process ended)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        _, states = api("GET", f"/task_run_states/?task_run_id={task_run_id}")
+        ordered = sorted(states, key=lambda s: s["timestamp"])
+        final = ordered and ordered[-1]["type"] in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+        if final or time.monotonic() > deadline:
+            return ordered
+        time.sleep(0.25)
+
+
 def _states(task_run_id: str) -> list[str]:
-    _, states = api("GET", f"/task_run_states/?task_run_id={task_run_id}")
-    return [s["name"] for s in sorted(states, key=lambda s: s["timestamp"])]
+    return [s["name"] for s in _ordered_states(task_run_id)]
 
 
 @pytest.mark.parametrize("preemptible", [True, False])
@@ -379,8 +391,7 @@ def test_a_team_borrows_beyond_its_quota_on_a_shared_scheduler_and_the_owed_team
         assert len(list(starts.glob("a-*.start"))) == 3  # one task of team-a ran twice
         reclaimed = []
         for t in done:
-            _, states = api("GET", f"/task_run_states/?task_run_id={t['task_run']}")
-            ordered = sorted(states, key=lambda s: s["timestamp"])
+            ordered = _ordered_states(t["task_run"])
             reclaimed += [s["message"] for s in ordered if s["name"] == "Preempted"]
             assert ordered[-1]["name"] == "Completed", [s["name"] for s in ordered]
         [message] = reclaimed
