@@ -244,7 +244,7 @@ def test_a_worker_learns_a_tag_set_after_prefects_check_by_reading_the_limits(mo
     import prefect.task_engine as engine
     from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
-    from gpu_tasks.compat.prefect import known_without_limits, ours, use_no_limits_cache
+    from gpu_tasks.compat.prefect import _OWN_NO_LIMITS, known_without_limits, ours, use_no_limits_cache
     from gpu_tasks.prefect_api import tag_answers
 
     read: list[list[str]] = []
@@ -256,7 +256,8 @@ def test_a_worker_learns_a_tag_set_after_prefects_check_by_reading_the_limits(mo
     free, limited = f"tag:w-free-{uuid.uuid4().hex[:8]}", f"tag:w-limited-{uuid.uuid4().hex[:8]}"
     # Prefect's own cache, made to say the limited set has none: gpu-tasks does not read it
     _shipped_cache(monkeypatch, frozen=True)[frozenset([limited])] = True
-    use_no_limits_cache(60, counted)
+    use_no_limits_cache(60, tag_answers.limited_names)  # as a worker process has it
+    monkeypatch.setitem(_OWN_NO_LIMITS, "ask", counted)  # its reads counted, for this test only
     code, body = api("POST", "/v2/concurrency_limits/", json={"name": limited, "limit": 5})
     assert code == 201, body
     try:

@@ -1,5 +1,5 @@
 """The per-task path of a GPU profile: hand-offs to Dask in batches, inputs walked cheaply,
-tag checks answered from Prefect's cache, tasks prepared once per allocation."""
+tag checks answered from gpu-tasks' "no limits" answers, tasks prepared once per allocation."""
 
 from __future__ import annotations
 
@@ -178,7 +178,8 @@ def test_a_batch_the_cluster_refuses_fails_its_tasks_with_the_reason(monkeypatch
 def test_tag_checks_the_cache_answers_do_not_reach_prefects_slot_service(monkeypatch):
     import prefect.concurrency._sync as slots
 
-    from gpu_tasks.compat.prefect import ours, tag_slots_held_by_flow
+    from gpu_tasks.compat.prefect import ours, tag_slots_held_by_flow, use_no_limits_cache
+    from gpu_tasks.prefect_api.tag_answers import limited_names
 
     asked: list[list[str]] = []
     real = slots.acquire_concurrency_slots_with_lease
@@ -188,6 +189,7 @@ def test_tag_checks_the_cache_answers_do_not_reach_prefects_slot_service(monkeyp
         return real(names, *args, **kwargs)
 
     monkeypatch.setattr(slots, "acquire_concurrency_slots_with_lease", counted)
+    use_no_limits_cache(60, limited_names)  # as a worker process does for its first flow run
     with tag_slots_held_by_flow(uuid.uuid4(), ()):  # installs gpu-tasks' check in the engine
         pass
     tag = f"gt-no-limit-{uuid.uuid4().hex[:8]}"
@@ -198,9 +200,10 @@ def test_tag_checks_the_cache_answers_do_not_reach_prefects_slot_service(monkeyp
 
     with ours():  # as in a task run gpu-tasks runs
         assert tagged() == 7
-        assert asked == [[f"tag:{tag}"]]  # first: the server is asked, and says there is no limit
+        # first: Prefect's check asks the server, then gpu-tasks reads that the tag has no limit
+        assert asked == [[f"tag:{tag}"]]
         assert tagged() == 7 and tagged() == 7
-        assert asked == [[f"tag:{tag}"]]  # then the cached answer, with no request made
+        assert asked == [[f"tag:{tag}"]]  # then gpu-tasks' answer, with no slot request made
     assert tagged() == 7  # a task run gpu-tasks does not run: Prefect's slot service, as shipped
     assert asked == [[f"tag:{tag}"]] * 2
 
