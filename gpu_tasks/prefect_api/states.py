@@ -209,6 +209,27 @@ def _report(
     return state, run
 
 
+def retry_after_crash(
+    task: Any, task_run: Any, flow_run_id: uuid.UUID | None, crashes: int
+) -> tuple[float | None, int, int]:
+    """After the crash report of ``task_run`` (``None``: the report failed), whether ``task`` runs
+    again, by the one rule for crashed task runs (:func:`gpu_tasks.policy.crash_retry`): the runner's
+    for a worker of its own, a shared worker's for a task its scheduler re-ran. ``crashes`` is how
+    many crashes of this task run came before. Returns (seconds before the retry, or ``None`` when no
+    retry is left; the attempt that crashed; the retries allowed). With a delay, the task run is
+    ``AwaitingRetry`` now."""
+    from gpu_tasks.policy import crash_retry
+
+    attempts = max(crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
+    retries = int(task.retries or 0)
+    if task_run is None:
+        return None, attempts, retries
+    delay = crash_retry(retries, attempts, task.retry_delay_seconds, crashes)
+    if delay is not None:
+        await_retry(task_run, flow_run_id, delay)
+    return delay, attempts, retries
+
+
 def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0) -> Any:
     """Move ``task_run`` to ``AwaitingRetry`` (re-run in ``delay`` s) and report it; returns the state."""
     import datetime

@@ -14,8 +14,13 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from gpu_tasks.policy import crash_retry
-from gpu_tasks.prefect_api.states import await_retry, crash_task_run, preempt_task_run, read_task_run
+from gpu_tasks.prefect_api.states import (
+    await_retry,
+    crash_task_run,
+    preempt_task_run,
+    read_task_run,
+    retry_after_crash,
+)
 from gpu_tasks.profiles import profile
 from gpu_tasks.reporting.ledger import LedgerRow
 from gpu_tasks.reporting.logs import flow_logger
@@ -168,15 +173,9 @@ class Recovery:
         ):
             self._escalate(job, task_run, message)
             return None
-        attempts = max(job.crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
-        retries = int(job.task.retries or 0)
+        delay, attempts, retries = retry_after_crash(job.task, task_run, live.flow_run_id, job.crashes)
         log = flow_logger()
-        delay = (
-            None
-            if task_run is None
-            else crash_retry(retries, attempts, job.task.retry_delay_seconds, job.crashes)
-        )
-        if delay is None:
+        if delay is None or task_run is None:
             log.error(
                 "Task run %s crashed: %s%s",
                 job.task_run_id,
@@ -185,7 +184,6 @@ class Recovery:
             )
             self._finish(job, result=state)
             return None
-        await_retry(task_run, live.flow_run_id, delay)
         job.crashes += 1
         job.continues(task_run)
         log.warning(

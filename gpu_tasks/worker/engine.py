@@ -38,7 +38,7 @@ from gpu_tasks.compat.prefect import (
 )
 from gpu_tasks.compat.prefect_client import cap_client_waits
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
-from gpu_tasks.policy import GPU_RESOURCE, crash_retry
+from gpu_tasks.policy import GPU_RESOURCE
 from gpu_tasks.prefect_api.api import sync_client
 from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
@@ -220,7 +220,7 @@ def _after_lost_worker(
 
     from gpu_tasks.compat.api_busy import BusyWait, busy_timeout
     from gpu_tasks.compat.prefect import current_sync_client_context
-    from gpu_tasks.prefect_api.states import await_retry, crash_task_run
+    from gpu_tasks.prefect_api.states import crash_task_run, retry_after_crash
 
     ctx = current_sync_client_context()
     # a task holds its worker's GPU while it waits: ask every 5 s at most, to start soon after
@@ -241,18 +241,14 @@ def _after_lost_worker(
         f"re-ran it on {alloc.worker} ({alloc.label()})"
     )
     state, task_run = crash_task_run(kwargs["task_run_id"], task, flow_run, message, tags=set(task.tags))
-    attempts = max(1, int(getattr(task_run, "run_count", 0) or 0))
-    retries = int(task.retries or 0)
     # the runner's own rule for a dead worker (gpu_tasks.runner.recovery), its retry delay included
-    delay = (
-        None if task_run is None else crash_retry(retries, attempts, task.retry_delay_seconds, attempts - 1)
-    )
-    if delay is None:
+    crashes = max(0, int(getattr(task_run, "run_count", 0) or 0) - 1)
+    delay, attempts, retries = retry_after_crash(task, task_run, flow_run, crashes)
+    if delay is None or task_run is None:
         logger.error(
             "task run %s crashed: %s; no retries left (%d allowed)", kwargs["task_run_id"], message, retries
         )
         return state
-    await_retry(task_run, flow_run, delay)
     logger.warning(
         "task run %r crashed: %s; retrying it (retry %d of %d) in %gs",
         task_run.name,
