@@ -18,6 +18,8 @@ class SettingsError(GpuTasksError, ValueError):
 class ProfileError(GpuTasksError, ValueError):
     """A resource profile (or its TOML file) is invalid."""
 
+    fields: tuple[tuple[str, ...], ...] = ()  # the fields at fault (dotted paths), where known
+
 
 class UnknownProfileError(GpuTasksError, KeyError):
     """A task names a profile the runner does not know."""

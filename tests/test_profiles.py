@@ -540,3 +540,27 @@ def test_the_profiles_file_and_the_priority_setting_are_named(monkeypatch, tmp_p
     assert warnings == []
     info, warnings = _sources(monkeypatch, {"GPU_TASKS_PRIORITY": "10"}, [ResourceProfile(name="cpu")])
     assert info == [] and warnings == ["GPU_TASKS_PRIORITY=10 changes no profile: none asks for GPUs"]
+
+
+def test_a_bad_field_in_a_profiles_file_is_named_with_its_line(tmp_path):
+    """The file, the line and the field, in one line: the key's own line, a nested option's line in
+    its sub-table, an inline table's line, the profile's header for a rule across fields."""
+    cases = {
+        "[profiles.cpu]\ncpus = 1\n\n[profiles.gpu]\ngpus = 1\nbogus = 3\n": (
+            ", line 6: profile 'gpu': bogus is not a profile field"
+        ),
+        '[profiles.gpu]\ngpus = 1\n\n[profiles.gpu.cuda]\nrmm_pool_size = "lots"\n': (
+            ", line 5: profile 'gpu': cuda.rmm_pool_size must be a size"
+        ),
+        "# ours\n[profiles]\ncpu = { cpus = 1 }\ngpu = { gpus = 0.3 }\n": (
+            ", line 4: profile 'gpu': gpus must be a whole number"
+        ),
+        '[profiles."gpu"]\ngpus = 1\nname = "other"\n': ", line 3: [profiles.gpu] sets name = 'other'",
+        "\n[profiles.gpu]\ngpus = 2\nprocesses = false\n": ", line 2: profile 'gpu': processes=False is not",
+    }
+    for i, (text, says) in enumerate(cases.items()):
+        path = tmp_path / f"p{i}.toml"
+        path.write_text(text)
+        with pytest.raises(ProfileError) as info:
+            load_profiles_file(path)
+        assert str(info.value).startswith(f"profiles file {str(path)!r}{says}"), (text, str(info.value))

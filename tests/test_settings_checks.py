@@ -136,7 +136,7 @@ def test_a_flow_script_with_a_bad_setting_fails_at_import_without_a_server(tmp_p
 @pytest.mark.parametrize(
     ("text", "says"),
     [
-        ("[profiles.gpu]\ngpus = 0.3\n", "profile 'gpu': gpus must be a whole number or 1/k"),
+        ("[profiles.gpu]\ngpus = 0.3\n", ", line 2: profile 'gpu': gpus must be a whole number or 1/k"),
         ("[profiles.gpu]\ngpus = 1\n\n[profiles.etl\n", "is not valid TOML: "),
         ('default = "small"\n[profiles.gpu]\ngpus = 1\n', "default profile 'small' is not defined"),
     ],

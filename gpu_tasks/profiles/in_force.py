@@ -20,11 +20,14 @@ if TYPE_CHECKING:
 DEFAULT_PROFILE = "cpu"  # untagged tasks run here; added as a plain CPU profile when not defined
 
 
-def profiles_from_mapping(data: Mapping[str, Any], source: str = "profiles") -> dict[str, ResourceProfile]:
-    """Build profiles from ``{"profiles": {name: {field: value}}}``.
+def profiles_from_mapping(
+    data: Mapping[str, Any], source: str = "profiles", text: str | None = None
+) -> dict[str, ResourceProfile]:
+    """Build profiles from ``{"profiles": {name: {field: value}}}``; ``text``: the TOML they were read
+    from, for the line of a field at fault.
 
     Raises:
-        ProfileError: naming ``source`` and the profile at fault.
+        ProfileError: naming ``source`` (and the line, with ``text``) and the profile at fault.
     """
     tables = data.get("profiles")
     if not isinstance(tables, Mapping) or not tables:
@@ -36,17 +39,53 @@ def profiles_from_mapping(data: Mapping[str, Any], source: str = "profiles") -> 
         )
     out: dict[str, ResourceProfile] = {}
     for name, fields in tables.items():
+
+        def at(field: tuple[str, ...] = (), name: str = name) -> str:
+            line = None if text is None else line_of(text, ("profiles", name, *field))
+            return source if line is None else f"{source}, line {line}"
+
         if not isinstance(fields, Mapping):
-            raise ProfileError(f"{source}: [profiles.{name}] must be a table of fields")
+            raise ProfileError(f"{at()}: [profiles.{name}] must be a table of fields")
         if "name" in fields and fields["name"] != name:
             raise ProfileError(
-                f"{source}: [profiles.{name}] sets name = {fields['name']!r}; drop it or make it match"
+                f"{at(('name',))}: [profiles.{name}] sets name = {fields['name']!r}; drop it or make it match"
             )
         try:
             out[name] = ResourceProfile(**{**fields, "name": name})
         except ProfileError as exc:
-            raise ProfileError(f"{source}: {exc}") from None
+            raise ProfileError(f"{at(exc.fields[0] if exc.fields else ())}: {exc}") from None
     return out
+
+
+def line_of(text: str, path: tuple[str, ...]) -> int | None:
+    """The line (from 1) of TOML ``text`` that sets the key at ``path`` (``("profiles", "gpu",
+    "gpus")``), else of the nearest table or key above it that the text has (the inline table holding
+    it, its table's header); ``None`` when none is found. A plain scan for error messages: keys as
+    ``[a.b]`` headers, ``k = v`` and dotted ``a.b = v`` lines, bare or quoted."""
+    import re
+
+    def parts(key: str) -> tuple[str, ...]:
+        return tuple(p.strip().strip("\"'") for p in key.split("."))
+
+    table: tuple[str, ...] = ()
+    best: tuple[int, int] | None = None  # (how much of path it covers, line)
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        header = re.match(r"^\[\[?([^\]]+)\]\]?", line)
+        if header:
+            table = parts(header.group(1))
+            found = table
+        else:
+            key = re.match(r"^([A-Za-z0-9_\-.\"' ]+?)\s*=", line)
+            if not key:
+                continue
+            found = table + parts(key.group(1))
+        covered = len(found) if path[: len(found)] == found else 0
+        if covered == len(path):
+            return number
+        if covered >= 2 and (best is None or covered > best[0]):
+            best = (covered, number)
+    return None if best is None else best[1]
 
 
 def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, ResourceProfile], str | None]:
@@ -80,7 +119,8 @@ def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, Re
     default = data.get("default")
     if default is not None and not isinstance(default, str):
         raise ProfileError(f"profiles file {str(path)!r}: default must be a profile name string")
-    return profiles_from_mapping(data, source=f"profiles file {str(path)!r}"), default
+    text = raw.decode("utf-8")
+    return profiles_from_mapping(data, source=f"profiles file {str(path)!r}", text=text), default
 
 
 # --------------------------------------------------------------------- in force

@@ -322,7 +322,9 @@ class ResourceProfile(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            raise ProfileError(_describe(exc, data.get("name"))) from None
+            error = ProfileError(_describe(exc, data.get("name")))
+            error.fields = tuple(tuple(str(p) for p in e["loc"]) for e in exc.errors())
+            raise error from None
 
     @model_validator(mode="before")
     @classmethod
