@@ -283,14 +283,20 @@ def read_locked(path: Path, uid: int) -> dict[str, Any] | None:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
             return None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return dict(read_info(fd), uid=uid, user=user_name(uid))
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
+        return dict(read_info(fd), uid=uid, user=user_name(uid)) if locked_elsewhere(fd) else None
     finally:
         os.close(fd)
+
+
+def locked_elsewhere(fd: int) -> bool:
+    """Whether another open file holds a lock on ``fd``'s file: its holder or waiter is alive. The
+    shared lock taken to find out is let go at once."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return False
 
 
 def write_info(fd: int, info: dict[str, Any]) -> None:

@@ -337,9 +337,7 @@ def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = N
                 continue
             raise
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if lease_files.locked_elsewhere(fd):
                 out.append(dict(_read_info(fd), file=path.name))
                 continue
             # dead (or has just left): names are never reused. Another user's dead waiter cannot be
@@ -449,13 +447,10 @@ def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
         fd = -1
     if fd >= 0:
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
+            if lease_files.locked_elsewhere(fd):
                 if lease_files.is_shared(lease_dir):  # the holder's own info file names it
                     return lease_files.live_info(lease_dir, address) or {}
                 return _read_info(fd)
-            fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
     return presence.elsewhere(lease_dir, [address]).get(address)

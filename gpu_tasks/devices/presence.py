@@ -29,7 +29,7 @@ from gpu_tasks.devices import lease_files
 
 logger = logging.getLogger(__name__)
 
-_PREFIX, _SUFFIX = "device-", ".lock"
+_PREFIX, _SUFFIX = lease_files.PREFIX, lease_files.SUFFIX  # named as the lease files are
 _warned: set[str] = set()
 _told: set[tuple[str, int, Any]] = set()
 HINT = (

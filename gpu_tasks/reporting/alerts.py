@@ -14,14 +14,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gpu_tasks.reporting.ledger import LedgerRow
+from gpu_tasks.reporting.ledger import LedgerRow, device_order
 from gpu_tasks.settings import GpuTasksSettings
 
 NO_ALERT = "none"
-
-
-def _device_order(device: str) -> tuple[bool, int, str]:
-    return (not device.isdigit(), int(device) if device.isdigit() else 0, device)
 
 
 @dataclass(frozen=True)
@@ -40,7 +36,7 @@ class RunTotals:
     def of(cls, rows: Sequence[LedgerRow]) -> RunTotals:
         """The totals of ``rows`` (CPU rows count only for their waits, which are always 0)."""
         gpu = [r for r in rows if r.devices]
-        devices = sorted({d for r in gpu for d in r.devices}, key=_device_order)
+        devices = sorted({d for r in gpu for d in r.devices}, key=device_order)
         return cls(
             held_seconds=sum(r.held_seconds for r in gpu),
             busy_seconds=sum(r.busy_seconds for r in gpu),

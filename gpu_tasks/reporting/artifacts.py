@@ -22,7 +22,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, right_size, wiring_advice
+from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_order, percent, right_size, wiring_advice
 from gpu_tasks.reporting.measured import Measured, gib
 
 logger = logging.getLogger(__name__)
@@ -54,11 +54,6 @@ def clock_range(start: float, end: float) -> str:
     return f"{clock(start)}–{clock(end)}"
 
 
-def percent(part: float, whole: float) -> int:
-    """``part`` of ``whole`` in whole percent, 0 when ``whole`` is 0."""
-    return round(100 * part / whole) if whole > 0 else 0
-
-
 _REASONS = (
     (re.compile(r"^scaled down: idle for ([0-9.]+s).*$"), r"scaled down, idle \1"),
     (re.compile(r"^released its devices early: profile ('[^']*') is waiting for them$"), r"released for \1"),
@@ -71,10 +66,6 @@ def short_reason(reason: str) -> str:
     for pattern, replacement in _REASONS:
         reason = pattern.sub(replacement, reason)
     return reason if len(reason) <= REASON_WIDTH else reason[: REASON_WIDTH - 1].rstrip() + "…"
-
-
-def _device_order(device: str) -> tuple[bool, int, str]:
-    return (not device.isdigit(), int(device) if device.isdigit() else 0, device)
 
 
 def _short_model(model: str, emulated_said: bool) -> str:
@@ -186,7 +177,7 @@ def _overlap(s1: float, e1: float, s2: float, e2: float) -> float:
 def timeline_spans(rows: Sequence[LedgerRow]) -> list[DeviceSpan]:
     """Every device holding of the run: by device, then in time order."""
     spans = [span for row in rows for span in row.spans]
-    return sorted(spans, key=lambda s: (_device_order(s.device), s.start, s.end))
+    return sorted(spans, key=lambda s: (device_order(s.device), s.start, s.end))
 
 
 def device_models(spans: Sequence[DeviceSpan]) -> str:

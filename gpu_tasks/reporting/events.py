@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_tasks.reporting.alerts import AlertThresholds, RunTotals, alert_label, run_alerts
+from gpu_tasks.reporting.ledger import percent
 
 if TYPE_CHECKING:
     from gpu_tasks.profiles import ResourceProfile
@@ -132,10 +133,6 @@ def _plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def _percent(part: float, whole: float) -> int:
-    return round(100 * part / whole) if whole > 0 else 0
-
-
 def _number(value: float) -> str:
     """A label's number: ``12.345``, ``0``, ``inf``."""
     if math.isinf(value):
@@ -178,7 +175,7 @@ def subject(profile: str, devices: Sequence[str], emulated: bool, gpu: bool = Tr
 def usage_phrase(held: float, busy: float, tasks: int | None, devices: bool = True) -> str:
     """``held 12.3 device-s, busy 1.2 (10%), 4 tasks``."""
     unit = "device-s" if devices else "s"
-    text = f"held {held:.1f} {unit}, busy {busy:.1f} ({_percent(busy, held)}%)"
+    text = f"held {held:.1f} {unit}, busy {busy:.1f} ({percent(busy, held)}%)"
     return text + (f", {_plural(tasks, 'task')}" if tasks is not None else "")
 
 

@@ -135,6 +135,16 @@ class LedgerRow:
         }
 
 
+def percent(part: float, whole: float) -> int:
+    """``part`` of ``whole`` in whole percent, 0 when ``whole`` is 0."""
+    return round(100 * part / whole) if whole > 0 else 0
+
+
+def device_order(device: str) -> tuple[bool, int, str]:
+    """Sort key for device ids: numbers in numeric order, then the others (UUIDs, names)."""
+    return (not device.isdigit(), int(device) if device.isdigit() else 0, device)
+
+
 def worker_key(devices: Iterable[str]) -> str:
     """Key that ties a task's timing to its worker: its devices, or ``"cpu"``."""
     return ",".join(devices) or "cpu"
