@@ -272,12 +272,10 @@ class DeviceBook:
                 if (o := self.holders.get(a)) not in (None, owner)
             }
             unheld = sorted(a for a in wanted & leased if self.holders.get(a) is None)
-            local = [dict(w) for w in self.waiting.values() if w["profile"] != owner]
-            files = {w.get("file") for w in self.waiting.values()}
         for address, info in leases.holders(self.lease_dir, unheld).items():
             if info is not None:
                 infos[address] = dict(info, other_user=info.get("uid", os.getuid()) != os.getuid())
-        rivals = local + [w for w in leases.waiters(self.lease_dir, usage) if w["file"] not in files]
+        rivals = self.rivals(usage, besides=owner)
         team = me.get("quota")
         ahead = tuple(
             wait_reasons.Ahead(
@@ -385,7 +383,7 @@ class DeviceBook:
                 if any(h not in (None, owner) for h in held) or all(h == owner for h in held):
                     continue
                 if rivals is None:
-                    rivals = self._rivals(owner, usage or {})
+                    rivals = self.rivals(usage or {}, besides=owner)
                 before = leases.ahead(me, rivals, [d.address for d in g], now, usage)
                 if before and me["quota"] is not None:  # a waiter beyond its quota yields to one owed it
                     before = lending.still_ahead(me, before)
@@ -471,10 +469,12 @@ class DeviceBook:
         with self.cond:
             return self.skipped.pop(owner, [])
 
-    def _rivals(self, owner: str, usage: dict[str, float]) -> list[dict[str, Any]]:
-        """Other profiles' waiters in this book, and the live waiters of other books (processes)."""
-        local = [w for w in self.waiting.values() if w["profile"] != owner]
-        mine = {w.get("file") for w in self.waiting.values()}
+    def rivals(self, usage: dict[str, float], besides: str | None = None) -> list[dict[str, Any]]:
+        """This book's waiters (copies; those of profile ``besides`` left out) and the live waiters of
+        other books (processes: their waiter files, ranked with the teams' ``usage``)."""
+        with self.cond:
+            local = [dict(w) for w in self.waiting.values() if besides is None or w["profile"] != besides]
+            mine = {w.get("file") for w in self.waiting.values()}
         return local + [w for w in leases.waiters(self.lease_dir, usage) if w["file"] not in mine]
 
     def _enqueue(self, owner: str, me: dict[str, Any]) -> leases.Waiter:
@@ -596,10 +596,8 @@ class DeviceBook:
         with self.cond:
             if not any(o in preemptible for o in self.holders.values()):
                 return None
-            local = [dict(w) for w in self.waiting.values()]
-        files = {w.get("file") for w in local}
         usage = self._usage()
-        rivals = local + [w for w in leases.waiters(self.lease_dir, usage) if w["file"] not in files]
+        rivals = self.rivals(usage)
         now = time.time()
         holder_of: preemption.HolderOf | None = None
         for waiter in sorted(rivals, key=lambda w: leases.rank(w, now, usage)):

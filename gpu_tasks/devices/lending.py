@@ -70,10 +70,8 @@ def ask_of(waiter: dict[str, Any]) -> Ask:
 
 def _waiters_for(book: Any, me: dict[str, Any], addresses: list[str]) -> list[dict[str, Any]]:
     """The other waiters of ``book`` and of other processes that want any of ``addresses``."""
-    local = [w for w in book.waiting.values() if w is not me and w["profile"] != me["profile"]]
-    files = {w.get("file") for w in book.waiting.values()}
-    foreign = [w for w in leases.waiters(book.lease_dir, {}) if w["file"] not in files]
-    return [w for w in local + foreign if set(addresses) & set(w.get("addresses") or ())]
+    rivals = book.rivals({}, besides=me["profile"])
+    return [w for w in rivals if set(addresses) & set(w.get("addresses") or ())]
 
 
 def borrow_slots(
@@ -170,9 +168,7 @@ def reclaim_due(book: Any, preemptible: set[str]) -> tuple[dict[str, Any], list[
         ours = {a for a in book.borrowed if book.holders.get(a) in preemptible}
         if not ours:
             return None
-        local = [dict(w) for w in book.waiting.values()]
-    files = {w.get("file") for w in local}
-    rivals = local + [w for w in leases.waiters(book.lease_dir, {}) if w["file"] not in files]
+    rivals = book.rivals({})
     now = time.time()
     due = [
         w
