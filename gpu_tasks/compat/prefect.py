@@ -211,12 +211,12 @@ def _learn(kwargs: dict[str, Any]) -> None:
         if own is None or ask is None or key in own:
             return
     try:
-        limited = ask(sorted(key))
-    except Exception:  # a busy or unreachable server: Prefect's check runs next time too
+        known = not ask(sorted(key))
+    except Exception:  # a busy or unreachable server: Prefect's check, without a read per task run
         logger.debug("gpu-tasks: could not read the limits of %s", sorted(key), exc_info=True)
-        return
+        known = False  # asked again once this answer expires
     with _OWN_LOCK:
-        own[key] = not limited
+        own[key] = known
 
 
 def _install_tag_slot_skip() -> None:

@@ -29,7 +29,6 @@ from gpu_tasks.devices import lease_files
 
 logger = logging.getLogger(__name__)
 
-_PREFIX, _SUFFIX = lease_files.PREFIX, lease_files.SUFFIX  # named as the lease files are
 _warned: set[str] = set()
 _told: set[tuple[str, int, Any]] = set()
 HINT = (
@@ -94,7 +93,8 @@ def mark(addresses: Iterable[str], lease_dir: Path, info: dict[str, Any]) -> dic
     shown["lease_dir"] = str(lease_dir)
     out = {}
     for address in addresses:
-        path = where / f"{_PREFIX}{quote(address, safe='')}.{os.getuid()}.{key(lease_dir)}{_SUFFIX}"
+        name = f"{quote(address, safe='')}.{os.getuid()}.{key(lease_dir)}"
+        path = where / f"{lease_files.PREFIX}{name}{lease_files.SUFFIX}"
         try:
             fd = lease_files.open_own(path, 0o644)
         except OSError as exc:
@@ -130,9 +130,9 @@ def elsewhere(lease_dir: Path, addresses: Iterable[str] | None = None) -> dict[s
     except OSError:
         return {}
     for name in names:
-        if not (name.startswith(_PREFIX) and name.endswith(_SUFFIX)):
+        if not (name.startswith(lease_files.PREFIX) and name.endswith(lease_files.SUFFIX)):
             continue
-        parts = name[len(_PREFIX) : -len(_SUFFIX)].rsplit(".", 2)
+        parts = name[len(lease_files.PREFIX) : -len(lease_files.SUFFIX)].rsplit(".", 2)
         if len(parts) != 3 or not parts[1].isdigit():
             continue
         address, uid, theirs = unquote(parts[0]), int(parts[1]), parts[2]

@@ -6,6 +6,7 @@ default; :func:`profile_sources` says where their values came from.
 
 from __future__ import annotations
 
+import re
 import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -62,7 +63,6 @@ def line_of(text: str, path: tuple[str, ...]) -> int | None:
     "gpus")``), else of the nearest table or key above it that the text has (the inline table holding
     it, its table's header); ``None`` when none is found. A plain scan for error messages: keys as
     ``[a.b]`` headers, ``k = v`` and dotted ``a.b = v`` lines, bare or quoted."""
-    import re
 
     def parts(key: str) -> tuple[str, ...]:
         return tuple(p.strip().strip("\"'") for p in key.split("."))
