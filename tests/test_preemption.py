@@ -25,7 +25,9 @@ from gpu_tasks.preemption import due, plan
 # again after a preemption, if given). With `hold_for`, a task's first run holds its device
 # until profile `hold_for` (another flow run) waits for a device in the lease queue, then sleeps
 # `seconds`: that run's start-up, however slow, finds the device held. `hold_for="*"`: until a
-# profile other than its own waits (once one has, no run's task holds). With `go`, the flow
+# profile other than its own waits for room in its quota, as its waiter's noted reason says (once
+# one has, no run's task holds; a wait for a device another run leased for a moment does not
+# count: ending the hold then let the runs finish before any met the full quota). With `go`, the flow
 # submits its tasks once that file exists: a run started early arrives when the test says.
 # Every start of a task body leaves a file in `starts` (a preempted task starts twice); the
 # flow's outcome and the times it submitted and finished go to `out`.
@@ -55,7 +57,11 @@ RUN = textwrap.dedent(
         while CFG.get("hold_for") and not SAW.exists() and time.monotonic() < deadline:
             if any(
                 w.get("profile") == CFG["hold_for"]
-                or (CFG["hold_for"] == "*" and w.get("profile") != CFG["profile"]["name"])
+                or (
+                    CFG["hold_for"] == "*"
+                    and w.get("profile") != CFG["profile"]["name"]
+                    and (leases.read_why(None, w["file"]) or {}).get("kind") == "quota-full"
+                )
                 for w in leases.waiters()
             ):
                 SAW.write_text(str(time.time()))

@@ -141,9 +141,11 @@ def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_di
                 3,
                 rng.uniform(0.3, 1.2),
                 go=go,
-                # a task holds its device until another run waits: on a loaded machine the runs'
-                # leases came seconds apart, each found the quota free and none waited (the test
-                # would show nothing; 1 of 2 parallel phases on 2026-12-04)
+                # a task holds its device until another run waits for room in the quota: on a
+                # loaded machine the runs' leases came seconds apart, each found the quota free and
+                # none waited (the test would show nothing; 1 of 2 parallel phases on 2026-12-04);
+                # ending the hold at any wait (for a device another run had leased a moment) let
+                # the runs finish before any met the full quota (a clean-clone CI run, stop 63)
                 hold_for="*",
                 GPU_TASKS_EMULATED_GPUS="4",
             )
@@ -173,7 +175,8 @@ def test_four_flow_runs_never_hold_more_than_the_quota(quota, tmp_path, lease_di
     assert samples and max(samples) <= 2, samples
     assert max(samples) == 2  # the quota was used up at times: the runs had to share it
     waited = [out["log"] for out in outs.values() if f"waiting for room in quota {quota!r}" in out["log"]]
-    assert waited, "no flow run waited for the quota"
+    said = [f"{name}: {line}" for name, out in outs.items() for line in out["log"].splitlines()]
+    assert waited, "no flow run waited for the quota:\n" + "\n".join(s for s in said if "profile '" in s)
     assert "held on this host by device" in waited[0]
     [row] = [q for q in quotas.usage(leases.holders(lease_dir)) if q["quota"] == quota]
     assert row["in_use"] == 0 and row["holders_here"] == []
