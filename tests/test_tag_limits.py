@@ -11,6 +11,10 @@ is left as shipped.
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+import textwrap
 import time
 import uuid
 
@@ -270,3 +274,73 @@ def test_a_worker_learns_a_tag_set_after_prefects_check_by_reading_the_limits(mo
         api("DELETE", f"/v2/concurrency_limits/{limited}")
     assert known_without_limits([free]) and not known_without_limits([limited])
     assert read == [[free], [limited]]  # once each: the answers are kept, both of them
+
+
+RENEWED = textwrap.dedent(
+    """
+    import json, threading, time
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    @task
+    def first():
+        return 1
+
+    @task
+    def later():  # in the worker process: its answers, kept past their time-to-live or not
+        from gpu_tasks.compat.prefect import _OWN_NO_LIMITS, remembered_tag_sets
+
+        ttl, learned = remembered_tag_sets()
+        time.sleep(3 * ttl)  # each answer expires within this unless it is renewed
+        cache = _OWN_NO_LIMITS["cache"]
+        return {
+            "ttl": ttl,
+            "learned": [sorted(k) for k in learned],
+            "kept": [sorted(k) for k in learned if k in cache],
+            "threads": [t.name for t in threading.enumerate()],
+        }
+
+    GPU = ResourceProfile(name="gpu", gpus=1)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="cpu", cpus=0.5), GPU], default="cpu"))
+    def renewed():
+        first.with_options(tags=[profile("gpu")]).submit().result()
+        return later.with_options(tags=[profile("gpu")]).submit().result()
+
+    print("RESULT", json.dumps(renewed()))
+    """
+)
+
+
+def test_a_worker_renews_its_answers_on_prefects_ephemeral_api(tmp_path):
+    """A plain script on Prefect's default ephemeral API (no server started), as a user runs it: a
+    GPU profile's worker process renews the "no tag limits" answers its task runs learned, asking the
+    flow run's server, so they do not all expire at once mid-map. A worker's own settings name no
+    server there (the flow run's come with each task), and the renewing thread, started from them,
+    never ran: every answer expired after GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS and the next task
+    runs queued at Prefect's slot check (a 1,000-task map took 30-88 s instead of 5)."""
+    from faults._procs import clean_env, kill_marked, wait_gone
+
+    marker = uuid.uuid4().hex
+    (tmp_path / "renewed.py").write_text(RENEWED)
+    env = clean_env(
+        marker,
+        PREFECT_HOME=str(tmp_path / "prefect-home"),
+        GPU_TASKS_EMULATED_GPUS="1",
+        GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS="2",
+    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "renewed.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240
+        )
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        _, left = wait_gone(marker, timeout=10)
+        assert not left, f"processes outlived the script: {left}"
+    finally:
+        kill_marked(marker)
+    [line] = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+    out = json.loads(line.removeprefix("RESULT "))
+    assert out["ttl"] == 2.0
+    assert any(any("gpu" in name for name in key) for key in out["learned"]), out
+    assert out["kept"] == out["learned"], out
+    assert "gpu-tasks-tag-limits" in out["threads"], out["threads"]

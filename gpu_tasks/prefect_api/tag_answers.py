@@ -27,12 +27,18 @@ _STARTED: dict[str, int] = {}
 _LOCK = threading.Lock()
 
 
-def start_renewing() -> None:
-    """Start this process's renewing thread (once per process; after a fork, once in the child)."""
+def start_renewing(profile: Any = None, settings: Any = None) -> None:
+    """Start this process's renewing thread (once per process; after a fork, once in the child), for
+    the server of ``settings`` (a built ``SettingsContext``'s profile and settings: a worker's, from
+    its flow run), or else of the settings in force now (the flow process's)."""
     from prefect.context import SettingsContext
 
-    found = SettingsContext.get()
-    if found is None or not found.settings.api.url:
+    if settings is None:
+        found = SettingsContext.get()
+        if found is None:
+            return
+        profile, settings = found.profile, found.settings
+    if not settings.api.url:
         return
     with _LOCK:
         if _STARTED.get("pid") == os.getpid():
@@ -40,7 +46,7 @@ def start_renewing() -> None:
         _STARTED["pid"] = os.getpid()
     # the settings of the process's first such run (its server's address), never a run's context
     threading.Thread(
-        target=_renew_forever, args=(found.profile, found.settings), name="gpu-tasks-tag-limits", daemon=True
+        target=_renew_forever, args=(profile, settings), name="gpu-tasks-tag-limits", daemon=True
     ).start()
 
 

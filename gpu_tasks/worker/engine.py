@@ -329,10 +329,12 @@ def _worker_settings(key: str, serialized: dict[str, Any], remote: bool = False)
         built = _WORKER_SETTINGS.get(key)
     if built is None:
         use_no_limits_cache(get_settings().tag_limit_cache_seconds, limited_names)  # once per settings
-        start_renewing()  # the answers renewed before they expire (prefect_api.tag_answers)
         cap_client_waits(get_settings().api_longest_wait, whole_process=not remote)  # Prefect's waits, capped
         ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
         built = {"profile": ctx.profile, "settings": ctx.settings}
+        # the answers renewed before they expire (prefect_api.tag_answers), asking the flow run's
+        # server: the worker process's own settings may name none (a flow on an embedded server)
+        start_renewing(ctx.profile, ctx.settings)
         with _WORKER_SETTINGS_LOCK:
             if len(_WORKER_SETTINGS) >= 8:  # one key per flow run's settings: keep a few
                 _WORKER_SETTINGS.clear()
