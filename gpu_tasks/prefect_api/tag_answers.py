@@ -6,14 +6,16 @@ remembered tag set still has no limit, and renews the answer, or drops it when a
 (its next task run asks Prefect's check and takes the slot). A long map's task runs then never all
 miss at once when an answer expires: each miss sends them to Prefect's own check, which queues them
 behind one request at a time for a tag set, and in a 30,000-task run on Prefect 3.8.8 that check
-never answered (docs/operations.md). Only with a server address in the settings: on Prefect's
-ephemeral API a thread of its own would start another server.
+never answered (docs/operations.md). The server is the one in the settings, else (a flow process on
+Prefect's ephemeral API, whose settings name none) the ephemeral server the process runs: a client
+made from settings without an address would start another server.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -38,8 +40,6 @@ def start_renewing(profile: Any = None, settings: Any = None) -> None:
         if found is None:
             return
         profile, settings = found.profile, found.settings
-    if not settings.api.url:
-        return
     with _LOCK:
         if _STARTED.get("pid") == os.getpid():
             return
@@ -56,10 +56,28 @@ def _renew_forever(profile: Any, settings: Any) -> None:
     while True:
         time.sleep(max(0.5, (remembered_tag_sets()[0] or 60.0) / 2))
         try:
-            with SettingsContext(profile=profile, settings=settings):
+            server = _with_server(settings)
+            if server is None:  # no server to ask (none started yet): the answers expire as they would
+                continue
+            with SettingsContext(profile=profile, settings=server):
                 refresh_no_limits()
         except Exception:  # a busy or unreachable server: the answers expire as they would
             logger.debug("gpu-tasks: could not renew the 'no tag limits' answers", exc_info=True)
+
+
+def _with_server(settings: Any) -> Any:
+    """``settings`` if they name a server, else a copy naming the ephemeral server this process runs
+    (``None`` when it runs none: Prefect's server module not imported, or its server stopped)."""
+    if settings.api.url:
+        return settings
+    if "prefect.server.api.server" not in sys.modules:  # no ephemeral server (and a 2 s import)
+        return None
+    from gpu_tasks.prefect_api.api import flow_api_url
+
+    url = flow_api_url()
+    if url is None:
+        return None
+    return settings.model_copy(update={"api": settings.api.model_copy(update={"url": url})})
 
 
 def refresh_no_limits() -> tuple[int, int]:
