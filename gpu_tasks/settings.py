@@ -307,14 +307,9 @@ class GpuTasksSettings(BaseSettings):
     def _size(cls, value: Any) -> Any:
         if not isinstance(value, str):
             return value
-        from dask.utils import parse_bytes
-
-        text = value.strip()
         try:
-            if not text or not any(ch.isdigit() for ch in text):
-                raise ValueError(text)
-            return int(parse_bytes(text))
-        except (ValueError, OverflowError):
+            return size_bytes(value.strip())
+        except ValueError:
             raise ValueError(
                 "must be a size such as 1GiB, 512MiB or a number of bytes; 0 lets no other program use a "
                 f"device gpu-tasks leases; got {value!r}"
@@ -324,6 +319,23 @@ class GpuTasksSettings(BaseSettings):
     @classmethod
     def _upper(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
+
+
+def size_bytes(text: str) -> int:
+    """``text`` (``"16GiB"``, ``"500 MB"``, ``"0"``) in bytes, as Dask's ``parse_bytes`` reads it, with
+    a number required (``parse_bytes`` reads ``""`` as 1 byte and ``"GiB"`` as 1 GiB).
+
+    Raises:
+        ValueError: no number in it, or not a size (a 400-digit size overflows to inf).
+    """
+    from dask.utils import parse_bytes
+
+    if not any(ch.isdigit() for ch in text):
+        raise ValueError(f"no number in size {text!r}")
+    try:
+        return int(parse_bytes(text))
+    except (ValueError, TypeError, OverflowError) as exc:
+        raise ValueError(f"not a size: {text!r}") from exc
 
 
 def _extra(field: FieldInfo) -> dict[str, Any]:

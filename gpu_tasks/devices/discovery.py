@@ -17,14 +17,14 @@ import shlex
 import subprocess
 from typing import Any, Literal
 
-from dask.utils import format_bytes, parse_bytes
+from dask.utils import format_bytes
 from pydantic import BaseModel, ConfigDict
 
 from gpu_tasks import _gpu
 from gpu_tasks.devices import topology as wiring
 from gpu_tasks.devices.topology import Topology
 from gpu_tasks.errors import DeviceDiscoveryError
-from gpu_tasks.settings import GpuTasksSettings, get_settings
+from gpu_tasks.settings import GpuTasksSettings, get_settings, size_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -126,11 +126,9 @@ EMULATED_HINT = (
 
 def _size(text: str, what: str) -> int:
     """``text`` (``80GiB``, ``0``) in bytes; ``what`` names it in the error."""
-    if not any(ch.isdigit() for ch in text):  # parse_bytes(".") would be 1 byte
-        raise DeviceDiscoveryError(f"{EMULATED_HINT}; {what} has a bad memory size {text!r}")
     try:
-        return int(parse_bytes(text))
-    except (ValueError, OverflowError) as exc:  # a 400-digit size overflows to inf
+        return size_bytes(text)
+    except ValueError as exc:
         raise DeviceDiscoveryError(f"{EMULATED_HINT}; {what} has a bad memory size {text!r}") from exc
 
 

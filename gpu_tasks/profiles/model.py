@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any, Literal
 
-from dask.utils import parse_bytes
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from gpu_tasks.errors import ProfileError
+from gpu_tasks.settings import size_bytes
 
 TAG_PREFIX = "profile:"
 MAX_SHARE = 64
@@ -48,12 +48,9 @@ def _parse_size(value: Any, field: str) -> int | None:
     if isinstance(value, (int, float)):
         size = int(value)
     elif isinstance(value, str):
-        # parse_bytes reads "" and "GiB" as 1 and 1 GiB; a size must have a number in it.
-        if not any(ch in "0123456789" for ch in value):
-            raise ValueError("must be a size such as '16GiB' or a number of bytes")
         try:
-            size = int(parse_bytes(value))
-        except (ValueError, TypeError, OverflowError) as exc:  # "1e400" overflows to inf
+            size = size_bytes(value)
+        except ValueError as exc:
             raise ValueError("must be a size such as '16GiB' or a number of bytes") from exc
     else:
         raise ValueError("must be a size such as '16GiB' or a number of bytes")

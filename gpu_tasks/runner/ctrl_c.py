@@ -28,7 +28,7 @@ import threading
 from collections.abc import Iterator
 from types import FrameType
 
-import psutil
+from gpu_tasks.worker.guard import end_children
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for a command stopped by Ctrl-C
 CHILDREN_GRACE_S = 1.0  # a child left (the ephemeral server) gets SIGTERM, then SIGKILL after this
@@ -109,30 +109,8 @@ def _second_ctrl_c(signum: int, frame: FrameType | None) -> None:
         "gpu-tasks: second Ctrl-C: ending the process now (Prefect's records of this flow run may "
         "stay incomplete)"
     )
-    stop_children()
+    end_children(CHILDREN_GRACE_S)
     os._exit(EXIT_INTERRUPTED)
-
-
-def stop_children(grace: float = CHILDREN_GRACE_S) -> list[int]:
-    """Stop every process this one started, and theirs: SIGTERM, then SIGKILL for those still
-    running after ``grace`` seconds. Returns their pids."""
-    try:
-        kids = psutil.Process().children(recursive=True)
-    except psutil.Error:
-        return []
-    for kid in kids:
-        try:
-            kid.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(kids, timeout=grace)
-    for kid in alive:
-        try:
-            kid.kill()
-        except psutil.Error:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
-    return [k.pid for k in kids]
 
 
 def _say(line: str) -> None:

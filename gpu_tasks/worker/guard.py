@@ -119,7 +119,8 @@ def start(parent: int, flow: int | None = None) -> None:
 
 
 def end_children(grace: float = GRACE_S) -> int:
-    """End this process's descendants: SIGTERM, then SIGKILL after ``grace`` seconds.
+    """End this process's descendants: SIGTERM, then SIGKILL after ``grace`` seconds (a worker's,
+    and the flow process's at a second Ctrl-C, :mod:`gpu_tasks.runner.ctrl_c`).
 
     Multiprocessing's resource tracker is left alone: it exits by itself when this
     process does, and cleans up what it tracks.
@@ -140,7 +141,7 @@ def end_children(grace: float = GRACE_S) -> int:
             p.kill()
     if alive:
         logger.warning(
-            "worker %d: killed %d child process(es) that ignored SIGTERM for %gs",
+            "process %d: killed %d child process(es) that ignored SIGTERM for %gs",
             os.getpid(),
             len(alive),
             grace,
