@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpu_tasks.compat.prefect import remembered_tag_sets, renew_answers
+from gpu_tasks.compat.prefect_server import ephemeral_server_url
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +73,7 @@ def _with_server(settings: Any) -> Any:
         return settings
     if "prefect.server.api.server" not in sys.modules:  # no ephemeral server (and a 2 s import)
         return None
-    from gpu_tasks.prefect_api.api import flow_api_url
-
-    url = flow_api_url()
+    url = ephemeral_server_url()
     if url is None:
         return None
     return settings.model_copy(update={"api": settings.api.model_copy(update={"url": url})})
