@@ -33,6 +33,8 @@ os.environ.setdefault("GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS", "3600")
 # suite on a broken one).
 if "PREFECT_HOME" not in os.environ:
     os.environ["PREFECT_HOME"] = tempfile.mkdtemp(prefix="gpu-tasks-test-prefect-home-")
+    # (pytest-xdist's workers inherit it: only the process that made it removes it)
+    os.environ["GPU_TASKS_TEST_HOME_MADE_BY"] = str(os.getpid())
 
 import contextlib
 import shutil
@@ -57,6 +59,19 @@ for _k, _v in SEEDED_SERVER.items():
 # 200 ms, which a loaded 2-core CI machine makes of a fast one): speed is measured in bench/
 _hypothesis.register_profile("gpu-tasks", deadline=None)
 _hypothesis.load_profile("gpu-tasks")
+
+
+# The directories this process made above (pytest_unconfigure removes them)
+_OWN_DIRS = [os.environ["GPU_TASKS_LEASE_DIR"], os.environ["GPU_TASKS_PRESENCE_DIR"]]
+if os.environ.get("GPU_TASKS_TEST_HOME_MADE_BY") == str(os.getpid()):
+    _OWN_DIRS.append(os.environ["PREFECT_HOME"])
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The directories this test process made for itself go with it (each process of a run made
+    its own: a run on three processes left nine in the temporary folder, and hundreds piled up)."""
+    for d in _OWN_DIRS:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

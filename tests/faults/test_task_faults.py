@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import tempfile
 import time
 from pathlib import Path
 
@@ -83,11 +82,11 @@ def test_persistent_worker_death_ends_crashed_with_profile_device_worker_and_exi
     assert [r.reason for r in ledger if r.reason.startswith("worker crashed")]
 
 
-def test_every_task_of_a_dead_worker_is_reported_on_its_device():
+def test_every_task_of_a_dead_worker_is_reported_on_its_device(tmp_path: Path):
     """Four gpus=0.25 tasks share one worker process on device 0; it dies under them: each task run
     ends Crashed, and every report names device 0 (the first report retires the worker, the others
     still name the device it had, not the CPU)."""
-    started = Path(tempfile.mkdtemp(prefix="gpu-tasks-dead-worker-"))
+    started = tmp_path
 
     @task(tags=[profile("quarter")])
     def wait_then_die(i: int) -> None:
@@ -118,10 +117,10 @@ def test_every_task_of_a_dead_worker_is_reported_on_its_device():
     )
 
 
-def test_tasks_lost_with_a_dead_worker_are_retried_per_their_retries():
+def test_tasks_lost_with_a_dead_worker_are_retried_per_their_retries(tmp_path: Path):
     """The same death with retries=1: all four task runs run again on a new worker and return their
     results (none fails with the Dask client's cancellation or a closed loop)."""
-    started = Path(tempfile.mkdtemp(prefix="gpu-tasks-dead-worker-"))
+    started = tmp_path
 
     @task(tags=[profile("quarter")], retries=1)
     def dies_once(i: int) -> int:
