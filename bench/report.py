@@ -166,7 +166,7 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         f"one flow per runner and N: eight warm-up tasks bring up every worker, then {res['repeats']} timed "
         "repeat(s) run one after another in the same flow, so cluster start is not counted (see cold start); "
         "each starts once Prefect's server has recorded every task run before it, whose writes lag behind "
-        "the runs. "
+        "the runs, and has gone idle (its events and logs stored too; since 2026-12-05). "
         "RayTaskRunner runs on a local Ray cluster "
         "(a new one per flow, as prefect-ray starts it) with 4 CPUs, so 4 tasks at once as "
         "DaskTaskRunner's 2 workers x 2 threads, and 2 emulated GPUs. ms per task: median (min-max).",
