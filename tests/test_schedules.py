@@ -267,7 +267,13 @@ def _check_stops_cleanly(proc: subprocess.Popen[str], out: Path) -> None:
         t
         for t in _tracebacks(text)
         if any(w in t for w in ("gpu_tasks", "forkserver", "EOFError"))
-        and not ("spawn_main" in t and t.rstrip().endswith("KeyboardInterrupt"))
+        and not (
+            t.rstrip().endswith("KeyboardInterrupt")
+            # multiprocessing's child, or any interpreter still in its start-up (site.py, a .pth
+            # file such as the editable install's finder, named gpu_tasks): the Ctrl-C reached it
+            # before it ran anyone's code (seen once in a clean-clone CI run)
+            and ("spawn_main" in t or "<frozen site>" in t)
+        )
     ]
     assert not ours, "\n\n".join(ours)[-6000:]
 
