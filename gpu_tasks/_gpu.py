@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 from types import ModuleType
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+NVML_NOT_REPORTED = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE, where pynvml does not turn it into None
 
 
 class GpuLibraryUnavailable(ImportError):
@@ -55,3 +61,45 @@ def why_unavailable(name: str) -> str | None:
     """The reason ``name`` does not import, or ``None`` when it does."""
     outcome = _try_import(name)
     return outcome if isinstance(outcome, str) else None
+
+
+def nvml_init() -> Any:
+    """``pynvml``, initialized (:func:`nvml_shutdown` after use).
+
+    Raises:
+        GpuLibraryUnavailable: pynvml does not import.
+        Exception: whatever ``nvmlInit`` raises (NVMLError_LibraryNotFound, DriverNotLoaded, ...).
+    """
+    lib = load("pynvml")
+    lib.nvmlInit()
+    return lib
+
+
+def nvml_shutdown(lib: Any) -> None:
+    """``nvmlShutdown``; a failure is harmless, only logged."""
+    try:
+        lib.nvmlShutdown()
+    except Exception:  # pragma: no cover
+        logger.warning("nvmlShutdown failed", exc_info=True)
+
+
+def nvml_handle(lib: Any, uuid: str | None, address: str) -> Any:
+    """The NVML handle of a device: by ``uuid`` where known, else by its index ``address``."""
+    if uuid:
+        return lib.nvmlDeviceGetHandleByUUID(uuid)
+    if address.isdigit():
+        return lib.nvmlDeviceGetHandleByIndex(int(address))
+    raise ValueError(f"no UUID or index for device {address!r}")
+
+
+def reported(read: Any) -> Any:
+    """``read()``, or ``None`` where it raises (an NVML call unsupported here: MIG, vGPU, old driver)."""
+    try:
+        return read()
+    except Exception:
+        return None
+
+
+def text(value: Any) -> str:
+    """An NVML string (``bytes`` in older pynvml) as ``str``."""
+    return value.decode() if isinstance(value, bytes) else str(value)

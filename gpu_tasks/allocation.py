@@ -95,10 +95,7 @@ def current_allocation() -> Allocation:
     Outside a task run by :class:`~gpu_tasks.ProfileTaskRunner` this returns an
     allocation with ``profile=None`` and no devices (never an exception).
     """
-    alloc = _CURRENT.get()
-    if alloc is not None:
-        return alloc
-    return Allocation()
+    return _CURRENT.get() or Allocation()
 
 
 @contextmanager

@@ -1,27 +1,6 @@
-"""Borrowing and reclaim between teams' quotas: one pure policy for the host's leases and the shared
-scheduler (issue 49, items 1 and 5).
-
-A team (a quota name) is entitled to ``quota`` devices at once. Beyond that it may **borrow**
-devices while:
-
-* the profile asking is ``preemptible`` (borrowed work is always taken back when asked);
-* the team holds fewer than its ``borrowing_limit`` borrowed devices (0, the default: no borrowing);
-* the other teams' unused quota, each team counting at most its ``lending_limit`` (default: all of
-  its unused quota), covers every device borrowed once this one is (a team keeps what its lending
-  limit does not lend: the pool others borrow from shrinks when it uses its quota);
-* no waiter of another team that is **entitled** to devices (its team has room for its need in its
-  quota) waits for these devices.
-
-An entitled waiter that finds its devices held by borrowers of other teams **reclaims** them (after
-its preemption grace, which the caller keeps): :func:`reclaim_victims` picks the borrowed devices to
-take back, least work lost first, never a run inside its protected run time
-(:func:`gpu_tasks.policy.choose_victims`, whose rule it reuses), whatever the priorities: borrowing is
-lent room, not a place in the queue.
-
-:func:`admit` puts the two together for one request on a snapshot of the devices and the teams:
-``Grant`` (within quota or borrowed), ``Reclaim`` (these borrowed devices first), or ``Wait`` (and
-why). No clocks, no I/O: :mod:`gpu_tasks.devices.lending` (the host's leases) and
-:mod:`gpu_tasks.cluster.board` (a shared scheduler) read the state and act on the answer.
+"""Borrowing and reclaim between teams' quotas: one pure policy (no clock, no I/O) for the host's
+leases (:mod:`gpu_tasks.devices.lending`) and a shared scheduler (:mod:`gpu_tasks.cluster.board`).
+See docs/leases.md, "Borrowing, reclaim and their limits".
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from typing import Any
 
 from gpu_tasks.errors import ProfileError
 from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.reporting.events import plural
 
 GPU_TASKS_TAG = "gpu-tasks"
 
@@ -46,10 +47,6 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:g} GiB"
 
 
-def _n(count: int, noun: str) -> str:
-    return f"{count} {noun}" + ("" if count == 1 else "s")
-
-
 def describe_profile(prof: ResourceProfile) -> str:
     """``gpu-train: 2 GPUs per task as a gang, H100, >= 40 GiB, up to 1 worker, else cpu`` style."""
     if not prof.is_gpu:
@@ -59,7 +56,7 @@ def describe_profile(prof: ResourceProfile) -> str:
     elif prof.gpus < 1:
         parts = [f"1/{round(1 / prof.gpus)} GPU per task"]
     else:
-        parts = [_n(prof.devices_per_worker, "GPU") + " per task" + (" as a gang" if prof.gang else "")]
+        parts = [plural(prof.devices_per_worker, "GPU") + " per task" + (" as a gang" if prof.gang else "")]
     if prof.gpu_model:
         parts.append(prof.gpu_model)
     if prof.gpu_memory_total:
@@ -68,7 +65,7 @@ def describe_profile(prof: ResourceProfile) -> str:
         parts.append(f"{_gib(prof.gpu_memory_free)} free")
     if prof.kind != "address":  # an existing cluster's workers are its owner's
         parts.append(
-            "up to " + _n(prof.max_workers, "worker") if prof.max_workers else "a worker per free device"
+            "up to " + plural(prof.max_workers, "worker") if prof.max_workers else "a worker per free device"
         )
     if prof.kind != "local":
         parts.append("on " + ("a remote Dask cluster" if prof.kind == "address" else "a cluster manager"))
@@ -122,7 +119,7 @@ def deployment_info(
         lines = (getattr(flow, "description", None) or "").strip().splitlines()
         summary = lines[0] if lines else f"Flow {flow.name}"
     held = (
-        f"Holds at most {_n(gpus, 'GPU')} at once"
+        f"Holds at most {plural(gpus, 'GPU')} at once"
         if gpus is not None
         else "Holds up to every free GPU of its host"
     )

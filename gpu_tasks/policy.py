@@ -258,24 +258,16 @@ def placement_groups(
     if profile.gang:
         whole = best_connected(topology, idle, n_groups * per, required)
         if whole is None and required is not None:  # wait for the qualifying set with the most free now
-            whole = _fewest_busy(topology, devices, free, n_groups * per, required)
+            ordered = sorted(devices, key=lambda d: d.address not in free)  # stable: free first, then order
+            whole = best_connected(topology, ordered, n_groups * per, required)
         if whole is not None:
             out = wired_groups(topology, whole, per)
+        if required is not None:
+            return out  # another set may not meet the level with these groups: wait for this one
     else:
         out = wired_groups(topology, idle, per, required)
     taken = {d.address for g in out for d in g}
-    rest = [d for d in devices if d.address not in taken]
-    if profile.gang and required is not None:
-        return out  # another set may not meet the level with these groups: wait for this one
-    return out + wired_groups(topology, rest, per, required)
-
-
-def _fewest_busy(
-    topology: Topology, devices: Sequence[Device], free: set[str], n: int, at_most: int
-) -> tuple[Device, ...] | None:
-    """The best set of ``n`` that meets level ``at_most``, ties going to free devices."""
-    ordered = sorted(devices, key=lambda d: d.address not in free)  # stable: free first, then order
-    return best_connected(topology, ordered, n, at_most)
+    return out + wired_groups(topology, [d for d in devices if d.address not in taken], per, required)
 
 
 def topology_reason(profile: ResourceProfile, inventory: Inventory) -> str | None:

@@ -1,20 +1,6 @@
-"""Which devices preemptible work gives back, and to whom.
-
-A waiter (a profile waiting for devices, in this flow run or in another process on
-the host, :mod:`gpu_tasks.devices.leases`) may have devices taken back for it from
-**preemptible** holders of **lower priority** once it has waited its grace period
-(``GPU_TASKS_TUNE_PREEMPTION_GRACE``, recorded in its waiter info so that every process
-judges it alike). Only what lets the waiter start is taken back: enough of its device
-groups to satisfy it, each group either free or held only by such holders, the groups
-that lose the least work first (:func:`gpu_tasks.policy.choose_victims`). Work that is not
-preemptible, or of equal or higher priority, is never touched, nor work still inside its
-protected run time (its profile's ``min_run_time``, counted from when it took the device: the
-waiter waits until then); aging (a waiter's effective priority) does not
-preempt: the waiter's own ``priority`` is compared with the holder's.
-
-Every holder process runs :func:`plan` on the waiters it can see and stops its own
-workers on the planned devices (gpu_tasks.runner.recovery); the waiter runs it too, to say
-whom it is waiting on.
+"""Which devices preemptible work gives back, and to whom: every holder process runs :func:`plan` on
+the waiters it can see and stops its own workers on the planned devices (gpu_tasks.runner.recovery);
+the waiter runs it too, to say whom it waits on. See docs/leases.md, "Preemption".
 """
 
 from __future__ import annotations
@@ -27,6 +13,11 @@ from typing import Any
 from gpu_tasks.policy import Holding, VictimChoice, choose_victims
 
 HolderOf = Callable[[str], "dict[str, Any] | None"]
+
+
+def groups_of(waiter: dict[str, Any]) -> list[list[str]]:
+    """A waiter's device groups: its ``groups``, else (registered without them) each address alone."""
+    return waiter.get("groups") or [[a] for a in waiter.get("addresses") or ()]
 
 
 def due(waiter: dict[str, Any], default_grace: float, now: float | None = None) -> bool:
@@ -65,7 +56,7 @@ def choose(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None
     them wants any one of its ``addresses``. ``holder_of(address)`` is the holder's
     info (``priority``, ``preemptible``, ``since``, ``min_run_time``), ``None`` when the device is free.
     """
-    groups = waiter.get("groups") or [[a] for a in waiter.get("addresses") or ()]
+    groups = groups_of(waiter)
     held = {a: holder_of(a) for group in groups for a in group}  # one read of each device
     if any(_taken_by(waiter, h) for h in held.values()):
         return VictimChoice()  # it got devices and is leaving the queue: nothing to take back for it
@@ -116,6 +107,16 @@ def describe_waiter(waiter: dict[str, Any]) -> str:
     where = f" of flow run {run!r}" if run else (" of this flow run" if waiter.get("local") else "")
     pid = f"pid {waiter['pid']}, " if waiter.get("pid") and not waiter.get("local") else ""
     return f"profile {waiter.get('profile')!r}{where} ({pid}priority {int(waiter.get('priority') or 0)})"
+
+
+def preemption_reason(waiter: dict[str, Any], waited: str) -> str:
+    """Why a task run stopped for ``waiter`` (``waited``: how long it waited, ``waiting 1.2s``)."""
+    if waiter.get("reclaimed_by"):  # its borrowed devices taken back (gpu_tasks.devices.lending)
+        return (
+            f"reclaimed by {waiter['reclaimed_by']}: its borrowed device(s) go back to "
+            f"{describe_waiter(waiter)}, owed them within quota {waiter['reclaimed_by']!r}, {waited}"
+        )
+    return f"preempted by {describe_waiter(waiter)}, {waited}"
 
 
 @dataclass(frozen=True)

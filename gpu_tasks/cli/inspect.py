@@ -4,34 +4,28 @@ what profiles would get."""
 from __future__ import annotations
 
 import json
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from dask.utils import format_bytes
 from rich.table import Table
 from rich.text import Text
 
 from gpu_tasks.cli.common import (
     app,
     console,
-    device_json,
     echo_json,
     err_console,
     fail,
-    held_by_text,
-    lease_holders,
-    lease_waiters,
     load_inventory,
     load_settings,
-    other_programs,
-    other_programs_text,
     say,
-    size,
-    source_line,
-    waiters_table,
 )
-from gpu_tasks.devices import lease_files, presence
-from gpu_tasks.devices.discovery import EMULATION_MEANS, Inventory
+from gpu_tasks.devices import lease_files, leases, presence, programs
+from gpu_tasks.devices.discovery import EMULATION_MEANS, Device, Inventory
 from gpu_tasks.devices.emulation import DEFAULT_EMULATION
 from gpu_tasks.errors import ProfileError, UnknownProfileError
 from gpu_tasks.policy import (
@@ -60,7 +54,7 @@ def devices(
     inventory = load_inventory(settings)
     held = lease_holders(inventory, settings)
     queued = lease_waiters(settings)
-    others = other_programs(inventory, settings)
+    others = programs.sample(inventory.devices, settings.lease_dir)  # programs outside gpu-tasks
     if as_json:
         data: dict[str, Any] = {
             "source": inventory.source,
@@ -394,22 +388,9 @@ def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
 
 
 def _board_table(address: str, rows: list[dict[str, Any]]) -> Table:
-    table = Table(title=f"Waiters on {address} (as of their last beat)")
-    columns = (
-        "Profile",
-        "Flow run",
-        "Process",
-        "Priority",
-        "Effective",
-        "Waited",
-        "Queued",
-        "Workers",
-        "Waits for",
-    )
-    for column in columns:
-        table.add_column(column, overflow="fold")
-    for row in rows:
-        table.add_row(
+    columns = ("Profile", "Flow run", "Process", "Priority", "Effective", "Waited", "Queued", "Workers")
+    cells = (
+        (
             Text(str(row.get("profile"))),
             Text(str(row.get("flow_run_name") or "-")),
             Text(f"{row.get('hostname') or '?'}:{row.get('pid') or '?'}"),
@@ -418,9 +399,11 @@ def _board_table(address: str, rows: list[dict[str, Any]]) -> Table:
             f"{float(row.get('waited_s') or 0):.1f}s",
             str(row.get("queued") or 0),
             Text(", ".join(row.get("workers") or ()) or "-"),
-            Text(str((row.get("why") or {}).get("text") or "-")),
+            _why_text(row),
         )
-    return table
+        for row in rows
+    )
+    return _table(f"Waiters on {address} (as of their last beat)", (*columns, "Waits for"), cells)
 
 
 @app.command(
@@ -456,3 +439,109 @@ def waiters(
         console.print(_board_table(address, board))
     else:
         say(f"No waiters on {address}: no task of an address profile has waited past its aging or grace.")
+
+
+# ------------------------------------------------------------------- helpers
+def size(value: int | None, unset: str = "-") -> str:
+    return format_bytes(value) if value else unset
+
+
+def source_line(inventory: Inventory) -> Text:
+    """Where the devices came from, in words."""
+    if inventory.source == "emulated":
+        return Text(f"EMULATED devices: {EMULATION_MEANS} ({inventory.detail})", style="bold yellow")
+    if inventory.source == "command":
+        return Text(f"Source: discovery command (GPU_TASKS_DISCOVERY_COMMAND): {inventory.detail}")
+    if inventory.source == "nvml":
+        return Text(f"Source: NVML ({inventory.detail})")
+    return Text(f"Source: none, no GPUs found ({inventory.detail or 'no discovery source'})")
+
+
+def device_json(
+    device: Device, held_by: dict[str, Any] | None = None, others: programs.DeviceUse | None = None
+) -> dict[str, Any]:
+    out = {**device.model_dump(), "held_by": held_by}
+    if others is not None:
+        out["other_programs"] = others.as_dict()
+    return out
+
+
+def other_programs_text(use: programs.DeviceUse, settings: GpuTasksSettings) -> Text:
+    """``none``, the programs (bold red when they keep gpu-tasks off the device), or why not sampled."""
+    if not use.source:
+        return Text(use.note, style="dim")
+    text = use.describe()
+    if programs.blocked(use, settings.other_programs_memory):
+        limit = size(settings.other_programs_memory, "0")
+        return Text(
+            f"{text}: more than GPU_TASKS_OTHER_PROGRAMS_MEMORY ({limit}), gpu-tasks does not lease it",
+            style="bold red",
+        )
+    return Text(text)
+
+
+def lease_holders(inventory: Inventory, settings: GpuTasksSettings) -> dict[str, dict[str, Any] | None]:
+    """Who leases each device now (GPU_TASKS_LEASE_DIR); ``{"error": ...}`` when unreadable."""
+    addresses = [d.address for d in inventory.devices]
+    try:
+        return leases.holders(settings.lease_dir, addresses)
+    except OSError as exc:
+        return dict.fromkeys(addresses, {"error": f"cannot read leases in {settings.lease_dir}: {exc}"})
+
+
+def lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
+    """The profiles queued for this host's devices (GPU_TASKS_LEASE_DIR), first-ranked first, each
+    with its ``effective_priority`` and ``waited_s`` now and ``why`` it waits (as the waiter last wrote
+    it, :mod:`gpu_tasks.devices.wait_reasons`; ``None`` before it did); ``[]`` when the queue cannot
+    be read."""
+    now = time.time()
+    try:
+        queued = leases.waiters(settings.lease_dir)
+    except OSError:
+        return []
+    return [
+        {
+            **w,
+            "effective_priority": leases.effective_priority(w, now),
+            "waited_s": round(max(0.0, now - float(w.get("arrived", now))), 1),
+            "why": leases.read_why(settings.lease_dir, str(w.get("file"))),
+        }
+        for w in queued
+    ]
+
+
+def waiters_table(queued: list[dict[str, Any]]) -> Table:
+    columns = ("Profile", "Flow run", "Pid", "Priority", "Effective", "Waited", "Devices", "Waits for")
+    rows = (
+        (
+            Text(str(w.get("profile") or "-")),
+            Text(str(w.get("flow_run_name") or "-")),
+            str(w.get("pid", "?")),
+            str(w.get("priority", 0)),
+            str(w["effective_priority"]),
+            f"{w['waited_s']:.1f}s",
+            Text(",".join(w.get("addresses") or ()) or "-"),
+            _why_text(w),
+        )
+        for w in queued
+    )
+    return _table("Waiting for devices on this host (first-ranked first)", columns, rows)
+
+
+def _table(title: str, columns: tuple[str, ...], rows: Iterable[tuple[str | Text, ...]]) -> Table:
+    table = Table(title=title)
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _why_text(waiter: dict[str, Any]) -> Text:
+    return Text(str((waiter.get("why") or {}).get("text") or "-"))
+
+
+def held_by_text(info: dict[str, Any] | None) -> str:
+    if info is not None and "error" in info:
+        return "unknown"
+    return leases.describe(info, with_id=False, hint=False)

@@ -1,23 +1,13 @@
-"""The one place that builds Dask workers and clusters.
-
-A profile's workers run on one of three backends, chosen by :func:`start`:
-
-- :class:`ThreadBackend`: threads in the flow process (CPU profiles without
-  ``processes``), a slot pool instead of a Dask scheduler;
-- :class:`DaskBackend`: a ``SpecCluster`` of worker processes, one per
-  :class:`~gpu_tasks.policy.WorkerSpec` (CPU process profiles, emulated devices,
-  several devices per worker, and real GPUs whose workers come from the warm pool:
-  each set up as dask-cuda's own once bound to its device);
-- :class:`CudaBackend`: dask-cuda's ``LocalCUDACluster`` on real GPUs without a warm
-  pool or over UCX, each worker shown only the device it was leased.
-
-:func:`per_device_client` builds the short-lived cluster a task starts over the
-devices it holds (distributed training). Every worker listens on 127.0.0.1.
+"""The one place that builds Dask workers and clusters: :class:`ThreadBackend` (threads in the
+flow process), :class:`DaskBackend` (a ``SpecCluster``), :class:`CudaBackend` (dask-cuda's
+``LocalCUDACluster``), chosen by :func:`start` (docs/runner.md, "Provision on first use"), and a
+task's :func:`per_device_client`. Every worker listens on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -33,7 +23,7 @@ from gpu_tasks.cluster.within import within
 from gpu_tasks.compat import distributed as _dask_private
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE, WorkerSpec
-from gpu_tasks.profiles import CudaOptions, ResourceProfile
+from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.worker.slots import SlotPool
 
 logger = logging.getLogger(__name__)
@@ -133,13 +123,9 @@ _SHARED_CONFIG: dict[tuple[str, Any], list[Any]] = {}  # (key, value) -> [users,
 
 @contextmanager
 def shared_config(key: str, value: Any) -> Iterator[None]:
-    """Dask's config ``key`` set to ``value`` while any thread of this process is inside.
-
-    Dask's config is process-wide, and ``dask.config.set`` blocks restore what they found on
-    entry: two profiles' threads starting clusters at once, each in its own block, would
-    restore each other's values and leave one block's cluster without the setting. Here the
-    first thread in sets it and the last one out restores it, whatever the order of exits.
-    """
+    """Dask's config ``key`` set to ``value`` while any thread of this process is inside: the first
+    thread in sets it, the last one out restores it (two threads' own ``dask.config.set`` blocks
+    would restore each other's values and leave one cluster without the setting)."""
     import dask
     import distributed  # noqa: F401  (loads its config defaults first: see below)
 
@@ -162,11 +148,9 @@ def shared_config(key: str, value: Any) -> Iterator[None]:
                 entry[1].__exit__(None, None, None)
 
 
-def _non_daemon_workers() -> contextlib.AbstractContextManager[None]:
-    """Start worker processes as non-daemonic, so tasks may start processes of their own
-    (a training cluster, a dask-cuDF cluster). The nanny still stops them when the cluster
-    closes; the lifecycle tests prove none outlives the flow."""
-    return shared_config("distributed.worker.daemon", False)
+# Worker processes start non-daemonic, so tasks may start processes of their own (a training
+# cluster, a dask-cuDF cluster); the nanny still stops them when the cluster closes.
+_non_daemon_workers = functools.partial(shared_config, "distributed.worker.daemon", False)
 
 
 def apply_worker_spec(cluster: Any) -> None:
@@ -254,13 +238,12 @@ class ThreadBackend(Backend):
     def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
         return self.pool.submit(fn, *args)
 
-    def drain(self) -> None:
-        # Let running in-process tasks finish (as Prefect's thread pool runner does) before the
-        # runner takes the profile's lock: their completion callbacks need that lock.
-        self.pool.shutdown(wait=True, cancel_futures=True)
-
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
+
+    # Let running in-process tasks finish (as Prefect's thread pool runner does) before the
+    # runner takes the profile's lock: their completion callbacks need that lock.
+    drain = close
 
 
 class DaskBackend(Backend):
@@ -338,13 +321,13 @@ class DaskBackend(Backend):
         apply_worker_spec(self.cluster)  # stops that worker's nanny
 
     def worker_names(self) -> set[str]:
-        return {str(n) for n in getattr(self.cluster, "workers", {})}
+        return {str(n) for n in self.cluster.workers}
 
     def lost(self, grace: float) -> list[tuple[str, str | None]]:
         now = time.monotonic()
         return [
             (str(name), getattr(w, "worker_address", None))
-            for name, w in list(getattr(self.cluster, "workers", {}).items())
+            for name, w in list(self.cluster.workers.items())
             if (ended := getattr(w, "ended_at", None)) is not None and now - ended >= grace
         ]
 
@@ -368,8 +351,7 @@ class DaskBackend(Backend):
         return None
 
     def terminate(self, names: list[str] | None = None) -> None:
-        workers = getattr(self.cluster, "workers", {})
-        for name, nanny in list(workers.items()):
+        for name, nanny in list(self.cluster.workers.items()):
             if names is not None and name not in names:
                 continue
             pid = getattr(getattr(nanny, "process", None), "pid", None)
@@ -495,25 +477,6 @@ def _dask_cuda_for_warm_workers(profile: ResourceProfile) -> dict[str, Any]:
     return profile.cuda.model_dump()
 
 
-def cuda_cluster_options(
-    cuda: CudaOptions, specs: list[WorkerSpec], devices: list[str], dashboard: bool
-) -> dict[str, Any]:
-    """The ``LocalCUDACluster`` keyword arguments of a profile (its ``cuda`` options included)."""
-    return {
-        "CUDA_VISIBLE_DEVICES": devices,
-        "n_workers": len(specs),
-        "threads_per_worker": specs[0].nthreads,
-        "host": LOCALHOST,
-        "dashboard_address": _ANY_PORT if dashboard else None,
-        "memory_limit": specs[0].memory_limit or "auto",
-        "rmm_pool_size": cuda.rmm_pool_size,
-        "rmm_async": cuda.rmm_async,
-        "enable_cudf_spill": cuda.enable_cudf_spill,
-        "protocol": cuda.protocol,
-        "silence_logs": dask_log_level(),
-    }
-
-
 def _cuda_cluster(
     profile: ResourceProfile,
     specs: list[WorkerSpec],
@@ -522,29 +485,35 @@ def _cuda_cluster(
     dashboard: bool,
 ) -> Any:
     """dask-cuda's LocalCUDACluster over every device of the profile, starting ``specs``'s workers."""
-    import dask
-
     dask_cuda = _load_dask_cuda(profile)
     by_address = {spec.devices[0].address: spec for spec in every_spec}
     cls = _own_device_cluster_class(dask_cuda.LocalCUDACluster)
+    cuda = profile.cuda
     # no silent re-run of a task whose worker died: the runner reports it (prefect_api.states)
-    with dask.config.set({"distributed.scheduler.allowed-failures": 0}):
+    with shared_config("distributed.scheduler.allowed-failures", 0):
         return cls(
-            by_address, next_devices, **cuda_cluster_options(profile.cuda, specs, list(by_address), dashboard)
+            by_address,
+            next_devices,
+            CUDA_VISIBLE_DEVICES=list(by_address),
+            n_workers=len(specs),
+            threads_per_worker=specs[0].nthreads,
+            host=LOCALHOST,
+            dashboard_address=_ANY_PORT if dashboard else None,
+            memory_limit=specs[0].memory_limit or "auto",
+            rmm_pool_size=cuda.rmm_pool_size,
+            rmm_async=cuda.rmm_async,
+            enable_cudf_spill=cuda.enable_cudf_spill,
+            protocol=cuda.protocol,
+            silence_logs=dask_log_level(),
         )
 
 
-_OWN_DEVICE_CLASSES: dict[type, type] = {}
-
-
+@functools.cache
 def _own_device_cluster_class(base: type) -> type:
     """A ``LocalCUDACluster`` subclass whose workers see only the device leased to them.
 
     Built on first use (dask-cuda imports only on GPU hosts, through :mod:`gpu_tasks._gpu`).
     """
-    cls = _OWN_DEVICE_CLASSES.get(base)
-    if cls is not None:
-        return cls
     from distributed import Nanny
 
     from gpu_tasks.compat.dask_cuda import without_cpu_affinity
@@ -580,7 +549,6 @@ def _own_device_cluster_class(base: type) -> type:
                 options.update(preload_options(options.get("preload", []), options.get("preload_argv", [])))
             return spec
 
-    _OWN_DEVICE_CLASSES[base] = OwnDeviceCUDACluster
     return OwnDeviceCUDACluster
 
 
@@ -592,7 +560,7 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
     For distributed training inside one task (``xgboost.dask``): the cluster lives in
     the task's worker process and closes when the block ends.
     """
-    from distributed import Client, SpecCluster
+    from distributed import SpecCluster
 
     if len(alloc.devices) < 2:
         raise ClusterError(
@@ -608,7 +576,6 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
         )
         for dev in alloc.devices
     ]
-    cluster = client = None
     try:
         cluster = SpecCluster(
             workers={s.name: nanny_spec(s, watched=False) for s in specs},
@@ -616,12 +583,8 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
             name="gpu-tasks-per-device",
             silence_logs=dask_log_level(),
         )
-        client = Client(cluster, set_as_default=False, timeout=timeout)
-        client.wait_for_workers(len(specs), timeout=timeout)
+        backend = DaskBackend(cluster, len(specs), timeout, dashboard=False)  # closes both if not up
     except Exception as exc:
-        for thing in (client, cluster):
-            if thing is not None:
-                thing.close()
         raise ClusterError(
             f"cluster of {len(specs)} workers on devices {','.join(alloc.devices)} did not all start "
             f"within {timeout:g}s; released all of them: {exc}"
@@ -631,8 +594,8 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
         # Current for the caller's context: xgboost.dask calls distributed.wait(), which looks
         # the client up; inside a Dask worker it would otherwise find the worker's own client
         # (the profile cluster's) and block forever.
-        with client.as_current():
-            yield client
+        assert backend.client is not None
+        with backend.client.as_current():
+            yield backend.client
     finally:
-        client.close()
-        cluster.close()
+        backend.close()

@@ -1,28 +1,7 @@
-"""Preemption on a shared Dask scheduler (``address`` profiles): a board of waiters on the scheduler.
-
-Flow runs on other hosts share nothing but the scheduler, so the waiters are kept
-there, in the scheduler's metadata (``Client.set_metadata``) under ``gpu-tasks-waiters``:
-
-* a **waiter**, a profile one of whose tasks has waited ``GPU_TASKS_TUNE_PREEMPTION_GRACE``
-  seconds in the scheduler's queue (not running), puts up an entry: its priority, its
-  flow run, how much ``GPU`` one task needs and the workers its waiting tasks are queued
-  on; it renews the entry while it waits (a beat count) and takes it down when it runs;
-* a **holder**, a ``preemptible`` profile of lower priority with tasks running on those
-  workers, interrupts enough of them there (:func:`gpu_tasks.worker.interrupts.interrupt_tasks`:
-  ``TaskPreempted`` raised in the task's thread) to free what one waiting task needs.
-
-Borrowing (:mod:`gpu_tasks.borrowing`, one policy with the host's leases): an entry carries its
-team (``quota``) and whether it is ``entitled`` (a waiting task of it holds slots within its quota,
-not borrowed ones). A preemptible holder running tasks on borrowed quota (a slot of its team's
-borrowing limit) takes them back for an entitled waiter of another team past its grace, whatever
-the priorities, before any priority preemption: only its borrowed tasks are victims
-(:func:`gpu_tasks.borrowing.reclaim_victims`), and their state says ``reclaimed by <team>``.
-
-The interrupted tasks end ``Preempted`` and are handed to the scheduler again by their
-runner (gpu_tasks.runner.recovery), with their retries intact; the freed ``GPU`` resource goes
-to the higher-priority task, which Dask's workers start first. An entry whose beat has
-not moved for ``STALE_S`` (its flow run died) is ignored. The grace is judged by the
-waiter's own clock, so hosts need not agree on the time.
+"""Preemption on a shared Dask scheduler (``address`` profiles): a board of waiters kept in the
+scheduler's metadata (``gpu-tasks-waiters``), which preemptible holders of lower priority, or on
+borrowed quota (:mod:`gpu_tasks.borrowing`), interrupt their tasks for. See docs/distributed.md,
+"Preemption" and "Reclaim".
 """
 
 from __future__ import annotations

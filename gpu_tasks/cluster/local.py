@@ -147,11 +147,6 @@ class ProfileCluster:
         return "device-s" if self.profile.is_gpu else "worker-s"
 
     @property
-    def provisioned_at(self) -> float | None:
-        """When the running cluster's devices were acquired (``None`` when not running)."""
-        return self.usage.provisioned_at
-
-    @property
     def gang_wiring(self) -> dict[str, str]:
         """A running gang's devices and the worst link between them, for its events (``{}`` else)."""
         gang, worst, _ = self.usage.gang_wiring
@@ -372,17 +367,19 @@ class ProfileCluster:
 
     def submit(self, fn: Any, *args: Any, key: str, resources: dict[str, float] | None) -> Any:
         """Submit ``fn(*args)``; returns a future with ``add_done_callback`` and ``result``."""
-        if self.backend is None:
-            raise ClusterError(f"profile {self.profile.name!r}: its cluster is not running")
-        return self.backend.submit(fn, *args, key=key, resources=resources)
+        return self._running().submit(fn, *args, key=key, resources=resources)
 
     def submit_many(
         self, fn: Any, argss: list[tuple[Any, ...]], keys: list[str], resources: dict[str, float] | None
     ) -> list[Any]:
         """:meth:`submit` for each of ``argss`` at once (one graph on a Dask cluster)."""
+        return self._running().submit_many(fn, argss, keys, resources)
+
+    def _running(self) -> backends.Backend:
+        """Its backend; ``ClusterError`` when it is not running."""
         if self.backend is None:
             raise ClusterError(f"profile {self.profile.name!r}: its cluster is not running")
-        return self.backend.submit_many(fn, argss, keys, resources)
+        return self.backend
 
     def record(self, worker: str, start: float, end: float) -> None:
         """Record that a task ran on ``worker`` from ``start`` to ``end``.
@@ -414,15 +411,7 @@ class ProfileCluster:
         except Exception:
             logger.warning("profile %r: error while closing its workers", self.profile.name, exc_info=True)
         self.book.release(self.profile.name, self.devices)
-        logger.info(
-            "profile %r: closed cluster (%s); held %.1f %s, busy %.1f %s",
-            self.profile.name,
-            reason,
-            row.held_seconds,
-            self._unit,
-            row.busy_seconds,
-            self._unit,
-        )
+        self._log_given_back("closed cluster", reason, row)
         self.specs = []
         self.usage.reset()
         return row
@@ -460,17 +449,20 @@ class ProfileCluster:
         self.retired.add(name)
         self.usage.forget(held)
         self.book.release(self.profile.name, list(held.devices))
+        self._log_given_back(f"removed worker {name!r}", reason, row)
+        return row
+
+    def _log_given_back(self, what: str, reason: str, row: LedgerRow) -> None:
         logger.info(
-            "profile %r: removed worker %r (%s); held %.1f %s, busy %.1f %s",
+            "profile %r: %s (%s); held %.1f %s, busy %.1f %s",
             self.profile.name,
-            name,
+            what,
             reason,
             row.held_seconds,
             self._unit,
             row.busy_seconds,
             self._unit,
         )
-        return row
 
     def _queueing(self) -> dict[str, Any]:
         """How this profile waits in the device queue (gpu_tasks.devices.book.DeviceBook.acquire)."""
@@ -570,11 +562,12 @@ class ProfileCluster:
     def _plain_spec(self, index: int, devices: tuple[Device, ...] | None = None) -> WorkerSpec:
         if devices is None:
             devices = self.groups[index] if self.profile.is_gpu else ()
-        if self.profile.by_memory and devices:  # tasks are packed against what others leave free
-            use = programs.sample(devices, self.book.lease_dir).get(devices[0].address)
-            free_bytes = use.free if use is not None else None
-            env, emulated = self.worker_env, self.inventory.emulated
-            spec = worker_spec(self.profile, index, devices, emulated, extra_env=env, free=free_bytes)
+        by_memory = self.profile.by_memory and devices  # tasks are packed against what others leave free
+        use = programs.sample(devices, self.book.lease_dir).get(devices[0].address) if by_memory else None
+        free_bytes = use.free if use is not None else None
+        env, emulated = self.worker_env, self.inventory.emulated
+        spec = worker_spec(self.profile, index, devices, emulated, extra_env=env, free=free_bytes)
+        if by_memory:
             logger.info(
                 "profile %r: device %s has %s free: %d task(s) of gpu_memory_per_task=%s at once",
                 self.profile.name,
@@ -583,5 +576,4 @@ class ProfileCluster:
                 spec.nthreads,
                 f"{(self.profile.gpu_memory_per_task or 0) / 2**30:g}GiB",
             )
-            return spec
-        return worker_spec(self.profile, index, devices, self.inventory.emulated, extra_env=self.worker_env)
+        return spec

@@ -1,18 +1,7 @@
-"""Profiles whose workers are not this host's leased devices.
-
-- :class:`AddressCluster` (``address=``): an existing Dask cluster. The runner connects
-  a client and never starts or closes the cluster; the shared scheduler's ``GPU``
-  resources arbitrate between flow runs and hosts. An idle close closes the client.
-- :class:`ManagedCluster` (``cluster_class=`` + ``cluster_kwargs``): any Dask cluster
-  class (dask-jobqueue, dask-kubernetes, dask-gateway, ``LocalCUDACluster``) created on
-  the profile's first task, scaled to the queued tasks (at most ``max_workers``),
-  scaled to zero when idle and closed when the flow run ends.
-
-Both act like :class:`~gpu_tasks.cluster.local.ProfileCluster` towards the runner; device
-leases (:mod:`gpu_tasks.devices.leases`) do not apply: they cover one host's devices.
-
-This module holds what both share (:class:`RemoteCluster`); :mod:`gpu_tasks.cluster.address`
-and :mod:`gpu_tasks.cluster.managed` the two kinds.
+"""What profiles whose workers are not this host's leased devices share (:class:`RemoteCluster`):
+:mod:`gpu_tasks.cluster.address` (``address=``, an existing Dask cluster) and
+:mod:`gpu_tasks.cluster.managed` (``cluster_class=``) hold the two kinds. Device leases do not
+apply to them: they cover one host's devices.
 """
 
 from __future__ import annotations
@@ -38,7 +27,7 @@ from gpu_tasks.cluster.within import within
 from gpu_tasks.devices import wait_reasons
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
-from gpu_tasks.policy import GPU_RESOURCE, Holding, task_resources
+from gpu_tasks.policy import Holding
 from gpu_tasks.preemption import describe_waiter
 from gpu_tasks.prefect_api.api import api_headers, unreachable_api_error
 from gpu_tasks.profiles import ResourceProfile
@@ -304,7 +293,6 @@ class RemoteCluster(ProfileCluster):
         if not waiters:
             return
         mine = {w: [k for k in keys if k in pending] for w, keys in self._executing(client).items()}
-        per_task = float((task_resources(self.profile) or {}).get(GPU_RESOURCE, 1.0))
         protect = float(self.profile.min_run_time or 0.0)
 
         def claim(key: str) -> Claim:
@@ -314,7 +302,7 @@ class RemoteCluster(ProfileCluster):
             return Claim(self.profile.quota, self.borrowed(key), held)
 
         for waiter in waiters:
-            pick = board.victims(waiter, mine, per_task, claim)
+            pick = board.victims(waiter, mine, board.need, claim)
             if pick is None:
                 continue
             worker, keys = pick
@@ -451,9 +439,9 @@ class RemoteCluster(ProfileCluster):
         """Close the client (the flow run ended)."""
         self._watch_stop.set()
         client, self.client = self.client, None
-        if client is not None and self.board is not None:
-            self.board.take_down(client)
         if client is not None:
+            if self.board is not None:
+                self.board.take_down(client)
             with contextlib.suppress(Exception):
                 client.close()
 

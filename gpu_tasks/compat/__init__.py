@@ -1,22 +1,7 @@
-"""The compat layer: every private or undocumented name of Prefect, Dask/distributed, dask-cuda and
-CPython that gpu-tasks uses, in one package, each with why and a feature check.
-
-- :mod:`gpu_tasks.compat.prefect`: Prefect's task engine, concurrency cache, context, serializers.
-- :mod:`gpu_tasks.compat.prefect_server`: Prefect's server and client: URL, process, counts, drains.
-- :mod:`gpu_tasks.compat.api_busy`: waiting out a busy API.
-- :mod:`gpu_tasks.compat.prefect_client`: Prefect's client waits between tries, capped.
-- :mod:`gpu_tasks.compat.distributed`: distributed's cluster, nanny and event-loop internals.
-- :mod:`gpu_tasks.compat.dask_cuda`: dask-cuda's worker setup outside ``LocalCUDACluster``.
-- :mod:`gpu_tasks.compat.dask_gateway`: a closed ``Gateway`` client's loop runner.
-- :mod:`gpu_tasks.compat.cpython`: exit handlers, ``os._exit`` and ``signal.signal`` swaps.
-
-No module of gpu-tasks outside this package touches such a name (``tests/test_compat.py`` reads
-every import, functions included). Each use is a :class:`Use` with a feature check;
-``tests/test_compat.py`` runs every check and FAILS when the installed release changed a name,
-so an upgrade shows in CI rather than as a silent fallback. At run time the runner runs the same
-checks once per process and logs one warning naming what changed (:func:`warn_if_changed`).
-What gpu-tasks changes in Prefect applies to the task runs it runs alone
-(:func:`gpu_tasks.compat.prefect.is_ours`). docs/operations.md lists each use with why.
+"""The compat layer: every private or undocumented name of Prefect, Dask/distributed, dask-cuda,
+dask-gateway and CPython that gpu-tasks uses, each a :class:`Use` with why and a feature check
+(run by ``tests/test_compat.py``, and once per process by :func:`warn_if_changed`). See
+docs/operations.md, "Private names: the compat layer".
 """
 
 from __future__ import annotations
@@ -38,19 +23,11 @@ class NotInstalled(Exception):
 
 @dataclass(frozen=True)
 class Use:
-    """One private or undocumented name gpu-tasks uses.
-
-    Attributes:
-        library: the distribution (``prefect``, ``distributed``, ``dask-cuda``, ``cpython``).
-        name: the dotted name used.
-        kind: ``private`` (a leading underscore), ``undocumented`` (public spelling, no docs or
-            stability promise) or ``patched`` (a public name gpu-tasks replaces for a while).
-        why: what gpu-tasks needs it for.
-        check: returns ``None`` when the installed release has the name in the shape gpu-tasks
-            uses, else what changed; raises :class:`NotInstalled` when the library is absent.
-        needs: a module that a process uses the name only with: the run-time check
-            (:func:`warn_if_changed`) waits until it is imported rather than import it
-            (``prefect.server.api.server`` takes about 2 s, which every flow run paid before).
+    """One private or undocumented name gpu-tasks uses: its ``library``, dotted ``name``, ``kind``
+    (``private``, ``undocumented`` or ``patched``) and ``why``. ``check`` returns ``None`` when the
+    installed release has the name in the shape gpu-tasks uses, else what changed (raises
+    :class:`NotInstalled` when the library is absent). ``needs``: a module the run-time check waits
+    for rather than imports (``prefect.server.api.server`` takes about 2 s).
     """
 
     library: str

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from gpu_tasks.compat import Use, called_in
+
 logger = logging.getLogger(__name__)
 
 
@@ -209,8 +211,6 @@ def _check_async_exc() -> str | None:
 def _check_spawn_executable() -> str | None:
     from multiprocessing import forkserver, spawn
 
-    from gpu_tasks.compat import called_in
-
     for name in ("get_executable", "set_executable"):
         if not callable(getattr(spawn, name, None)):
             return f"multiprocessing.spawn has no {name}"
@@ -230,8 +230,6 @@ def _check_os_exit() -> str | None:
 
 def _check_signal() -> str | None:
     import importlib.util
-
-    from gpu_tasks.compat import called_in
 
     for name in ("signal", "getsignal"):
         if not callable(getattr(signal, name, None)):
@@ -261,58 +259,51 @@ def _check_forkserver() -> str | None:
     return None
 
 
-def _uses() -> list[Any]:
-    from gpu_tasks.compat import Use
-
-    return [
-        Use(
-            "cpython",
-            "atexit._run_exitfuncs",
-            "private",
-            "a bound warm process runs its exit handlers (Prefect's send logs and events), then exits "
-            "at once",
-            _check_exitfuncs,
-        ),
-        Use(
-            "cpython",
-            "os._exit",
-            "patched",
-            "a worker process ends its task's child processes whoever ends it with os._exit",
-            _check_os_exit,
-        ),
-        Use(
-            "cpython",
-            "signal.signal",
-            "patched",
-            "swapped while a cluster manager's module imports, so it cannot take over Ctrl-C",
-            _check_signal,
-        ),
-        Use(
-            "cpython",
-            "ctypes.pythonapi.PyThreadState_SetAsyncExc",
-            "undocumented",
-            "a task on a shared worker is stopped in its thread: preempted for a waiter, or its flow run "
-            "stopped (Dask cannot stop a running task)",
-            _check_async_exc,
-        ),
-        Use(
-            "cpython",
-            "multiprocessing.spawn.get_executable, set_executable",
-            "patched",
-            "a warm process starts through a launcher that ignores SIGINT from its first instruction "
-            "(a Ctrl-C on the terminal would kill it while it imports)",
-            _check_spawn_executable,
-        ),
-        Use(
-            "cpython",
-            "multiprocessing.forkserver.ForkServer",
-            "private",
-            "warm worker processes fork from a fork server of the pool's own, which imported Prefect "
-            "and distributed once (not multiprocessing's shared one and its preloads): its _stop "
-            "and popen_forkserver.Popen._launch repeated with that server",
-            _check_forkserver,
-        ),
-    ]
-
-
-USES = _uses()
+USES = [
+    Use(
+        "cpython",
+        "atexit._run_exitfuncs",
+        "private",
+        "a bound warm process runs its exit handlers (Prefect's send logs and events), then exits at once",
+        _check_exitfuncs,
+    ),
+    Use(
+        "cpython",
+        "os._exit",
+        "patched",
+        "a worker process ends its task's child processes whoever ends it with os._exit",
+        _check_os_exit,
+    ),
+    Use(
+        "cpython",
+        "signal.signal",
+        "patched",
+        "swapped while a cluster manager's module imports, so it cannot take over Ctrl-C",
+        _check_signal,
+    ),
+    Use(
+        "cpython",
+        "ctypes.pythonapi.PyThreadState_SetAsyncExc",
+        "undocumented",
+        "a task on a shared worker is stopped in its thread: preempted for a waiter, or its flow run "
+        "stopped (Dask cannot stop a running task)",
+        _check_async_exc,
+    ),
+    Use(
+        "cpython",
+        "multiprocessing.spawn.get_executable, set_executable",
+        "patched",
+        "a warm process starts through a launcher that ignores SIGINT from its first instruction "
+        "(a Ctrl-C on the terminal would kill it while it imports)",
+        _check_spawn_executable,
+    ),
+    Use(
+        "cpython",
+        "multiprocessing.forkserver.ForkServer",
+        "private",
+        "warm worker processes fork from a fork server of the pool's own, which imported Prefect "
+        "and distributed once (not multiprocessing's shared one and its preloads): its _stop "
+        "and popen_forkserver.Popen._launch repeated with that server",
+        _check_forkserver,
+    ),
+]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from gpu_tasks import _gpu
+from gpu_tasks.compat import NotInstalled, Use, params
 
 
 def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -91,16 +92,12 @@ def _from_dask_cuda(plugin: Any) -> bool:
 
 # ---------------------------------------------------------------- the uses, with feature checks
 def _dask_cuda() -> Any:
-    from gpu_tasks.compat import NotInstalled
-
     if not _gpu.available("dask_cuda"):
         raise NotInstalled(_gpu.why_unavailable("dask_cuda") or "dask_cuda")
     return _gpu.load("dask_cuda")
 
 
 def _check_worker_common() -> str | None:
-    from gpu_tasks.compat import params
-
     _dask_cuda()
     from dask_cuda import worker_common
 
@@ -124,8 +121,6 @@ def _check_worker_common() -> str | None:
 
 
 def _check_utils() -> str | None:
-    from gpu_tasks.compat import params
-
     _dask_cuda()
     from dask_cuda import utils
 
@@ -141,38 +136,29 @@ def _check_utils() -> str | None:
 def _check_memory_limit() -> str | None:
     from distributed.worker_memory import parse_memory_limit
 
-    from gpu_tasks.compat import params
-
     return params(parse_memory_limit, "memory_limit", "nthreads", "logger")
 
 
-def _uses() -> list[Any]:
-    from gpu_tasks.compat import Use
-
-    return [
-        Use(
-            "dask-cuda",
-            "dask_cuda.worker_common.worker_data_function / worker_plugins",
-            "undocumented",
-            "a warm process bound to a real GPU gets LocalCUDACluster's worker setup (RMM, affinity, "
-            "spilling)",
-            _check_worker_common,
-        ),
-        Use(
-            "dask-cuda",
-            "dask_cuda.utils.nvml_device_index / parse_device_memory_limit",
-            "undocumented",
-            "the bound device's NVML index and device-memory limit, as LocalCUDACluster computes them",
-            _check_utils,
-        ),
-        Use(
-            "distributed",
-            "distributed.worker_memory.parse_memory_limit",
-            "undocumented",
-            "the host memory limit dask-cuda's spilling store is given",
-            _check_memory_limit,
-        ),
-    ]
-
-
-USES = _uses()
+USES = [
+    Use(
+        "dask-cuda",
+        "dask_cuda.worker_common.worker_data_function / worker_plugins",
+        "undocumented",
+        "a warm process bound to a real GPU gets LocalCUDACluster's worker setup (RMM, affinity, spilling)",
+        _check_worker_common,
+    ),
+    Use(
+        "dask-cuda",
+        "dask_cuda.utils.nvml_device_index / parse_device_memory_limit",
+        "undocumented",
+        "the bound device's NVML index and device-memory limit, as LocalCUDACluster computes them",
+        _check_utils,
+    ),
+    Use(
+        "distributed",
+        "distributed.worker_memory.parse_memory_limit",
+        "undocumented",
+        "the host memory limit dask-cuda's spilling store is given",
+        _check_memory_limit,
+    ),
+]

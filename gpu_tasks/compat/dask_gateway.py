@@ -11,6 +11,8 @@ import contextlib
 import importlib.util
 from typing import Any
 
+from gpu_tasks.compat import NotInstalled, Use, code_names, code_strings
+
 
 def drop_stopped_loop_runner(manager: Any) -> None:
     """Let a closed cluster manager's ``Gateway`` client be collected quietly.
@@ -31,8 +33,6 @@ def drop_stopped_loop_runner(manager: Any) -> None:
 
 
 def _check_loop_runner() -> str | None:
-    from gpu_tasks.compat import NotInstalled, code_names, code_strings
-
     if importlib.util.find_spec("dask_gateway") is None:
         raise NotInstalled("dask_gateway")
     Gateway: Any = importlib.import_module("dask_gateway").Gateway
@@ -45,20 +45,14 @@ def _check_loop_runner() -> str | None:
     return None
 
 
-def _uses() -> list[Any]:
-    from gpu_tasks.compat import Use
-
-    return [
-        Use(
-            "dask-gateway",
-            "dask_gateway.Gateway._loop_runner",
-            "private",
-            "a closed GatewayCluster's client is collected without closing again on a stopped loop "
-            "(an error printed at every close otherwise)",
-            _check_loop_runner,
-            needs="dask_gateway",  # checked once a process uses dask-gateway (importing it takes 0.17 s)
-        ),
-    ]
-
-
-USES = _uses()
+USES = [
+    Use(
+        "dask-gateway",
+        "dask_gateway.Gateway._loop_runner",
+        "private",
+        "a closed GatewayCluster's client is collected without closing again on a stopped loop "
+        "(an error printed at every close otherwise)",
+        _check_loop_runner,
+        needs="dask_gateway",  # checked once a process uses dask-gateway (importing it takes 0.17 s)
+    ),
+]

@@ -14,6 +14,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from gpu_tasks.compat import Use, called_in, params
+
 logger = logging.getLogger(__name__)
 
 
@@ -91,33 +93,25 @@ def _check_expects_comm() -> str | None:
 def _check_nanny_exit() -> str | None:
     from distributed import Nanny
 
-    from gpu_tasks.compat import called_in, params
-
     # the nanny hands it to its worker process as on_exit: a hook no longer called learns nothing
     return params(getattr(Nanny, "_on_worker_exit_sync", None), "exitcode") or called_in(
         Nanny, "_on_worker_exit_sync"
     )
 
 
-def _uses() -> list[Any]:
-    from gpu_tasks.compat import Use
-
-    return [
-        Use(
-            "distributed",
-            "distributed.core._expects_comm (cache_clear)",
-            "private",
-            "closed schedulers are freed (an unbounded functools.cache keeps them alive)",
-            _check_expects_comm,
-        ),
-        Use(
-            "distributed",
-            "distributed.Nanny._on_worker_exit_sync",
-            "private",
-            "learn a worker process's exit code for crash reports",
-            _check_nanny_exit,
-        ),
-    ]
-
-
-USES = _uses()
+USES = [
+    Use(
+        "distributed",
+        "distributed.core._expects_comm (cache_clear)",
+        "private",
+        "closed schedulers are freed (an unbounded functools.cache keeps them alive)",
+        _check_expects_comm,
+    ),
+    Use(
+        "distributed",
+        "distributed.Nanny._on_worker_exit_sync",
+        "private",
+        "learn a worker process's exit code for crash reports",
+        _check_nanny_exit,
+    ),
+]

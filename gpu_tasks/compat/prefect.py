@@ -1,39 +1,7 @@
-"""The private Prefect APIs gpu-tasks relies on, each with why and the versions checked.
-
-Checked against prefect 3.8.8 and 3.9.1, the ends of the tested range. Each wrapper degrades to
-Prefect's own behaviour, or fails clearly, where the name is gone; tests/test_compat.py says so.
-
-**"No tag limits" answers.** Prefect's task engine asks the server for tag concurrency slots
-before every task run that has tags, and every gpu-tasks task run has tags (``profile:<name>``,
-``gpu:<id>``). Prefect caches a "no limits for this tag set" answer per process for 5 seconds.
-Each time that cache expires, the next check goes to the server, and on a busy SQLite server
-(thousands of short tasks, the task-run recorder writing) every task carrying the same tags
-waits behind that one request. Measured on 2 cores with 10,000 tagged tasks on Prefect's own
-ThreadPoolTaskRunner: 141 s with the 5 s cache, 53 s (linear in the task count) with a longer one.
-
-gpu-tasks keeps its own answers, in the flow process and in its worker processes, for
-``GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS`` (default 60; 0 keeps Prefect's 5 s), and consults them
-for the task runs it runs alone (:func:`use_no_limits_cache`, :func:`is_ours`). It learns them
-through public API only: the flow process from the grants of its own slot requests, a worker after
-Prefect's check of a tag set it does not know, by reading the limits by name (one read per name;
-``ask_limited``). Prefect's cache is neither read nor touched, so any other task run of the process
-checks its tags as Prefect ships. Limits that exist when a tag set is first checked are always
-honoured, since only "no limits" answers let a check be skipped; a limit created in the middle of
-a run applies to gpu-tasks' task runs within that many seconds instead of 5.
-
-**Tag slots the flow process holds** (``prefect.task_engine._concurrency`` and
-``_aconcurrency``): see :func:`tag_slots_held_by_flow`; the "no limits" cache is read and
-written as the engine does (:func:`known_without_limits`, :func:`remember_without_limits`).
-The same wrapper answers a check whose tags the cache knows have no limit without calling
-Prefect's slot service: the outcome Prefect's own cached path gives (no lease), without its
-two thread hops and made-up HTTP response, which were 13% of a worker process's CPU per
-task.
-**Names the serializers resolve** (``prefect.serializers.from_qualified_name``): see
-:func:`cache_qualified_names`.
-
-Prefect's server and client internals (the ephemeral server's URL, the embedded server's
-process, counting task runs, draining events and logs) are in
-:mod:`gpu_tasks.compat.prefect_server`.
+"""The private Prefect APIs gpu-tasks relies on, each with why and the versions checked (prefect
+3.8.8 and 3.9.1, the ends of the tested range); each wrapper degrades to Prefect's own behaviour
+where the name is gone. The "no tag limits" answers and the tag slots the flow process holds are
+described in docs/runner.md, "Tagged task runs and Prefect's tag-limit checks".
 """
 
 from __future__ import annotations
@@ -46,6 +14,8 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
+
+from gpu_tasks.compat import Use, called_in, code_names, code_strings, params
 
 logger = logging.getLogger(__name__)
 
@@ -126,14 +96,9 @@ def context_for_workers(**parts: Any) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------- tag slots the flow process holds
-# A GPU task must not hold a device while it waits for a Prefect tag concurrency slot. The flow
-# process takes the task run's `tag:<tag>` slots before it leases a device (prefect_api.tag_slots) and
-# holds them until the task ends; the task engine on the worker would take them a second time (and
-# wait forever under a limit of 1), so inside `tag_slots_held_by_flow` the engine's own
-# acquisition for that task run leaves out the names the flow holds (it still takes the others,
-# such as the `gpu:<id>` tags a worker adds). Prefect 3.8.8's task engine takes them with
-# `prefect.task_engine._concurrency` / `_aconcurrency(names=[...], holder=ConcurrencyLeaseHolder(
-# type="task_run", id=...))`, imported into that module under those private names.
+# The flow process takes a task run's `tag:<tag>` slots before its device is leased; inside
+# `tag_slots_held_by_flow` the engine's own acquisition (`prefect.task_engine._concurrency` /
+# `_aconcurrency`) leaves those names out, so it never waits for them a second time.
 _FLOW_HOLDS: contextvars.ContextVar[tuple[Any, frozenset[str]] | None] = contextvars.ContextVar(
     "gpu_tasks_flow_holds_tag_slots", default=None
 )
@@ -190,9 +155,9 @@ def _busy_wait(kwargs: dict[str, Any]) -> Any:
     run's, which fails as Prefect ships)."""
     if not _OURS.get() or not kwargs.get("names"):
         return None
-    from gpu_tasks.compat.api_busy import BusyWait, busy_timeout
+    from gpu_tasks.compat.api_busy import BusyWait
 
-    return BusyWait(f"the tag-slot check of {list(kwargs['names'])}", busy_timeout())
+    return BusyWait(f"the tag-slot check of {list(kwargs['names'])}")
 
 
 _ENGINE_ORIGINALS: dict[str, Any] = {}  # Prefect's own, once gpu-tasks' wrappers are installed
@@ -303,21 +268,12 @@ _QUALIFIED_KEEP = 512
 def cache_qualified_names() -> bool:
     """Let Prefect's serializers in this process resolve each qualified name once.
 
-    ``JSONSerializer.dumps`` resolves its ``object_encoder``
-    (``prefect.serializers.prefect_json_object_encoder``) by name at every call, and
-    ``from_qualified_name`` first tries to import that name as a module: a failed import,
-    with the import lock and a search of ``sys.path``, for every cache key the task engine
-    computes (each task run with a cache policy: Prefect's default one). That was 10% of a
-    worker process's CPU per task. Called in gpu-tasks' worker processes only; the flow
-    process is left as Prefect ships. Returns whether the serializers now use the cache
-    (``False`` on a Prefect without that name: nothing changed).
+    ``from_qualified_name`` first tries to import the name as a module: a failed import for every
+    cache key the task engine computes, 10% of a worker process's CPU per task. Called in worker
+    processes only. Returns whether the serializers now use the cache.
     """
-    import threading
+    import prefect.serializers as serializers
 
-    try:
-        import prefect.serializers as serializers
-    except ImportError:  # pragma: no cover - part of every prefect
-        return False
     resolve = getattr(serializers, "from_qualified_name", None)
     if resolve is None:
         return False
@@ -361,36 +317,31 @@ def skip_crash_reports(skip: Callable[[], bool], say: Callable[[Any], None]) -> 
     ``skip()`` is true in the crashing thread; ``say(task_run)`` is called instead."""
     from prefect.task_engine import AsyncTaskRunEngine, SyncTaskRunEngine
 
-    original = SyncTaskRunEngine.handle_crash
-    if not getattr(original, "_gpu_tasks_skip", False):
+    sync_original, async_original = SyncTaskRunEngine.handle_crash, AsyncTaskRunEngine.handle_crash
 
-        def handle_crash(self: Any, exc: BaseException) -> None:
-            if not skip():
-                original(self, exc)
-                return
-            say(self.task_run)
-            self._raised = exc
+    def skipped(self: Any, exc: BaseException) -> bool:
+        if not skip():
+            return False
+        say(self.task_run)
+        self._raised = exc
+        return True
 
-        handle_crash._gpu_tasks_skip = True  # type: ignore[attr-defined]
-        setattr(SyncTaskRunEngine, "handle_crash", handle_crash)  # noqa: B010 - an engine internal
-    aoriginal = AsyncTaskRunEngine.handle_crash
-    if not getattr(aoriginal, "_gpu_tasks_skip", False):
+    def handle_crash(self: Any, exc: BaseException) -> None:
+        if not skipped(self, exc):
+            sync_original(self, exc)
 
-        async def ahandle_crash(self: Any, exc: BaseException) -> None:
-            if not skip():
-                await aoriginal(self, exc)
-                return
-            say(self.task_run)
-            self._raised = exc
+    async def ahandle_crash(self: Any, exc: BaseException) -> None:
+        if not skipped(self, exc):
+            await async_original(self, exc)
 
-        ahandle_crash._gpu_tasks_skip = True  # type: ignore[attr-defined]
-        setattr(AsyncTaskRunEngine, "handle_crash", ahandle_crash)  # noqa: B010 - an engine internal
+    for engine, patched in ((SyncTaskRunEngine, handle_crash), (AsyncTaskRunEngine, ahandle_crash)):
+        if not getattr(engine.handle_crash, "_gpu_tasks_skip", False):
+            patched._gpu_tasks_skip = True  # type: ignore[union-attr]
+            setattr(engine, "handle_crash", patched)  # noqa: B010 - an engine internal
 
 
 def _check_handle_crash() -> str | None:
     from prefect import task_engine
-
-    from gpu_tasks.compat import called_in, params
 
     for name in ("SyncTaskRunEngine", "AsyncTaskRunEngine"):
         engine = getattr(task_engine, name)
@@ -431,8 +382,6 @@ def current_sync_client_context() -> Any:
 def _check_engine_concurrency() -> str | None:
     import prefect.task_engine as engine
 
-    from gpu_tasks.compat import code_names, code_strings, params
-
     for name in ("_concurrency", "_aconcurrency"):
         fn = _ENGINE_ORIGINALS.get(name, getattr(engine, name, None))  # Prefect's, not gpu-tasks' wrapper
         if fn is None:
@@ -462,8 +411,6 @@ def _check_context_layout() -> str | None:
 def _check_serializers() -> str | None:
     import prefect.serializers as serializers
 
-    from gpu_tasks.compat import called_in, params
-
     # resolve ``object_encoder`` by name at every dumps: the call gpu-tasks' cache answers
     return params(getattr(serializers, "from_qualified_name", None), "name") or called_in(
         serializers.JSONSerializer.dumps, "from_qualified_name"
@@ -473,14 +420,10 @@ def _check_serializers() -> str | None:
 def _check_state_event() -> str | None:
     from prefect.utilities.engine import emit_task_run_state_change_event
 
-    from gpu_tasks.compat import params
-
     return params(emit_task_run_state_change_event, "task_run", "initial_state", "validated_state")
 
 
 def _check_engine_helpers() -> str | None:
-    from gpu_tasks.compat import params
-
     (visit,) = engine_helpers()
     return params(visit, "expr", "visit_fn", "return_data")
 
@@ -491,64 +434,58 @@ def _check_sync_client_context() -> str | None:
     return None if "client" in SyncClientContext.model_fields else "SyncClientContext has no client field"
 
 
-def _uses() -> list[Any]:
-    from gpu_tasks.compat import Use
-
-    return [
-        Use(
-            "prefect",
-            "prefect.task_engine._concurrency / _aconcurrency",
-            "private",
-            "the engine's tag-slot acquisition, wrapped (gpu-tasks' task runs only) to leave out slots "
-            "the flow process holds and tags known to have no limit",
-            _check_engine_concurrency,
-        ),
-        Use(
-            "prefect",
-            "prefect.context.serialize_context (its layout)",
-            "undocumented",
-            "the flow run's context for workers, built with the settings serialized once per flow run "
-            "(they were nearly all of serialize_context's cost per task)",
-            _check_context_layout,
-        ),
-        Use(
-            "prefect",
-            "prefect.serializers.from_qualified_name",
-            "patched",
-            "resolved once per name in gpu-tasks' task runs (a failed import per cache key otherwise)",
-            _check_serializers,
-        ),
-        Use(
-            "prefect",
-            "prefect.utilities.engine.emit_task_run_state_change_event",
-            "undocumented",
-            "crash reports emit the engine's own state-change events",
-            _check_state_event,
-        ),
-        Use(
-            "prefect",
-            "prefect.task_engine.SyncTaskRunEngine.handle_crash, AsyncTaskRunEngine.handle_crash",
-            "patched",
-            "an attempt (sync or async) interrupted as its worker lost its scheduler reports no Crashed "
-            "over its retry",
-            _check_handle_crash,
-        ),
-        Use(
-            "prefect",
-            "prefect.utilities.collections.visit_collection",
-            "undocumented",
-            "walk a task's inputs for the futures it waits for (with Prefect's rules for models, "
-            "dataclasses, quote and allow_failure)",
-            _check_engine_helpers,
-        ),
-        Use(
-            "prefect",
-            "prefect.context.SyncClientContext",
-            "undocumented",
-            "one API client per worker thread, found by the engine as its own",
-            _check_sync_client_context,
-        ),
-    ]
-
-
-USES = _uses()
+USES = [
+    Use(
+        "prefect",
+        "prefect.task_engine._concurrency / _aconcurrency",
+        "private",
+        "the engine's tag-slot acquisition, wrapped (gpu-tasks' task runs only) to leave out slots "
+        "the flow process holds and tags known to have no limit",
+        _check_engine_concurrency,
+    ),
+    Use(
+        "prefect",
+        "prefect.context.serialize_context (its layout)",
+        "undocumented",
+        "the flow run's context for workers, built with the settings serialized once per flow run "
+        "(they were nearly all of serialize_context's cost per task)",
+        _check_context_layout,
+    ),
+    Use(
+        "prefect",
+        "prefect.serializers.from_qualified_name",
+        "patched",
+        "resolved once per name in gpu-tasks' task runs (a failed import per cache key otherwise)",
+        _check_serializers,
+    ),
+    Use(
+        "prefect",
+        "prefect.utilities.engine.emit_task_run_state_change_event",
+        "undocumented",
+        "crash reports emit the engine's own state-change events",
+        _check_state_event,
+    ),
+    Use(
+        "prefect",
+        "prefect.task_engine.SyncTaskRunEngine.handle_crash, AsyncTaskRunEngine.handle_crash",
+        "patched",
+        "an attempt (sync or async) interrupted as its worker lost its scheduler reports no Crashed "
+        "over its retry",
+        _check_handle_crash,
+    ),
+    Use(
+        "prefect",
+        "prefect.utilities.collections.visit_collection",
+        "undocumented",
+        "walk a task's inputs for the futures it waits for (with Prefect's rules for models, "
+        "dataclasses, quote and allow_failure)",
+        _check_engine_helpers,
+    ),
+    Use(
+        "prefect",
+        "prefect.context.SyncClientContext",
+        "undocumented",
+        "one API client per worker thread, found by the engine as its own",
+        _check_sync_client_context,
+    ),
+]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+from gpu_tasks.compat import Use, params
 from gpu_tasks.compat.prefect import is_ours
 
 _CAP: dict[str, Any] = {"longest": None, "whole_process": False}  # in force once installed
@@ -50,8 +51,6 @@ def _check_client_waits() -> str | None:
 
     import prefect.client.base as base
 
-    from gpu_tasks.compat import params
-
     fn = getattr(base, "clamped_poisson_interval", None)
     problem = params(getattr(fn, "__wrapped__", fn), "average_interval", "clamping_factor")
     if problem:
@@ -63,19 +62,13 @@ def _check_client_waits() -> str | None:
     return None
 
 
-def _uses() -> list[Any]:
-    from gpu_tasks.compat import Use
-
-    return [
-        Use(
-            "prefect",
-            "prefect.client.base.clamped_poisson_interval",
-            "patched",
-            "each wait of Prefect's client between tries of a refused request capped at "
-            "GPU_TASKS_TUNE_API_LONGEST_WAIT in gpu-tasks' task runs (2**n s otherwise: a device held idle)",
-            _check_client_waits,
-        ),
-    ]
-
-
-USES = _uses()
+USES = [
+    Use(
+        "prefect",
+        "prefect.client.base.clamped_poisson_interval",
+        "patched",
+        "each wait of Prefect's client between tries of a refused request capped at "
+        "GPU_TASKS_TUNE_API_LONGEST_WAIT in gpu-tasks' task runs (2**n s otherwise: a device held idle)",
+        _check_client_waits,
+    ),
+]

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from gpu_tasks.compat import Use, attr, params, warn_if_changed
+
 logger = logging.getLogger(__name__)
 
 
@@ -71,8 +73,6 @@ def server_in_own_session_class(
     """
     import prefect.server.api.server as _prefect_server
     from prefect.server.api.server import SubprocessASGIServer
-
-    from gpu_tasks.compat import warn_if_changed
 
     warn_if_changed()  # the server's private names, now that the process uses them
 
@@ -159,6 +159,13 @@ def _check_events_backlog() -> str | None:
 _REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([0-9A-Za-z_]+)["']""", re.MULTILINE)
 
 
+def _sqlite_migrations() -> Path | None:
+    import importlib.util
+
+    spec = importlib.util.find_spec("prefect.server.database")  # imports prefect.server only: cheap
+    return Path(spec.origin).parent / "_migrations" / "versions" / "sqlite" if spec and spec.origin else None
+
+
 def prefect_sqlite_revisions() -> frozenset[str]:
     """The alembic revisions of Prefect's SQLite migrations, from the ``revision = "..."``
     line of each migration script (read, not imported: about 5 ms for 113 files).
@@ -170,33 +177,22 @@ def prefect_sqlite_revisions() -> frozenset[str]:
     that runs in every flow process; it is the fallback when the path moves. Checked on
     prefect 3.8.8. Empty when neither is found (the revision check is then skipped).
     """
-    import importlib.util
-
-    spec = importlib.util.find_spec("prefect.server.database")  # imports prefect.server only: cheap
-    origin = spec.origin if spec is not None else None
-    folders = [Path(origin).parent / "_migrations" / "versions" / "sqlite"] if origin else []
-    if not any(f.is_dir() for f in folders):
+    folder = _sqlite_migrations()
+    if folder is None or not folder.is_dir():
         try:
             from prefect.server.database.orm_models import AioSqliteORMConfiguration
 
-            folders = [Path(AioSqliteORMConfiguration().versions_dir)]
+            folder = Path(AioSqliteORMConfiguration().versions_dir)
         except Exception:  # pragma: no cover - another Prefect release
             return frozenset()
-    found: set[str] = set()
-    for folder in folders:
-        for script in folder.glob("*.py"):
-            match = _REVISION.search(script.read_text(encoding="utf-8", errors="replace"))
-            if match:
-                found.add(match.group(1))
-    return frozenset(found)
+    texts = (script.read_text(encoding="utf-8", errors="replace") for script in folder.glob("*.py"))
+    return frozenset(match.group(1) for text in texts if (match := _REVISION.search(text)))
 
 
 # ---------------------------------------------------------------- the uses, with feature checks
 def _check_asgi_server() -> str | None:
     import prefect.server.api.server as server_module
     from prefect.server.api.server import SubprocessASGIServer
-
-    from gpu_tasks.compat import attr, params
 
     return (
         attr(SubprocessASGIServer, "_instances", dict)
@@ -218,53 +214,40 @@ def _check_drains() -> str | None:
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
 
-    from gpu_tasks.compat import params
-
     return params(EventsWorker.drain_all, "timeout") or params(APILogWorker.drain_all, "timeout")
 
 
 def _check_migrations() -> str | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec("prefect.server.database")
-    folder = (
-        Path(spec.origin).parent / "_migrations" / "versions" / "sqlite" if spec and spec.origin else None
-    )
+    folder = _sqlite_migrations()
     if folder is None or not folder.is_dir():
         return "prefect.server.database has no _migrations/versions/sqlite (the slower public path is used)"
     return None if prefect_sqlite_revisions() else "no alembic revision found in Prefect's SQLite migrations"
 
 
-def _uses() -> list[Any]:
-    from gpu_tasks.compat import Use
-
-    return [
-        Use(
-            "prefect",
-            "prefect.server.database._migrations.versions.sqlite (the revision line of each script)",
-            "private",
-            "a database migrated by another Prefect is named, with the fix, before a server is started",
-            _check_migrations,
-        ),
-        Use(
-            "prefect",
-            "prefect.server.api.server.SubprocessASGIServer (_instances, _run_uvicorn_command)",
-            "private",
-            "the ephemeral server's URL for workers; the embedded server in its own session",
-            _check_asgi_server,
-            needs="prefect.server.api.server",  # imported by Prefect's ephemeral mode or a server start
-        ),
-        Use(
-            "prefect",
-            "prefect.events.worker.EventsWorker (drain_all, _instances, _context_cache), "
-            "prefect.logging.handlers.APILogWorker.drain_all",
-            "private",
-            "Prefect's queue services of events and logs: send a run's last events and logs before a "
-            "process or the embedded server stops (drain_all), and count the events waiting to be sent "
-            "(_instances, _context_cache: task runs wait to start while too many do)",
-            lambda: _check_drains() or _check_events_backlog(),
-        ),
-    ]
-
-
-USES = _uses()
+USES = [
+    Use(
+        "prefect",
+        "prefect.server.database._migrations.versions.sqlite (the revision line of each script)",
+        "private",
+        "a database migrated by another Prefect is named, with the fix, before a server is started",
+        _check_migrations,
+    ),
+    Use(
+        "prefect",
+        "prefect.server.api.server.SubprocessASGIServer (_instances, _run_uvicorn_command)",
+        "private",
+        "the ephemeral server's URL for workers; the embedded server in its own session",
+        _check_asgi_server,
+        needs="prefect.server.api.server",  # imported by Prefect's ephemeral mode or a server start
+    ),
+    Use(
+        "prefect",
+        "prefect.events.worker.EventsWorker (drain_all, _instances, _context_cache), "
+        "prefect.logging.handlers.APILogWorker.drain_all",
+        "private",
+        "Prefect's queue services of events and logs: send a run's last events and logs before a "
+        "process or the embedded server stops (drain_all), and count the events waiting to be sent "
+        "(_instances, _context_cache: task runs wait to start while too many do)",
+        lambda: _check_drains() or _check_events_backlog(),
+    ),
+]

@@ -19,6 +19,7 @@ from gpu_tasks.devices.discovery import Device
 from gpu_tasks.devices.lease_files import LeaseFileError
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.prefect_api import quotas
+from gpu_tasks.reporting.events import RunRef
 from gpu_tasks.settings import get_settings, resolve
 
 logger = logging.getLogger(__name__)
@@ -31,24 +32,9 @@ QUOTA_READ_EVERY_S = 5.0  # how often a waiter for a full quota reads the quota'
 
 
 class DeviceBook:
-    """Which profile's cluster holds each device, within one entered runner.
-
-    A device belongs to at most one profile's cluster at a time, whole or fractional:
-    a profile waits (logged) for devices another profile holds, and an idle holder is
-    asked to give them back at once (``reclaim``) instead of after its idle timeout.
-
-    Across processes (flow runs) on this host, a device the book hands out is also
-    leased (:mod:`gpu_tasks.devices.leases`, in ``lease_dir``): a group is free only when this
-    book has it free and every one of its devices can be leased now. The lease is
-    given back when the book's holder releases the device. A profile that waits
-    ``lease_timeout`` seconds for devices other processes lease gets a ``ClusterError``.
-
-    Waiters are queued: a profile that has to wait registers, in this book and as a
-    waiter file in ``lease_dir`` (:func:`gpu_tasks.devices.leases.enqueue`), and a group is
-    not taken while a waiter that ranks before the taker (higher effective priority, then
-    earlier arrival; :func:`gpu_tasks.devices.leases.rank`), of this book or of any process,
-    wants one of its devices. A waiter's effective priority grows by one for every
-    ``priority_aging`` seconds it waits (``GPU_TASKS_TUNE_PRIORITY_AGING``; 0: never).
+    """Which profile's cluster holds each device within one entered runner, the leases that extend
+    that to every flow run on this host (``lease_dir``), and the queue of waiters for them. See
+    docs/leases.md, "Waiting and the timeout" and "Queueing and priority".
     """
 
     def __init__(
@@ -61,7 +47,6 @@ class DeviceBook:
         preemption_grace: float | None = None,
         on_preempting: Any = None,
         priority_aging: float | None = None,
-        quota_lease_seconds: float | None = None,
         other_programs_memory: int | None = None,
         fair_share_half_life: float | None = None,
     ):
@@ -70,16 +55,7 @@ class DeviceBook:
         self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
         self.stop = stop or threading.Event()
         self.log_every = log_every
-        given = (
-            lease_dir,
-            lease_timeout,
-            preemption_grace,
-            priority_aging,
-            quota_lease_seconds,
-            other_programs_memory,
-            fair_share_half_life,
-        )
-        settings = get_settings() if any(v is None for v in given) else None
+        settings = get_settings()
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
         self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
         self.preemption_grace = float(resolve(preemption_grace, "preemption_grace", settings))
@@ -89,7 +65,7 @@ class DeviceBook:
         self.since: dict[str, float] = {}  # address -> when its holder of this book took it
         self.priority_aging = float(resolve(priority_aging, "priority_aging", settings))
         self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
-        self.quota_lease_seconds = float(resolve(quota_lease_seconds, "quota_lease_seconds", settings))
+        self.quota_lease_seconds = float(settings.quota_lease_seconds)
         self.quotas: quotas.QuotaSlots | None = None
         self.quota_leases: dict[str, Any] = {}  # address -> the quota lease its group holds
         self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
@@ -116,31 +92,18 @@ class DeviceBook:
         need_memory: int | None = None,
         min_run_time: float = 0.0,
     ) -> list[int]:
-        """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``.
-
-        With ``block``, waits until at least ``at_least`` groups are free (or the runner
-        stops), queued by ``priority`` (higher first), then arrival, behind earlier
-        waiters of this book and of other processes. Fewer than ``at_least`` free groups
-        are never taken (a gang starts all of its workers or none): the waiter keeps its
-        place in the queue for all of them, and idle holders are asked to give theirs back.
-        After ``preemption_grace`` seconds of waiting, preemptible holders of lower priority
-        give back what the waiter needs (:mod:`gpu_tasks.preemption`; they do it themselves).
+        """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``; with
+        ``block``, waits in the queue until at least ``at_least`` are (all or none). See docs/leases.md,
+        "Queueing and priority", "Preemption" and "Quotas", and docs/shared-hosts.md, "Programs outside
+        gpu-tasks" (a device they use is not taken).
 
         Args:
-            preemptible: ``owner``'s devices may be taken back for higher-priority waiters
-                (recorded with its leases, for every process to see).
+            preemptible: ``owner``'s devices may be taken back for higher-priority waiters.
             patient: wait without ``lease_timeout`` (re-queued preempted tasks).
-            quota: count ``owner``'s devices against this quota (:mod:`gpu_tasks.prefect_api.quotas`); a
-                group is taken only with room for it there, a wait for room is logged and
-                counts towards ``lease_timeout``, and a need larger than the quota fails fast.
+            quota: count ``owner``'s devices against this quota (:mod:`gpu_tasks.prefect_api.quotas`).
             need_memory: bytes a device must have free (the profile's ``need_memory_free``).
             min_run_time: seconds from taking a device during which ``owner``'s run on it is not
-                preempted (recorded with its leases; :func:`gpu_tasks.policy.choose_victims`).
-
-        A device is taken only when programs outside gpu-tasks leave it be, sampled right after its
-        lease is taken (:mod:`gpu_tasks.devices.programs`): their use over ``other_programs_memory``,
-        or less free memory than ``need_memory``, gives the lease back and the profile waits (logged,
-        and counted towards ``lease_timeout``) until they leave.
+                preempted (:func:`gpu_tasks.policy.choose_victims`).
 
         Raises:
             ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
@@ -173,7 +136,7 @@ class DeviceBook:
                 with self.cond:
                     free, foreign, first = self._take_free(owner, groups, n, me, usage)
                     if len(free) < at_least:  # all or none: give the part back, keep waiting
-                        self._give_back(owner, [groups[i] for i in free])
+                        self._give_back(owner, [d.address for i in free for d in groups[i]])
                         free = []
                     if free or not block or n <= 0:
                         if free and time.monotonic() - waited_since > 0.5:
@@ -266,11 +229,7 @@ class DeviceBook:
         moment, and a flow run that tries to lease it just then fails its try and waits a round."""
         owner, wall = me["profile"], time.time()
         with self.cond:
-            infos: dict[str, dict[str, Any]] = {
-                a: {"profile": o, "local": True, **self.held_info.get(o, {}), "since": self.since.get(a)}
-                for a in sorted(wanted)
-                if (o := self.holders.get(a)) not in (None, owner)
-            }
+            infos = {a: h for a, h in self._local_holders().items() if a in wanted and h["profile"] != owner}
             unheld = sorted(a for a in wanted & leased if self.holders.get(a) is None)
         for address, info in leases.holders(self.lease_dir, unheld).items():
             if info is not None:
@@ -316,16 +275,9 @@ class DeviceBook:
     def release(self, owner: str, devices: Any) -> None:
         """Give back ``devices`` held by ``owner`` (and this process's leases on them); their use
         since last counted goes to the owner's team (fair share)."""
-        now, used = time.time(), dict[str, float]()
+        now = time.time()
         with self.cond:
-            for address in devices:
-                if self.holders.get(address) == owner:
-                    del self.holders[address]
-                    self.since.pop(address, None)
-                    if (counted := self.accounted.pop(address, None)) is not None:
-                        used[counted[0]] = used.get(counted[0], 0.0) + max(0.0, now - counted[1])
-                    leases.release(self.leases.pop(address, None), [address])
-                    self._release_quota(address)
+            used = self._give_back(owner, devices, now)
             self.cond.notify_all()
         self._count_use(used, now)
 
@@ -341,8 +293,6 @@ class DeviceBook:
 
     def _count_use(self, used: dict[str, float], now: float) -> None:
         """Add ``used`` (device-seconds by team) to the lease directory's usage (no lock held)."""
-        if not used or self.fair_share_half_life <= 0:
-            return
         try:
             fair_share.add(self.lease_dir, used, now, self.fair_share_half_life)
         except OSError:
@@ -352,8 +302,6 @@ class DeviceBook:
 
     def _usage(self) -> dict[str, float]:
         """The teams' decayed usage now (``{}`` when fair share is off or it cannot be read)."""
-        if self.fair_share_half_life <= 0:
-            return {}
         return fair_share.read(self.lease_dir, half_life=self.fair_share_half_life)
 
     def _take_free(
@@ -391,29 +339,24 @@ class DeviceBook:
                     first.update((id(w), w) for w in before)
                     foreign.update(d.address for d in g if any(not w.get("local") for w in before))
                     continue
-                new = [d.address for d in g if d.address not in self.holders]
+                new = [d.address for d in g if d.address not in self.holders]  # not empty: see above
                 info = dict(
                     leases.owner_info(owner, me["priority"]), preemptible=me["preemptible"], quota=me["quota"]
                 )
                 if me["min_run_time"] > 0:
                     info["min_run_time"] = me["min_run_time"]
-                lease = leases.take(new, info, self.lease_dir) if new else None
-                if new and lease is None:
+                lease = leases.take(new, info, self.lease_dir)
+                # leased elsewhere, used by programs outside gpu-tasks, or no room in the quota
+                if (
+                    lease is None
+                    or self._kept_by_programs(me, [d for d in g if d.address in new], lease)
+                    or (me["quota"] is not None and not self._take_quota(me, new, lease))
+                ):
                     foreign.update(new)
                     continue
-                if lease is not None and self._kept_by_programs(
-                    me, [d for d in g if d.address in new], lease
-                ):
-                    foreign.update(new)  # programs outside gpu-tasks use them
-                    continue
-                if lease is not None and me["quota"] is not None and not self._take_quota(me, new, lease):
-                    foreign.update(new)  # other flow runs use the quota's room
-                    continue
-                if lease is not None:
-                    for address in new:
-                        self.leases[address] = lease
                 for address in new:
-                    self.since[address] = float(lease.info["since"]) if lease is not None else time.time()
+                    self.leases[address] = lease
+                    self.since[address] = float(lease.info["since"])
                     if me["quota"] is not None:
                         self.accounted[address] = (me["quota"], self.since[address])
                 for d in g:
@@ -424,24 +367,26 @@ class DeviceBook:
                     "min_run_time": me["min_run_time"],
                 }
                 free.append(i)
-        except OSError as exc:
-            self._give_back(owner, [groups[i] for i in free])
-            raise self._lease_error(owner, exc) from exc
-        except BaseException:  # a quota the API could not answer for, an interrupt: nothing kept
-            self._give_back(owner, [groups[i] for i in free])
+        except BaseException as exc:  # a quota the API could not answer for, an interrupt: nothing kept
+            self._give_back(owner, [d.address for i in free for d in groups[i]])
+            if isinstance(exc, OSError):
+                raise self._lease_error(owner, exc) from exc
             raise
         return free, foreign, sorted(first.values(), key=lambda w: leases.rank(w, now, usage))
 
-    def _give_back(self, owner: str, groups: list[tuple[Device, ...]]) -> None:
-        """Undo a take of ``groups`` by ``owner`` (under ``cond``)."""
-        for g in groups:
-            for d in g:
-                if self.holders.get(d.address) == owner:
-                    del self.holders[d.address]
-                    self.since.pop(d.address, None)
-                    self.accounted.pop(d.address, None)
-                    leases.release(self.leases.pop(d.address, None), [d.address])
-                    self._release_quota(d.address)
+    def _give_back(self, owner: str, addresses: Any, now: float | None = None) -> dict[str, float]:
+        """Stop ``owner`` holding ``addresses`` (under ``cond``); with ``now`` (a release, not an undone
+        take), the device-seconds by team since their use was last counted."""
+        used: dict[str, float] = {}
+        for address in addresses:
+            if self.holders.get(address) == owner:
+                del self.holders[address]
+                self.since.pop(address, None)
+                if (counted := self.accounted.pop(address, None)) is not None and now is not None:
+                    used[counted[0]] = used.get(counted[0], 0.0) + max(0.0, now - counted[1])
+                leases.release(self.leases.pop(address, None), [address])
+                self._release_quota(address)
+        return used
 
     def _kept_by_programs(self, me: dict[str, Any], devices: list[Device], lease: leases.Lease) -> bool:
         """Whether programs outside gpu-tasks keep ``me`` off ``devices``, just leased (then the lease
@@ -494,7 +439,7 @@ class DeviceBook:
     def quota_slots(self) -> quotas.QuotaSlots:
         """This book's quota leases (made on first use, in the flow run's context)."""
         if self.quotas is None:
-            self.quotas = quotas.QuotaSlots(self.quota_lease_seconds, _flow_run_id())
+            self.quotas = quotas.QuotaSlots(self.quota_lease_seconds, RunRef.current().id)
         return self.quotas
 
     def _take_quota(self, me: dict[str, Any], new: list[str], lease: leases.Lease) -> bool:
@@ -531,20 +476,24 @@ class DeviceBook:
             self.quotas.close()
 
     # ------------------------------------------------------------ preemption
+    def _local_holders(self) -> dict[str, dict[str, Any]]:
+        """The holder info of each device a profile of this book holds (under ``cond``)."""
+        return {
+            a: {
+                "profile": o,
+                "local": True,
+                **self.held_info.get(o, {}),
+                "since": self.since.get(a),
+                "borrowed": a in self.borrowed,
+                "quota": self.accounted.get(a, (None,))[0],
+            }
+            for a, o in self.holders.items()
+        }
+
     def _holder_of(self) -> preemption.HolderOf:
         """Who holds a device now: a profile of this book, another process's lease, or ``None``."""
         with self.cond:
-            mine = {
-                a: {
-                    "profile": o,
-                    "local": True,
-                    **self.held_info.get(o, {}),
-                    "since": self.since.get(a),
-                    "borrowed": a in self.borrowed,
-                    "quota": self.accounted.get(a, (None,))[0],
-                }
-                for a, o in self.holders.items()
-            }
+            mine = self._local_holders()
         cache: dict[str, dict[str, Any] | None] = {}
 
         def holder_of(address: str) -> dict[str, Any] | None:
@@ -687,36 +636,31 @@ class DeviceBook:
         )
 
 
-def _flow_run_id() -> Any:
-    """The id of the flow run of the current Prefect context, if any."""
-    from prefect.context import FlowRunContext
-
-    ctx = FlowRunContext.get()
-    return ctx.flow_run.id if ctx is not None and ctx.flow_run is not None else None
-
-
 class _WaitLog:
     """What a waiting ``acquire`` says, at most once per ``log_every`` seconds for each kind of wait."""
 
     def __init__(self, book: DeviceBook, owner: str, priority: int, wanted: list[str]) -> None:
         self.book, self.owner, self.priority, self.wanted = book, owner, priority, wanted
-        self.last_wait: float | None = None
-        self.last_yield: float | None = None
+        self.last: dict[str, float] = {}  # kind of wait -> when it was last logged
         self.asked = False  # said (once a wait) that preemptible holders give devices back
-        self.last_quota: float | None = None
-        self.last_programs: float | None = None
-        self.last_protected: float | None = None
         # why it waits (DeviceBook._explain): when last worked out, as last written, the quota's use
         self.explained_at: float | None = None
         self.noted: dict[str, Any] | None = None
         self.quota_read_at: float | None = None
         self.quota_use: tuple[int, int] | None = None
 
+    def _due(self, kind: str, now: float) -> bool:
+        """Whether to log ``kind`` of wait at ``now`` (at most once per ``log_every``); records it if so."""
+        last = self.last.get(kind)
+        if last is not None and now - last < self.book.log_every:
+            return False
+        self.last[kind] = now
+        return True
+
     def protected(self, now: float, until: float, holders: str) -> None:
         """The work it could take back is protected (``min_run_time``) until ``until``: say so."""
-        if self.last_protected is not None and now - self.last_protected < self.book.log_every:
+        if not self._due("protected", now):
             return
-        self.last_protected = now
         logger.info(
             "profile %r (priority %d): preemptible work it could take back is inside its protected run "
             "time (min_run_time) until %s (in %.1fs): %s; it preempts then",
@@ -736,9 +680,7 @@ class _WaitLog:
         quota: str | None = None,
         others: dict[str, str] | None = None,
     ) -> None:
-        every = self.book.log_every
-        if others and (self.last_programs is None or now - self.last_programs >= every):
-            self.last_programs = now
+        if others and self._due("programs", now):
             logger.info(
                 "profile %r: waiting for devices that programs outside gpu-tasks use: %s; giving up after "
                 "%gs (GPU_TASKS_LEASE_TIMEOUT)",
@@ -747,16 +689,14 @@ class _WaitLog:
                 self.book.lease_timeout,
             )
         foreign = foreign - set(others or ())  # free of leases: the programs stand in the way (said above)
-        if first and (self.last_yield is None or now - self.last_yield >= every):
-            self.last_yield = now
+        if first and self._due("yield", now):
             logger.info(
                 "profile %r (priority %d): letting waiter(s) that rank before it have devices first: %s",
                 self.owner,
                 self.priority,
                 self.book.waiters_text(first),
             )
-        if quota is not None and (self.last_quota is None or now - self.last_quota >= every):
-            self.last_quota = now
+        if quota is not None and self._due("quota", now):
             logger.info(
                 "profile %r: waiting for room in quota %r (%s); giving up after %gs "
                 "(GPU_TASKS_LEASE_TIMEOUT)",
@@ -767,9 +707,8 @@ class _WaitLog:
             )
         if quota is not None:
             foreign = set()  # free devices: the quota is what stands in the way (said above)
-        if self.last_wait is not None and now - self.last_wait < every:
+        if not self._due("wait", now):
             return
-        self.last_wait = now
         if held_by:
             logger.info(
                 "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import logging
 import os
 import re
 import shlex
@@ -25,8 +24,6 @@ from gpu_tasks.devices import topology as wiring
 from gpu_tasks.devices.topology import Topology
 from gpu_tasks.errors import DeviceDiscoveryError
 from gpu_tasks.settings import GpuTasksSettings, get_settings, size_bytes
-
-logger = logging.getLogger(__name__)
 
 Source = Literal["emulated", "command", "nvml", "none"]
 DEFAULT_EMULATED_MODEL = "EMU"
@@ -181,7 +178,7 @@ def emulated_inventory(spec: str) -> Inventory:
     )
 
 
-def _repeat(items: list[str], hint: str) -> list[str]:
+def _repeat(items: list[str]) -> list[str]:
     """``["2*H100:80GiB", "L4"]`` -> ``["H100:80GiB", "H100:80GiB", "L4"]``."""
     out: list[str] = []
     for i, item in enumerate(items):
@@ -192,7 +189,8 @@ def _repeat(items: list[str], hint: str) -> list[str]:
         times = int(match.group(1))
         if not 1 <= times <= 64 or not match.group(2).strip():
             raise DeviceDiscoveryError(
-                f"{hint}; item {i + 1} ({item.strip()!r}): N*ITEM needs N from 1 to 64 and an item after '*'"
+                f"{EMULATED_HINT}; item {i + 1} ({item.strip()!r}): N*ITEM needs N from 1 to 64 and an "
+                "item after '*'"
             )
         out.extend([match.group(2)] * times)
     return out
@@ -203,53 +201,46 @@ def _parse_devices(spec: str) -> tuple[Device, ...]:
     text = spec.strip()
     if not text:
         raise DeviceDiscoveryError(f"{hint}; got an empty value")
+    found: list[tuple[str, int, tuple[tuple[int, int], ...]]] = []  # (name, memory, emulated_use)
     if text.isascii() and text.isdigit():  # str.isdigit() is also true for "²", which int() rejects
         count = int(text)
         if not 0 <= count <= 64:
             raise DeviceDiscoveryError(f"{hint}; a count must be between 0 and 64, got {count}")
-        return tuple(
-            Device(
-                address=str(i),
-                index=i,
-                name=f"{DEFAULT_EMULATED_MODEL}{EMULATED_SUFFIX}",
-                uuid=f"EMU-{i}",
-                memory_total=DEFAULT_EMULATED_MEMORY,
-                memory_free=DEFAULT_EMULATED_MEMORY,
-                emulated=True,
-            )
-            for i in range(count)
+        found = [(DEFAULT_EMULATED_MODEL, DEFAULT_EMULATED_MEMORY, ())] * count
+    else:
+        for i, item in enumerate(_repeat(text.split(","))):
+            device, *uses = item.split("@")
+            match = _ITEM_RE.match(device)
+            if not match:
+                raise DeviceDiscoveryError(
+                    f"{hint}; item {i + 1} ({item.strip()!r}) is not NAME or NAME:MEMORY"
+                )
+            name, mem = match.group(1), match.group(2)
+            if not mem and not (any(c.isalpha() for c in name) and any(c.isdigit() for c in name)):
+                # "banana", "two" or "2.5" alone is no device model: a typo, not one device of that name
+                raise DeviceDiscoveryError(
+                    f"{hint}; item {i + 1} ({item.strip()!r}) is neither a whole count nor a model name "
+                    f"such as H100 or L4 (give its memory to use another name: '{name}:16GiB')"
+                )
+            memory = _size(mem, f"item {i + 1}") if mem else DEFAULT_EMULATED_MEMORY
+            if memory <= 0:
+                raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a memory size of zero")
+            found.append((name, memory, _declared_use(i + 1, item, uses, memory)))
+        if len(found) > 64:
+            raise DeviceDiscoveryError(f"{hint}; at most 64 devices, got {len(found)}")
+    return tuple(
+        Device(
+            address=str(i),
+            index=i,
+            name=f"{name}{EMULATED_SUFFIX}",
+            uuid=f"EMU-{i}",
+            memory_total=memory,
+            memory_free=memory,
+            emulated=True,
+            emulated_use=use,
         )
-    devices = []
-    for i, item in enumerate(_repeat(text.split(","), hint)):
-        device, *uses = item.split("@")
-        match = _ITEM_RE.match(device)
-        if not match:
-            raise DeviceDiscoveryError(f"{hint}; item {i + 1} ({item.strip()!r}) is not NAME or NAME:MEMORY")
-        name, mem = match.group(1), match.group(2)
-        if not mem and not (any(c.isalpha() for c in name) and any(c.isdigit() for c in name)):
-            # "banana", "two" or "2.5" alone is no device model: a typo, not one device of that name
-            raise DeviceDiscoveryError(
-                f"{hint}; item {i + 1} ({item.strip()!r}) is neither a whole count nor a model name such as "
-                f"H100 or L4 (give its memory to use another name: '{name}:16GiB')"
-            )
-        memory = _size(mem, f"item {i + 1}") if mem else DEFAULT_EMULATED_MEMORY
-        if memory <= 0:
-            raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a memory size of zero")
-        devices.append(
-            Device(
-                address=str(i),
-                index=i,
-                name=f"{name}{EMULATED_SUFFIX}",
-                uuid=f"EMU-{i}",
-                memory_total=memory,
-                memory_free=memory,
-                emulated=True,
-                emulated_use=_declared_use(i + 1, item, uses, memory),
-            )
-        )
-    if len(devices) > 64:
-        raise DeviceDiscoveryError(f"{hint}; at most 64 devices, got {len(devices)}")
-    return tuple(devices)
+        for i, (name, memory, use) in enumerate(found)
+    )
 
 
 def run_discovery_command(command: str, timeout: float = 30.0) -> tuple[Device, ...]:
@@ -293,18 +284,12 @@ def run_discovery_command(command: str, timeout: float = 30.0) -> tuple[Device, 
     )
 
 
-def _decode(value: bytes | str) -> str:
-    return value.decode() if isinstance(value, bytes) else value
-
-
 def nvml_devices() -> tuple[tuple[Device, ...], str]:
     """Devices from NVML (and their MIG instances), with a note on why none were found."""
     try:
-        nvml = _gpu.load("pynvml")
+        nvml = _gpu.nvml_init()
     except _gpu.GpuLibraryUnavailable as exc:
         return (), f"NVML not available ({exc.reason})"
-    try:
-        nvml.nvmlInit()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
         return (), f"no NVIDIA driver ({type(exc).__name__})"
     try:
@@ -313,8 +298,8 @@ def nvml_devices() -> tuple[tuple[Device, ...], str]:
             handle = nvml.nvmlDeviceGetHandleByIndex(i)
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
             major, minor = nvml.nvmlDeviceGetCudaComputeCapability(handle)
-            name = _decode(nvml.nvmlDeviceGetName(handle))
-            uuid = _decode(nvml.nvmlDeviceGetUUID(handle))
+            name = _gpu.text(nvml.nvmlDeviceGetName(handle))
+            uuid = _gpu.text(nvml.nvmlDeviceGetUUID(handle))
             migs = _mig_instances(nvml, handle, i, name, f"{major}.{minor}")
             if migs:
                 devices.extend(migs)
@@ -332,10 +317,7 @@ def nvml_devices() -> tuple[tuple[Device, ...], str]:
             )
         return tuple(devices), f"{len(devices)} device(s) from NVML"
     finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:  # pragma: no cover - shutdown failure is harmless
-            logger.warning("nvmlShutdown failed", exc_info=True)
+        _gpu.nvml_shutdown(nvml)
 
 
 def _mig_instances(nvml: Any, handle: Any, index: int, name: str, cc: str) -> list[Device]:
@@ -352,7 +334,7 @@ def _mig_instances(nvml: Any, handle: Any, index: int, name: str, cc: str) -> li
             mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, j)
         except Exception:
             continue
-        uuid = _decode(nvml.nvmlDeviceGetUUID(mig))
+        uuid = _gpu.text(nvml.nvmlDeviceGetUUID(mig))
         mem = nvml.nvmlDeviceGetMemoryInfo(mig)
         out.append(
             Device(

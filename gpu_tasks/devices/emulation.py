@@ -1,14 +1,6 @@
-"""Emulated devices, only where asked for: :func:`ensure_devices`, :func:`no_gpu_hint`.
-
-The rule, the same for a plain script, a Prefect worker's flow run and the example's
-``gpu-tasks example run`` / ``serve``: devices are emulated only where ``GPU_TASKS_EMULATED_GPUS``
-is set in the environment of the process that runs the flow. ``--emulate`` on the example's
-commands sets it for that command (and the flow runs it starts); ``--emulate auto`` only where no
-GPU is found. Without it a GPU profile on a host with no GPU fails with
-:class:`~gpu_tasks.errors.UnsatisfiableProfileError`, whose message says how to emulate or to fall
-back to the CPU (:func:`no_gpu_hint`). What emulation means for a flow is
-:data:`gpu_tasks.devices.discovery.EMULATION_MEANS`; the example adds its own note on what its
-stages compute with. Used by the example's commands and the benchmarks."""
+"""Emulated devices, only where asked for (``GPU_TASKS_EMULATED_GPUS``): :func:`ensure_devices` for
+the example's ``--emulate`` and the benchmarks, :func:`no_gpu_hint` for the error on a host with no
+GPU. See docs/operations.md, "Emulated devices"."""
 
 from __future__ import annotations
 
@@ -39,23 +31,21 @@ def ensure_devices(emulate: str | None = "auto", announce: Any = print) -> str:
     devices when there is no real GPU and neither emulation nor a discovery command is set; a
     count or ``"NAME:MEMORY,..."`` emulates those devices. Announced; returns the device source."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    if emulate is None:
-        return discover().source
-    if emulate != "auto":
+    if emulate not in (None, "auto"):
         parse_emulated(emulate)  # a bad spec fails here, naming the option's value
         os.environ["GPU_TASKS_EMULATED_GPUS"] = emulate
         announce(
             f"EMULATING devices {emulate!r} (--emulate, GPU_TASKS_EMULATED_GPUS): {EMULATION_MEANS}. "
             "These are not GPU results."
         )
-        return discover().source
-    settings = get_settings()
-    if settings.emulated_gpus is None and settings.discovery_command is None:
-        inventory = discover(settings)
-        if not inventory.devices:
-            os.environ["GPU_TASKS_EMULATED_GPUS"] = DEFAULT_EMULATION
-            announce(
-                f"No GPU found ({inventory.detail}); EMULATING {DEFAULT_EMULATION} devices "
-                f"(GPU_TASKS_EMULATED_GPUS): {EMULATION_MEANS}. These are not GPU results."
-            )
+    elif emulate == "auto":
+        settings = get_settings()
+        if settings.emulated_gpus is None and settings.discovery_command is None:
+            inventory = discover(settings)
+            if not inventory.devices:
+                os.environ["GPU_TASKS_EMULATED_GPUS"] = DEFAULT_EMULATION
+                announce(
+                    f"No GPU found ({inventory.detail}); EMULATING {DEFAULT_EMULATION} devices "
+                    f"(GPU_TASKS_EMULATED_GPUS): {EMULATION_MEANS}. These are not GPU results."
+                )
     return discover().source

@@ -1,15 +1,5 @@
-"""Fair share over time: each team's decayed device use, kept in the lease directory.
-
-A team is a quota name (a profile's ``quota``). When a device of a profile with a quota is
-given back, and every ``ACCRUE_S`` while it is held, the device-seconds it was held are added to
-its team's usage, which halves every ``GPU_TASKS_TUNE_FAIR_SHARE_HALF_LIFE`` seconds
-(:func:`gpu_tasks.policy.decayed_usage`). Among waiters of equal (aged) priority, the one whose
-team has the least usage goes first (:func:`gpu_tasks.policy.waiter_rank`).
-
-Each user keeps a file of its own, ``<lease_dir>/fair-share.<uid>.json`` (``{"teams": {"team-a":
-{"usage": device-seconds, "at": time}}}``), updated under an exclusive ``flock`` on it (read, add,
-rewrite); readers take a shared lock for the read and add up every user's file. It survives a
-restart of any flow run, and every flow run on the host sees it.
+"""Fair share over time: each team's decayed device use, kept in the lease directory
+(``fair-share.<uid>.json``). See docs/leases.md, "Fair share".
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""The files of a lease directory on disk: per-user or shared by several Unix users, opened safely.
-
-A lease directory is **shared** when it is group- or world-writable. Then it must be sticky (no
-user can unlink or rename another's file, so nobody can replace a lock file), or gpu-tasks refuses
-it. In a shared directory, lock files are opened read-only (``flock`` needs no write access; the
-admin's :func:`setup` makes them root-owned 0444 so nobody can rewrite them), and a holder names
-itself in a file of its own, ``holder-<address>.<uid>.json``, locked for as long as it holds the
-lease: an unlocked one is stale. Files a user creates there get explicit modes (never the umask's).
-
-Every file is opened with ``O_NOFOLLOW | O_NONBLOCK`` and checked to be a regular file: a symbolic
-link (or a FIFO) planted in place of a lock file is refused with an error that names it.
+"""The files of a lease directory on disk: per-user or shared by several Unix users (group- or
+world-writable, then sticky), each opened ``O_NOFOLLOW`` and checked to be a regular file. See
+docs/shared-hosts.md, "What gpu-tasks does in a shared directory".
 """
 
 from __future__ import annotations
@@ -41,11 +33,6 @@ class LeaseFileError(PermissionError):
 def lock_path(lease_dir: Path, address: str) -> Path:
     """The lock file of device ``address`` (addresses are quoted: MIG UUIDs may hold ``/``)."""
     return Path(lease_dir) / f"{PREFIX}{quote(address, safe='')}{SUFFIX}"
-
-
-def info_path(lease_dir: Path, address: str, uid: int) -> Path:
-    """A shared directory's holder-info file of ``address`` for user ``uid``."""
-    return Path(lease_dir) / f"{HOLDER}{quote(address, safe='')}.{uid}.json"
 
 
 def user_name(uid: int) -> str:
@@ -163,7 +150,10 @@ def open_lock(path: Path, shared: bool) -> int:
             raise _open_error(path, exc, shared) from exc
     except OSError as exc:
         raise _open_error(path, exc, shared) from exc
-    _check_regular(fd, path)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise LeaseFileError(f"{str(path)!r} is not a regular file ({_who(st)}): refused; {_DOCS}")
     return fd
 
 
@@ -200,21 +190,14 @@ def _open_error(path: Path, exc: OSError, shared: bool) -> OSError:
     return exc
 
 
-def _check_regular(fd: int, path: Path) -> None:
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise LeaseFileError(f"{str(path)!r} is not a regular file ({_who(st)}): refused; {_DOCS}")
-
-
-def open_own(path: Path, mode: int = 0o644) -> int:
+def open_own(path: Path) -> int:
     """Open (making it when missing) a file of this user's own in a directory others write too.
 
     The file must be a regular file owned by this user with one link (never a link planted to make
-    us write elsewhere); it gets ``mode`` explicitly. Raises ``LeaseFileError`` otherwise.
+    us write elsewhere); it gets mode 0644 explicitly. Raises ``LeaseFileError`` otherwise.
     """
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, mode)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o644)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise LeaseFileError(f"{str(path)!r} is a symbolic link: refused; {_DOCS}") from exc
@@ -226,14 +209,14 @@ def open_own(path: Path, mode: int = 0o644) -> int:
             f"{str(path)!r} ({_who(st)}, {st.st_nlink} link(s)) is not a file of this user's own: refused. "
             f"The directory's owner or root can remove it; {_DOCS}"
         )
-    os.fchmod(fd, mode)
+    os.fchmod(fd, 0o644)
     return fd
 
 
-def lock_own(fd: int, tries: int = 50) -> bool:
+def lock_own(fd: int) -> bool:
     """Lock this user's own file ``fd`` exclusively; readers hold a shared lock for an instant, so
     try again briefly. ``False`` when it stayed locked by someone else."""
-    for _ in range(tries):
+    for _ in range(50):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return True
@@ -245,8 +228,7 @@ def lock_own(fd: int, tries: int = 50) -> bool:
 def hold_info(lease_dir: Path, address: str, info: dict[str, Any]) -> int:
     """Write the holder's ``info`` of ``address`` in its own file of a shared directory, locked until
     the returned descriptor is closed (so readers tell it from a stale one)."""
-    path = info_path(lease_dir, address, os.getuid())
-    fd = open_own(path, 0o644)
+    fd = open_own(Path(lease_dir) / f"{HOLDER}{quote(address, safe='')}.{os.getuid()}.json")
     try:
         lock_own(fd)  # unlocked after all (a reader held it): its info reads as stale, the lease holds
         write_info(fd, info)

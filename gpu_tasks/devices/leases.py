@@ -1,31 +1,6 @@
-"""Per-host device leases: which process (flow run) may put workers on a device.
-
-A lease on a device is an exclusive ``flock`` on ``<lease_dir>/device-<address>.lock``,
-held by keeping the file open. The kernel drops the lock when the holder closes the
-file or dies, even by SIGKILL, so a crashed flow run never leaves a device taken.
-The file's content (JSON: pid, hostname, flow run, profile, since) names the holder;
-it is only meaningful while the file is locked. Lock files are never deleted: unlinking
-one while another process has it open would let two processes lock different files.
-
-Only this host's processes see these locks (``flock`` on a network file system is not
-a cross-host lock): leases coordinate flow runs on one machine, not a cluster.
-
-Waiting is queued: a process that waits for devices registers a waiter file
-``<lease_dir>/queue/<unique>.json`` (:func:`enqueue`), exclusively locked for as long
-as it waits, and before it leases a device it lets any live waiter that wants that
-device and ranks before it (:func:`rank`: higher effective priority, then earlier
-arrival, then file name) go first (:func:`ahead`). A waiter file nobody has locked
-belongs to a dead process: :func:`waiters` ignores and deletes it.
-
-A waiter's effective priority grows with its wait, one step per ``aging`` seconds
-(:func:`effective_priority`); each waiter file carries its own ``aging``, so every
-process ranks a waiter the same way whatever its own setting.
-
-Several Unix users: a lease directory that is group- or world-writable is shared (it must be
-sticky; :mod:`gpu_tasks.devices.lease_files` opens its files safely and keeps each holder's info
-in a file of its own). Whatever the directory, a holder also marks its devices in the host-wide
-presence directory, and a device another user's flow run holds through another lease directory
-is not leased (:mod:`gpu_tasks.devices.presence`).
+"""Per-host device leases (``flock`` on ``<lease_dir>/device-<address>.lock``) and the queue of
+waiters for them (``<lease_dir>/queue/<unique>.json``): which process (flow run) may put workers on
+a device. See docs/leases.md, "What a lease is" and "Queueing and priority".
 """
 
 from __future__ import annotations
@@ -50,6 +25,7 @@ from gpu_tasks.devices.lease_files import PREFIX, QUEUE, SUFFIX, lock_path
 from gpu_tasks.devices.lease_files import read_info as _read_info
 from gpu_tasks.devices.lease_files import write_info as _write_info
 from gpu_tasks.policy import aged_priority, waiter_rank
+from gpu_tasks.reporting.events import RunRef
 
 
 class Lease:
@@ -74,11 +50,10 @@ class Lease:
 class Waiter:
     """This process's place in the queue: its open, locked waiter file; :func:`dequeue` removes it."""
 
-    def __init__(self, path: Path, fd: int, info: dict[str, Any]):
+    def __init__(self, path: Path, fd: int):
         self.path = path
         self.files = {path.name: fd}  # the one open, locked descriptor (closed in forked children)
         self.held: dict[str, list[tuple[int, Path | None]]] = {}
-        self.info = info
 
     @property
     def name(self) -> str:
@@ -111,26 +86,18 @@ def owner_info(profile: str | None = None, priority: int | None = None) -> dict[
     ``priority``, when given, is the priority the profile runs at in this flow run
     (:func:`gpu_tasks.cluster.local.run_priority`); ``gpu-tasks devices`` shows it.
     """
+    run = RunRef.current()
     info: dict[str, Any] = {
         "pid": os.getpid(),
         "uid": os.getuid(),
         "user": lease_files.user_name(os.getuid()),
         "hostname": socket.gethostname(),
-        "flow_run_name": None,
-        "flow_run_id": None,
+        "flow_run_name": run.name,
+        "flow_run_id": None if run.id is None else str(run.id),
         "profile": profile,
     }
     if priority is not None:
         info["priority"] = int(priority)
-    try:
-        from prefect.context import FlowRunContext
-
-        ctx = FlowRunContext.get()
-        if ctx is not None and ctx.flow_run is not None:
-            info["flow_run_name"] = ctx.flow_run.name
-            info["flow_run_id"] = str(ctx.flow_run.id)
-    except Exception:  # outside Prefect, or an unusual context: the pid still names the holder
-        pass
     return info
 
 
@@ -250,7 +217,7 @@ def enqueue(
         with contextlib.suppress(OSError):
             tmp.unlink()
         raise
-    waiter = Waiter(queue / name, fd, dict(info, file=name))
+    waiter = Waiter(queue / name, fd)
     _OPEN.add(waiter)
     return waiter
 
@@ -303,16 +270,11 @@ def read_why(lease_dir: Path | None, name: str) -> dict[str, Any] | None:
     except OSError:
         return None
     try:
-        data = os.read(fd, 1 << 16)
+        return _read_info(fd) or None
     except OSError:
         return None
     finally:
         os.close(fd)
-    try:
-        why = json.loads(data)
-    except ValueError:
-        return None
-    return why if isinstance(why, dict) else None
 
 
 def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
@@ -353,13 +315,8 @@ def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = N
 
 
 def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
-    """A waiter's ``priority`` plus one for every full ``aging`` seconds it has waited by ``now``.
-
-    ``priority + floor((now - arrived) / aging)``, with the waiter's own ``aging`` (its
-    file's; missing or 0: no aging, the base priority). Among waiters of one base
-    priority and one ``aging`` the earlier arrival never has the lower effective priority,
-    so aging keeps them first-come-first-served.
-    """
+    """A waiter's ``priority`` plus one for every full ``aging`` seconds (its file's own; missing or
+    0: none) it has waited by ``now``. See docs/leases.md, "Fairness and aging"."""
     arrived = float(info.get("arrived", math.inf))
     waited = (time.time() if now is None else now) - arrived
     return aged_priority(int(info.get("priority") or 0), float(info.get("aging") or 0.0), waited)
@@ -368,14 +325,9 @@ def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
 def rank(
     info: dict[str, Any], now: float | None = None, usage: Mapping[str, float] | None = None
 ) -> tuple[int, float, float, str]:
-    """Sort key of a waiter at ``now`` (lower goes first): higher :func:`effective_priority`, less
-    decayed usage of its team (its ``quota``, looked up in ``usage``: fair share,
-    :mod:`gpu_tasks.devices.fair_share`; none without a quota), earlier ``arrived``, ``file`` name
-    (:func:`gpu_tasks.policy.waiter_rank`).
-
-    Compare keys taken at one ``now`` (as :func:`ahead` and :func:`waiters` do). A waiter
-    without a file (one that has not registered) comes after every same-priority,
-    same-arrival waiter with one.
+    """Sort key of a waiter at ``now`` (lower goes first; :func:`gpu_tasks.policy.waiter_rank`): higher
+    :func:`effective_priority`, less decayed ``usage`` of its team (its ``quota``), earlier ``arrived``,
+    ``file`` name (none: last). Compare keys taken at one ``now``, as :func:`ahead` and :func:`waiters` do.
     """
     team = info.get("quota")
     return waiter_rank(

@@ -1,19 +1,7 @@
-"""Borrowing and reclaim on this host's leases: :mod:`gpu_tasks.borrowing` (the pure policy) on the quotas'
-limits (:func:`gpu_tasks.prefect_api.quotas.teams`) and the device queue.
-
-* **Borrow**: a preemptible profile whose quota has no room for a group it just leased
-  (:class:`gpu_tasks.devices.book.DeviceBook`) takes a slot of its team's borrowing limit instead, when the
-  policy allows it (:func:`gpu_tasks.borrowing.why_not_borrow`: the borrowing limit, the other teams'
-  lending limits, no entitled waiter of another team for those devices). Its lease info then says
-  ``borrowed: true``: every process sees which devices are borrowed.
-* **Yield**: a waiter beyond its quota that ranks first does not keep devices from an entitled waiter of
-  another team (:func:`gpu_tasks.borrowing.yields_to`).
-* **Reclaim**: the holder side (the runner's monitor, every half second) looks for an entitled waiter of
-  another team past its preemption grace that this book's borrowed devices keep waiting
-  (:func:`gpu_tasks.borrowing.reclaim_victims`); the profile holding them stops those workers and its
-  tasks run again later, their state saying ``reclaimed by <team>``.
-
-The book is passed in (``Any``): this module is below it and never imports it.
+"""Borrowing and reclaim on this host's leases: :mod:`gpu_tasks.borrowing` (the pure policy) on the
+quotas' limits (:func:`gpu_tasks.prefect_api.quotas.teams`) and the device queue. See docs/leases.md,
+"Borrowing, reclaim and their limits". The book is passed in (``Any``): this module is below it and
+never imports it.
 """
 
 from __future__ import annotations
@@ -61,17 +49,11 @@ def teams(fresh: bool = False) -> dict[str, Team]:
 def ask_of(waiter: dict[str, Any]) -> Ask:
     """A waiter's (or a request's) :class:`gpu_tasks.borrowing.Ask`: its team, the devices it takes at
     once (group size x groups needed), whether it is preemptible."""
-    groups = waiter.get("groups") or [[a] for a in waiter.get("addresses") or ()]
+    groups = preemption.groups_of(waiter)
     size = len(groups[0]) if groups else 1
     return Ask(
         waiter.get("quota"), size * max(1, int(waiter.get("need") or 1)), bool(waiter.get("preemptible"))
     )
-
-
-def _waiters_for(book: Any, me: dict[str, Any], addresses: list[str]) -> list[dict[str, Any]]:
-    """The other waiters of ``book`` and of other processes that want any of ``addresses``."""
-    rivals = book.rivals({}, besides=me["profile"])
-    return [w for w in rivals if set(addresses) & set(w.get("addresses") or ())]
 
 
 def borrow_slots(
@@ -110,7 +92,7 @@ def borrow_slots(
     return lease_id, None
 
 
-def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease | None) -> Any:
+def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease) -> Any:
     """A slot of ``me``'s team's borrowing limit for the devices ``new`` it just leased (its quota full),
     when the policy lets it borrow them (:func:`borrow_slots`); the lease then says ``borrowed``.
     ``None``: it may not (why is kept in ``me["borrow_why"]``) or the limit has no room."""
@@ -119,14 +101,17 @@ def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease | 
         me["quota"],
         len(new),
         bool(me["preemptible"]),
-        lambda: [ask_of(w) for w in _waiters_for(book, me, new)],
+        lambda: [
+            ask_of(w)
+            for w in book.rivals({}, besides=me["profile"])
+            if set(new) & set(w.get("addresses") or ())
+        ],
         (me["profile"], "device(s) " + ",".join(new)),
     )
     if lease_id is None:
         me["borrow_why"] = why
         return None
-    if lease is not None:
-        leases.annotate(lease, new, borrowed=True)
+    leases.annotate(lease, new, borrowed=True)
     book.borrowed.update(new)
     return lease_id
 
@@ -184,8 +169,7 @@ def reclaim_due(book: Any, preemptible: set[str]) -> tuple[dict[str, Any], list[
     for waiter in sorted(due, key=lambda w: leases.rank(w, now, {})):
         if not borrowing.entitled(ask_of(waiter), known):
             continue
-        groups = waiter.get("groups") or [[a] for a in waiter.get("addresses") or ()]
-        claims = [[(a, _claim(holder_of(a))) for a in g] for g in groups]
+        claims = [[(a, _claim(holder_of(a))) for a in g] for g in preemption.groups_of(waiter)]
         choice = borrowing.reclaim_victims(waiter["quota"], claims, int(waiter.get("need") or 1), now)
         mine = [a for a in choice.devices if a in ours]
         if mine:

@@ -1,19 +1,10 @@
-"""The flow-side sampler of measured use: NVML, every ``GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS``, on the real
-devices this flow run's local profiles hold.
-
-One thread per flow run, started when the first local GPU profile's cluster is made on real
-devices; never on emulated devices (their ledger says ``not measured (emulated)``) nor for
-address / cluster_class profiles (their devices are on other hosts). Each tick reads, for every
-device a running cluster holds: SM utilization (``nvmlDeviceGetUtilizationRates``), memory used
-(``nvmlDeviceGetMemoryInfo``) and the device memory of each compute process that is gpu-tasks'
-own here (this process's descendants: its worker processes), and hands the reading to the
-cluster's :class:`~gpu_tasks.reporting.ledger.Usage`. A tick with no device held costs no NVML
-call. The aggregation and the advice are pure (:mod:`gpu_tasks.reporting.measured`).
+"""The flow-side sampler of measured use: NVML, every ``GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS``, on the
+real devices this flow run's local profiles hold; the aggregation and the advice are pure
+(:mod:`gpu_tasks.reporting.measured`). See docs/shared-hosts.md, "Measured use".
 """
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import logging
 import os
@@ -30,8 +21,6 @@ from gpu_tasks.reporting.ledger import Usage
 from gpu_tasks.reporting.measured import Sample
 
 logger = logging.getLogger(__name__)
-
-_NOT_REPORTED = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE
 
 
 class Measurable(Protocol):
@@ -106,9 +95,8 @@ class Sampler:
                 )
 
     def _run(self) -> None:
-        nvml = _gpu.load("pynvml")
         try:
-            nvml.nvmlInit()
+            nvml = _gpu.nvml_init()
         except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
             with self._lock:
                 for cluster in self._clusters:
@@ -135,28 +123,23 @@ class Sampler:
         except Exception:  # sampling is for watching; never fail the run over it
             logger.warning("gpu-tasks: device sampling stopped", exc_info=True)
         finally:
-            with contextlib.suppress(Exception):
-                nvml.nvmlShutdown()
+            _gpu.nvml_shutdown(nvml)
 
     def _read(self, nvml: Any, handles: dict[str, Any], device: Device) -> Sample | None:
         try:
             handle = handles.get(device.address)
             if handle is None:
-                handle = handles[device.address] = (
-                    nvml.nvmlDeviceGetHandleByUUID(device.uuid)
-                    if device.uuid
-                    else nvml.nvmlDeviceGetHandleByIndex(int(device.address))
-                )
+                handle = handles[device.address] = _gpu.nvml_handle(nvml, device.uuid, device.address)
             mem = nvml.nvmlDeviceGetMemoryInfo(handle)
-            sm = _reported(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
-            procs = _reported(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []
+            sm = _gpu.reported(lambda: nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+            procs = _gpu.reported(lambda: nvml.nvmlDeviceGetComputeRunningProcesses(handle)) or []
         except Exception:
             logger.debug("gpu-tasks: could not sample device %s", device.address, exc_info=True)
             return None
         own = []
         for p in procs:
             used = getattr(p, "usedGpuMemory", None)
-            if used is not None and used < _NOT_REPORTED and self._ours(int(p.pid)):
+            if used is not None and used < _gpu.NVML_NOT_REPORTED and self._ours(int(p.pid)):
                 own.append((int(p.pid), int(used)))
         return Sample(
             time.time(),
@@ -179,11 +162,3 @@ class Sampler:
                 known = False
             self._own[pid] = known
         return known
-
-
-def _reported(read: Any) -> Any:
-    """``read()``, or ``None`` where NVML does not support it on this device (MIG, vGPU)."""
-    try:
-        return read()
-    except Exception:
-        return None

@@ -1,16 +1,7 @@
-"""Other users' gpu-tasks flow runs on this host's devices, seen across lease directories.
-
-Each user's default lease directory is their own (0700), so one user's leases are invisible to
-another. A host-wide presence directory (``GPU_TASKS_PRESENCE_DIR``, default
-``<tmp>/gpu-tasks-presence``, made 1777 when missing) closes the gap: while a flow run leases
-device X, it holds an exclusive ``flock`` on its own ``device-<X>.<uid>.<key>.lock`` there (0644,
-its holder's info as JSON; ``key`` names its lease directory, so one user's runs in different lease
-directories stay apart as before). Before a device is used, the files of other users (of other
-lease directories) are read: a locked one means another user's flow run holds the device, and the
-lease is given back (:func:`elsewhere`). Each side marks first and looks second, so of two runs that
-try at once at least one sees the other. Presence is advisory: it keeps gpu-tasks runs of several
-users apart; it is no barrier against a user who wants in (a shared lease directory is, for
-lease files: :mod:`gpu_tasks.devices.lease_files`).
+"""Other users' gpu-tasks flow runs on this host's devices, seen across lease directories: a
+host-wide presence directory (``GPU_TASKS_PRESENCE_DIR``) of ``device-<X>.<uid>.<key>.lock`` files,
+each locked while its run holds device X. See docs/shared-hosts.md, "The per-user default: other
+users are seen, not queued with".
 """
 
 from __future__ import annotations
@@ -96,7 +87,7 @@ def mark(addresses: Iterable[str], lease_dir: Path, info: dict[str, Any]) -> dic
         name = f"{quote(address, safe='')}.{os.getuid()}.{key(lease_dir)}"
         path = where / f"{lease_files.PREFIX}{name}{lease_files.SUFFIX}"
         try:
-            fd = lease_files.open_own(path, 0o644)
+            fd = lease_files.open_own(path)
         except OSError as exc:
             _warn(where, f"{path.name}: {exc}")
             continue

@@ -1,19 +1,6 @@
-"""Programs outside gpu-tasks on this host's devices: sampled right before a lease is decided.
-
-:func:`sample` reads, for each device, the processes that use it and its free memory: on real
-GPUs from NVML (compute and graphics processes, with the device memory each uses), on emulated
-devices from the ``@PID:MEMORY`` declarations of ``GPU_TASKS_EMULATED_GPUS``, each counted only
-while its process runs. Each process is named with its user and command line from psutil where
-this process may read them (another user's process can hide its command; a process of another
-PID namespace, as NVML reports in some containers, is not visible at all): what cannot be read
-is said, never guessed.
-
-Processes that are gpu-tasks' own are left out: this process (a flow run's) and every process
-holding a lease in the lease directory (other flow runs on this host), with all their
-descendants (worker processes and what their tasks start).
-
-:func:`blocked` decides: a device whose other programs use more than ``GPU_TASKS_OTHER_PROGRAMS_MEMORY``
-(0: any use at all), or whose free memory is below the profile's ``gpu_memory_free``, is not leased.
+"""Programs outside gpu-tasks on this host's devices, sampled right before a lease is decided
+(:func:`sample`), and whether they keep gpu-tasks off a device (:func:`blocked`). See
+docs/shared-hosts.md, "Programs outside gpu-tasks".
 """
 
 from __future__ import annotations
@@ -33,7 +20,8 @@ from gpu_tasks import _gpu
 from gpu_tasks.devices import leases
 from gpu_tasks.devices.discovery import Device
 
-_NOT_REPORTED = 2**64 - 1  # NVML_VALUE_NOT_AVAILABLE, where pynvml does not turn it into None
+# one device as sampled: (source, pid -> device memory it uses, free, total, note)
+_Sampled = tuple[str, dict[int, int | None], int | None, int | None, str]
 
 
 @dataclass(frozen=True)
@@ -128,7 +116,7 @@ def sample(devices: Sequence[Device], lease_dir: Path | None = None) -> dict[str
     gpu-tasks' own. Emulated devices read their declarations; other devices ask NVML (one
     ``nvmlInit`` for all of them); a device NVML cannot answer for is not sampled (``note``).
     """
-    raw: dict[str, tuple[str, dict[int, int | None], int | None, int | None, str]] = {}
+    raw: dict[str, _Sampled] = {}
     for d in devices:
         if d.emulated:
             live = {pid: n for pid, n in d.emulated_use if _alive(pid)}
@@ -170,7 +158,7 @@ def _own_pids(lease_dir: Path | None) -> set[int]:
 
 def _program(pid: int, memory: int | None, own: set[int]) -> Program | None:
     """``pid`` as a :class:`Program`, or ``None`` when it is gpu-tasks' own."""
-    if memory is not None and memory >= _NOT_REPORTED:
+    if memory is not None and memory >= _gpu.NVML_NOT_REPORTED:
         memory = None
     try:
         proc = psutil.Process(pid)
@@ -202,34 +190,22 @@ def _program(pid: int, memory: int | None, own: set[int]) -> Program | None:
     return Program(pid, memory, user, command, ", ".join(hidden))
 
 
-def _nvml(
-    devices: Sequence[Device],
-) -> dict[str, tuple[str, dict[int, int | None], int | None, int | None, str]]:
+def _nvml(devices: Sequence[Device]) -> dict[str, _Sampled]:
     """NVML's running processes (compute and graphics) and free memory of each of ``devices``."""
     try:
-        nvml = _gpu.load("pynvml")
-    except _gpu.GpuLibraryUnavailable as exc:
-        return {
-            d.address: ("", {}, None, None, f"not sampled: NVML not available ({exc.reason})")
-            for d in devices
-        }
-    try:
-        nvml.nvmlInit()
+        nvml = _gpu.nvml_init()
     except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return {
-            d.address: ("", {}, None, None, f"not sampled: no NVIDIA driver ({type(exc).__name__})")
-            for d in devices
-        }
-    out: dict[str, tuple[str, dict[int, int | None], int | None, int | None, str]] = {}
+        why = (
+            f"NVML not available ({exc.reason})"
+            if isinstance(exc, _gpu.GpuLibraryUnavailable)
+            else f"no NVIDIA driver ({type(exc).__name__})"
+        )
+        return {d.address: ("", {}, None, None, f"not sampled: {why}") for d in devices}
+    out: dict[str, _Sampled] = {}
     try:
         for d in devices:
             try:
-                if d.uuid:
-                    handle = nvml.nvmlDeviceGetHandleByUUID(d.uuid)
-                elif d.address.isdigit():
-                    handle = nvml.nvmlDeviceGetHandleByIndex(int(d.address))
-                else:
-                    raise ValueError(f"no UUID or index for device {d.address!r}")
+                handle = _gpu.nvml_handle(nvml, d.uuid, d.address)
                 mem = nvml.nvmlDeviceGetMemoryInfo(handle)
                 pids: dict[int, int | None] = {}
                 for listing in (
@@ -244,6 +220,5 @@ def _nvml(
             except Exception as exc:
                 out[d.address] = ("", {}, None, None, f"not sampled: NVML: {type(exc).__name__}: {exc}")
     finally:
-        with contextlib.suppress(Exception):
-            nvml.nvmlShutdown()
+        _gpu.nvml_shutdown(nvml)
     return out

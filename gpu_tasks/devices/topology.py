@@ -1,13 +1,6 @@
-"""How this host's devices are wired: the best path between each pair, and each device's CPUs.
-
-The path between two devices is what ``nvidia-smi topo -m`` shows: ``NV<n>`` (n NVLinks),
-``PIX`` (one PCIe switch, or the same board), ``PXB`` (several PCIe switches, no host bridge),
-``PHB`` (a PCIe host bridge), ``NODE`` (host bridges of one NUMA node), ``SYS`` (across NUMA
-nodes / sockets); ``?`` when unknown. NVML gives it (:func:`nvml_topology`, read lazily; any call
-that fails or is missing gives ``?``, never an error), an emulated spec declares it
-(:func:`emulated_topology`: ``/nvswitch``, ``/<S>s<G>[-nvpairs]``, ``-c<C>`` for CPUs). Choosing
-devices by it is :func:`gpu_tasks.policy.best_connected`; pinning a worker to its devices' CPUs,
-:func:`worker_cores` (applied by :mod:`gpu_tasks.worker.affinity`).
+"""How this host's devices are wired: the best path between each pair (as ``nvidia-smi topo -m``
+shows it), and each device's CPUs; from NVML (:func:`nvml_topology`) or an emulated shape
+(:func:`emulated_topology`). See docs/profiles.md, "Topology".
 """
 
 from __future__ import annotations
@@ -21,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from gpu_tasks import _gpu
+from gpu_tasks._gpu import reported, text
 from gpu_tasks.errors import DeviceDiscoveryError
 
 logger = logging.getLogger(__name__)
@@ -336,10 +330,6 @@ def _bus(bus_id: str) -> str:
     return ":".join(parts[-2:])
 
 
-def _text(value: Any) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
-
-
 def nvml_topology(addresses: Sequence[str]) -> Topology:
     """The wiring of NVML devices ``0..n-1`` (``addresses``, their indexes), read lazily.
 
@@ -350,8 +340,7 @@ def nvml_topology(addresses: Sequence[str]) -> Topology:
     if n == 0 or not all(a.isdigit() for a in addresses):  # MIG instances: wiring is the parent's
         return Topology.unknown(addresses, "unknown (MIG instances)" if n else "unknown")
     try:
-        nvml = _gpu.load("pynvml")
-        nvml.nvmlInit()
+        nvml = _gpu.nvml_init()
     except Exception as exc:
         return Topology.unknown(addresses, f"unknown (NVML: {type(exc).__name__})")
     try:
@@ -360,10 +349,7 @@ def nvml_topology(addresses: Sequence[str]) -> Topology:
         logger.warning("could not read how the devices are wired from NVML", exc_info=True)
         return Topology.unknown(addresses, f"unknown (NVML: {type(exc).__name__})")
     finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:  # pragma: no cover - shutdown failure is harmless
-            logger.warning("nvmlShutdown failed", exc_info=True)
+        _gpu.nvml_shutdown(nvml)
 
 
 def _read(nvml: Any, indexes: list[int], addresses: Sequence[str]) -> Topology:
@@ -374,7 +360,7 @@ def _read(nvml: Any, indexes: list[int], addresses: Sequence[str]) -> Topology:
         matrix = [[SELF if i == j else UNKNOWN for j in range(n)] for i in range(n)]
     else:
         matrix = pcie_matrix(n, lambda i, j: ancestor(handles[i], handles[j]))
-    bus_ids = [_attempt(lambda h=h: _text(nvml.nvmlDeviceGetPciInfo(h).busId)) or "" for h in handles]
+    bus_ids = [reported(lambda h=h: text(nvml.nvmlDeviceGetPciInfo(h).busId)) or "" for h in handles]
     remotes = [_links(nvml, h) for h in handles]
     add_nvlinks(matrix, remotes, bus_ids)
     numa = tuple(_numa(nvml, h, b) for h, b in zip(handles, bus_ids, strict=True))
@@ -388,13 +374,6 @@ def _read(nvml: Any, indexes: list[int], addresses: Sequence[str]) -> Topology:
     )
 
 
-def _attempt(call: Any) -> Any:
-    try:
-        return call()
-    except Exception:
-        return None
-
-
 def _links(nvml: Any, handle: Any) -> list[str | None]:
     """The remote bus id of each active NVLink of ``handle`` (none: no NVLink, or NVML cannot say)."""
     state = getattr(nvml, "nvmlDeviceGetNvLinkState", None)
@@ -405,22 +384,22 @@ def _links(nvml: Any, handle: Any) -> list[str | None]:
         return []
     out: list[str | None] = []
     for link in range(int(getattr(nvml, "NVML_NVLINK_MAX_LINKS", 18))):
-        if _attempt(lambda link=link: state(handle, link)) != getattr(nvml, "NVML_FEATURE_ENABLED", 1):
+        if reported(lambda link=link: state(handle, link)) != getattr(nvml, "NVML_FEATURE_ENABLED", 1):
             continue
-        out.append(_attempt(lambda link=link: _text(remote(handle, link).busId)))
+        out.append(reported(lambda link=link: text(remote(handle, link).busId)))
     return out
 
 
 def _numa(nvml: Any, handle: Any, bus_id: str) -> int | None:
     """The device's NUMA node: NVML where it says, else Linux's sysfs for its PCI bus id."""
-    node = _attempt(lambda: int(nvml.nvmlDeviceGetNumaNodeId(handle)))
+    node = reported(lambda: int(nvml.nvmlDeviceGetNumaNodeId(handle)))
     if node is not None and node >= 0:
         return int(node)
     if not bus_id:
         return None
     domain, _, rest = bus_id.lower().partition(":")
-    text = _attempt(lambda: open(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/numa_node").read())
-    value = _attempt(lambda: int(text)) if text else None
+    raw = reported(lambda: open(f"/sys/bus/pci/devices/{domain[-4:]}:{rest}/numa_node").read())
+    value = reported(lambda: int(raw)) if raw else None
     return value if value is not None and value >= 0 else None
 
 
@@ -428,5 +407,5 @@ def _cpus(affinity: Any, handle: Any) -> str | None:
     if affinity is None:
         return None
     words = max(1, -(-(os.cpu_count() or 1) // 64))
-    masks = _attempt(lambda: list(affinity(handle, words)))
+    masks = reported(lambda: list(affinity(handle, words)))
     return cpu_list(masks) if masks else None

@@ -1,16 +1,6 @@
-"""Why a task waits: one reason, in words, from what the device queue knows at the time.
+"""Why a task waits: one reason, in words, from what the device queue knows at the time (pure).
 
-Pure: :func:`why_waiting` takes a :class:`WaitView` (the facts :class:`gpu_tasks.devices.book.DeviceBook`
-has while a profile waits: who holds the devices it wants, its quota's use, the waiters that rank
-before it and their teams' decayed usage, devices programs outside gpu-tasks use) and the time, and
-returns the one :class:`WaitReason` that holds it, by precedence (the first that applies):
-
-``borrowing-limit`` > ``quota-full`` > ``fair-share`` > ``queued`` > ``protected`` > ``device-held`` >
-``other-programs`` > ``starting``.
-
-:func:`board_reason` says the same for an entry on a shared scheduler's waiter board
-(:mod:`gpu_tasks.cluster.board`). :data:`LISTENER` is how a waiting ``acquire`` tells the code that
-called it (the profile's controller) the reason: a context variable holding a callback.
+See docs/leases.md, "Why a task waits" (the kinds, by precedence: :data:`KINDS`).
 """
 
 from __future__ import annotations
@@ -18,8 +8,10 @@ from __future__ import annotations
 import contextvars
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
+
+from gpu_tasks.policy import Holding
 
 # The kinds, by precedence (first wins), and the shared scheduler's one
 KINDS = (
@@ -51,14 +43,11 @@ class Holder:
     preemptible: bool = False
     since: float | None = None  # when it took the device (time.time())
     min_run_time: float = 0.0
-    quota: str | None = None
 
     @property
     def protected_until(self) -> float | None:
         """When its protected run time ends (``None``: not protected)."""
-        if self.since is None or self.min_run_time <= 0:
-            return None
-        return self.since + self.min_run_time
+        return Holding(self.preemptible, self.priority, self.since, self.min_run_time).protected_until()
 
     def who(self) -> str:
         """``profile 'p' of this flow run`` or ``profile 'p' of flow run 'x' (pid 12)``."""
@@ -104,7 +93,6 @@ class Holder:
             preemptible=bool(info.get("preemptible")),
             since=None if info.get("since") is None else float(info["since"]),
             min_run_time=float(info.get("min_run_time") or 0.0),
-            quota=info.get("quota"),
         )
 
 
@@ -164,7 +152,6 @@ class WaitReason:
     quota: str | None = None
     used: float | None = None
     limit: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def as_dict(self) -> dict[str, Any]:
         """JSON for a waiter's side file, ``gpu-tasks waiters --json`` and the event's payload."""
@@ -177,10 +164,6 @@ class WaitReason:
 
 def _clock(t: float) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t))
-
-
-def _devices(holders: Sequence[Holder]) -> str:
-    return ",".join(sorted({h.address for h in holders}))
 
 
 def why_waiting(view: WaitView, now: float) -> WaitReason:
@@ -250,16 +233,12 @@ def why_waiting(view: WaitView, now: float) -> WaitReason:
         rest = f" (and {len(others) - 1} more device(s))" if len(others) > 1 else ""
         return WaitReason(
             "device-held",
-            f"device {_devices([h])} is held by {h.who()}{rest}",
+            f"device {h.address} is held by {h.who()}{rest}",
             holder=h.as_dict(),
         )
     if view.programs:
         address, why = sorted(view.programs)[0]
-        return WaitReason(
-            "other-programs",
-            f"programs outside gpu-tasks use device {address}: {why}",
-            extra={"devices": [a for a, _ in view.programs]},
-        )
+        return WaitReason("other-programs", f"programs outside gpu-tasks use device {address}: {why}")
     return WaitReason("starting", "starting: its devices are free, its workers are being started")
 
 
@@ -320,15 +299,11 @@ class Throttle:
         self.last_at: float | None = None
         self.last_kind_text: tuple[str, str] | None = None
 
-    def changed(self, reason: WaitReason) -> bool:
-        """Whether ``reason`` differs from the last one said (its kind, or its words but times)."""
-        return self.last_kind_text is None or self.last_kind_text != _key(reason)
-
     def due(self, reason: WaitReason, now: float) -> bool:
         """Whether to say ``reason`` at ``now`` (monotonic); records it when so."""
         if self.last_at is None:
             ok = True
-        elif self.changed(reason):
+        elif self.last_kind_text != _key(reason):  # its kind, or its words but times
             ok = now - self.last_at >= self.gap
         else:
             ok = now - self.last_at >= self.every

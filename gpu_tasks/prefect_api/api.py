@@ -1,13 +1,6 @@
-"""Which Prefect API a flow run reports to, and how its worker processes reach the same one.
-
-Prefect's default mode needs no server: without ``PREFECT_API_URL`` the first client in
-a process starts a throwaway server as a subprocess of that process
-(``SubprocessASGIServer``) and keeps its URL to itself; the URL is in no setting. A
-worker process that hydrates the flow run's settings would start a server of its own
-per thread, record its task runs in a database the flow run never sees, and leave
-orphaned ``uvicorn`` processes behind. So the flow process resolves the URL its own
-clients use, and workers get it, with ephemeral servers switched off, both in their
-environment and in the serialized settings they run tasks under.
+"""Which Prefect API a flow run reports to, and how its worker processes reach the same one: the
+flow process's URL (its ephemeral server's too), with ephemeral servers switched off, in their
+environment and settings (docs/runner.md, "Faults: ... the ephemeral API").
 """
 
 from __future__ import annotations
@@ -129,17 +122,18 @@ def for_workers(serialized: dict[str, Any], api_url: str) -> dict[str, Any]:
 
 
 def api_headers() -> dict[str, str]:
-    """The headers this process's Prefect client sends: its API key or auth string, if any."""
+    """The headers this process's Prefect client sends: its auth string, else its API key, if any
+    (Prefect's client prefers the auth string too)."""
     import base64
 
     from prefect.settings import get_current_settings
 
-    settings = get_current_settings()
-    if settings.api.key:
-        return {"Authorization": f"Bearer {settings.api.key.get_secret_value()}"}
-    if settings.api.auth_string:
-        auth = base64.b64encode(settings.api.auth_string.get_secret_value().encode()).decode()
+    api = get_current_settings().api
+    if api.auth_string:
+        auth = base64.b64encode(api.auth_string.get_secret_value().encode()).decode()
         return {"Authorization": f"Basic {auth}"}
+    if api.key:
+        return {"Authorization": f"Bearer {api.key.get_secret_value()}"}
     return {}
 
 

@@ -1,21 +1,12 @@
-"""Back-pressure from Prefect's event queue: task runs wait to start while too many events wait.
-
-Each task run's engine emits its state changes as events, which this process's Prefect
-``EventsWorker`` sends to the server from a queue; each queued event keeps a copy of the run
-context it was emitted in, and through it the task run's engine (task run, states, the event):
-about 15 KiB an event, measured. When the server takes events more slowly than the flow's tasks
-make them (the embedded SQLite server under thousands of short tasks), the queue grows without
-bound: 17,852 events and 513 MiB at the peak of a 10,000-task run, and past 2 GiB at 100,000.
-So in each process that runs task runs (the flow process's threads for in-process profiles, each
-worker process), a task run waits to start, in its slot, while more than
-``GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT`` events of that process wait to be sent (0: never); it goes on
-when fewer do, or when the queue has not shrunk for ``STALL_S`` (a server that takes nothing:
-waiting would only stop the flow; Prefect keeps or drops those events as it does without
-gpu-tasks). Tasks already running go on: the queue overshoots by what they emit.
+"""Back-pressure from Prefect's event queue: a task run waits to start while more than
+``GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT`` events of its process wait to be sent, or until the queue has
+not shrunk for ``STALL_S``. Why and what it measured: docs/operations.md, "A Prefect server that holds
+the load".
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import threading
@@ -33,8 +24,8 @@ POLL_S = 0.05
 class EventsBacklog:
     """One per process (:func:`wait_to_start`): :meth:`wait` before each task run; says so once."""
 
-    def __init__(self, limit: int | None = None) -> None:
-        self.limit = get_settings().events_backlog_limit if limit is None else limit
+    def __init__(self) -> None:
+        self.limit = get_settings().events_backlog_limit
         self.waited_s = 0.0  # in all, for the run's summary and tests
         self._said = False
         self._lock = threading.Lock()
@@ -79,28 +70,20 @@ class EventsBacklog:
         return waited
 
 
-_THIS_PROCESS: list[EventsBacklog] = []
-_CREATE = threading.Lock()
+@functools.cache
+def _this_process() -> EventsBacklog:
+    return EventsBacklog()
 
 
 def wait_to_start() -> float:
     """Before a task run in this process: wait while this process's events back up (seconds)."""
-    if not _THIS_PROCESS:
-        with _CREATE:
-            if not _THIS_PROCESS:
-                _THIS_PROCESS.append(EventsBacklog())
-    return _THIS_PROCESS[0].wait()
+    return _this_process().wait()
 
 
 def waited_seconds() -> float:
     """The seconds this process's task runs have waited in all for its events to be sent (0 if none)."""
-    return _THIS_PROCESS[0].waited_s if _THIS_PROCESS else 0.0
+    return _this_process().waited_s
 
 
-def _forget() -> None:  # a forked child counts its own events, with its own settings
-    global _CREATE
-    _CREATE = threading.Lock()
-    _THIS_PROCESS.clear()
-
-
+_forget = _this_process.cache_clear  # a forked child counts its own events, with its own settings
 os.register_at_fork(after_in_child=_forget)

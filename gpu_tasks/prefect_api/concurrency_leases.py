@@ -1,36 +1,13 @@
 """Prefect concurrency leases: slots taken under a lease, renewed while held, given back.
-
-Both users of Prefect's concurrency limits hold their slots through one
-:class:`LeaseHolder` each: a runner's tag slots (:mod:`gpu_tasks.prefect_api.tag_slots`,
-``tag:<tag>`` limits, one lease per task run) and a device book's team quotas
-(:mod:`gpu_tasks.prefect_api.quotas`, ``gpu-quota:<name>`` global limits, one lease per
-worker group or task). A holder owns:
-
-- one event loop, in one thread of its own (``name``), started on first use, with a
-  Prefect client of its own for the flow run's API (:func:`gpu_tasks.prefect_api.api.require_flow_api_url`);
-  it never calls into Prefect's shared machinery (``run_coro_as_sync``, the global loop,
-  the acquisition services);
-- slot requests (``POST /v2/concurrency_limits/increment-with-lease``), sent one at a time:
-  two slot writes at once on a Prefect server's SQLite database kept the second waiting
-  about 2 s for the first one's write lock (prefect 3.8.8);
-- the leases it was granted, each renewed every ``renew_every_s`` (a third of the lease by
-  default) while held. A failed renewal is logged (as Prefect's engine does when not
-  strict) and tried again next period; if the lease expires meanwhile, the server frees its
-  slots for others;
-- giving a lease back (a failure is logged: the slots are free again when the lease expires);
-- :meth:`LeaseHolder.close`: every request still pending is let finish within the deadline
-  (so a slot granted meanwhile is given back too), every held lease is given back, then the
-  thread stops.
-
-A holder's work is coroutines on its loop (:meth:`LeaseHolder.submit` from any thread,
-:meth:`LeaseHolder.spawn` on the loop); :meth:`LeaseHolder.take` and
-:meth:`LeaseHolder.release` wait for them, for callers that have a thread to block.
+:class:`LeaseHolder` is the one holder both tag slots and team quotas use: its own loop thread and
+client, requests one at a time, renewal, give-back, close (docs/runner.md, "Tag concurrency slots").
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
 import logging
@@ -57,7 +34,7 @@ class Answer:
 
 
 class LeaseHolder:
-    """Takes, renews and gives back Prefect concurrency leases (see the module doc).
+    """Takes, renews and gives back Prefect concurrency leases (docs/runner.md, "Tag concurrency slots").
 
     Args:
         name: the name of its thread.
@@ -117,26 +94,22 @@ class LeaseHolder:
         slots: int,
         what: str,
         holder: tuple[str, uuid.UUID] | None = None,
-        ctx: contextvars.Context | None = None,
     ) -> Answer:
         """:meth:`increment`, waited for (from a thread other than the holder's)."""
-        return self.submit(lambda: self.increment(names, slots, what, holder), ctx).result()  # type: ignore[no-any-return]
+        return self.submit(lambda: self.increment(names, slots, what, holder)).result()  # type: ignore[no-any-return]
 
-    def release(self, lease_id: uuid.UUID | None, wait: bool = True) -> None:
-        """:meth:`give_back` ``lease_id`` (from a thread other than the holder's): waited for up to
-        ``RELEASE_WAIT_S`` when ``wait``; nothing to do when the holder is closed (it gave
-        everything back) or the lease is not held."""
+    def release(self, lease_id: uuid.UUID | None) -> None:
+        """:meth:`give_back` ``lease_id`` (from a thread other than the holder's), waited for up to
+        ``RELEASE_WAIT_S``; nothing to do when the holder is closed (it gave everything back) or the
+        lease is not held."""
         if lease_id is None or self._loop is None:
             return
         try:
             done = self.submit(lambda: self.give_back(lease_id), self._ctx)
         except RuntimeError:  # closed
             return
-        if wait:
-            try:
-                done.result(RELEASE_WAIT_S)
-            except concurrent.futures.TimeoutError:
-                pass  # still under way on the loop; close() waits for it
+        with contextlib.suppress(concurrent.futures.TimeoutError):  # still under way; close() waits for it
+            done.result(RELEASE_WAIT_S)
 
     def call_soon(self, fn: Callable[..., Any], *args: Any) -> bool:
         """Call ``fn(*args)`` on the loop soon, never blocking; ``False`` when the loop is not
@@ -215,15 +188,12 @@ class LeaseHolder:
                         holder=ref,
                     )
                 break
-            except httpx.HTTPStatusError as exc:
-                if exc.response.status_code == 423:  # a limit is full
+            except Exception as exc:
+                if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 423:  # full
                     retry_after = _retry_after(exc.response.headers.get("Retry-After"))
                     return Answer(granted=False, retry_after=retry_after)
                 busy = busy or BusyWait(what, busy_timeout())
                 await asyncio.sleep(busy.next_wait(exc, self.log))  # raised unless the API is busy
-            except Exception as exc:
-                busy = busy or BusyWait(what, busy_timeout())
-                await asyncio.sleep(busy.next_wait(exc, self.log))
         body = dict(response.json())
         limits = tuple(str(limit["name"]) for limit in body.get("limits") or ())
         if not limits:

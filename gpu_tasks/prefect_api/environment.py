@@ -1,30 +1,13 @@
-"""Preflight: the environment Prefect runs in, checked before anything starts.
-
-What a user meets, and what it cost before these checks (``gpu-tasks example run``, 2 cores):
-
-- a Prefect database migrated by a newer Prefect (alembic "Can't locate revision"):
-  Prefect's server retried for about 2 minutes, 21 tracebacks, then "Timed out while
-  attempting to connect to ephemeral Prefect API server";
-- a ``PREFECT_HOME`` it cannot write, a full disk under it or where results go;
-- ``PREFECT_API_URL`` pointing at nothing, or at a port something else holds.
-
-:func:`preflight` (the CLI's ``example run`` and ``example serve``, before a server, cluster or flow
-starts) raises :class:`~gpu_tasks.errors.EnvironmentProblem` with one line naming the
-cause, the path or URL, and the fix. :func:`local_problems` is the part that needs no
-network (``gpu-tasks devices`` reports it as a warning). :func:`check_ephemeral` is the
-runner's: a flow on Prefect's ephemeral API (no ``PREFECT_API_URL``) checks
-``PREFECT_HOME`` and the database once per process when its ``ProfileTaskRunner`` is
-built, because Prefect starts that server (and fails on such a database) before it
-enters the task runner.
-
-Everything here is cheap: a few ``stat`` calls, a temporary file, one SQLite read and
-the revision lines of Prefect's migration scripts (about 7 ms, then cached), plus, in
-:func:`preflight` only, one HTTP request with a short timeout and no retries.
+"""Preflight: the environment Prefect runs in, checked before anything starts (docs/operations.md,
+"When the environment is broken"). :func:`preflight` is the CLI's, :func:`local_problems` the part
+that needs no network, :func:`check_ephemeral` the runner's on Prefect's ephemeral API.
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Iterable
@@ -41,14 +24,9 @@ API_TIMEOUT_S = 2.0  # one request, no retries: Prefect's client retries a dead 
 
 
 # --------------------------------------------------------------- Prefect's side
-_revisions: frozenset[str] | None = None
-
-
+@functools.cache
 def _known_revisions() -> frozenset[str]:
-    global _revisions
-    if _revisions is None:
-        _revisions = prefect_sqlite_revisions()  # through gpu_tasks.compat
-    return _revisions
+    return prefect_sqlite_revisions()  # through gpu_tasks.compat
 
 
 def _prefect_version() -> str:
@@ -115,7 +93,7 @@ def database_problem(db: Path, home: Path) -> str | None:
     writable, or at a schema revision this Prefect does not know (a newer one migrated it)."""
     if not db.exists():
         return None  # Prefect creates it
-    home_default = db.absolute() == (home / "prefect.db").absolute()
+    home_default = _database_place(db, home)[1] == "PREFECT_HOME"
     if home_default:
         elsewhere = "or set PREFECT_HOME to another directory (a new, empty database)"
     else:
@@ -157,11 +135,6 @@ def database_problem(db: Path, home: Path) -> str | None:
     return None
 
 
-def _free_bytes(path: Path) -> int:
-    st = os.statvfs(path)
-    return int(st.f_bavail * st.f_frsize)
-
-
 def _size(n: int) -> str:
     size = float(n)
     for unit in ("B", "KiB", "MiB"):
@@ -182,7 +155,7 @@ def disk_problem(places: Iterable[tuple[str, str, Path]], min_free: int = MIN_FR
             return f"{what} {path} cannot be created ({where} is a file, not a directory): {fix}"
         try:
             st = os.stat(where)
-            free = _free_bytes(where)
+            free = shutil.disk_usage(where).free
         except OSError as exc:
             return f"{what} {path}: cannot check its disk ({exc.strerror}): {fix}"
         if st.st_dev not in seen and free < min_free:
@@ -219,24 +192,19 @@ def _port_holder(host: str, port: int) -> str | None:
 
 def _as_prefects_client() -> dict[str, Any]:
     """The credentials and TLS verification Prefect's client would use (its settings)."""
-    import base64
     import ssl
 
     from prefect.settings import get_current_settings
 
+    from gpu_tasks.prefect_api.api import api_headers
+
     api = get_current_settings().api
-    headers = {}
-    if api.auth_string:
-        token = base64.b64encode(api.auth_string.get_secret_value().encode()).decode()
-        headers["Authorization"] = f"Basic {token}"
-    elif api.key:
-        headers["Authorization"] = f"Bearer {api.key.get_secret_value()}"
     verify: bool | ssl.SSLContext = True
     if api.tls_insecure_skip_verify:
         verify = False
     elif api.ssl_cert_file:
         verify = ssl.create_default_context(cafile=api.ssl_cert_file)
-    return {"headers": headers, "verify": verify}
+    return {"headers": api_headers(), "verify": verify}
 
 
 def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str | None:

@@ -49,24 +49,19 @@ def _plain_futures(expr: Any, found: list[PrefectFuture[Any]], depth: int = 0) -
     return False
 
 
-def _all_futures(expr: Any) -> list[PrefectFuture[Any]]:
-    found: list[PrefectFuture[Any]] = []
-    if _plain_futures(expr, found):
-        return found
-    found.clear()
-
-    def visit(x: Any) -> Any:
-        if isinstance(x, PrefectFuture):
-            found.append(x)
-        return x
-
-    visit_collection(expr, visit_fn=visit, return_data=False)
-    return found
-
-
 def pending_futures(expr: Any) -> list[PrefectFuture[Any]]:
     """The Prefect futures in ``expr`` (any nesting) that are not done yet."""
-    return [f for f in _all_futures(expr) if not _is_done(f)]
+    found: list[PrefectFuture[Any]] = []
+    if not _plain_futures(expr, found):
+        found.clear()
+
+        def visit(x: Any) -> Any:
+            if isinstance(x, PrefectFuture):
+                found.append(x)
+            return x
+
+        visit_collection(expr, visit_fn=visit, return_data=False)
+    return [f for f in found if not _is_done(f)]
 
 
 def _is_done(f: PrefectFuture[Any]) -> bool:

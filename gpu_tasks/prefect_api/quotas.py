@@ -1,23 +1,11 @@
-"""Team quotas: at most N devices held at once, across flow runs, per quota name.
-
-A profile with ``quota="team-a"`` counts the devices its workers hold against the
-Prefect global concurrency limit ``gpu-quota:team-a`` (one slot per device), so the
-limit is seen and changed in the Prefect UI (Concurrency) or with ``gpu-tasks quotas``.
-Slots are taken with a Prefect lease when a worker group's devices are taken
-(:class:`gpu_tasks.devices.book.DeviceBook`), renewed while held, and given back with
-the devices (:class:`QuotaSlots`, through a
-:class:`gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`); a flow run that dies
-without giving them back loses them when its lease expires
-(``GPU_TASKS_TUNE_QUOTA_LEASE_SECONDS``, at least 60 s: Prefect's minimum).
-
-Borrowing (:mod:`gpu_tasks.borrowing`): a team's borrowing limit is the limit ``gpu-borrow:<name>``
-(absent: 0, no borrowing), whose slots its borrowed devices take instead of the quota's; its lending
-limit is the limit ``gpu-lend:<name>`` (absent: all of its unused quota may be lent; no slot of it is
-ever taken). ``gpu-tasks quotas set NAME N --borrowing-limit B --lending-limit L`` sets them.
+"""Team quotas: at most N devices held at once, across flow runs, per quota name, kept as Prefect
+global concurrency limits ``gpu-quota:<name>`` (borrowing ``gpu-borrow:``, lending ``gpu-lend:``).
+See docs/leases.md, "Quotas" and "Borrowing, reclaim and their limits".
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -27,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from gpu_tasks.errors import ClusterError
+from gpu_tasks.prefect_api.api import sync_client
 from gpu_tasks.prefect_api.concurrency_leases import MIN_LEASE_S, LeaseHolder
 
 logger = logging.getLogger(__name__)
@@ -85,11 +74,10 @@ class QuotaSlots:
     # ------------------------------------------------------------ limits
     def limit(self, quota: str) -> Any:
         """The quota's global concurrency limit; ``ClusterError`` when it does not exist."""
-        from prefect.client.orchestration import get_client
         from prefect.exceptions import ObjectNotFound
 
         try:
-            with get_client(sync_client=True) as client:
+            with sync_client() as client:
                 return client.read_global_concurrency_limit_by_name(limit_name(quota))
         except ObjectNotFound:
             raise ClusterError(f"quota {quota!r} has no limit: create it with {how_to_set(quota)}") from None
@@ -111,14 +99,18 @@ class QuotaSlots:
         self.checked[(quota, need)] = time.monotonic()
 
     # ------------------------------------------------------------ slots
+    def _holder(self) -> tuple[str, uuid.UUID] | None:
+        return ("flow_run", self.flow_run_id) if self.flow_run_id else None
+
     def take(self, quota: str, slots: int) -> uuid.UUID | None:
         """Hold ``slots`` of ``quota`` now (a lease id), or ``None`` when it has no room.
 
         Raises:
             ClusterError: the quota has no limit (deleted since it was checked).
         """
-        holder = ("flow_run", self.flow_run_id) if self.flow_run_id else None
-        answer = self.leases.take([limit_name(quota)], slots, f"{slots} slot(s) of quota {quota!r}", holder)
+        answer = self.leases.take(
+            [limit_name(quota)], slots, f"{slots} slot(s) of quota {quota!r}", self._holder()
+        )
         if not answer.granted:  # 423 Locked: no room now
             return None
         if answer.lease_id is None:
@@ -128,9 +120,8 @@ class QuotaSlots:
     def borrow(self, quota: str, slots: int) -> uuid.UUID | None:
         """Hold ``slots`` of ``quota``'s borrowing limit now (a lease id), or ``None`` when it has no
         room or no borrowing limit."""
-        holder = ("flow_run", self.flow_run_id) if self.flow_run_id else None
         what = f"{slots} borrowed slot(s) of quota {quota!r}"
-        answer = self.leases.take([borrow_name(quota)], slots, what, holder)
+        answer = self.leases.take([borrow_name(quota)], slots, what, self._holder())
         return answer.lease_id if answer.granted else None
 
     def release(self, lease_id: uuid.UUID | None) -> None:
@@ -144,11 +135,9 @@ class QuotaSlots:
 
 def _all_limits() -> list[Any]:
     """Every global concurrency limit of the Prefect API (one page of 200 at a time)."""
-    from prefect.client.orchestration import get_client
-
     limits = []
     offset = 0
-    with get_client(sync_client=True) as client:
+    with sync_client() as client:
         while True:
             page = client.read_global_concurrency_limits(limit=200, offset=offset)
             limits.extend(page)
@@ -191,48 +180,39 @@ def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     this host's lease directory)."""
     holders = holders or {}
     return [
-        dict(quota=quota, **row, holders_here=holders_here(quota, holders))
-        for quota, row in _by_team(_all_limits()).items()
+        dict(quota=quota, **row, holders_here=holders_here(quota, holders)) for quota, row in teams().items()
     ]
 
 
 def set_sharing(quota: str, borrowing_limit: int | None = None, lending_limit: int | None = None) -> None:
     """Set ``quota``'s borrowing limit and lending limit (``None``: leave it; a negative lending limit:
     remove it, so that all of its unused quota may be lent)."""
-    from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as client:
+    with sync_client() as client:
         if borrowing_limit is not None:
             client.upsert_global_concurrency_limit_by_name(borrow_name(quota), max(0, borrowing_limit))
         if lending_limit is not None and lending_limit >= 0:
             client.upsert_global_concurrency_limit_by_name(lend_name(quota), lending_limit)
         elif lending_limit is not None:
-            try:
+            with contextlib.suppress(ObjectNotFound):
                 client.delete_global_concurrency_limit_by_name(lend_name(quota))
-            except ObjectNotFound:
-                pass
 
 
 def set_limit(quota: str, n: int) -> None:
     """Create ``quota``'s limit with ``n`` devices, or change it."""
-    from prefect.client.orchestration import get_client
-
-    with get_client(sync_client=True) as client:
+    with sync_client() as client:
         client.upsert_global_concurrency_limit_by_name(limit_name(quota), n)
 
 
 def delete_limit(quota: str) -> bool:
     """Delete ``quota``'s limit; whether it existed."""
-    from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as client:
+    with sync_client() as client:
         for name in (borrow_name(quota), lend_name(quota)):  # its borrowing and lending limits go too
-            try:
+            with contextlib.suppress(ObjectNotFound):
                 client.delete_global_concurrency_limit_by_name(name)
-            except ObjectNotFound:
-                pass
         try:
             client.delete_global_concurrency_limit_by_name(limit_name(quota))
             return True

@@ -80,27 +80,11 @@ RECORD_STALL_S = 10.0  # ... given up sooner when its counts have not moved for 
 
 @contextlib.contextmanager
 def embedded_server(timeout: int = 120) -> Iterator[str]:
-    """Use ``PREFECT_API_URL`` when set; otherwise start a Prefect server on 127.0.0.1.
-
-    The server started here uses SQLite. Thousands of short tasks keep its single
-    writer busy: the task-run recorder and tag-concurrency checks wait on each other,
-    and with Prefect's defaults (10 s statement timeout, 5 client retries) a busy
-    moment turns into ``503 Service Unavailable`` and a failed task. So the server
-    gets a 60 s statement timeout and this run's clients (workers included: they
-    inherit the run's settings) retry up to 10 times. It sends no usage telemetry
-    (``PREFECT_SERVER_ANALYTICS_ENABLED=false``). A server you run yourself
-    (``PREFECT_API_URL``) keeps its own settings.
-
-    When the run ends, the run's queued events and logs are sent and the server is
-    stopped once it has recorded every task run's final state: while it is making
-    progress (a loaded machine's server records a few hundred task runs in tens of
-    seconds) up to ``RECORD_S``, and ``RECORD_STALL_S`` after its counts stop moving.
-    The server runs in its own session, so a terminal's
-    Ctrl-C does not reach it; on Ctrl-C (``KeyboardInterrupt``) the queued events and
-    logs are sent and the server gets ``INTERRUPT_RECORD_S`` to record them before it
-    is stopped, so the interrupted flow run ends ``Crashed`` in its database and the
-    command still exits within seconds. The server dies with the process that started
-    it, even when that process is killed (Linux; see :func:`die_with_parent_hook`).
+    """Use ``PREFECT_API_URL`` when set; otherwise start a Prefect server on 127.0.0.1 (SQLite, a 60 s
+    statement timeout, the run's clients retrying up to 10 times, no telemetry), stopped once it has
+    recorded every task run's final state (docs/operations.md, "Network"). It runs in its own session,
+    so a terminal's Ctrl-C does not reach it, and dies with the process that started it (Linux;
+    :func:`die_with_parent_hook`); on Ctrl-C it gets ``INTERRUPT_RECORD_S`` to record the run's end.
     """
     from prefect.settings import (
         PREFECT_API_URL,

@@ -1,18 +1,6 @@
-"""Worker deaths and interrupted task runs, turned into Prefect ``Crashed`` states.
-
-Two things Prefect and Dask do not do for us, kept in this one place:
-
-- Dask re-runs a task whose worker died (``distributed.scheduler.allowed-failures``)
-  without telling anyone, and after the last attempt the task run is still
-  ``Running`` on the Prefect server: the worker that would have reported its end is
-  gone. Our clusters allow no silent re-run; the runner sees the death at once, and
-  :func:`crash_task_run` reports the task run ``Crashed`` with what died and why.
-- A task run that was running in a worker when the flow stopped (Ctrl-C, an error
-  in the flow) would stay ``Running`` for the same reason.
-
-Task run states reach Prefect's server as events (the client-side task engine emits
-them; the server's task-run recorder keeps the newest by timestamp), so a crash is
-reported the same way, later than anything the dead worker managed to send.
+"""Worker deaths and interrupted task runs, turned into Prefect ``Crashed`` states (docs/runner.md,
+"Faults"). Task run states reach Prefect's server as events (its task-run recorder keeps the newest
+by timestamp), so a crash is reported the same way, later than anything the dead worker sent.
 """
 
 from __future__ import annotations
@@ -138,53 +126,16 @@ def crash_task_run(
     tags: set[str] | None = None,
     wait: float = 1.5,
 ) -> tuple[Any, Any]:
-    """Report the task run ``Crashed`` with ``message``; returns ``(state, task_run)`` (best effort).
-
-    Args:
-        wait: seconds to wait for the server to know the task run (its events may be in flight).
-    """
+    """Report the task run ``Crashed`` with ``message``; returns ``(state, task_run)`` (best effort)."""
     from prefect.states import Crashed
 
-    return _report(Crashed(message=message), task_run_id, task, flow_run_id, tags, wait)
+    return report_state(Crashed(message=message), task_run_id, task, flow_run_id, tags, wait)
 
 
 PREEMPTED = "Preempted"  # the name of a preempted task run's Scheduled state
 
 
-def preempt_task_run(
-    task_run_id: uuid.UUID,
-    task: Any,
-    flow_run_id: uuid.UUID | None,
-    message: str,
-    tags: set[str] | None = None,
-) -> tuple[Any, Any]:
-    """Report the task run ``Preempted`` (a ``Scheduled`` state: it runs again when devices free).
-
-    Returns ``(state, task_run)``; the task run carries the state for the re-run to continue.
-    """
-    from prefect.states import Scheduled
-
-    return _report(Scheduled(name=PREEMPTED, message=message), task_run_id, task, flow_run_id, tags, wait=2.0)
-
-
-def fail_task_run(
-    task_run_id: uuid.UUID,
-    task: Any,
-    flow_run_id: uuid.UUID | None,
-    exc: Exception,
-    tags: set[str] | None = None,
-) -> Any:
-    """Report a task run that could not be started (its cluster did not start) ``Failed``; the state.
-
-    Like a task that raised: ``result()`` raises ``exc``, ``wait()`` returns.
-    """
-    from prefect.states import Failed
-
-    state: Any = Failed(message=f"{type(exc).__name__}: {exc}", data=exc)
-    return _report(state, task_run_id, task, flow_run_id, tags, wait=0.0)[0]
-
-
-def _report(
+def report_state(
     state: Any,
     task_run_id: uuid.UUID,
     task: Any,
@@ -192,7 +143,8 @@ def _report(
     tags: set[str] | None,
     wait: float,
 ) -> tuple[Any, Any]:
-    """Set ``state`` on the task run and send it to the server as Prefect's engine would (best effort)."""
+    """Set ``state`` on the task run and send it to the server as Prefect's engine would (best effort);
+    ``wait``: seconds to wait for the server to know the task run. Returns ``(state, task_run)``."""
     from gpu_tasks.compat.prefect import emit_state_change_event
 
     state.state_details.task_run_id = task_run_id
@@ -212,12 +164,9 @@ def _report(
 def retry_after_crash(
     task: Any, task_run: Any, flow_run_id: uuid.UUID | None, crashes: int
 ) -> tuple[float | None, int, int]:
-    """After the crash report of ``task_run`` (``None``: the report failed), whether ``task`` runs
-    again, by the one rule for crashed task runs (:func:`gpu_tasks.policy.crash_retry`): the runner's
-    for a worker of its own, a shared worker's for a task its scheduler re-ran. ``crashes`` is how
-    many crashes of this task run came before. Returns (seconds before the retry, or ``None`` when no
-    retry is left; the attempt that crashed; the retries allowed). With a delay, the task run is
-    ``AwaitingRetry`` now."""
+    """Whether ``task`` runs again after ``crashes`` earlier crashes (:func:`gpu_tasks.policy.crash_retry`);
+    returns (delay or ``None``, the attempt that crashed, retries allowed). With a delay the task run
+    is ``AwaitingRetry`` now."""
     from gpu_tasks.policy import crash_retry
 
     attempts = max(crashes + 1, int(getattr(task_run, "run_count", 0) or 0))

@@ -1,28 +1,6 @@
-"""Prefect tag concurrency slots a GPU task takes in the flow process, before it leases a device.
-
-Prefect's task engine takes a task run's ``tag:<tag>`` slots when the run begins, which
-on a worker is after the worker was started on a leased device: a task that waits for a
-slot there holds the device all the while (PrefectHQ/prefect#8539). Instead the flow
-process takes them first (:class:`SlotGate`), holds them until the task ends, and tells
-the worker's engine not to take them again
-(:func:`gpu_tasks.compat.prefect.tag_slots_held_by_flow`).
-
-The leases themselves are a :class:`gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`'s:
-one event loop in a thread of its own, a Prefect client of its own, requests one at a
-time, renewal, give-back and close. It never blocks the caller, and a wait is a
-coroutine on that loop, not a thread:
-
-- :meth:`SlotGate.take` returns at once; the slots are asked for as Prefect's engine
-  asks (``POST /v2/concurrency_limits/increment-with-lease``, one slot per limit, a
-  60 s lease, ``holder`` the task run), retried after the server's ``Retry-After``
-  while a limit is full, and sooner when this gate gives a slot of the same limit back.
-  ``on_ready(hold)`` or ``on_error(exc)`` then runs on the gate's callback thread.
-- Held leases are renewed every 20 s (a failed renewal is logged, as Prefect's engine
-  does when not strict) and given back by :meth:`SlotGate.release`, from any thread.
-- :meth:`SlotGate.close` ends every wait and gives back every held slot within its
-  deadline, on every path the runner stops on (flow end, an error, Ctrl-C). A request
-  already sent is let finish (each has the client's request timeout) so a slot the server
-  grants meanwhile is given back too, rather than left to its lease's expiry.
+"""Prefect tag concurrency slots a GPU task takes in the flow process, before it leases a device
+(:class:`SlotGate`), so that no task waits for a slot while it holds one (PrefectHQ/prefect#8539).
+How they are asked for, held, logged and given back: docs/runner.md, "Tag concurrency slots".
 """
 
 from __future__ import annotations
@@ -37,13 +15,13 @@ import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpu_tasks.prefect_api.concurrency_leases import Answer, LeaseHolder
+from gpu_tasks.prefect_api.concurrency_leases import CLOSE_TIMEOUT_S, Answer, LeaseHolder
 
 logger = logging.getLogger("gpu_tasks.runner")
 
+NAME = "gpu-tasks-slots"  # the gate's thread
 LEASE_S = 60.0  # the lease Prefect's task engine asks for on tag slots
 RENEW_EVERY_S = 20.0  # well inside the lease, so one slow renewal does not lose it
-CLOSE_TIMEOUT_S = 10.0
 WAIT_LOGGED_S = 30.0  # a wait this long is logged (each RENEW_EVERY_S while it lasts)
 
 
@@ -110,18 +88,19 @@ class Hold:
         return f"Hold({self.holder_id}, {self.names}, {self.state})"
 
     def releasing(self) -> bool:
-        """Whether :meth:`SlotGate.release` was called for it."""
+        """Whether :meth:`SlotGate.release` was called for it (a method: mypy would narrow the flag)."""
         return self._release_wanted
 
 
 class SlotGate:
     """Takes, renews and gives back the tag slots of one runner's GPU tasks (see the module doc)."""
 
-    def __init__(self, name: str = "gpu-tasks-slots") -> None:
-        self._name = name
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
-        self._leases = LeaseHolder(name, LEASE_S, RENEW_EVERY_S, logger, on_tick=self._say_long_waits)
+        self._leases = LeaseHolder(
+            "gpu-tasks-slots", LEASE_S, RENEW_EVERY_S, logger, on_tick=self._say_long_waits
+        )
         self._holds: set[Hold] = set()
 
     # ------------------------------------------------------------ any thread
@@ -146,7 +125,7 @@ class SlotGate:
         with self._lock:
             if self._callbacks is None:
                 self._callbacks = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"{self._name}-callback"
+                    max_workers=1, thread_name_prefix=f"{NAME}-callback"
                 )
         try:
             self._leases.submit(lambda: self._acquire(hold, on_ready, on_error), hold.ctx)

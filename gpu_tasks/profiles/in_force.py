@@ -113,13 +113,13 @@ def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, Re
             f"profiles file {str(path)!r}{named} cannot be read: {exc.strerror}; {fix}"
         ) from None  # the message says all: one line, not two tracebacks, where a flow module fails
     try:
-        data = tomllib.loads(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        data = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
         raise ProfileError(f"profiles file {str(path)!r} is not valid TOML: {exc}") from None
     default = data.get("default")
     if default is not None and not isinstance(default, str):
         raise ProfileError(f"profiles file {str(path)!r}: default must be a profile name string")
-    text = raw.decode("utf-8")
     return profiles_from_mapping(data, source=f"profiles file {str(path)!r}", text=text), default
 
 

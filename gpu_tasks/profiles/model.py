@@ -37,23 +37,18 @@ _ADDRESS_RE = re.compile(
 _IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)+\Z")
 
 
-def _parse_size(value: Any, field: str) -> int | None:
+def _parse_size(value: Any) -> int | None:
     """Parse ``"16GiB"``, ``"500 MB"`` or a byte count into bytes."""
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise ValueError("must be a size such as '16GiB' or a number of bytes")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError("must be a finite size such as '16GiB' or a number of bytes")
-    if isinstance(value, (int, float)):
-        size = int(value)
-    elif isinstance(value, str):
-        try:
-            size = size_bytes(value)
-        except ValueError as exc:
-            raise ValueError("must be a size such as '16GiB' or a number of bytes") from exc
-    else:
-        raise ValueError("must be a size such as '16GiB' or a number of bytes")
+    try:
+        if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+            raise ValueError
+        size = size_bytes(value) if isinstance(value, str) else int(value)
+    except ValueError:
+        raise ValueError("must be a size such as '16GiB' or a number of bytes") from None
     if size <= 0:
         raise ValueError("must be a positive size")
     return size
@@ -78,7 +73,7 @@ class CudaOptions(BaseModel):
     @field_validator("rmm_pool_size", mode="before")
     @classmethod
     def _size(cls, value: Any) -> int | None:
-        return _parse_size(value, "rmm_pool_size")
+        return _parse_size(value)
 
 
 class TlsOptions(BaseModel):
@@ -389,8 +384,8 @@ class ResourceProfile(BaseModel):
 
     @field_validator("memory", "gpu_memory_total", "gpu_memory_free", "gpu_memory_per_task", mode="before")
     @classmethod
-    def _sizes(cls, value: Any, info: Any) -> int | None:
-        return _parse_size(value, info.field_name)
+    def _sizes(cls, value: Any) -> int | None:
+        return _parse_size(value)
 
     @field_validator("gpu_model")
     @classmethod

@@ -79,16 +79,6 @@ class AlertThresholds:
         )
 
 
-def held_busy_alert(threshold: float) -> str:
-    """``held-busy-over-2``: the alert's name, with its threshold."""
-    return f"held-busy-over-{threshold:g}"
-
-
-def device_wait_alert(threshold: float) -> str:
-    """``device-wait-over-60``: the alert's name, with its threshold in seconds."""
-    return f"device-wait-over-{threshold:g}"
-
-
 def run_alerts(totals: RunTotals, thresholds: AlertThresholds) -> tuple[str, ...]:
     """The alerts ``totals`` raise: held/busy above its threshold (with at least the minimum
     device-seconds held), a device wait above its threshold."""
@@ -99,9 +89,9 @@ def run_alerts(totals: RunTotals, thresholds: AlertThresholds) -> tuple[str, ...
         and totals.held_seconds >= thresholds.min_held_seconds
         and totals.held_per_busy > thresholds.held_busy
     ):
-        alerts.append(held_busy_alert(thresholds.held_busy))
+        alerts.append(f"held-busy-over-{thresholds.held_busy:g}")
     if thresholds.device_wait_seconds > 0 and totals.longest_device_wait > thresholds.device_wait_seconds:
-        alerts.append(device_wait_alert(thresholds.device_wait_seconds))
+        alerts.append(f"device-wait-over-{thresholds.device_wait_seconds:g}")
     return tuple(alerts)
 
 

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from gpu_tasks.reporting.events import usage_phrase
 from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_order, percent, right_size, wiring_advice
 from gpu_tasks.reporting.measured import Measured, gib
 
@@ -96,8 +97,7 @@ def summary(rows: Sequence[LedgerRow]) -> str:
     busy = sum(r.busy_seconds for r in with_devices)
     if held <= 0:
         return "no device held (CPU only)"
-    text = f"held {held:.1f} device-s, busy {busy:.1f} ({percent(busy, held)}%)"
-    return text + (", EMULATED" if any(r.emulated for r in with_devices) else "")
+    return usage_phrase(held, busy, None) + (", EMULATED" if any(r.emulated for r in with_devices) else "")
 
 
 def _cell(text: str) -> str:

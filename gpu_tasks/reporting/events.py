@@ -1,44 +1,18 @@
-"""What gpu-tasks tells Prefect about clusters, devices, task runs and flow runs: events.
-
-Events (best effort: never fail a run over one), each related to its flow run (so it
-shows in the flow run's event feed):
-
-- ``gpu-tasks.cluster.<provisioned|scaled|closed|crashed>``, resource
-  ``gpu-tasks.cluster.<flow run id>.<profile>``;
-- ``gpu-tasks.device.<leased|released>``, resource ``gpu-tasks.device.<host>.<address>``;
-- ``gpu-tasks.task.<what>`` (``escalated``, ``slot-waited``, ``quota-waited``, ``cache-hit``,
-  ``preempted``, ``waiting``: why a task waits, sent when the reason changes), resource
-  ``gpu-tasks.task.<task run id>``, related to the task run too;
-- ``gpu-tasks.profile.right-size`` when the runner exits, one per GPU profile that used much less
-  than it held (measured with NVML; :mod:`gpu_tasks.reporting.measured`), resource
-  ``gpu-tasks.profile.<flow run id>.<profile>`` named with the advice line; never on emulated devices;
-- ``gpu-tasks.flow-run.summary`` when the runner exits, resource
-  ``gpu-tasks.flow-run.<flow run id>``: the run's held and busy device-seconds, its longest
-  device wait and its alerts (:mod:`gpu_tasks.reporting.alerts`).
-
-How they read in the Prefect UI. Its event feed and an event's Details tab render, of a
-resource, only ``prefect.resource.name`` (else the id) and, of each related resource,
-its name (else its id); other labels show on the Raw tab alone (Prefect 3.8.8's UI:
-``ui-v2/src/components/events/events-timeline/events-timeline.tsx`` and
-``.../event-details-page/event-details-display.tsx``; docs/operations.md). So each
-event's resource name is a sentence fragment with the facts (profile, devices, held,
-busy, reason), the flow run related by its name, and the same facts stay
-machine-readable as ``gpu-tasks.*`` resource labels (strings) for automations. Cluster
-events of GPU profiles on this host and the summary also carry the priority the flow
-run queued for devices at (``gpu-tasks.priority``; ``GPU_TASKS_PRIORITY`` or the profile's).
-
-The builders (``*_resource``, ``*_sentence``, :func:`payload_labels`) are pure; the
-``emit_*`` functions send.
+"""What gpu-tasks tells Prefect about clusters, devices, task runs and flow runs: events (best
+effort: never fail a run over one), each related to its flow run. The builders (``*_resource``,
+``*_sentence``, :func:`payload_labels`) are pure; the ``emit_*`` functions send. Each event, its
+resource name and labels: docs/operations.md, "Events and the gpu-waste automation".
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import re
 import socket
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -129,7 +103,7 @@ class RunRef:
 
 
 # ---------------------------------------------------------------- words
-def _plural(n: int, word: str) -> str:
+def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
@@ -176,19 +150,19 @@ def usage_phrase(held: float, busy: float, tasks: int | None, devices: bool = Tr
     """``held 12.3 device-s, busy 1.2 (10%), 4 tasks``."""
     unit = "device-s" if devices else "s"
     text = f"held {held:.1f} {unit}, busy {busy:.1f} ({percent(busy, held)}%)"
-    return text + (f", {_plural(tasks, 'task')}" if tasks is not None else "")
+    return text + (f", {plural(tasks, 'task')}" if tasks is not None else "")
 
 
 def cluster_sentence(what: str, who: str, payload: Mapping[str, Any], devices: bool = True) -> str:
     """The resource name of a ``gpu-tasks.cluster.<what>`` event about ``who`` (:func:`subject`)."""
     if what == "provisioned":
-        text = f"{who}: {_plural(int(payload.get('workers', 0)), 'worker')} up"
+        text = f"{who}: {plural(int(payload.get('workers', 0)), 'worker')} up"
         if "start_workers_s" in payload:
             text += f" in {float(payload['start_workers_s']):.1f} s"
         wait = float(payload.get("wait_devices_s") or 0.0)
         return text + (f", after waiting {wait:.1f} s for devices" if wait >= 0.05 else "")
     if what == "scaled":
-        return f"{who}: added, {_plural(int(payload.get('workers', 0)), 'worker')} now"
+        return f"{who}: added, {plural(int(payload.get('workers', 0)), 'worker')} now"
     if what == "preempting" and "holders" not in payload:  # on a shared scheduler's waiter board
         return (
             f"{who}: queued {float(payload.get('waited_s') or 0):.1f} s on a shared scheduler at priority "
@@ -198,7 +172,7 @@ def cluster_sentence(what: str, who: str, payload: Mapping[str, Any], devices: b
         by = payload["by"] or {}
         run = f" of flow run {by['flow_run_name']}" if by.get("flow_run_name") else ""
         return (
-            f"{who}: interrupted {_plural(int(payload.get('tasks') or 0), 'task')} on worker "
+            f"{who}: interrupted {plural(int(payload.get('tasks') or 0), 'task')} on worker "
             f"{payload.get('worker')} for {by.get('profile')}{run} (priority {by.get('priority') or 0})"
         )
     if what == "preempting":
@@ -410,6 +384,17 @@ def feed_url(ui_url: str, flow_run_id: uuid.UUID | str | None = None, v1: bool =
 
 
 # ---------------------------------------------------------------- sending
+@contextlib.contextmanager
+def _sending(event: str) -> Iterator[Any]:
+    """Prefect's ``emit_event``; an error building or sending ``event`` is logged, never raised."""
+    try:
+        from prefect.events import emit_event
+
+        yield emit_event
+    except Exception:  # events are for watching; never fail the run over one
+        logger.debug("could not emit %s", event, exc_info=True)
+
+
 def emit_cluster_event(
     what: str,
     cluster: ClusterView,
@@ -418,9 +403,7 @@ def emit_cluster_event(
     devices: Sequence[str] | None = None,
 ) -> None:
     """``gpu-tasks.cluster.<what>`` about ``cluster`` (and the device events it implies)."""
-    try:
-        from prefect.events import emit_event
-
+    with _sending(f"gpu-tasks.cluster.{what}") as emit_event:
         name = cluster.profile.name
         devices = tuple(cluster.devices if devices is None else devices)
         if cluster.queue_priority is not None:  # the priority this flow run queued for devices at
@@ -450,8 +433,6 @@ def emit_cluster_event(
                 related=related,
                 payload=device_payload(name, reason, payload),
             )
-    except Exception:  # events are for watching; never fail the run over one
-        logger.debug("could not emit gpu-tasks.cluster.%s", what, exc_info=True)
 
 
 def emit_task_event(
@@ -464,9 +445,7 @@ def emit_task_event(
     task_run_name: str | None = None,
 ) -> None:
     """``gpu-tasks.task.<what>`` about one task run."""
-    try:
-        from prefect.events import emit_event
-
+    with _sending(f"gpu-tasks.task.{what}") as emit_event:
         task_run = {
             "prefect.resource.id": f"prefect.task-run.{task_run_id}",
             "prefect.resource.role": "task-run",
@@ -479,8 +458,6 @@ def emit_task_event(
             related=[task_run, *run.related()],
             payload=payload,
         )
-    except Exception:  # events are for watching; never fail the run over one
-        logger.debug("could not emit gpu-tasks.task.%s", what, exc_info=True)
 
 
 def emit_run_summary(
@@ -494,17 +471,13 @@ def emit_run_summary(
     totals = RunTotals.of(rows)
     if not totals.devices:
         return
-    try:
-        from prefect.events import emit_event
-
+    with _sending("gpu-tasks.flow-run.summary") as emit_event:
         emit_event(
             event="gpu-tasks.flow-run.summary",
             resource=summary_resource(run, totals, thresholds, priorities),
             related=run.related(),
             payload=summary_payload(totals, thresholds, priorities),
         )
-    except Exception:  # events are for watching; never fail the run over one
-        logger.debug("could not emit gpu-tasks.flow-run.summary", exc_info=True)
 
 
 def right_size_resource(profile: str, line: str, measured: Measured, run: RunRef) -> Resource:
@@ -525,17 +498,13 @@ def right_size_resource(profile: str, line: str, measured: Measured, run: RunRef
 
 def emit_right_size(profile: str, line: str, measured: Measured, run: RunRef) -> None:
     """``gpu-tasks.profile.right-size``: profile ``profile`` used much less than it held (``line``)."""
-    try:
-        from prefect.events import emit_event
-
+    with _sending("gpu-tasks.profile.right-size") as emit_event:
         emit_event(
             event="gpu-tasks.profile.right-size",
             resource=right_size_resource(profile, line, measured, run),
             related=run.related(),
             payload={"profile": profile, "advice": line, **measured.as_dict()},
         )
-    except Exception:  # events are for watching; never fail the run over one
-        logger.debug("could not emit gpu-tasks.profile.right-size", exc_info=True)
 
 
 def publish_dashboard(cluster: ClusterView) -> None:

@@ -19,6 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_tasks.profiles.model import MAX_SHARE  # gpus=1/k for k in 2..64
+
 GiB = 2**30
 NOT_EMULATED = "not measured (emulated)"
 NOT_ELSEWHERE = "not measured (devices on another host)"  # address / cluster_class profiles
@@ -27,7 +29,6 @@ EMULATED_ADVICE = "GPU use not measured (emulated devices)"
 ADVICE_MEMORY_FRACTION = 0.5  # its peak memory was under half of the memory it held
 ADVICE_SM_PERCENT = 50.0  # and its mean SM utilization was under 50%
 MEMORY_HEADROOM = 1.25  # the memory a task is said to need: the peak plus 25%, rounded up to a GiB
-MAX_SHARE = 64  # as gpu_tasks.profiles.MAX_SHARE: gpus=1/k for k in 2..64
 
 
 @dataclass(frozen=True)
@@ -107,10 +108,6 @@ def gib(nbytes: int | None) -> str:
     if nbytes is None:
         return "?"
     return f"{nbytes / GiB:.1f}".removesuffix(".0")
-
-
-def not_measured(reason: str) -> Measured:
-    return Measured(note=reason)
 
 
 def aggregate(

@@ -1,7 +1,7 @@
 """The flow process's side: Prefect's ``TaskRunner`` and what one flow run owns while it runs.
 
 ``task_runner`` (ProfileTaskRunner) -> ``session`` (one flow run's profiles and jobs) ->
-``admission`` (before a device: cache hit, tag slots) -> ``dispatch`` (to a profile's cluster) ->
+``admission`` (before a device: cache hit, tag slots) -> ``controller`` (to a profile's cluster) ->
 ``results`` (finished tasks' results) -> ``recovery`` (crashed workers, OOM, preemption).
 """
 

@@ -1,18 +1,6 @@
-"""A GPU task whose result Prefect already has: found in the flow process, before any device.
-
-Prefect's task engine looks for a task's cached result after the task run started, which
-on a worker is after a device was leased and the worker started for it. For a task whose
-result would be persisted under a cache policy, the runner computes the same cache key in
-the flow process first (:func:`cached_key`, as ``SyncTaskRunEngine.compute_transaction_key``
-does in prefect 3.8.8: the task's ``cache_policy.compute_key`` with a task run context, the
-task's resolved inputs and the flow run's parameters) and asks the task's result store
-whether the record exists. If it does, the task runs in the flow process with no device
-(Prefect's engine reads the record and reports the run ``Cached``), through
-:func:`cache_only`, a copy of the task that never runs its function there.
-
-:class:`Admission` is what happens to a GPU task before any device: that cache lookup, then
-its Prefect tag concurrency slots. :class:`TaskQuota` holds an ``address`` profile's quota
-slots while its task is handed off (taken on dispatch, given back when the task lands or ends).
+"""What happens to a GPU task before any device (:class:`Admission`): its cached result looked up
+in the flow process, then its Prefect tag concurrency slots; and an ``address`` profile's quota
+slots while its task is handed off (:class:`TaskQuota`). docs/runner.md, "Cached results".
 """
 
 from __future__ import annotations
@@ -174,15 +162,9 @@ class Admission:
         self._finish = finish
 
     def admit(self, job: Job) -> None:
-        """Dispatch ``job`` (:meth:`~gpu_tasks.runner.job.Job.dispatch`) once nothing but devices
-        stands in its way.
-
-        A GPU task first looks for its cached result (found, it runs in the flow process and
-        is never dispatched) and takes its Prefect tag concurrency slots
-        (:mod:`gpu_tasks.prefect_api.tag_slots`), so that neither ever holds a device. The common
-        case (no cache policy, tags without limits) costs a few attribute reads and one cached
-        answer. CPU tasks go on at once.
-        """
+        """Dispatch ``job`` once nothing but devices stands in its way: a GPU task first looks for its
+        cached result, then takes its tag slots, holding no device (docs/runner.md, "Nothing waits while
+        holding a device"); the common case costs a few attribute reads. CPU tasks go on at once."""
         then = job.dispatch
         if not job.profile.is_gpu:
             then()
@@ -243,7 +225,7 @@ class Admission:
         """On the gate's callback thread: report a long wait, then ``then()``; whatever fails here,
         the task goes on or ends, never left waiting (an error on this thread is only logged)."""
         if hold.limits:
-            job.slots_held(hold.waited)
+            job.slot_waited = hold.waited
             if hold.waited >= SLOT_WAIT_REPORTED_S:
                 try:
                     job.say(
@@ -304,7 +286,7 @@ class Admission:
                 read_task_run, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 2.0
             )
             await_retry(task_run, self.live.flow_run_id)
-            job.continues(task_run)
+            job.task_run = task_run
             job.say(
                 logging.WARNING,
                 "Task %r: its cached result (Prefect cache key %s) was gone when the run started; running "

@@ -1,21 +1,6 @@
-"""A profile's controller: the one thread that runs a profile's cluster and writes its state.
-
-Each profile of an entered runner has one (:class:`Controller`, on the thread
-``gpu-tasks-<profile>`` of its :class:`~gpu_tasks.runner.job.ProfileState`). It takes the
-profile's events (:mod:`gpu_tasks.runner.job`) from one inbox, in the order they were posted,
-and is the only code that starts, grows, closes or retires the profile's workers or changes its
-counts. What it waits for (devices another flow run leases, a quota, a shared scheduler's
-queue, workers starting) holds up that profile alone: the flow thread only posts, and every
-other profile has a controller of its own. :mod:`gpu_tasks.policy` decides (how many workers,
-whether to close); the controller reads the clock and acts.
-
-Hand-offs to a local cluster leave in batches: each ``Dispatch`` adds its task to the outbox,
-sent as one graph when the inbox is empty or at ``OUTBOX_MAX`` (a lone task leaves at once; a
-``.map`` costs Dask one graph per batch). What comes back lands on the results thread
-(:mod:`gpu_tasks.runner.results`), which resolves the task's future without waiting for any
-controller and posts ``Left``; a task to run again comes back here as ``WorkerDied``,
-``OutOfMemory`` or ``Requeue``, whose Prefect API calls run on a thread of their own
-(:mod:`gpu_tasks.runner.recovery`) and end in a new ``Dispatch``.
+"""A profile's controller: the one thread that runs a profile's cluster and writes its state, taking
+the profile's events (:mod:`gpu_tasks.runner.job`) in order; hand-offs to a local cluster leave in
+batches of up to ``OUTBOX_MAX``. docs/runner.md, "One task's path, with its threads".
 """
 
 from __future__ import annotations
@@ -29,7 +14,7 @@ from typing import Any
 from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import close_reason, task_resources
-from gpu_tasks.preemption import describe_waiter
+from gpu_tasks.preemption import preemption_reason
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.reporting.events import publish_dashboard
 from gpu_tasks.runner import waiting
@@ -142,10 +127,6 @@ class Controller:
             self.flush()
 
     # ------------------------------------------------------------ counts
-    def _running(self, job: Job) -> None:
-        self.st.dispatched += 1
-        self.st.inflight[job.task_run_id] = job
-
     def _landed(self, job: Job) -> None:
         if self.st.inflight.pop(job.task_run_id, None) is not None:
             self.st.dispatched -= 1
@@ -244,12 +225,8 @@ class Controller:
             logger.warning("gpu-tasks: could not replace a lost worker", exc_info=True)
 
     def _dispatch_in_context(self, job: Job) -> None:
-        # what holds it up from here is said in its task run's log (gpu_tasks.runner.waiting)
-        token = waiting.reporting(self.live, job)
-        try:
+        with waiting.reported(self.live, job):  # what holds it up from here goes to its task run's log
             self._dispatch_job(job)
-        finally:
-            waiting.done(token)
 
     def _dispatch_job(self, job: Job) -> None:
         from prefect import tags
@@ -271,7 +248,8 @@ class Controller:
                 "task was submitted: it fails with it instead of trying again)"
             ) from failed[1]
         self._provision()
-        self._running(job)
+        st.dispatched += 1
+        st.inflight[job.task_run_id] = job
         st.cluster.usage.waited(slots=job.slot_wait())  # counted once, not again on a re-run
         task = job.task
         kwargs: dict[str, Any] = dict(
@@ -388,13 +366,7 @@ class Controller:
         st, live = self.st, self.live
         cluster = st.cluster
         waited = time.time() - float(waiter["arrived"])
-        reason = f"preempted by {describe_waiter(waiter)}, waiting {waited:.1f}s"
-        if waiter.get("reclaimed_by"):  # borrowed devices taken back (gpu_tasks.devices.lending)
-            reason = (
-                f"reclaimed by {waiter['reclaimed_by']}: its borrowed device(s) go back to "
-                f"{describe_waiter(waiter)}, owed them within quota {waiter['reclaimed_by']!r}, "
-                f"waiting {waited:.1f}s"
-            )
+        reason = preemption_reason(waiter, f"waiting {waited:.1f}s")
         by = {
             k: waiter.get(k)
             for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "arrived", "reclaimed_by")
@@ -409,7 +381,7 @@ class Controller:
         else:
             jobs = [j for j in jobs if j.key in keys]
         for j in jobs:
-            j.disown()  # what its worker reports now is not its outcome
+            j.attempt += 1  # what its worker reports now is not its outcome
             self._landed(j)
         logger.warning(
             "profile %r: stopping worker(s) %s on device(s) %s, %d task(s) re-queued: %s (Dask keys: %s)",

@@ -1,21 +1,6 @@
-"""Ctrl-C on a plain flow script: one line at once, and a second Ctrl-C that ends the process now.
-
-A terminal's Ctrl-C stops a plain script's flow, and with it Prefect's ephemeral server (same
-process group). gpu-tasks closes its workers in under a second, but Prefect's engine then retries
-recording the flow run's end and drains its log and event queues against that dead server: about
-two minutes of silence (measured: 152 s; a second Ctrl-C lands in one of those retries and the
-drain still takes 139 s).
-
-So when a ``ProfileTaskRunner`` ends with ``KeyboardInterrupt`` in a script's main thread, it
-says at once what is left and arms a second Ctrl-C: that one ends the process within seconds
-(its remaining child processes, such as Prefect's ephemeral server, are stopped first) with
-exit status 130. Nothing changes for flows on other task runners, for interactive sessions
-(a notebook's interrupt keeps its kernel) or for a handler the script set itself.
-
-A Ctrl-C that comes while the runner closes its clusters (its flow had ended) is held until the
-close is done, then raised (:func:`held_while_closing`). Interrupted half-way, a close left the
-profile's warm worker processes running, and a flow process that multiprocessing started (a
-served deployment's run) waited for them at exit forever, and its serving process with it.
+"""Ctrl-C on a plain flow script: one line at once, and a second Ctrl-C that ends the process now
+(exit status 130); a Ctrl-C while the runner closes its clusters is held until the close is done
+(:func:`held_while_closing`). Why and when: docs/operations.md, "Failure behaviour".
 """
 
 from __future__ import annotations

@@ -134,27 +134,19 @@ Handler = Callable[[Event, bool], None]
 
 
 class ProfileState:
-    """One profile's runtime state within one entered runner, and its controller's inbox.
-
-    Every field below is written by the controller thread alone (``handle``, built from this
-    state by ``controller(self)``), which takes the inbox's events one at a time. Other threads
-    read fields for reports (``status()``) and :meth:`post` events. The controller's thread
-    starts with the first event; :meth:`close` stops it once the queued events are handled.
-
-    ``outstanding`` counts tasks submitted and not finished (waiting on upstream or for tag
-    slots, queued or running); ``dispatched`` those handed to the cluster (``inflight`` by task
-    run id); ``waiting_for_slots`` those waiting for tag slots now, which hold no device and do
-    not keep a cluster from idling out.
-    """
+    """One profile's runtime state within one entered runner, and its controller's inbox. Every field
+    is written by the controller thread alone (``controller(self)``, started with the first event),
+    which takes the inbox's events one at a time; other threads read them for ``status()`` and
+    :meth:`post` events. :meth:`close` stops it once the queued events are handled."""
 
     def __init__(
         self, cluster: ProfileCluster, idle_timeout: float, controller: Callable[[ProfileState], Handler]
     ) -> None:
         self.cluster = cluster
         self.idle_timeout = idle_timeout
-        self.outstanding = 0
-        self.dispatched = 0
-        self.waiting_for_slots = 0
+        self.outstanding = 0  # submitted and not finished (waiting on upstream or slots, queued, running)
+        self.dispatched = 0  # handed to the cluster (``inflight``)
+        self.waiting_for_slots = 0  # waiting for tag slots now: no device held, no hold on idling out
         self.cache_hits = 0  # tasks whose result Prefect had cached: run in the flow process, no device
         self.idle_since: float | None = None
         self.ever_provisioned = False
@@ -286,14 +278,6 @@ class Job:
         self.key = f"{name}-{self.task_run_id.hex}-{self.attempt}"
         return self.key
 
-    def continues(self, task_run: Any) -> None:
-        """Its next run continues ``task_run`` (a crash retry, an escalation, a preemption, a lost cache)."""
-        self.task_run = task_run
-
-    def slots_held(self, waited: float) -> None:
-        """Its tag slots were granted after ``waited`` s (reported once, by :meth:`slot_wait`)."""
-        self.slot_waited = waited
-
     def slot_wait(self) -> float:
         """Seconds it waited for tag slots, once: a re-run reports none."""
         waited, self.slot_waited = self.slot_waited, 0.0
@@ -304,10 +288,6 @@ class Job:
         runner closes, its future resolves with that error instead."""
         if not self.st.post(Dispatch(self)) and not self.cf.done():
             self.cf.set_exception(RuntimeError("the task runner is shutting down"))
-
-    def disown(self) -> None:
-        """What its current hand-off reports is not its outcome (it was preempted and runs again)."""
-        self.attempt += 1
 
     def say(self, level: int, msg: str, *args: Any) -> None:
         """A line in the flow run's logs (from any thread: the logger is looked up in the job's context)."""

@@ -14,11 +14,14 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from prefect.states import Scheduled
+
 from gpu_tasks.prefect_api.states import (
+    PREEMPTED,
     await_retry,
     crash_task_run,
-    preempt_task_run,
     read_task_run,
+    report_state,
     retry_after_crash,
 )
 from gpu_tasks.profiles import profile
@@ -74,7 +77,7 @@ class Recovery:
         job.escalated_from = source.name
         task_run.tags = sorted(set(task_run.tags or ()) | {profile(target.name), ESCALATED_TAG})
         await_retry(task_run, live.flow_run_id)
-        job.continues(task_run)
+        job.task_run = task_run
         flow_logger().warning(
             "Task run %r ran out of memory on profile %r (%s); re-running it once on profile %r (on_oom)",
             task_run.name,
@@ -91,11 +94,12 @@ class Recovery:
     def requeue(self, job: Job, reason: str, by: dict[str, Any]) -> None:
         """Report ``job`` ``Preempted`` and dispatch it again (devices permitting)."""
         try:
-            state, task_run = preempt_task_run(
-                job.task_run_id, job.task, self.live.flow_run_id, f"Preempted: {reason}", job.tags
+            preempted: Any = Scheduled(name=PREEMPTED, message=f"Preempted: {reason}")
+            state, task_run = report_state(
+                preempted, job.task_run_id, job.task, self.live.flow_run_id, job.tags, wait=2.0
             )
             job.preemptions += 1
-            job.continues(task_run)
+            job.task_run = task_run
             job.say(
                 logging.WARNING,
                 "Task run %r was %s; it runs again when devices free (no retry used)",
@@ -185,7 +189,7 @@ class Recovery:
             self._finish(job, result=state)
             return None
         job.crashes += 1
-        job.continues(task_run)
+        job.task_run = task_run
         log.warning(
             "Task run %r crashed: %s; retrying it on a new worker (retry %d of %d) in %gs",
             task_run.name,

@@ -15,15 +15,18 @@ scheduler). :class:`Finish` resolves a task's future once and gives back what it
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from prefect.states import Failed
+
 from gpu_tasks.errors import GpuOutOfMemoryError
-from gpu_tasks.preemption import PreemptedRun, describe_waiter
-from gpu_tasks.prefect_api.states import fail_task_run
+from gpu_tasks.preemption import PreemptedRun, preemption_reason
+from gpu_tasks.prefect_api.states import report_state
 from gpu_tasks.runner.job import Job, Left, OutOfMemory, Requeue, WorkerDied
 from gpu_tasks.runner.session import Live
 
@@ -91,12 +94,13 @@ class Landings:
                 values = None
             if values is None:
                 for item, dfut in group:
-                    self._one(item, dfut)
+                    self.one(item, dfut)
                 continue
             for (item, _), value in zip(group, values, strict=True):
                 self._hand_on(item, value, None)
 
-    def _one(self, item: Any, dfut: Any) -> None:
+    def one(self, item: Any, dfut: Any) -> None:
+        """Fetch ``dfut``'s result for ``item`` now, on this thread."""
         try:
             value = dfut.result()
         except BaseException as exc:
@@ -109,13 +113,6 @@ class Landings:
             self._deliver(item, value, error)
         except BaseException:  # the consumer resolves its own futures; never stop this thread
             logger.warning("gpu-tasks: could not hand on a task's result", exc_info=True)
-
-
-def hand_to(
-    land: Callable[[Any, BaseException | None], None], value: Any, error: BaseException | None
-) -> None:
-    """``Landings``' deliver when each queued item is the callback of its result: ``land(value, error)``."""
-    land(value, error)
 
 
 def _is_worker_death(exc: BaseException) -> bool:
@@ -135,17 +132,6 @@ def _is_worker_death(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and str(exc) == "IOLoop is closed"
 
 
-def resolve(cf: concurrent.futures.Future[Any], result: Any = None, exc: BaseException | None = None) -> None:
-    """Resolve ``cf`` with ``result`` (or ``exc``) unless it is resolved already."""
-    try:
-        if exc is not None:
-            cf.set_exception(exc)
-        else:
-            cf.set_result(result)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
 class Finish:
     """``finish(job, result=..., exc=..., dispatched=...)``: resolve ``job``'s future with its final
     state (or ``exc``) and account for it; its tag slots and quota slots go back.
@@ -157,16 +143,20 @@ class Finish:
 
     def __init__(self, live: Live, release_quota: Callable[[Job], None]) -> None:
         self.live = live
-        self._release_quota = release_quota
+        self.release_quota = release_quota
 
     def __call__(
         self, job: Job, result: Any = None, exc: BaseException | None = None, dispatched: bool = False
     ) -> None:
         if job.hold is not None:
             self.live.gate.release(job.hold)
-        self._release_quota(job)
+        self.release_quota(job)
         job.st.post(Left(job, dispatched))  # its controller counts it; the future does not wait for that
-        resolve(job.cf, result, exc)
+        with contextlib.suppress(concurrent.futures.InvalidStateError):  # resolved already
+            if exc is not None:
+                job.cf.set_exception(exc)
+            else:
+                job.cf.set_result(result)
 
     def fail(self, job: Job, exc: BaseException, dispatched: bool = False) -> None:
         """End ``job`` as if its task had raised ``exc``: a Failed task run, so ``wait()`` returns and
@@ -176,8 +166,9 @@ class Finish:
             self(job, exc=exc, dispatched=dispatched)
             return
         try:
-            state = job.ctx.copy().run(
-                fail_task_run, job.task_run_id, job.task, self.live.flow_run_id, exc, job.tags
+            failed: Any = Failed(message=f"{type(exc).__name__}: {exc}", data=exc)
+            state, _ = job.ctx.copy().run(
+                report_state, failed, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 0.0
             )
         except BaseException as err:
             self(job, exc=err, dispatched=dispatched)
@@ -192,17 +183,13 @@ class Results:
 
     Args:
         live: the entered runner's session.
-        landings: fetches a local cluster's finished results in batches (its items: ``hand_to``).
-        release_quota: gives back a task's quota slots once its hand-off ended.
-        finish: resolves a task's future (:class:`Finish`).
+        landings: fetches a local cluster's finished results in batches (its items: ``land(value, error)``).
+        finish: resolves a task's future and gives back its quota slots (:class:`Finish`).
     """
 
-    def __init__(
-        self, live: Live, landings: Landings, release_quota: Callable[[Job], None], finish: Finish
-    ) -> None:
+    def __init__(self, live: Live, landings: Landings, finish: Finish) -> None:
         self.live = live
         self._landings = landings
-        self._release_quota = release_quota
         self._finish = finish
 
     def on_done(self, job: Job, attempt: int, dfut: Any) -> None:
@@ -210,25 +197,17 @@ class Results:
         result fetched in a batch (:class:`Landings`), anything else here."""
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
-        if (
-            not job.st.cluster.shared
-            and getattr(dfut, "status", None) == "finished"
-            and self._landings.put(partial(self._landed, job, attempt), dfut)
-        ):
-            return
-        try:
-            value = dfut.result()
-        except BaseException as exc:
-            self._landed(job, attempt, None, exc)
-            return
-        self._landed(job, attempt, value, None)
+        land = partial(self._landed, job, attempt)
+        shared = job.st.cluster.shared
+        if shared or getattr(dfut, "status", None) != "finished" or not self._landings.put(land, dfut):
+            self._landings.one(land, dfut)
 
     def _landed(self, job: Job, attempt: int, value: Any, error: BaseException | None) -> None:
         """``job``'s hand-off ended with ``value`` (its worker's result) or ``error``."""
         live = self.live
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
-        self._release_quota(job)
+        self._finish.release_quota(job)
         try:
             if error is not None:
                 raise error
@@ -241,13 +220,7 @@ class Results:
         job.st.cluster.record(wkey, start, end)
         if isinstance(state, PreemptedRun):  # interrupted on a shared scheduler for a waiter
             by = job.st.cluster.preempted_by(job.key)
-            queued = f"queued {float(by.get('waited_s') or 0):.1f}s"
-            reason = f"preempted by {describe_waiter(by)}, {queued}"
-            if by.get("reclaimed_by"):  # its borrowed quota taken back (gpu_tasks.cluster.board)
-                reason = (
-                    f"reclaimed by {by['reclaimed_by']}: its borrowed device(s) go back to "
-                    f"{describe_waiter(by)}, owed them within quota {by['reclaimed_by']!r}, {queued}"
-                )
+            reason = preemption_reason(by, f"queued {float(by.get('waited_s') or 0):.1f}s")
             fields = {
                 k: by.get(k)
                 for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "reclaimed_by")

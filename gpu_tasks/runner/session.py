@@ -320,40 +320,37 @@ class Live:
     # ------------------------------------------------------------ close
     def close(self, reason: str, hurry: bool = False) -> None:
         try:
-            self._close(reason, hurry)
+            self.stop.set()
+            if hurry:  # a plain script's ephemeral server dies with the Ctrl-C that stopped its flow
+                self.api_down = api_unreachable()
+            if self.monitor is not None:
+                self.monitor.join(timeout=5)
+            self.sampler.close()
+            self.executor.shutdown(wait=False, cancel_futures=True)
+            states = list(self.states.values())
+            for st in states:  # each controller handles what is queued (a dispatch fails) and stops
+                st.close()
+            for st in states:  # from here on this thread is the only one that touches the clusters
+                st.cluster.drain()
+            # results already fetched or queued reach their tasks before the clusters go (a task that
+            # finished is never reported Crashed for the close); later ones are fetched one by one
+            self._close_results(2.0 if hurry else 10.0)
+            running = [j for st in states for j in st.inflight.values()]
+            for st in states:
+                self.close_cluster(st, reason, hurry=hurry)
+                try:
+                    st.cluster.shutdown()
+                except Exception:
+                    logger.warning("profile %r: error while shutting down", st.profile.name, exc_info=True)
+            if self.pool is not None:
+                self.pool.close()
+            self.book.close()  # quota leases left (the clusters gave their devices back)
+            # after the clusters: a task still running holds its slots until its worker is gone
+            self.gate.close(timeout=2.0 if hurry else 10.0)
+            self._crash_unfinished(running, reason, hurry)
+            self._advise()
         finally:
             RunLogs.leave(self.flow_run_id)  # the close's own lines were sent before this
-
-    def _close(self, reason: str, hurry: bool) -> None:
-        self.stop.set()
-        if hurry:  # a plain script's ephemeral server dies with the Ctrl-C that stopped its flow
-            self.api_down = api_unreachable()
-        if self.monitor is not None:
-            self.monitor.join(timeout=5)
-        self.sampler.close()
-        self.executor.shutdown(wait=False, cancel_futures=True)
-        states = list(self.states.values())
-        for st in states:  # each controller handles what is queued (a dispatch fails) and stops
-            st.close()
-        for st in states:  # from here on this thread is the only one that touches the clusters
-            st.cluster.drain()
-        # results already fetched or queued reach their tasks before the clusters go (a task that
-        # finished is never reported Crashed for the close); later ones are fetched one by one
-        self._close_results(2.0 if hurry else 10.0)
-        running = [j for st in states for j in st.inflight.values()]
-        for st in states:
-            self.close_cluster(st, reason, hurry=hurry)
-            try:
-                st.cluster.shutdown()
-            except Exception:
-                logger.warning("profile %r: error while shutting down", st.profile.name, exc_info=True)
-        if self.pool is not None:
-            self.pool.close()
-        self.book.close()  # quota leases left (the clusters gave their devices back)
-        # after the clusters: a task still running holds its slots until its worker is gone
-        self.gate.close(timeout=2.0 if hurry else 10.0)
-        self._crash_unfinished(running, reason, hurry)
-        self._advise()
 
     def _advise(self) -> None:
         """A right-size line per GPU profile that used much less than it held (reporting.measured),
@@ -365,14 +362,9 @@ class Live:
                 self.in_run_context(emit_right_size, profile, line, measured, self.run)
 
     def _crash_unfinished(self, jobs: list[Job], reason: str, hurry: bool) -> None:
-        """Report task runs that were running when their cluster closed ``Crashed`` (never left Running).
-
-        With the Prefect API gone (a plain script's ephemeral server dies with the Ctrl-C that
-        stops its flow), the states are only set here and one line says which runs the server
-        still shows ``Running``: reporting each, Prefect's client would retry for about a minute
-        apiece. After an interrupt requests are not retried, and the API is probed again every
-        16 reports, so a server that dies mid-way costs at most 16 failed reports.
-        """
+        """Report task runs that were running when their cluster closed ``Crashed`` (never left Running);
+        with the Prefect API gone, only set here and named in one line (docs/operations.md, "Failure
+        behaviour", a plain script on Prefect's ephemeral API)."""
         from prefect.states import Crashed
 
         from gpu_tasks.prefect_api.states import crash_task_run, no_client_retries

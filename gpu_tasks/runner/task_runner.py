@@ -51,9 +51,9 @@ from gpu_tasks.runner.controller import Controller
 from gpu_tasks.runner.ctrl_c import held_while_closing, on_interrupt
 from gpu_tasks.runner.job import Arrived, Job
 from gpu_tasks.runner.recovery import Recovery
-from gpu_tasks.runner.results import Finish, Landings, Results, hand_to
+from gpu_tasks.runner.results import Finish, Landings, Results
 from gpu_tasks.runner.session import Live
-from gpu_tasks.settings import get_settings, variable_warnings
+from gpu_tasks.settings import get_settings, resolve, variable_warnings
 from gpu_tasks.worker import engine as _worker
 from gpu_tasks.worker.slots import waiting
 
@@ -176,9 +176,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     @property
     def idle_timeout(self) -> float:
         """The runner-wide idle timeout (argument, else GPU_TASKS_IDLE_TIMEOUT)."""
-        if self._idle_timeout_arg is not None:
-            return self._idle_timeout_arg
-        return get_settings().idle_timeout
+        return float(resolve(self._idle_timeout_arg, "idle_timeout"))
 
     def resolve_profiles(
         self, path: Path | None = None, origin: str = ""
@@ -189,36 +187,24 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             path, origin = get_settings().profiles_file, "GPU_TASKS_PROFILES_FILE"
         return resolve_profiles(self._profiles_arg, self._default_arg, path, origin)
 
+    def _args(self) -> dict[str, Any]:
+        args = self._profiles_arg, self._default_arg, self._idle_timeout_arg
+        return dict(zip(("profiles", "default", "idle_timeout"), args, strict=True))
+
     def duplicate(self) -> ProfileTaskRunner:
-        return type(self)(
-            profiles=self._profiles_arg, default=self._default_arg, idle_timeout=self._idle_timeout_arg
-        )
+        return type(self)(**self._args())
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, ProfileTaskRunner)
-            and self._profiles_arg == other._profiles_arg
-            and self._default_arg == other._default_arg
-            and self._idle_timeout_arg == other._idle_timeout_arg
-        )
+        return isinstance(other, ProfileTaskRunner) and self._args() == other._args()
 
     __hash__ = object.__hash__
 
     def __getstate__(self) -> dict[str, Any]:
-        # Prefect pickles the flow (and so this runner) into every remote task's context.
-        return {
-            "_profiles_arg": self._profiles_arg,
-            "_default_arg": self._default_arg,
-            "_idle_timeout_arg": self._idle_timeout_arg,
-        }
+        return self._args()  # Prefect pickles the flow (and so this runner) into every remote task's context
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._unpickled = True  # in a worker: its flow process checked the settings and profiles
-        self.__init__(  # type: ignore[misc]  # rebuilt from its pickled arguments
-            profiles=state["_profiles_arg"],
-            default=state["_default_arg"],
-            idle_timeout=state["_idle_timeout_arg"],
-        )
+        self.__init__(**state)  # type: ignore[misc]  # rebuilt from its pickled arguments
 
     # ------------------------------------------------------------ lifetime
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
@@ -272,12 +258,13 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if self._live is None or self._admission is None:
             # each piece gets what it needs when it is built (docs/runner.md, "Where the code lives")
             profiles, default = self.resolve_profiles()
-            landings = Landings(hand_to, name="gpu-tasks-results")  # results fetched in batches
+            # results fetched in batches; each item is its job's ``land(value, error)``
+            landings = Landings(lambda land, value, error: land(value, error), name="gpu-tasks-results")
             live = Live(profiles, default, self.idle_timeout, close_results=landings.close)
             self._log_profile_sources(profiles)  # once Live sends the runner's lines to the run's logs
             quota = TaskQuota(live)
             finish = Finish(live, quota.release)
-            results = Results(live, landings, quota.release, finish)
+            results = Results(live, landings, finish)
             recovery = Recovery(live, finish)
             self._admission = Admission(live, finish)
             # each profile's controller (its one thread) and the idle and preemption monitor

@@ -1,18 +1,14 @@
-"""What a waiting task says about why it waits: its task run's log and a ``gpu-tasks.task.waiting`` event.
-
-While a profile's controller dispatches a task and the device queue (or a shared scheduler's board)
-holds it, the code that waits works out why (:mod:`gpu_tasks.devices.wait_reasons`) and tells the
-listener the controller set for that dispatch, a :class:`WaitReporter`. The reporter writes the
-reason into the waiting task run's Prefect log, at a bounded rate
-(:class:`~gpu_tasks.devices.wait_reasons.Throttle`: the first at once, the same one at most every
-``LOG_EVERY_S``, a changed one at once but not within ``GAP_S`` of the previous line), and sends the
-event when the reason changes. It runs on the controller's thread, in the job's context.
+"""What a waiting task says about why it waits: its task run's log, at a bounded rate, and a
+``gpu-tasks.task.waiting`` event when the reason changes (docs/leases.md, "Why a task waits"). A
+:class:`WaitReporter` is the listener the controller sets for a dispatch, on its thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from gpu_tasks.devices import wait_reasons
@@ -32,9 +28,9 @@ GAP_S = 2.0  # a changed reason is logged at once, but not within this of the pr
 class WaitReporter:
     """Says why ``job`` waits (the listener of :data:`gpu_tasks.devices.wait_reasons.LISTENER`)."""
 
-    def __init__(self, live: Live, job: Job, every: float = LOG_EVERY_S, gap: float = GAP_S) -> None:
+    def __init__(self, live: Live, job: Job) -> None:
         self.live, self.job = live, job
-        self.throttle = Throttle(every, gap)
+        self.throttle = Throttle(LOG_EVERY_S, GAP_S)
         self.started = time.monotonic()
         self.last_event: tuple[str, str] | None = None
         self.log: Any = None
@@ -61,12 +57,11 @@ class WaitReporter:
             )
 
 
-def reporting(live: Live, job: Job) -> Any:
-    """Set a :class:`WaitReporter` for ``job`` as the current context's listener; returns the token
-    for :func:`done`."""
-    return wait_reasons.LISTENER.set(WaitReporter(live, job))
-
-
-def done(token: Any) -> None:
-    """The dispatch that :func:`reporting` was set for stopped waiting."""
-    wait_reasons.LISTENER.reset(token)
+@contextlib.contextmanager
+def reported(live: Live, job: Job) -> Iterator[None]:
+    """Within it, why ``job`` waits is said by a :class:`WaitReporter` (the context's listener)."""
+    token = wait_reasons.LISTENER.set(WaitReporter(live, job))
+    try:
+        yield
+    finally:
+        wait_reasons.LISTENER.reset(token)

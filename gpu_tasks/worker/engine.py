@@ -76,18 +76,9 @@ def owned_devices(dask_worker: Any) -> int | None:
 
 
 def prepare_process() -> None:
-    """Configure Prefect's logging in this worker process once, before any task of it runs.
-
-    Prefect's task engine configures logging on a worker lazily, in the first task's
-    ``hydrated_context`` (``ensure_logging_setup``), with no lock of its own. When several
-    tasks start at once in a fresh worker process (a fractional profile's threads), one
-    thread can be inside ``logging.config.dictConfig`` holding logging's module lock,
-    which flushes Prefect's API log handler and so waits for Prefect's service-instance
-    lock, while another thread holds that lock creating the process's first
-    ``EventsWorker`` and waits for logging's lock (its logger, or the global event loop
-    thread it starts logging as it creates its loop): the worker hangs for good (prefect
-    3.8.8; seen as a stuck ``tests/faults/test_soak.py``). Doing the setup here, once,
-    while the other task threads wait, takes that inversion away.
+    """Configure Prefect's logging in this worker process once, before any task of it runs:
+    Prefect's lazy setup in the first task, with no lock of its own, could deadlock tasks that
+    start at once (docs/runner.md, "Tasks starting together in a fresh worker process").
     """
     if _PROCESS_READY.is_set():
         return
@@ -132,11 +123,8 @@ def run_on_worker(
 
     prepare_process()
     memory_caps.apply()  # a gpu_memory_per_task worker's allocators, before its first task runs
-    try:
-        dask_worker: Any = get_worker()
-    except ValueError:  # pragma: no cover - not on a worker
-        dask_worker = None
-    address = dask_worker.address if dask_worker is not None else None
+    dask_worker: Any = get_worker()  # always submitted to a Dask worker (run_engine runs in-process)
+    address = dask_worker.address
     task = opened(task)
     context = {k: opened(v) for k, v in kwargs["context"].items()}
     settings = _worker_settings(settings_key, context["settings_context"], remote)
@@ -218,13 +206,13 @@ def _after_lost_worker(
     from prefect.client.schemas.objects import StateType
     from prefect.exceptions import ObjectNotFound
 
-    from gpu_tasks.compat.api_busy import BusyWait, busy_timeout
+    from gpu_tasks.compat.api_busy import BusyWait
     from gpu_tasks.compat.prefect import current_sync_client_context
     from gpu_tasks.prefect_api.states import crash_task_run, retry_after_crash
 
     ctx = current_sync_client_context()
     # a task holds its worker's GPU while it waits: ask every 5 s at most, to start soon after
-    wait = BusyWait(f"reading task run {kwargs['task_run_id']} on worker {alloc.worker}", busy_timeout(), 5.0)
+    wait = BusyWait(f"reading task run {kwargs['task_run_id']} on worker {alloc.worker}", longest=5.0)
     while True:  # an API unreachable for a while (restarted, its host's link down) is waited out
         try:
             task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None
@@ -302,11 +290,8 @@ def _report_orphaned(flow_pid: int) -> None:
                     client.set_flow_run_state(
                         uuid.UUID(flow_run_id),
                         Crashed(
-                            message=(
-                                f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its "
-                                "tasks "
-                                "(reported by a worker)"
-                            )
+                            message=f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its "
+                            "tasks (reported by a worker)"
                         ),
                         force=True,
                     )
@@ -499,24 +484,17 @@ _NESTED_POOLS: dict[str, SlotPool] = {}
 _NESTED_LOCK = threading.Lock()
 
 
-def _worker_threads() -> int:
-    """Threads of the Dask worker this code runs in (1 outside a worker): its documented
-    ``WorkerState.nthreads`` (distributed's worker state machine)."""
-    try:
-        from distributed import get_worker
-
-        return max(1, int(get_worker().state.nthreads))
-    except Exception:
-        return 1
-
-
 def nested_pool(profile_name: str) -> SlotPool:
     with _NESTED_LOCK:
         pool = _NESTED_POOLS.get(profile_name)
         if pool is None:
-            pool = _NESTED_POOLS[profile_name] = SlotPool(
-                _worker_threads(), name=f"gpu-tasks-nested-{profile_name}"
-            )
+            try:  # as many threads as the Dask worker this runs in (its documented WorkerState.nthreads)
+                from distributed import get_worker
+
+                threads = max(1, int(get_worker().state.nthreads))
+            except Exception:  # not on a worker
+                threads = 1
+            pool = _NESTED_POOLS[profile_name] = SlotPool(threads, name=f"gpu-tasks-nested-{profile_name}")
         return pool
 
 

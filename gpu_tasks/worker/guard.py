@@ -1,24 +1,6 @@
-"""Worker preload: a worker process and its children go when the flow process goes.
-
-gpu-tasks adds this module to the preloads of every Dask worker process it starts
-(:func:`preload_options`). Dask then calls :func:`dask_setup` in the worker process,
-which
-
-- watches the flow process (the worker's parent: the Nanny objects live in the flow
-  process and spawn the workers): when it is gone, even by SIGKILL, the worker ends
-  its child processes (SIGTERM, then SIGKILL after :data:`GRACE_S`) and exits;
-- wraps ``os._exit`` in the worker process so that whoever ends the worker that way
-  ends its child processes first. Dask's own parent watch (``distributed.process``)
-  calls ``os._exit`` the moment the flow process dies, which would otherwise orphan
-  processes a task started;
-- ignores SIGINT in the worker: a terminal Ctrl-C reaches the whole foreground process
-  group, and the flow process coordinates shutdown and closes its workers itself;
-- turns on :mod:`faulthandler` (unless the worker has it on already): a worker killed by
-  SIGSEGV, SIGFPE, SIGABRT or SIGBUS prints every thread's Python traceback to its stderr
-  (the flow process's terminal or log) before it dies, where the task run's Crashed state
-  can only name the signal.
-
-:func:`dask_teardown` ends the worker's child processes when the worker closes normally.
+"""Worker preload: a worker process and its children go when the flow process goes (even by
+SIGKILL); ``os._exit`` ends the children first, SIGINT is ignored, ``faulthandler`` is on. See
+docs/runner.md, "The flow process is killed" and "A worker process crashes in C code".
 """
 
 from __future__ import annotations
@@ -50,18 +32,9 @@ _lock = threading.Lock()
 
 
 def preload_options(preload: Any = None, preload_argv: Any = None) -> dict[str, Any]:
-    """Nanny options ``preload``/``preload_argv`` with this guard added to ``preload``.
-
-    Args:
-        preload: the worker preloads already asked for; ``None`` for Dask's configured
-            ``distributed.worker.preload``.
-        preload_argv: their arguments; ``None`` for ``distributed.worker.preload-argv``.
-            A flat list of strings is given to every preload (this guard ignores it); a
-            list of lists gets an empty entry for the guard.
-
-    Returns:
-        ``{"preload": [...], "preload_argv": [...]}``.
-    """
+    """Nanny options ``preload``/``preload_argv`` with this guard added to ``preload`` (``None``:
+    Dask's configured ``distributed.worker.preload`` / ``preload-argv``), as
+    :func:`gpu_tasks.compat.distributed.add_preload` adds one; the guard is added once."""
     import dask
 
     if preload is None:
@@ -199,12 +172,6 @@ def _watch() -> None:
 _ORPHAN_HOOKS: list[Callable[[int], None]] = []
 
 
-def _orphaned(wait: float) -> bool:
-    """Whether the flow process is gone. Dask exits its worker (code -1) when its pipe to the
-    parent closes, which the kernel does a moment before it re-parents the worker: wait for that."""
-    return _flow_gone(wait)
-
-
 def on_orphaned(hook: Callable[[int], None]) -> None:
     """Call ``hook(flow_pid)`` when this worker exits because its flow process died.
 
@@ -220,7 +187,9 @@ def _exit(status: int) -> NoReturn:
     if os.getpid() == _state.get("pid"):  # not in a forked child, which inherits this
         with _lock:  # a second caller waits for the first one's clean-up
             flow = _state.get("flow")
-            if flow is not None and _orphaned(wait=1.0 if status == -1 else 0.0):
+            # Dask exits its worker (-1) when its pipe to the parent closes, a moment before the
+            # kernel re-parents the worker: wait for that
+            if flow is not None and _flow_gone(1.0 if status == -1 else 0.0):
                 for hook in list(_ORPHAN_HOOKS):
                     try:
                         hook(flow)

@@ -76,11 +76,9 @@ class PooledWorker(_Bound):
         self.cuda = cuda  # dask-cuda's worker setup, applied once bound (gpu_tasks._gpu)
         self.worker_kwargs = worker_kwargs
         self.name = worker_kwargs.get("name")
-        self.warm: WarmProcess | None = None
         self.process: Any = None  # the multiprocessing.Process (its pid: the runner's terminate)
         self.worker_address: str | None = None
         self.ended_at: float | None = None  # when its process ended though no one closed it
-        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.warm = await asyncio.to_thread(self.pool.take, self.timeout)
@@ -162,8 +160,6 @@ class PooledScheduler(_Bound):
         self.timeout = timeout
         self.silence_logs = silence_logs
         self.scheduler_kwargs = scheduler_kwargs
-        self.warm: WarmProcess | None = None
-        self._watch: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         self.warm = warm = await asyncio.to_thread(self.pool.own, self.timeout)

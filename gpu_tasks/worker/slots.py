@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -39,8 +40,7 @@ class SlotPool(concurrent.futures.Executor):
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         if kwargs:
-            args = (*args, kwargs)
-            fn = _with_kwargs(fn)
+            fn = functools.partial(fn, **kwargs)
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._cond:
             if self._shutdown:
@@ -101,13 +101,6 @@ class SlotPool(concurrent.futures.Executor):
                 while self._queue:
                     self._queue.popleft()[0].cancel()
         self._threads.shutdown(wait=wait, cancel_futures=cancel_futures)
-
-
-def _with_kwargs(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args: Any) -> Any:
-        return fn(*args[:-1], **args[-1])
-
-    return call
 
 
 def current_pool() -> SlotPool | None:

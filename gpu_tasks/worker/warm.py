@@ -1,29 +1,6 @@
-"""Warm worker processes: started, imported and holding no device until a lease binds one.
-
-A profile's first task used to pay, after its device was leased, for spawning a worker
-process and importing distributed and Prefect's task engine in it (1.4 s isolated, 2.4 s
-inside the pipeline on a 2-core machine). :class:`WarmPool` keeps ``GPU_TASKS_TUNE_WARM_WORKERS``
-processes that have done that already and wait, unbound:
-
-- they are spawned with an empty ``CUDA_VISIBLE_DEVICES`` and import no CUDA library
-  of gpu-tasks' own (a flow script that imports cupy at its top is re-imported in them;
-  CUDA initialises lazily, and would see no device before the bind), so an unbound
-  process holds no device and can still be given any: its devices are set when it is
-  bound, before its worker starts;
-- they run gpu-tasks' worker guard (:mod:`gpu_tasks.worker.guard`) from the start, so
-  they exit with the flow process even when it is SIGKILLed; the runner closes the
-  pool when the flow run ends, so the pool never outlives it.
-
-A profile's cluster binds one per worker (:class:`~gpu_tasks.worker.pooled.PooledWorker`, the ``SpecCluster``
-entry that stands where Dask's ``Nanny`` stood): the process takes the worker's
-environment (its device, profile, Prefect API) and Dask config, then starts a Dask
-``Worker`` against the profile's scheduler. A bound process is never returned to the
-pool: its tasks may have initialised CUDA or left state behind. The pool starts a
-replacement as soon as one is taken.
-
-What the nanny did for its worker, :class:`~gpu_tasks.worker.pooled.PooledWorker` does from the flow process:
-it records how the process ended for crash reports (:mod:`gpu_tasks.worker.exits`) and
-terminates it past Dask's memory ``terminate`` fraction of its memory limit.
+"""Warm worker processes: started, imported and holding no device until a lease binds one
+(:class:`WarmPool`); :class:`~gpu_tasks.worker.pooled.PooledWorker` binds one per worker, in the
+place of Dask's ``Nanny``. See docs/runner.md, "Warm workers".
 """
 
 from __future__ import annotations
@@ -78,11 +55,6 @@ REFILL_DELAY_S = 2.0  # from taking warm processes to starting their replacement
 _WHOLE_ENVIRON = "__gpu_tasks_whole_environ__"  # in a bind's env: it is the whole environment
 
 
-def cuda_modules_loaded() -> list[str]:
-    """The CUDA-capable libraries imported in this process."""
-    return [m for m in CUDA_MODULES if m in sys.modules]
-
-
 # ---------------------------------------------------------------- the child process
 def _child_main(conn: Connection, flow: int) -> None:
     """A warm process: import, say ready, wait for a bind (or close), run one Dask worker (or a
@@ -95,7 +67,7 @@ def _child_main(conn: Connection, flow: int) -> None:
     for name in WARM_IMPORTS:  # done already in a process forked from the pool's fork server
         importlib.import_module(name)
     try:
-        conn.send(("ready", os.getpid(), cuda_modules_loaded()))
+        conn.send(("ready", os.getpid(), [m for m in CUDA_MODULES if m in sys.modules]))
         msg = conn.recv()
     except (EOFError, OSError):  # the pool closed
         return
@@ -141,13 +113,8 @@ def run_in_new_loop(main: Any) -> Any:
 
 
 def _exit_now() -> None:
-    """End a bound process as soon as its exit handlers have run.
-
-    The runner gives the device back once the process is gone. Its exit handlers (Prefect's
-    among them: they send what is left of the task runs' logs and events) run here; the
-    interpreter's teardown after them only frees memory, yet took about 0.3 s per process
-    on a 2-core machine, device time held for nothing.
-    """
+    """End a bound process as soon as its exit handlers have run, without the interpreter's
+    teardown (docs/runner.md, "Quick to give the device back")."""
     from gpu_tasks.compat.cpython import run_exit_handlers
 
     run_exit_handlers()
@@ -200,17 +167,16 @@ class WarmProcess:
             RuntimeError: it exited while starting.
         """
         deadline = time.monotonic() + timeout
+        late = f"warm worker process {self.pid} did not finish importing within {timeout:g}s"
         if not self._reading.acquire(timeout=max(0.0, timeout)):
-            raise TimeoutError(f"warm worker process {self.pid} did not finish importing within {timeout:g}s")
+            raise TimeoutError(late)
         try:
             if self.ready:
                 return
             if not self.conn.poll(max(0.0, deadline - time.monotonic())):
                 if not self.process.is_alive():
                     raise RuntimeError(self._died())
-                raise TimeoutError(
-                    f"warm worker process {self.pid} did not finish importing within {timeout:g}s"
-                )
+                raise TimeoutError(late)
             try:
                 msg = self.conn.recv()
             except (EOFError, OSError):
@@ -233,14 +199,10 @@ class WarmProcess:
             ready = self.conn.poll(0)
         finally:
             self._reading.release()
-        return ready and self._try_ready()
-
-    def _try_ready(self) -> bool:
-        try:
-            self.wait_ready(0)
-        except (TimeoutError, RuntimeError):
-            return False
-        return True
+        if ready:
+            with contextlib.suppress(TimeoutError, RuntimeError):
+                self.wait_ready(0)
+        return self.ready
 
     def _died(self) -> str:
         self.process.join(timeout=1)
@@ -267,19 +229,17 @@ class WarmProcess:
 
 _ALL: weakref.WeakSet[WarmProcess] = weakref.WeakSet()
 _ALL_LOCK = threading.Lock()
+_ALL_REGISTERED: list[bool] = []
 
 
 def _track(proc: WarmProcess) -> None:
     """Remember ``proc`` for :func:`_end_all` (registered at the first spawn: after
     multiprocessing's own exit handler, so it runs before that one joins its children)."""
     with _ALL_LOCK:
-        if not _ALL and not _ALL_REGISTERED:
+        if not _ALL_REGISTERED:
             atexit.register(_end_all)
             _ALL_REGISTERED.append(True)
         _ALL.add(proc)
-
-
-_ALL_REGISTERED: list[bool] = []
 
 
 def _end_all() -> None:  # pragma: no cover - interpreter exit
@@ -338,7 +298,6 @@ class WarmPool:
         self._lock = threading.Lock()
         self._closed = False
         self._starter: threading.Thread | None = None  # start_in_background's thread
-        self.taken = 0  # processes bound so far (for status and tests)
 
     def target(self) -> int:
         """How many idle processes to keep now: ``size``, less the places bound processes fill."""
@@ -431,10 +390,9 @@ class WarmPool:
                 found = None
             else:
                 self._idle.remove(found)
-        proc = found or self._spawn_one()
+        proc = found or WarmProcess(self._ctx)
         with self._lock:
             self._bound.append(proc)
-        self.taken += 1
         self._refill_later()
         proc.wait_ready(timeout)
         return proc
@@ -442,7 +400,7 @@ class WarmPool:
     def own(self, timeout: float) -> WarmProcess:
         """A new process outside the pool's count and capacity, ready (a profile's scheduler:
         forked from the pool's fork server, it costs a fork, not an interpreter's imports)."""
-        proc = self._spawn_one()
+        proc = WarmProcess(self._ctx)
         proc.wait_ready(timeout)
         return proc
 
@@ -509,9 +467,6 @@ class WarmPool:
                 self._idle.remove(proc)
         proc.stop()
 
-    def _spawn_one(self) -> WarmProcess:
-        return WarmProcess(self._ctx)
-
 
 def _context() -> Any:
     """Where the pool's processes come from: forked from this flow process's fork server, which
@@ -557,18 +512,13 @@ def _socket_path_too_long() -> str | None:
     )
 
 
-def nanny_pre_spawn_environ() -> dict[str, str]:
-    """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1``, ``MALLOC_TRIM_THRESHOLD_``
-    and the like): Dask's documented ``distributed.nanny.pre-spawn-environ`` config, read as the
-    nanny reads it (a variable set in this process's environment wins; ``None`` unsets one)."""
-    cfg = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
-    return {str(k): os.environ.get(str(k), str(v)) for k, v in cfg.items() if v is not None}
-
-
 def _pre_spawn_environ() -> dict[str, str]:
-    """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1`` and the like),
-    and an empty device list: an unbound process sees no device."""
-    env = nanny_pre_spawn_environ()
+    """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1`` and the like: Dask's
+    documented ``distributed.nanny.pre-spawn-environ``, read as the nanny reads it, a variable set
+    in this process's environment winning and ``None`` unsetting one), and an empty device list:
+    an unbound process sees no device."""
+    cfg = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
+    env = {str(k): os.environ.get(str(k), str(v)) for k, v in cfg.items() if v is not None}
     if env.get("PYTHONHASHSEED") in (None, "0"):
         env["PYTHONHASHSEED"] = "6640"  # as the nanny: the same hashing in every worker
     env["CUDA_VISIBLE_DEVICES"] = ""
@@ -579,16 +529,8 @@ def _pre_spawn_environ() -> dict[str, str]:
 
 def _launcher(env: dict[str, str]) -> str | None:
     """A shell script that runs this Python with ``env`` added to its environment and SIGINT
-    ignored (``None`` without /bin/sh, or where the directory below is not this user's alone).
-
-    The child gets ``env`` without this process's ``os.environ`` changing (a CPU task running in
-    the flow process meanwhile sees its own environment). An ignored signal stays ignored across
-    ``exec``, and Python leaves an ignored SIGINT ignored, so the child is safe from a Ctrl-C from
-    its first instruction. Scripts are named by their content in a directory of this user's
-    (``$TMPDIR/gpu-tasks-<uid>``, mode 0700) and reused by every flow process that starts the same
-    interpreter with the same environment: a flow process that is killed leaves nothing of its own
-    (each once wrote one that only its exit handlers removed).
-    """
+    ignored (``None`` without /bin/sh, or where ``$TMPDIR/gpu-tasks-<uid>`` is not this user's
+    alone); named by its content and shared (docs/runner.md, "Warm workers")."""
     if not os.path.exists("/bin/sh"):
         return None
     import hashlib
@@ -621,19 +563,9 @@ def _launcher(env: dict[str, str]) -> str | None:
 
 @contextlib.contextmanager
 def _spawn_environment() -> Any:
-    """How a new interpreter starts: with the environment Dask's nanny gives a worker and no device,
-    SIGINT ignored from its first instruction. While the child starts, multiprocessing's spawn
-    executable is a launcher script that adds that environment (:func:`_launcher`); this process's
-    ``os.environ`` never changes. Once per process for the fork server (its children take its
-    environment), once per spawned process for ``GPU_TASKS_TUNE_WARM_START=spawn`` (never on a refill or
-    a take from a running fork server).
-
-    A terminal Ctrl-C reaches the whole foreground process group; a warm process still importing
-    (``spawn_main`` unpickling its target, before its worker guard ignores SIGINT) would die of it
-    with a traceback on the terminal. (A Ctrl-C in the millisecond between the spawn and the
-    launcher's ``trap`` still ends it.) Without /bin/sh the child starts with this process's
-    environment, and its bind sends the rest (:meth:`WarmProcess.bind_environ`).
-    """
+    """How a new interpreter starts: through :func:`_launcher`, with the environment Dask's nanny
+    gives a worker, no device and SIGINT ignored; this process's ``os.environ`` never changes
+    (docs/runner.md, "Warm workers", "Deaf to a terminal's Ctrl-C")."""
     launcher = _launcher(_pre_spawn_environ())
     if launcher is None:
         yield
