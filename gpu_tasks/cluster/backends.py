@@ -242,7 +242,7 @@ class ThreadBackend(Backend):
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     # Let running in-process tasks finish (as Prefect's thread pool runner does) before the
-    # runner takes the profile's lock: their completion callbacks need that lock.
+    # runner hands out the results it holds and closes the clusters (Live.close).
     drain = close
 
 
