@@ -176,14 +176,6 @@ else:
     _ForkedProcess = ForkedProcess
 
 
-def raise_in_thread(ident: int, exc: type[BaseException]) -> bool:
-    """Raise ``exc`` in the thread ``ident`` (at its next Python instruction); whether it was found."""
-    import ctypes
-
-    hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
-    return bool(hit == 1)
-
-
 _SPAWN_LOCK = threading.Lock()
 
 
@@ -199,13 +191,6 @@ def spawn_executable(path: str) -> Iterator[None]:
             yield
         finally:
             spawn.set_executable(old)
-
-
-def _check_async_exc() -> str | None:
-    import ctypes
-
-    found = hasattr(ctypes.pythonapi, "PyThreadState_SetAsyncExc")
-    return None if found else "ctypes.pythonapi has no PyThreadState_SetAsyncExc"
 
 
 def _check_spawn_executable() -> str | None:
@@ -280,14 +265,6 @@ USES = [
         "patched",
         "swapped while a cluster manager's module imports, so it cannot take over Ctrl-C",
         _check_signal,
-    ),
-    Use(
-        "cpython",
-        "ctypes.pythonapi.PyThreadState_SetAsyncExc",
-        "undocumented",
-        "a task on a shared worker is stopped in its thread: preempted for a waiter, or its flow run "
-        "stopped (Dask cannot stop a running task)",
-        _check_async_exc,
     ),
     Use(
         "cpython",

@@ -300,17 +300,6 @@ def cache_qualified_names() -> bool:
 
 
 # ---------------------------------------------------------------- undocumented Prefect internals
-def emit_state_change_event(task_run: Any, initial_state: Any, validated_state: Any) -> None:
-    """Emit the ``prefect.task-run.<State>`` event the task engine emits on a state change
-    (``prefect.utilities.engine.emit_task_run_state_change_event``, undocumented): how crash
-    reports and lost workers' task runs reach the UI as the engine's own would."""
-    from prefect.utilities.engine import emit_task_run_state_change_event
-
-    emit_task_run_state_change_event(
-        task_run=task_run, initial_state=initial_state, validated_state=validated_state
-    )
-
-
 def skip_crash_reports(skip: Callable[[], bool], say: Callable[[Any], None]) -> None:
     """Once per process: Prefect's task engines, sync and async, report no ``Crashed`` state
     (``SyncTaskRunEngine.handle_crash`` / ``AsyncTaskRunEngine.handle_crash``, undocumented) while
@@ -356,28 +345,6 @@ def _check_handle_crash() -> str | None:
     return None
 
 
-def engine_helpers() -> tuple[Callable[..., Any]]:
-    """``visit_collection``, as the task engine walks a task's parameters
-    (``prefect.utilities.collections``, undocumented)."""
-    from prefect.utilities.collections import visit_collection
-
-    return (visit_collection,)
-
-
-def sync_client_context(client: Any) -> Any:
-    """A ``SyncClientContext`` holding ``client`` (undocumented), so the task engine uses it."""
-    from prefect.context import SyncClientContext
-
-    return SyncClientContext.model_construct(client=client)
-
-
-def current_sync_client_context() -> Any:
-    """The ``SyncClientContext`` in force, or ``None``."""
-    from prefect.context import SyncClientContext
-
-    return SyncClientContext.get()
-
-
 # ---------------------------------------------------------------- the uses, with feature checks
 def _check_engine_concurrency() -> str | None:
     import prefect.task_engine as engine
@@ -417,23 +384,6 @@ def _check_serializers() -> str | None:
     )
 
 
-def _check_state_event() -> str | None:
-    from prefect.utilities.engine import emit_task_run_state_change_event
-
-    return params(emit_task_run_state_change_event, "task_run", "initial_state", "validated_state")
-
-
-def _check_engine_helpers() -> str | None:
-    (visit,) = engine_helpers()
-    return params(visit, "expr", "visit_fn", "return_data")
-
-
-def _check_sync_client_context() -> str | None:
-    from prefect.context import SyncClientContext
-
-    return None if "client" in SyncClientContext.model_fields else "SyncClientContext has no client field"
-
-
 USES = [
     Use(
         "prefect",
@@ -460,32 +410,10 @@ USES = [
     ),
     Use(
         "prefect",
-        "prefect.utilities.engine.emit_task_run_state_change_event",
-        "undocumented",
-        "crash reports emit the engine's own state-change events",
-        _check_state_event,
-    ),
-    Use(
-        "prefect",
         "prefect.task_engine.SyncTaskRunEngine.handle_crash, AsyncTaskRunEngine.handle_crash",
         "patched",
         "an attempt (sync or async) interrupted as its worker lost its scheduler reports no Crashed "
         "over its retry",
         _check_handle_crash,
-    ),
-    Use(
-        "prefect",
-        "prefect.utilities.collections.visit_collection",
-        "undocumented",
-        "walk a task's inputs for the futures it waits for (with Prefect's rules for models, "
-        "dataclasses, quote and allow_failure)",
-        _check_engine_helpers,
-    ),
-    Use(
-        "prefect",
-        "prefect.context.SyncClientContext",
-        "undocumented",
-        "one API client per worker thread, found by the engine as its own",
-        _check_sync_client_context,
     ),
 ]

@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import subprocess
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from gpu_tasks.compat import Use, attr, params, warn_if_changed
@@ -156,39 +154,6 @@ def _check_events_backlog() -> str | None:
     return None if "_context_cache" in names else "EventsWorker no longer keeps _context_cache"
 
 
-_REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([0-9A-Za-z_]+)["']""", re.MULTILINE)
-
-
-def _sqlite_migrations() -> Path | None:
-    import importlib.util
-
-    spec = importlib.util.find_spec("prefect.server.database")  # imports prefect.server only: cheap
-    return Path(spec.origin).parent / "_migrations" / "versions" / "sqlite" if spec and spec.origin else None
-
-
-def prefect_sqlite_revisions() -> frozenset[str]:
-    """The alembic revisions of Prefect's SQLite migrations, from the ``revision = "..."``
-    line of each migration script (read, not imported: about 5 ms for 113 files).
-
-    A private layout of Prefect's, in the compat layer: the scripts live in
-    ``prefect/server/database/_migrations/versions/sqlite``. Prefect's public
-    ``AioSqliteORMConfiguration().versions_dir`` (``prefect.server.database.orm_models``)
-    names the same directory, but importing it costs about 1.5 s, too much for a check
-    that runs in every flow process; it is the fallback when the path moves. Checked on
-    prefect 3.8.8. Empty when neither is found (the revision check is then skipped).
-    """
-    folder = _sqlite_migrations()
-    if folder is None or not folder.is_dir():
-        try:
-            from prefect.server.database.orm_models import AioSqliteORMConfiguration
-
-            folder = Path(AioSqliteORMConfiguration().versions_dir)
-        except Exception:  # pragma: no cover - another Prefect release
-            return frozenset()
-    texts = (script.read_text(encoding="utf-8", errors="replace") for script in folder.glob("*.py"))
-    return frozenset(match.group(1) for text in texts if (match := _REVISION.search(text)))
-
-
 # ---------------------------------------------------------------- the uses, with feature checks
 def _check_asgi_server() -> str | None:
     import prefect.server.api.server as server_module
@@ -217,21 +182,7 @@ def _check_drains() -> str | None:
     return params(EventsWorker.drain_all, "timeout") or params(APILogWorker.drain_all, "timeout")
 
 
-def _check_migrations() -> str | None:
-    folder = _sqlite_migrations()
-    if folder is None or not folder.is_dir():
-        return "prefect.server.database has no _migrations/versions/sqlite (the slower public path is used)"
-    return None if prefect_sqlite_revisions() else "no alembic revision found in Prefect's SQLite migrations"
-
-
 USES = [
-    Use(
-        "prefect",
-        "prefect.server.database._migrations.versions.sqlite (the revision line of each script)",
-        "private",
-        "a database migrated by another Prefect is named, with the fix, before a server is started",
-        _check_migrations,
-    ),
     Use(
         "prefect",
         "prefect.server.api.server.SubprocessASGIServer (_instances, _run_uvicorn_command)",

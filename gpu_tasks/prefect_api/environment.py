@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from gpu_tasks.compat.prefect_server import prefect_sqlite_revisions
 from gpu_tasks.errors import EnvironmentProblem
 
 MIN_FREE_BYTES = 32 * 2**20  # below this where Prefect or the pipeline writes, a run fails part-way
@@ -24,9 +24,24 @@ API_TIMEOUT_S = 2.0  # one request, no retries: Prefect's client retries a dead 
 
 
 # --------------------------------------------------------------- Prefect's side
+_REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([0-9A-Za-z_]+)["']""", re.MULTILINE)
+
+
 @functools.cache
 def _known_revisions() -> frozenset[str]:
-    return prefect_sqlite_revisions()  # through gpu_tasks.compat
+    """The alembic revisions of Prefect's SQLite migrations: the ``revision = "..."`` line of each
+    script (alembic's script format; read, not imported) in the folder Prefect's
+    ``AioSqliteORMConfiguration().versions_dir`` names (its API reference). Importing that module
+    takes about 2 s in a new process; a flow on the ephemeral API has it imported already (Prefect's
+    server module imports it before a runner starts). Empty when not found (the check is skipped)."""
+    try:
+        from prefect.server.database.orm_models import AioSqliteORMConfiguration
+
+        folder = Path(AioSqliteORMConfiguration().versions_dir)
+    except Exception:  # another Prefect release
+        return frozenset()
+    texts = (script.read_text(encoding="utf-8", errors="replace") for script in folder.glob("*.py"))
+    return frozenset(match.group(1) for text in texts if (match := _REVISION.search(text)))
 
 
 def _prefect_version() -> str:

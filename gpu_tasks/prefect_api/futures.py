@@ -12,10 +12,8 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect.futures import PrefectFuture
+from prefect.utilities.collections import visit_collection
 
-from gpu_tasks.compat.prefect import engine_helpers
-
-(visit_collection,) = engine_helpers()
 _ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
 _SEQUENCES = frozenset({list, tuple, set, frozenset})
 _PLAIN_DEPTH = 32

@@ -145,7 +145,7 @@ def report_state(
 ) -> tuple[Any, Any]:
     """Set ``state`` on the task run and send it to the server as Prefect's engine would (best effort);
     ``wait``: seconds to wait for the server to know the task run. Returns ``(state, task_run)``."""
-    from gpu_tasks.compat.prefect import emit_state_change_event
+    from prefect.utilities.engine import emit_task_run_state_change_event
 
     state.state_details.task_run_id = task_run_id
     state.state_details.flow_run_id = flow_run_id
@@ -155,7 +155,7 @@ def report_state(
         previous = run.state
         run.state = state
         run.state_type, run.state_name = state.type, state.name
-        emit_state_change_event(task_run=run, initial_state=previous, validated_state=state)
+        emit_task_run_state_change_event(task_run=run, initial_state=previous, validated_state=state)
     except Exception:
         logger.warning("could not report task run %s as %s", task_run_id, state.name, exc_info=True)
     return state, run
@@ -185,8 +185,7 @@ def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0
 
     from prefect.client.schemas.objects import State
     from prefect.states import AwaitingRetry
-
-    from gpu_tasks.compat.prefect import emit_state_change_event
+    from prefect.utilities.engine import emit_task_run_state_change_event
 
     state: State[Any] = AwaitingRetry(
         scheduled_time=datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=delay)
@@ -194,5 +193,5 @@ def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0
     state.state_details.task_run_id = task_run.id
     state.state_details.flow_run_id = flow_run_id
     previous, task_run.state = task_run.state, state
-    emit_state_change_event(task_run=task_run, initial_state=previous, validated_state=state)
+    emit_task_run_state_change_event(task_run=task_run, initial_state=previous, validated_state=state)
     return state

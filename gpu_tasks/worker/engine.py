@@ -117,9 +117,7 @@ def run_on_worker(
             engine does not take them again (it takes those of tags added here, ``gpu:<id>``).
     """
     from distributed import get_worker
-    from prefect.context import SettingsContext
-
-    from gpu_tasks.compat.prefect import sync_client_context
+    from prefect.context import SettingsContext, SyncClientContext
 
     prepare_process()
     memory_caps.apply()  # a gpu_memory_per_task worker's allocators, before its first task runs
@@ -142,7 +140,9 @@ def run_on_worker(
     try:
         with (
             SettingsContext(**settings),
-            sync_client_context(_thread_client(settings_key)),
+            # the thread's client in Prefect's context, found by the engine as its own (its
+            # __init__ would open a new client: the documented `client` field set directly)
+            SyncClientContext.model_construct(client=_thread_client(settings_key)),
         ):
             if remote:
                 after = _after_lost_worker(task, kwargs, running[1], alloc)
@@ -204,13 +204,13 @@ def _after_lost_worker(
     task run (the crash reported, one retry used), or the ``Crashed`` state when no retry is left.
     """
     from prefect.client.schemas.objects import StateType
+    from prefect.context import SyncClientContext
     from prefect.exceptions import ObjectNotFound
 
     from gpu_tasks.compat.api_busy import BusyWait
-    from gpu_tasks.compat.prefect import current_sync_client_context
     from gpu_tasks.prefect_api.states import crash_task_run, retry_after_crash
 
-    ctx = current_sync_client_context()
+    ctx = SyncClientContext.get()
     # a task holds its worker's GPU while it waits: ask every 5 s at most, to start soon after
     wait = BusyWait(f"reading task run {kwargs['task_run_id']} on worker {alloc.worker}", longest=5.0)
     while True:  # an API unreachable for a while (restarted, its host's link down) is waited out

@@ -115,8 +115,6 @@ def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
     Python code in the task stops at once; a task inside one long call into C (a CUDA
     kernel, ``time.sleep``) stops when that call returns. Returns the keys interrupted.
     """
-    from gpu_tasks.compat.cpython import raise_in_thread
-
     exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
     wanted = set(keys)
     done = []
@@ -126,3 +124,12 @@ def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
                 if raise_in_thread(ident, exc):
                     done.append(key)
     return done
+
+
+def raise_in_thread(ident: int, exc: type[BaseException]) -> bool:
+    """Raise ``exc`` in the thread ``ident`` (at its next Python instruction); whether it was found.
+    CPython's documented C API ``PyThreadState_SetAsyncExc``, through ``ctypes.pythonapi``."""
+    import ctypes
+
+    hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))
+    return bool(hit == 1)
