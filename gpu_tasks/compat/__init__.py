@@ -180,7 +180,7 @@ _WARN_LOCK = threading.Lock()
 def warn_if_changed() -> None:
     """Log one warning naming each private name the installed releases changed, checking each use
     once per process: those whose module (:attr:`Use.needs`) is not imported yet are left for a
-    later call (the embedded server's start makes one), since the process does not use them yet."""
+    later call (a cluster manager's import makes one), since the process does not use them yet."""
     try:
         with _WARN_LOCK:
             loaded = [u for u in uses() if u.needs is None or u.needs in sys.modules]

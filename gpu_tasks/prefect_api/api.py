@@ -11,7 +11,6 @@ import os
 import ssl
 from typing import Any
 
-from gpu_tasks.compat.prefect_server import ephemeral_server_url
 from gpu_tasks.errors import GpuTasksError
 
 PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
@@ -47,26 +46,73 @@ def sync_client() -> Any:
     return get_client(sync_client=True, httpx_settings=client_tls(str(url) if url else None))
 
 
+# The ephemeral server URL this process last found in a run's context: (pid, URL), a forked child
+# finding its parent's entry finds none (:func:`ephemeral_api_url`).
+_SEEN_EPHEMERAL: list[tuple[int, str]] = []
+
+
+def ephemeral_api_url() -> str | None:
+    """The URL of Prefect's ephemeral API server that the context in force talks to; never starts one.
+
+    Without ``PREFECT_API_URL``, Prefect's ``get_client()`` starts a server for the process (once:
+    later calls get the same one) and keeps its URL in no setting, only as the ``api_url`` of the
+    clients it builds. A flow run holds one in its context from start to end (``prefect.context``:
+    the client context Prefect's engine enters around the run, and the flow or task run context),
+    so this reads that client's: ``None`` outside any such context, or when the settings name a
+    server (the client then talks to that one).
+
+    Each URL found is remembered for threads of the process that run outside any run's context
+    (:func:`last_ephemeral_api_url`). Found at every flow run's start (the runner's session asks), it
+    names the server the latest flow run used; it outlives that server only once Prefect stops it,
+    at the process's exit (a request to it then fails, as to any server gone).
+    """
+    from prefect.context import AsyncClientContext, FlowRunContext, SyncClientContext, TaskRunContext
+    from prefect.settings import get_current_settings
+
+    if get_current_settings().api.url:
+        return None
+    for context in (SyncClientContext, AsyncClientContext, FlowRunContext, TaskRunContext):
+        found = context.get()
+        client = getattr(found, "client", None)
+        if client is not None:
+            return _remember(str(client.api_url))
+    return None
+
+
+def _remember(url: str) -> str:
+    url = url.rstrip("/")
+    _SEEN_EPHEMERAL[:] = [(os.getpid(), url)]
+    return url
+
+
+def last_ephemeral_api_url() -> str | None:
+    """The ephemeral server URL this process last found (:func:`ephemeral_api_url`, or started for
+    :func:`require_flow_api_url`), for code outside any run's context; never starts a server."""
+    return next((url for pid, url in _SEEN_EPHEMERAL if pid == os.getpid()), None)
+
+
 def flow_api_url() -> str | None:
-    """The API URL this process's Prefect clients use: the setting, else its ephemeral server's."""
+    """The API URL this process's Prefect clients use: the setting, else its ephemeral server's (the
+    context's, else the one it last found: :func:`ephemeral_api_url`). Never starts a server."""
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
     if url:
         return str(url)
-    return ephemeral_server_url()
+    return ephemeral_api_url() or last_ephemeral_api_url()
 
 
 def on_ephemeral_server() -> bool:
     """Whether this process's Prefect clients use the ephemeral server it started (no
-    ``PREFECT_API_URL``): Prefect stops that server as the process exits."""
-    from prefect.settings import get_current_settings
-
-    return not get_current_settings().api.url and ephemeral_server_url() is not None
+    ``PREFECT_API_URL``): Prefect stops that server as the process exits. Asked of the context in
+    force only (:func:`ephemeral_api_url`): ``False`` outside a run, at the process's exit too,
+    where Prefect may have stopped the server already."""
+    return ephemeral_api_url() is not None
 
 
 def require_flow_api_url(profile: str) -> str:
-    """``flow_api_url()``, starting Prefect's ephemeral server the way its client would if needed.
+    """``flow_api_url()``, starting Prefect's ephemeral server the way its client would if needed
+    (``get_client()``: the server it started before, if any; its URL is remembered).
 
     Raises:
         GpuTasksError: no API URL and ephemeral servers are off.
@@ -76,16 +122,14 @@ def require_flow_api_url(profile: str) -> str:
         from prefect.client.orchestration import get_client
 
         try:
-            get_client(sync_client=True)  # starts the ephemeral server when that is allowed
+            client = get_client(sync_client=True)  # starts the ephemeral server when that is allowed
         except ValueError as exc:
             raise GpuTasksError(
                 f"profile {profile!r} runs tasks in worker processes, which report to the flow run's "
                 "Prefect API, but there is none: set PREFECT_API_URL (or allow Prefect's ephemeral "
                 "server with PREFECT_SERVER_EPHEMERAL_ENABLED=true)"
             ) from exc
-        url = flow_api_url()
-    if url is None:  # pragma: no cover - Prefect changed how it runs its ephemeral server
-        raise GpuTasksError(f"profile {profile!r}: could not find the Prefect API this flow run uses")
+        url = _remember(str(client.api_url))
     return url
 
 

@@ -3,15 +3,18 @@
 Without ``PREFECT_API_URL``, ``gpu-tasks example run``, the benchmarks and scripts that use
 :func:`embedded_server` get a Prefect server on 127.0.0.1 for the duration of a
 ``with`` block. Its process is kept out of the terminal's Ctrl-C and never outlives
-its parent (:func:`gpu_tasks.compat.prefect.server_in_own_session_class`).
+its parent (:class:`EmbeddedServer`: Prefect's documented ``create_app`` under uvicorn, in a process
+this module starts).
 
-``prefect.server`` takes about 2 s to import; it is imported only when a server is
-actually started, so ``gpu-tasks example serve`` and the benchmarks that import this module
-(and find ``PREFECT_API_URL`` set) need not pay for it.
+``prefect.server`` takes about 2 s to import; only the server's own process imports it, so
+``gpu-tasks example serve``, the benchmarks that import this module and the process that starts
+the server need not pay for it.
 """
 
 from __future__ import annotations
 
+import atexit
+import collections
 import contextlib
 import ctypes
 import datetime
@@ -19,13 +22,12 @@ import logging
 import os
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
-
-from gpu_tasks.compat.prefect_server import server_in_own_session_class
 
 logger = logging.getLogger("gpu_tasks.server")
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -45,8 +47,8 @@ def die_with_parent_hook() -> Callable[[], None] | None:
     the process: the server is started from the thread that enters ``embedded_server``
     (the CLI's main thread), which outlives the context. Entering it from a short-lived
     thread would kill the server when that thread ends. Returns ``None`` where there is
-    no ``prctl`` (macOS, Windows): there only the context's ``finally`` and Prefect's
-    ``atexit`` hook stop the server, and a SIGKILL of the parent can orphan it.
+    no ``prctl`` (macOS, Windows): there only the context's ``finally`` and the server's
+    ``atexit`` hook stop it, and a SIGKILL of the parent can orphan it.
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -107,7 +109,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
         }
     ):
         dropped = DroppedEvents()
-        server = server_in_own_session_class(die_with_parent_hook(), dropped.line)(port=_free_port())
+        server = EmbeddedServer(die_with_parent_hook(), dropped.line)
         server.start(timeout=timeout)
     started = datetime.datetime.now(datetime.UTC)  # task runs of this server's life start after this
     try:
@@ -131,6 +133,179 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     finally:
         server.stop()
         dropped.report()
+
+
+def ephemeral_app() -> Any:
+    """The app the embedded server's process serves (uvicorn's ``--factory``): Prefect's REST API as
+    its own ephemeral server serves it, through Prefect's documented ``create_app``: ``ephemeral``
+    (no UI, only the services an ephemeral server runs) and ``final`` (the last app of its process).
+    Prefect's ``SubprocessASGIServer`` asks for the same two through its environment variables
+    (``PREFECT__SERVER_EPHEMERAL``, ``PREFECT__SERVER_FINAL``), which ``create_app`` reads as these
+    arguments (prefect 3.8.8 to 3.9.1)."""
+    from prefect.server.api.server import create_app
+
+    return create_app(ephemeral=True, final=True)
+
+
+APP_FACTORY = "gpu_tasks.prefect_api.server:ephemeral_app"  # imports gpu_tasks, 0.1 s beside prefect.server
+_PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STARTUP_FAILURE = 3  # uvicorn's exit status when it could not start (the port taken meanwhile)
+STARTS = 3  # tries on a new port each, for a port another process took between the pick and the bind
+STOP_GRACE_S = 5.0  # after SIGTERM, before SIGKILL (as Prefect's own temporary server)
+
+
+class EmbeddedServer:
+    """Prefect's server (:func:`ephemeral_app`) under uvicorn on 127.0.0.1, in a process of its own.
+
+    What Prefect's ``SubprocessASGIServer`` runs (the same command line, environment and health
+    check), started here so that the process gets what that class offers no way to ask for: a
+    session of its own (``start_new_session``: a terminal's Ctrl-C goes to every process of the
+    foreground process group, and a server in that group died before the interrupted flow run's
+    final states reached it, which stayed "Running" in its database for good; in a session of its
+    own it serves until :meth:`stop`), ``preexec_fn`` (``PR_SET_PDEATHSIG``: it still dies with its
+    parent, even a SIGKILLed one) and its stderr read as it comes.
+
+    Args:
+        preexec_fn: run in the server process before it starts (:func:`die_with_parent_hook`).
+        stderr_line: given each line the server process writes to its stderr (from a daemon thread
+            that reads it as it comes, so the pipe never fills); ``None``: passed on to this
+            process's stderr. The last lines are kept for the error of a server that did not start.
+    """
+
+    def __init__(
+        self, preexec_fn: Callable[[], None] | None, stderr_line: Callable[[bytes], None] | None = None
+    ) -> None:
+        self._preexec_fn, self._stderr_line = preexec_fn, stderr_line
+        self.port = 0
+        self.process: subprocess.Popen[bytes] | None = None
+        self._reader: threading.Thread | None = None
+        self._last_lines: collections.deque[bytes] = collections.deque(maxlen=20)
+
+    @property
+    def address(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.address}/api"
+
+    def start(self, timeout: float) -> None:
+        """Start the server and wait until ``GET /api/health`` answers 200. Raises ``RuntimeError``
+        (its exit status and last stderr lines) when it exits or does not answer within ``timeout``
+        s; it is stopped then."""
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        starts = 1
+        atexit.register(self.stop)  # as Prefect's own: a server left running is stopped at exit
+        try:
+            self._spawn()
+            with httpx.Client() as client:
+                while True:
+                    assert self.process is not None
+                    code = self.process.poll()
+                    if code == STARTUP_FAILURE and starts < STARTS:
+                        starts += 1
+                        self._spawn()
+                        continue
+                    if code is not None:
+                        raise RuntimeError(self._failed(f"its process exited with code {code}"))
+                    with contextlib.suppress(httpx.TransportError):
+                        if client.get(f"{self.api_url}/health", timeout=5).status_code == 200:
+                            return
+                    if time.monotonic() >= deadline:
+                        raise RuntimeError(self._failed(f"it did not answer within {timeout:g} s"))
+                    time.sleep(0.1)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _spawn(self) -> None:
+        from prefect.settings import get_current_settings
+
+        self._reap()
+        self.port = _free_port()
+        logger.info("Starting temporary server on %s", self.address)
+        self.process = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                "--app-dir",  # this gpu_tasks, installed or not (as Prefect's: its own parent folder)
+                _PACKAGE_PARENT,
+                "--factory",
+                APP_FACTORY,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "error",
+                "--lifespan",
+                "on",
+            ],
+            env={
+                **os.environ,
+                "PREFECT_UI_ENABLED": "0",  # as Prefect's own: no UI
+                **get_current_settings().to_environment_variables(exclude_unset=True),
+            },
+            start_new_session=True,
+            preexec_fn=self._preexec_fn,
+            stderr=subprocess.PIPE,
+        )
+        self._reader = threading.Thread(
+            target=_read_lines,
+            args=(self.process.stderr, self._line),
+            name="gpu-tasks-server-stderr",
+            daemon=True,
+        )
+        self._reader.start()
+
+    def _line(self, line: bytes) -> None:
+        self._last_lines.append(line)
+        if self._stderr_line is not None:
+            self._stderr_line(line)
+            return
+        with contextlib.suppress(OSError, ValueError):  # passed on, as an inherited stderr would be
+            sys.stderr.buffer.write(line)
+            sys.stderr.flush()
+
+    def _failed(self, why: str) -> str:
+        if self._reader is not None and self.process is not None and self.process.poll() is not None:
+            self._reader.join(timeout=2)  # its last lines, read to the end of the pipe
+        said = b"".join(self._last_lines).decode(errors="replace").strip()
+        return f"the embedded Prefect server on {self.address} did not start: {why}" + (
+            f"; it wrote:\n{said}" if said else " (nothing on its stderr)"
+        )
+
+    def stop(self) -> None:
+        """Stop the server: SIGTERM, then SIGKILL after ``STOP_GRACE_S`` s. Safe to call again."""
+        atexit.unregister(self.stop)
+        if self.process is not None:
+            logger.info("Stopping temporary server on %s", self.address)
+        self._reap()
+
+    def _reap(self) -> None:
+        process, self.process = self.process, None
+        if process is None:
+            return
+        process.terminate()
+        try:
+            process.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if self._reader is not None:
+            self._reader.join(timeout=1)  # its last lines (dropped messages counted) before a report
+        if process.stderr is not None:
+            with contextlib.suppress(OSError):
+                process.stderr.close()
+
+
+def _read_lines(stream: Any, each: Callable[[bytes], None]) -> None:
+    with contextlib.suppress(OSError, ValueError):  # closed with the process
+        for line in iter(stream.readline, b""):
+            each(line)
 
 
 DROPPED_MESSAGE = b"Subscription queue is full, dropping message"  # Prefect's in-memory messaging

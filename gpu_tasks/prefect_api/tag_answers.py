@@ -7,22 +7,22 @@ remembered tag set still has no limit, and renews the answer, or drops it when a
 miss at once when an answer expires: each miss sends them to Prefect's own check, which queues them
 behind one request at a time for a tag set, and in a 30,000-task run on Prefect 3.8.8 that check
 never answered (docs/operations.md). The server is the one in the settings, else (a flow process on
-Prefect's ephemeral API, whose settings name none) the ephemeral server the process runs: a client
-made from settings without an address would start another server.
+Prefect's ephemeral API, whose settings name none) the ephemeral server the process's latest flow run
+used (:func:`gpu_tasks.prefect_api.api.last_ephemeral_api_url`): a client made from settings without
+an address would start another server.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from gpu_tasks.compat.prefect import remembered_tag_sets, renew_answers
-from gpu_tasks.compat.prefect_server import ephemeral_server_url
+from gpu_tasks.prefect_api.api import ephemeral_api_url, last_ephemeral_api_url
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +41,8 @@ def start_renewing(profile: Any = None, settings: Any = None) -> None:
         if found is None:
             return
         profile, settings = found.profile, found.settings
+        if not settings.api.url:  # a flow run's start on Prefect's ephemeral API: its server's URL,
+            ephemeral_api_url()  # remembered for the thread (it runs outside the run's context)
     with _LOCK:
         if _STARTED.get("pid") == os.getpid():
             return
@@ -67,13 +69,11 @@ def _renew_forever(profile: Any, settings: Any) -> None:
 
 
 def _with_server(settings: Any) -> Any:
-    """``settings`` if they name a server, else a copy naming the ephemeral server this process runs
-    (``None`` when it runs none: Prefect's server module not imported, or its server stopped)."""
+    """``settings`` if they name a server, else a copy naming the ephemeral server this process's
+    latest flow run used (``None`` when none has run on one yet; never starts a server)."""
     if settings.api.url:
         return settings
-    if "prefect.server.api.server" not in sys.modules:  # no ephemeral server (and a 2 s import)
-        return None
-    url = ephemeral_server_url()
+    url = last_ephemeral_api_url()
     if url is None:
         return None
     return settings.model_copy(update={"api": settings.api.model_copy(update={"url": url})})
