@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 from gpu_tasks import _gpu
 from gpu_tasks.allocation import Allocation
 from gpu_tasks.cluster.within import within
-from gpu_tasks.compat import distributed as _dask_private
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE, WorkerSpec
 from gpu_tasks.profiles import ResourceProfile
@@ -368,7 +367,6 @@ class DaskBackend(Backend):
             except Exception:
                 logger.warning("error while closing %r", thing, exc_info=True)
         self.client = None
-        _dask_private.forget_closed_schedulers()
 
 
 class CudaBackend(DaskBackend):

@@ -19,23 +19,6 @@ from gpu_tasks.compat import Use, called_in, params
 logger = logging.getLogger(__name__)
 
 
-def forget_closed_schedulers() -> None:
-    """Let closed Dask schedulers be freed.
-
-    distributed 2026.7.1 memoizes ``distributed.core._expects_comm`` with an unbounded
-    ``functools.cache`` keyed by bound handler methods, so every Scheduler that ever
-    handled a request stays alive (its state, deques and HTTP routes) after it closes:
-    one per provisioned cluster in a long-lived flow process. Clearing the cache after a
-    close drops them; live servers only recompute a signature check.
-    """
-    try:
-        from distributed import core
-
-        core._expects_comm.cache_clear()
-    except Exception:  # another distributed version: nothing to clear
-        logger.debug("no distributed.core._expects_comm cache to clear", exc_info=True)
-
-
 def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
     """A worker's host memory limit in bytes, as Dask reads ``memory_limit`` (``"auto"``, a size,
     a fraction): the undocumented ``distributed.worker_memory.parse_memory_limit``."""
@@ -81,15 +64,6 @@ def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, .
 
 
 # ---------------------------------------------------------------- the uses, with feature checks
-def _check_expects_comm() -> str | None:
-    from distributed import core
-
-    fn = getattr(core, "_expects_comm", None)
-    if fn is None:
-        return "distributed.core has no _expects_comm (nothing to clear: drop the workaround)"
-    return None if hasattr(fn, "cache_clear") else "_expects_comm is no longer a functools cache"
-
-
 def _check_nanny_exit() -> str | None:
     from distributed import Nanny
 
@@ -100,13 +74,6 @@ def _check_nanny_exit() -> str | None:
 
 
 USES = [
-    Use(
-        "distributed",
-        "distributed.core._expects_comm (cache_clear)",
-        "private",
-        "closed schedulers are freed (an unbounded functools.cache keeps them alive)",
-        _check_expects_comm,
-    ),
     Use(
         "distributed",
         "distributed.Nanny._on_worker_exit_sync",
