@@ -476,6 +476,10 @@ def test_docs_list_every_use():
     text = (ROOT / "docs" / "operations.md").read_text()
     missing = [u.name for u in USES if f"`{u.name}`" not in text]
     assert not missing, f"docs/operations.md does not list: {missing}"
+    # each row says, measured, what happens without the use (the column after "why")
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in text.splitlines() if line.startswith("| ")}
+    unmeasured = [u.name for u in USES if len(rows[f"`{u.name}`"]) != 5 or len(rows[f"`{u.name}`"][4]) < 20]
+    assert not unmeasured, f"docs/operations.md gives no measured figure for: {unmeasured}"
 
 
 @pytest.mark.processes

@@ -208,6 +208,34 @@ def test_tag_checks_the_cache_answers_do_not_reach_prefects_slot_service(monkeyp
     assert asked == [[f"tag:{tag}"]] * 2
 
 
+def test_a_worker_process_resolves_each_serializer_name_once(monkeypatch):
+    import prefect.serializers as serializers
+    from prefect.utilities.importtools import from_qualified_name
+
+    from gpu_tasks.compat.prefect import cache_qualified_names, ours
+
+    resolved: list[str] = []
+
+    def counted(name: str):
+        resolved.append(name)
+        return from_qualified_name(name)
+
+    monkeypatch.setattr(serializers, "from_qualified_name", counted)  # restored after the test
+    plain = serializers.JSONSerializer().dumps({"a": [1, 2]})
+    assert len(resolved) == 2  # Prefect resolves its json module and encoder at every dumps
+    assert cache_qualified_names() and cache_qualified_names()  # idempotent
+    resolved.clear()
+    with ours():  # in a task run gpu-tasks runs
+        for _ in range(3):
+            assert serializers.JSONSerializer().dumps({"a": [1, 2]}) == plain
+        assert sorted(resolved) == sorted(set(resolved)) and len(resolved) == 2  # once each, not 3 times
+        with pytest.raises(ImportError):  # a name that does not resolve fails as with Prefect's own
+            serializers.JSONSerializer(jsonlib="no_such_module_here").dumps({})
+    resolved.clear()
+    assert serializers.JSONSerializer().dumps({"a": [1, 2]}) == plain  # any other: as Prefect ships
+    assert len(resolved) == 2
+
+
 def test_finished_tasks_results_are_fetched_in_batches_and_each_reaches_its_task():
     import threading
 

@@ -262,6 +262,45 @@ def remember_without_limits(names: list[str]) -> None:
             own[frozenset(names)] = True
 
 
+_QUALIFIED_KEEP = 512
+
+
+def cache_qualified_names() -> bool:
+    """Let Prefect's serializers in this process resolve each qualified name once.
+
+    ``from_qualified_name`` first tries to import the name as a module: a failed import for every
+    cache key the task engine computes. Little CPU, but a wait for the interpreter lock while
+    another thread computes: with four threads hashing and one busy, 4.1-7.6 ms of wall time per
+    cache key, 10 us with the cache (docs/operations.md, "Private names"). Called in worker
+    processes only. Returns whether the serializers now use the cache.
+    """
+    import prefect.serializers as serializers
+
+    resolve = getattr(serializers, "from_qualified_name", None)
+    if resolve is None:
+        return False
+    if getattr(resolve, "_gpu_tasks_cached", False):
+        return True
+    found: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def cached(name: str) -> Any:
+        if not _OURS.get():
+            return resolve(name)  # a task run gpu-tasks does not run: as Prefect ships
+        with lock:
+            if name in found:
+                return found[name]
+        value = resolve(name)  # raises as Prefect's does for a name that does not resolve
+        with lock:
+            if len(found) < _QUALIFIED_KEEP:
+                found[name] = value
+        return value
+
+    cached._gpu_tasks_cached = True  # type: ignore[attr-defined]  # a marker on the function
+    setattr(serializers, "from_qualified_name", cached)  # noqa: B010 - not exported by Prefect
+    return True
+
+
 # ---------------------------------------------------------------- undocumented Prefect internals
 def skip_crash_reports(skip: Callable[[], bool], say: Callable[[Any], None]) -> None:
     """Once per process: Prefect's task engines, sync and async, report no ``Crashed`` state
@@ -338,6 +377,15 @@ def _check_context_layout() -> str | None:
     return None
 
 
+def _check_serializers() -> str | None:
+    import prefect.serializers as serializers
+
+    # resolve ``object_encoder`` by name at every dumps: the call gpu-tasks' cache answers
+    return params(getattr(serializers, "from_qualified_name", None), "name") or called_in(
+        serializers.JSONSerializer.dumps, "from_qualified_name"
+    )
+
+
 USES = [
     Use(
         "prefect",
@@ -354,6 +402,14 @@ USES = [
         "the flow run's context for workers, built with the settings serialized once per flow run "
         "(they were nearly all of serialize_context's cost per task)",
         _check_context_layout,
+    ),
+    Use(
+        "prefect",
+        "prefect.serializers.from_qualified_name",
+        "patched",
+        "resolved once per name in gpu-tasks' task runs (a failed import per cache key otherwise: "
+        "milliseconds of waiting for the interpreter lock while another thread computes)",
+        _check_serializers,
     ),
     Use(
         "prefect",

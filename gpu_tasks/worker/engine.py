@@ -30,6 +30,7 @@ from gpu_tasks.allocation import (
     worker_allocation,
 )
 from gpu_tasks.compat.prefect import (
+    cache_qualified_names,
     ours,
     remember_without_limits,
     tag_slots_held_by_flow,
@@ -87,6 +88,7 @@ def prepare_process() -> None:
             from prefect.logging.configuration import ensure_logging_setup  # documented for Dask workers
 
             ensure_logging_setup()
+            cache_qualified_names()
             _PROCESS_READY.set()
 
 
