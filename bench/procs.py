@@ -68,13 +68,20 @@ def terminal_signals() -> None:
 
 
 def ctrl_c(proc: subprocess.Popen[bytes]) -> float:
-    """SIGINT to the whole group, as a terminal's Ctrl-C; seconds until the leader exited (killed at 30 s)."""
+    """SIGINT to the whole group, as a terminal's Ctrl-C; seconds until the leader exited (killed at
+    30 s: ``inf``). Before that kill the leader gets SIGABRT, so that with ``PYTHONFAULTHANDLER=1`` in
+    its environment it writes every thread's Python traceback to its stderr: where it hung."""
     t0 = time.monotonic()
     os.killpg(proc.pid, signal.SIGINT)
     try:
         proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
         return float("inf")
     return time.monotonic() - t0
