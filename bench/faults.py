@@ -982,7 +982,7 @@ def render(results: dict[str, Any]) -> str:
         "**Devices were EMULATED** (`GPU_TASKS_EMULATED_GPUS=2`: real Dask worker processes, each with its "
         "own "
         '`CUDA_VISIBLE_DEVICES`, compute on the CPU). The "CUDA out of memory" faults are raised errors, '
-        "not a real GPU running out of memory (a real one, on an H200: "
+        "not a real GPU running out of memory (a real one, on an H200 and an H100: "
         "[gpu.md: out-of-memory](gpu.md#out-of-memory)). Nothing here is a GPU measurement; it tests "
         "processes, signals and the states Prefect records.",
         "",
