@@ -236,6 +236,48 @@ def test_a_worker_process_resolves_each_serializer_name_once(monkeypatch):
     assert len(resolved) == 2
 
 
+@pytest.mark.usefixtures("prefect_server")
+def test_an_in_process_profile_resolves_each_serializer_name_once_in_its_task_runs(monkeypatch):
+    """A CPU profile runs its tasks in the flow process: there too each task run's cache key is
+    computed with the names resolved once (a failed import per key waits for the interpreter lock
+    otherwise); a thread pool's task runs in the same process resolve them as Prefect ships."""
+    import threading
+
+    import prefect.serializers as serializers
+    from prefect.task_runners import ThreadPoolTaskRunner
+    from prefect.utilities.importtools import from_qualified_name
+
+    from gpu_tasks.worker import engine
+
+    resolved: list[str] = []
+
+    def counted(name: str):
+        resolved.append(name)
+        return from_qualified_name(name)
+
+    monkeypatch.setattr(serializers, "from_qualified_name", counted)  # restored after the test
+    monkeypatch.setattr(engine, "_NAMES_CACHED", threading.Event())  # as in a fresh flow process
+
+    @task
+    def keyed(x: int) -> int:  # Prefect's default cache policy: a cache key for every run
+        return x + 1
+
+    def mapped(runner):
+        @flow(task_runner=runner)
+        def run_them() -> list[int]:
+            return [f.result() for f in keyed.map(range(n))]
+
+        resolved.clear()
+        assert run_them() == [i + 1 for i in range(n)]
+        return len(resolved)
+
+    n = 12
+    theirs = mapped(ThreadPoolTaskRunner(max_workers=2))
+    ours = mapped(ProfileTaskRunner(profiles=[ResourceProfile(name="cpu", cpus=1)]))
+    assert theirs >= 2 * n  # two names resolved at every cache key (json module, encoder)
+    assert ours <= theirs - 2 * n + 2, (ours, theirs)  # the tasks' keys: each name once
+
+
 def test_finished_tasks_results_are_fetched_in_batches_and_each_reaches_its_task():
     import threading
 

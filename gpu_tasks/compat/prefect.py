@@ -271,8 +271,10 @@ def cache_qualified_names() -> bool:
     ``from_qualified_name`` first tries to import the name as a module: a failed import for every
     cache key the task engine computes. Little CPU, but a wait for the interpreter lock while
     another thread computes: with four threads hashing and one busy, 4.1-7.6 ms of wall time per
-    cache key, 10 us with the cache (docs/operations.md, "Private names"). Called in worker
-    processes only. Returns whether the serializers now use the cache.
+    cache key, 10 us with the cache (docs/operations.md, "Private names"). Called before the first
+    task run gpu-tasks runs in a process (a worker process, or the flow process of an in-process
+    profile); other task runs get Prefect's own function. Returns whether the serializers now use
+    the cache.
     """
     import prefect.serializers as serializers
 

@@ -66,6 +66,7 @@ _WORKER_SETTINGS_LOCK = threading.Lock()
 _WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect client, by settings key
 _PROCESS_READY = threading.Event()
 _PROCESS_READY_LOCK = threading.Lock()
+_NAMES_CACHED = threading.Event()  # Prefect's serializers resolve names once in gpu-tasks' task runs
 
 
 def owned_devices(dask_worker: Any) -> int | None:
@@ -88,7 +89,6 @@ def prepare_process() -> None:
             from prefect.logging.configuration import ensure_logging_setup  # documented for Dask workers
 
             ensure_logging_setup()
-            cache_qualified_names()
             _PROCESS_READY.set()
 
 
@@ -395,6 +395,9 @@ def _placement_unlimited(placement: set[str]) -> None:
 def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
     from prefect.task_engine import run_task_async, run_task_sync
 
+    if not _NAMES_CACHED.is_set():  # once per process: worker processes and in-process profiles alike
+        cache_qualified_names()
+        _NAMES_CACHED.set()
     task = _prepared(task, alloc)
     wait_to_start()  # while this process's Prefect events back up (gpu_tasks.prefect_api.backlog)
     start = time.time()
