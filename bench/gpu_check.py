@@ -383,6 +383,7 @@ def _run(args: argparse.Namespace, results: Path, page: Path, log: Path, scratch
         }
         this_run = {
             "commit": data["commit"],
+            "device": device["name"],
             "checks": len(ran),
             "passed": sum(bool(done[label]["passed"]) for label in ran if label in done),
             "seconds": data["seconds"],
@@ -419,7 +420,8 @@ def _run(args: argparse.Namespace, results: Path, page: Path, log: Path, scratch
             # a dry run shares a 2-core CI machine with other tests: each check gets twice its limit
             own = limit * (2 if args.dry_run else 1)
             row = run_check(label, check, env, min(own, left), log, own)
-            row["commit"] = commit()  # a rerun (--only) keeps the other checks' own commits
+            row["commit"] = commit()  # a rerun (--only) keeps the other checks' own commits and devices
+            row["device"] = device["name"]
             done[label] = row
             first = str(row["detail"]).splitlines()[0] if row["detail"] else ""
             print(
@@ -454,9 +456,12 @@ def render(data: dict[str, Any]) -> str:
         ]
     passed = sum(c["passed"] for c in data["checks"])
     commits = sorted({c.get("commit", data["commit"]) for c in data["checks"]})
+    # checks kept from an earlier run (--only) may have run on another device: the page names each
+    elsewhere = sorted({c["device"] for c in data["checks"] if c.get("device", dev["name"]) != dev["name"]})
+    on = f" (the last run's device; some checks below ran on {', '.join(elsewhere)})" if elsewhere else ""
     lines += [
         f"Checked by `scripts/gpu-check` on **{dev['name']}** ({dev['memory']}; driver {dev.get('driver')}, "
-        f"CUDA {dev.get('cuda')}) at commit{'s' if len(commits) > 1 else ''} "
+        f"CUDA {dev.get('cuda')}){on} at commit{'s' if len(commits) > 1 else ''} "
         f"{', '.join(f'`{c}`' for c in commits)} (each check's below), last run {data['date']}: "
         f"**{passed} of {len(data['checks'])} checks passed**. Every real-GPU statement in the README and "
         "docs/ points to a row below or says *unverified on GPU*.",
@@ -470,15 +475,18 @@ def render(data: dict[str, Any]) -> str:
             f"| [{c['name']}](#{c['name'].replace('_', '-')}) | {what.get(c['name'], '')} | {result} |"
         )
     if data.get("runs"):
-        lines += ["", "Runs on the device, in order (each with the commit it ran):", ""]
+        lines += ["", "Runs on the device, in order (each with the commit it ran and the device):", ""]
         lines += [
-            f"- `{r['commit']}`: {r['passed']} of {r['checks']} passed in {r['seconds']} s; {r['note']}"
+            f"- `{r['commit']}`{' on ' + r['device'] if r.get('device') else ''}: {r['passed']} of "
+            f"{r['checks']} passed in {r['seconds']} s; {r['note']}"
             for r in data["runs"]
         ]
     lines += ["", "## Checks", ""]
     for c in data["checks"]:
         lines += [f"### {c['name'].replace('_', '-')}", ""]
-        at = f" (commit `{c['commit']}`)" if c.get("commit") else ""
+        where = (f"commit `{c['commit']}`" if c.get("commit") else "", c.get("device", ""))
+        at = ", ".join(x for x in where if x)
+        at = f" ({at})" if at else ""
         lines += [f"{'Passed' if c['passed'] else 'FAILED'}{at}: {str(c['detail']).strip()}", ""]
         lines += ["```json", json.dumps(c["figures"], indent=1, default=str)[:3000], "```", ""]
     lines += [

@@ -95,6 +95,40 @@ def test_docs_gpu_md_is_generated_from_the_committed_results():
     assert {c["name"] for c in data["checks"]} <= {p[0] for p in PLAN}
 
 
+def test_a_check_kept_from_a_run_on_another_device_names_that_device():
+    """``--only`` keeps the other checks' results: the page says which device each ran on, and
+    the header does not give the last run's device as every check's."""
+    last = {"name": "NVIDIA H100 80GB HBM3", "memory": "79.6 GiB", "emulated": False}
+    check = {"passed": True, "figures": {}, "detail": "ok", "commit": "abc1234"}
+    data = {
+        "device": last,
+        "commit": "abc1234",
+        "date": "2026-12-05 19:49 UTC",
+        "checks": [
+            {**check, "name": "inventory", "device": "NVIDIA H200"},
+            {**check, "name": "overhead", "device": last["name"]},
+        ],
+        "runs": [
+            {
+                "commit": "abc1234",
+                "device": "NVIDIA H200",
+                "checks": 2,
+                "passed": 2,
+                "seconds": 9,
+                "note": "",
+            },
+            {"commit": "abc1234", "device": last["name"], "checks": 1, "passed": 1, "seconds": 5, "note": ""},
+        ],
+    }
+    page = render(data)
+    assert "some checks below ran on NVIDIA H200" in page
+    assert "Passed (commit `abc1234`, NVIDIA H200): ok" in page
+    assert f"Passed (commit `abc1234`, {last['name']}): ok" in page
+    assert "- `abc1234` on NVIDIA H200: 2 of 2 passed" in page
+    data["checks"][0]["device"] = last["name"]  # every check on the last run's device: no such words
+    assert "some checks below ran on" not in render(data)
+
+
 def _synthetic_wheels(d: Path, sizes: dict[str, int]) -> Path:
     import zipfile
 
