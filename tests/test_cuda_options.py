@@ -44,20 +44,6 @@ FAKE_MODULES = {
                 fh.write(json.dumps(fields, default=repr) + "\\n")
         """
     ),
-    "utils.py": textwrap.dedent(
-        """
-        def nvml_device_index(i, CUDA_VISIBLE_DEVICES):  # as dask-cuda 26.10's: a list's item as is
-            if isinstance(CUDA_VISIBLE_DEVICES, str):
-                item = CUDA_VISIBLE_DEVICES.split(",")[i]
-                return int(item) if item.isnumeric() else item
-            elif isinstance(CUDA_VISIBLE_DEVICES, list):
-                return CUDA_VISIBLE_DEVICES[i]
-            raise ValueError("`CUDA_VISIBLE_DEVICES` must be `str` or `list`")
-
-        def parse_device_memory_limit(device_memory_limit, device_index=0, alignment_size=1):
-            return 1000 + device_index if device_memory_limit == "default" else device_memory_limit
-        """
-    ),
     "worker_common.py": textwrap.dedent(
         """
         from distributed.diagnostics.plugin import WorkerPlugin
@@ -95,6 +81,44 @@ FAKE_MODULES = {
         """
     ),
 }
+
+# NVML of the two devices DISCOVER lists, device i with (i + 1) x 10 GB: a bound warm process
+# reads dask-cuda's default device-memory limit from it (gpu_tasks.compat.dask_cuda); any other
+# call is one this "driver" does not support
+FAKE_PYNVML = textwrap.dedent(
+    """
+    class NVMLError(Exception):
+        pass
+
+    class _Memory:
+        def __init__(self, total):
+            self.total, self.free, self.used = total, total, 0
+
+    def nvmlInit():
+        pass
+
+    def nvmlShutdown():
+        pass
+
+    def nvmlDeviceGetCount():
+        return 2
+
+    def nvmlDeviceGetHandleByIndex(index):
+        return index
+
+    def nvmlDeviceGetMemoryInfo(handle):
+        return _Memory((handle + 1) * 10**10)
+
+    def __getattr__(name):
+        if not name.startswith("nvml"):
+            raise AttributeError(name)
+
+        def unsupported(*args, **kwargs):
+            raise NVMLError(f"{name}: not supported")
+
+        return unsupported
+    """
+)
 
 # cudf.set_option, which a profile with enable_cudf_spill calls in the flow process
 FAKE_CUDF = textwrap.dedent(
@@ -202,6 +226,7 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict, warm_workers: int) -> tuple[dic
     for name, text in FAKE_MODULES.items():
         (fake / "dask_cuda" / name).write_text(text)
     (fake / "cudf" / "__init__.py").write_text(FAKE_CUDF)
+    (fake / "pynvml.py").write_text(FAKE_PYNVML)
     (tmp_path / "discover.py").write_text(DISCOVER)
     (tmp_path / "on_cuda.py").write_text(FLOW)
     record, out, workers = tmp_path / "record.jsonl", tmp_path / "out.json", tmp_path / "workers.jsonl"
@@ -214,6 +239,7 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict, warm_workers: int) -> tuple[dic
         FAKE_DASK_CUDA_RECORD=str(record),
         FAKE_DASK_CUDA_WORKER_RECORD=str(workers),
         GPU_TASKS_TUNE_WARM_WORKERS=str(warm_workers),
+        DASK_DISTRIBUTED__DIAGNOSTICS__NVML="False",  # Dask's GPU monitoring would read the stand-in NVML
         PREFECT_API_URL=str(get_current_settings().api.url),
     )
     proc = subprocess.run(
@@ -279,7 +305,9 @@ def test_a_real_gpu_worker_comes_from_the_warm_pool_set_up_as_dask_cudas(tmp_pat
     for r in mine:
         assert r["visible"] == device and r["rapids_no_initialize"] == "True", r
     (data,) = [r for r in mine if r["kind"] == "data"]
-    assert data["device_index"] == int(device) and data["device_memory_limit"] == 1000 + int(device)
+    # dask-cuda's "default": 80% of the bound device's memory, as NVML reports it
+    assert data["device_index"] == int(device)
+    assert data["device_memory_limit"] == 8 * (int(device) + 1) * 10**9
     assert data["memory_limit"] == 3 * 2**30 and data["enable_cudf_spill"] is True
     (plugin,) = [r["kwargs"] for r in mine if r["kind"] == "plugin"]
     assert plugin["device_index"] == int(device) and plugin["rmm_initial_pool_size"] == 2**30
@@ -333,3 +361,18 @@ def test_real_devices_without_dask_cuda_fail_the_task_with_cluster_error(tmp_pat
 
     with pytest.raises(ClusterError, match=r"profile 'gpu' needs dask-cuda on real GPUs: .*pip install"):
         f()
+
+
+@pytest.mark.parametrize("nthreads", [1, 2, 64])
+def test_the_host_memory_limit_is_read_as_a_dask_worker_reads_it(nthreads):
+    """What dask-cuda's spilling store and a pooled worker's terminate threshold are given for a
+    profile's ``memory`` (``"auto"`` without one), against the worker's own reading on this host."""
+    import logging
+
+    from distributed.worker_memory import parse_memory_limit  # what a Worker calls with its memory_limit
+
+    from gpu_tasks.compat.distributed import memory_limit
+
+    for given in ["auto", None, 0, "0", 3 * 2**30, "3GiB", "5e9", "1 TB", 0.5, "0.25", 1, 2.5e9, 10**15]:
+        expected = parse_memory_limit(given, nthreads, logger=logging.getLogger("test"))
+        assert memory_limit(given, nthreads) == expected, given

@@ -1,8 +1,11 @@
-"""dask-cuda's worker setup outside ``LocalCUDACluster``: its undocumented ``worker_common`` and
-``utils`` functions (dask-cuda 26.10), used by a warm process once bound to a real GPU.
+"""dask-cuda's worker setup outside ``LocalCUDACluster``: its undocumented ``worker_common``
+functions (dask-cuda 26.10), used by a warm process once bound to a real GPU. The device index and
+the default device-memory limit they are given are gpu-tasks' own reading, as LocalCUDACluster's
+(from ``CUDA_VISIBLE_DEVICES`` and NVML), and the host limit the worker's (:mod:`.distributed`).
 
-Checked on an NVIDIA H200 by ``scripts/gpu-check`` (docs/gpu.md). Without dask-cuda (no ``gpu``
-extra) the checks raise :class:`~gpu_tasks.compat.NotInstalled` and the test skips them;
+Checked on an NVIDIA H100 and H200 by ``scripts/gpu-check`` (docs/gpu.md); the own reading of the
+index and limits since 2026-12-05 is unverified on GPU. Without dask-cuda (no ``gpu`` extra) the
+check raises :class:`~gpu_tasks.compat.NotInstalled` and the test skips it;
 ``tests/test_cuda_options.py`` runs the same calls against a stand-in that behaves as 26.10's.
 """
 
@@ -35,17 +38,17 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
     from gpu_tasks.compat.distributed import memory_limit as parse_host_limit
 
     _gpu.load("dask_cuda")
-    from dask_cuda.utils import nvml_device_index, parse_device_memory_limit
     from dask_cuda.worker_common import worker_data_function, worker_plugins
 
-    # the string, as LocalCUDACluster passes it: from a list dask-cuda returns the item as is ("0"),
-    # which its plugins then take for an index (TypeError on a real GPU, docs/gpu.md)
-    device_index = nvml_device_index(0, os.environ["CUDA_VISIBLE_DEVICES"])
+    # as LocalCUDACluster gives it: the device's NVML index as an int (a string, "0", its plugins
+    # take for something else: TypeError on a real GPU, docs/gpu.md), or its UUID (GPU-..., MIG-...)
+    first = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0]
+    device_index: int | str = int(first) if first.isnumeric() else first
     memory_limit = parse_host_limit(
         worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1
     )
     data = worker_data_function(
-        device_memory_limit=parse_device_memory_limit("default", device_index=device_index),
+        device_memory_limit=default_device_memory_limit(device_index),
         memory_limit=memory_limit,
         enable_cudf_spill=cuda["enable_cudf_spill"],
     )(device_index)
@@ -75,6 +78,20 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
             ("--create-cuda-context",),
         ),
     }
+
+
+def default_device_memory_limit(device: int | str) -> int | None:
+    """dask-cuda's default device-memory limit of a worker (``device_memory_limit="default"``,
+    where its spilling to host starts): 80% of the device's memory, or ``None`` (no spilling)
+    where NVML reports no memory of its own (a system-on-chip device). ``device``: an NVML
+    index or a UUID."""
+    nvml = _gpu.nvml_init()
+    try:
+        handle = _gpu.nvml_handle(nvml, device if isinstance(device, str) else None, str(device))
+        total = _gpu.reported(lambda: nvml.nvmlDeviceGetMemoryInfo(handle).total)
+    finally:
+        _gpu.nvml_shutdown(nvml)
+    return int(total * 0.8) if total else None
 
 
 def without_cpu_affinity(plugins: Any) -> set[Any]:
@@ -120,25 +137,6 @@ def _check_worker_common() -> str | None:
     )
 
 
-def _check_utils() -> str | None:
-    _dask_cuda()
-    from dask_cuda import utils
-
-    problem = params(utils.nvml_device_index, "i", "CUDA_VISIBLE_DEVICES") or params(
-        utils.parse_device_memory_limit, "device_memory_limit", "device_index"
-    )
-    if problem:
-        return problem
-    index = utils.nvml_device_index(0, "3,1")
-    return None if index == 3 else f"nvml_device_index(0, '3,1') is {index!r}, not 3"
-
-
-def _check_memory_limit() -> str | None:
-    from distributed.worker_memory import parse_memory_limit
-
-    return params(parse_memory_limit, "memory_limit", "nthreads", "logger")
-
-
 USES = [
     Use(
         "dask-cuda",
@@ -146,19 +144,5 @@ USES = [
         "undocumented",
         "a warm process bound to a real GPU gets LocalCUDACluster's worker setup (RMM, affinity, spilling)",
         _check_worker_common,
-    ),
-    Use(
-        "dask-cuda",
-        "dask_cuda.utils.nvml_device_index / parse_device_memory_limit",
-        "undocumented",
-        "the bound device's NVML index and device-memory limit, as LocalCUDACluster computes them",
-        _check_utils,
-    ),
-    Use(
-        "distributed",
-        "distributed.worker_memory.parse_memory_limit",
-        "undocumented",
-        "the host memory limit dask-cuda's spilling store is given",
-        _check_memory_limit,
     ),
 ]

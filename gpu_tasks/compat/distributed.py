@@ -19,15 +19,6 @@ from gpu_tasks.compat import Use, called_in, params
 logger = logging.getLogger(__name__)
 
 
-def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
-    """A worker's host memory limit in bytes, as Dask reads ``memory_limit`` (``"auto"``, a size,
-    a fraction): the undocumented ``distributed.worker_memory.parse_memory_limit``."""
-    from distributed.worker_memory import parse_memory_limit
-
-    out = parse_memory_limit(memory_limit, nthreads, logger=logger)
-    return None if out is None else int(out)
-
-
 def nanny_class_with_exit_hook() -> type[Any]:
     """``distributed.Nanny`` whose worker-process exit calls ``self.on_worker_exit(exitcode)`` first.
 
@@ -61,6 +52,29 @@ def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, .
     else:
         argv.extend(args)
     return {"preload": [*preload, module], "preload_argv": argv}
+
+
+def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
+    """A worker's host memory limit in bytes, read as ``distributed.Worker`` documents its
+    ``memory_limit``: a size (``"5GB"``, ``5e9``), a fraction of the system's memory, zero or
+    ``None`` for no limit, or ``"auto"``: ``system.MEMORY_LIMIT * min(1, nthreads / total_cores)``;
+    never more than ``system.MEMORY_LIMIT`` (host memory, less a cgroup or RSS limit), as a
+    worker caps it. ``tests/test_cuda_options.py`` compares it with the worker's own reading."""
+    from dask.system import CPU_COUNT
+    from dask.utils import parse_bytes
+    from distributed.system import MEMORY_LIMIT
+
+    if memory_limit is None:
+        return None
+    if memory_limit == "auto":
+        memory_limit = int(MEMORY_LIMIT * min(1, nthreads / CPU_COUNT))
+    try:
+        number = float(memory_limit)
+    except (TypeError, ValueError):
+        limit = parse_bytes(memory_limit)
+    else:
+        limit = int(number * MEMORY_LIMIT) if number <= 1 else int(number)
+    return None if limit == 0 else min(limit, MEMORY_LIMIT)
 
 
 # ---------------------------------------------------------------- the uses, with feature checks
