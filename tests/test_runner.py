@@ -536,6 +536,33 @@ def test_status_reports_absent_running_and_devices():
     assert after["quarter"]["state"] == "absent"
 
 
+def test_a_task_whose_hand_off_fails_is_not_counted_on_its_cluster_after():
+    """A task that fails as it is handed to its started cluster (it does not pickle) fails alone and
+    leaves no count behind: the profile's next task wants one worker, as the first did, not a
+    second device for a task that is no longer there."""
+    import functools
+    import threading
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        # a hook holding a lock: the task cannot be sent to a worker process (made here, so the
+        # flow itself, which goes to the workers in the context, holds none)
+        hook = functools.partial(_no_hook, threading.Lock())
+        failed = hold.with_options(tags=[profile("gpu")], on_completion=[hook]).submit(0)
+        failed.wait()
+        after_failure = _status()["gpu"]["devices"]
+        ran = hold.with_options(tags=[profile("gpu")]).submit(0).result()
+        return failed.state, after_failure, ran, _status()["gpu"]["devices"]
+
+    failed, after_failure, ran, devices = f()
+    assert failed.is_failed() and "pickle" in (failed.message or ""), failed.message
+    assert len(after_failure) == 1 and devices == after_failure == list(ran["devices"])
+
+
+def _no_hook(lock, *args):
+    raise AssertionError("the task never ran")
+
+
 def test_profiles_file_overrides_code_profiles(tmp_path: Path, monkeypatch):
     path = tmp_path / "profiles.toml"
     path.write_text('default = "cpu"\n[profiles.cpu]\ncpus = 1\n[profiles.gpu]\ngpus = 0.5\n')

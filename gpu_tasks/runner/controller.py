@@ -88,8 +88,7 @@ class Controller:
             st.active_changed()
         elif isinstance(event, Left):
             st.outstanding -= 1
-            if event.dispatched:
-                self._landed(event.job)
+            self._landed(event.job)
             st.active_changed()
         elif isinstance(event, Counted):
             st.waiting_for_slots += event.waiting_for_slots
@@ -128,8 +127,7 @@ class Controller:
 
     # ------------------------------------------------------------ counts
     def _landed(self, job: Job) -> None:
-        if self.st.inflight.pop(job.task_run_id, None) is not None:
-            self.st.dispatched -= 1
+        self.st.inflight.pop(job.task_run_id, None)
 
     # ------------------------------------------------------------ dispatch
     def dispatch(self, job: Job) -> None:
@@ -162,7 +160,7 @@ class Controller:
             )
         except BaseException as exc:
             for job, _, _ in batch:
-                self._finish.fail(job, exc, dispatched=True)
+                self._finish.fail(job, exc)
             if not isinstance(exc, Exception):
                 raise
             return
@@ -248,8 +246,7 @@ class Controller:
                 "task was submitted: it fails with it instead of trying again)"
             ) from failed[1]
         self._provision()
-        st.dispatched += 1
-        st.inflight[job.task_run_id] = job
+        st.inflight[job.task_run_id] = job  # until its Left, however it ends
         st.cluster.usage.waited(slots=job.slot_wait())  # counted once, not again on a re-run
         task = job.task
         kwargs: dict[str, Any] = dict(

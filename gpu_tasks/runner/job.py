@@ -54,10 +54,9 @@ class Dispatch(NamedTuple):
 
 
 class Left(NamedTuple):
-    """``job`` ended (its future is resolved); ``dispatched``: it was on the cluster until now."""
+    """``job`` ended (its future is resolved): no longer on the cluster, if it was."""
 
     job: Job
-    dispatched: bool
 
 
 class Counted(NamedTuple):
@@ -145,7 +144,6 @@ class ProfileState:
         self.cluster = cluster
         self.idle_timeout = idle_timeout
         self.outstanding = 0  # submitted and not finished (waiting on upstream or slots, queued, running)
-        self.dispatched = 0  # handed to the cluster (``inflight``)
         self.waiting_for_slots = 0  # waiting for tag slots now: no device held, no hold on idling out
         self.cache_hits = 0  # tasks whose result Prefect had cached: run in the flow process, no device
         self.idle_since: float | None = None
@@ -230,6 +228,11 @@ class ProfileState:
             self.idle_since = None
         elif self.idle_since is None:
             self.idle_since = time.monotonic()
+
+    @property
+    def dispatched(self) -> int:
+        """Tasks handed to the cluster, without a final state yet."""
+        return len(self.inflight)
 
     def idle_view(self) -> IdleView:
         """What the idle policy needs to decide (a task waiting for tag slots is not work)."""

@@ -70,7 +70,7 @@ class Recovery:
                 job.task_run_id, job.task, live.flow_run_id, set(job.task.tags), wait=2.0
             )
         old, new = job.st, live.state(target)
-        old.post(Left(job, dispatched=False))
+        old.post(Left(job))
         new.post(Arrived())
         job.st = new
         job.extra_tags = [profile(target.name), ESCALATED_TAG]

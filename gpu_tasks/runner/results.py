@@ -133,7 +133,7 @@ def _is_worker_death(exc: BaseException) -> bool:
 
 
 class Finish:
-    """``finish(job, result=..., exc=..., dispatched=...)``: resolve ``job``'s future with its final
+    """``finish(job, result=..., exc=...)``: resolve ``job``'s future with its final
     state (or ``exc``) and account for it; its tag slots and quota slots go back.
 
     Args:
@@ -145,25 +145,23 @@ class Finish:
         self.live = live
         self.release_quota = release_quota
 
-    def __call__(
-        self, job: Job, result: Any = None, exc: BaseException | None = None, dispatched: bool = False
-    ) -> None:
+    def __call__(self, job: Job, result: Any = None, exc: BaseException | None = None) -> None:
         if job.hold is not None:
             self.live.gate.release(job.hold)
         self.release_quota(job)
-        job.st.post(Left(job, dispatched))  # its controller counts it; the future does not wait for that
+        job.st.post(Left(job))  # its controller counts it; the future does not wait for that
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # resolved already
             if exc is not None:
                 job.cf.set_exception(exc)
             else:
                 job.cf.set_result(result)
 
-    def fail(self, job: Job, exc: BaseException, dispatched: bool = False) -> None:
+    def fail(self, job: Job, exc: BaseException) -> None:
         """End ``job`` as if its task had raised ``exc``: a Failed task run, so ``wait()`` returns and
         ``result()`` raises ``exc``. An ``exc`` that is no ``Exception`` (a Ctrl-C), or a failure to
         record the Failed state, resolves the future with that error; it is never left unresolved."""
         if not isinstance(exc, Exception):
-            self(job, exc=exc, dispatched=dispatched)
+            self(job, exc=exc)
             return
         try:
             failed: Any = Failed(message=f"{type(exc).__name__}: {exc}", data=exc)
@@ -171,9 +169,9 @@ class Finish:
                 report_state, failed, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 0.0
             )
         except BaseException as err:
-            self(job, exc=err, dispatched=dispatched)
+            self(job, exc=err)
             return
-        self(job, result=state, dispatched=dispatched)
+        self(job, result=state)
 
 
 class Results:
@@ -215,7 +213,7 @@ class Results:
         except BaseException as exc:
             if _is_worker_death(exc) and not live.stop.is_set() and job.st.post(WorkerDied(job, exc)):
                 return
-            self._finish(job, exc=exc, dispatched=True)
+            self._finish(job, exc=exc)
             return
         job.st.cluster.record(wkey, start, end)
         if isinstance(state, PreemptedRun):  # interrupted on a shared scheduler for a waiter
@@ -226,9 +224,7 @@ class Results:
                 for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "reclaimed_by")
             }
             if not job.st.post(Requeue(job, reason, fields)):
-                self._finish(
-                    job, exc=RuntimeError(f"the task runner is shutting down; {reason}"), dispatched=True
-                )
+                self._finish(job, exc=RuntimeError(f"the task runner is shutting down; {reason}"))
             return
         prof = job.profile
         if (
@@ -240,4 +236,4 @@ class Results:
             and job.st.post(OutOfMemory(job, state.message or "out of memory"))
         ):
             return
-        self._finish(job, result=state, dispatched=True)
+        self._finish(job, result=state)
