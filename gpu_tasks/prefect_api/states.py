@@ -162,21 +162,31 @@ def report_state(
 
 
 def retry_after_crash(
-    task: Any, task_run: Any, flow_run_id: uuid.UUID | None, crashes: int
-) -> tuple[float | None, int, int]:
-    """Whether ``task`` runs again after ``crashes`` earlier crashes (:func:`gpu_tasks.policy.crash_retry`);
-    returns (delay or ``None``, the attempt that crashed, retries allowed). With a delay the task run
-    is ``AwaitingRetry`` now."""
+    task: Any, task_run: Any, flow_run_id: uuid.UUID | None, crashes: int, message: str, log: Any
+) -> float | None:
+    """After ``task_run``'s crash report (``message``), the one rule for a dead worker's task, in the
+    flow process and on a shared scheduler's worker alike (:func:`gpu_tasks.policy.crash_retry`): the
+    seconds before ``task`` runs again, its task run ``AwaitingRetry`` now, or ``None`` when its
+    ``crashes`` earlier crashes used up its retries. Said on ``log`` either way."""
     from gpu_tasks.policy import crash_retry
 
     attempts = max(crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
     retries = int(task.retries or 0)
-    if task_run is None:
-        return None, attempts, retries
-    delay = crash_retry(retries, attempts, task.retry_delay_seconds, crashes)
-    if delay is not None:
-        await_retry(task_run, flow_run_id, delay)
-    return delay, attempts, retries
+    delay = None if task_run is None else crash_retry(retries, attempts, task.retry_delay_seconds, crashes)
+    if delay is None:
+        left = f"; no retries left ({retries} allowed)" if retries else ""
+        log.error("Task run %s crashed: %s%s", getattr(task_run, "name", None) or task.name, message, left)
+        return None
+    await_retry(task_run, flow_run_id, delay)
+    log.warning(
+        "Task run %r crashed: %s; retrying it (retry %d of %d) in %gs",
+        task_run.name,
+        message,
+        attempts,
+        retries,
+        delay,
+    )
+    return delay
 
 
 def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0) -> Any:

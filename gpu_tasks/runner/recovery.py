@@ -177,25 +177,10 @@ class Recovery:
         ):
             self._escalate(job, task_run, message)
             return None
-        delay, attempts, retries = retry_after_crash(job.task, task_run, live.flow_run_id, job.crashes)
-        log = flow_logger()
-        if delay is None or task_run is None:
-            log.error(
-                "Task run %s crashed: %s%s",
-                job.task_run_id,
-                message,
-                f"; no retries left ({retries} allowed)" if retries else "",
-            )
+        delay = retry_after_crash(job.task, task_run, live.flow_run_id, job.crashes, message, flow_logger())
+        if delay is None:
             self._finish(job, result=state)
             return None
         job.crashes += 1
         job.task_run = task_run
-        log.warning(
-            "Task run %r crashed: %s; retrying it on a new worker (retry %d of %d) in %gs",
-            task_run.name,
-            message,
-            attempts,
-            retries,
-            delay,
-        )
         return delay, state

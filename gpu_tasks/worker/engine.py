@@ -229,24 +229,15 @@ def _after_lost_worker(
         f"re-ran it on {alloc.worker} ({alloc.label()})"
     )
     state, task_run = crash_task_run(kwargs["task_run_id"], task, flow_run, message, tags=set(task.tags))
-    # the runner's own rule for a dead worker (gpu_tasks.runner.recovery), its retry delay included
     crashes = max(0, int(getattr(task_run, "run_count", 0) or 0) - 1)
-    delay, attempts, retries = retry_after_crash(task, task_run, flow_run, crashes)
-    if delay is None or task_run is None:
-        logger.error(
-            "task run %s crashed: %s; no retries left (%d allowed)", kwargs["task_run_id"], message, retries
-        )
+    delay = retry_after_crash(task, task_run, flow_run, crashes, message, logger)
+    if delay is None:
         return state
-    logger.warning(
-        "task run %r crashed: %s; retrying it (retry %d of %d) in %gs",
-        task_run.name,
-        message,
-        attempts,
-        retries,
-        delay,
-    )
     time.sleep(delay)  # as Prefect's own retries wait retry_delay_seconds
-    return task.with_options(retries=max(0, retries - attempts)), {**kwargs, "task_run": task_run}
+    return task.with_options(retries=max(0, (task.retries or 0) - crashes - 1)), {
+        **kwargs,
+        "task_run": task_run,
+    }
 
 
 # Task runs this worker process is running now, for a crash report if the flow process dies.
