@@ -151,21 +151,17 @@ class Recovery:
             f"{prof.name!r} on {where} ({name or address}{pid}) {how} while running this task"
         )
         if row is not None:
-            live.ledger.append(row)
-            live.emit(
+            live.gave_back(
+                st,
+                row,
                 "crashed",
-                st.cluster,
                 {
                     "reason": message,
-                    "devices": list(row.devices),
                     "worker": name,
                     "pid": ended.pid if ended else None,
                     "exitcode": ended.exitcode if ended else None,
                     "out_of_memory": bool(ended and ended.memory_kill),
-                    "held_s": round(row.held_seconds, 3),
-                    "busy_s": round(row.busy_seconds, 3),
                 },
-                row.devices,
             )
         state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
         if (
