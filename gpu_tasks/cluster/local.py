@@ -254,13 +254,32 @@ class ProfileCluster:
         )
 
     def _acquire(self, n_workers: int) -> list[tuple[Device, ...]]:
-        """The device groups leased for ``n_workers`` workers (CPU profiles: ``n_workers`` empty ones)."""
+        """The device groups leased for ``n_workers`` workers (CPU profiles: ``n_workers`` empty ones).
+
+        A gang gets all ``n_workers`` at once or none, never starting partly: it waits in the device
+        queue for all of them (by priority, then arrival), so two gangs never each hold half of what
+        they need and a gang is not starved by single-device profiles.
+        """
         if not self.profile.is_gpu:
             return [()] * n_workers
         groups = self._placement(n_workers)
-        if self.profile.gang:
-            return [groups[i] for i in self._acquire_gang(groups, n_workers)]
-        indexes = self.book.acquire(self.profile.name, groups, n_workers, block=True, **self._queueing())
+        gang = self.profile.gang
+        try:
+            indexes = self.book.acquire(
+                self.profile.name,
+                groups,
+                n_workers,
+                block=True,
+                at_least=n_workers if gang else 1,
+                **self._queueing(),
+            )
+        except ClusterError as exc:
+            if not gang:
+                raise
+            raise ClusterError(
+                f"profile {self.profile.name!r} is a gang of {n_workers} workers; it starts all of them "
+                f"or none: {exc}"
+            ) from exc
         return [groups[i] for i in indexes]
 
     def _placement(self, n_workers: int) -> list[tuple[Device, ...]]:
@@ -301,28 +320,6 @@ class ProfileCluster:
                 LEVELS[set_level(wiring, addresses)],
                 self.profile.topology,
             )
-
-    def _acquire_gang(self, groups: list[tuple[Device, ...]], n_workers: int) -> list[int]:
-        """All ``n_workers`` device groups at once, or none: a gang never starts partly.
-
-        It waits in the device queue for all of them (by priority, then arrival), so two
-        gangs never each hold half of what they need and a gang is not starved by
-        single-device profiles.
-        """
-        try:
-            return self.book.acquire(
-                self.profile.name,
-                groups,
-                n_workers,
-                block=True,
-                at_least=n_workers,
-                **self._queueing(),
-            )
-        except ClusterError as exc:
-            raise ClusterError(
-                f"profile {self.profile.name!r} is a gang of {n_workers} workers; it starts all of them "
-                f"or none: {exc}"
-            ) from exc
 
     def scale_to(self, n_workers: int) -> int:
         """Grow a GPU profile to ``n_workers`` (never shrinks while running); returns the new count.
