@@ -266,13 +266,7 @@ class Admission:
         """
         prof = job.profile
         only = CacheOnly(job.task)
-        kwargs: dict[str, Any] = dict(
-            task_run_id=job.task_run_id,
-            parameters=futures_to_states(job.parameters),
-            wait_for=futures_to_states(list(job.wait_for)) if job.wait_for else None,
-            dependencies=job.dependencies,
-            return_type="state",
-        )
+        kwargs = job.engine_kwargs()
 
         def run() -> Any:
             from prefect import tags

@@ -15,7 +15,6 @@ from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import close_reason, task_resources
 from gpu_tasks.preemption import preemption_reason
-from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.reporting.events import publish_dashboard
 from gpu_tasks.runner import waiting
 from gpu_tasks.runner.admission import TaskQuota
@@ -230,8 +229,6 @@ class Controller:
         from prefect import tags
 
         live, st, prof = self.live, self.st, job.profile
-        parameters = futures_to_states(job.parameters)
-        wait_for = futures_to_states(list(job.wait_for)) if job.wait_for else None
         st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))  # a shared scheduler's waiters
         if prof.quota is not None and st.cluster.shared and job.quota_lease is None:
             self._quota.take(job)
@@ -249,13 +246,7 @@ class Controller:
         st.inflight[job.task_run_id] = job  # until its Left, however it ends
         st.cluster.usage.waited(slots=job.slot_wait())  # counted once, not again on a re-run
         task = job.task
-        kwargs: dict[str, Any] = dict(
-            task_run_id=job.task_run_id,
-            parameters=parameters,
-            wait_for=wait_for,
-            dependencies=job.dependencies,
-            return_type="state",
-        )
+        kwargs = job.engine_kwargs()
         if job.task_run is not None:  # a re-run after a crash continues the same task run
             kwargs["task_run"] = job.task_run
             task = task.with_options(retries=max(0, (task.retries or 0) - job.crashes))

@@ -24,6 +24,7 @@ from prefect.futures import PrefectFuture
 
 from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.policy import IdleView
+from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.logs import flow_logger
 
@@ -291,6 +292,16 @@ class Job:
         runner closes, its future resolves with that error instead."""
         if not self.st.post(Dispatch(self)) and not self.cf.done():
             self.cf.set_exception(RuntimeError("the task runner is shutting down"))
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Prefect's engine's keyword arguments for this task run (its upstream futures are done)."""
+        return dict(
+            task_run_id=self.task_run_id,
+            parameters=futures_to_states(self.parameters),
+            wait_for=futures_to_states(list(self.wait_for)) if self.wait_for else None,
+            dependencies=self.dependencies,
+            return_type="state",
+        )
 
     def say(self, level: int, msg: str, *args: Any) -> None:
         """A line in the flow run's logs (from any thread: the logger is looked up in the job's context)."""
