@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 # what a waiter file carries beyond leases.enqueue's own fields, for gpu_tasks.preemption
 _SHARED_WAITER_FIELDS = ("groups", "need", "preemptible", "preemption_grace", "quota")
 _WRITABLE = "; set GPU_TASKS_LEASE_DIR to a directory this user can write"
+# who runs a lease (gpu_tasks.devices.leases.owner_info): left out of the holder info of this book's own
+_RUN_FIELDS = frozenset(("pid", "uid", "user", "hostname", "flow_run_name", "flow_run_id"))
 EXPLAIN_EVERY_S = 1.0  # how often a waiter works out why it waits (gpu_tasks.devices.wait_reasons)
 QUOTA_READ_EVERY_S = 5.0  # how often a waiter for a full quota reads the quota's use from the API
 
@@ -61,10 +63,10 @@ class DeviceBook:
         self.preemption_grace = float(resolve(preemption_grace, "preemption_grace", settings))
         # on_preempting(owner, holders) -> None: a waiter past its grace asks preemptible holders
         self.on_preempting = on_preempting
-        self.held_info: dict[str, dict[str, Any]] = {}  # profile -> its priority, preemptible, min_run_time
-        self.since: dict[str, float] = {}  # address -> when its holder of this book took it
         self.priority_aging = float(resolve(priority_aging, "priority_aging", settings))
-        self.leases: dict[str, leases.Lease] = {}  # address -> this process's lease on it
+        # address -> this process's lease on it; its info is the holder's record (priority, preemptible,
+        # quota, min_run_time, since, borrowed: gpu_tasks.devices.lending)
+        self.leases: dict[str, leases.Lease] = {}
         self.quota_lease_seconds = float(settings.quota_lease_seconds)
         self.quotas: quotas.QuotaSlots | None = None
         self.quota_leases: dict[str, Any] = {}  # address -> the quota lease its group holds
@@ -73,10 +75,9 @@ class DeviceBook:
         self.other_programs_memory = int(resolve(other_programs_memory, "other_programs_memory", settings))
         self.skipped: dict[str, list[str]] = {}  # profile -> why devices were skipped for it, for its ledger
         # fair share (gpu_tasks.devices.fair_share): half-life of the teams' usage (0: off), and
-        # address -> (its holder's team, the time up to which its use is counted)
+        # address (held in a quota) -> the time up to which its use is counted for its lease's team
         self.fair_share_half_life = float(resolve(fair_share_half_life, "fair_share_half_life", settings))
-        self.accounted: dict[str, tuple[str, float]] = {}
-        self.borrowed: set[str] = set()  # addresses held beyond their quota (gpu_tasks.devices.lending)
+        self.accounted: dict[str, float] = {}
 
     def acquire(
         self,
@@ -286,9 +287,10 @@ class DeviceBook:
         :data:`gpu_tasks.devices.fair_share.ACCRUE_S`), so a long hold weighs before it ends."""
         now, used = time.time(), dict[str, float]()
         with self.cond:
-            for address, (team, since) in list(self.accounted.items()):
+            for address, since in list(self.accounted.items()):
+                team = self.leases[address].info["quota"]
                 used[team] = used.get(team, 0.0) + max(0.0, now - since)
-                self.accounted[address] = (team, now)
+                self.accounted[address] = now
         self._count_use(used, now)
 
     def _count_use(self, used: dict[str, float], now: float) -> None:
@@ -356,16 +358,10 @@ class DeviceBook:
                     continue
                 for address in new:
                     self.leases[address] = lease
-                    self.since[address] = float(lease.info["since"])
                     if me["quota"] is not None:
-                        self.accounted[address] = (me["quota"], self.since[address])
+                        self.accounted[address] = float(lease.info["since"])
                 for d in g:
                     self.holders[d.address] = owner
-                self.held_info[owner] = {
-                    "priority": me["priority"],
-                    "preemptible": me["preemptible"],
-                    "min_run_time": me["min_run_time"],
-                }
                 free.append(i)
         except BaseException as exc:  # a quota the API could not answer for, an interrupt: nothing kept
             self._give_back(owner, [d.address for i in free for d in groups[i]])
@@ -381,10 +377,11 @@ class DeviceBook:
         for address in addresses:
             if self.holders.get(address) == owner:
                 del self.holders[address]
-                self.since.pop(address, None)
+                lease = self.leases.pop(address)
                 if (counted := self.accounted.pop(address, None)) is not None and now is not None:
-                    used[counted[0]] = used.get(counted[0], 0.0) + max(0.0, now - counted[1])
-                leases.release(self.leases.pop(address, None), [address])
+                    team = lease.info["quota"]
+                    used[team] = used.get(team, 0.0) + max(0.0, now - counted)
+                leases.release(lease, [address])
                 self._release_quota(address)
         return used
 
@@ -465,7 +462,6 @@ class DeviceBook:
     def _release_quota(self, address: str) -> None:
         """Give back the quota slots of ``address``'s group once none of its devices is held
         (under ``cond``)."""
-        self.borrowed.discard(address)
         lease_id = self.quota_leases.pop(address, None)
         if lease_id is not None and lease_id not in self.quota_leases.values():
             self.quota_slots().release(lease_id)
@@ -477,17 +473,11 @@ class DeviceBook:
 
     # ------------------------------------------------------------ preemption
     def _local_holders(self) -> dict[str, dict[str, Any]]:
-        """The holder info of each device a profile of this book holds (under ``cond``)."""
+        """The holder info of each device a profile of this book holds: its lease's info, ``local``
+        and without who runs it (this flow run) (under ``cond``)."""
         return {
-            a: {
-                "profile": o,
-                "local": True,
-                **self.held_info.get(o, {}),
-                "since": self.since.get(a),
-                "borrowed": a in self.borrowed,
-                "quota": self.accounted.get(a, (None,))[0],
-            }
-            for a, o in self.holders.items()
+            a: {k: v for k, v in self.leases[a].info.items() if k not in _RUN_FIELDS} | {"local": True}
+            for a in self.holders
         }
 
     def _holder_of(self) -> preemption.HolderOf:
@@ -517,15 +507,7 @@ class DeviceBook:
                 log.protected(now, choice.protected_until, self.holders_text(list(choice.protected)))
             return False
         holders = [{"address": a, **(holder_of(a) or {})} for a in victims]
-        text = "; ".join(
-            f"device {h['address']}: "
-            + (
-                f"profile {h.get('profile')!r} of this flow run (priority {int(h.get('priority') or 0)})"
-                if h.get("local")
-                else leases.describe(h)
-            )
-            for h in holders
-        )
+        text = "; ".join(f"device {h['address']}: {_describe(h, local_priority=True)}" for h in holders)
         logger.info(
             "profile %r (priority %d) waited %.1fs (GPU_TASKS_TUNE_PREEMPTION_GRACE %gs): preemptible work "
             "gives its devices back: %s",
@@ -571,11 +553,7 @@ class DeviceBook:
         now = time.time()
         parts = []
         for w in waiters:
-            who = (
-                f"profile {w.get('profile')!r} of this flow run"
-                if w.get("local")
-                else leases.describe(w, priority=False)
-            )
+            who = _describe(w, priority=False)
             waited = max(0.0, now - float(w.get("arrived", now)))
             base, effective = int(w.get("priority") or 0), leases.effective_priority(w, now)
             aged = f", aged to {effective}" if effective != base else ""
@@ -592,25 +570,20 @@ class DeviceBook:
             use = f"{limit.active_slots} of {limit.limit} device(s) in use"
         except Exception:
             use = "use unknown"
+        with self.cond:
+            mine = [dict(h, address=a) for a, h in self._local_holders().items() if a in self.quota_leases]
         here = [
-            f"device {h['address']}: {leases.describe(h, with_id=False)}"
-            for h in quotas.holders_here(quota, leases.holders(self.lease_dir))
-        ] + [
-            f"device {a}: profile {o!r} of this flow run"
-            for a, o in self.holders.items()
-            if a in self.quota_leases
+            f"device {h['address']}: {_describe(h, with_id=False)}"
+            for h in quotas.holders_here(quota, leases.holders(self.lease_dir)) + mine
         ]
         return use + ("; held on this host by " + "; ".join(here) if here else "; none of it on this host")
 
     def holders_text(self, addresses: list[str]) -> str:
         """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
-        foreign = leases.holders(self.lease_dir, [a for a in addresses if a not in self.holders])
-        return "; ".join(
-            f"device {a}: profile {self.holders[a]!r} of this flow run"
-            if a in self.holders
-            else f"device {a}: {leases.describe(foreign[a])}"
-            for a in addresses
-        )
+        with self.cond:
+            mine = self._local_holders()
+        foreign = leases.holders(self.lease_dir, [a for a in addresses if a not in mine])
+        return "; ".join(f"device {a}: {_describe(mine.get(a) or foreign[a])}" for a in addresses)
 
     def _timeout_message(
         self,
@@ -634,6 +607,15 @@ class DeviceBook:
             f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s); leases are in {str(self.lease_dir)!r} "
             "(GPU_TASKS_LEASE_DIR)"
         )
+
+
+def _describe(info: dict[str, Any] | None, local_priority: bool = False, **kw: Any) -> str:
+    """A holder's or waiter's info in words: ``profile 'p' of this flow run`` (``local_priority``: with
+    ``(priority 5)``) for one of this book, else :func:`gpu_tasks.devices.leases.describe` (``kw``)."""
+    if info is None or not info.get("local"):
+        return leases.describe(info, **kw)
+    priority = f" (priority {int(info.get('priority') or 0)})" if local_priority else ""
+    return f"profile {info.get('profile')!r} of this flow run{priority}"
 
 
 class _WaitLog:

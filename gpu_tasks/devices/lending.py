@@ -112,7 +112,6 @@ def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease) -
         me["borrow_why"] = why
         return None
     leases.annotate(lease, new, borrowed=True)
-    book.borrowed.update(new)
     return lease_id
 
 
@@ -150,7 +149,9 @@ def reclaim_due(book: Any, preemptible: set[str]) -> tuple[dict[str, Any], list[
     ``preemptible`` profiles borrowed that it takes back; ``None`` when there is none. The waiter comes
     back with ``reclaimed_by`` (its team) for the state and log of the tasks stopped."""
     with book.cond:
-        ours = {a for a in book.borrowed if book.holders.get(a) in preemptible}
+        ours = {
+            a for a, o in book.holders.items() if o in preemptible and book.leases[a].info.get("borrowed")
+        }
         if not ours:
             return None
     rivals = book.rivals({})
