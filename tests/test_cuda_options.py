@@ -82,44 +82,6 @@ FAKE_MODULES = {
     ),
 }
 
-# NVML of the two devices DISCOVER lists, device i with (i + 1) x 10 GB: a bound warm process
-# reads dask-cuda's default device-memory limit from it (gpu_tasks.compat.dask_cuda); any other
-# call is one this "driver" does not support
-FAKE_PYNVML = textwrap.dedent(
-    """
-    class NVMLError(Exception):
-        pass
-
-    class _Memory:
-        def __init__(self, total):
-            self.total, self.free, self.used = total, total, 0
-
-    def nvmlInit():
-        pass
-
-    def nvmlShutdown():
-        pass
-
-    def nvmlDeviceGetCount():
-        return 2
-
-    def nvmlDeviceGetHandleByIndex(index):
-        return index
-
-    def nvmlDeviceGetMemoryInfo(handle):
-        return _Memory((handle + 1) * 10**10)
-
-    def __getattr__(name):
-        if not name.startswith("nvml"):
-            raise AttributeError(name)
-
-        def unsupported(*args, **kwargs):
-            raise NVMLError(f"{name}: not supported")
-
-        return unsupported
-    """
-)
-
 # cudf.set_option, which a profile with enable_cudf_spill calls in the flow process
 FAKE_CUDF = textwrap.dedent(
     """
@@ -226,7 +188,6 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict, warm_workers: int) -> tuple[dic
     for name, text in FAKE_MODULES.items():
         (fake / "dask_cuda" / name).write_text(text)
     (fake / "cudf" / "__init__.py").write_text(FAKE_CUDF)
-    (fake / "pynvml.py").write_text(FAKE_PYNVML)
     (tmp_path / "discover.py").write_text(DISCOVER)
     (tmp_path / "on_cuda.py").write_text(FLOW)
     record, out, workers = tmp_path / "record.jsonl", tmp_path / "out.json", tmp_path / "workers.jsonl"
@@ -239,7 +200,6 @@ def _run_on_stand_in(tmp_path: Path, cuda: dict, warm_workers: int) -> tuple[dic
         FAKE_DASK_CUDA_RECORD=str(record),
         FAKE_DASK_CUDA_WORKER_RECORD=str(workers),
         GPU_TASKS_TUNE_WARM_WORKERS=str(warm_workers),
-        DASK_DISTRIBUTED__DIAGNOSTICS__NVML="False",  # Dask's GPU monitoring would read the stand-in NVML
         PREFECT_API_URL=str(get_current_settings().api.url),
     )
     proc = subprocess.run(
@@ -305,9 +265,8 @@ def test_a_real_gpu_worker_comes_from_the_warm_pool_set_up_as_dask_cudas(tmp_pat
     for r in mine:
         assert r["visible"] == device and r["rapids_no_initialize"] == "True", r
     (data,) = [r for r in mine if r["kind"] == "data"]
-    # dask-cuda's "default": 80% of the bound device's memory, as NVML reports it
-    assert data["device_index"] == int(device)
-    assert data["device_memory_limit"] == 8 * (int(device) + 1) * 10**9
+    # dask-cuda's "default", which its data function reads for the bound device itself
+    assert data["device_index"] == int(device) and data["device_memory_limit"] == "default"
     assert data["memory_limit"] == 3 * 2**30 and data["enable_cudf_spill"] is True
     (plugin,) = [r["kwargs"] for r in mine if r["kind"] == "plugin"]
     assert plugin["device_index"] == int(device) and plugin["rmm_initial_pool_size"] == 2**30

@@ -1,7 +1,7 @@
 """dask-cuda's worker setup outside ``LocalCUDACluster``: its undocumented ``worker_common``
-functions (dask-cuda 26.10), used by a warm process once bound to a real GPU. The device index and
-the default device-memory limit they are given are gpu-tasks' own reading, as LocalCUDACluster's
-(from ``CUDA_VISIBLE_DEVICES`` and NVML), and the host limit the worker's (:mod:`.distributed`).
+functions (dask-cuda 26.10), used by a warm process once bound to a real GPU. The device index they
+are given is gpu-tasks' own reading of ``CUDA_VISIBLE_DEVICES``, as LocalCUDACluster's, the device
+memory limit dask-cuda's ``"default"``, and the host limit the worker's (:mod:`.distributed`).
 
 Checked on an NVIDIA H100 and H200 by ``scripts/gpu-check`` (docs/gpu.md); the own reading of the
 index and limits since 2026-12-05 is unverified on GPU. Without dask-cuda (no ``gpu`` extra) the
@@ -48,7 +48,9 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
         worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1
     )
     data = worker_data_function(
-        device_memory_limit=default_device_memory_limit(device_index),
+        # "default", read by dask-cuda for this worker's own device: 80% of its memory, or no
+        # spilling on a device without memory of its own (LocalCUDACluster reads it for its first device)
+        device_memory_limit="default",
         memory_limit=memory_limit,
         enable_cudf_spill=cuda["enable_cudf_spill"],
     )(device_index)
@@ -78,20 +80,6 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
             ("--create-cuda-context",),
         ),
     }
-
-
-def default_device_memory_limit(device: int | str) -> int | None:
-    """dask-cuda's default device-memory limit of a worker (``device_memory_limit="default"``,
-    where its spilling to host starts): 80% of the device's memory, or ``None`` (no spilling)
-    where NVML reports no memory of its own (a system-on-chip device). ``device``: an NVML
-    index or a UUID."""
-    nvml = _gpu.nvml_init()
-    try:
-        handle = _gpu.nvml_handle(nvml, device if isinstance(device, str) else None, str(device))
-        total = _gpu.reported(lambda: nvml.nvmlDeviceGetMemoryInfo(handle).total)
-    finally:
-        _gpu.nvml_shutdown(nvml)
-    return int(total * 0.8) if total else None
 
 
 def without_cpu_affinity(plugins: Any) -> set[Any]:
