@@ -108,3 +108,92 @@ def test_a_closing_worker_sends_its_queued_events_before_it_exits(monkeypatch):
 
     assert one_burst() == n
     assert _stored_events(name, n) == n
+
+
+class Held:
+    """A task parameter that says when it is freed (a weak reference to it dies)."""
+
+
+@task(tags=[profile("cpu")])
+def touch(held: Held, n: int) -> int:
+    return n
+
+
+def _task_run_events(task_run_id: str, want: int = 3, within_s: float = 60.0) -> list[dict]:
+    """The events the server stored for a task run, once it has ``want`` of them (the server
+    stores what it receives a few seconds later)."""
+    import time
+
+    import httpx
+    from prefect.settings import PREFECT_API_URL
+
+    body = {"filter": {"resource": {"id": [f"prefect.task-run.{task_run_id}"]}}, "limit": 10}
+    url = f"{PREFECT_API_URL.value()}/events/filter"
+    deadline = time.monotonic() + within_s
+    while True:
+        events = httpx.post(url, json=body, timeout=30).json()["events"]
+        if len(events) >= want or time.monotonic() > deadline:
+            return events
+        time.sleep(0.5)
+
+
+@pytest.mark.usefixtures("prefect_server")
+@pytest.mark.parametrize("runner", ["gpu-tasks", "thread pool"])
+def test_a_queued_event_keeps_neither_its_task_runs_parameters_nor_its_engine(monkeypatch, runner):
+    """Prefect's events worker keeps a copy of the run context for each event until it sends it:
+    with a slow server, every finished task run's parameters (and result, and engine) stayed in
+    memory as long as its events waited. gpu-tasks' task runs keep a slim context instead: their
+    parameters are freed as soon as they end while their events still wait, and once sent those
+    carry the same related resources as the thread pool's (flow run, flow, tags). The thread
+    pool's queued events keep them all, as Prefect ships. (A service Prefect starts from inside a
+    task run, its tag-slot lease service, keeps that one run's context for good: one at most.)"""
+    import asyncio
+    import functools
+    import gc
+    import weakref
+
+    from prefect.events.worker import EventsWorker
+    from prefect.task_runners import ThreadPoolTaskRunner
+
+    gate = threading.Event()
+    handle = EventsWorker._handle
+
+    @functools.wraps(handle)  # the compat check reads Prefect's own code through it
+    async def held_back(self, event):  # the server takes nothing until the gate opens
+        await asyncio.to_thread(gate.wait, 120)
+        await handle(self, event)
+
+    monkeypatch.setattr(EventsWorker, "_handle", held_back)
+    task_runner = (
+        ProfileTaskRunner(profiles=[ResourceProfile(name="cpu", cpus=1)], default="cpu")
+        if runner == "gpu-tasks"
+        else ThreadPoolTaskRunner(max_workers=1)
+    )
+    n = 6
+
+    @flow(task_runner=task_runner)
+    def drop_them() -> tuple[int, int, str]:
+        refs = []
+        for i in range(n):
+            held = Held()
+            refs.append(weakref.ref(held))
+            assert touch.submit(held, i).result() == i
+            del held
+        gc.collect()
+        last = touch.submit(Held(), n)
+        last.result()
+        return sum(ref() is not None for ref in refs), events_backlog(), str(last.task_run_id)
+
+    try:
+        kept, queued, task_run_id = drop_them()
+    finally:
+        gate.set()
+    assert queued >= 3 * n, queued  # each task run's Pending, Running and Completed wait to be sent
+    if runner == "gpu-tasks":
+        assert kept <= 1, kept
+    else:
+        assert kept >= n - 1, kept
+    events = _task_run_events(task_run_id)
+    assert len(events) >= 3, events
+    kinds = {r["prefect.resource.id"].rsplit(".", 1)[0] for e in events for r in e["related"]}
+    assert {"prefect.flow-run", "prefect.flow", "prefect.tag"} <= kinds, kinds

@@ -1,14 +1,18 @@
 """Prefect's client internals gpu-tasks uses around a server: draining the events and logs a process
-queued, and counting the events still waiting to be sent.
+queued, counting the events still waiting to be sent, and keeping a slim run context for each
+event of gpu-tasks' task runs until it is sent.
 
 Part of the compat layer (:mod:`gpu_tasks.compat`).
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
+import threading
 from typing import Any
 
-from gpu_tasks.compat import Use, params
+from gpu_tasks.compat import Use, called_in, code_names, params
 
 
 def drain_events(timeout: float) -> bool:
@@ -53,6 +57,99 @@ def _check_events_backlog() -> str | None:
     return None if "_context_cache" in names else "EventsWorker no longer keeps _context_cache"
 
 
+# Slim run contexts for the events of gpu-tasks' task runs, by task run id (a task run's events
+# share one): what Prefect's events worker reads from a context when it sends an event.
+_SLIM: dict[Any, contextvars.Context] = {}
+_SLIM_LOCK = threading.Lock()
+_SLIM_KEEP = 1024
+
+
+def keep_slim_event_contexts() -> bool:
+    """From now on, each event a task run gpu-tasks runs (:func:`gpu_tasks.compat.prefect.ours`)
+    emits waits to be sent with a slim copy of the run context: the flow run, the task run's id,
+    name, flow run and tags, and the settings, which is all Prefect's ``EventsWorker`` reads from it
+    (``related_resources_from_run_context``). Prefect keeps the whole context per event
+    (``_prepare_item``: ``copy_context()``), and with it the task run's parameters, its result and
+    its engine, until the server takes the event: under load that is most of a process's memory
+    (docs/operations.md, "A Prefect server that holds the load"). Other task runs of the process
+    keep Prefect's own copy. Returns whether the slim copy is in use."""
+    from prefect.events.worker import EventsWorker
+
+    prepare = vars(EventsWorker).get("_prepare_item")
+    if getattr(prepare, "_gpu_tasks_slim", False):
+        return True
+    if prepare is None or _check_event_contexts() is not None:
+        return False
+    from gpu_tasks.compat.prefect import is_ours
+
+    @functools.wraps(prepare)  # its __wrapped__: the compat check reads Prefect's own code
+    def slim_prepare(self: Any, event: Any) -> Any:
+        if not is_ours():
+            return prepare(self, event)  # not gpu-tasks' task run: as Prefect ships
+        self._context_cache[event.id] = _slim_context()
+        return event
+
+    slim_prepare._gpu_tasks_slim = True  # type: ignore[attr-defined]
+    EventsWorker._prepare_item = slim_prepare  # type: ignore[method-assign]
+    return True
+
+
+def _slim_context() -> contextvars.Context:
+    from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
+
+    task_context = TaskRunContext.get()
+    task_run = getattr(task_context, "task_run", None)
+    key = getattr(task_run, "id", None)
+    if key is not None:
+        with _SLIM_LOCK:
+            hit = _SLIM.get(key)
+        if hit is not None:
+            return hit
+    values: list[tuple[Any, Any]] = []
+    settings = SettingsContext.get()
+    if settings is not None:
+        values.append((SettingsContext, settings))  # one per process or flow run: shared
+    flow_run = getattr(FlowRunContext.get(), "flow_run", None)
+    if flow_run is not None:
+        values.append((FlowRunContext, FlowRunContext.model_construct(flow_run=flow_run)))
+    if task_run is not None:
+        slim_run = type(task_run).model_construct(
+            id=task_run.id, name=task_run.name, flow_run_id=task_run.flow_run_id, tags=list(task_run.tags)
+        )
+        values.append((TaskRunContext, TaskRunContext.model_construct(task_run=slim_run)))
+    context = contextvars.Context()
+    for kind, value in values:
+        context.run(kind.__var__.set, value)  # a context model's variable (private: __var__)
+    if key is not None:
+        with _SLIM_LOCK:
+            if len(_SLIM) >= _SLIM_KEEP:
+                _SLIM.clear()
+            _SLIM[key] = context
+    return context
+
+
+def _check_event_contexts() -> str | None:
+    """What the slim context must carry: the events worker keeps a context per event and sends it
+    with related resources read from the flow-run and task-run contexts alone (their ``flow_run``,
+    ``task_run``), and the settings."""
+    from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
+    from prefect.events import related
+    from prefect.events.worker import EventsWorker
+
+    for kind in (FlowRunContext, SettingsContext, TaskRunContext):
+        if not isinstance(getattr(kind, "__var__", None), contextvars.ContextVar):
+            return f"{kind.__name__} has no __var__ context variable"
+    read = {n for n in code_names(related.related_resources_from_run_context) if n.endswith("Context")}
+    if read != {"FlowRunContext", "TaskRunContext"}:
+        return f"related_resources_from_run_context reads {sorted(read)}, not the flow and task run contexts"
+    return (
+        called_in(EventsWorker._prepare_item, "copy_context")
+        or called_in(EventsWorker._handle, "temporary_context")
+        or called_in(EventsWorker._handle, "attach_related_resources_from_context")
+        or called_in(EventsWorker.attach_related_resources_from_context, "related_resources_from_run_context")
+    )
+
+
 # ---------------------------------------------------------------- the uses, with feature checks
 def _check_drains() -> str | None:
     from prefect.events.worker import EventsWorker
@@ -64,12 +161,14 @@ def _check_drains() -> str | None:
 USES = [
     Use(
         "prefect",
-        "prefect.events.worker.EventsWorker (drain_all, _instances, _context_cache), "
-        "prefect.logging.handlers.APILogWorker.drain_all",
+        "prefect.events.worker.EventsWorker (drain_all, _instances, _context_cache, _prepare_item), "
+        "prefect.logging.handlers.APILogWorker.drain_all, prefect.context's context models' __var__",
         "private",
         "Prefect's queue services of events and logs: send a run's last events and logs before a "
-        "process or the embedded server stops (drain_all), and count the events waiting to be sent "
-        "(_instances, _context_cache: task runs wait to start while too many do)",
-        lambda: _check_drains() or _check_events_backlog(),
+        "process or the embedded server stops (drain_all), count the events waiting to be sent "
+        "(_instances, _context_cache: task runs wait to start while too many do), and keep a slim run "
+        "context per event of gpu-tasks' task runs (_prepare_item patched, __var__ set): not their "
+        "parameters, results and engines",
+        lambda: _check_drains() or _check_events_backlog() or _check_event_contexts(),
     ),
 ]

@@ -28,8 +28,10 @@ GAP_S = 2.0  # a changed reason is logged at once, but not within this of the pr
 class WaitReporter:
     """Says why ``job`` waits (the listener of :data:`gpu_tasks.devices.wait_reasons.LISTENER`)."""
 
+    job: Job | None
+
     def __init__(self, live: Live, job: Job) -> None:
-        self.live, self.job = live, job
+        self.live, self.job = live, job  # job: None once the wait is over
         self.throttle = Throttle(LOG_EVERY_S, GAP_S)
         self.started = time.monotonic()
         self.last_event: tuple[str, str] | None = None
@@ -37,9 +39,9 @@ class WaitReporter:
 
     def __call__(self, reason: WaitReason) -> None:
         now = time.monotonic()
-        if not self.throttle.due(reason, now):
-            return
         job = self.job
+        if job is None or not self.throttle.due(reason, now):
+            return
         waited = now - self.started
         if self.log is None:
             self.log = task_run_log(job.task_run_id, self.live.flow_run_id, job.task.name, self.live.run.name)
@@ -60,8 +62,12 @@ class WaitReporter:
 @contextlib.contextmanager
 def reported(live: Live, job: Job) -> Iterator[None]:
     """Within it, why ``job`` waits is said by a :class:`WaitReporter` (the context's listener)."""
-    token = wait_reasons.LISTENER.set(WaitReporter(live, job))
+    reporter = WaitReporter(live, job)
+    token = wait_reasons.LISTENER.set(reporter)
     try:
         yield
     finally:
         wait_reasons.LISTENER.reset(token)
+        # Prefect's event loop copies the context of calls made meanwhile (a timer may keep it for
+        # as long as a lease lasts): the job, and with it the task run's parameters, stays out of it
+        reporter.job = None

@@ -37,6 +37,7 @@ from gpu_tasks.compat.prefect import (
     use_no_limits_cache,
 )
 from gpu_tasks.compat.prefect_client import cap_client_waits
+from gpu_tasks.compat.prefect_server import keep_slim_event_contexts
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
 from gpu_tasks.policy import GPU_RESOURCE
 from gpu_tasks.prefect_api.api import sync_client
@@ -388,6 +389,7 @@ def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[An
 
     if not _NAMES_CACHED.is_set():  # once per process: worker processes and in-process profiles alike
         cache_qualified_names()
+        keep_slim_event_contexts()
         _NAMES_CACHED.set()
     task = _prepared(task, alloc)
     wait_to_start()  # while this process's Prefect events back up (gpu_tasks.prefect_api.backlog)
