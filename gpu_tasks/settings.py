@@ -189,7 +189,7 @@ class GpuTasksSettings(BaseSettings):
     )
     events_backlog_limit: int = _tune(
         "events_backlog_limit",
-        20000,
+        50000,
         "A task run waits to start while more Prefect events than this wait to be sent from its "
         "process, so a slow server cannot grow its memory without bound. 0: never wait.",
         doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),

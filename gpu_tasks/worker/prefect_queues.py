@@ -23,7 +23,7 @@ def send_before_exit(conn: Connection) -> None:
 
     Its task runs' states reach the server as events, sent from a queue by Prefect's
     ``EventsWorker`` (its exit handlers send the rest too, unbounded). Under load the queue holds
-    thousands (a slow server; ``GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT`` allows 20,000), and the runner
+    thousands (a slow server; ``GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT`` allows 50,000), and the runner
     used to end the process 3 s after the close: task runs' records were lost. Says
     ``("draining", n)`` on ``conn`` first, so the runner waits ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS``
     past its close grace (:func:`~gpu_tasks.worker.warm.end_closed`); what is still queued after
