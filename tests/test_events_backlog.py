@@ -1,6 +1,7 @@
 """Back-pressure from Prefect's event queue (gpu_tasks.prefect_api.backlog): task runs wait to start
 while too many of their process's events wait to be sent, so a slow server cannot make the flow
-process's memory grow without bound (each waiting event holds its task run's engine)."""
+process's memory grow without bound (each waiting event holds memory: for gpu-tasks' task runs a
+slim run context, for others Prefect's whole copy of it, their task run's engine included)."""
 
 from __future__ import annotations
 

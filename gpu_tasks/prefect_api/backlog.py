@@ -45,7 +45,7 @@ class EventsBacklog:
             logger.info(
                 "gpu-tasks: task runs wait to start while %d Prefect events wait to be sent to the server "
                 "(GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT=%d): the server takes them more slowly than this "
-                "flow's tasks make them, and each waiting event holds its task run's engine in memory. A "
+                "flow's tasks make them, and each waiting event holds memory until it is sent. A "
                 "server that holds this load: docs/operations.md#a-prefect-server-that-holds-the-load",
                 queued,
                 self.limit,
