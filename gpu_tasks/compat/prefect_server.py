@@ -59,7 +59,7 @@ def _check_events_backlog() -> str | None:
 
 # Slim run contexts for the events of gpu-tasks' task runs, by task run id (a task run's events
 # share one): what Prefect's events worker reads from a context when it sends an event.
-_SLIM: dict[Any, contextvars.Context] = {}
+_SLIM: dict[Any, Any] = {}  # task run id -> its context; ("flow", flow run id) -> flow-run context
 _SLIM_LOCK = threading.Lock()
 _SLIM_KEEP = 1024
 
@@ -97,26 +97,25 @@ def keep_slim_event_contexts() -> bool:
 def _slim_context() -> contextvars.Context:
     from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
 
-    task_context = TaskRunContext.get()
-    task_run = getattr(task_context, "task_run", None)
+    task_run = getattr(TaskRunContext.get(), "task_run", None)
     key = getattr(task_run, "id", None)
-    if key is not None:
-        with _SLIM_LOCK:
-            hit = _SLIM.get(key)
-        if hit is not None:
-            return hit
+    with _SLIM_LOCK:
+        hit = _SLIM.get(key) if key is not None else None
+    if isinstance(hit, contextvars.Context):
+        return hit
     values: list[tuple[Any, Any]] = []
     settings = SettingsContext.get()
     if settings is not None:
         values.append((SettingsContext, settings))  # one per process or flow run: shared
     flow_run = getattr(FlowRunContext.get(), "flow_run", None)
     if flow_run is not None:
-        values.append((FlowRunContext, FlowRunContext.model_construct(flow_run=flow_run)))
+        values.append((FlowRunContext, _slim_flow_context(flow_run)))
     if task_run is not None:
-        slim_run = type(task_run).model_construct(
-            id=task_run.id, name=task_run.name, flow_run_id=task_run.flow_run_id, tags=list(task_run.tags)
-        )
-        values.append((TaskRunContext, TaskRunContext.model_construct(task_run=slim_run)))
+        # a shallow copy without its state (the state holds the result); the fields the context
+        # model would otherwise compute (start_time, persist_result: a settings read) are given
+        slim_run = task_run.model_copy(update={"state": None})
+        slim = TaskRunContext.model_construct(task_run=slim_run, start_time=None, persist_result=False)
+        values.append((TaskRunContext, slim))
     context = contextvars.Context()
     for kind, value in values:
         context.run(kind.__var__.set, value)  # a context model's variable (private: __var__)
@@ -126,6 +125,22 @@ def _slim_context() -> contextvars.Context:
                 _SLIM.clear()
             _SLIM[key] = context
     return context
+
+
+def _slim_flow_context(flow_run: Any) -> Any:
+    """One flow-run context holding ``flow_run`` alone, per flow run (building one takes about 0.1 ms)."""
+    from prefect.context import FlowRunContext
+
+    key = ("flow", flow_run.id)
+    with _SLIM_LOCK:
+        hit = _SLIM.get(key)
+    if hit is None:
+        hit = FlowRunContext.model_construct(
+            flow_run=flow_run, start_time=None, persist_result=False, flow_run_suspension_request=None
+        )
+        with _SLIM_LOCK:
+            _SLIM[key] = hit
+    return hit
 
 
 def _check_event_contexts() -> str | None:
