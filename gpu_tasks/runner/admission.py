@@ -23,7 +23,7 @@ from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.states import await_retry, read_task_run
 from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
 from gpu_tasks.runner.job import Counted, Job
-from gpu_tasks.runner.results import Finish
+from gpu_tasks.runner.results import Results
 from gpu_tasks.runner.session import Live
 from gpu_tasks.worker.engine import run_engine
 
@@ -154,12 +154,12 @@ class Admission:
 
     Args:
         live: the entered runner's session (its executor, slot gate and events).
-        finish: ends a task (:class:`gpu_tasks.runner.results.Finish`): a cache hit, or an error.
+        results: ends a task (:meth:`~gpu_tasks.runner.results.Results.finish`): a cache hit, or an error.
     """
 
-    def __init__(self, live: Live, finish: Finish) -> None:
+    def __init__(self, live: Live, results: Results) -> None:
         self.live = live
-        self._finish = finish
+        self._results = results
 
     def admit(self, job: Job) -> None:
         """Dispatch ``job`` once nothing but devices stands in its way: a GPU task first looks for its
@@ -179,7 +179,7 @@ class Admission:
         try:
             step(*args)
         except BaseException as exc:
-            self._finish.fail(job, exc)  # its tag slots go back with it
+            self._results.fail(job, exc)  # its tag slots go back with it
 
     def _look_up_cache(self, job: Job, then: Callable[[], Any]) -> None:
         key = job.ctx.run(cached_key, job.task, job.task_run_id, futures_to_states(job.parameters))
@@ -244,18 +244,18 @@ class Admission:
         try:
             then()
         except BaseException as exc:  # RuntimeError: the runner is stopping, its executors take no work
-            job.off_thread(self._finish, job, None, exc, name=f"gpu-tasks-slots-{job.profile.name}")
+            job.off_thread(self._results.finish, job, None, exc, name=f"gpu-tasks-slots-{job.profile.name}")
 
     def _slots_failed(self, job: Job, exc: BaseException) -> None:
         if not isinstance(exc, Exception):
-            self._finish(job, exc=exc)
+            self._results.finish(job, exc=exc)
             return
         error = GpuTasksError(
             f"task {job.task.name!r} (profile {job.profile.name!r}) could not take its Prefect tag "
             f"concurrency slots ({', '.join(job.slot_names)}): {type(exc).__name__}: {exc}"
         )
         error.__cause__ = exc
-        self._finish.fail(job, error)
+        self._results.fail(job, error)
 
     def _run_cached(self, job: Job, key: str, then: Callable[[], Any]) -> None:
         """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device).
@@ -301,7 +301,7 @@ class Admission:
             prof.name,
         )
         self.live.emit_task("cache-hit", job, {"cache_key": key, "state": state.name})
-        self._finish(job, result=state)
+        self._results.finish(job, result=state)
 
 
 class TaskQuota:

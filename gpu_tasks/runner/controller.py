@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextvars
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
@@ -16,7 +17,7 @@ from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import close_reason, task_resources
 from gpu_tasks.preemption import preemption_reason
 from gpu_tasks.reporting.events import publish_dashboard
-from gpu_tasks.runner import waiting
+from gpu_tasks.runner import recovery, waiting
 from gpu_tasks.runner.admission import TaskQuota
 from gpu_tasks.runner.job import (
     NO_WORKER,
@@ -36,8 +37,7 @@ from gpu_tasks.runner.job import (
     Tick,
     WorkerDied,
 )
-from gpu_tasks.runner.recovery import Recovery
-from gpu_tasks.runner.results import Finish, Results
+from gpu_tasks.runner.results import Results
 from gpu_tasks.runner.session import Live
 from gpu_tasks.worker.engine import run_engine, run_on_worker
 
@@ -56,26 +56,14 @@ class Controller:
     Args:
         st: the profile's state, written here alone.
         live: the entered runner's session.
-        finish: resolves a task's future (:class:`gpu_tasks.runner.results.Finish`).
-        results: where hand-offs end (their Dask futures' done-callbacks).
-        recovery: reports and re-runs tasks whose hand-off went wrong (on threads of their own).
+        results: where hand-offs end (their Dask futures' done-callbacks) and futures are resolved.
         quota: an ``address`` profile's quota slots, taken before a hand-off.
     """
 
-    def __init__(
-        self,
-        st: ProfileState,
-        live: Live,
-        finish: Finish,
-        results: Results,
-        recovery: Recovery,
-        quota: TaskQuota,
-    ) -> None:
+    def __init__(self, st: ProfileState, live: Live, results: Results, quota: TaskQuota) -> None:
         self.st = st
         self.live = live
-        self._finish = finish
         self._results = results
-        self._recovery = recovery
         self._quota = quota
 
     def __call__(self, event: Event, more: bool) -> None:
@@ -102,12 +90,10 @@ class Controller:
             self._worker_died(event.job, event.exc)
         elif isinstance(event, OutOfMemory):
             self._landed(event.job)
-            event.job.off_thread(
-                self._recovery.escalate, event.job, None, event.why, name=f"gpu-tasks-oom-{st.profile.name}"
-            )
+            self._recover("oom", recovery.escalate, event.job, None, event.why)
         elif isinstance(event, Requeue):
             self._landed(event.job)
-            self._requeue([event.job], event.reason, event.by)
+            self._recover("requeue", recovery.requeue, event.job, event.reason, event.by)
         elif isinstance(event, Preempt):
             self._preempt(event.addresses, event.waiter)
         elif isinstance(event, Reclaim):
@@ -133,15 +119,14 @@ class Controller:
         """Run ``job`` on the profile's cluster (its upstream futures are done), starting or growing
         the cluster first when it needs to (the one place this profile waits for devices)."""
         if self.st.closing:  # queued when the runner stopped: no server call, as no task ran
-            self._finish(job, exc=RuntimeError("the task runner is shutting down"))
+            self._results.finish(job, exc=RuntimeError("the task runner is shutting down"))
             return
         try:
             job.ctx.run(self._dispatch_in_context, job)
-        except Exception as exc:  # its cluster did not start (or the runner is stopping)
-            self._finish.fail(job, exc)
-        except BaseException as exc:
-            self._finish(job, exc=exc)
-            raise
+        except BaseException as exc:  # its cluster did not start (or the runner is stopping)
+            self._results.fail(job, exc)  # a Ctrl-C resolves the future with itself, and goes on
+            if not isinstance(exc, Exception):
+                raise
 
     def flush(self) -> None:
         """Send the outbox to the cluster as one graph."""
@@ -159,28 +144,35 @@ class Controller:
             )
         except BaseException as exc:
             for job, _, _ in batch:
-                self._finish.fail(job, exc)
+                self._results.fail(job, exc)
             if not isinstance(exc, Exception):
                 raise
             return
         for (job, attempt, _), dfut in zip(batch, dfuts, strict=True):
             dfut.add_done_callback(partial(self._results.on_done, job, attempt))
 
-    def _may_provision(self) -> bool:
-        """Whether the next dispatch starts or grows the cluster."""
+    def _wanted(self, tasks: int) -> int | None:
+        """The workers to start the cluster with, or grow it to, for ``tasks`` tasks handed out;
+        ``None`` when it runs with as many already."""
         cluster = self.st.cluster
-        if not cluster.running:
-            return True
-        return cluster.workers_wanted(self.st.dispatched + 1) > cluster.worker_count
+        want = cluster.workers_wanted(tasks)
+        return want if not cluster.running or want > cluster.worker_count else None
 
-    def _provision(self) -> None:
-        """Start the cluster, or grow it, for one more task."""
+    def _provision(self, tasks: int) -> None:
+        """Start the cluster, or grow it (a ``scaled`` event when it added devices), for ``tasks``
+        tasks handed out."""
         st, cluster = self.st, self.st.cluster
+        want = self._wanted(tasks)
+        if want is None:
+            return
         if cluster.running:
-            self._grow(st.dispatched + 1)
+            before = set(cluster.devices)
+            cluster.scale_to(want)
+            if added := [d for d in cluster.devices if d not in before]:
+                self.live.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
             return
         try:
-            cluster.start(cluster.workers_wanted(st.dispatched + 1))
+            cluster.start(want)
         except Exception as exc:
             st.start_failed = (time.monotonic(), exc)
             raise
@@ -198,18 +190,6 @@ class Controller:
         )
         publish_dashboard(cluster)
 
-    def _grow(self, tasks: int) -> None:
-        """Grow the running cluster to the workers ``tasks`` tasks want, with a ``scaled`` event
-        when it added devices."""
-        cluster = self.st.cluster
-        want = cluster.workers_wanted(tasks)
-        if want <= cluster.worker_count:
-            return
-        before = set(cluster.devices)
-        cluster.scale_to(want)
-        if added := [d for d in cluster.devices if d not in before]:
-            self.live.emit("scaled", cluster, {"workers": cluster.worker_count, "added": added}, added)
-
     def _refill(self) -> None:
         """After workers were lost: grow back to as many workers as the tasks handed out want, on the
         devices just given back unless a waiter has them (no later dispatch may come to grow it)."""
@@ -217,7 +197,7 @@ class Controller:
         if not (st.dispatched and st.cluster.running and st.profile.is_gpu):
             return
         try:
-            self._grow(st.dispatched)
+            self._provision(st.dispatched)
         except Exception:
             logger.warning("gpu-tasks: could not replace a lost worker", exc_info=True)
 
@@ -232,7 +212,7 @@ class Controller:
         st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))  # a shared scheduler's waiters
         if prof.quota is not None and st.cluster.shared and job.quota_lease is None:
             self._quota.take(job)
-        if st.outbox and self._may_provision():
+        if st.outbox and self._wanted(st.dispatched + 1) is not None:
             self.flush()  # what is ready leaves before this dispatch waits for devices or workers
         if live.stop.is_set():
             raise RuntimeError("the task runner is shutting down")
@@ -242,7 +222,7 @@ class Controller:
                 f"{failed[1]} (the start failed {time.monotonic() - failed[0]:.1f}s ago, after this "
                 "task was submitted: it fails with it instead of trying again)"
             ) from failed[1]
-        self._provision()
+        self._provision(st.dispatched + 1)
         st.inflight[job.task_run_id] = job  # until its Left, however it ends
         st.cluster.usage.waited(slots=job.slot_wait())  # counted once, not again on a re-run
         task = job.task
@@ -339,9 +319,12 @@ class Controller:
             how = lost.ended.describe() if lost.ended else "died"
         self._landed(job)
         self._refill()  # a new worker for the tasks still queued on the workers left
-        job.off_thread(
-            self._recovery.worker_died, job, lost, how, row, name=f"gpu-tasks-crash-{st.profile.name}"
-        )
+        self._recover("crash", recovery.worker_died, job, lost, how, row)
+
+    def _recover(self, kind: str, step: Callable[..., None], job: Job, *args: Any) -> None:
+        """``step(results, job, *args)`` (:mod:`gpu_tasks.runner.recovery`) on a thread of its own, as it
+        waits on the Prefect API; it ends ``job`` or dispatches it again."""
+        job.off_thread(step, self._results, job, *args, name=f"gpu-tasks-{kind}-{job.profile.name}")
 
     # ------------------------------------------------------------ preemption
     def _preempt(self, addresses: list[str], waiter: dict[str, Any]) -> None:
@@ -388,11 +371,8 @@ class Controller:
             rows = [whole] if whole is not None else []
         for row in rows:
             live.gave_back(st, row, "preempted", {"by": dict(by, waited_s=round(waited, 3))})
-        self._requeue(jobs, reason, by)
-
-    def _requeue(self, jobs: list[Job], reason: str, by: dict[str, Any]) -> None:
         for j in jobs:
-            j.off_thread(self._recovery.requeue, j, reason, by, name=f"gpu-tasks-requeue-{j.profile.name}")
+            self._recover("requeue", recovery.requeue, j, reason, by)
 
     def _board(self, what: str, info: dict[str, Any]) -> None:
         """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board):

@@ -5,8 +5,9 @@ stopped for a higher-priority waiter is reported ``Preempted`` and queued again 
 using a retry; a dead worker is reported ``Crashed`` and its task re-run on a new worker
 while it has retries. Its profile's controller (:mod:`gpu_tasks.runner.controller`) did the
 cluster's part (the task landed, the dead worker retired) and calls these on a thread of their
-own, as they wait on the Prefect API; a re-run is a :class:`~gpu_tasks.runner.job.Dispatch`
-event again (:meth:`~gpu_tasks.runner.job.Job.dispatch`).
+own, as they wait on the Prefect API; a task that does not run again ends through
+:meth:`~gpu_tasks.runner.results.Results.finish`; a re-run is a
+:class:`~gpu_tasks.runner.job.Dispatch` event again (:meth:`~gpu_tasks.runner.job.Job.dispatch`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from gpu_tasks.profiles import profile
 from gpu_tasks.reporting.ledger import LedgerRow
 from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner.job import Arrived, Job, Left, LostWorker
-from gpu_tasks.runner.results import Finish
+from gpu_tasks.runner.results import Results
 from gpu_tasks.runner.session import Live
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -36,147 +37,129 @@ logger = logging.getLogger("gpu_tasks.runner")
 ESCALATED_TAG = "gpu-tasks:on-oom"
 
 
-class Recovery:
-    """Runs again the tasks whose hand-off went wrong, or ends them (each on a thread of its own).
+# ------------------------------------------------------------ out of memory
+def escalate(results: Results, job: Job, task_run: Any, why: str) -> None:
+    """Re-run ``job`` once on its profile's ``on_oom`` profile; whatever fails, its future resolves."""
+    try:
+        _escalate(results.live, job, task_run, why)
+    except BaseException as err:  # never leave the future unresolved
+        logger.warning(
+            "gpu-tasks: could not re-run an out-of-memory task on its on_oom profile", exc_info=True
+        )
+        results.finish(job, exc=err)
 
-    Args:
-        live: the entered runner's session.
-        finish: resolves a task's future (:class:`gpu_tasks.runner.results.Finish`).
-    """
 
-    def __init__(self, live: Live, finish: Finish) -> None:
-        self.live = live
-        self._finish = finish
+def _escalate(live: Live, job: Job, task_run: Any, why: str) -> None:
+    """Re-run ``job`` once on its profile's ``on_oom`` profile, continuing the same task run."""
+    source = job.profile
+    assert source.on_oom is not None  # the runner checked it names a known profile
+    target = live.profiles[source.on_oom]
+    if task_run is None:
+        task_run = read_task_run(job.task_run_id, job.task, live.flow_run_id, set(job.task.tags), wait=2.0)
+    old, new = job.st, live.state(target)
+    old.post(Left(job))
+    new.post(Arrived())
+    job.st = new
+    job.extra_tags = [profile(target.name), ESCALATED_TAG]
+    job.escalated_from = source.name
+    task_run.tags = sorted(set(task_run.tags or ()) | {profile(target.name), ESCALATED_TAG})
+    await_retry(task_run, live.flow_run_id)
+    job.task_run = task_run
+    flow_logger().warning(
+        "Task run %r ran out of memory on profile %r (%s); re-running it once on profile %r (on_oom)",
+        task_run.name,
+        source.name,
+        why,
+        target.name,
+    )
+    live.emit_task("escalated", job, {"from_profile": source.name, "to_profile": target.name, "reason": why})
+    job.dispatch()
 
-    # ------------------------------------------------------------ out of memory
-    def escalate(self, job: Job, task_run: Any, why: str) -> None:
-        """Re-run ``job`` once on its profile's ``on_oom`` profile; whatever fails, its future resolves."""
-        try:
-            self._escalate(job, task_run, why)
-        except BaseException as err:  # never leave the future unresolved
-            logger.warning(
-                "gpu-tasks: could not re-run an out-of-memory task on its on_oom profile", exc_info=True
-            )
-            self._finish(job, exc=err)
 
-    def _escalate(self, job: Job, task_run: Any, why: str) -> None:
-        """Re-run ``job`` once on its profile's ``on_oom`` profile, continuing the same task run."""
-        live = self.live
-        source = job.profile
-        assert source.on_oom is not None  # the runner checked it names a known profile
-        target = live.profiles[source.on_oom]
-        if task_run is None:
-            task_run = read_task_run(
-                job.task_run_id, job.task, live.flow_run_id, set(job.task.tags), wait=2.0
-            )
-        old, new = job.st, live.state(target)
-        old.post(Left(job))
-        new.post(Arrived())
-        job.st = new
-        job.extra_tags = [profile(target.name), ESCALATED_TAG]
-        job.escalated_from = source.name
-        task_run.tags = sorted(set(task_run.tags or ()) | {profile(target.name), ESCALATED_TAG})
-        await_retry(task_run, live.flow_run_id)
+# ------------------------------------------------------------ preemption
+def requeue(results: Results, job: Job, reason: str, by: dict[str, Any]) -> None:
+    """Report ``job`` ``Preempted`` and dispatch it again (devices permitting)."""
+    live = results.live
+    try:
+        preempted: Any = Scheduled(name=PREEMPTED, message=f"Preempted: {reason}")
+        state, task_run = report_state(
+            preempted, job.task_run_id, job.task, live.flow_run_id, job.tags, wait=2.0
+        )
+        job.preemptions += 1
         job.task_run = task_run
-        flow_logger().warning(
-            "Task run %r ran out of memory on profile %r (%s); re-running it once on profile %r (on_oom)",
-            task_run.name,
-            source.name,
-            why,
-            target.name,
+        job.say(
+            logging.WARNING,
+            "Task run %r was %s; it runs again when devices free (no retry used)",
+            getattr(task_run, "name", job.task_run_id),
+            reason,
         )
-        live.emit_task(
-            "escalated", job, {"from_profile": source.name, "to_profile": target.name, "reason": why}
+        live.emit_task("preempted", job, {"reason": reason, "preemptions": job.preemptions, "by": by})
+        if live.stop.is_set():
+            results.finish(job, result=state)
+            return
+    except BaseException as err:  # never leave the future unresolved
+        logger.warning("gpu-tasks: could not re-queue a preempted task", exc_info=True)
+        results.finish(job, exc=err)
+        return
+    job.dispatch()
+
+
+# ------------------------------------------------------------ dead workers
+def worker_died(results: Results, job: Job, lost: LostWorker, how: str, row: LedgerRow | None) -> None:
+    """The worker running ``job`` died (``lost``, ``how``; ``row``: its ledger row when this report
+    retired it): report the crash, then retry ``job`` if allowed; whatever fails, its future resolves."""
+    try:
+        retry = _report_worker_death(results, job, lost, how, row)
+    except BaseException as err:  # never leave the future unresolved
+        logger.warning("gpu-tasks: error while handling a dead worker", exc_info=True)
+        results.finish(job, exc=err)
+        return
+    if retry is None:
+        return
+    delay, state = retry
+    if results.live.stop.wait(delay):
+        results.finish(job, result=state)
+        return
+    job.dispatch()
+
+
+def _report_worker_death(
+    results: Results, job: Job, lost: LostWorker, how: str, row: LedgerRow | None
+) -> tuple[float, Any] | None:
+    """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried.
+    The one place a task's crashes are counted (``Job.crashes``: its dispatch lowers the retries of
+    the re-run by them)."""
+    live, st, prof = results.live, job.st, job.profile
+    name, devices, ended, address = lost
+    where = f"device(s) {','.join(devices)}" if devices else ("unknown devices" if prof.is_gpu else "CPU")
+    if st.cluster.emulated:
+        where += " (emulated)"
+    pid = f", pid {ended.pid}" if ended and ended.pid else ""
+    message = (
+        f"{'Out of memory: ' if ended and ended.memory_kill else ''}the worker process of profile "
+        f"{prof.name!r} on {where} ({name or address}{pid}) {how} while running this task"
+    )
+    if row is not None:
+        live.gave_back(
+            st,
+            row,
+            "crashed",
+            {
+                "reason": message,
+                "worker": name,
+                "pid": ended.pid if ended else None,
+                "exitcode": ended.exitcode if ended else None,
+                "out_of_memory": bool(ended and ended.memory_kill),
+            },
         )
-        job.dispatch()
-
-    # ------------------------------------------------------------ preemption
-    def requeue(self, job: Job, reason: str, by: dict[str, Any]) -> None:
-        """Report ``job`` ``Preempted`` and dispatch it again (devices permitting)."""
-        try:
-            preempted: Any = Scheduled(name=PREEMPTED, message=f"Preempted: {reason}")
-            state, task_run = report_state(
-                preempted, job.task_run_id, job.task, self.live.flow_run_id, job.tags, wait=2.0
-            )
-            job.preemptions += 1
-            job.task_run = task_run
-            job.say(
-                logging.WARNING,
-                "Task run %r was %s; it runs again when devices free (no retry used)",
-                getattr(task_run, "name", job.task_run_id),
-                reason,
-            )
-            self.live.emit_task(
-                "preempted", job, {"reason": reason, "preemptions": job.preemptions, "by": by}
-            )
-            if self.live.stop.is_set():
-                self._finish(job, result=state)
-                return
-        except BaseException as err:  # never leave the future unresolved
-            logger.warning("gpu-tasks: could not re-queue a preempted task", exc_info=True)
-            self._finish(job, exc=err)
-            return
-        job.dispatch()
-
-    # ------------------------------------------------------------ dead workers
-    def worker_died(self, job: Job, lost: LostWorker, how: str, row: LedgerRow | None) -> None:
-        """The worker running ``job`` died (``lost``, ``how``; ``row``: its ledger row when this report
-        retired it): report the crash, then retry ``job`` if allowed; whatever fails, its future resolves."""
-        try:
-            retry = self._report_worker_death(job, lost, how, row)
-        except BaseException as err:  # never leave the future unresolved
-            logger.warning("gpu-tasks: error while handling a dead worker", exc_info=True)
-            self._finish(job, exc=err)
-            return
-        if retry is None:
-            return
-        delay, state = retry
-        if self.live.stop.wait(delay):
-            self._finish(job, result=state)
-            return
-        job.dispatch()
-
-    def _report_worker_death(
-        self, job: Job, lost: LostWorker, how: str, row: LedgerRow | None
-    ) -> tuple[float, Any] | None:
-        """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried."""
-        live, st, prof = self.live, job.st, job.profile
-        name, devices, ended, address = lost
-        where = f"device(s) {','.join(devices)}" if devices else ("unknown devices" if prof.is_gpu else "CPU")
-        if st.cluster.emulated:
-            where += " (emulated)"
-        pid = f", pid {ended.pid}" if ended and ended.pid else ""
-        message = (
-            f"{'Out of memory: ' if ended and ended.memory_kill else ''}the worker process of profile "
-            f"{prof.name!r} on {where} ({name or address}{pid}) {how} while running this task"
-        )
-        if row is not None:
-            live.gave_back(
-                st,
-                row,
-                "crashed",
-                {
-                    "reason": message,
-                    "worker": name,
-                    "pid": ended.pid if ended else None,
-                    "exitcode": ended.exitcode if ended else None,
-                    "out_of_memory": bool(ended and ended.memory_kill),
-                },
-            )
-        state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
-        if (
-            ended
-            and ended.memory_kill
-            and prof.on_oom
-            and job.escalated_from is None
-            and task_run is not None
-        ):
-            self._escalate(job, task_run, message)
-            return None
-        delay = retry_after_crash(job.task, task_run, live.flow_run_id, job.crashes, message, flow_logger())
-        if delay is None:
-            self._finish(job, result=state)
-            return None
-        job.crashes += 1
-        job.task_run = task_run
-        return delay, state
+    state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
+    if ended and ended.memory_kill and prof.on_oom and job.escalated_from is None and task_run is not None:
+        _escalate(live, job, task_run, message)
+        return None
+    delay = retry_after_crash(job.task, task_run, live.flow_run_id, job.crashes, message, flow_logger())
+    if delay is None:
+        results.finish(job, result=state)
+        return None
+    job.crashes += 1
+    job.task_run = task_run
+    return delay, state

@@ -9,7 +9,7 @@ finishing together) costs one round trip per batch instead of one per task.
 
 :class:`Results` is where a hand-off ends: the task's final state, or its recovery
 (:mod:`gpu_tasks.runner.recovery`: a dead worker, out of memory, preempted on a shared
-scheduler). :class:`Finish` resolves a task's future once and gives back what it held.
+scheduler); and where a task's future is resolved, once, giving back what it held.
 """
 
 from __future__ import annotations
@@ -132,23 +132,29 @@ def _is_worker_death(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and str(exc) == "IOLoop is closed"
 
 
-class Finish:
-    """``finish(job, result=..., exc=...)``: resolve ``job``'s future with its final
-    state (or ``exc``) and account for it; its tag slots and quota slots go back.
+class Results:
+    """Where a task's hand-off to its cluster ends: its final state, or an event for its profile's
+    controller (:mod:`gpu_tasks.runner.controller`) when it must run again: its worker died, it ran
+    out of memory (``on_oom``), or a shared scheduler preempted it. A task's future, handed off or
+    not, is resolved here (:meth:`finish`, :meth:`fail`).
 
     Args:
         live: the entered runner's session (its slot gate and in-flight accounting).
+        landings: fetches a local cluster's finished results in batches (its items: ``land(value, error)``).
         release_quota: gives back a task's quota slots (:meth:`gpu_tasks.runner.admission.TaskQuota.release`).
     """
 
-    def __init__(self, live: Live, release_quota: Callable[[Job], None]) -> None:
+    def __init__(self, live: Live, landings: Landings, release_quota: Callable[[Job], None]) -> None:
         self.live = live
-        self.release_quota = release_quota
+        self._landings = landings
+        self._release_quota = release_quota
 
-    def __call__(self, job: Job, result: Any = None, exc: BaseException | None = None) -> None:
+    def finish(self, job: Job, result: Any = None, exc: BaseException | None = None) -> None:
+        """Resolve ``job``'s future with its final state (or ``exc``) and account for it; its tag slots
+        and quota slots go back."""
         if job.hold is not None:
             self.live.gate.release(job.hold)
-        self.release_quota(job)
+        self._release_quota(job)
         job.st.post(Left(job))  # its controller counts it; the future does not wait for that
         with contextlib.suppress(concurrent.futures.InvalidStateError):  # resolved already
             if exc is not None:
@@ -161,7 +167,7 @@ class Finish:
         ``result()`` raises ``exc``. An ``exc`` that is no ``Exception`` (a Ctrl-C), or a failure to
         record the Failed state, resolves the future with that error; it is never left unresolved."""
         if not isinstance(exc, Exception):
-            self(job, exc=exc)
+            self.finish(job, exc=exc)
             return
         try:
             failed: Any = Failed(message=f"{type(exc).__name__}: {exc}", data=exc)
@@ -169,26 +175,9 @@ class Finish:
                 report_state, failed, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 0.0
             )
         except BaseException as err:
-            self(job, exc=err)
+            self.finish(job, exc=err)
             return
-        self(job, result=state)
-
-
-class Results:
-    """Where a task's hand-off to its cluster ends: its final state, or an event for its profile's
-    controller (:mod:`gpu_tasks.runner.controller`) when it must run again: its worker died, it ran
-    out of memory (``on_oom``), or a shared scheduler preempted it.
-
-    Args:
-        live: the entered runner's session.
-        landings: fetches a local cluster's finished results in batches (its items: ``land(value, error)``).
-        finish: resolves a task's future and gives back its quota slots (:class:`Finish`).
-    """
-
-    def __init__(self, live: Live, landings: Landings, finish: Finish) -> None:
-        self.live = live
-        self._landings = landings
-        self._finish = finish
+        self.finish(job, result=state)
 
     def on_done(self, job: Job, attempt: int, dfut: Any) -> None:
         """On Dask's callback thread (one per process): a local cluster's finished task has its
@@ -205,7 +194,7 @@ class Results:
         live = self.live
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
-        self._finish.release_quota(job)
+        self._release_quota(job)
         try:
             if error is not None:
                 raise error
@@ -213,7 +202,7 @@ class Results:
         except BaseException as exc:
             if _is_worker_death(exc) and not live.stop.is_set() and job.st.post(WorkerDied(job, exc)):
                 return
-            self._finish(job, exc=exc)
+            self.finish(job, exc=exc)
             return
         job.st.cluster.record(wkey, start, end)
         if isinstance(state, PreemptedRun):  # interrupted on a shared scheduler for a waiter
@@ -224,7 +213,7 @@ class Results:
                 for k in ("profile", "flow_run_name", "flow_run_id", "pid", "priority", "reclaimed_by")
             }
             if not job.st.post(Requeue(job, reason, fields)):
-                self._finish(job, exc=RuntimeError(f"the task runner is shutting down; {reason}"))
+                self.finish(job, exc=RuntimeError(f"the task runner is shutting down; {reason}"))
             return
         prof = job.profile
         if (
@@ -236,4 +225,4 @@ class Results:
             and job.st.post(OutOfMemory(job, state.message or "out of memory"))
         ):
             return
-        self._finish(job, result=state)
+        self.finish(job, result=state)

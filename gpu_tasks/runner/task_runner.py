@@ -50,8 +50,7 @@ from gpu_tasks.runner.admission import Admission, TaskQuota
 from gpu_tasks.runner.controller import Controller
 from gpu_tasks.runner.ctrl_c import held_while_closing, on_interrupt
 from gpu_tasks.runner.job import Arrived, Job
-from gpu_tasks.runner.recovery import Recovery
-from gpu_tasks.runner.results import Finish, Landings, Results
+from gpu_tasks.runner.results import Landings, Results
 from gpu_tasks.runner.session import Live
 from gpu_tasks.settings import get_settings, resolve, variable_warnings
 from gpu_tasks.worker import engine as _worker
@@ -263,14 +262,10 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             live = Live(profiles, default, self.idle_timeout, close_results=landings.close)
             self._log_profile_sources(profiles)  # once Live sends the runner's lines to the run's logs
             quota = TaskQuota(live)
-            finish = Finish(live, quota.release)
-            results = Results(live, landings, finish)
-            recovery = Recovery(live, finish)
-            self._admission = Admission(live, finish)
+            results = Results(live, landings, quota.release)
+            self._admission = Admission(live, results)
             # each profile's controller (its one thread) and the idle and preemption monitor
-            live.start(
-                partial(Controller, live=live, finish=finish, results=results, recovery=recovery, quota=quota)
-            )
+            live.start(partial(Controller, live=live, results=results, quota=quota))
             self._live = live
             _LIVE_RUNNERS.add(self)
         return self._live, self._admission
