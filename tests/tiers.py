@@ -28,6 +28,7 @@ FAST_MODULES = (
     "tests/test_share_policy.py",
     "tests/test_borrowing_policy.py",
     "tests/test_wait_reasons.py",
+    "tests/test_started_log.py",
 )
 
 

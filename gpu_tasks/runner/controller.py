@@ -254,6 +254,7 @@ class Controller:
                     settings_key,
                     st.cluster.shared,
                     job.slot_names,
+                    None if st.cluster.shared else live.started.path,  # what began, if its worker dies
                 )
                 if not st.cluster.shared:
                     st.outbox.append((job, job.attempt, args))  # sent by flush(), when the inbox is empty

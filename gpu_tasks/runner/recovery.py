@@ -118,7 +118,8 @@ def worker_died(results: Results, job: Job, lost: LostWorker, how: str, row: Led
         return
     delay, state = retry
     if results.live.stop.wait(delay):
-        results.finish(job, result=state)
+        stopped = None if state else RuntimeError("the task runner is shutting down")  # it never ran
+        results.finish(job, result=state, exc=stopped)
         return
     job.dispatch()
 
@@ -126,7 +127,8 @@ def worker_died(results: Results, job: Job, lost: LostWorker, how: str, row: Led
 def _report_worker_death(
     results: Results, job: Job, lost: LostWorker, how: str, row: LedgerRow | None
 ) -> tuple[float, Any] | None:
-    """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried.
+    """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried,
+    ``(0, None)`` when it had not begun on that worker (it runs again, no retry used).
     The one place a task's crashes are counted (``Job.crashes``: its dispatch lowers the retries of
     the re-run by them)."""
     live, st, prof = results.live, job.st, job.profile
@@ -152,6 +154,18 @@ def _report_worker_death(
                 "out_of_memory": bool(ended and ended.memory_kill),
             },
         )
+    if not st.cluster.shared and not live.started.began(job.key):
+        job.say(
+            logging.INFO,
+            "Task %r had been queued on the worker of profile %r on %s (%s), which %s before it began: "
+            "it runs again on another worker (no retry used)",
+            job.task.name,
+            prof.name,
+            where,
+            name or address,
+            how,
+        )
+        return 0.0, None
     state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
     if ended and ended.memory_kill and prof.on_oom and job.escalated_from is None and task_run is not None:
         _escalate(live, job, task_run, message)

@@ -39,6 +39,7 @@ from gpu_tasks.reporting.logs import RunLogs
 from gpu_tasks.runner.job import Board, Handler, Job, Preempt, ProfileState, Reclaim, Tick
 from gpu_tasks.runner.payload import ContextSerializer
 from gpu_tasks.settings import get_settings
+from gpu_tasks.worker.started import StartedLog
 
 logger = logging.getLogger("gpu_tasks.runner")
 
@@ -76,6 +77,7 @@ class Live:
         self.gate = SlotGate()  # the tag concurrency slots of GPU tasks (its thread starts on first use)
         self.worker_env: dict[str, str] | None = None
         self.context = ContextSerializer()
+        self.started = StartedLog()  # the hand-offs that began in local workers (worker.started)
         self.book = DeviceBook(
             reclaim=self._reclaim,
             stop=self.stop,
@@ -350,6 +352,7 @@ class Live:
             self._crash_unfinished(running, reason, hurry)
             self._advise()
         finally:
+            self.started.close()
             RunLogs.leave(self.flow_run_id)  # the close's own lines were sent before this
 
     def _advise(self) -> None:

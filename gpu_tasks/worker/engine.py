@@ -57,6 +57,7 @@ from gpu_tasks.worker.interrupts import (
     watch_released,
 )
 from gpu_tasks.worker.slots import SlotPool
+from gpu_tasks.worker.started import mark_started
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +102,7 @@ def run_on_worker(
     settings_key: str,
     remote: bool = False,
     slots_held: tuple[str, ...] = (),
+    started_log: str | None = None,
 ) -> tuple[Any, float, float, str]:
     """Run the Prefect task engine in a worker process (context travels serialized).
 
@@ -116,6 +118,8 @@ def run_on_worker(
         slots_held: the tag concurrency limits (``tag:<tag>``) the flow process holds a slot
             of for this task run, or knows do not exist (:mod:`gpu_tasks.prefect_api.tag_slots`): the
             engine does not take them again (it takes those of tags added here, ``gpu:<id>``).
+        started_log: a local cluster's file of begun hand-offs (:mod:`gpu_tasks.worker.started`),
+            noted before the engine runs, so a task only queued on a worker that dies runs again.
     """
     from distributed import get_worker
     from prefect.context import SettingsContext, SyncClientContext
@@ -154,6 +158,8 @@ def run_on_worker(
                     return after, now, now, worker_key(alloc.device_keys)
             with tag_slots_held_by_flow(kwargs["task_run_id"], slots_held):
                 if not remote:
+                    if started_log:
+                        mark_started(started_log, dask_worker.get_current_task())
                     return run_engine(alloc, task, kwargs)
                 return _interruptible(dask_worker, alloc, task, kwargs)
     finally:

@@ -153,7 +153,9 @@ def test_a_worker_that_dies_after_every_task_was_handed_out_is_replaced(tmp_path
     one worker process dies of SIGSEGV. Its device is given back and a new worker takes it for the tasks left:
     no later dispatch comes to grow the cluster again (at 100,000 tasks, one worker went on alone
     for 9 minutes). The tasks started after the death wait until one of them runs on the dead
-    worker's device, so without a new worker there they time out and fail the test."""
+    worker's device, so without a new worker there they time out and fail the test. Only the tasks
+    that had begun on the dead worker (at most its four slots) end Crashed: the ones Dask had only
+    queued on it run again (before, they crashed with it: 20-odd of the 48)."""
     seen = tmp_path
 
     @task(tags=[profile("quarter")])
@@ -187,10 +189,12 @@ def test_a_worker_that_dies_after_every_task_was_handed_out_is_replaced(tmp_path
     dead = (seen / "died").read_text()
     after = {p.name.split("-")[1] for p in seen.glob("after-*")}
     assert after == {"0", "1"}, (dead, sorted(p.name for p in seen.iterdir()))
-    # the tasks Dask had handed to the dead worker (queued on it, not only running) crashed with it
+    # the tasks running on the dead worker crashed with it (no retries); those it had only queued ran
     lost = [s for s in states if not s.is_completed()]
     assert lost and all(s.type == StateType.CRASHED and "SIGSEGV" in (s.message or "") for s in lost), lost
     assert all(f"device(s) {dead} (emulated)" in (s.message or "") for s in lost), lost
+    begun_there = {p.name.split("-")[2] for p in seen.glob(f"before-{dead}-*")}
+    assert 1 <= len(lost) <= min(4, len(begun_there)), (len(lost), sorted(begun_there))
 
 
 # ---------------------------------------------------------------- BaseException raised by a task

@@ -1,0 +1,90 @@
+"""Which hand-offs began in a local cluster's worker processes: a task Dask had only queued on a
+worker that died runs again instead of ending ``Crashed`` (docs/runner.md, "A worker process dies").
+
+Dask hands a profile's tasks to a worker ahead of its free slots (GPU resources turn off its
+scheduler-side queue), so a dead worker takes queued tasks with it, and its scheduler cannot tell
+them from the ones that were running. Before Prefect's engine runs a task, the worker appends the
+hand-off (task run id and attempt, from its Dask key) to a file of the flow run's
+(:func:`mark_started`); the flow process reads it when a worker dies (:class:`StartedLog`). A
+kernel write survives the process that made it, so a hand-off missing from the file never began.
+Only local clusters (this host's processes) write it; elsewhere a dead worker's tasks end as before.
+The runner removes the file when it closes; if the flow process is killed, its workers do as they
+exit with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import tempfile
+import threading
+
+logger = logging.getLogger(__name__)
+
+_FDS: dict[str, int] = {}  # a worker process's open log, by path
+
+
+def hand_off_token(key: str) -> str:
+    """A hand-off's Dask key (``<task name>-<task run id hex>-<attempt>``) without the task's name."""
+    return "-".join(str(key).rsplit("-", 2)[-2:])
+
+
+def mark_started(path: str, key: str) -> None:
+    """In a worker: note that hand-off ``key`` begins (one append; no flush needed to outlive us)."""
+    try:
+        fd = _FDS.get(path)
+        if fd is None:
+            from gpu_tasks.worker import guard
+
+            fd = _FDS[path] = os.open(path, os.O_WRONLY | os.O_APPEND)  # the flow process made it
+            guard.on_orphaned(lambda _flow: _remove(path))  # a killed flow process cannot remove it
+        os.write(fd, f"{hand_off_token(key)}\n".encode())
+    except OSError:
+        logger.warning("gpu-tasks: could not note that %s began in %s", key, path, exc_info=True)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
+
+
+class StartedLog:
+    """The flow run's file of begun hand-offs: made at the first hand-off to a local worker, read
+    (only what was added since the last read) when a worker dies, removed when the runner closes."""
+
+    def __init__(self) -> None:
+        self._path: str | None = None
+        self._seen: set[str] = set()
+        self._offset = 0
+        self._lock = threading.Lock()
+
+    @property
+    def path(self) -> str:
+        with self._lock:
+            if self._path is None:
+                fd, self._path = tempfile.mkstemp(prefix="gpu-tasks-started-", suffix=".log")
+                os.close(fd)
+            return self._path
+
+    def began(self, key: str) -> bool:
+        """Whether hand-off ``key`` began; ``True`` when that cannot be read (it is then reported as
+        a crash, never run twice)."""
+        with self._lock:
+            if self._path is None:
+                return True
+            try:
+                with open(self._path, "rb") as f:
+                    f.seek(self._offset)
+                    data = f.read()
+            except OSError:
+                return True
+            end = data.rfind(b"\n") + 1
+            self._offset += end
+            self._seen.update(data[:end].decode().split())
+            return hand_off_token(key) in self._seen
+
+    def close(self) -> None:
+        with self._lock:
+            if self._path is not None:
+                _remove(self._path)

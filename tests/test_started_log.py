@@ -1,0 +1,23 @@
+"""The file of begun hand-offs (gpu_tasks.worker.started): what a worker notes is what the flow process
+reads, read in parts as it grows; a log it cannot read says "began", so a task is never run twice."""
+
+from __future__ import annotations
+
+import os
+
+from gpu_tasks.worker.started import StartedLog, mark_started
+
+
+def test_a_hand_off_noted_by_a_worker_is_read_as_begun_and_others_are_not():
+    log = StartedLog()
+    try:
+        assert log.began("train-ab12-1")  # no file yet (no hand-off to a local worker): "began"
+        path = log.path
+        mark_started(path, "train step-ab12-1")  # a task name may have spaces and dashes
+        assert log.began("train step-ab12-1") and not log.began("train step-ab12-2")
+        mark_started(path, "other-cd34-1")  # added after the first read: read from where it stopped
+        assert log.began("other-cd34-1") and not log.began("other-ef56-1")
+    finally:
+        log.close()
+    assert not os.path.exists(path)
+    assert log.began("never-0000-1")  # removed: unreadable, so reported as a crash, never run twice
