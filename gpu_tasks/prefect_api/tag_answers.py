@@ -79,6 +79,19 @@ def _with_server(settings: Any) -> Any:
     return settings.model_copy(update={"api": settings.api.model_copy(update={"url": url})})
 
 
+def read_without_limits(names: list[str]) -> bool:
+    """Whether none of ``names`` has a limit, read (no slot taken) from the server of the settings in
+    force, else from the ephemeral server of this process's latest flow run (never starts one)."""
+    from prefect.context import SettingsContext
+
+    found = SettingsContext.get()
+    server = _with_server(found.settings) if found is not None else None
+    if found is None or server is None:
+        raise RuntimeError("no Prefect server to read tag concurrency limits from")
+    with SettingsContext(profile=found.profile, settings=server):
+        return not limited_names(names)
+
+
 def refresh_no_limits() -> tuple[int, int]:
     """Ask the server whether each remembered tag set still has no limit: renew those answers, drop
     the others. Returns (renewed, dropped)."""

@@ -10,17 +10,24 @@ import copy
 import functools
 import inspect
 import logging
+import threading
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 from gpu_tasks.allocation import Allocation
-from gpu_tasks.compat.prefect import can_skip_engine_tag_slots, known_without_limits, tag_slots_held_by_flow
+from gpu_tasks.compat.prefect import (
+    can_skip_engine_tag_slots,
+    known_without_limits,
+    remember_without_limits,
+    tag_slots_held_by_flow,
+)
 from gpu_tasks.devices import lending
 from gpu_tasks.errors import GpuTasksError
 from gpu_tasks.prefect_api import quotas
 from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.states import await_retry, read_task_run
+from gpu_tasks.prefect_api.tag_answers import read_without_limits
 from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
 from gpu_tasks.runner.job import Counted, Job
 from gpu_tasks.runner.results import Results
@@ -160,6 +167,9 @@ class Admission:
     def __init__(self, live: Live, results: Results) -> None:
         self.live = live
         self._results = results
+        self._lock = threading.Lock()
+        self._read: set[frozenset[str]] = set()  # tag sets whose limits this runner read once
+        self._reading: dict[frozenset[str], list[tuple[Job, Callable[[], Any]]]] = {}  # and their waiters
 
     def admit(self, job: Job) -> None:
         """Dispatch ``job`` once nothing but devices stands in its way: a GPU task first looks for its
@@ -204,6 +214,47 @@ class Admission:
         if known_without_limits(names):
             then()  # the common case: no limit on these tags, nothing to take or wait for
             return
+        key = frozenset(names)
+        with self._lock:
+            waiting = self._reading.get(key)
+            if waiting is not None:  # its limits are being read: that answer decides
+                waiting.append((job, then))
+                return
+            first = key not in self._read
+            if first:
+                self._read.add(key)
+                self._reading[key] = [(job, then)]
+        if not first:
+            self._through_gate(job, names, then)
+            return
+        try:
+            self.live.executor.submit(self._read_limits, job.ctx, key, names)
+        except BaseException:
+            with self._lock:
+                self._reading.pop(key, None)
+            raise
+
+    def _read_limits(self, ctx: Any, key: frozenset[str], names: list[str]) -> None:
+        """A tag set's first look, by reads (no slot taken): a server busy writing answers a read at
+        once and a slot request only after its backlog (docs/runner.md); then the tasks that came
+        meanwhile go on, or to the gate when a limit exists (or the read failed)."""
+        try:
+            free = ctx.run(read_without_limits, names)
+        except Exception:  # the slot request decides (it waits out a busy server)
+            logger.debug("gpu-tasks: could not read the limits of %s", names, exc_info=True)
+            free = False
+        if free:
+            remember_without_limits(names)
+        with self._lock:
+            waiting = self._reading.pop(key, [])
+        for job, then in waiting:
+            if free:
+                self._settled(job, then)
+            else:
+                self._settled(job, self._through_gate, job, names, then)
+
+    def _through_gate(self, job: Job, names: list[str], then: Callable[[], Any]) -> None:
+        """``then()`` once the gate holds ``job``'s tag slots."""
         st = job.st
         st.post(Counted(waiting_for_slots=1))
 
