@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from gpu_tasks.borrowing import (
@@ -246,6 +246,8 @@ class _Host:
             if isinstance(decision, Reclaim):
                 self.reclaims += 1
                 for victim in decision.victims:
+                    if victim not in self.held:  # freed with another device of the same run
+                        continue
                     loser, borrowed = self.held[victim]
                     assert borrowed and loser.team != run.team
                     for a in [a for a, (r, _) in self.held.items() if r is loser]:
@@ -299,6 +301,13 @@ _runs = st.lists(
 
 @settings(max_examples=200, deadline=None)
 @given(limits=_limits, runs=_runs, devices=st.integers(2, 4), aging=st.sampled_from([2.0, 5.0]))
+@example(  # found in CI (2026-12-06): one reclaim names both devices of a borrowing run
+    limits={"a": Team(quota=2), "b": Team(quota=2, borrowing_limit=2), "c": Team(quota=1)},
+    runs=[(0, "a", 1, False, 0, 1)] * 22
+    + [(8, "b", 1, False, 0, 5), (8, "b", 2, True, 0, 2), (12, "a", 2, False, 0, 1)],
+    devices=3,
+    aging=2.0,
+)
 def test_a_host_run_by_the_policy_never_grants_twice_keeps_its_limits_and_serves_everyone(
     limits, runs, devices, aging
 ):
