@@ -21,3 +21,23 @@ def test_a_hand_off_noted_by_a_worker_is_read_as_begun_and_others_are_not():
         log.close()
     assert not os.path.exists(path)
     assert log.began("never-0000-1")  # removed: unreadable, so reported as a crash, never run twice
+
+
+def test_a_file_left_by_a_flow_process_that_is_gone_is_removed_by_the_next_runner(tmp_path, monkeypatch):
+    import tempfile
+
+    import psutil
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = 999_999_999  # above any pid_max: no such process
+    assert not psutil.pid_exists(gone)
+    left = tmp_path / f"gpu-tasks-started-{gone}-abc.log"  # killed with its workers, none removed it
+    mine = tmp_path / f"gpu-tasks-started-{os.getpid()}-def.log"  # a live flow process's
+    left.write_text("ab12-1\n")
+    mine.write_text("")
+    log = StartedLog()
+    try:
+        assert os.path.dirname(log.path) == str(tmp_path)
+        assert not left.exists() and mine.exists()
+    finally:
+        log.close()

@@ -9,12 +9,13 @@ hand-off (task run id and attempt, from its Dask key) to a file of the flow run'
 kernel write survives the process that made it, so a hand-off missing from the file never began.
 Only local clusters (this host's processes) write it; elsewhere a dead worker's tasks end as before.
 The runner removes the file when it closes; if the flow process is killed, its workers do as they
-exit with it.
+exit with it, and if they were killed too, the next flow run's runner on this host does.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import tempfile
@@ -49,6 +50,17 @@ def _remove(path: str) -> None:
         os.unlink(path)
 
 
+def _remove_stale(folder: str) -> None:
+    """Remove the files of flow processes that are gone (killed with all their workers, none left
+    to remove it); another user's cannot be removed and stay."""
+    import psutil
+
+    for path in glob.glob(os.path.join(folder, "gpu-tasks-started-*-*.log")):
+        pid = os.path.basename(path).split("-")[3]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            _remove(path)
+
+
 class StartedLog:
     """The flow run's file of begun hand-offs: made at the first hand-off to a local worker, read
     (only what was added since the last read) when a worker dies, removed when the runner closes."""
@@ -63,7 +75,8 @@ class StartedLog:
     def path(self) -> str:
         with self._lock:
             if self._path is None:
-                fd, self._path = tempfile.mkstemp(prefix="gpu-tasks-started-", suffix=".log")
+                _remove_stale(tempfile.gettempdir())
+                fd, self._path = tempfile.mkstemp(prefix=f"gpu-tasks-started-{os.getpid()}-", suffix=".log")
                 os.close(fd)
             return self._path
 
