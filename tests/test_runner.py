@@ -952,6 +952,29 @@ def test_context_serializer_matches_prefects_serialize_context():
     f()
 
 
+def test_a_flow_context_that_cannot_be_pickled_names_the_flow_and_the_fix():
+    """A flow pickled by value takes the objects its body uses along; one that cannot be pickled (a
+    lock, a future) fails the hand-off with an error that names the flow and what to change."""
+    import threading
+
+    from gpu_tasks.errors import GpuTasksError
+    from gpu_tasks.runner.payload import ContextSerializer
+
+    lock = threading.Lock()
+
+    @flow
+    def holds_a_lock() -> None:
+        assert lock is not None  # the body uses it: the flow's pickle carries it
+        with pytest.raises(GpuTasksError) as caught:
+            ContextSerializer().serialize()
+        message = str(caught.value)
+        assert "flow 'holds-a-lock'" in message and "cannot pickle '_thread.lock'" in message
+        assert "importable module" in message
+        assert isinstance(caught.value.__cause__, TypeError)
+
+    holds_a_lock()
+
+
 @task
 def no_limits_cache_ttl() -> tuple[float, float]:
     """(gpu-tasks' own "no limits" cache's time-to-live, Prefect's) in the process it runs in."""

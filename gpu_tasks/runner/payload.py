@@ -12,6 +12,7 @@ import uuid
 from typing import Any
 
 from gpu_tasks.compat.prefect import context_for_workers
+from gpu_tasks.errors import GpuTasksError
 from gpu_tasks.prefect_api.api import for_workers
 from gpu_tasks.worker.blobs import Blob, Blobs
 
@@ -75,13 +76,19 @@ class ContextSerializer:
         """
         made = self._flow_runs.get(id(ctx))
         if made is None or made[0] is not ctx or made[1] is not ctx.flow_run:
+            try:
+                blob = self.blobs.blob(self._flow_run(ctx), "flow_run_context")
+            except Exception as exc:  # cloudpickle: TypeError, PicklingError, AttributeError
+                name = getattr(ctx.flow, "name", "?")
+                raise GpuTasksError(
+                    f"the context of flow {name!r} cannot be pickled for its workers "
+                    f"({type(exc).__name__}: {exc}); a flow defined in a script is pickled with the "
+                    "module-level names its body uses: keep futures, locks, clients and open files "
+                    "out of those names, or define the flow in an importable module"
+                ) from exc
             if len(self._flow_runs) >= 8:
                 self._flow_runs.clear()
-            made = self._flow_runs[id(ctx)] = (
-                ctx,
-                ctx.flow_run,
-                self.blobs.blob(self._flow_run(ctx), "flow_run_context"),
-            )
+            made = self._flow_runs[id(ctx)] = (ctx, ctx.flow_run, blob)
         return made[2]
 
     def _deployment(self, ctx: Any) -> tuple[Any, Any, dict[str, Any] | None]:
