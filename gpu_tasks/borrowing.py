@@ -87,8 +87,7 @@ Groups = Sequence[Sequence[tuple[str, "Claim | None"]]]
 
 
 def entitled(ask: Ask, teams: Mapping[str, Team]) -> bool:
-    """Whether ``ask``'s team has room in its quota for all of it, or holds it already (then it may
-    reclaim)."""
+    """Whether ``ask``'s team has room in its quota for all of it, or holds it already (it may reclaim)."""
     team = teams.get(ask.team) if ask.team is not None else None
     return team is not None and (ask.held or team.room >= ask.devices)
 
@@ -99,10 +98,8 @@ def lending_pool(teams: Mapping[str, Team], borrower: str | None) -> int:
 
 
 def why_not_borrow(ask: Ask, teams: Mapping[str, Team], waiters: Iterable[Ask] = ()) -> str | None:
-    """Why ``ask`` (its quota full) may not borrow its devices now; ``None``: it may.
-
-    ``waiters``: the other waiters that want the same devices (an entitled one of another team
-    keeps them)."""
+    """Why ``ask`` (its quota full) may not borrow its devices now; ``None``: it may. ``waiters``: the
+    others that want the same devices (an entitled one of another team keeps them)."""
     if ask.team is None or ask.team not in teams:
         return "it has no quota to borrow beyond"
     team = teams[ask.team]
@@ -128,9 +125,8 @@ def why_not_borrow(ask: Ask, teams: Mapping[str, Team], waiters: Iterable[Ask] =
 
 def yields_to(first: Ask, me: Ask, teams: Mapping[str, Team]) -> bool:
     """Whether a waiter ``first`` that ranks before ``me`` lets ``me`` have the devices both want:
-    ``first`` is beyond its team's quota (it could only borrow) and ``me`` is entitled, of another
-    team. A waiter that may not borrow never keeps devices from a team owed them (nor deadlocks
-    with one: the entitled waiter is what keeps it from borrowing)."""
+    ``first`` is beyond its team's quota and ``me`` is entitled, of another team (else the two would
+    wait for each other: the entitled waiter is what keeps ``first`` from borrowing)."""
     return (
         first.team is not None
         and first.team != me.team
@@ -149,12 +145,9 @@ def quota_room(ask: Ask, teams: Mapping[str, Team], waiters: Iterable[Ask] = ())
 
 
 def reclaim_victims(team: str | None, groups: Groups, need: int, now: float) -> VictimChoice:
-    """The borrowed devices of other teams an entitled waiter of ``team`` takes back to start
-    ``need`` of its ``groups`` (``(address, claim)``, ``None``: free): a group may be taken when every
-    holder in it is a borrower of another team past its protected run time; the groups that lose the
-    least work first (:func:`gpu_tasks.policy.choose_victims`). Empty when free groups suffice or
-    reclaim cannot make room; ``protected_until`` when protected borrowed work is all that stands in
-    the way."""
+    """The borrowed devices of other teams an entitled waiter of ``team`` takes back to start ``need``
+    of its ``groups`` (``(address, claim)``; ``None``: free), as :func:`gpu_tasks.policy.choose_victims`
+    judges holders that are borrowers of another team."""
 
     def judged(claim: Claim | None) -> Holding | None:
         if claim is None:

@@ -90,22 +90,15 @@ def _describe_request(profile: ResourceProfile) -> str:
 
 
 def device_groups(profile: ResourceProfile, devices: list[Device]) -> list[tuple[Device, ...]]:
-    """Split devices into per-worker groups (n devices for n-GPU tasks).
-
-    Every group is eligible; ``max_workers`` caps how many the profile holds at once
-    (:func:`max_worker_count`), so a capped profile can still take whichever device is free.
-    """
+    """Split devices into per-worker groups (n devices for n-GPU tasks), every one eligible:
+    ``max_workers`` caps how many are held at once, so a capped profile takes whichever is free."""
     per = profile.devices_per_worker
     if per == 0:
         return []
     return [tuple(devices[i : i + per]) for i in range(0, len(devices) - per + 1, per)]
 
 
-# ------------------------------------------------------------------ wiring
-# Which devices a worker group or a gang takes, by how they are wired (gpu_tasks.devices.topology).
-# The rule: the best level every pair of the set meets (LEVELS: nvlink, pcie-switch, socket, any),
-# then the worst path (more NVLinks better), then the fewest good links it cuts from the free
-# devices it leaves, then today's order (the devices as given: inventory order).
+# ------------------------------------------------------------------ wiring: which devices a group takes
 _SEARCH_SETS = 400  # candidate sets looked at per level: an 8-GPU host has at most 70 of any size
 _SEARCH_STEPS = 20_000  # search steps per level before taking what was found
 
@@ -147,13 +140,11 @@ def gang_wiring(topology: Topology, chosen: Sequence[str], candidates: Sequence[
 def best_connected(
     topology: Topology, free: Sequence[Device], n: int, at_most: int | None = None
 ) -> tuple[Device, ...] | None:
-    """The best-connected ``n`` of ``free`` (in today's order), or ``None`` when there are fewer, or
-    (``at_most``: an index in LEVELS) none whose every pair meets that level.
+    """The best-connected ``n`` of ``free``, or ``None`` when there are fewer, or none whose every pair
+    meets level ``at_most`` (an index in LEVELS).
 
-    Best: every pair on NVLink, else under one PCIe switch, else on one socket / NUMA node, else
-    anything; then the worst path's :func:`~gpu_tasks.devices.topology.level_rank`; then the fewest
-    good links cut between the set and the free devices it leaves (for one device: the one whose
-    partners are busy, so NVLink pairs and switch islands stay whole); then order. Pure.
+    Best: the best level every pair meets, then the worst path (:func:`topology.level_rank`), then the
+    fewest good links cut from the free devices left (NVLink pairs stay whole), then order.
     """
     if n <= 0 or n > len(free):
         return None
@@ -242,12 +233,10 @@ def placement_groups(
     n_groups: int,
 ) -> list[tuple[Device, ...]]:
     """The device groups, disjoint and in the order to try, for ``n_groups`` new workers of ``profile``
-    on ``devices`` (its matching devices, today's order), ``free`` being the addresses free now.
+    on its matching ``devices`` (``free``: the addresses free now).
 
-    First the best-connected free sets (:func:`best_connected`): one set of ``n_groups`` x n devices
-    for a gang, a set of n for each other worker; then the rest cut by wiring, which the device queue
-    waits for when nothing is free. A profile's ``topology`` level keeps out every group (a gang: every
-    set) that does not meet it. Without a known wiring: :func:`device_groups` (today's groups).
+    First the best-connected free sets (a gang: one set for all), then the rest cut by wiring, for the
+    device queue; groups below the ``topology`` level are left out. Unknown wiring: :func:`device_groups`.
     """
     per = profile.devices_per_worker
     required = None if profile.topology is None else level_index(profile.topology)
@@ -312,11 +301,8 @@ def cpu_count() -> int:
 
 
 def memory_slots(profile: ResourceProfile, device: Device, free: int | None = None) -> int:
-    """How many tasks of a ``gpu_memory_per_task`` profile fit on ``device`` at once.
-
-    floor(memory / per task), the memory being ``free`` (what programs outside gpu-tasks leave,
-    :mod:`gpu_tasks.devices.programs`) when known, else the device's total; at least 1 (the lease
-    asks for one task's memory free, and a device of unknown memory runs one task at a time).
+    """How many tasks of a ``gpu_memory_per_task`` profile fit on ``device`` at once: floor(memory /
+    per task) of its ``free`` memory when known, else of its total; at least 1 (unknown memory: 1).
     """
     per_task = profile.gpu_memory_per_task or 0
     memory = free if free is not None else device.memory_total
@@ -363,11 +349,10 @@ def bound_at_most(profiles: list[ResourceProfile], inventory: Inventory) -> int:
 def desired_workers(
     profile: ResourceProfile, outstanding: int, current: int, limit: int, slots: int | None = None
 ) -> int:
-    """Workers to have now: enough slots for the outstanding tasks, never fewer than now.
+    """Workers to have now: enough slots for the outstanding tasks, never fewer than now; a gang: all.
 
-    Fractional profiles fill a device before using the next (``ceil(n / k)``); a gang
-    always asks for all of its workers. ``slots``: tasks per worker where the running workers
-    tell (a ``gpu_memory_per_task`` profile's depend on its devices' free memory).
+    Fractional profiles fill a device before using the next (``ceil(n / k)``). ``slots``: tasks per
+    worker where the running workers tell (``gpu_memory_per_task``: their devices' free memory).
     """
     if limit <= 0:
         return 0
@@ -392,10 +377,7 @@ class IdleView:
 
 
 def close_reason(view: IdleView, now: float) -> str | None:
-    """Why the cluster should close now, or ``None`` to keep it.
-
-    A cluster with running or queued work is never closed.
-    """
+    """Why the cluster should close now, or ``None`` to keep it (always, with running or queued work)."""
     if not view.running or view.outstanding > 0 or view.idle_since is None:
         return None
     idle_for = now - view.idle_since
@@ -419,12 +401,8 @@ class WorkerSpec:
 
 
 def task_resources(profile: ResourceProfile) -> dict[str, float] | None:
-    """The Dask resources one task of ``profile`` asks for.
-
-    CPU profiles need none: their cluster is their own and its thread count
-    (``slots_per_worker``) already bounds how many tasks run at once. A
-    ``gpu_memory_per_task`` task asks for its bytes of ``GPU_MEMORY``.
-    """
+    """The Dask resources one task of ``profile`` asks for (a ``gpu_memory_per_task`` task: its bytes of
+    ``GPU_MEMORY``). CPU profiles need none: their own cluster's thread count bounds them."""
     if profile.by_memory:
         return {GPU_MEMORY_RESOURCE: float(profile.gpu_memory_per_task or 0)}
     if profile.is_gpu:
@@ -443,9 +421,8 @@ def worker_spec(
 ) -> WorkerSpec:
     """Turn a profile and the devices of one worker into that worker's spec.
 
-    ``free``: the device's free memory sampled at the lease, for a ``gpu_memory_per_task``
-    profile, whose worker runs :func:`memory_slots` tasks at once and whose allocators are capped
-    to slots x per task (``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``, :mod:`gpu_tasks.worker.memory_caps`).
+    ``free``: a ``gpu_memory_per_task`` profile's device's free memory sampled at the lease: its worker
+    runs :func:`memory_slots` tasks, its allocators capped to slots x per task (gpu_tasks.worker.memory_caps).
     """
     slots = slots_per_worker(profile, cores, devices[0] if devices else None, free)
     env = dict(extra_env or {})
@@ -488,11 +465,8 @@ def crash_retry(retries: int, attempts: int, retry_delay_seconds: Any, crashes: 
 
 
 def aged_priority(base: int, aging: float, waited: float) -> int:
-    """``base + floor(waited / aging)``; ``base`` without aging (``aging`` 0) or without a wait.
-
-    The one aging rule: the device queue (:func:`gpu_tasks.devices.leases.effective_priority`) and the waiter
-    board of a shared scheduler (gpu_tasks.cluster.board, ``gpu-tasks waiters``) use it.
-    """
+    """``base + floor(waited / aging)``; ``base`` without aging (``aging`` 0) or without a wait. The one
+    aging rule, of the device queue and of a shared scheduler's waiter board."""
     if aging <= 0 or not math.isfinite(waited) or waited <= 0:
         return base
     return base + math.floor(waited / aging)
@@ -503,9 +477,8 @@ def aged_priority(base: int, aging: float, waited: float) -> int:
 class Holding:
     """A device's holder as preemption judges it: may it be stopped, and what would stopping it lose.
 
-    ``since``: when its run on the device began (wall time: it took the device); ``None`` when
-    unknown (it then loses nothing and is protected by nothing). ``min_run_time``: seconds from
-    ``since`` during which its run is protected (the profile's ``min_run_time``; 0: never).
+    ``since``: when it took the device (wall time; ``None``: unknown, it loses and is protected by
+    nothing). ``min_run_time``: seconds from ``since`` during which its run is protected (0: never).
     """
 
     preemptible: bool
@@ -526,12 +499,8 @@ class Holding:
 
 @dataclass(frozen=True)
 class VictimChoice:
-    """What a waiter may take back now (:func:`choose_victims`).
-
-    ``devices``: the held devices to take back (empty: none, or none needed). ``protected_until``:
-    set when nothing is taken back now only because protected work stands in the way: the moment
-    enough of it has run its ``min_run_time``; ``protected``: those protected devices.
-    """
+    """What a waiter may take back now (:func:`choose_victims`): ``devices`` (empty: none), or, when
+    only ``protected`` devices stand in the way, ``protected_until`` (when enough of them may go)."""
 
     devices: tuple[str, ...] = ()
     protected_until: float | None = None
@@ -541,15 +510,12 @@ class VictimChoice:
 def choose_victims(
     groups: Sequence[Sequence[tuple[str, Holding | None]]], need: int, priority: int, now: float
 ) -> VictimChoice:
-    """The devices a waiter of ``priority`` takes back to start ``need`` of its device ``groups``.
+    """The devices a waiter of ``priority`` takes back to start ``need`` of its device ``groups`` (each
+    ``(address, holder)``; ``None``: free).
 
-    Each group lists ``(address, holder)`` (``None``: free). A group may be taken when every holder
-    in it is preemptible, of lower priority than the waiter, and past its protected run time
-    (:meth:`Holding.protected_until`); a non-preemptible or not lower-priority holder rules its group
-    out for good. Of the groups that may be taken, the ``need`` that lose the least work (device-
-    seconds run so far by the holders stopped) are chosen, then those that stop the fewest devices,
-    then the first listed. When too few may be taken now but enough would once protected holders
-    have run their time, nothing is taken and the choice says until when the waiter waits.
+    A group may be taken when every holder is preemptible, of lower priority and past its protected
+    run time; the ``need`` that lose the least work, then stop the fewest devices, then come first,
+    are chosen. When only protected holders stand in the way, nothing is taken: it says until when.
     """
     need = max(1, need)
     takeable: list[tuple[float, int, int, list[str]]] = []
@@ -597,7 +563,6 @@ def decayed_usage(usage: float, at: float, now: float, half_life: float) -> floa
 def waiter_rank(
     priority: int, aging: float, arrived: float, now: float, usage: float = 0.0, name: str = "\uffff"
 ) -> tuple[int, float, float, str]:
-    """Sort key of a device waiter at ``now`` (lower goes first): higher aged priority
-    (:func:`aged_priority`), then less decayed usage of its team (fair share; 0 for a waiter with no
-    team, or with fair share off), then earlier arrival, then ``name``."""
+    """Sort key of a device waiter at ``now`` (lower first): higher aged priority, then less decayed
+    usage of its team (fair share; 0 without), then earlier arrival, then ``name``."""
     return (-aged_priority(priority, aging, now - arrived), usage, arrived, name)

@@ -22,17 +22,15 @@ def groups_of(waiter: dict[str, Any]) -> list[list[str]]:
 
 def due(waiter: dict[str, Any], default_grace: float, now: float | None = None) -> bool:
     """Whether ``waiter`` has waited its grace period (its own, else ``default_grace``)."""
-    grace = waiter.get("preemption_grace")
-    grace = default_grace if grace is None else float(grace)
+    grace = default_grace if waiter.get("preemption_grace") is None else float(waiter["preemption_grace"])
     now = time.time() if now is None else now
     return now - float(waiter.get("arrived") or now) >= grace
 
 
 def may_preempt(waiter: dict[str, Any], holder: dict[str, Any]) -> bool:
     """Whether ``waiter`` outranks ``holder`` for preemption: preemptible and of lower priority."""
-    return bool(holder.get("preemptible")) and int(holder.get("priority") or 0) < int(
-        waiter.get("priority") or 0
-    )
+    priority = int(waiter.get("priority") or 0)
+    return bool(holder.get("preemptible")) and int(holder.get("priority") or 0) < priority
 
 
 def holding(holder: dict[str, Any]) -> Holding:
@@ -48,14 +46,9 @@ def holding(holder: dict[str, Any]) -> Holding:
 
 
 def choose(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None) -> VictimChoice:
-    """What ``waiter`` may take back at ``now`` (default: now): :func:`gpu_tasks.policy.choose_victims`
-    on its device groups and their holders.
-
-    ``waiter["groups"]`` lists its device groups (address lists) and ``waiter["need"]``
-    how many of them it needs at once (a gang: all); a waiter that registered without
-    them wants any one of its ``addresses``. ``holder_of(address)`` is the holder's
-    info (``priority``, ``preemptible``, ``since``, ``min_run_time``), ``None`` when the device is free.
-    """
+    """What ``waiter`` may take back at ``now``: :func:`gpu_tasks.policy.choose_victims` on its device
+    groups (:func:`groups_of`; ``need`` of them at once) and their holders (``holder_of(address)``:
+    the holder's info, ``None`` when free)."""
     groups = groups_of(waiter)
     held = {a: holder_of(a) for group in groups for a in group}  # one read of each device
     if any(_taken_by(waiter, h) for h in held.values()):
@@ -70,13 +63,8 @@ def choose(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None
 
 
 def _taken_by(waiter: dict[str, Any], holder: dict[str, Any] | None) -> bool:
-    """Whether ``holder`` is ``waiter`` itself on a device it took since it began to wait.
-
-    A waiter leaves the queue (its waiter file, or its entry in a runner's book) only after it
-    has taken its devices, so for a moment it shows as both. Judged then, its own new lease would
-    rule its group out and another group's holder would be stopped for a waiter that no longer
-    waits. Devices it held before it began to wait (a profile adding workers) do not count.
-    """
+    """Whether ``holder`` is ``waiter`` itself on a device it took since it began to wait: it leaves the
+    queue only after taking its devices, and must not then have another group's holder stopped."""
     if (
         not holder
         or holder.get("since") is None
@@ -95,9 +83,8 @@ def _taken_by(waiter: dict[str, Any], holder: dict[str, Any] | None) -> bool:
 
 
 def plan(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None) -> list[str]:
-    """The devices whose holders must give them back so ``waiter`` can start at ``now``; ``[]``: none
-    (preempting cannot satisfy it, protected work stands in the way, or it needs no preemption).
-    See :func:`choose`."""
+    """The devices whose holders must give them back so ``waiter`` can start at ``now`` (:func:`choose`);
+    ``[]``: none needed, none would do, or protected work stands in the way."""
     return list(choose(waiter, holder_of, now).devices)
 
 

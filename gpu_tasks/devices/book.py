@@ -34,10 +34,8 @@ QUOTA_READ_EVERY_S = 5.0  # how often a waiter for a full quota reads the quota'
 
 
 class DeviceBook:
-    """Which profile's cluster holds each device within one entered runner, the leases that extend
-    that to every flow run on this host (``lease_dir``), and the queue of waiters for them. See
-    docs/leases.md, "Waiting and the timeout" and "Queueing and priority".
-    """
+    """Which profile holds each device within one entered runner, the leases that extend that to every
+    flow run on this host, and the queue of waiters (docs/leases.md, "Queueing and priority")."""
 
     def __init__(
         self,
@@ -94,9 +92,7 @@ class DeviceBook:
         min_run_time: float = 0.0,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``; with
-        ``block``, waits in the queue until at least ``at_least`` are (all or none). See docs/leases.md,
-        "Queueing and priority", "Preemption" and "Quotas", and docs/shared-hosts.md, "Programs outside
-        gpu-tasks" (a device they use is not taken).
+        ``block``, waits in the queue until at least ``at_least`` are (all or none).
 
         Args:
             preemptible: ``owner``'s devices may be taken back for higher-priority waiters.
@@ -194,84 +190,67 @@ class DeviceBook:
         leased: set[str],
     ) -> None:
         """Work out why ``me`` waits (at most every ``EXPLAIN_EVERY_S``), write it next to its waiter
-        file when it changed, and tell the caller's listener
-        (:data:`gpu_tasks.devices.wait_reasons.LISTENER`)."""
+        file when it changed, and tell the caller's listener (:func:`wait_reasons.tell`).
+
+        Other processes' holders are read only for ``leased`` (found leased elsewhere this round):
+        reading a free device's holder briefly locks it, failing another flow run's try to lease it."""
         now = time.monotonic()
         if log.explained_at is not None and now - log.explained_at < EXPLAIN_EVERY_S:
             return
         log.explained_at = now
-        try:
-            view = self._wait_view(me, wanted, quota_full, others, usage, log, leased)
-            reason = wait_reasons.why_waiting(view, time.time())
-        except Exception:  # saying why is a courtesy: the wait goes on without it
-            logger.debug("profile %r: could not work out why it waits", me["profile"], exc_info=True)
-            return
-        noted = reason.as_dict()
-        if waiter is not None and noted != log.noted:
-            log.noted = noted
-            leases.note_why(waiter, noted)
-        wait_reasons.tell(reason)
-
-    def _wait_view(
-        self,
-        me: dict[str, Any],
-        wanted: set[str],
-        quota_full: str | None,
-        others: dict[str, str] | None,
-        usage: dict[str, float],
-        log: _WaitLog,
-        leased: set[str],
-    ) -> wait_reasons.WaitView:
-        """What the book knows now about ``me``'s wait (for
-        :func:`gpu_tasks.devices.wait_reasons.why_waiting`).
-
-        Other processes' holders are read only for ``leased``, the devices this round's take found
-        leased elsewhere: reading a free device's holder takes a shared lock on its lock file for a
-        moment, and a flow run that tries to lease it just then fails its try and waits a round."""
-        owner, wall = me["profile"], time.time()
-        with self.cond:
-            infos = {a: h for a, h in self._local_holders().items() if a in wanted and h["profile"] != owner}
-            unheld = sorted(a for a in wanted & leased if self.holders.get(a) is None)
-        for address, info in leases.holders(self.lease_dir, unheld).items():
-            if info is not None:
-                infos[address] = dict(info, other_user=info.get("uid", os.getuid()) != os.getuid())
-        rivals = self.rivals(usage, besides=owner)
-        team = me.get("quota")
-        ahead = tuple(
-            wait_reasons.Ahead(
-                profile=w.get("profile"),
-                flow_run_name=w.get("flow_run_name"),
-                local=bool(w.get("local")),
-                priority=leases.effective_priority(w, wall),
-                team=w.get("quota"),
-                usage=float(usage.get(w["quota"], 0.0)) if w.get("quota") else 0.0,
+        owner, wall, team = me["profile"], time.time(), me.get("quota")
+        try:  # saying why is a courtesy: the wait goes on without it
+            with self.cond:
+                infos = {
+                    a: h for a, h in self._local_holders().items() if a in wanted and h["profile"] != owner
+                }
+                unheld = sorted(a for a in wanted & leased if self.holders.get(a) is None)
+            for address, info in leases.holders(self.lease_dir, unheld).items():
+                if info is not None:
+                    infos[address] = dict(info, other_user=info.get("uid", os.getuid()) != os.getuid())
+            ahead = tuple(
+                wait_reasons.Ahead(
+                    profile=w.get("profile"),
+                    flow_run_name=w.get("flow_run_name"),
+                    local=bool(w.get("local")),
+                    priority=leases.effective_priority(w, wall),
+                    team=w.get("quota"),
+                    usage=float(usage.get(w["quota"], 0.0)) if w.get("quota") else 0.0,
+                )
+                for w in leases.ahead(me, self.rivals(usage, besides=owner), wanted, wall, usage)
             )
-            for w in leases.ahead(me, rivals, wanted, wall, usage)
-        )
-        used = limit = None
-        if quota_full is not None:
-            if log.quota_read_at is None or time.monotonic() - log.quota_read_at >= QUOTA_READ_EVERY_S:
+            if quota_full is not None and (
+                log.quota_read_at is None or time.monotonic() - log.quota_read_at >= QUOTA_READ_EVERY_S
+            ):
                 log.quota_read_at = time.monotonic()
                 try:
                     got = self.quota_slots().limit(quota_full)
                     log.quota_use = (int(got.active_slots), int(got.limit))
                 except Exception:
                     log.quota_use = None
-            if log.quota_use is not None:
-                used, limit = log.quota_use
-        return wait_reasons.WaitView(
-            profile=owner,
-            priority=leases.effective_priority(me, wall),
-            team=team,
-            usage=float(usage.get(team, 0.0)) if team else 0.0,
-            holders=tuple(wait_reasons.Holder.of(a, info) for a, info in sorted(infos.items())),
-            quota_full=quota_full,
-            quota_used=used,
-            quota_limit=limit,
-            ahead=ahead,
-            programs=tuple(sorted((others or {}).items())),
-            borrowing=lending.at_borrowing_limit(me) if quota_full is not None else None,
-        )
+            used, limit = log.quota_use if quota_full is not None and log.quota_use else (None, None)
+            view = wait_reasons.WaitView(
+                profile=owner,
+                priority=leases.effective_priority(me, wall),
+                team=team,
+                usage=float(usage.get(team, 0.0)) if team else 0.0,
+                holders=tuple(wait_reasons.Holder.of(a, info) for a, info in sorted(infos.items())),
+                quota_full=quota_full,
+                quota_used=used,
+                quota_limit=limit,
+                ahead=ahead,
+                programs=tuple(sorted((others or {}).items())),
+                borrowing=lending.at_borrowing_limit(me) if quota_full is not None else None,
+            )
+            reason = wait_reasons.why_waiting(view, time.time())
+        except Exception:
+            logger.debug("profile %r: could not work out why it waits", owner, exc_info=True)
+            return
+        noted = reason.as_dict()
+        if waiter is not None and noted != log.noted:
+            log.noted = noted
+            leases.note_why(waiter, noted)
+        wait_reasons.tell(reason)
 
     def release(self, owner: str, devices: Any) -> None:
         """Give back ``devices`` held by ``owner`` (and this process's leases on them); their use
@@ -314,12 +293,9 @@ class DeviceBook:
         me: dict[str, Any],
         usage: dict[str, float] | None = None,
     ) -> tuple[list[int], set[str], list[dict[str, Any]]]:
-        """Hold up to ``n`` groups free in this book whose new devices lease now (under ``cond``).
-
-        A group that a waiter ranking before ``me`` wants is left to that waiter.
-        Returns the groups' indexes, the devices other processes (their leases or their
-        first-ranked waiters) kept from us, and the waiters we let go first.
-        """
+        """Hold up to ``n`` groups free in this book whose new devices lease now (under ``cond``),
+        leaving one a waiter ranking before ``me`` wants to it: the groups' indexes, the devices other
+        processes (leases or first-ranked waiters) kept from us, and the waiters we let go first."""
         free: list[int] = []
         foreign: set[str] = set()
         first: dict[int, dict[str, Any]] = {}
@@ -387,7 +363,7 @@ class DeviceBook:
 
     def _kept_by_programs(self, me: dict[str, Any], devices: list[Device], lease: leases.Lease) -> bool:
         """Whether programs outside gpu-tasks keep ``me`` off ``devices``, just leased (then the lease
-        is given back, and why is kept in ``me`` for the wait log and in :attr:`skipped` for the ledger)."""
+        is given back; why is kept in ``me`` for the wait log and in :attr:`skipped` for the ledger)."""
         uses = programs.sample(devices, self.lease_dir)
         why = {
             d.address: reason
@@ -501,12 +477,11 @@ class DeviceBook:
         holder_of = self._holder_of()
         now = time.time()
         choice = preemption.choose(me, holder_of, now)
-        victims = list(choice.devices)
-        if not victims:
+        if not choice.devices:
             if choice.protected_until is not None:
                 log.protected(now, choice.protected_until, self.holders_text(list(choice.protected)))
             return False
-        holders = [{"address": a, **(holder_of(a) or {})} for a in victims]
+        holders = [{"address": a, **(holder_of(a) or {})} for a in choice.devices]
         text = "; ".join(f"device {h['address']}: {_describe(h, local_priority=True)}" for h in holders)
         logger.info(
             "profile %r (priority %d) waited %.1fs (GPU_TASKS_TUNE_PREEMPTION_GRACE %gs): preemptible work "
@@ -580,10 +555,8 @@ class DeviceBook:
 
     def holders_text(self, addresses: list[str]) -> str:
         """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
-        with self.cond:
-            mine = self._local_holders()
-        foreign = leases.holders(self.lease_dir, [a for a in addresses if a not in mine])
-        return "; ".join(f"device {a}: {_describe(mine.get(a) or foreign[a])}" for a in addresses)
+        holder_of = self._holder_of()
+        return "; ".join(f"device {a}: {_describe(holder_of(a))}" for a in addresses)
 
     def _timeout_message(
         self,
@@ -594,12 +567,7 @@ class DeviceBook:
         others: dict[str, str],
     ) -> str:
         queued = f"; waiters that rank before it: {self.waiters_text(first)}" if first else ""
-        used = (
-            "; programs outside gpu-tasks: "
-            + "; ".join(f"device {a}: {r}" for a, r in sorted(others.items()))
-            if others
-            else ""
-        )
+        used = f"; programs outside gpu-tasks: {_programs_text(others)}" if others else ""
         return (
             f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease"
             f"{' or use' if others else ''} ({self.holders_text(wanted)}{queued}{used}). Stop those flow runs"
@@ -616,6 +584,10 @@ def _describe(info: dict[str, Any] | None, local_priority: bool = False, **kw: A
         return leases.describe(info, **kw)
     priority = f" (priority {int(info.get('priority') or 0)})" if local_priority else ""
     return f"profile {info.get('profile')!r} of this flow run{priority}"
+
+
+def _programs_text(others: dict[str, str]) -> str:
+    return "; ".join(f"device {a}: {r}" for a, r in sorted(others.items()))
 
 
 class _WaitLog:
@@ -667,7 +639,7 @@ class _WaitLog:
                 "profile %r: waiting for devices that programs outside gpu-tasks use: %s; giving up after "
                 "%gs (GPU_TASKS_LEASE_TIMEOUT)",
                 self.owner,
-                "; ".join(f"device {a}: {r}" for a, r in sorted(others.items())),
+                _programs_text(others),
                 self.book.lease_timeout,
             )
         foreign = foreign - set(others or ())  # free of leases: the programs stand in the way (said above)

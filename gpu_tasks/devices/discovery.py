@@ -149,12 +149,8 @@ def _declared_use(number: int, item: str, uses: list[str], memory: int) -> tuple
 
 
 def parse_emulated(spec: str) -> tuple[Device, ...]:
-    """Parse ``"4"`` or ``"H100:80GiB,H100:80GiB@4242:60GiB,L4:24GiB"`` into emulated devices.
-
-    ``@PID:MEMORY`` after an item declares a program outside gpu-tasks using ``MEMORY`` of that
-    device while the process ``PID`` runs (:attr:`Device.emulated_use`; several may follow).
-    ``N*`` before an item repeats it N times (``8*H100:80GiB``). A ``/SHAPE`` ending declares the
-    wiring (:func:`gpu_tasks.devices.topology.emulated_topology`; :func:`emulated_inventory`).
+    """Parse ``"4"`` or ``"2*H100:80GiB@4242:60GiB,L4:24GiB/SHAPE"`` into emulated devices (the
+    format: :data:`EMULATED_HINT`; the shape is checked here, read by :func:`emulated_inventory`).
 
     Raises:
         DeviceDiscoveryError: naming GPU_TASKS_EMULATED_GPUS, the bad item and the expected format.
@@ -368,13 +364,9 @@ def discover(settings: GpuTasksSettings | None = None) -> Inventory:
 
 @functools.lru_cache(maxsize=1)
 def visible_devices() -> Inventory:
-    """The devices this process may use: those of ``CUDA_VISIBLE_DEVICES`` (every discovered
-    device when it is unset), described from :func:`discover`.
-
-    For workers the runner did not start (``address`` and ``cluster_class`` profiles): a
-    device keeps its ``CUDA_VISIBLE_DEVICES`` id as ``address``; one that discovery does
-    not know is named ``unknown``. Read once per process.
-    """
+    """The devices of ``CUDA_VISIBLE_DEVICES`` (unset: every discovered one) as :func:`discover`
+    describes them, keeping their ids as ``address`` (``unknown`` when not discovered); read once per
+    process, for workers the runner did not start (``address`` and ``cluster_class`` profiles)."""
     try:
         inventory = discover()
     except DeviceDiscoveryError as exc:

@@ -129,10 +129,8 @@ def prepare_queue(lease_dir: Path, shared: bool) -> Path:
 
 
 def open_lock(path: Path, shared: bool) -> int:
-    """Open (making it when missing) the lock file ``path``, close-on-exec, for ``flock``.
-
-    Read-only in a shared directory (the admin's lock files are root-owned 0444; one a user makes
-    is 0444 too), read-write in a per-user one (0644; the holder's info is written in it).
+    """Open (making it when missing) the lock file ``path``, close-on-exec, for ``flock``: read-only
+    0444 in a shared directory (the admin's are root-owned), read-write 0644 in a per-user one.
 
     Raises:
         LeaseFileError: ``path`` is a symbolic link or not a regular file, or exists but this user
@@ -141,13 +139,11 @@ def open_lock(path: Path, shared: bool) -> int:
     flags = (os.O_RDONLY if shared else os.O_RDWR) | OPEN_FLAGS
     mode = 0o444 if shared else 0o644
     try:
-        fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
-        os.fchmod(fd, mode)  # not the umask's
-    except FileExistsError:
         try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, mode)
+            os.fchmod(fd, mode)  # not the umask's
+        except FileExistsError:
             fd = os.open(path, flags)
-        except OSError as exc:
-            raise _open_error(path, exc, shared) from exc
     except OSError as exc:
         raise _open_error(path, exc, shared) from exc
     st = os.fstat(fd)
@@ -191,11 +187,8 @@ def _open_error(path: Path, exc: OSError, shared: bool) -> OSError:
 
 
 def open_own(path: Path) -> int:
-    """Open (making it when missing) a file of this user's own in a directory others write too.
-
-    The file must be a regular file owned by this user with one link (never a link planted to make
-    us write elsewhere); it gets mode 0644 explicitly. Raises ``LeaseFileError`` otherwise.
-    """
+    """Open (making it when missing) a file of this user's own, mode 0644, in a directory others write
+    too; ``LeaseFileError`` unless a regular file of this user with one link (no planted link)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o644)
     except OSError as exc:
@@ -253,10 +246,8 @@ def live_info(lease_dir: Path, address: str) -> dict[str, Any] | None:
 
 
 def read_locked(path: Path, uid: int) -> dict[str, Any] | None:
-    """``path``'s JSON, with ``user`` and ``uid``, when its owner ``uid`` holds a lock on it; else ``None``.
-
-    A file owned by anyone else than the uid its name gives is not believed.
-    """
+    """``path``'s JSON, with ``user`` and ``uid``, when its owner ``uid`` (as its name gives) holds a
+    lock on it; else ``None``."""
     try:
         fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
     except OSError:  # gone, a link, not readable: not a live holder we can name
@@ -303,12 +294,9 @@ def read_info(fd: int) -> dict[str, Any]:
 
 
 def setup(lease_dir: Path, gid: int, addresses: list[str], mode: int = SETUP_MODE) -> list[str]:
-    """Make ``lease_dir`` a shared lease directory (as root, once): what was done, line by line.
-
-    ``lease_dir`` and its queue become ``root:<gid>`` with ``mode`` (setgid + sticky, group rwx), and
-    each of ``addresses`` gets a root-owned lock file of mode 0444: nobody can rewrite, delete or
-    replace it, and anyone can ``flock`` it. Run again at any time (a new device, a changed group).
-    """
+    """Make ``lease_dir`` a shared lease directory (as root; again at any time): what was done, line
+    by line. It and its queue become ``root:<gid>`` with ``mode``; each of ``addresses`` gets a
+    root-owned 0444 lock file that nobody can replace and anyone can ``flock``."""
     if not mode & stat.S_ISVTX or mode & 0o070 != 0o070 or mode & stat.S_IWOTH:
         raise ValueError(f"mode {mode:04o}: must be sticky (1000), group rwx (070), not world-writable")
     done = []

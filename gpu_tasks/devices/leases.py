@@ -22,9 +22,7 @@ from urllib.parse import unquote
 
 from gpu_tasks.devices import fair_share, lease_files, presence
 from gpu_tasks.devices.lease_files import PREFIX, QUEUE, SUFFIX, lock_path
-from gpu_tasks.devices.lease_files import read_info as _read_info
-from gpu_tasks.devices.lease_files import write_info as _write_info
-from gpu_tasks.policy import aged_priority, waiter_rank
+from gpu_tasks.policy import waiter_rank
 from gpu_tasks.reporting.events import RunRef
 
 
@@ -81,11 +79,8 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 
 def owner_info(profile: str | None = None, priority: int | None = None) -> dict[str, Any]:
-    """Who is taking a lease now: this process, its flow run (when in one), ``profile``.
-
-    ``priority``, when given, is the priority the profile runs at in this flow run
-    (:func:`gpu_tasks.cluster.local.run_priority`); ``gpu-tasks devices`` shows it.
-    """
+    """Who is taking a lease now: this process, its flow run (when in one), ``profile`` and the
+    ``priority`` it runs at in this flow run (when given; ``gpu-tasks devices`` shows it)."""
     run = RunRef.current()
     info: dict[str, Any] = {
         "pid": os.getpid(),
@@ -110,13 +105,11 @@ def _lease_dir(lease_dir: Path | None) -> Path:
 
 
 def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = None) -> Lease | None:
-    """Lease every device of ``addresses`` now, or none: ``None`` when any is held elsewhere.
+    """Lease every device of ``addresses`` now, or none: ``None`` when any is held elsewhere (by
+    another process here, or another user's flow run through another lease directory). Never waits.
 
-    Held elsewhere: by another process of this lease directory, or by another user's flow run
-    through another one (:mod:`gpu_tasks.devices.presence`; logged once per holder).
-    ``lease_dir`` defaults to ``GPU_TASKS_LEASE_DIR``. Never waits. Raises ``OSError``
-    when the lease directory or a lock file cannot be opened (a problem to report, not
-    a busy device), ``LeaseFileError`` when one is unsafe to use (its message names the fix).
+    Raises:
+        OSError: the lease directory or a lock file cannot be opened (``LeaseFileError``: unsafe).
     """
     lease_dir = _lease_dir(lease_dir)
     shared = lease_files.prepare(lease_dir)
@@ -128,22 +121,17 @@ def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = No
     _OPEN.add(lease)
     try:
         for address in wanted:
-            fd = lease_files.open_lock(lock_path(lease_dir, address), shared)
+            fd = lease.files[address] = lease_files.open_lock(lock_path(lease_dir, address), shared)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                os.close(fd)
                 release(lease)
                 return None
-            except BaseException:
-                os.close(fd)
-                raise
-            lease.files[address] = fd
             mine = dict(info, address=address)
             if shared:  # the lock file is not ours to write: the info goes in a file of our own
                 lease.held[address] = [(lease_files.hold_info(lease_dir, address, mine), None)]
             else:
-                _write_info(fd, mine)
+                lease_files.write_info(fd, mine)
         # mark first, look second: of two users' runs that try at once, at least one sees the other
         for address, (fd, path) in presence.mark(wanted, lease_dir, info).items():
             lease.held.setdefault(address, []).append((fd, path))
@@ -164,9 +152,9 @@ def annotate(lease: Lease, addresses: Any, **fields: Any) -> None:
         mine = dict(lease.info, address=address)
         held = lease.held.get(address) or []
         if held and held[0][1] is None:  # a shared directory: the info is in a file of our own
-            _write_info(held[0][0], mine)
+            lease_files.write_info(held[0][0], mine)
         elif address in lease.files:
-            _write_info(lease.files[address], mine)
+            lease_files.write_info(lease.files[address], mine)
 
 
 def _held_elsewhere(lease_dir: Path, addresses: list[str]) -> bool:
@@ -186,14 +174,11 @@ def enqueue(
     lease_dir: Path | None = None,
     aging: float = 0.0,
 ) -> Waiter:
-    """Register as a waiter for ``addresses`` until :func:`dequeue`.
+    """Register as a waiter for ``addresses`` until :func:`dequeue`: a file of ``owner_info`` plus
+    ``priority``, ``arrived`` (default now), ``addresses`` and ``aging`` (seconds per +1 priority).
 
-    The file's JSON is ``owner_info`` plus ``priority`` (the base priority), ``arrived``
-    (``time.time()`` when the wait began; default now), ``addresses`` and ``aging``
-    (seconds of waiting per +1 of effective priority; 0: none). It is written and locked
-    under a hidden temporary name and renamed into place, so a reader never sees a
-    live waiter's file unlocked or half written. Raises ``OSError`` when the queue
-    directory cannot be written.
+    Written and locked under a temporary name, then renamed: a reader never sees it unlocked or half
+    written. Raises ``OSError`` when the queue directory cannot be written.
     """
     lease_dir = _lease_dir(lease_dir)
     queue = lease_files.prepare_queue(lease_dir, lease_files.prepare(lease_dir))
@@ -210,7 +195,7 @@ def enqueue(
     try:
         os.fchmod(fd, 0o644)  # readable by every user of a shared directory, whatever the umask
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it open
-        _write_info(fd, info)
+        lease_files.write_info(fd, info)
         os.rename(tmp, queue / name)
     except BaseException:
         os.close(fd)
@@ -242,10 +227,8 @@ def _why_path(queue: Path, name: str) -> Path:
 
 
 def note_why(waiter: Waiter, why: dict[str, Any]) -> None:
-    """Write why ``waiter`` waits (JSON, :meth:`gpu_tasks.devices.wait_reasons.WaitReason.as_dict`) next to
-    its waiter file, for ``gpu-tasks waiters``: written under a temporary name and renamed into place.
-    Best effort: a reason that cannot be written is left out."""
-
+    """Write why ``waiter`` waits (:meth:`~gpu_tasks.devices.wait_reasons.WaitReason.as_dict`) next to
+    its waiter file, for ``gpu-tasks waiters``; best effort (a reason not written is left out)."""
     path = _why_path(waiter.path.parent, waiter.name)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -263,14 +246,13 @@ def note_why(waiter: Waiter, why: dict[str, Any]) -> None:
 
 def read_why(lease_dir: Path | None, name: str) -> dict[str, Any] | None:
     """Why the waiter of file ``name`` waits (as :func:`note_why` wrote it), or ``None``."""
-
     path = _why_path(_lease_dir(lease_dir) / QUEUE, name)
     try:
         fd = os.open(path, os.O_RDONLY | lease_files.OPEN_FLAGS)
     except OSError:
         return None
     try:
-        return _read_info(fd) or None
+        return lease_files.read_info(fd) or None
     except OSError:
         return None
     finally:
@@ -278,12 +260,10 @@ def read_why(lease_dir: Path | None, name: str) -> dict[str, Any] | None:
 
 
 def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
-    """The live waiters in ``<lease_dir>/queue``, first-ranked first (see :func:`rank`; ``usage``: the
-    teams' decayed usage, read from the lease directory when not given).
+    """The live waiters in ``<lease_dir>/queue`` (each its file's JSON plus ``file``), first-ranked
+    first (:func:`rank`; ``usage`` read from the lease directory when not given).
 
-    Each is its file's JSON plus ``file`` (its name). A file that a non-blocking lock
-    attempt gets is a dead waiter's (its process ended without :func:`dequeue`, even
-    by SIGKILL): it is left out and deleted.
+    A file a non-blocking lock gets is a dead waiter's (even one SIGKILLed): left out and deleted.
     """
     lease_dir = _lease_dir(lease_dir)
     queue = lease_dir / QUEUE
@@ -300,7 +280,7 @@ def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = N
             raise
         try:
             if lease_files.locked_elsewhere(fd):
-                out.append(dict(_read_info(fd), file=path.name))
+                out.append(dict(lease_files.read_info(fd), file=path.name))
                 continue
             # dead (or has just left): names are never reused. Another user's dead waiter cannot be
             # deleted in a sticky directory: it stays, unlocked, and is skipped like this each time
@@ -317,9 +297,7 @@ def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = N
 def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
     """A waiter's ``priority`` plus one for every full ``aging`` seconds (its file's own; missing or
     0: none) it has waited by ``now``. See docs/leases.md, "Fairness and aging"."""
-    arrived = float(info.get("arrived", math.inf))
-    waited = (time.time() if now is None else now) - arrived
-    return aged_priority(int(info.get("priority") or 0), float(info.get("aging") or 0.0), waited)
+    return -rank(info, now)[0]
 
 
 def rank(
@@ -363,24 +341,18 @@ def release(lease: Lease | None, addresses: Any = None) -> None:
         return
     for address in list(lease.files) if addresses is None else list(addresses):
         for side, path in lease.held.pop(address, []):  # presence and holder info first, then the lock
-            if path is not None:
-                presence.unmark(side, path)
-            else:
-                _close_all({address: side})
+            presence.unmark(side, path)
         fd = lease.files.pop(address, None)
         if fd is not None:
             _close_all({address: fd})
 
 
 def holders(lease_dir: Path | None = None, addresses: Any = None) -> dict[str, dict[str, Any] | None]:
-    """Who holds each device now: its holder's info, or ``None`` when free.
+    """Who holds each device now: its holder's info (``{}`` while a new holder has not written it
+    yet), or ``None`` when free; ``addresses`` default to every lock file's and presence's device.
 
-    ``lease_dir`` defaults to ``GPU_TASKS_LEASE_DIR``; ``addresses`` to every device
-    with a lock file there or held by another user's flow run elsewhere. A file is
-    held when a non-blocking lock on it fails; its holder's JSON is read only then (a holder
-    that has just locked may not have written it yet: its info is then ``{}``). A device free
-    here that another user's flow run holds through another lease directory has that run's
-    info, with ``user`` and ``elsewhere: true`` (:mod:`gpu_tasks.devices.presence`).
+    A device free here that another user's flow run holds through another lease directory has that
+    run's info, with ``user`` and ``elsewhere: true`` (:mod:`gpu_tasks.devices.presence`).
     """
     lease_dir = _lease_dir(lease_dir)
     if addresses is None:
@@ -402,7 +374,7 @@ def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
             if lease_files.locked_elsewhere(fd):
                 if lease_files.is_shared(lease_dir):  # the holder's own info file names it
                     return lease_files.live_info(lease_dir, address) or {}
-                return _read_info(fd)
+                return lease_files.read_info(fd)
         finally:
             os.close(fd)
     return presence.elsewhere(lease_dir, [address]).get(address)
@@ -411,11 +383,9 @@ def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
 def describe(
     info: dict[str, Any] | None, with_id: bool = True, priority: bool = True, hint: bool = True
 ) -> str:
-    """``profile 'p' (priority 5, preemptible), flow run 'x' (id ...), pid 12`` for a holder's info;
-    ``free`` for ``None``. The priority shows when the info has one and ``priority`` is true.
-
-    Another user's holder adds ``user alice``; one in a lease directory this user does not share
-    adds that, and (with ``hint``) how users share devices."""
+    """``profile 'p' (priority 5, preemptible), flow run 'x' (id ...), pid 12`` for a holder's info
+    (``free`` for ``None``), with ``user alice`` for another user's, and a lease directory this user
+    does not share (``hint``: and how users share devices)."""
     if info is None:
         return "free"
     parts = []

@@ -64,12 +64,9 @@ def borrow_slots(
     waiters: Callable[[], list[Ask]] = list,
     what: tuple[str, str] = ("", ""),
 ) -> tuple[Any, str | None]:
-    """A slot of ``team``'s borrowing limit for ``need`` devices beyond its full quota, when the policy
-    lets it borrow them (:func:`gpu_tasks.borrowing.why_not_borrow`; ``waiters()``: the others that want
-    the same devices, asked only when the cheap reasons pass): ``(lease id, None)``, or ``(None, why
-    not)``. ``slots``: a :class:`gpu_tasks.prefect_api.quotas.QuotaSlots`; ``what``: the profile and
-    the devices, for the log. Used by this host's leases (:func:`borrow`) and by ``address``
-    profiles' task quota (:class:`gpu_tasks.runner.admission.TaskQuota`)."""
+    """A slot of ``team``'s borrowing limit (``slots``: a ``QuotaSlots``) for ``need`` devices beyond its
+    full quota when :func:`gpu_tasks.borrowing.why_not_borrow` lets it: ``(lease id, None)``, or
+    ``(None, why not)``. ``waiters()`` is asked only when the cheap reasons pass; ``what``: for the log."""
     ask = Ask(team, need, preemptible)
     known = teams(fresh=True)
     why = borrowing.why_not_borrow(ask, known)  # the cheap reasons first: no waiter read
@@ -93,9 +90,8 @@ def borrow_slots(
 
 
 def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease) -> Any:
-    """A slot of ``me``'s team's borrowing limit for the devices ``new`` it just leased (its quota full),
-    when the policy lets it borrow them (:func:`borrow_slots`); the lease then says ``borrowed``.
-    ``None``: it may not (why is kept in ``me["borrow_why"]``) or the limit has no room."""
+    """A slot of ``me``'s team's borrowing limit for the devices ``new`` it just leased beyond its full
+    quota (:func:`borrow_slots`; the lease then says ``borrowed``); ``None``: why is ``me["borrow_why"]``."""
     lease_id, why = borrow_slots(
         book.quota_slots(),
         me["quota"],
@@ -117,8 +113,7 @@ def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease) -
 
 def at_borrowing_limit(me: dict[str, Any]) -> tuple[str, float, float] | None:
     """``(team, borrowed, limit)`` when ``me``, preemptible and its quota full, cannot borrow because its
-    team has borrowed up to a borrowing limit above 0 (why it waits:
-    :func:`gpu_tasks.devices.wait_reasons.why_waiting`); ``None`` otherwise or when the API cannot say."""
+    team is at a borrowing limit above 0; ``None`` otherwise or when the API cannot say."""
     team = me.get("quota")
     if team is None or not me.get("preemptible"):
         return None
@@ -145,9 +140,8 @@ def still_ahead(me: dict[str, Any], before: list[dict[str, Any]]) -> list[dict[s
 
 
 def reclaim_due(book: Any, preemptible: set[str]) -> tuple[dict[str, Any], list[str]] | None:
-    """An entitled waiter of another team past its preemption grace, and the devices this book's
-    ``preemptible`` profiles borrowed that it takes back; ``None`` when there is none. The waiter comes
-    back with ``reclaimed_by`` (its team) for the state and log of the tasks stopped."""
+    """An entitled waiter of another team past its preemption grace (with ``reclaimed_by``: its team),
+    and the devices this book's ``preemptible`` profiles borrowed that it takes back; or ``None``."""
     with book.cond:
         ours = {
             a for a, o in book.holders.items() if o in preemptible and book.leases[a].info.get("borrowed")

@@ -99,10 +99,11 @@ def mark(addresses: Iterable[str], lease_dir: Path, info: dict[str, Any]) -> dic
     return out
 
 
-def unmark(fd: int, path: Path) -> None:
-    """Delete a presence file of this flow run, then unlock it (by closing it)."""
-    with contextlib.suppress(OSError):
-        os.unlink(path)
+def unmark(fd: int, path: Path | None) -> None:
+    """Delete this flow run's file ``path`` (``None``: none to delete), then unlock it (by closing it)."""
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
     with contextlib.suppress(OSError):
         os.close(fd)
 

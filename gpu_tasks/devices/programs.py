@@ -26,11 +26,8 @@ _Sampled = tuple[str, dict[int, int | None], int | None, int | None, str]
 
 @dataclass(frozen=True)
 class Program:
-    """One process outside gpu-tasks using a device.
-
-    ``user`` and ``command`` are ``None`` when they cannot be read here; ``hidden`` says why.
-    ``memory`` is ``None`` when the driver does not report it.
-    """
+    """One process outside gpu-tasks using a device: ``user`` and ``command`` ``None`` when they cannot
+    be read here (``hidden`` says why), ``memory`` when the driver does not report it."""
 
     pid: int
     memory: int | None
@@ -110,12 +107,9 @@ def blocked(use: DeviceUse, limit: int, need: int | None = None) -> str | None:
 
 
 def sample(devices: Sequence[Device], lease_dir: Path | None = None) -> dict[str, DeviceUse]:
-    """What programs outside gpu-tasks use on each of ``devices`` now, by address.
-
-    ``lease_dir`` (default ``GPU_TASKS_LEASE_DIR``) names the other flow runs whose processes are
-    gpu-tasks' own. Emulated devices read their declarations; other devices ask NVML (one
-    ``nvmlInit`` for all of them); a device NVML cannot answer for is not sampled (``note``).
-    """
+    """What programs outside gpu-tasks use on each of ``devices`` now, by address: emulated devices'
+    declarations, else NVML's (not sampled: ``note`` says why). The holders in ``lease_dir`` (default
+    ``GPU_TASKS_LEASE_DIR``) and their descendants are gpu-tasks' own."""
     raw: dict[str, _Sampled] = {}
     for d in devices:
         if d.emulated:

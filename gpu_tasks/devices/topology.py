@@ -173,45 +173,34 @@ def check_shape(shape: str, count: int, hint: str) -> None:
 
 def emulated_topology(shape: str | None, addresses: Sequence[str]) -> Topology:
     """The wiring an emulated spec's shape declares (unknown without one; checked by :func:`check_shape`).
-
-    ``nvswitch``: every pair ``NV18``, the first half of the devices on NUMA node 0, the rest on 1
-    (as a DGX H100). ``<S>s<G>``: S sockets (NUMA nodes) of G devices; devices 2k and 2k+1 of a
-    socket share a PCIe switch (``PIX``), other devices of the socket are ``NODE`` apart, devices of
-    different sockets ``SYS``; ``-nvpairs`` joins each switch pair by ``NV4`` as well. ``-c<C>``
-    declares each device's CPUs: the C cores of its socket (NUMA node k: cores k*C to k*C+C-1);
-    without it they are unknown.
-    """
+    The shapes are in docs/profiles.md, "Topology"."""
     n = len(addresses)
     if shape is None:
         return Topology.unknown(addresses, "unknown (emulated devices without a shape)")
     if switch := _NVSWITCH_RE.match(shape):
-        numa = tuple(0 if i < (n + 1) // 2 else 1 for i in range(n))
-        matrix = tuple(tuple(SELF if i == j else f"NV{NVSWITCH_LINKS}" for j in range(n)) for i in range(n))
-        return Topology(
-            addresses=tuple(addresses),
-            matrix=matrix,
-            numa=numa,
-            cpus=_socket_cpus(numa, switch.group(1)),
-            source=f"emulated {shape}",
-        )
-    match = _SOCKETS_RE.match(shape)
-    assert match is not None  # parse_emulated checked it
-    per, pairs = int(match.group(2)), bool(match.group(3))
+        per, pairs, cores = (n + 1) // 2, False, switch.group(1)  # two NUMA nodes of half the devices
+    else:
+        match = _SOCKETS_RE.match(shape)
+        assert match is not None  # parse_emulated checked it
+        per, pairs, cores = int(match.group(2)), bool(match.group(3)), match.group(4)
 
     def path(i: int, j: int) -> str:
         if i == j:
             return SELF
+        if switch:
+            return f"NV{NVSWITCH_LINKS}"
         if i // per != j // per:
             return "SYS"
         if (i % per) // 2 != (j % per) // 2:
             return "NODE"
         return f"NV{NVPAIR_LINKS}" if pairs else "PIX"
 
+    numa = tuple(i // per for i in range(n))
     return Topology(
         addresses=tuple(addresses),
         matrix=tuple(tuple(path(i, j) for j in range(n)) for i in range(n)),
-        numa=tuple(i // per for i in range(n)),
-        cpus=_socket_cpus(tuple(i // per for i in range(n)), match.group(4)),
+        numa=numa,
+        cpus=_socket_cpus(numa, cores),
         source=f"emulated {shape}",
     )
 
@@ -255,13 +244,9 @@ def parse_cpus(text: str) -> frozenset[int]:
 
 
 def worker_cores(cpus: Sequence[str | None], allowed: Iterable[int]) -> tuple[frozenset[int] | None, str]:
-    """The CPUs to pin a worker to, and what to record: the union of its devices' CPUs (``cpus``, as
-    :attr:`Topology.cpus`) that this process may use (``allowed``: ``os.sched_getaffinity(0)``).
-
-    ``(None, why)`` leaves the worker's CPUs as they are: no device, a device whose CPUs are unknown,
-    or none of them usable here (an emulated shape declaring more cores than this machine has).
-    Never an empty set: a process pinned to no CPU cannot run.
-    """
+    """The CPUs to pin a worker to, and what to record: the union of its devices' ``cpus`` that this
+    process may use (``allowed``); ``(None, why)`` when there are none (a process pinned to no CPU
+    cannot run), a device's are unknown, or there is no device."""
     if not cpus:
         return None, "not applied: no device"
     if any(c is None for c in cpus):
@@ -297,24 +282,18 @@ def pcie_matrix(n: int, ancestor: Any) -> list[list[str]]:
 def add_nvlinks(
     matrix: list[list[str]], remotes: Sequence[Sequence[str | None]], bus_ids: Sequence[str]
 ) -> None:
-    """Put ``NV<n>`` into ``matrix`` from each device's active links: ``remotes[i]`` lists, per active
-    link of device i, the PCI bus id at its other end (``None``: unknown). A link to a bus id that is no
-    device of ours goes to an NVSwitch: two devices with switch links reach each other through it
-    (``NV<the fewer links>``, as nvidia-smi shows on an NVSwitch box)."""
+    """Put ``NV<n>`` into ``matrix`` from the PCI bus id at the other end of each active link of each
+    device (``remotes[i]``; ``None``: unknown). A link to no device of ours goes to an NVSwitch: two
+    devices with such links reach each other through it (``NV<the fewer links>``, as nvidia-smi shows)."""
     norm = [_bus(b) for b in bus_ids]
     direct: dict[tuple[int, int], int] = {}
     switched = [0] * len(remotes)
     for i, links in enumerate(remotes):
-        for remote in links:
-            if remote is None:
-                continue
-            bus = _bus(remote)
-            if bus in norm:
-                j = norm.index(bus)
-                if j != i:
-                    direct[(min(i, j), max(i, j))] = direct.get((min(i, j), max(i, j)), 0) + 1
-            else:
+        for bus in (_bus(remote) for remote in links if remote is not None):
+            if bus not in norm:
                 switched[i] += 1
+            elif (j := norm.index(bus)) != i:
+                direct[(min(i, j), max(i, j))] = direct.get((min(i, j), max(i, j)), 0) + 1
     n = len(matrix)
     for i in range(n):
         for j in range(i + 1, n):

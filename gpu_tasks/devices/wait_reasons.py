@@ -5,6 +5,7 @@ See docs/leases.md, "Why a task waits" (the kinds, by precedence: :data:`KINDS`)
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ KINDS = (
 )
 BOARD_QUEUED = "board-queued"
 BOARD_BUSY = "board-busy"
+_HOLDER_FIELDS = ("address", "profile", "flow_run_name", "flow_run_id", "pid", "user", "local", "priority")
 
 
 @dataclass(frozen=True)
@@ -54,28 +56,12 @@ class Holder:
         name = f"profile {self.profile!r}" if self.profile else "a holder"
         if self.local:
             return f"{name} of this flow run"
-        parts = [f"flow run {self.flow_run_name!r}"] if self.flow_run_name else []
-        parts.append(f"pid {self.pid if self.pid is not None else '?'}")
-        if self.user:
-            parts.append(f"user {self.user}")
-        run = parts[0] if self.flow_run_name else "a process"
-        rest = ", ".join(parts[1:] if self.flow_run_name else parts)
-        return f"{name} of {run} ({rest})"
+        run = f"flow run {self.flow_run_name!r}" if self.flow_run_name else "a process"
+        user = f", user {self.user}" if self.user else ""
+        return f"{name} of {run} (pid {self.pid if self.pid is not None else '?'}{user})"
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            k: getattr(self, k)
-            for k in (
-                "address",
-                "profile",
-                "flow_run_name",
-                "flow_run_id",
-                "pid",
-                "user",
-                "local",
-                "priority",
-            )
-        }
+        return {k: getattr(self, k) for k in _HOLDER_FIELDS}
 
     @classmethod
     def of(cls, address: str, info: Mapping[str, Any]) -> Holder:
@@ -283,10 +269,8 @@ def tell(reason: WaitReason) -> None:
     the wait goes on)."""
     listener = LISTENER.get()
     if listener is not None:
-        try:
+        with contextlib.suppress(Exception):  # the wait is what matters; a listener's failure must not end it
             listener(reason)
-        except Exception:  # the wait is what matters; a listener's failure must not end it
-            pass
 
 
 class Throttle:
@@ -301,12 +285,8 @@ class Throttle:
 
     def due(self, reason: WaitReason, now: float) -> bool:
         """Whether to say ``reason`` at ``now`` (monotonic); records it when so."""
-        if self.last_at is None:
-            ok = True
-        elif self.last_kind_text != _key(reason):  # its kind, or its words but times
-            ok = now - self.last_at >= self.gap
-        else:
-            ok = now - self.last_at >= self.every
+        wait = self.gap if self.last_kind_text != _key(reason) else self.every  # changed: kind or words
+        ok = self.last_at is None or now - self.last_at >= wait
         if ok:
             self.last_at, self.last_kind_text = now, _key(reason)
         return ok
@@ -315,8 +295,5 @@ class Throttle:
 def _key(reason: WaitReason) -> tuple[str, str]:
     """What makes two reasons the same: the kind and who or what holds it (not the seconds left)."""
     who = reason.holder or {}
-    name = str(who.get("address") or "") + "|" + str(who.get("profile") or "") + "|"
-    name += (
-        str(who.get("flow_run_name") or "") + "|" + str(reason.quota or "") + "|" + str(reason.until or "")
-    )
-    return reason.kind, name
+    parts = (who.get("address"), who.get("profile"), who.get("flow_run_name"), reason.quota, reason.until)
+    return reason.kind, "|".join(str(p or "") for p in parts)
