@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 from gpu_tasks import _gpu
 from gpu_tasks.allocation import Allocation
@@ -30,8 +30,6 @@ PROCESSING_TRIES = 3  # asks of the scheduler which tasks workers run, before a 
 
 LOCALHOST = "127.0.0.1"
 _ANY_PORT = f"{LOCALHOST}:0"
-
-T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- specs
@@ -155,11 +153,8 @@ _non_daemon_workers = functools.partial(shared_config, "distributed.worker.daemo
 def apply_worker_spec(cluster: Any) -> None:
     """Make a ``SpecCluster`` start or stop workers to match its edited ``worker_spec``, and wait.
 
-    ``SpecCluster.scale`` only adds copies of its ``new_spec``; a profile's workers each have
-    their own devices, so gpu-tasks edits ``worker_spec`` and awaits the cluster, which is how
-    distributed documents bringing a ``SpecCluster`` up to its spec (``await cluster``: the
-    workers the spec no longer names are retired and closed, the new ones started, and each
-    awaited). Run on the cluster's own event loop (``sync``, as its sync methods do).
+    ``scale`` only adds copies of ``new_spec`` and each worker has its own devices: ``await
+    cluster`` (distributed's documented way) on its own loop, as its sync methods do.
     """
 
     async def applied() -> None:
@@ -173,6 +168,7 @@ class Backend:
     """A running set of workers of one profile: submit to it, grow it, close it."""
 
     dashboard_link: str | None = None
+    client: Any = None  # a Dask client, where it has one
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
         """Run ``fn(*args)``; a future with ``add_done_callback`` and ``result``."""
@@ -185,7 +181,14 @@ class Backend:
         keys: list[str],
         resources: dict[str, float] | None,
     ) -> list[Any]:
-        """``submit`` for each of ``argss`` (under ``keys``): the futures, in that order."""
+        """``submit`` for each of ``argss`` (under ``keys``): the futures, in that order.
+
+        A Dask client gets one graph, not one each: Dask's per-graph cost is paid once per batch.
+        """
+        if self.client is not None and len(argss) > 1:
+            return list(
+                self.client.map(fn, *zip(*argss, strict=True), key=keys, pure=False, resources=resources)
+            )
         return [
             self.submit(fn, *args, key=key, resources=resources)
             for args, key in zip(argss, keys, strict=True)
@@ -276,20 +279,6 @@ class DaskBackend(Backend):
     def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
         assert self.client is not None
         return self.client.submit(fn, *args, key=key, pure=False, resources=resources)
-
-    def submit_many(
-        self,
-        fn: Callable[..., Any],
-        argss: list[tuple[Any, ...]],
-        keys: list[str],
-        resources: dict[str, float] | None,
-    ) -> list[Any]:
-        # one graph for the scheduler, not one each: Dask's per-graph cost (a client message, the
-        # scheduler's materialize and order steps on its offload thread) is paid once per batch
-        assert self.client is not None
-        if len(argss) == 1:
-            return [self.submit(fn, *argss[0], key=keys[0], resources=resources)]
-        return list(self.client.map(fn, *zip(*argss, strict=True), key=keys, pure=False, resources=resources))
 
     def add(self, specs: list[WorkerSpec], total: int) -> None:
         for s in specs:
@@ -438,37 +427,27 @@ def start(
 
 
 def uses_warm_pool(profile: ResourceProfile, emulated: bool) -> bool:
-    """Whether ``profile``'s workers can come from a warm pool: worker processes this host
-    starts in a ``SpecCluster``.
-
-    Real-GPU profiles too, over ``tcp``: a bound warm process sets itself up as dask-cuda's
-    ``LocalCUDACluster`` would (:func:`gpu_tasks.compat.dask_cuda.worker_options`). Over
-    ``ucx``/``ucxx`` dask-cuda starts its own workers (UCX is configured as they start).
-    """
+    """Whether ``profile``'s workers can come from a warm pool: processes this host starts in a
+    ``SpecCluster``; real GPUs over ``tcp`` only (over UCX dask-cuda starts its own workers)."""
     if not (profile.is_local and profile.uses_processes):
         return False
     return not uses_dask_cuda(profile, emulated) or profile.cuda.protocol == "tcp"
 
 
-def _load_dask_cuda(profile: ResourceProfile) -> Any:
-    """dask-cuda, or a ``ClusterError`` saying why ``profile`` cannot have it."""
+def _load(profile: ResourceProfile, module: str, needs: str) -> Any:
+    """``module`` (:mod:`gpu_tasks._gpu`), or a ``ClusterError`` saying why ``profile`` ``needs`` it."""
     try:
-        return _gpu.load("dask_cuda")
+        return _gpu.load(module)
     except _gpu.GpuLibraryUnavailable as exc:
-        raise ClusterError(f"profile {profile.name!r} needs dask-cuda on real GPUs: {exc.reason}") from exc
+        raise ClusterError(f"profile {profile.name!r} {needs}: {exc.reason}") from exc
 
 
 def _dask_cuda_for_warm_workers(profile: ResourceProfile) -> dict[str, Any]:
     """Check that dask-cuda imports here, and apply in this process what ``LocalCUDACluster``
     would; the options its warm workers set themselves up with."""
-    _load_dask_cuda(profile)
+    _load(profile, "dask_cuda", "needs dask-cuda on real GPUs")
     if profile.cuda.enable_cudf_spill:  # as dask-cuda does: spilling on in the client process too
-        try:
-            cudf = _gpu.load("cudf")
-        except _gpu.GpuLibraryUnavailable as exc:
-            raise ClusterError(
-                f"profile {profile.name!r} sets cuda.enable_cudf_spill, which needs cuDF: {exc.reason}"
-            ) from exc
+        cudf = _load(profile, "cudf", "sets cuda.enable_cudf_spill, which needs cuDF")
         cudf.set_option("spill", True)
         cudf.set_option("spill_stats", False)
     os.environ["RAPIDS_NO_INITIALIZE"] = "True"  # as LocalCUDACluster sets it
@@ -483,7 +462,7 @@ def _cuda_cluster(
     dashboard: bool,
 ) -> Any:
     """dask-cuda's LocalCUDACluster over every device of the profile, starting ``specs``'s workers."""
-    dask_cuda = _load_dask_cuda(profile)
+    dask_cuda = _load(profile, "dask_cuda", "needs dask-cuda on real GPUs")
     by_address = {spec.devices[0].address: spec for spec in every_spec}
     cls = _own_device_cluster_class(dask_cuda.LocalCUDACluster)
     cuda = profile.cuda

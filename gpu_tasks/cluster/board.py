@@ -56,10 +56,8 @@ def _dropper(token: str) -> Callable[..., None]:
 
 def _mover(keys: list[str]) -> Callable[..., list[str]]:
     """A function for ``Client.run_on_scheduler`` that moves those of ``keys`` queued on a worker whose
-    resources are over-asked (they cannot start there yet) to a worker with room for them, through
-    Dask's work stealing (``move_task_request``: the worker gives it up only if it has not started it).
-    Dask's own stealing leaves them: a worker with spare threads is not busy to it. Made in a closure so
-    that it travels by value: the scheduler needs no gpu-tasks."""
+    resources are over-asked to one with room (``move_task_request``: Dask's own stealing leaves them).
+    Made in a closure so that it travels by value: the scheduler needs no gpu-tasks."""
     wanted = list(keys)
 
     def move(dask_scheduler: Any = None) -> list[str]:

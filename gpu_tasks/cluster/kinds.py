@@ -21,11 +21,8 @@ from gpu_tasks.devices.book import DeviceBook
 from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.profiles import ResourceProfile
 
-# This host's worker processes run the flow process's own interpreter, so its own Prefect, against
-# the API the flow process already checked the version of: they skip Prefect's server version check
-# (a TLS context, a client and a request per worker process, about 12% of a bound worker's CPU).
-# A setting the flow sets itself still reaches them (its serialized settings come first); workers
-# of the other kinds may run another Prefect and keep the check.
+# This host's workers run the flow process's own Prefect against the API it already checked: no
+# server version check (docs/runner.md); the other kinds' workers may run another Prefect.
 SAME_PREFECT_ENV = {"PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED": "false"}
 
 

@@ -217,10 +217,8 @@ class ProfileCluster:
         )
 
     def _placement_limits(self) -> None:
-        """Before a GPU profile's devices are leased: when no concurrency limit exists on the
-        placement tags, its workers are told so (:data:`~gpu_tasks.allocation.PLACEMENT_FREE_ENV`)
-        and their engines do not ask for those tags' slots while they hold a device (for
-        ``GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS``, as any "no limits" answer; then they ask again)."""
+        """Before a GPU profile's lease: tell its workers when no concurrency limit exists on the
+        placement tags (:data:`~gpu_tasks.allocation.PLACEMENT_FREE_ENV`), so they ask for no slots."""
         if not self.profile.is_gpu or get_settings().tag_limit_cache_seconds <= 0:
             return
         env = {k: v for k, v in self.worker_env.items() if k != PLACEMENT_FREE_ENV}
@@ -256,9 +254,7 @@ class ProfileCluster:
     def _acquire(self, n_workers: int) -> list[tuple[Device, ...]]:
         """The device groups leased for ``n_workers`` workers (CPU profiles: ``n_workers`` empty ones).
 
-        A gang gets all ``n_workers`` at once or none, never starting partly: it waits in the device
-        queue for all of them (by priority, then arrival), so two gangs never each hold half of what
-        they need and a gang is not starved by single-device profiles.
+        A gang waits in the device queue for all of them at once, so two gangs never each hold half.
         """
         if not self.profile.is_gpu:
             return [()] * n_workers
@@ -379,10 +375,7 @@ class ProfileCluster:
         return self.backend
 
     def record(self, worker: str, start: float, end: float) -> None:
-        """Record that a task ran on ``worker`` from ``start`` to ``end``.
-
-        ``worker`` is :func:`gpu_tasks.reporting.ledger.worker_key` of its devices.
-        """
+        """Record that a task ran on ``worker`` (:func:`~gpu_tasks.reporting.ledger.worker_key`)."""
         self.usage.record(worker, start, end)
 
     def drain(self) -> None:
@@ -395,7 +388,7 @@ class ProfileCluster:
 
         Args:
             hurry: terminate worker processes first (the flow was interrupted): Dask's
-                graceful close waits 4 s for each worker busy in a task.
+                graceful close waits for each worker busy in a task.
         """
         backend, self.backend = self.backend, None
         if backend is None:
@@ -422,12 +415,10 @@ class ProfileCluster:
         return None if spec is None else tuple(d.address for d in spec.devices)
 
     def retire(self, name: str, reason: str, keep: bool = False) -> LedgerRow | None:
-        """Remove the worker ``name`` (its process died) and give its devices back.
+        """Remove the worker ``name`` (its process died) and give its devices back; the ledger row.
 
-        The whole cluster closes when that was its last worker (unless ``keep``: its scheduler
-        stays up, with no worker, for tasks it holds), or when the worker is not one of ours by
-        name (dask-cuda names its own). Returns the ledger row for what was given back, ``None``
-        when nothing was running.
+        The whole cluster closes after its last worker (unless ``keep``: the scheduler stays up for
+        the tasks it holds), or for a worker not ours by name (dask-cuda names its own).
         """
         spec = next((s for s in self.specs if s.name == name), None)
         if self.backend is None or (spec is None and name in self.retired):
@@ -492,21 +483,17 @@ class ProfileCluster:
         )
 
     def admit(self, stop: threading.Event, say: Callable[[str], None]) -> None:
-        """Hold a new task back for aged waiters of a shared scheduler (gpu_tasks.cluster.remote); a local
-        profile's waiters age in the device queue: nothing to do here."""
+        """Hold a new task back for a shared scheduler's aged waiters (local ones age in the device queue)."""
 
     def preempted_by(self, key: str) -> dict[str, Any]:
-        """The waiter a shared scheduler's task ``key`` was interrupted for (gpu_tasks.cluster.remote);
-        a local profile's workers are stopped instead, so: ``{}``."""
+        """The waiter a shared scheduler's task ``key`` was interrupted for (local workers are stopped)."""
         return {}
 
     def lend(self, task_run: str, borrowed: bool) -> None:
-        """Mark a shared scheduler's task (its task run's hex id) as running on borrowed quota, or not
-        (gpu_tasks.cluster.remote); a local profile's borrowed devices are in their leases: nothing here."""
+        """Mark a shared scheduler's task as on borrowed quota (local borrowing is in the leases)."""
 
     def owed_waiters(self) -> list[Any]:
-        """The waiters of other teams a shared scheduler's board says are owed devices within their quota
-        (:class:`gpu_tasks.borrowing.Ask`; gpu_tasks.cluster.remote); none here."""
+        """Other teams' waiters a shared scheduler's board says are owed devices (none here)."""
         return []
 
     def lost_workers(self, grace: float) -> list[tuple[str, str | None]]:
@@ -547,23 +534,14 @@ class ProfileCluster:
         return f"{kind} {','.join(self.devices) or '?'}"
 
     def _spec(self, index: int, devices: tuple[Device, ...] | None = None) -> WorkerSpec:
-        spec = self._plain_spec(index, devices)
-        if not spec.devices:
-            return spec
-        # on its devices' CPUs (gpu_tasks.worker.affinity: the worker applies, the ledger records)
-        env, record = affinity.plan(
-            self.profile.cpu_affinity, [self.inventory.wiring.cpus_of(d.address) for d in spec.devices]
-        )
-        return dataclasses.replace(spec, env={**spec.env, affinity.ENV: env}, cpus=record)
-
-    def _plain_spec(self, index: int, devices: tuple[Device, ...] | None = None) -> WorkerSpec:
         if devices is None:
             devices = self.groups[index] if self.profile.is_gpu else ()
         by_memory = self.profile.by_memory and devices  # tasks are packed against what others leave free
         use = programs.sample(devices, self.book.lease_dir).get(devices[0].address) if by_memory else None
         free_bytes = use.free if use is not None else None
-        env, emulated = self.worker_env, self.inventory.emulated
-        spec = worker_spec(self.profile, index, devices, emulated, extra_env=env, free=free_bytes)
+        spec = worker_spec(
+            self.profile, index, devices, self.inventory.emulated, extra_env=self.worker_env, free=free_bytes
+        )
         if by_memory:
             logger.info(
                 "profile %r: device %s has %s free: %d task(s) of gpu_memory_per_task=%s at once",
@@ -573,4 +551,10 @@ class ProfileCluster:
                 spec.nthreads,
                 f"{(self.profile.gpu_memory_per_task or 0) / 2**30:g}GiB",
             )
-        return spec
+        if not spec.devices:
+            return spec
+        # on its devices' CPUs (gpu_tasks.worker.affinity: the worker applies, the ledger records)
+        env, record = affinity.plan(
+            self.profile.cpu_affinity, [self.inventory.wiring.cpus_of(d.address) for d in spec.devices]
+        )
+        return dataclasses.replace(spec, env={**spec.env, affinity.ENV: env}, cpus=record)

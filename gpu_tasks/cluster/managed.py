@@ -12,10 +12,7 @@ from typing import Any
 
 from gpu_tasks.cluster.backends import _non_daemon_workers, shared_config
 from gpu_tasks.cluster.remote import RemoteCluster
-from gpu_tasks.cluster.remote_workers import (
-    RemoteWorker,
-    read_workers,
-)
+from gpu_tasks.cluster.remote_workers import RemoteWorker, read_workers
 from gpu_tasks.cluster.within import within
 from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.cpython import signal_handlers_kept

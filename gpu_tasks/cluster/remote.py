@@ -189,13 +189,10 @@ class RemoteCluster(ProfileCluster):
 
     def _cancel_unfinished(self) -> None:
         """Stop our tasks on the cluster (the flow run stopped): queued ones never start; running
-        ones are interrupted in their worker thread (``KeyboardInterrupt``: they end ``Crashed``,
-        "aborted by an interrupt signal", as on this host) and give the workers' GPUs back.
+        ones are interrupted (``KeyboardInterrupt``: ``Crashed``, as on this host).
 
-        Cancelled first, interrupted second: a worker freed by an interrupt would otherwise take
-        one of our queued tasks before its cancel arrived (seen on a loaded machine: the queued
-        task started after the Ctrl-C). A cancelled task's thread runs on until it returns, and
-        the interrupt finds it by its key in the worker's registry, not in Dask's state."""
+        Cancelled first: a worker freed by an interrupt would otherwise take a queued task of ours
+        before its cancel arrived; the interrupt finds a cancelled task's thread by its key."""
         with self._busy_lock:
             futures = list(self._futures.values())
             keys = list(self._futures)
@@ -237,10 +234,6 @@ class RemoteCluster(ProfileCluster):
                     self._board_step(client, self.board)
                 except Exception:  # a scheduler that went away: the wait log says the rest
                     logger.debug("profile %r: board step failed", self.profile.name, exc_info=True)
-
-    def _executing(self, client: Any) -> dict[str, list[str]]:
-        """The keys each worker is executing now (not those it holds back for resources)."""
-        return _by_worker(client.run(executing_keys, on_error="return"))
 
     def _started(self, client: Any) -> set[str]:
         """The keys no longer queued on any worker: running, or ended and not yet heard of here."""
@@ -292,7 +285,9 @@ class RemoteCluster(ProfileCluster):
         waiters = board.due_waiters(client, self.priority, lent)
         if not waiters:
             return
-        mine = {w: [k for k in keys if k in pending] for w, keys in self._executing(client).items()}
+        # the keys each worker is executing now (not those it holds back for resources)
+        executing = _by_worker(client.run(executing_keys, on_error="return"))
+        mine = {w: [k for k in keys if k in pending] for w, keys in executing.items()}
         protect = float(self.profile.min_run_time or 0.0)
 
         def claim(key: str) -> Claim:
@@ -491,8 +486,7 @@ class RemoteCluster(ProfileCluster):
         Those that cannot get no task (``_no_api``), with a warning; with none left, or with any
         when ``every`` (a cluster class's workers are alike), raise ``ClusterError``.
         """
-        failed = self._probe_api(workers)
-        self._no_api = failed
+        self._no_api = failed = self._probe_api(workers)
         if not failed:
             return
         assert self.api_url is not None
@@ -503,9 +497,8 @@ class RemoteCluster(ProfileCluster):
         logger.warning("%s; its tasks go to the other %d worker(s)", why, len(workers) - len(failed))
 
     def _probe_api(self, workers: list[RemoteWorker]) -> dict[str, str]:
-        """{address: why not} for the ``workers`` that cannot reach the API: each one asks it for
-        this flow run (:func:`gpu_tasks.worker.api_probe.probe_api`), which a different server,
-        at the worker's own 127.0.0.1 say, cannot answer. Nothing when they cannot be asked."""
+        """{address: why not} for the ``workers`` that cannot reach the API, each asking it for this
+        flow run (:func:`~gpu_tasks.worker.api_probe.probe_api`); ``{}`` when they cannot be asked."""
         client, url = self.client, self.api_url
         if url is None or client is None or not workers or not self.profile.uses_processes:
             return {}

@@ -107,12 +107,8 @@ class RemoteWorker:
 
 
 def is_leaving(answer: object) -> bool:
-    """Whether a worker's answer to ``Client.run`` says it is closing or gone, not that it lacks gpu-tasks.
-
-    A worker being scaled down stays in the scheduler's list for a moment; asking it fails with a
-    comm error (``CommClosedError`` and timeouts are ``OSError``), while a worker without gpu-tasks
-    answers with its ``ImportError``.
-    """
+    """Whether a worker's answer to ``Client.run`` says it is closing or gone (a comm error, an
+    ``OSError``), not that it lacks gpu-tasks (its ``ImportError``)."""
     return isinstance(answer, OSError)
 
 

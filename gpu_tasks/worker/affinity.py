@@ -41,33 +41,31 @@ def plan(enabled: bool, cpus: Sequence[str | None]) -> tuple[str, str]:
         return "", UNSUPPORTED
     cores, record = worker_cores(cpus, os.sched_getaffinity(0))
     if cores is None:
-        # once per process and reason at INFO (each worker start used to repeat it), then DEBUG
+        # once per process and reason at INFO, then DEBUG
         logger.log(logging.DEBUG if record in _said else logging.INFO, "worker CPU affinity %s", record)
         _said.append(record)
         return "", record
     return format_cpus(cores), record
 
 
-def apply_from_env() -> str | None:
+def apply_from_env() -> None:
     """Pin every thread of this process to the CPUs :data:`ENV` names (threads started later inherit
-    them); the CPU list applied, or ``None`` when there was nothing to apply or it failed (logged)."""
+    them); a failure is logged."""
     text = os.environ.get(ENV, "")
     if not text or not supported():
-        return None
+        return
     try:
         cores = parse_cpus(text) & os.sched_getaffinity(0)
         if not cores:
             logger.warning("worker %d: CPUs %s are not available to it; left as they are", os.getpid(), text)
-            return None
+            return
         for tid in _threads():
             with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
                 os.sched_setaffinity(tid, cores)
     except (OSError, ValueError):
         logger.warning("worker %d: could not pin it to CPUs %s", os.getpid(), text, exc_info=True)
-        return None
-    applied = format_cpus(cores)
-    logger.info("worker %d: on CPUs %s (its devices')", os.getpid(), applied)
-    return applied
+        return
+    logger.info("worker %d: on CPUs %s (its devices')", os.getpid(), format_cpus(cores))
 
 
 def _threads() -> list[int]:

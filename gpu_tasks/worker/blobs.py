@@ -1,19 +1,9 @@
 """Objects pickled once in the flow process and loaded once per worker process.
 
-Every task a process profile hands to Dask carries its Prefect ``Task`` (its function
-pickled by value when it is defined in a script) and the flow run's serialized
-context (the flow, also by value). cloudpickle pickles a function by value by walking
-``sys.modules`` for the submodules its globals use, which in a flow process that has
-imported Prefect and Dask costs about a millisecond a task: the largest part of a
-GPU profile's per-task cost in the flow process (profiled with py-spy). The objects
-do not change between the tasks of a flow run, so :meth:`Blobs.blob` pickles each once and
-Dask sends the bytes; the worker process unpickles them once (:func:`_load`) and
-hands every later task the object it loaded, as the thread pool hands every thread
-the same ``Task``.
-
-Both caches are bounded (least recently used first out). The flow side's belongs
-to one runner (:class:`Blobs`) and keeps the objects it pickled alive, so an ``id``
-is never reused for another object while its bytes are cached.
+A task's Prefect ``Task`` and the flow run's context travel by value, and cloudpickle walks
+``sys.modules`` for each: :meth:`Blobs.blob` pickles each object once, :func:`_load` unpickles it
+once per process. Both caches are bounded (least recently used out); the flow side's keeps the
+objects it pickled alive, so an ``id`` is never reused while its bytes are cached.
 """
 
 from __future__ import annotations

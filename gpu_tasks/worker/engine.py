@@ -1,10 +1,5 @@
-"""Everything that runs inside a worker process: Prefect's task engine on the worker's allocation.
-
-The flow process submits :func:`run_on_worker` to a profile's cluster (process
-profiles) or :func:`run_engine` to its thread pool (in-process profiles). State kept
-here is per worker process: validated Prefect settings by key, one open Prefect
-client per thread, the task runs running now (reported ``Crashed`` if the flow
-process dies) and the pools of nested tasks.
+"""Prefect's task engine on a worker's allocation: :func:`run_on_worker` in a profile's worker
+process, :func:`run_engine` in its thread pool (in-process profiles). State here is per process.
 """
 
 from __future__ import annotations
@@ -61,8 +56,8 @@ from gpu_tasks.worker.started import mark_started
 
 logger = logging.getLogger(__name__)
 
-# Built Prefect settings by the key their serialized form was sent with (see gpu_tasks.runner.payload):
-# validating Settings from a dict reads env, .env and toml sources and costs tens of ms per task.
+# Built Prefect settings by the key their serialized form was sent with (gpu_tasks.runner.payload):
+# validating Settings from a dict reads env, .env and toml sources, too slow to do per task.
 _WORKER_SETTINGS: dict[str, dict[str, Any]] = {}
 _WORKER_SETTINGS_LOCK = threading.Lock()
 _WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect client, by settings key
@@ -106,10 +101,6 @@ def run_on_worker(
 ) -> tuple[Any, float, float, str]:
     """Run the Prefect task engine in a worker process (context travels serialized).
 
-    The serialized settings are validated once per worker process and settings key, and
-    each worker thread keeps one open sync Prefect client per settings key; the task
-    engine finds it through Prefect's ``SyncClientContext`` as it would its own.
-
     Args:
         remote: a worker the runner did not start (``address`` / ``cluster_class``
             profiles): its devices come from its own environment, and a task that its
@@ -127,16 +118,12 @@ def run_on_worker(
     prepare_process()
     memory_caps.apply()  # a gpu_memory_per_task worker's allocators, before its first task runs
     dask_worker: Any = get_worker()  # always submitted to a Dask worker (run_engine runs in-process)
-    address = dask_worker.address
     task = opened(task)
     context = {k: opened(v) for k, v in kwargs["context"].items()}
     settings = _worker_settings(settings_key, context["settings_context"], remote)
     kwargs = {**kwargs, "context": {**context, "settings_context": settings}}
-    if remote:
-        own = owned_devices(dask_worker)
-        alloc = worker_allocation(profile_name, fraction, address, host=socket.gethostname(), own=own)
-    else:
-        alloc = worker_allocation(profile_name, fraction, address)
+    host, own = (socket.gethostname(), owned_devices(dask_worker)) if remote else (None, None)
+    alloc = worker_allocation(profile_name, fraction, dask_worker.address, host=host, own=own)
     _worker_guard.on_orphaned(_report_orphaned)  # once per worker process (idempotent)
     flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run")  # validated (_blobs)
     running = (task, getattr(flow_run, "id", None), alloc, set(task.tags))
@@ -172,17 +159,14 @@ def _interruptible(
 ) -> tuple[Any, float, float, str]:
     """``run_engine`` in a thread :func:`interrupt_tasks` may interrupt; a ``PreemptedRun`` if it did.
 
-    The thread is registered and unregistered under the lock that ``interrupt_tasks``
-    raises under, inside the ``try`` that catches it: a ``TaskPreempted`` raised while the
-    thread was registered is caught here, never by Dask.
+    Registered under ``interrupt_tasks``'s lock, inside the ``try``: what it raises is caught here.
     """
     from gpu_tasks.preemption import PreemptedRun
 
-    key = str(dask_worker.get_current_task()) if dask_worker is not None else ""
+    key = str(dask_worker.get_current_task())
     ident = threading.get_ident()
     start = time.time()
-    if dask_worker is not None:
-        watch_released(dask_worker)
+    watch_released(dask_worker)
     try:
         with INTERRUPTIBLE_LOCK:
             INTERRUPTIBLE[ident] = key
@@ -192,13 +176,12 @@ def _interruptible(
             with INTERRUPTIBLE_LOCK:
                 INTERRUPTIBLE.pop(ident, None)
                 ORPHANED.discard(ident)
-    except TaskPreempted:
+    except (TaskPreempted, KeyboardInterrupt) as exc:
+        end, wkey = time.time(), worker_key(alloc.device_keys)
+        if isinstance(exc, KeyboardInterrupt):  # interrupt_tasks(..., "stop"): its flow run stopped
+            return _crashed_by(exc, kwargs.get("task_run_id")), start, end, wkey
         logger.warning("task run %s was preempted on %s", kwargs.get("task_run_id"), alloc.worker)
-        end, wkey = time.time(), worker_key(alloc.device_keys)
         return PreemptedRun(start, end, wkey), start, end, wkey
-    except KeyboardInterrupt as exc:  # interrupt_tasks(..., "stop"): its flow run stopped
-        end, wkey = time.time(), worker_key(alloc.device_keys)
-        return _crashed_by(exc, kwargs.get("task_run_id")), start, end, wkey
 
 
 def _after_lost_worker(
@@ -345,9 +328,8 @@ def _thread_client(key: str) -> Any:
     return client
 
 
-# Tasks as run on an allocation (placement tags, out-of-memory errors translated), by the task's
-# id and the allocation: Task.with_options builds a new Task (its signature, docstring and key) at
-# about 8% of a worker's CPU per task; each entry keeps its task, so an id is never reused meanwhile.
+# Tasks as run on an allocation, by task id and allocation: Task.with_options is costly per task
+# (docs/benchmarks.md); each entry keeps its task, so an id is never reused meanwhile.
 _PREPARED: dict[tuple[int, Allocation], tuple[Any, Any]] = {}
 _PREPARED_LOCK = threading.Lock()
 _PREPARED_KEEP = 256

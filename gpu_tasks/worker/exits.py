@@ -1,11 +1,5 @@
-"""How a profile's worker processes ended: exit code, signal, Dask memory kill.
-
-``WatchedNanny`` is Dask's nanny, noting each worker's pid when it starts and its exit
-code (or Dask's memory-limit kill) when it ends; :func:`worker_exit` gives the runner
-that record for its crash report. It overrides the nanny's private
-``_on_worker_exit_sync`` hook (see :mod:`gpu_tasks.compat.distributed`), so this module
-imports distributed: only :mod:`gpu_tasks.cluster.backends` and the runner's crash handling
-import it, lazily.
+"""How a profile's worker processes ended (exit code, signal, Dask memory kill), for the runner's
+crash report (:func:`worker_exit`). It imports distributed (:class:`WatchedNanny`): import it lazily.
 """
 
 from __future__ import annotations

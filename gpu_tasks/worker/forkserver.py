@@ -1,11 +1,7 @@
-"""The flow process's warm-pool fork server, shared by its warm pools.
-
-One fork server per flow process: a process that runs flow runs one after another
-(a served deployment, a scheduled deployment's worker, a test session) pays its imports (about
-1.9 s of CPU) once, not once per flow run. Sharing is safe: a bound process takes the flow's whole
-environment at its bind (:meth:`gpu_tasks.worker.warm.WarmProcess.bind_environ`), and its Dask
-config and Prefect settings come with it. The server is kept ``GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS``
-after its last pool closes, then told to end (it also ends with this process).
+"""The flow process's warm-pool fork server, shared by its warm pools (docs/runner.md, "Warm
+workers"): flow runs one after another pay its imports once. Safe, since a bound process takes the
+flow's whole environment at its bind; kept ``GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS`` after its last
+pool closes.
 """
 
 from __future__ import annotations

@@ -92,15 +92,8 @@ def start(parent: int, flow: int | None = None) -> None:
 
 
 def end_children(grace: float = GRACE_S) -> int:
-    """End this process's descendants: SIGTERM, then SIGKILL after ``grace`` seconds (a worker's,
-    and the flow process's at a second Ctrl-C, :mod:`gpu_tasks.runner.ctrl_c`).
-
-    Multiprocessing's resource tracker is left alone: it exits by itself when this
-    process does, and cleans up what it tracks.
-
-    Returns:
-        How many processes were asked to end.
-    """
+    """End this process's descendants but multiprocessing's resource tracker (it exits by itself):
+    SIGTERM, then SIGKILL after ``grace`` s; how many were asked to end."""
     try:
         procs = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
     except psutil.Error:

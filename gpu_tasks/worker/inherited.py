@@ -1,17 +1,7 @@
-"""Imported by the warm-pool fork server (:data:`gpu_tasks.worker.warm.WARM_IMPORTS`): work each
-process paid at its start, done once there and inherited by every process it forks.
-
-- Prefect's collections, the packages of its ``prefect.collections`` entry points (prefect-redis
-  and the like). Prefect loads them on a process's first block (a task's result storage, in a
-  worker) and caches the result per process: each warm worker paid it at its first task (about
-  0.4 s of CPU with prefect-redis installed).
-- The package versions a Dask worker registers with (``distributed.versions.get_versions``, which
-  caches them per process): 31 ms of CPU per bound worker, read from each package's metadata.
-- The ``DASK_*`` environment the server's Dask config was read with (:func:`dask_config_is_current`):
-  a bound process whose environment has the same re-reads no config file (34 ms of CPU per bound
-  worker, most of it parsing distributed's YAML).
-
-A collection that fails to load is reported by Prefect as it would be in the worker.
+"""Imported by the warm-pool fork server (:data:`gpu_tasks.worker.warm.WARM_IMPORTS`): per-process
+start-up work done once there and inherited by every fork (docs/operations.md): Prefect's
+collections (loaded at a worker's first block), the package versions a Dask worker registers with,
+and the ``DASK_*`` environment its config was read with (:func:`dask_config_is_current`).
 """
 
 from __future__ import annotations

@@ -6,9 +6,6 @@
   released (their flow process was killed: nobody wants them) are interrupted within
   :data:`RELEASED_POLL_S`; when the worker closes (it lost its scheduler) the tasks it still runs
   are interrupted too, and their attempt reports nothing (the scheduler re-runs them elsewhere).
-
-Python code in a task stops at once; a task inside one long call into C (a CUDA kernel,
-``time.sleep``) stops when that call returns.
 """
 
 from __future__ import annotations
@@ -44,9 +41,7 @@ ORPHANED: set[int] = set()  # threads interrupted as their worker closed: their 
 
 def _quiet_orphan_crash() -> None:
     """Prefect's task engine reports no ``Crashed`` for an attempt interrupted because its worker
-    closed. Its scheduler runs it again elsewhere (reported ``Crashed`` there first,
-    ``engine._after_lost_worker``); a late report from here, once a cut link is back, would
-    overwrite the retry's state on the server (the newer state wins)."""
+    closed: its rerun elsewhere reports it, and a late report from here would overwrite the retry's."""
     from gpu_tasks.compat.prefect import skip_crash_reports
 
     def say(task_run: Any) -> None:
@@ -60,11 +55,9 @@ def _quiet_orphan_crash() -> None:
 
 
 def watch_released(dask_worker: Any) -> None:
-    """Start, once per worker, a thread that interrupts (``"stop"``) the tasks of shared clusters
-    whose keys the scheduler released: a flow process killed without a word (SIGKILL, its host
-    gone) cannot call :func:`interrupt_tasks` itself, and its task would hold the worker's GPU
-    to its end for no one. When the worker closes (it lost its scheduler), it interrupts the
-    tasks it still runs."""
+    """Start, once per worker, a thread that interrupts (``"stop"``) the tasks whose keys the scheduler
+    released (a killed flow process cannot call :func:`interrupt_tasks`), and, when the worker
+    closes, the tasks it still runs."""
 
     def watch() -> None:
         while getattr(dask_worker.status, "name", "") not in ("closing", "closed", "failed"):
@@ -81,9 +74,8 @@ def watch_released(dask_worker: Any) -> None:
                     ", ".join(gone),
                 )
                 interrupt_tasks(gone, "stop")
-        # the worker is closing (it lost its scheduler: a link down for its comm timeout): whatever
-        # its tasks return now reaches no one, and the scheduler re-runs them elsewhere; left to
-        # run, one would finish its work a second time (seen when the link came back)
+        # the worker is closing (it lost its scheduler): what its tasks return reaches no one, and
+        # the scheduler re-runs them elsewhere
         with INTERRUPTIBLE_LOCK:
             _RELEASE_WATCH.pop(id(dask_worker), None)
             left = list(INTERRUPTIBLE.values())
@@ -117,13 +109,8 @@ def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
     """
     exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
     wanted = set(keys)
-    done = []
     with INTERRUPTIBLE_LOCK:
-        for ident, key in INTERRUPTIBLE.items():
-            if key in wanted:
-                if raise_in_thread(ident, exc):
-                    done.append(key)
-    return done
+        return [key for ident, key in INTERRUPTIBLE.items() if key in wanted and raise_in_thread(ident, exc)]
 
 
 def raise_in_thread(ident: int, exc: type[BaseException]) -> bool:

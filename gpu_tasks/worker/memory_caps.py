@@ -1,21 +1,8 @@
 """Cap a ``gpu_memory_per_task`` worker's allocators to its tasks' shares, before its first task.
 
-The runner puts the cap in the worker's environment (``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``: the
-tasks it runs at once x ``gpu_memory_per_task``, :func:`gpu_tasks.policy.worker_spec`);
-:func:`apply` reads it once per worker process and, on a real device, caps each library that
-imports here (through :mod:`gpu_tasks._gpu`): CuPy's default memory pool (``set_limit``), RMM's
-current device resource (wrapped in a ``LimitingResourceAdaptor``) and PyTorch's caching
-allocator (``set_per_process_memory_fraction`` of the device's total). An allocation past the cap
-raises the library's out-of-memory error in the task that made it, which the engine turns into
-:class:`~gpu_tasks.errors.GpuOutOfMemoryError` naming profile and device.
-
-What is capped is the worker process: with one task at a time that is the task's share; with
-several tasks in the worker's threads it is their shares together, so one task can use a
-neighbour's unused share, and a task that goes past the worker's cap fails in its own run (the
-allocation that crosses the cap is the one that raises). Memory allocated outside these three
-libraries (raw CUDA, cuDF without RMM, another process the task starts) is not capped.
-Emulated devices have no allocator: :func:`apply` records the cap and the libraries it would
-cap, nothing more (``applied()``), so tests see the values a real worker would enforce.
+The cap (``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``, :func:`gpu_tasks.policy.worker_spec`) applies to
+the worker process, to CuPy, RMM and PyTorch where they import (docs/shared-hosts.md). On emulated
+devices :func:`apply` only records what it would cap, so tests see the values a real worker enforces.
 """
 
 from __future__ import annotations
@@ -41,13 +28,13 @@ def applied() -> dict[str, Any]:
     return dict(_APPLIED)
 
 
-def apply() -> dict[str, Any]:
+def apply() -> None:
     """Cap this worker's allocators to ``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT`` bytes (once per process
     and cap: a warm process bound to another profile's worker is capped again)."""
     with _LOCK:
         raw = os.environ.get(WORKER_ENV_MEMORY_LIMIT)
         if not raw or _APPLIED.get("limit") == int(raw):  # no cap, or this one is in force
-            return dict(_APPLIED)
+            return
         limit = int(raw)
         emulated = os.environ.get(WORKER_ENV_EMULATED) == "1"
         capped: dict[str, str] = {}
@@ -64,7 +51,6 @@ def apply() -> dict[str, Any]:
                     capped[name] = f"not capped: {type(exc).__name__}: {exc}"
         _APPLIED.update(limit=limit, emulated=emulated, capped=capped)
         logger.info("worker allocators capped to %.2f GiB: %s", limit / 2**30, capped)
-        return dict(_APPLIED)
 
 
 def _cupy(cupy: Any, limit: int) -> str:

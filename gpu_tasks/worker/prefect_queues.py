@@ -21,13 +21,8 @@ logger = logging.getLogger(__name__)
 def send_before_exit(conn: Connection) -> None:
     """Before a closed worker exits: send the Prefect events and run logs it still queues.
 
-    Its task runs' states reach the server as events, sent from a queue by Prefect's
-    ``EventsWorker`` (its exit handlers send the rest too, unbounded). Under load the queue holds
-    thousands (a slow server; ``GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT`` allows 50,000), and the runner
-    used to end the process 3 s after the close: task runs' records were lost. Says
-    ``("draining", n)`` on ``conn`` first, so the runner waits ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS``
-    past its close grace (:func:`~gpu_tasks.worker.warm.end_closed`); what is still queued after
-    that is lost, and said.
+    Says ``("draining", n)`` on ``conn`` first, so the runner waits ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS``
+    past its close grace; what is still queued after that is lost, and said.
     """
     if "prefect.events.worker" not in sys.modules:  # no task run here
         return

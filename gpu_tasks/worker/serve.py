@@ -1,11 +1,6 @@
 """What a bound warm process runs (:mod:`gpu_tasks.worker.warm`): one Dask server, a worker or a
-profile's scheduler, until the flow process asks it to close or goes.
-
-A profile's scheduler runs in a process of its own, not in the flow process: there it shared
-the flow process's interpreter lock with Prefect's task submission and state reports, and a
-flow process busy long enough (100,000 tasks on a loaded 2-core machine) starved it until its
-workers' heartbeats went unanswered and it dropped them with every task they held. In its own
-process it answers its workers whatever the flow process is doing.
+profile's scheduler, until the flow process asks it to close or goes. A scheduler in the flow
+process shared its interpreter lock and, starved, dropped its workers (docs/runner.md).
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """A thread pool with a fixed number of task slots that a waiting task gives back.
 
-A task that submits a child task of its own profile and waits for it would hold the
-slot its child needs: with one slot (a profile whose ``cpus`` equal the host's cores,
-a whole-GPU worker) that is a deadlock. Dask solves it with ``secede``/``rejoin`` for
-its worker threads; this is the same idea for gpu-tasks' own pools: a task that blocks
-on a gpu-tasks future leaves its slot while it waits (:func:`waiting`) and takes one
-again, before queued tasks, when the wait is over.
+A task waiting for a child task of its own profile would hold the slot its child needs (with one
+slot, a deadlock): as Dask's ``secede``/``rejoin``, it leaves its slot while it waits
+(:func:`waiting`) and takes one again, before queued tasks.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Which hand-offs began in a local cluster's worker processes: a task Dask had only queued on a
 worker that died runs again instead of ending ``Crashed`` (docs/runner.md, "A worker process dies").
 
-Dask hands a profile's tasks to a worker ahead of its free slots (GPU resources turn off its
-scheduler-side queue), so a dead worker takes queued tasks with it, and its scheduler cannot tell
-them from the ones that were running. Before Prefect's engine runs a task, the worker appends the
-hand-off (task run id and attempt, from its Dask key) to a file of the flow run's
-(:func:`mark_started`); the flow process reads it when a worker dies (:class:`StartedLog`). A
-kernel write survives the process that made it, so a hand-off missing from the file never began.
-Only local clusters (this host's processes) write it; elsewhere a dead worker's tasks end as before.
-The runner removes the file when it closes; if the flow process is killed, its workers do as they
-exit with it, and if they were killed too, the next flow run's runner on this host does.
+A worker appends each hand-off to a file of the flow run's before the engine runs it
+(:func:`mark_started`; a kernel write outlives the process); the flow process reads it when a
+worker dies (:class:`StartedLog`).
 """
 
 from __future__ import annotations

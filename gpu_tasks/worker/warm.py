@@ -146,9 +146,8 @@ class WarmProcess:
         self._reading = threading.Lock()  # one reader of its pipe until it is bound
 
     def bind_environ(self, env: dict[str, str]) -> dict[str, str]:
-        """The environment a bind sends: the worker's ``env``, over the flow process's environment
-        as it is now for a process forked from the pool's fork server (whose environment is the
-        flow's when the server started; a spawned process's is the flow's when it was spawned)."""
+        """The environment a bind sends: the worker's ``env``, over the flow process's environment as
+        it is now for a forked process (a fork server's is the flow's as it was when it started)."""
         if not self.forked:
             return {**_pre_spawn_environ(), **env}
         return {**os.environ, **_pre_spawn_environ(), **env, _WHOLE_ENVIRON: "1"}
@@ -282,10 +281,7 @@ class WarmPool:
     """Up to ``size`` unbound, imported worker processes, replaced as they are taken.
 
     ``capacity``, when given, is the most worker processes the flow's profiles can have bound at
-    once (their ``max_workers``, or one per device group): the pool never keeps more idle processes
-    than could still be bound, so a flow whose only worker is bound spawns no spare that nothing
-    can take (each costs about a core-second of imports). A bound process that ends gives its
-    place back (:meth:`released`), and a replacement starts for the next provisioning.
+    once: the pool never keeps more idle processes than could still be bound (:meth:`released`).
     """
 
     def __init__(self, size: int, capacity: int | None = None) -> None:
@@ -313,9 +309,8 @@ class WarmPool:
         self.ensure(self.target())
 
     def start_in_background(self) -> None:
-        """:meth:`start` from a thread of its own: a flow's first task does not wait for a new fork
-        server's imports (about a core-second; more on a busy host) unless it needs a warm process;
-        one that does waits in :meth:`wait_ready` or :meth:`take`, as for any process importing."""
+        """:meth:`start` from a thread of its own: a flow's first task waits for a new fork server's
+        imports only when it needs a warm process (in :meth:`wait_ready` or :meth:`take`)."""
 
         def launch() -> None:
             t0 = time.monotonic()
@@ -405,9 +400,8 @@ class WarmPool:
         return proc
 
     def _refill_later(self) -> None:
-        """Start the replacements :data:`REFILL_DELAY_S` after a take, not at once: importing
-        Prefect takes about a core-second, which the first tasks of the workers just bound
-        need more (a profile that needs more processes meanwhile starts them itself)."""
+        """Start the replacements :data:`REFILL_DELAY_S` after a take: the first tasks of the workers
+        just bound need the CPU more (a profile that needs processes meanwhile starts them)."""
         timer = threading.Timer(REFILL_DELAY_S, self._refill)
         timer.daemon = True
         with self._lock:
@@ -417,9 +411,8 @@ class WarmPool:
         timer.start()
 
     def _refill(self) -> None:
-        """The refill timer's work. A fork server that ended under it (the process is stopping:
-        Ctrl-C on a served flow, interpreter exit) is not an error to print: processes start on
-        demand, each profile raising its own failure."""
+        """The refill timer's work; a fork server that ended under it (the process is stopping) is
+        no error to print: processes start on demand, each profile raising its own failure."""
         try:
             self.ensure(self.target())
         except (EOFError, OSError) as exc:  # its pipe closed mid-request, or it was reaped
@@ -495,10 +488,8 @@ AF_UNIX_PATH_MAX = 107  # Linux: 108 bytes with the terminating NUL
 
 
 def _socket_path_too_long() -> str | None:
-    """Why a fork server cannot start here, if so: it listens on a Unix socket that multiprocessing
-    makes under the temporary directory (``<TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX``), and a deep
-    ``TMPDIR`` (a batch system's per-job scratch) makes that path longer than Linux allows
-    ("OSError: AF_UNIX path too long" at every worker start)."""
+    """Why a fork server cannot start here, if so: a deep ``TMPDIR`` makes its Unix socket's path
+    (``<TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX``) longer than Linux allows."""
     import tempfile
 
     path = os.path.join(tempfile.gettempdir(), "pymp-" + "x" * 8, "listener-" + "x" * 8)
