@@ -10,6 +10,7 @@ import inspect
 import logging
 import sys
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +24,12 @@ class NotInstalled(Exception):
 
 @dataclass(frozen=True)
 class Use:
-    """One private or undocumented name gpu-tasks uses: its ``library``, dotted ``name``, ``kind``
-    (``private``, ``undocumented`` or ``patched``) and ``why``. ``check`` returns ``None`` when the
+    """One private or undocumented name gpu-tasks uses.
+
+    ``kind`` is ``private``, ``undocumented`` or ``patched``. ``check`` returns ``None`` when the
     installed release has the name in the shape gpu-tasks uses, else what changed (raises
     :class:`NotInstalled` when the library is absent). ``needs``: a module the run-time check waits
-    for rather than imports (``prefect.server.api.server`` takes about 2 s).
+    for rather than imports (importing ``prefect.server.api.server`` is slow).
     """
 
     library: str
@@ -50,21 +52,14 @@ def params(fn: Any, *names: str) -> str | None:
     return f"no parameter(s) {', '.join(missing)} (has {', '.join(have)})" if missing else None
 
 
-def attr(owner: Any, name: str, kind: type | tuple[type, ...] | None = None) -> str | None:
-    """``None`` when ``owner`` has ``name`` (of ``kind``), else what differs."""
-    if not hasattr(owner, name):
-        return f"{getattr(owner, '__name__', owner)!s} has no {name}"
-    if kind is not None and not isinstance(getattr(owner, name), kind):
-        return f"{name} is a {type(getattr(owner, name)).__name__}, not {kind}"
-    return None
+def callables(owner: Any, where: str, *names: str) -> str | None:
+    """``None`` when each of ``names`` is a callable of ``owner``, else ``"<where> has no <name>"``."""
+    return next((f"{where} has no {n}" for n in names if not callable(getattr(owner, n, None))), None)
 
 
 def _codes(owner: Any) -> list[Any]:
-    """The code objects of ``owner``'s own functions (a function, or a class's methods, properties
-    included), nested functions and comprehensions included; gpu-tasks' own replacements (a
-    patched method) are left out, as the source file would not show them. Empty for anything else."""
-    import types
-
+    """The code objects of ``owner`` (a function, or a class's methods and properties), nested ones
+    included; gpu-tasks' own replacements are left out, as the source file would not show them."""
     if isinstance(owner, type):
         found: list[Any] = []
         for value in vars(owner).values():
@@ -91,11 +86,7 @@ def _codes(owner: Any) -> list[Any]:
 
 def code_names(owner: Any) -> set[str]:
     """The global and attribute names that ``owner``'s code (:func:`_codes`) reads, calls or hands on."""
-    return _names(_codes(owner))
-
-
-def _names(codes: list[Any]) -> set[str]:
-    return {n for code in codes for n in (*code.co_names, *code.co_freevars)}
+    return {n for code in _codes(owner) for n in (*code.co_names, *code.co_freevars)}
 
 
 def code_strings(owner: Any) -> set[str]:
@@ -107,18 +98,14 @@ def called_in(caller: Any, name: str, source: str | None = None) -> str | None:
     """``None`` when the code of ``caller`` (a function or class; or ``source``, a module's text)
     still calls ``name`` or hands it on (``on_exit=self._on_worker_exit_sync``), else what changed.
 
-    A patched or wrapped name that still exists but is no longer called where gpu-tasks relies on
-    it would be a silent no-op (a worker waiting for its own flow's tag slot, a crash reported
-    past its retries): such a release fails the check instead of passing it. Functions and classes
-    are read from their code objects (microseconds; reading and parsing their source took about
-    0.1 s of every flow run's start), text from its syntax tree.
+    A patched name no longer called where gpu-tasks relies on it would be a silent no-op: such a
+    release fails the check. Code objects are read rather than source, which is slow to parse.
     """
     where = getattr(caller, "__qualname__", None) or getattr(caller, "__name__", None) or str(caller)
     if source is None:
-        codes = _codes(caller)
-        if not codes:
+        if not _codes(caller):
             return f"{where} has no code to read"
-        return None if name in _names(codes) else f"{where} no longer calls {name}"
+        return None if name in code_names(caller) else f"{where} no longer calls {name}"
     import ast
     import textwrap
 
@@ -127,10 +114,9 @@ def called_in(caller: Any, name: str, source: str | None = None) -> str | None:
     except SyntaxError as exc:  # pragma: no cover - an installed library parses
         return f"the source of {where} does not parse ({exc})"
     for node in ast.walk(tree):
-        if isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load):
-            return None
-        if isinstance(node, ast.Attribute) and node.attr == name and isinstance(node.ctx, ast.Load):
-            return None
+        if isinstance(node, ast.Name | ast.Attribute) and isinstance(node.ctx, ast.Load):
+            if name in (getattr(node, "id", None), getattr(node, "attr", None)):
+                return None
     return f"{where} no longer calls {name}"
 
 

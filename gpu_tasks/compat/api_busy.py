@@ -28,8 +28,7 @@ def busy_reason(exc: BaseException) -> str | None:
     while err is not None and id(err) not in seen:
         seen.add(id(err))
         if isinstance(err, httpx.HTTPStatusError) and err.response.status_code in BUSY_STATUS:
-            reason = err.response.reason_phrase
-            return f"{err.response.status_code} {reason}".strip()
+            return f"{err.response.status_code} {err.response.reason_phrase}".strip()
         if isinstance(err, httpx.TimeoutException | httpx.NetworkError | httpx.RemoteProtocolError):
             return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
         err = err.__cause__ or err.__context__
@@ -42,22 +41,15 @@ def _tuned(name: str) -> float:
     return float(getattr(get_settings(), name))
 
 
-def busy_timeout() -> float:
-    """``GPU_TASKS_TUNE_API_BUSY_TIMEOUT`` (seconds) from this process's environment."""
-    return _tuned("api_busy_timeout")
-
-
 @dataclass
 class BusyWait:
     """The waits between tries of one request to a busy API: 1 s, doubling to ``longest``
-    (``GPU_TASKS_TUNE_API_LONGEST_WAIT``, 30 s), with jitter, until ``timeout`` seconds have passed since
-    the first refusal."""
+    (``GPU_TASKS_TUNE_API_LONGEST_WAIT``), with jitter, until ``timeout``
+    (``GPU_TASKS_TUNE_API_BUSY_TIMEOUT``) seconds have passed since the first refusal."""
 
     what: str
-    timeout: float = field(default_factory=busy_timeout)
-    longest: float = field(
-        default_factory=lambda: _tuned("api_longest_wait")
-    )  # the longest wait between tries
+    timeout: float = field(default_factory=lambda: _tuned("api_busy_timeout"))
+    longest: float = field(default_factory=lambda: _tuned("api_longest_wait"))
     tries: int = 0
     started: float = field(default_factory=time.monotonic)
 
@@ -66,10 +58,11 @@ class BusyWait:
         or the time is up."""
         reason = busy_reason(exc)
         waited = time.monotonic() - self.started
+        log = log or logger
         if reason is None:
             raise exc
         if waited >= self.timeout:
-            (log or logger).error(
+            log.error(
                 "gpu-tasks: the Prefect API still refuses %s after %.0f s (%s); giving up "
                 "(GPU_TASKS_TUNE_API_BUSY_TIMEOUT=%g)",
                 self.what,
@@ -81,7 +74,7 @@ class BusyWait:
         wait = min(self.longest, FIRST_WAIT_S * 2.0**self.tries) * random.uniform(0.8, 1.2)
         wait = max(0.0, min(wait, self.timeout - waited))
         self.tries += 1
-        (log or logger).warning(
+        log.warning(
             "gpu-tasks: the Prefect API is busy (%s) for %s; asking again in %.1f s (try %d, %.0f s of "
             "GPU_TASKS_TUNE_API_BUSY_TIMEOUT=%g waited)",
             reason,

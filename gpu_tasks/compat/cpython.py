@@ -17,23 +17,20 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from gpu_tasks.compat import Use, called_in
+from gpu_tasks.compat import Use, callables, called_in
 
 logger = logging.getLogger(__name__)
 
 
 def run_exit_handlers() -> None:
     """Run the interpreter's exit handlers now (the private ``atexit._run_exitfuncs``): a bound warm
-    process ends with ``os._exit`` right after, skipping a teardown that only frees memory."""
+    process then ends with ``os._exit``, skipping a teardown that only frees memory."""
     atexit._run_exitfuncs()
 
 
 def replace_os_exit(replacement: Callable[[int], Any]) -> Callable[[int], Any]:
-    """Make ``os._exit`` call ``replacement`` in this process; returns the one it replaced.
-
-    A worker's guard (:mod:`gpu_tasks.worker.guard`) ends the task's child processes whoever
-    ends the worker that way (Dask's nanny, Prefect, the guard itself).
-    """
+    """Make ``os._exit`` call ``replacement`` in this process; returns the one it replaced (a worker's
+    guard, :mod:`gpu_tasks.worker.guard`, ends the task's child processes whoever exits that way)."""
     real = os._exit
     os._exit = replacement  # type: ignore[assignment]
     return real
@@ -41,11 +38,10 @@ def replace_os_exit(replacement: Callable[[int], Any]) -> Callable[[int], Any]:
 
 @contextmanager
 def signal_handlers_kept() -> Iterator[None]:
-    """Within the block, ``signal.signal`` leaves handlers as they are (and says so at debug level).
+    """Within the block, ``signal.signal`` leaves handlers as they are (said at debug level).
 
-    ``dask_jobqueue.runner`` sets a SIGINT handler when it is imported: on a thread other than the
-    main one that import raises ``ValueError``, and on the main thread it would replace Prefect's
-    Ctrl-C handling with ``sys.exit()``.
+    ``dask_jobqueue.runner`` sets a SIGINT handler on import: ``ValueError`` off the main thread, and
+    on it Prefect's Ctrl-C handling replaced with ``sys.exit()``.
     """
     with _SIGNAL_SWAP:  # one swap at a time: two threads' nested swaps could keep `keep` for good
         real = signal.signal
@@ -65,14 +61,10 @@ _SIGNAL_SWAP = threading.RLock()
 
 
 class ForkServerContext:
-    """A multiprocessing context whose processes fork from a fork server of their own.
+    """A multiprocessing context whose processes fork from a fork server of its owner's (a warm pool).
 
-    multiprocessing's ``forkserver`` method has one server per process, shared with any code
-    that uses that method, whose preloads (``set_forkserver_preload``) apply to all of it. This
-    one belongs to its owner (a warm pool): it imports ``preload`` once, every process forks
-    from it already imported, and :meth:`close` lets it end. Its ``Popen`` is CPython's
-    ``popen_forkserver.Popen`` with this server in place of the module's
-    (``ForkServer.connect_to_new_process``: undocumented, checked by :func:`_check_forkserver`).
+    multiprocessing's own fork server is shared by the whole process, preloads included; this one
+    imports ``preload`` once for its owner alone, and :meth:`close` lets it end.
     """
 
     def __init__(self, preload: list[str]) -> None:
@@ -90,8 +82,7 @@ class ForkServerContext:
 
     def ensure_started(self, around: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
         """Start the server now (once) inside ``around()``: the environment and executable it
-        starts with are its children's. Otherwise it starts at its first fork with whatever
-        this process's environment is then."""
+        starts with are its children's (else it starts at its first fork, in whatever is set then)."""
         with self._start_lock:
             if self._started:
                 return
@@ -196,21 +187,12 @@ def spawn_executable(path: str) -> Iterator[None]:
 def _check_spawn_executable() -> str | None:
     from multiprocessing import forkserver, spawn
 
-    for name in ("get_executable", "set_executable"):
-        if not callable(getattr(spawn, name, None)):
-            return f"multiprocessing.spawn has no {name}"
     # where the swapped executable is read: a fork server's start, a spawned process's command line
-    return called_in(forkserver.ForkServer.ensure_running, "get_executable") or called_in(
-        spawn.get_command_line, "get_executable"
+    return (
+        callables(spawn, "multiprocessing.spawn", "get_executable", "set_executable")
+        or called_in(forkserver.ForkServer.ensure_running, "get_executable")
+        or called_in(spawn.get_command_line, "get_executable")
     )
-
-
-def _check_exitfuncs() -> str | None:
-    return None if callable(getattr(atexit, "_run_exitfuncs", None)) else "atexit has no _run_exitfuncs"
-
-
-def _check_os_exit() -> str | None:
-    return None if callable(getattr(os, "_exit", None)) else "os has no _exit"
 
 
 def _check_signal() -> str | None:
@@ -233,10 +215,10 @@ def _check_forkserver() -> str | None:
     from multiprocessing import forkserver
 
     popen_forkserver: Any = importlib.import_module("multiprocessing.popen_forkserver")
-    server = forkserver.ForkServer()
-    for name in ("connect_to_new_process", "ensure_running", "set_forkserver_preload", "_stop"):
-        if not callable(getattr(server, name, None)):
-            return f"multiprocessing.forkserver.ForkServer has no {name}"
+    names = ("connect_to_new_process", "ensure_running", "set_forkserver_preload", "_stop")
+    problem = callables(forkserver.ForkServer(), "multiprocessing.forkserver.ForkServer", *names)
+    if problem:
+        return problem
     source = inspect.getsource(popen_forkserver.Popen._launch)
     for needed in ("forkserver.connect_to_new_process(self._fds)", "set_spawning_popen(self)", "read_signed"):
         if needed not in source:
@@ -250,14 +232,14 @@ USES = [
         "atexit._run_exitfuncs",
         "private",
         "a bound warm process runs its exit handlers (Prefect's send logs and events), then exits at once",
-        _check_exitfuncs,
+        lambda: callables(atexit, "atexit", "_run_exitfuncs"),
     ),
     Use(
         "cpython",
         "os._exit",
         "patched",
         "a worker process ends its task's child processes whoever ends it with os._exit",
-        _check_os_exit,
+        lambda: callables(os, "os", "_exit"),
     ),
     Use(
         "cpython",
@@ -279,8 +261,7 @@ USES = [
         "multiprocessing.forkserver.ForkServer",
         "private",
         "warm worker processes fork from a fork server of the pool's own, which imported Prefect "
-        "and distributed once (not multiprocessing's shared one and its preloads): its _stop "
-        "and popen_forkserver.Popen._launch repeated with that server",
+        "and distributed once: its _stop and popen_forkserver.Popen._launch repeated with that server",
         _check_forkserver,
     ),
 ]

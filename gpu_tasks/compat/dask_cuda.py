@@ -1,12 +1,7 @@
 """dask-cuda's worker setup outside ``LocalCUDACluster``: its undocumented ``worker_common``
-functions (dask-cuda 26.10), used by a warm process once bound to a real GPU. The device index they
-are given is gpu-tasks' own reading of ``CUDA_VISIBLE_DEVICES``, as LocalCUDACluster's, the device
-memory limit dask-cuda's ``"default"``, and the host limit the worker's (:mod:`.distributed`).
-
-Checked on an NVIDIA H100 and H200 by ``scripts/gpu-check`` (docs/gpu.md); the own reading of the
-index and limits since 2026-12-05 is unverified on GPU. Without dask-cuda (no ``gpu`` extra) the
-check raises :class:`~gpu_tasks.compat.NotInstalled` and the test skips it;
-``tests/test_cuda_options.py`` runs the same calls against a stand-in that behaves as 26.10's.
+functions, used by a warm process once bound to a real GPU. Without dask-cuda (no ``gpu`` extra)
+the check raises :class:`~gpu_tasks.compat.NotInstalled`; ``tests/test_cuda_options.py`` runs the
+same calls against a stand-in. What was checked on which GPU: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -18,12 +13,9 @@ from gpu_tasks.compat import NotInstalled, Use, params
 
 
 def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What dask-cuda's ``LocalCUDACluster`` gives one worker, for a worker started elsewhere.
-
-    Called in a warm worker process (:mod:`gpu_tasks.worker.warm`) once it is bound to its device,
-    so ``CUDA_VISIBLE_DEVICES`` is set before dask-cuda (or anything it loads) is imported.
-    The same plugins (CPU affinity, RMM, cuDF setup and spilling), device-to-host spilling
-    store and ``dask_cuda.initialize --create-cuda-context`` preload as dask-cuda's own workers.
+    """What dask-cuda's ``LocalCUDACluster`` gives one worker (plugins, spilling store, the
+    ``dask_cuda.initialize --create-cuda-context`` preload), for a warm worker process once bound to
+    its device, so ``CUDA_VISIBLE_DEVICES`` is set before dask-cuda is imported.
 
     Args:
         cuda: a profile's :class:`~gpu_tasks.profiles.CudaOptions`, as a dict.
@@ -35,7 +27,7 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
     """
     import os
 
-    from gpu_tasks.compat.distributed import memory_limit as parse_host_limit
+    from gpu_tasks.compat.distributed import add_preload, memory_limit
 
     _gpu.load("dask_cuda")
     from dask_cuda.worker_common import worker_data_function, worker_plugins
@@ -44,14 +36,13 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
     # take for something else: TypeError on a real GPU, docs/gpu.md), or its UUID (GPU-..., MIG-...)
     first = os.environ["CUDA_VISIBLE_DEVICES"].split(",")[0]
     device_index: int | str = int(first) if first.isnumeric() else first
-    memory_limit = parse_host_limit(
-        worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1
-    )
     data = worker_data_function(
         # "default", read by dask-cuda for this worker's own device: 80% of its memory, or no
         # spilling on a device without memory of its own (LocalCUDACluster reads it for its first device)
         device_memory_limit="default",
-        memory_limit=memory_limit,
+        memory_limit=memory_limit(
+            worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1
+        ),
         enable_cudf_spill=cuda["enable_cudf_spill"],
     )(device_index)
     plugins = worker_plugins(
@@ -68,8 +59,6 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
         enable_cudf_spill=cuda["enable_cudf_spill"],
         cudf_spill_stats=False,
     )
-    from gpu_tasks.compat.distributed import add_preload
-
     return {
         **({"data": data} if data is not None else {}),
         "plugins": set(plugins) | set(worker_kwargs.get("plugins") or ()),
@@ -83,27 +72,20 @@ def worker_options(cuda: dict[str, Any], worker_kwargs: dict[str, Any]) -> dict[
 
 
 def without_cpu_affinity(plugins: Any) -> set[Any]:
-    """``plugins`` less dask-cuda's ``CPUAffinity`` (``dask_cuda.plugins``; ``dask_cuda.utils`` before),
-    which pins a worker to the CPUs of the device dask-cuda counted for it: gpu-tasks pins its workers
-    itself (:mod:`gpu_tasks.worker.affinity`), to the devices it leased them. Matched by class name, so
-    no dask-cuda import is needed; unverified against a running dask-cuda (not installed where the
-    tests run)."""
-    return {p for p in plugins or () if not (type(p).__name__ == "CPUAffinity" and _from_dask_cuda(p))}
-
-
-def _from_dask_cuda(plugin: Any) -> bool:
-    return str(type(plugin).__module__).split(".")[0] == "dask_cuda"
+    """``plugins`` less dask-cuda's ``CPUAffinity``: gpu-tasks pins its workers itself
+    (:mod:`gpu_tasks.worker.affinity`). Matched by class name and module, so no dask-cuda import."""
+    return {
+        p
+        for p in plugins or ()
+        if not (type(p).__name__ == "CPUAffinity" and str(type(p).__module__).split(".")[0] == "dask_cuda")
+    }
 
 
 # ---------------------------------------------------------------- the uses, with feature checks
-def _dask_cuda() -> Any:
+def _check_worker_common() -> str | None:
     if not _gpu.available("dask_cuda"):
         raise NotInstalled(_gpu.why_unavailable("dask_cuda") or "dask_cuda")
-    return _gpu.load("dask_cuda")
-
-
-def _check_worker_common() -> str | None:
-    _dask_cuda()
+    _gpu.load("dask_cuda")
     from dask_cuda import worker_common
 
     return params(

@@ -1,7 +1,5 @@
 """dask-gateway's client internals gpu-tasks touches: a closed ``Gateway`` client's private
-``_loop_runner``, dropped so that its ``__del__`` does not close it a second time.
-
-Checked against dask-gateway 2026.3 (the suite's) on distributed 2026.7.1 and 2026.8.0. Without
+``_loop_runner``, dropped so that its ``__del__`` does not close it a second time. Without
 dask-gateway installed the check raises :class:`~gpu_tasks.compat.NotInstalled`.
 """
 
@@ -15,15 +13,9 @@ from gpu_tasks.compat import NotInstalled, Use, code_names, code_strings
 
 
 def drop_stopped_loop_runner(manager: Any) -> None:
-    """Let a closed cluster manager's ``Gateway`` client be collected quietly.
-
-    ``GatewayCluster.close()`` closes its ``Gateway`` client, whose ``__del__`` closes it again and
-    reads its stopped ``LoopRunner``'s loop, which distributed refuses (``RuntimeError``, printed as
-    "Exception ignored in Gateway.__del__", an error under pytest's unraisable-exception check). A
-    closed client needs no second close, and ``__del__`` closes only while it still has its private
-    ``_loop_runner``: a stopped one is dropped. Any manager whose ``gateway`` attribute holds a
-    stopped ``_loop_runner`` gets this; no other is touched.
-    """
+    """Let a closed cluster manager's ``Gateway`` client be collected quietly: drop its stopped
+    ``_loop_runner``, without which ``__del__`` does not close it again on a stopped loop (a
+    ``RuntimeError`` printed as "Exception ignored in Gateway.__del__"). Other managers: untouched."""
     client = getattr(manager, "gateway", None)
     runner = getattr(client, "_loop_runner", None)
     is_started = getattr(runner, "is_started", None)
@@ -53,6 +45,6 @@ USES = [
         "a closed GatewayCluster's client is collected without closing again on a stopped loop "
         "(an error printed at every close otherwise)",
         _check_loop_runner,
-        needs="dask_gateway",  # checked once a process uses dask-gateway (importing it takes 0.17 s)
+        needs="dask_gateway",  # checked once a process uses dask-gateway, never imported for it
     ),
 ]

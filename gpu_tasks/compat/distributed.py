@@ -1,22 +1,13 @@
-"""The private Dask/distributed APIs gpu-tasks relies on, each with why and the versions checked.
-
-Checked against distributed 2026.7.1 (the lowest of the tested range, and dask-cuda 26.10's
-pin) and 2026.8.0 (the compat stage). Each wrapper degrades to a logged no-op or a clear
-error on a version where the private name is gone; tests/test_compat.py fails there.
-
-The nanny's private ``_on_worker_exit_sync`` hook is overridden here too
-(:func:`nanny_class_with_exit_hook`), so :class:`gpu_tasks.worker.exits.WatchedNanny` uses a public
-method of its own.
+"""The private Dask/distributed names gpu-tasks relies on: the nanny's ``_on_worker_exit_sync`` hook
+(:func:`nanny_class_with_exit_hook`, so :class:`gpu_tasks.worker.exits.WatchedNanny` uses a public
+method of its own), and worker options read as distributed reads them.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from gpu_tasks.compat import Use, called_in, params
-
-logger = logging.getLogger(__name__)
 
 
 def nanny_class_with_exit_hook() -> type[Any]:
@@ -38,7 +29,6 @@ def nanny_class_with_exit_hook() -> type[Any]:
     return NannyWithExitHook
 
 
-# ---------------------------------------------------------------- public helpers
 def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, ...] = ()) -> dict[str, Any]:
     """``preload``/``preload_argv`` with ``module`` appended, given ``args``.
 
@@ -56,10 +46,8 @@ def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, .
 
 def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
     """A worker's host memory limit in bytes, read as ``distributed.Worker`` documents its
-    ``memory_limit``: a size (``"5GB"``, ``5e9``), a fraction of the system's memory, zero or
-    ``None`` for no limit, or ``"auto"``: ``system.MEMORY_LIMIT * min(1, nthreads / total_cores)``;
-    never more than ``system.MEMORY_LIMIT`` (host memory, less a cgroup or RSS limit), as a
-    worker caps it. ``tests/test_cuda_options.py`` compares it with the worker's own reading."""
+    ``memory_limit`` (a size, a fraction of the system's memory, 0 or ``None`` for none, ``"auto"``),
+    capped at ``system.MEMORY_LIMIT`` as a worker caps it."""
     from dask.system import CPU_COUNT
     from dask.utils import parse_bytes
     from distributed.system import MEMORY_LIMIT
@@ -77,7 +65,6 @@ def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
     return None if limit == 0 else min(limit, MEMORY_LIMIT)
 
 
-# ---------------------------------------------------------------- the uses, with feature checks
 def _check_nanny_exit() -> str | None:
     from distributed import Nanny
 

@@ -1,7 +1,6 @@
-"""The private Prefect APIs gpu-tasks relies on, each with why and the versions checked (prefect
-3.8.8 and 3.9.1, the ends of the tested range); each wrapper degrades to Prefect's own behaviour
-where the name is gone. The "no tag limits" answers and the tag slots the flow process holds are
-described in docs/runner.md, "Tagged task runs and Prefect's tag-limit checks".
+"""The private Prefect APIs gpu-tasks relies on, each with why; each wrapper degrades to Prefect's own
+behaviour where the name is gone. The "no tag limits" answers and the tag slots the flow process
+holds: docs/runner.md, "Tagged task runs and Prefect's tag-limit checks".
 """
 
 from __future__ import annotations
@@ -27,15 +26,13 @@ _OWN_LOCK = threading.Lock()
 
 
 def use_no_limits_cache(seconds: float, ask_limited: Callable[[list[str]], set[str]] | None = None) -> float:
-    """Keep gpu-tasks' own "no tag limits" answers ``seconds`` long (its task runs only).
+    """Keep gpu-tasks' own "no tag limits" answers ``seconds`` long (its task runs only; Prefect's
+    cache is untouched).
 
-    Filled from the flow process's own slot grants (:func:`remember_without_limits`) and, after
-    Prefect's check of a tag set this cache does not know, from ``ask_limited(names)``: the names
-    among them that have a limit on the server now (a read each; an answer of "limited" is kept
-    too, so such a tag set is not read again before it expires, and its checks stay Prefect's).
-    Nothing of Prefect's changes: a ThreadPoolTaskRunner or DaskTaskRunner task run in the same
-    process checks its tags as Prefect ships. ``seconds`` 0 keeps Prefect's 5 s alone (nothing is
-    learned). Returns the time-to-live in force (never shortened within a process)."""
+    Filled from the flow process's slot grants (:func:`remember_without_limits`) and, after Prefect's
+    check of an unknown tag set, from ``ask_limited(names)`` (the names with a limit now; a
+    "limited" answer is kept too). ``seconds`` 0 learns nothing. Returns the time-to-live in force
+    (never shortened within a process)."""
     import cachetools
 
     _install_tag_slot_skip()
@@ -69,9 +66,8 @@ def renew_answers(renew: Iterable[frozenset[str]], drop: Iterable[frozenset[str]
     return len(kept)
 
 
-# The layout of Prefect's ``serialize_context()``, which gpu-tasks builds itself for its workers
-# (gpu_tasks.runner.payload: the settings serialized once per flow run, not per task) and its
-# worker's engine reads (gpu_tasks.worker.engine): a key Prefect adds or renames fails the check.
+# The layout of Prefect's ``serialize_context()``, which gpu-tasks builds for its workers (the
+# settings serialized once per flow run): a key Prefect adds or renames fails the check.
 CONTEXT_KEYS = frozenset(
     {
         "flow_run_context",
@@ -86,25 +82,22 @@ CONTEXT_KEYS = frozenset(
 
 
 def context_for_workers(**parts: Any) -> dict[str, Any]:
-    """What Prefect's ``serialize_context()`` returns, built from its parts (each key of
-    :data:`CONTEXT_KEYS`, given by name): the one place gpu-tasks copies that layout, which
-    ``hydrated_context`` reads in its worker processes. A part Prefect's layout does not have, or
-    one missing, raises ``TypeError``."""
+    """What Prefect's ``serialize_context()`` returns, built from its parts (the keys of
+    :data:`CONTEXT_KEYS`, by name): the one place gpu-tasks copies that layout. Raises ``TypeError``
+    for a part Prefect's layout does not have, or one missing."""
     if set(parts) != CONTEXT_KEYS:
         raise TypeError(f"Prefect's serialized context has {sorted(CONTEXT_KEYS)}; got {sorted(parts)}")
     return dict(parts)
 
 
 # ---------------------------------------------------------------- tag slots the flow process holds
-# The flow process takes a task run's `tag:<tag>` slots before its device is leased; inside
-# `tag_slots_held_by_flow` the engine's own acquisition (`prefect.task_engine._concurrency` /
-# `_aconcurrency`) leaves those names out, so it never waits for them a second time.
+# The `tag:<tag>` slots the flow process took for a task run before its device was leased: the
+# engine's own acquisition leaves them out inside `tag_slots_held_by_flow`, never waiting twice.
 _FLOW_HOLDS: contextvars.ContextVar[tuple[Any, frozenset[str]] | None] = contextvars.ContextVar(
     "gpu_tasks_flow_holds_tag_slots", default=None
 )
-# True inside a task run gpu-tasks runs (:func:`tag_slots_held_by_flow`): what gpu-tasks changes
-# in Prefect's task engine and serializers applies there alone; any other task run of the process
-# (ThreadPoolTaskRunner, DaskTaskRunner, a task called directly) sees Prefect as shipped.
+# True inside a task run gpu-tasks runs: what gpu-tasks changes in Prefect applies there alone;
+# any other task run of the process sees Prefect as shipped.
 _OURS: contextvars.ContextVar[bool] = contextvars.ContextVar("gpu_tasks_runs_this_task", default=False)
 
 
@@ -144,9 +137,7 @@ def _left_to_take(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
     if held is not None and getattr(holder, "id", None) == held[0]:
         names = [n for n in names if n not in held[1]]
     if names and all(n.startswith("tag:") for n in names) and known_without_limits(names):
-        # what Prefect's own check would answer from the same cache (no lease, no limits), without
-        # its two thread hops and a made-up HTTP response: ~13% of a worker's CPU per task
-        names = []
+        names = []  # Prefect's own answer from its cache, without its thread hops (docs/operations.md)
     return (), {**kwargs, "names": names}
 
 
@@ -165,8 +156,7 @@ _ENGINE_ORIGINALS: dict[str, Any] = {}  # Prefect's own, once gpu-tasks' wrapper
 
 def _learn(kwargs: dict[str, Any]) -> None:
     """After Prefect's own check of a gpu-tasks task run's tags: when gpu-tasks' cache does not know
-    that tag set, ask the server which of its names have a limit and keep the answer (a tag set
-    without limits is then skipped, :func:`_left_to_take`; Prefect's cache keeps its own 5 s)."""
+    that tag set, ask the server which of its names have a limit and keep the answer."""
     names = kwargs.get("names")
     if not _OURS.get() or not names or isinstance(names, str) or not all(n.startswith("tag:") for n in names):
         return
@@ -236,14 +226,13 @@ def tag_slots_held_by_flow(task_run_id: Any, names: Iterable[str]) -> Iterator[N
     process holds them, or knows they have no limit)."""
     held = frozenset(names)
     _install_tag_slot_skip()  # also answers tag checks from the "no limits" cache (_left_to_take)
-    ours = _OURS.set(True)
-    token = _FLOW_HOLDS.set((task_run_id, held)) if held else None
-    try:
-        yield
-    finally:
-        if token is not None:
-            _FLOW_HOLDS.reset(token)
-        _OURS.reset(ours)
+    with ours():
+        token = _FLOW_HOLDS.set((task_run_id, held)) if held else None
+        try:
+            yield
+        finally:
+            if token is not None:
+                _FLOW_HOLDS.reset(token)
 
 
 def known_without_limits(names: list[str]) -> bool:
@@ -266,15 +255,11 @@ _QUALIFIED_KEEP = 512
 
 
 def cache_qualified_names() -> bool:
-    """Let Prefect's serializers in this process resolve each qualified name once.
+    """Let Prefect's serializers resolve each qualified name once in gpu-tasks' task runs (others get
+    Prefect's own function); returns whether they now use the cache.
 
-    ``from_qualified_name`` first tries to import the name as a module: a failed import for every
-    cache key the task engine computes. Little CPU, but a wait for the interpreter lock while
-    another thread computes: with four threads hashing and one busy, 4.1-7.6 ms of wall time per
-    cache key, 10 us with the cache (docs/operations.md, "Private names"). Called before the first
-    task run gpu-tasks runs in a process (a worker process, or the flow process of an in-process
-    profile); other task runs get Prefect's own function. Returns whether the serializers now use
-    the cache.
+    ``from_qualified_name`` tries a failed module import per cache key, waiting for the interpreter
+    lock while another thread computes (figures: docs/operations.md, "Private names").
     """
     import prefect.serializers as serializers
 
@@ -360,9 +345,8 @@ def _check_engine_concurrency() -> str | None:
         problem = params(getattr(fn, "__wrapped__", fn), "names", "holder")
         if problem:
             return f"{name}: {problem}"
-    # the name alone is not enough: if the engines took tag slots elsewhere, a worker would wait
-    # for a slot its own flow process holds (with a limit of 1, holding its device forever)
-    # (read from the classes' code: f"tag:{tag}" leaves its "tag:" among their constants)
+    # the engines must still take tag slots there, else a worker waits for a slot its own flow
+    # holds (read from the classes' code: f"tag:{tag}" leaves its "tag:" among their constants)
     for cls_name, call in (("SyncTaskRunEngine", "_concurrency"), ("AsyncTaskRunEngine", "_aconcurrency")):
         cls = getattr(engine, cls_name, None)
         if cls is None or call not in code_names(cls) or "tag:" not in code_strings(cls):

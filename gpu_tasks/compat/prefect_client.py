@@ -1,8 +1,5 @@
-"""Prefect's client waits between tries of a refused request, capped in gpu-tasks' processes.
-
-Prefect's client waits ``2**n`` s (with jitter) before its n-th try of a refused request, with no
-upper bound; see :mod:`gpu_tasks.compat.api_busy` for why and what was measured. Checked against
-prefect 3.8.8 and 3.9.1.
+"""Prefect's client waits between tries of a refused request (``2**n`` s, no upper bound), capped in
+gpu-tasks' processes; why: :mod:`gpu_tasks.compat.api_busy`.
 """
 
 from __future__ import annotations
@@ -18,12 +15,10 @@ _CAP: dict[str, Any] = {"longest": None, "whole_process": False}  # in force onc
 
 def cap_client_waits(longest: float, whole_process: bool = False) -> bool:
     """Cap each of Prefect's client waits between tries of a refused request at ``longest`` s (with
-    Prefect's jitter), in gpu-tasks' task runs (:func:`gpu_tasks.compat.prefect.is_ours`), or in
-    every request of the process with ``whole_process`` (a gpu-tasks worker process: all it runs is
-    gpu-tasks', Prefect's services' requests made off the task's thread included).
+    Prefect's jitter) in gpu-tasks' task runs, or in every request of the process with
+    ``whole_process`` (a worker process, whose Prefect services run off the task's thread).
 
-    Returns whether the cap is in force (``False`` on a Prefect whose client waits otherwise:
-    its waits are then as shipped, and tests/test_compat.py fails).
+    Returns whether the cap is in force (``False`` on a Prefect whose client waits otherwise).
     """
     import prefect.client.base as base
 
@@ -48,7 +43,6 @@ def cap_client_waits(longest: float, whole_process: bool = False) -> bool:
 
 def _check_client_waits() -> str | None:
     """Prefect's clients still wait ``clamped_poisson_interval(2**n, jitter)`` between tries."""
-
     import prefect.client.base as base
 
     fn = getattr(base, "clamped_poisson_interval", None)

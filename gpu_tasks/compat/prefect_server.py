@@ -1,8 +1,6 @@
 """Prefect's client internals gpu-tasks uses around a server: draining the events and logs a process
 queued, counting the events still waiting to be sent, and keeping a slim run context for each
 event of gpu-tasks' task runs until it is sent.
-
-Part of the compat layer (:mod:`gpu_tasks.compat`).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ def drain_events(timeout: float) -> bool:
     were sent within ``timeout``."""
     from prefect.events.worker import EventsWorker
 
-    return _all_done(EventsWorker.drain_all(timeout=timeout))
+    return _drained(EventsWorker, timeout)
 
 
 def drain_logs(timeout: float) -> bool:
@@ -28,19 +26,19 @@ def drain_logs(timeout: float) -> bool:
     all were sent within ``timeout``."""
     from prefect.logging.handlers import APILogWorker
 
-    return _all_done(APILogWorker.drain_all(timeout=timeout))
+    return _drained(APILogWorker, timeout)
 
 
-def _all_done(waited: Any) -> bool:
-    """``drain_all`` outside an event loop returns ``concurrent.futures.wait``'s (done, not done)."""
+def _drained(service: Any, timeout: float) -> bool:
+    # outside an event loop drain_all returns concurrent.futures.wait's (done, not done)
+    waited = service.drain_all(timeout=timeout)
     return not (isinstance(waited, tuple) and len(waited) == 2 and waited[1])
 
 
 def events_backlog() -> int:
-    """Events this process has emitted and Prefect's ``EventsWorker`` has not yet sent to the server
-    (private: ``_QueueServiceBase._instances`` and each worker's ``_context_cache``, the copy of
-    the run context it keeps per event until it sends it; 0 when none runs). Its ``_queue`` alone
-    stays short: events move on to its event loop at once and wait there."""
+    """Events this process has emitted and Prefect's ``EventsWorker`` has not yet sent (the private
+    ``_instances`` and each worker's ``_context_cache``, a context per unsent event; its ``_queue``
+    stays short, as events move on to its loop at once). 0 when none runs."""
     from prefect.events.worker import EventsWorker
 
     instances = list(getattr(EventsWorker, "_instances", {}).values())
@@ -65,14 +63,10 @@ _SLIM_KEEP = 1024
 
 
 def keep_slim_event_contexts() -> bool:
-    """From now on, each event a task run gpu-tasks runs (:func:`gpu_tasks.compat.prefect.ours`)
-    emits waits to be sent with a slim copy of the run context: the flow run, the task run's id,
-    name, flow run and tags, and the settings, which is all Prefect's ``EventsWorker`` reads from it
-    (``related_resources_from_run_context``). Prefect keeps the whole context per event
-    (``_prepare_item``: ``copy_context()``), and with it the task run's parameters, its result and
-    its engine, until the server takes the event: under load that is most of a process's memory
-    (docs/operations.md, "A Prefect server that holds the load"). Other task runs of the process
-    keep Prefect's own copy. Returns whether the slim copy is in use."""
+    """From now on, each event of a task run gpu-tasks runs waits to be sent with a slim copy of the
+    run context (flow run, task run without its state, settings: all ``EventsWorker`` reads), not
+    Prefect's whole copy, which holds parameters, results and engines (docs/operations.md, "A Prefect
+    server that holds the load"). Returns whether the slim copy is in use."""
     from prefect.events.worker import EventsWorker
 
     prepare = vars(EventsWorker).get("_prepare_item")
@@ -128,7 +122,7 @@ def _slim_context() -> contextvars.Context:
 
 
 def _slim_flow_context(flow_run: Any) -> Any:
-    """One flow-run context holding ``flow_run`` alone, per flow run (building one takes about 0.1 ms)."""
+    """One flow-run context holding ``flow_run`` alone, per flow run (built once, shared)."""
     from prefect.context import FlowRunContext
 
     key = ("flow", flow_run.id)
@@ -165,7 +159,6 @@ def _check_event_contexts() -> str | None:
     )
 
 
-# ---------------------------------------------------------------- the uses, with feature checks
 def _check_drains() -> str | None:
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker

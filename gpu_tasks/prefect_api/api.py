@@ -24,12 +24,9 @@ def _trusts_nothing() -> ssl.SSLContext:
 
 
 def client_tls(api_url: str | None) -> dict[str, Any] | None:
-    """``httpx_settings`` for a Prefect client of ``api_url``. Prefect's client loads certifi's
-    bundle into a new TLS context for every client it builds (about 38 ms of CPU; two or three a
-    flow run, four a worker process), which a plain-http API never uses: there it is handed a
-    context that trusts nothing. ``None`` (Prefect's own context, as always) for anything else,
-    and wherever a proxy may be in the way (httpx reads the proxy variables; the proxy itself may
-    speak TLS)."""
+    """``httpx_settings`` for a Prefect client of ``api_url``: over plain http, a TLS context that
+    trusts nothing instead of the certifi bundle Prefect loads per client (docs/operations.md);
+    ``None`` (Prefect's own) for anything else, and wherever a proxy (which may speak TLS) is set."""
     if any(os.environ.get(v) for v in PROXY_VARIABLES):
         return None
     if api_url and api_url.lower().startswith("http://"):
@@ -54,17 +51,9 @@ _SEEN_EPHEMERAL: list[tuple[int, str]] = []
 def ephemeral_api_url() -> str | None:
     """The URL of Prefect's ephemeral API server that the context in force talks to; never starts one.
 
-    Without ``PREFECT_API_URL``, Prefect's ``get_client()`` starts a server for the process (once:
-    later calls get the same one) and keeps its URL in no setting, only as the ``api_url`` of the
-    clients it builds. A flow run holds one in its context from start to end (``prefect.context``:
-    the client context Prefect's engine enters around the run, and the flow or task run context),
-    so this reads that client's: ``None`` outside any such context, or when the settings name a
-    server (the client then talks to that one).
-
-    Each URL found is remembered for threads of the process that run outside any run's context
-    (:func:`last_ephemeral_api_url`). Found at every flow run's start (the runner's session asks), it
-    names the server the latest flow run used; it outlives that server only once Prefect stops it,
-    at the process's exit (a request to it then fails, as to any server gone).
+    Prefect keeps that URL in no setting, only as the ``api_url`` of the client a run's context
+    holds, so this reads that client's: ``None`` outside any such context, or when the settings name
+    a server. Each URL found is remembered (:func:`last_ephemeral_api_url`).
     """
     from prefect.context import AsyncClientContext, FlowRunContext, SyncClientContext, TaskRunContext
     from prefect.settings import get_current_settings
@@ -72,8 +61,7 @@ def ephemeral_api_url() -> str | None:
     if get_current_settings().api.url:
         return None
     for context in (SyncClientContext, AsyncClientContext, FlowRunContext, TaskRunContext):
-        found = context.get()
-        client = getattr(found, "client", None)
+        client = getattr(context.get(), "client", None)
         if client is not None:
             return _remember(str(client.api_url))
     return None
@@ -97,16 +85,12 @@ def flow_api_url() -> str | None:
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
-    if url:
-        return str(url)
-    return ephemeral_api_url() or last_ephemeral_api_url()
+    return str(url) if url else ephemeral_api_url() or last_ephemeral_api_url()
 
 
 def on_ephemeral_server() -> bool:
-    """Whether this process's Prefect clients use the ephemeral server it started (no
-    ``PREFECT_API_URL``): Prefect stops that server as the process exits. Asked of the context in
-    force only (:func:`ephemeral_api_url`): ``False`` outside a run, at the process's exit too,
-    where Prefect may have stopped the server already."""
+    """Whether this process's Prefect clients use the ephemeral server it started, which Prefect
+    stops as the process exits; asked of the context in force (``False`` outside a run)."""
     return ephemeral_api_url() is not None
 
 
@@ -118,19 +102,19 @@ def require_flow_api_url(profile: str) -> str:
         GpuTasksError: no API URL and ephemeral servers are off.
     """
     url = flow_api_url()
-    if url is None:
-        from prefect.client.orchestration import get_client
+    if url is not None:
+        return url
+    from prefect.client.orchestration import get_client
 
-        try:
-            client = get_client(sync_client=True)  # starts the ephemeral server when that is allowed
-        except ValueError as exc:
-            raise GpuTasksError(
-                f"profile {profile!r} runs tasks in worker processes, which report to the flow run's "
-                "Prefect API, but there is none: set PREFECT_API_URL (or allow Prefect's ephemeral "
-                "server with PREFECT_SERVER_EPHEMERAL_ENABLED=true)"
-            ) from exc
-        url = _remember(str(client.api_url))
-    return url
+    try:
+        client = get_client(sync_client=True)  # starts the ephemeral server when that is allowed
+    except ValueError as exc:
+        raise GpuTasksError(
+            f"profile {profile!r} runs tasks in worker processes, which report to the flow run's "
+            "Prefect API, but there is none: set PREFECT_API_URL (or allow Prefect's ephemeral "
+            "server with PREFECT_SERVER_EPHEMERAL_ENABLED=true)"
+        ) from exc
+    return _remember(str(client.api_url))
 
 
 def worker_env(api_url: str) -> dict[str, str]:

@@ -63,8 +63,8 @@ class LeaseHolder:
         self._thread: threading.Thread | None = None
         self._ctx: contextvars.Context | None = None  # the first caller's: renewals and the client
         self._client: Any = None
-        self._client_lock: asyncio.Lock | None = None
-        self._send_lock: asyncio.Lock | None = None
+        self._client_lock = asyncio.Lock()  # bound to the holder's loop at first use
+        self._send_lock = asyncio.Lock()  # the holder's requests go out one at a time
         self._held: dict[uuid.UUID, str] = {}  # lease id -> what it holds, for log lines
         self._tasks: set[asyncio.Task[Any]] = set()
         self._renewal: asyncio.Task[Any] | None = None
@@ -126,9 +126,8 @@ class LeaseHolder:
     def close(self, timeout: float = CLOSE_TIMEOUT_S, first: Callable[[], None] | None = None) -> None:
         """Give back every held lease (within ``timeout``), then stop the thread.
 
-        ``first`` runs on the loop before that (a user's own waits end there). A request still
-        pending is let finish within ``timeout`` and then cancelled: a slot the server grants it
-        later is free again when its lease expires.
+        ``first`` runs on the loop before that. A request still pending is let finish within
+        ``timeout``, then cancelled (a slot granted later is free again when its lease expires).
         """
         with self._lock:
             self._closed = True
@@ -170,14 +169,14 @@ class LeaseHolder:
         import httpx
         from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
-        from gpu_tasks.compat.api_busy import BusyWait, busy_timeout
+        from gpu_tasks.compat.api_busy import BusyWait
 
         client = await self._api()
         ref = ConcurrencyLeaseHolder(type=holder[0], id=holder[1]) if holder is not None else None  # type: ignore[arg-type]
         busy: BusyWait | None = None
         while True:
             try:
-                async with self._one_at_a_time():
+                async with self._send_lock:
                     if unless is not None and unless():
                         return Answer(granted=True)
                     response = await client.increment_concurrency_slots_with_lease(
@@ -192,7 +191,7 @@ class LeaseHolder:
                 if isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code == 423:  # full
                     retry_after = _retry_after(exc.response.headers.get("Retry-After"))
                     return Answer(granted=False, retry_after=retry_after)
-                busy = busy or BusyWait(what, busy_timeout())
+                busy = busy or BusyWait(what)
                 await asyncio.sleep(busy.next_wait(exc, self.log))  # raised unless the API is busy
         body = dict(response.json())
         limits = tuple(str(limit["name"]) for limit in body.get("limits") or ())
@@ -209,7 +208,7 @@ class LeaseHolder:
             return
         try:
             client = await self._api()
-            async with self._one_at_a_time():
+            async with self._send_lock:
                 await client.release_concurrency_slots_with_lease(lease_id)
         except Exception:
             self.log.warning(
@@ -266,17 +265,9 @@ class LeaseHolder:
         if done is not None:
             task.add_done_callback(lambda t: _settle(done, t))
 
-    def _one_at_a_time(self) -> asyncio.Lock:
-        """The holder's requests go out one at a time (see the module doc)."""
-        if self._send_lock is None:
-            self._send_lock = asyncio.Lock()
-        return self._send_lock
-
     async def _api(self) -> Any:
         """The holder's Prefect client, built on first use (in the flow run's context, as every
         task on the loop runs in it)."""
-        if self._client_lock is None:
-            self._client_lock = asyncio.Lock()
         async with self._client_lock:
             if self._client is None:
                 client = _new_client(self.name)
@@ -299,7 +290,7 @@ class LeaseHolder:
     async def _renew(self, lease_id: uuid.UUID) -> None:
         try:
             client = await self._api()
-            async with self._one_at_a_time():
+            async with self._send_lock:
                 what = self._held.get(lease_id)
                 if what is None:  # given back meanwhile
                     return
@@ -368,11 +359,8 @@ def _retry_after(value: str | None) -> float:
 
 
 def _new_client(purpose: str) -> Any:
-    """A Prefect client for the flow run's API (its URL, credentials and client settings).
-
-    Built directly rather than with ``get_client()``, which in Prefect's serverless mode
-    would start a server of its own when the URL is in no setting.
-    """
+    """A Prefect client for the flow run's API (its URL, credentials and client settings); not
+    ``get_client()``, which would start a server of its own when the URL is in no setting."""
     from prefect.client.orchestration import PrefectClient
     from prefect.settings import get_current_settings
 

@@ -30,10 +30,8 @@ _REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([0-9A-Za-z_]+)["'
 @functools.cache
 def _known_revisions() -> frozenset[str]:
     """The alembic revisions of Prefect's SQLite migrations: the ``revision = "..."`` line of each
-    script (alembic's script format; read, not imported) in the folder Prefect's
-    ``AioSqliteORMConfiguration().versions_dir`` names (its API reference). Importing that module
-    takes about 2 s in a new process; a flow on the ephemeral API has it imported already (Prefect's
-    server module imports it before a runner starts). Empty when not found (the check is skipped)."""
+    script (read, not imported) in ``AioSqliteORMConfiguration().versions_dir``. Empty when not
+    found (the check is skipped)."""
     try:
         from prefect.server.database.orm_models import AioSqliteORMConfiguration
 
@@ -42,12 +40,6 @@ def _known_revisions() -> frozenset[str]:
         return frozenset()
     texts = (script.read_text(encoding="utf-8", errors="replace") for script in folder.glob("*.py"))
     return frozenset(match.group(1) for text in texts if (match := _REVISION.search(text)))
-
-
-def _prefect_version() -> str:
-    import prefect
-
-    return str(getattr(prefect, "__version__", "?"))
 
 
 # --------------------------------------------------------------- the checks
@@ -120,13 +112,13 @@ def database_problem(db: Path, home: Path) -> str | None:
         os.close(os.open(db, os.O_WRONLY))  # opened, never written
     except OSError as exc:
         owner = "" if home_default else " (PREFECT_SERVER_DATABASE_CONNECTION_URL)"
-        why = exc.strerror
-        return f"Prefect's database {db}{owner} is not writable ({why}): make it writable, {elsewhere}"
+        return (
+            f"Prefect's database {db}{owner} is not writable ({exc.strerror}): make it writable, {elsewhere}"
+        )
     import sqlite3
 
     try:
-        with_uri = f"file:{db.absolute()}?mode=ro"
-        conn = sqlite3.connect(with_uri, uri=True, timeout=5)
+        conn = sqlite3.connect(f"file:{db.absolute()}?mode=ro", uri=True, timeout=5)
         try:
             rows = conn.execute("SELECT version_num FROM alembic_version").fetchall()
         finally:
@@ -142,10 +134,12 @@ def database_problem(db: Path, home: Path) -> str | None:
     known = _known_revisions()
     unknown = sorted(str(r[0]) for r in rows if known and str(r[0]) not in known)
     if unknown:
+        import prefect
+
         return (
             f"Prefect's database {db} is at schema revision {', '.join(map(repr, unknown))}, which Prefect "
-            f"{_prefect_version()} does not know (a newer Prefect upgraded it): {reset}, {elsewhere}, "
-            "or go back to the newer Prefect"
+            f"{getattr(prefect, '__version__', '?')} does not know (a newer Prefect upgraded it): {reset}, "
+            f"{elsewhere}, or go back to the newer Prefect"
         )
     return None
 
@@ -236,6 +230,10 @@ def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str |
         else f", or unset PREFECT_API_URL (gpu-tasks {command} starts its own)"
     )
     fix = f"start it (`prefect server start --host 127.0.0.1 --port {port}`){unset}"
+    free_port = (
+        "run Prefect on a free port (`prefect server start --host 127.0.0.1 --port <free port>`) and point "
+        f"PREFECT_API_URL there{unset}"
+    )
     health = url.rstrip("/") + "/health"
     try:
         reply = httpx.get(health, timeout=timeout, **_as_prefects_client())
@@ -244,8 +242,7 @@ def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str |
         held = f"port {port} is held by {holder}" if holder else f"something holds {host}:{port}"
         return (
             f"PREFECT_API_URL {url} does not answer within {timeout:g} s: {held}, not a Prefect server that "
-            "answers: stop it, or run Prefect on a free port (`prefect server start --host 127.0.0.1 "
-            f"--port <free port>`) and point PREFECT_API_URL there{unset}"
+            f"answers: stop it, or {free_port}"
         )
     except httpx.ConnectError as exc:
         text = str(exc).lower()
@@ -259,9 +256,7 @@ def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str |
         by = f"{holder}; " if holder else ""
         return (
             f"PREFECT_API_URL {url} is answered by something that is not a Prefect API ({by}HTTP 404 for "
-            f"{health}): check the URL (a Prefect server's ends in /api) and the port, or run Prefect on a "
-            f"free port (`prefect server start --host 127.0.0.1 --port <free port>`) and point "
-            f"PREFECT_API_URL there{unset}"
+            f"{health}): check the URL (a Prefect server's ends in /api) and the port, or {free_port}"
         )
     return None
 
@@ -293,21 +288,16 @@ def local_problems(data_dir: Path | None = None) -> list[str]:
     problem = home_problem(home)
     if problem is not None:
         return [problem]  # the rest lives under it
-    problems = []
-    db = sqlite_path(db_url) if api is None else None
-    if db is not None:
-        problem = database_problem(db, home)
-        if problem is not None:
-            problems.append(problem)
+    problems: list[str | None] = []
     places = [("Prefect's result storage", "PREFECT_RESULTS_LOCAL_STORAGE_PATH", storage)]
-    if db is not None:  # a server started here writes its database there
+    db = sqlite_path(db_url) if api is None else None
+    if db is not None:  # a server started here opens that database and writes beside it
+        problems.append(database_problem(db, home))
         places.insert(0, _database_place(db, home))
     if data_dir is not None:
         places.append(("the pipeline's data directory", "--data-dir or GPU_TASKS_DATA_DIR", data_dir))
-    problem = disk_problem(places)
-    if problem is not None:
-        problems.append(problem)
-    return problems
+    problems.append(disk_problem(places))
+    return [p for p in problems if p is not None]
 
 
 def preflight(command: str, data_dir: Path | None = None) -> None:
@@ -332,10 +322,9 @@ _lock = threading.Lock()
 
 
 def check_ephemeral() -> None:
-    """A flow on Prefect's ephemeral API (no ``PREFECT_API_URL``): raise at once, in one line,
-    when Prefect's server could not open its home or database, instead of after Prefect's
-    two minutes of retries. Once per process and settings (cached); nothing when an API URL is
-    set or ephemeral servers are off.
+    """A flow on Prefect's ephemeral API (no ``PREFECT_API_URL``): raise at once, in one line, when
+    Prefect's server could not open its home or database, instead of after minutes of retries. Once
+    per process and settings; nothing when an API URL is set or ephemeral servers are off.
 
     Raises:
         EnvironmentProblem: ``PREFECT_HOME`` not writable, a database this Prefect cannot open, or

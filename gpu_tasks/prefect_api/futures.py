@@ -22,12 +22,7 @@ _PLAIN_DEPTH = 32
 def _plain_futures(expr: Any, found: list[PrefectFuture[Any]], depth: int = 0) -> bool:
     """Add the Prefect futures in ``expr`` to ``found`` when ``expr`` is made of nothing but
     built-in dicts, lists, tuples and sets of numbers, strings and futures; ``False`` (stop) at
-    anything else: Prefect's ``visit_collection`` then walks it, with its rules for models,
-    dataclasses, ``quote`` and ``allow_failure``.
-
-    The common case (``.map`` over numbers or paths) costs a few type checks: Prefect's walk
-    builds typing aliases at every level, a third of the flow process's CPU per task when
-    measured on a ``.map`` of 1,000 tasks.
+    anything else, which Prefect's slower ``visit_collection`` then walks (docs/benchmarks.md).
     """
     kind = type(expr)
     if kind in _ATOMS:

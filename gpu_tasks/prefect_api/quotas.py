@@ -57,12 +57,8 @@ def how_to_set(quota: str, n: int | str = "N") -> str:
 
 
 class QuotaSlots:
-    """The quota slots one device book (one flow run) holds, by Prefect lease.
-
-    ``take`` never waits for room: it returns ``None`` when the quota has no room now.
-    The leases are a :class:`gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`'s
-    (thread ``gpu-tasks-quota-leases``), renewed every third of the lease, in the context
-    the first slots were taken in (the flow run's Prefect API).
+    """The quota slots one device book (one flow run) holds, by Prefect lease (a
+    :class:`~gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`'s). ``take`` never waits for room.
     """
 
     def __init__(self, lease_seconds: float, flow_run_id: uuid.UUID | None = None) -> None:
@@ -147,10 +143,10 @@ def _all_limits() -> list[Any]:
     return limits
 
 
-def _by_team(limits: list[Any]) -> dict[str, dict[str, Any]]:
-    """Each team's quota, borrowing and lending limits, from the ``gpu-quota:`` / ``gpu-borrow:`` /
-    ``gpu-lend:`` limits among ``limits`` (a team without a quota limit is left out)."""
-    named = {limit.name: limit for limit in limits}
+def teams() -> dict[str, dict[str, Any]]:
+    """Each team's quota (``limit``, ``in_use``), ``borrowing_limit``, ``borrowed`` and
+    ``lending_limit`` (``None``: lends all of its unused quota) now, in one read of the API."""
+    named = {limit.name: limit for limit in _all_limits()}
     out = {}
     for name, limit in sorted(named.items()):
         if not name.startswith(PREFIX):
@@ -166,12 +162,6 @@ def _by_team(limits: list[Any]) -> dict[str, dict[str, Any]]:
             "lending_limit": int(lend.limit) if lend is not None and lend.active else None,
         }
     return out
-
-
-def teams() -> dict[str, dict[str, Any]]:
-    """Each team's quota (``limit``, ``in_use``), ``borrowing_limit``, ``borrowed`` and
-    ``lending_limit`` (``None``: lends all of its unused quota) now, in one read of the API."""
-    return _by_team(_all_limits())
 
 
 def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -237,14 +227,11 @@ def wait_for_room(
     say: Callable[[str], None],
     borrow: Callable[[], tuple[uuid.UUID | None, str | None]] | None = None,
 ) -> tuple[uuid.UUID, float, bool]:
-    """Take ``need`` slots of ``quota`` for one task of profile ``owner``, waiting for room.
-
-    Used by ``address`` profiles, whose tasks hold their devices while they run: the slots
-    are taken before the task is handed to the shared scheduler and given back when it
-    ends. A wait is told through ``say`` when it begins and every ``WAIT_LOG_EVERY`` s, with
-    the quota's use. ``borrow`` (a preemptible profile): while the quota is full, try a slot of its
-    borrowing limit instead (:func:`gpu_tasks.devices.lending.borrow_slots`: ``(lease id, None)`` or
-    ``(None, why not)``). Returns ``(lease id, seconds waited, borrowed)``.
+    """Take ``need`` slots of ``quota`` for one task of an ``address`` profile ``owner``, waiting for
+    room (told through ``say`` when it begins and every ``WAIT_LOG_EVERY`` s). ``borrow`` (a
+    preemptible profile): while the quota is full, try its borrowing limit instead
+    (:func:`gpu_tasks.devices.lending.borrow_slots`: ``(lease id, None)`` or ``(None, why not)``).
+    Returns ``(lease id, seconds waited, borrowed)``.
 
     Raises:
         ClusterError: the need can never fit the quota, or it waited ``timeout`` seconds.

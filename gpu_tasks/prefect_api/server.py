@@ -1,14 +1,8 @@
 """The embedded Prefect server: :func:`embedded_server` and the process it runs in.
 
-Without ``PREFECT_API_URL``, ``gpu-tasks example run``, the benchmarks and scripts that use
-:func:`embedded_server` get a Prefect server on 127.0.0.1 for the duration of a
-``with`` block. Its process is kept out of the terminal's Ctrl-C and never outlives
-its parent (:class:`EmbeddedServer`: Prefect's documented ``create_app`` under uvicorn, in a process
-this module starts).
-
-``prefect.server`` takes about 2 s to import; only the server's own process imports it, so
-``gpu-tasks example serve``, the benchmarks that import this module and the process that starts
-the server need not pay for it.
+Without ``PREFECT_API_URL``, ``gpu-tasks example run``, the benchmarks and scripts get a Prefect
+server on 127.0.0.1 for a ``with`` block, kept out of the terminal's Ctrl-C and never outliving its
+parent. Only the server's own process imports ``prefect.server`` (slow to import).
 """
 
 from __future__ import annotations
@@ -41,14 +35,11 @@ def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
 
 
 def die_with_parent_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the kernel SIGKILL the child when its parent goes (Linux).
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when its parent goes (Linux; ``None``
+    without ``prctl``).
 
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends, not only
-    the process: the server is started from the thread that enters ``embedded_server``
-    (the CLI's main thread), which outlives the context. Entering it from a short-lived
-    thread would kill the server when that thread ends. Returns ``None`` where there is
-    no ``prctl`` (macOS, Windows): there only the context's ``finally`` and the server's
-    ``atexit`` hook stop it, and a SIGKILL of the parent can orphan it.
+    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends: start the server from
+    a thread that outlives it (the CLI's main thread), not a short-lived one.
     """
     if not sys.platform.startswith("linux"):
         return None
@@ -126,9 +117,12 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
                 interrupted = not isinstance(exc, Exception)  # Ctrl-C: record it, but briefly
                 raise
             finally:
+                from gpu_tasks.compat.prefect_server import drain_events, drain_logs
+
                 quick = (INTERRUPT_DRAIN_S, INTERRUPT_RECORD_S)
                 drain_s, record_s = quick if interrupted else (DRAIN_S, RECORD_S)
-                _drain(timeout=drain_s)
+                drain_events(drain_s)  # the run's last events and logs, while the server is up
+                drain_logs(drain_s)
                 _wait_until_recorded(timeout=record_s, since=started, stall=RECORD_STALL_S)
     finally:
         server.stop()
@@ -137,11 +131,8 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
 
 def ephemeral_app() -> Any:
     """The app the embedded server's process serves (uvicorn's ``--factory``): Prefect's REST API as
-    its own ephemeral server serves it, through Prefect's documented ``create_app``: ``ephemeral``
-    (no UI, only the services an ephemeral server runs) and ``final`` (the last app of its process).
-    Prefect's ``SubprocessASGIServer`` asks for the same two through its environment variables
-    (``PREFECT__SERVER_EPHEMERAL``, ``PREFECT__SERVER_FINAL``), which ``create_app`` reads as these
-    arguments (prefect 3.8.8 to 3.9.1)."""
+    its own ephemeral server serves it, through the documented ``create_app`` (``ephemeral``: no UI,
+    an ephemeral server's services; ``final``: the last app of its process)."""
     from prefect.server.api.server import create_app
 
     return create_app(ephemeral=True, final=True)
@@ -157,13 +148,9 @@ STOP_GRACE_S = 5.0  # after SIGTERM, before SIGKILL (as Prefect's own temporary 
 class EmbeddedServer:
     """Prefect's server (:func:`ephemeral_app`) under uvicorn on 127.0.0.1, in a process of its own.
 
-    What Prefect's ``SubprocessASGIServer`` runs (the same command line, environment and health
-    check), started here so that the process gets what that class offers no way to ask for: a
-    session of its own (``start_new_session``: a terminal's Ctrl-C goes to every process of the
-    foreground process group, and a server in that group died before the interrupted flow run's
-    final states reached it, which stayed "Running" in its database for good; in a session of its
-    own it serves until :meth:`stop`), ``preexec_fn`` (``PR_SET_PDEATHSIG``: it still dies with its
-    parent, even a SIGKILLed one) and its stderr read as it comes.
+    What Prefect's ``SubprocessASGIServer`` runs, plus what it cannot ask for: a session of its own
+    (a terminal's Ctrl-C would stop it before an interrupted run's final states reach it), a
+    ``preexec_fn`` and its stderr read as it comes.
 
     Args:
         preexec_fn: run in the server process before it starts (:func:`die_with_parent_hook`).
@@ -266,9 +253,7 @@ class EmbeddedServer:
         if self._stderr_line is not None:
             self._stderr_line(line)
             return
-        with contextlib.suppress(OSError, ValueError):  # passed on, as an inherited stderr would be
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
+        _pass_on(line)
 
     def _failed(self, why: str) -> str:
         if self._reader is not None and self.process is not None and self.process.poll() is not None:
@@ -302,6 +287,12 @@ class EmbeddedServer:
                 process.stderr.close()
 
 
+def _pass_on(line: bytes) -> None:
+    with contextlib.suppress(OSError, ValueError):  # to this process's stderr, as an inherited one
+        sys.stderr.buffer.write(line)
+        sys.stderr.flush()
+
+
 def _read_lines(stream: Any, each: Callable[[bytes], None]) -> None:
     with contextlib.suppress(OSError, ValueError):  # closed with the process
         for line in iter(stream.readline, b""):
@@ -313,10 +304,9 @@ LOAD_DOCS = "docs/operations.md#a-prefect-server-that-holds-the-load"
 
 
 class DroppedEvents:
-    """Reads the embedded server's stderr as it comes (passing it on to this process's stderr) and
-    counts the event messages the server dropped: its in-memory messaging holds 10,000 a
-    subscription and drops the rest under load, so the UI and the API miss those task runs'
-    states. The first drop is logged at once, the count when the server stops."""
+    """Reads the embedded server's stderr as it comes (passing it on) and counts the event messages
+    its in-memory messaging dropped under load (their task runs' states are missing from the UI).
+    The first drop is logged at once, the count when the server stops."""
 
     def __init__(self) -> None:
         self.count = 0
@@ -335,9 +325,7 @@ class DroppedEvents:
                     LOAD_DOCS,
                 )
             return  # counted, not repeated: one per dropped message would flood the terminal
-        with contextlib.suppress(OSError, ValueError):
-            sys.stderr.buffer.write(line)
-            sys.stderr.flush()
+        _pass_on(line)
 
     def report(self) -> None:
         if self.count:
@@ -349,25 +337,10 @@ class DroppedEvents:
             )
 
 
-def _drain(timeout: float = 5) -> None:
-    """Send the run's last events and logs while the server is up (at most ``timeout`` s each)."""
-    from gpu_tasks.compat.prefect_server import drain_events, drain_logs
-
-    drain_events(timeout)
-    drain_logs(timeout)
-
-
 def _wait_until_recorded(timeout: float, since: datetime.datetime, stall: float | None = None) -> bool:
-    """Wait, at most ``timeout`` s, until the server has recorded the final states of the task
-    runs of this server's life (``since``: its database may hold older ones that will stay
-    "Running" for good, from a process killed long ago). Given up after ``stall`` s in which
-    nothing it counts changed (task runs a crashed run left unfinished never finish).
-
-    Task run states reach the server as events and are written by its task-run
-    recorder as it gets to them; stopping the server in the middle leaves the last task
-    runs "Pending" or "Running" in its database for good, or missing. Done: none of
-    them is Pending or Running, and the count of task runs has held for ``SETTLED_S``.
-    """
+    """Wait, at most ``timeout`` s (``stall`` s without a change), until the server's task-run
+    recorder has written the final states of the task runs since ``since`` (stopped before, it
+    leaves them "Pending" or "Running" for good): none unfinished, the count held ``SETTLED_S``."""
     after = {"after_": since.isoformat()}
     started = {"start_time": after}
     # Running since the server started; Pending in one of its flow runs (no start time yet)
@@ -383,9 +356,8 @@ def wait_until_flow_run_recorded(
 ) -> bool:
     """Wait, at most ``timeout`` s (``stall`` s without progress), until the server has recorded
     every task run of flow run ``flow_run_id`` in a state other than Running, its count held for
-    ``SETTLED_S``. For Prefect's ephemeral server, which Prefect stops as the flow process exits:
-    the last states worker processes sent as events were lost when its task-run recorder had not
-    got to them yet (a task run left "Running" in a clean-clone CI run on a loaded machine)."""
+    ``SETTLED_S``: for Prefect's ephemeral server, stopped as the flow process exits, before its
+    task-run recorder got to the last states worker processes sent."""
     runs = {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}}
     running = {**runs, "task_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}
     return _settled(runs, [running], timeout, stall)

@@ -42,9 +42,8 @@ def looks_like_oom(exc: BaseException | None) -> bool:
 def api_unreachable(timeout: float = 2.0) -> str | None:
     """Why the Prefect API cannot be reached now, or ``None`` when it answers (any HTTP reply).
 
-    One request, no retries: Prefect's client retries a refused connection for about a minute
-    per request, so reporting hundreds of task runs to a server that is gone (a plain script's
-    ephemeral server dies with the same Ctrl-C as its flow process) would hang for hours.
+    One request, no retries: with Prefect's retries, reporting hundreds of task runs to a server
+    that is gone (an ephemeral server dies with its flow process's Ctrl-C) would hang for hours.
     """
     import httpx
     from prefect.client.orchestration import get_client
@@ -73,8 +72,7 @@ def no_client_retries(on: bool = True) -> Iterator[None]:
     if ctx is None:  # pragma: no cover - Prefect always has a root settings context
         yield
         return
-    # the current settings with one field changed, as temporary_settings makes them, without
-    # validating all of Prefect's settings again (48 ms of CPU a call, once per flow run)
+    # as temporary_settings makes them, without validating all of Prefect's settings again (slow)
     settings = ctx.settings
     once = settings.model_copy(update={"client": settings.client.model_copy(update={"max_retries": 0})})
     with SettingsContext(profile=ctx.profile, settings=once):
@@ -164,10 +162,9 @@ def report_state(
 def retry_after_crash(
     task: Any, task_run: Any, flow_run_id: uuid.UUID | None, crashes: int, message: str, log: Any
 ) -> float | None:
-    """After ``task_run``'s crash report (``message``), the one rule for a dead worker's task, in the
-    flow process and on a shared scheduler's worker alike (:func:`gpu_tasks.policy.crash_retry`): the
-    seconds before ``task`` runs again, its task run ``AwaitingRetry`` now, or ``None`` when its
-    ``crashes`` earlier crashes used up its retries. Said on ``log`` either way."""
+    """After ``task_run``'s crash report (``message``), the one rule for a dead worker's task
+    (:func:`gpu_tasks.policy.crash_retry`): the seconds before ``task`` runs again, its task run
+    ``AwaitingRetry`` now, or ``None`` when ``crashes`` used up its retries. Said on ``log``."""
     from gpu_tasks.policy import crash_retry
 
     attempts = max(crashes + 1, int(getattr(task_run, "run_count", 0) or 0))

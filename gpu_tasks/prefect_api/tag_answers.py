@@ -2,14 +2,10 @@
 and Prefect's tag-limit checks").
 
 Every half time-to-live, a thread of the process asks the server (GET, no slot taken) whether each
-remembered tag set still has no limit, and renews the answer, or drops it when a limit exists now
-(its next task run asks Prefect's check and takes the slot). A long map's task runs then never all
-miss at once when an answer expires: each miss sends them to Prefect's own check, which queues them
-behind one request at a time for a tag set, and in a 30,000-task run on Prefect 3.8.8 that check
-never answered (docs/operations.md). The server is the one in the settings, else (a flow process on
-Prefect's ephemeral API, whose settings name none) the ephemeral server the process's latest flow run
-used (:func:`gpu_tasks.prefect_api.api.last_ephemeral_api_url`): a client made from settings without
-an address would start another server.
+remembered tag set still has no limit, and renews the answer or drops it, so a long map's task runs
+never all miss at once and queue behind Prefect's own check. The server is the settings' one, else
+the ephemeral server the process's latest flow run used (a client made from settings without an
+address would start another server).
 """
 
 from __future__ import annotations
@@ -31,9 +27,8 @@ _LOCK = threading.Lock()
 
 
 def start_renewing(profile: Any = None, settings: Any = None) -> None:
-    """Start this process's renewing thread (once per process; after a fork, once in the child), for
-    the server of ``settings`` (a built ``SettingsContext``'s profile and settings: a worker's, from
-    its flow run), or else of the settings in force now (the flow process's)."""
+    """Start this process's renewing thread (once per process, forked children included), for the
+    server of ``settings`` (a worker's, from its flow run), else of the settings in force now."""
     from prefect.context import SettingsContext
 
     if settings is None:

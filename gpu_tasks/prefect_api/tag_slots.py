@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import threading
@@ -32,13 +33,9 @@ LIMITS_READ_MAX = 2000  # more than this many limits: not read through, the work
 
 def placement_tags_unlimited() -> bool:
     """Whether the Prefect API has no concurrency limit on the tags a worker adds to its task runs
-    (``gpu:<id>``, ``gpu-tasks:emulated``): read (``POST /v2/concurrency_limits/filter``, no write)
-    before a profile's devices are leased, so the worker's engine need not ask for their slots
-    while it holds a device (a write a busy SQLite server can refuse for minutes).
-
-    ``False`` when one exists, when there are too many limits to read through, when this process
-    has no API yet, or when the read fails at once (asked once, no retries): the worker then asks
-    as Prefect's engine does.
+    (``gpu:<id>``, ``gpu-tasks:emulated``), read once before devices are leased, so a worker holding
+    a device need not ask for their slots. ``False`` when one exists, when there are too many limits
+    to read, with no API yet, or when the read fails: the worker then asks as Prefect's engine does.
     """
     from gpu_tasks.allocation import EMULATED_TAG
     from gpu_tasks.prefect_api.api import flow_api_url, sync_client
@@ -98,9 +95,7 @@ class SlotGate:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
-        self._leases = LeaseHolder(
-            "gpu-tasks-slots", LEASE_S, RENEW_EVERY_S, logger, on_tick=self._say_long_waits
-        )
+        self._leases = LeaseHolder(NAME, LEASE_S, RENEW_EVERY_S, logger, on_tick=self._say_long_waits)
         self._holds: set[Hold] = set()
 
     # ------------------------------------------------------------ any thread
@@ -114,9 +109,8 @@ class SlotGate:
     ) -> Hold:
         """Start taking ``names`` for task run ``holder_id``; returns at once.
 
-        ``on_ready(hold)`` runs once the slots are held, ``on_error(exc)`` if they cannot be
-        taken; neither runs if the hold is released (or the gate closed) first. Both run on
-        the gate's callback thread, one at a time; they should hand long work on.
+        ``on_ready(hold)`` runs once the slots are held, ``on_error(exc)`` if they cannot be taken
+        (neither once released first), on the gate's callback thread, one at a time.
 
         Raises:
             RuntimeError: the gate is closed (the runner is stopping).
@@ -149,12 +143,9 @@ class SlotGate:
 
     # ------------------------------------------------------------ the loop thread
     def _callback(self, fn: Callable[..., Any], *args: Any) -> None:
-        executor = self._callbacks
-        try:
-            assert executor is not None
-            executor.submit(self._run_callback, fn, *args)
-        except RuntimeError:  # the gate closed meanwhile
-            pass
+        assert self._callbacks is not None
+        with contextlib.suppress(RuntimeError):  # the gate closed meanwhile
+            self._callbacks.submit(self._run_callback, fn, *args)
 
     @staticmethod
     def _run_callback(fn: Callable[..., Any], *args: Any) -> None:
@@ -198,10 +189,8 @@ class SlotGate:
 
         assert hold._wake is not None
         while not hold.releasing():
-            # cleared before the request: a slot given back while it is out wakes the next try
-            hold._wake.clear()
-            # known_without_limits: an answer that came while this hold waited its turn (a map's
-            # tasks all queue here when the cached answer expires): no limit, nothing to take
+            hold._wake.clear()  # before the request: a slot given back while it is out wakes the next try
+            # unless: an answer of "no limit" came while this hold waited its turn
             answer = await self._leases.increment(
                 hold.names,
                 1,
@@ -213,10 +202,8 @@ class SlotGate:
                 return answer
             if hold.releasing():
                 break
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(hold._wake.wait(), answer.retry_after)
-            except TimeoutError:
-                pass
         return None
 
     def _release_soon(self, hold: Hold) -> None:
