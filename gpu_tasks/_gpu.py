@@ -1,8 +1,5 @@
-"""The one guarded place where GPU libraries are imported.
-
-Importing :mod:`gpu_tasks` never imports cuDF, dask-cuda, rmm or pynvml. Callers
-ask this module for a library; it imports it lazily, caches the outcome, and
-records *why* a library is unavailable so logs and the CLI can say so.
+"""The one guarded place where GPU libraries (cuDF, dask-cuda, rmm, pynvml) are imported: lazily,
+with the outcome cached and *why* one is unavailable kept, so logs and the CLI can say so.
 """
 
 from __future__ import annotations
@@ -32,12 +29,9 @@ def _try_import(name: str) -> ModuleType | str:
     try:
         return importlib.import_module(name)
     except Exception as exc:  # ImportError, but also CUDA errors raised at import
-        hint = (
-            "install the GPU extra: pip install 'gpu-tasks[gpu]'"
-            if isinstance(exc, ModuleNotFoundError)
-            else f"{type(exc).__name__}: {exc}"
-        )
-        return hint
+        if isinstance(exc, ModuleNotFoundError):
+            return "install the GPU extra: pip install 'gpu-tasks[gpu]'"
+        return f"{type(exc).__name__}: {exc}"
 
 
 def load(name: str) -> ModuleType:

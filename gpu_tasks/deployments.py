@@ -1,18 +1,8 @@
-"""What a deployment of a gpu-tasks flow needs, for its description and tags.
+"""A deployment's description and tags from its flow's profiles, since the Prefect UI's Deployments
+page shows those and not the task runner: ``flow.serve(..., **deployment_info(flow).kwargs())``.
 
-The Prefect UI's Deployments page shows a deployment's description and tags, not its
-flow's task runner. :func:`deployment_info` reads the flow's :class:`ProfileTaskRunner`
-profiles (code, then ``GPU_TASKS_PROFILES_FILE`` or ``profiles_file``, as a flow run on
-that deployment would) and says which profiles and how many GPUs it uses::
-
-    info = deployment_info(etl_train)
-    etl_train.serve(name="nightly", description=info.description, tags=info.tags)
-    # or etl_train.to_deployment(..., **info.kwargs())
-
-``gpu-tasks deployment-info ENTRYPOINT`` prints the same for a ``prefect.yaml``.
-Deployment tags are ``gpu-profile:<name>``, ``gpu-model:<model>`` and ``gpus:<n>``, never
-``profile:<name>``: a flow run carries its deployment's tags, and ``profile:`` tags are
-what route a task to a profile.
+Tags are ``gpu-profile:<name>``, ``gpu-model:<model>``, ``gpus:<n>``, never ``profile:<name>``: a flow
+run carries its deployment's tags, and ``profile:`` tags route tasks.
 """
 
 from __future__ import annotations
@@ -34,9 +24,8 @@ class DeploymentInfo:
 
     description: str
     tags: list[str]
-    gpus: (
-        int | None
-    )  # most devices held at once; None: as many as the host has (a profile without max_workers)
+    # most devices held at once; None: as many as the host has (a profile without max_workers)
+    gpus: int | None
 
     def kwargs(self) -> dict[str, Any]:
         """``description=`` and ``tags=`` for ``flow.serve`` / ``to_deployment`` / ``deploy``."""

@@ -1,15 +1,8 @@
 """Settings, read from ``GPU_TASKS_*`` environment variables (pydantic-settings).
 
-Three kinds of variable, told apart by their name:
-
-- user settings, ``GPU_TASKS_<NAME>``: at most 15, the first table of docs/profiles.md;
-- tuning knobs, ``GPU_TASKS_TUNE_<NAME>``: defaults right for almost everyone, the second table;
-  each still reads its old name ``GPU_TASKS_<NAME>``, with a warning to rename it;
-- internal variables, ``_GPU_TASKS_*``: what the runner tells its own worker processes
-  (:mod:`gpu_tasks.allocation`); no user sets them and no check reports them.
-
-Arguments across gpu-tasks default to ``None`` and are resolved here: the explicit
-argument, then the setting, then the built-in default (:func:`resolve`).
+User settings are ``GPU_TASKS_<NAME>``, tuning knobs ``GPU_TASKS_TUNE_<NAME>`` (their old name
+``GPU_TASKS_<NAME>`` still read, with a warning); ``_GPU_TASKS_*`` are the runner's own, never reported.
+Arguments default to ``None``: :func:`resolve` gives the argument, else the setting.
 """
 
 from __future__ import annotations
@@ -30,44 +23,32 @@ TUNE_PREFIX = "GPU_TASKS_TUNE_"
 INTERNAL_PREFIX = "_GPU_TASKS_"  # set by the runner for its own worker processes, never by users
 
 
-def default_lease_dir() -> Path:
-    """Per-user lease directory under the system temp dir (``/tmp/gpu-tasks-leases-<uid>``)."""
-    return Path(tempfile.gettempdir()) / f"gpu-tasks-leases-{os.getuid()}"
-
-
 def default_presence_dir() -> Path:
     """Host-wide directory where flow runs of every user say which devices they hold."""
     return Path(tempfile.gettempdir()) / "gpu-tasks-presence"
 
 
 def _doc(shown: str | None = None, takes: str | None = None, see: str | None = None) -> dict[str, Any]:
-    """What the settings tables of docs/profiles.md show beyond the field: its default as a user writes
-    it, what it takes, and the docs section that tells more."""
+    """What docs/profiles.md's settings tables show beyond the field: default as written, takes, link."""
     return {k: v for k, v in {"shown": shown, "takes": takes, "see": see}.items() if v is not None}
 
 
 def _tune(
-    name: str, default: Any, description: str, *, doc: dict[str, Any] | None = None, **rules: Any
+    name: str, default: Any, description: str, *, see: str, takes: str | None = None, **rules: Any
 ) -> Any:
-    """A tuning knob: read from ``GPU_TASKS_TUNE_<NAME>``, else from its old name ``GPU_TASKS_<NAME>``
-    (which :func:`variable_warnings` asks to rename)."""
+    """A tuning knob: read from ``GPU_TASKS_TUNE_<NAME>``, else from its old name ``GPU_TASKS_<NAME>``."""
     var = name.upper()
     return Field(
         default,
         description=description,
         validation_alias=AliasChoices(TUNE_PREFIX + var, PREFIX + var),
-        json_schema_extra={"tuning": True, **(doc or {})},
+        json_schema_extra={"tuning": True, **_doc(takes=takes, see=see)},
         **rules,
     )
 
 
 class GpuTasksSettings(BaseSettings):
-    """Process-wide settings: a user setting ``<field>`` is ``GPU_TASKS_<FIELD>``, a tuning knob
-    ``GPU_TASKS_TUNE_<FIELD>``.
-
-    Other ``GPU_TASKS_*`` variables are ignored here: the example pipeline reads its own
-    (``GPU_TASKS_DATA_DIR``, :mod:`gpu_tasks.pipeline.settings`).
-    """
+    """Process-wide settings: field ``<f>`` is ``GPU_TASKS_<F>`` (user setting) or ``GPU_TASKS_TUNE_<F>``."""
 
     # frozen: get_settings hands the same object to every caller until a variable changes
     model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", populate_by_name=True, frozen=True)
@@ -104,7 +85,7 @@ class GpuTasksSettings(BaseSettings):
     )
     dashboard: bool = Field(default=False, description="Start a Dask dashboard (127.0.0.1) per cluster.")
     lease_dir: Path = Field(
-        default_factory=default_lease_dir,
+        default_factory=lambda: Path(tempfile.gettempdir()) / f"gpu-tasks-leases-{os.getuid()}",
         description="Directory of per-device lease files; flow runs that share it never put workers on "
         "the same device at once. For several Unix users: one made by `gpu-tasks leases setup`.",
         json_schema_extra=_doc(
@@ -169,7 +150,7 @@ class GpuTasksSettings(BaseSettings):
         2,
         "Worker processes kept started and imported, holding no device, that a lease binds so a first "
         "task does not wait for a process to start. 0: none.",
-        doc=_doc(see="runner.md#warm-workers"),
+        see="runner.md#warm-workers",
         ge=0,
     )
     warm_start: Literal["forkserver", "spawn"] = _tune(
@@ -177,14 +158,14 @@ class GpuTasksSettings(BaseSettings):
         "forkserver",
         "How warm worker processes start on Linux: forked from a server that imported distributed and "
         "Prefect once, or spawned (a new interpreter each, which re-imports the flow script).",
-        doc=_doc(see="runner.md#warm-workers"),
+        see="runner.md#warm-workers",
     )
     warm_server_keep_seconds: float = _tune(
         "warm_server_keep_seconds",
         60.0,
         "Seconds the fork server is kept after the process's last warm pool closes, for the next flow "
         "run in the same process. 0: it ends with its last pool.",
-        doc=_doc(see="runner.md#warm-workers"),
+        see="runner.md#warm-workers",
         ge=0,
     )
     events_backlog_limit: int = _tune(
@@ -192,7 +173,7 @@ class GpuTasksSettings(BaseSettings):
         50000,
         "A task run waits to start while more Prefect events than this wait to be sent from its "
         "process, so a slow server cannot grow its memory without bound. 0: never wait.",
-        doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),
+        see="operations.md#a-prefect-server-that-holds-the-load",
         ge=0,
     )
     events_drain_seconds: float = _tune(
@@ -200,7 +181,7 @@ class GpuTasksSettings(BaseSettings):
         30.0,
         "Seconds a closing worker process may take to send the Prefect events and logs it still "
         "queues; events still queued after it are lost (and counted in a warning).",
-        doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),
+        see="operations.md#a-prefect-server-that-holds-the-load",
         ge=0,
     )
     tag_limit_cache_seconds: float = _tune(
@@ -208,7 +189,7 @@ class GpuTasksSettings(BaseSettings):
         60.0,
         "Seconds gpu-tasks' task runs trust Prefect's 'no concurrency limit for these tags' answer; a "
         "tag limit created mid-run applies within this time. 0: Prefect's own (5).",
-        doc=_doc(see="runner.md#tagged-task-runs-and-prefects-tag-limit-checks"),
+        see="runner.md#tagged-task-runs-and-prefects-tag-limit-checks",
         ge=0,
     )
     api_busy_timeout: float = _tune(
@@ -216,7 +197,7 @@ class GpuTasksSettings(BaseSettings):
         600.0,
         "Seconds gpu-tasks waits out a busy or unreachable Prefect API on tag-slot requests, asking "
         "again with a warning, before the task run fails with the API's error.",
-        doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),
+        see="operations.md#a-prefect-server-that-holds-the-load",
         ge=0,
     )
     api_longest_wait: float = _tune(
@@ -224,7 +205,7 @@ class GpuTasksSettings(BaseSettings):
         30.0,
         "The longest wait, in seconds, between two tries of a request a busy Prefect API refused, in "
         "gpu-tasks' task runs (Prefect's client's own waits included).",
-        doc=_doc(see="operations.md#a-prefect-server-that-holds-the-load"),
+        see="operations.md#a-prefect-server-that-holds-the-load",
         gt=0,
     )
     preemption_grace: float = _tune(
@@ -232,7 +213,7 @@ class GpuTasksSettings(BaseSettings):
         30.0,
         "Seconds a waiter of higher priority waits for devices preemptible profiles hold before their "
         "workers are stopped and their tasks re-queued.",
-        doc=_doc(see="leases.md#preemption"),
+        see="leases.md#preemption",
         ge=0,
     )
     priority_aging: float = _tune(
@@ -240,7 +221,7 @@ class GpuTasksSettings(BaseSettings):
         60.0,
         "Seconds of waiting for devices per +1 of a waiter's effective priority, so a low-priority "
         "waiter is not starved. 0: no aging.",
-        doc=_doc(see="leases.md#fairness-and-aging"),
+        see="leases.md#fairness-and-aging",
         ge=0,
     )
     fair_share_half_life: float = _tune(
@@ -248,7 +229,7 @@ class GpuTasksSettings(BaseSettings):
         3600.0,
         "Half-life, in seconds, of each team's (quota's) recorded device use: among device waiters of "
         "equal priority, the team that used the least goes first. 0: off (arrival order).",
-        doc=_doc(see="leases.md#fair-share"),
+        see="leases.md#fair-share",
         ge=0,
     )
     quota_lease_seconds: float = _tune(
@@ -256,7 +237,7 @@ class GpuTasksSettings(BaseSettings):
         60.0,
         "Lease of the Prefect global-concurrency slots a profile with a quota holds (renewed every third "
         "of it): a killed flow run's slots free this long after. At least 60 (Prefect's minimum).",
-        doc=_doc(see="leases.md#quotas"),
+        see="leases.md#quotas",
         ge=60,
     )
     dask_log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = _tune(
@@ -264,17 +245,15 @@ class GpuTasksSettings(BaseSettings):
         "WARNING",
         "Level of Dask's distributed loggers in the flow process while a runner is entered and in the "
         "worker processes gpu-tasks starts. INFO shows Dask's start and stop lines.",
-        doc=_doc(
-            takes="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)",
-            see="operations.md#seeing-what-ran-where",
-        ),
+        takes="DEBUG, INFO, WARNING, ERROR or CRITICAL (any case)",
+        see="operations.md#seeing-what-ran-where",
     )
     gpu_sample_seconds: float = _tune(
         "gpu_sample_seconds",
         1.0,
         "How often the flow process samples, with NVML, the real devices its local profiles hold, for "
         "the ledger's measured use and the right-size advice. 0: never.",
-        doc=_doc(see="shared-hosts.md#measured-use"),
+        see="shared-hosts.md#measured-use",
         ge=0,
     )
     alert_held_busy: float = _tune(
@@ -282,7 +261,7 @@ class GpuTasksSettings(BaseSettings):
         2.0,
         "A flow run whose devices were held more than this many times as long as they were busy gets "
         "the alert `held-busy-over-<N>` on its summary event. 0: never.",
-        doc=_doc(see="operations.md#events-and-the-gpu-waste-automation"),
+        see="operations.md#events-and-the-gpu-waste-automation",
         ge=0,
     )
     alert_min_held_seconds: float = _tune(
@@ -290,7 +269,7 @@ class GpuTasksSettings(BaseSettings):
         60.0,
         "The held/busy alert needs at least this many device-seconds held in the run, so a short run's "
         "start-up does not raise it.",
-        doc=_doc(see="operations.md#events-and-the-gpu-waste-automation"),
+        see="operations.md#events-and-the-gpu-waste-automation",
         ge=0,
     )
     alert_device_wait_seconds: float = _tune(
@@ -298,7 +277,7 @@ class GpuTasksSettings(BaseSettings):
         60.0,
         "A flow run in which a profile's cluster waited longer than this for its devices gets the alert "
         "`device-wait-over-<N>` on its summary event. 0: never.",
-        doc=_doc(see="operations.md#events-and-the-gpu-waste-automation"),
+        see="operations.md#events-and-the-gpu-waste-automation",
         ge=0,
     )
 
@@ -348,8 +327,7 @@ def is_tuning(field: str) -> bool:
 
 
 def variable(field: str) -> str:
-    """The environment variable of the setting ``field``: ``GPU_TASKS_<FIELD>`` (a user setting) or
-    ``GPU_TASKS_TUNE_<FIELD>`` (a tuning knob)."""
+    """The environment variable of the setting ``field``: ``GPU_TASKS_[TUNE_]<FIELD>``."""
     return (TUNE_PREFIX if is_tuning(field) else PREFIX) + field.upper()
 
 
@@ -358,31 +336,19 @@ def old_names() -> dict[str, str]:
     return {PREFIX + f.upper(): variable(f) for f in GpuTasksSettings.model_fields if is_tuning(f)}
 
 
-# ``GPU_TASKS_*`` variables that are no setting of this class (and not warned about): the example
-# pipeline's, and the project's own scripts'
-NOT_SETTINGS = frozenset(
-    {
-        "DATA_DIR",  # the example pipeline (gpu_tasks.pipeline.settings)
-        "EXTRAS",  # scripts/setup
-        "HOME",  # infra/prefect.yaml
-        "COMMIT",  # the benchmarks' record of the code they measured
-    }
-)
-SCRIPT_PREFIXES = (
-    "TEST_",
-    "BENCH_",
-    "COMPAT_",
-)  # the project's own scripts: scripts/test, bench/, test-compat
-
+# ``GPU_TASKS_*`` variables that are no setting (never warned about): the example pipeline's
+# DATA_DIR, scripts/setup's EXTRAS, infra/prefect.yaml's HOME, the benchmarks' COMMIT; and the
+# prefixes of scripts/test, bench/ and test-compat
+NOT_SETTINGS = frozenset({"DATA_DIR", "EXTRAS", "HOME", "COMMIT"})
+SCRIPT_PREFIXES = ("TEST_", "BENCH_", "COMPAT_")
 
 # the settings last read, with the GPU_TASKS_* variables they were read from (get_settings)
 _READ: tuple[tuple[tuple[str, str], ...], GpuTasksSettings] | None = None
 
 
 def get_settings() -> GpuTasksSettings:
-    """The settings as the environment gives them now: read again only when a ``GPU_TASKS_*``
-    variable changed since the last read (reading them validates every field, about 2 ms of CPU,
-    and a flow run asked about twenty times). The settings object is frozen.
+    """The settings as the environment gives them now, read again only when a ``GPU_TASKS_*``
+    variable changed (a read validates every field; docs/operations.md has its cost).
 
     Raises:
         SettingsError: one line per invalid variable, naming it, its value and what it takes.
@@ -396,7 +362,7 @@ def get_settings() -> GpuTasksSettings:
         ("", tempfile.gettempdir()),
         *sorted((k, v) for k, v in os.environ.items() if k[: len(PREFIX)].upper() == PREFIX),
     )
-    read = _READ
+    read = _READ  # one read of the global: another thread may replace it
     if read is not None and read[0] == key:
         return read[1]
     try:
@@ -439,9 +405,8 @@ def describe_invalid(exc: Any) -> str:
 
 
 def variable_warnings(environ: dict[str, str] | None = None) -> list[str]:
-    """One line per ``GPU_TASKS_*`` variable to change: an old name (with the name that replaced it)
-    or one that is no gpu-tasks setting (a typo changes nothing silently otherwise; with the closest
-    setting when one is close). Internal ``_GPU_TASKS_*`` variables are never reported."""
+    """One line per ``GPU_TASKS_*`` variable to change: an old name (with its new one), or one that is
+    no setting (a typo would change nothing silently), with the closest setting if one is close."""
     import difflib
 
     env = os.environ if environ is None else environ
@@ -451,7 +416,7 @@ def variable_warnings(environ: dict[str, str] | None = None) -> list[str]:
     for var in sorted(env):
         if not var.startswith(PREFIX) or var in known or var.removeprefix(PREFIX) in NOT_SETTINGS:
             continue
-        if var.startswith(tuple(PREFIX + p for p in SCRIPT_PREFIXES)):
+        if var.removeprefix(PREFIX).startswith(SCRIPT_PREFIXES):
             continue
         if var in renamed:
             new = renamed[var]

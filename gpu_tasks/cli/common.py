@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.text import Text
 
 from gpu_tasks.devices.discovery import Inventory, discover
-from gpu_tasks.errors import DeviceDiscoveryError, SettingsError
+from gpu_tasks.errors import DeviceDiscoveryError, EnvironmentProblem, SettingsError
 from gpu_tasks.settings import GpuTasksSettings, get_settings, variable_warnings
 
 EXIT_USAGE = 2
@@ -27,8 +27,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# Consoles resolve sys.stdout / sys.stderr when they print, so test runners that
-# swap the streams see the output.
+# consoles resolve sys.stdout / sys.stderr when they print: test runners that swap them see the output
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
 
@@ -38,7 +37,6 @@ def _root() -> None:
     """GPU-aware Prefect task runner: inspect devices and resource profiles."""
 
 
-# ------------------------------------------------------------------- helpers
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     """Print ``message`` on stderr (no markup, no traceback) and exit with ``code``."""
     err_console.print(Text(f"error: {message}"), soft_wrap=True)
@@ -78,7 +76,6 @@ def load_inventory(settings: GpuTasksSettings) -> Inventory:
 def preflight(command: str, data_dir: Path | None = None) -> None:
     """Exit 2 with one line naming the cause and the fix when Prefect's environment is broken
     (PREFECT_HOME, its database, a full disk, PREFECT_API_URL), before anything starts."""
-    from gpu_tasks.errors import EnvironmentProblem
     from gpu_tasks.prefect_api.environment import preflight
 
     try:

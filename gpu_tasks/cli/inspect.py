@@ -27,7 +27,7 @@ from gpu_tasks.cli.common import (
 from gpu_tasks.devices import lease_files, leases, presence, programs
 from gpu_tasks.devices.discovery import EMULATION_MEANS, Device, Inventory
 from gpu_tasks.devices.emulation import DEFAULT_EMULATION
-from gpu_tasks.errors import ProfileError, UnknownProfileError
+from gpu_tasks.errors import ClusterError, GpuTasksError, ProfileError, UnknownProfileError
 from gpu_tasks.policy import (
     device_groups,
     matching_devices,
@@ -37,6 +37,8 @@ from gpu_tasks.policy import (
 )
 from gpu_tasks.profiles import DEFAULT_PROFILE, ResourceProfile, resolve_profiles
 from gpu_tasks.settings import GpuTasksSettings
+
+_RUNS_ON = {"local": "this host", "address": "an existing Dask cluster", "cluster_class": "a cluster manager"}
 
 
 # ------------------------------------------------------------------- devices
@@ -211,14 +213,7 @@ def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tupl
         ("idle_timeout", idle),
         ("fallback", prof.fallback),
         ("gang", "yes" if prof.gang else "no"),
-        (
-            "runs on",
-            {
-                "local": "this host",
-                "address": "an existing Dask cluster",
-                "cluster_class": "a cluster manager",
-            }[prof.kind],
-        ),
+        ("runs on", _RUNS_ON[prof.kind]),
     ]
 
 
@@ -306,7 +301,6 @@ def deployment_info_command(
     ] = False,
 ) -> None:
     from gpu_tasks.deployments import deployment_info
-    from gpu_tasks.errors import GpuTasksError
 
     load_settings()
     try:
@@ -354,8 +348,6 @@ def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
     from gpu_tasks.cluster.board import BOARD, effective_priority
     from gpu_tasks.cluster.remote import security_for
     from gpu_tasks.devices.wait_reasons import board_reason
-    from gpu_tasks.errors import ClusterError
-    from gpu_tasks.profiles import ResourceProfile
 
     name = "waiters"
     try:
@@ -490,10 +482,8 @@ def lease_holders(inventory: Inventory, settings: GpuTasksSettings) -> dict[str,
 
 
 def lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
-    """The profiles queued for this host's devices (GPU_TASKS_LEASE_DIR), first-ranked first, each
-    with its ``effective_priority`` and ``waited_s`` now and ``why`` it waits (as the waiter last wrote
-    it, :mod:`gpu_tasks.devices.wait_reasons`; ``None`` before it did); ``[]`` when the queue cannot
-    be read."""
+    """The profiles queued for this host's devices, first-ranked first, with ``effective_priority``,
+    ``waited_s`` and ``why`` (as the waiter last wrote it, or ``None``); ``[]`` if unreadable."""
     now = time.time()
     try:
         queued = leases.waiters(settings.lease_dir)

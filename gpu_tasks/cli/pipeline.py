@@ -1,7 +1,6 @@
 """``gpu-tasks example run`` and ``example serve``: the example ETL -> train pipeline (extra
-``pipeline``), loaded inside the command so that the plugin never imports it. The example's
-commands live apart from the plugin's; ``gpu-tasks run`` / ``serve`` stay as hidden aliases that
-name the new spelling."""
+``pipeline``), loaded inside the commands so that the plugin never imports it; ``gpu-tasks run`` /
+``serve`` stay as hidden, deprecated aliases."""
 
 from __future__ import annotations
 
@@ -13,23 +12,13 @@ from typing import Annotated, Any, NoReturn
 import typer
 from rich.text import Text
 
-from gpu_tasks.cli.common import (
-    app,
-    echo_json,
-    err_console,
-    fail,
-    load_settings,
-    preflight,
-    say,
-)
+from gpu_tasks.cli.common import app, echo_json, err_console, fail, load_settings, preflight, say
 from gpu_tasks.devices.discovery import discover
-from gpu_tasks.policy import (
-    unsatisfiable_reason,
-)
+from gpu_tasks.errors import GpuTasksError
+from gpu_tasks.policy import unsatisfiable_reason
 from gpu_tasks.settings import get_settings
 
 
-# ------------------------------------------------------- the example pipeline
 def pipeline_data_dir(data_dir: Path | None) -> Path:
     """Where the pipeline's flow runs write: ``--data-dir``, else GPU_TASKS_DATA_DIR."""
     from gpu_tasks.pipeline.settings import get_pipeline_settings
@@ -37,8 +26,6 @@ def pipeline_data_dir(data_dir: Path | None) -> Path:
     return data_dir if data_dir is not None else get_pipeline_settings().data_dir
 
 
-# `example run` and `example serve` run the example pipeline (gpu_tasks.pipeline, the `pipeline`
-# extra): imported inside the commands, so the plugin's commands work without it.
 example_app = typer.Typer(
     help="The example ETL -> train pipeline that ships with gpu-tasks (extra 'pipeline': pandas, XGBoost; "
     "cuDF on a GPU host): run it once, or serve it on a schedule (docs/pipeline.md).",
@@ -58,8 +45,7 @@ def _pipeline_options(command: str, scale: int, rounds: int, limit: int | None) 
             f"(missing: {', '.join(missing)})"
         )
     load_settings()
-    # checked here, not with the pipeline's validate_scale: that module imports pandas (about a
-    # CPU-second), which a command refused for its input or environment never needs
+    # checked here, not with the pipeline's validate_scale: its module imports pandas, which is slow
     if scale < 1:
         fail(f"--scale must be at least 1 (the number of copies of the flights data), got {scale}")
     if rounds < 1:
@@ -84,7 +70,6 @@ EmulateOption = Annotated[
 def _pipeline_devices(command: str, emulate: str | None) -> None:
     """Apply ``--emulate``; exit 2 when the pipeline's GPU stages could not run on this host."""
     from gpu_tasks.devices.emulation import ensure_devices, no_gpu_hint
-    from gpu_tasks.errors import GpuTasksError
     from gpu_tasks.pipeline.flow import etl_train
 
     def announce(message: str) -> None:
@@ -145,8 +130,7 @@ def _interrupted() -> NoReturn:
         ),
         soft_wrap=True,
     )
-    # Everything is closed: let the interpreter skip a full garbage collection of the
-    # loaded libraries at exit (about 2 s on a busy 2-core box) so Ctrl-C stays prompt.
+    # everything is closed: skip the exit's full garbage collection of the loaded libraries (slow)
     gc.freeze()
     raise typer.Exit(code=EXIT_INTERRUPTED)
 
@@ -175,7 +159,6 @@ def run(
 
     import distributed  # noqa: F401  (configures its loggers on import; quieten them after)
 
-    from gpu_tasks.errors import GpuTasksError
     from gpu_tasks.pipeline.job import run_pipeline
 
     # Dask's per-connection INFO lines drown the run's own log (GPU_TASKS_TUNE_DASK_LOG_LEVEL: WARNING)

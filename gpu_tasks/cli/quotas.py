@@ -8,17 +8,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from gpu_tasks.cli.common import (
-    app,
-    console,
-    echo_json,
-    fail,
-    load_settings,
-    say,
-)
+from gpu_tasks.cli.common import app, console, echo_json, fail, load_settings, say
 from gpu_tasks.devices import fair_share, leases
 
-# ------------------------------------------------------------------- quotas
 quotas_app = typer.Typer(
     help="Team quotas: the most devices a quota's profiles hold at once, across flow runs, kept in "
     "Prefect global concurrency limits named gpu-quota:<name> (docs/leases.md, Quotas).",

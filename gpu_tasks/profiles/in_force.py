@@ -59,10 +59,8 @@ def profiles_from_mapping(
 
 
 def line_of(text: str, path: tuple[str, ...]) -> int | None:
-    """The line (from 1) of TOML ``text`` that sets the key at ``path`` (``("profiles", "gpu",
-    "gpus")``), else of the nearest table or key above it that the text has (the inline table holding
-    it, its table's header); ``None`` when none is found. A plain scan for error messages: keys as
-    ``[a.b]`` headers, ``k = v`` and dotted ``a.b = v`` lines, bare or quoted."""
+    """The line (from 1) of TOML ``text`` that sets the key at ``path`` (``("profiles", "gpu", "gpus")``),
+    else of the nearest table or key above it; ``None`` if none. A plain scan, for error messages."""
 
     def parts(key: str) -> tuple[str, ...]:
         return tuple(p.strip().strip("\"'") for p in key.split("."))
@@ -89,10 +87,8 @@ def line_of(text: str, path: tuple[str, ...]) -> int | None:
 
 
 def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, ResourceProfile], str | None]:
-    """Load profiles (and an optional ``default``) from a TOML file.
-
-    ``origin`` is where the user named the file (``GPU_TASKS_PROFILES_FILE``, a CLI option), for
-    the message when it cannot be read.
+    """Load profiles (and an optional ``default``) from a TOML file; ``origin``: where the user named
+    it (``GPU_TASKS_PROFILES_FILE``, a CLI option), for the message when it cannot be read.
 
     Raises:
         ProfileError: the file is missing, is not TOML, or holds a bad profile.
@@ -130,13 +126,9 @@ def resolve_profiles(
     path: str | Path | None = None,
     origin: str = "",
 ) -> tuple[dict[str, ResourceProfile], str]:
-    """The profiles in force and the default profile's name.
-
-    ``profiles`` (from code) come first; those of the TOML file at ``path``
-    (``GPU_TASKS_PROFILES_FILE``) are added and override same-named ones. The default
-    is ``default``, else the file's ``default``, else :data:`DEFAULT_PROFILE`, which is
-    added as a plain CPU profile when no profile has its name. ``origin``: where the user named
-    the file (see :func:`load_profiles_file`).
+    """The profiles in force and the default profile's name: ``profiles`` (from code), overridden by
+    same-named ones of the TOML file at ``path``. The default is ``default``, else the file's, else
+    :data:`DEFAULT_PROFILE` (added as a plain CPU profile when undefined).
 
     Raises:
         UnknownProfileError: the default, or a profile's ``on_oom``, names no profile.
@@ -179,13 +171,9 @@ def profile_sources(
     runner_idle_timeout: float | None,
     settings: GpuTasksSettings,
 ) -> tuple[list[str], list[str]]:
-    """Where the profiles in force got their values, as lines for the run log: ``(info, warnings)``.
-
-    The rule (docs/profiles.md, "Where a profile's values come from"): the profiles file replaces
-    same-named profiles of the code; a field a profile sets wins; ``ProfileTaskRunner(idle_timeout=)``
-    then ``GPU_TASKS_IDLE_TIMEOUT`` fill ``idle_timeout`` where a profile leaves it unset;
-    ``GPU_TASKS_PRIORITY`` replaces every GPU profile's priority. A setting given (in the environment,
-    e.g. by a deployment's job variables) that changes no profile is a warning.
+    """Where the profiles in force got their values, as run log lines ``(info, warnings)``, by the
+    rule of docs/profiles.md ("Where a profile's values come from"); a setting that changes no
+    profile is a warning.
     """
     info: list[str] = []
     warnings: list[str] = []

@@ -1,7 +1,6 @@
 """What a resource profile is: its fields, its three kinds and their rules, checked when it is built.
 
-A profile is data. :func:`gpu_tasks.policy.worker_spec` turns it (and the devices it may use) into
-worker specs; nothing here starts a process.
+A profile is data (:func:`gpu_tasks.policy.worker_spec` turns it into worker specs).
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ from fractions import Fraction
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core.core_schema import ValidationInfo
 
 from gpu_tasks.errors import ProfileError
 from gpu_tasks.settings import size_bytes
@@ -185,11 +185,8 @@ KIND_FIELDS: dict[str, tuple[frozenset[str], str, str]] = {
 class ResourceProfile(BaseModel):
     """What each task of a stage needs, and where and how its workers run.
 
-    A profile is one of three kinds (``kind``): ``"local"``, workers the runner starts on this
-    host's devices (or CPUs); ``"address"``, an existing Dask scheduler's workers; ``"cluster_class"``,
-    workers a Dask cluster manager starts. Left out, the kind follows from ``address`` or
-    ``cluster_class``, else ``"local"``. Each kind takes only its own fields (:data:`KIND_FIELDS`).
-    Every field's description says its unit and what it applies to (docs/profiles.md, Fields).
+    Its ``kind`` follows from ``address`` or ``cluster_class`` where left out, else ``"local"``; each
+    kind takes only its own fields (:data:`KIND_FIELDS`). Fields: docs/profiles.md.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -355,11 +352,15 @@ class ResourceProfile(BaseModel):
             raise ValueError("must be a number, not true/false")
         return value
 
-    @field_validator("min_run_time")
+    @field_validator("min_run_time", "idle_timeout")
     @classmethod
-    def _min_run_time(cls, value: float | None) -> float | None:
+    def _seconds(cls, value: float | None, info: ValidationInfo) -> float | None:
         if value is not None and (not math.isfinite(value) or value < 0):
-            raise ValueError("must be a number of seconds, 0 or more, e.g. 600")
+            raise ValueError(
+                "must be a number of seconds >= 0, or left unset for GPU_TASKS_IDLE_TIMEOUT"
+                if info.field_name == "idle_timeout"
+                else "must be a number of seconds, 0 or more, e.g. 600"
+            )
         return value
 
     @field_validator("cpus")
@@ -399,13 +400,6 @@ class ResourceProfile(BaseModel):
     def _max_workers(cls, value: int | None) -> int | None:
         if value is not None and value < 1:
             raise ValueError("must be at least 1, or left unset for no cap")
-        return value
-
-    @field_validator("idle_timeout")
-    @classmethod
-    def _idle(cls, value: float | None) -> float | None:
-        if value is not None and (not math.isfinite(value) or value < 0):
-            raise ValueError("must be a number of seconds >= 0, or left unset for GPU_TASKS_IDLE_TIMEOUT")
         return value
 
     @field_validator("address")
@@ -528,13 +522,9 @@ class ResourceProfile(BaseModel):
         A ``gpu_memory_per_task`` profile's tasks hold 1 here (at most the whole device); how many
         share it depends on the device's free memory (:func:`gpu_tasks.policy.memory_slots`).
         """
-        if self.by_memory:
+        if self.by_memory or self.gpus >= 1:
             return Fraction(1)
-        if self.gpus == 0:
-            return Fraction(0)
-        if self.gpus < 1:
-            return Fraction(1, round(1 / self.gpus))
-        return Fraction(1)
+        return Fraction(1, round(1 / self.gpus)) if self.gpus else Fraction(0)
 
     @property
     def devices_per_worker(self) -> int:
@@ -546,7 +536,7 @@ class ResourceProfile(BaseModel):
     @property
     def uses_processes(self) -> bool:
         """Whether workers run as separate processes."""
-        return True if self.is_gpu or not self.is_local else bool(self.processes)
+        return self.is_gpu or not self.is_local or bool(self.processes)
 
     @property
     def is_local(self) -> bool:
@@ -562,11 +552,8 @@ class ResourceProfile(BaseModel):
 
 
 def _old_gpu_memory(data: dict[str, Any]) -> dict[str, Any]:
-    """The new spelling of ``gpu_memory`` (popped from ``data``), with a warning that gives it.
-
-    ``gpu_memory`` picked devices by their total memory and, on this host, also needed that much free
-    when a device was leased: ``gpu_memory_total`` and (``local`` profiles) ``gpu_memory_free`` now.
-    """
+    """The new spelling of ``gpu_memory`` (popped from ``data``), with a warning that gives it:
+    ``gpu_memory_total`` and, for ``local`` profiles (which also checked free memory), ``gpu_memory_free``."""
     old = data.pop("gpu_memory")
     given = [f for f in ("gpu_memory_total", "gpu_memory_free") if data.get(f) is not None]
     if given:

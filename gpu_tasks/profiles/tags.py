@@ -51,10 +51,9 @@ def use_profile(name: str) -> Iterator[None]:
 
 
 def requested_profile(task: Any) -> str | None:
-    """The profile a task asks for, by one rule wherever it is submitted (the flow, or a task
-    running on a worker): its own ``profile:<name>`` tag wins; without one, the profile that the
-    ``use_profile`` / ``prefect.tags`` blocks around the submit name (in a worker, its parent's);
-    ``None`` when neither names one (the runner's default).
+    """The profile a task asks for, wherever it is submitted: its own ``profile:<name>`` tag, else the
+    one the ``use_profile`` / ``prefect.tags`` blocks around the submit name (in a worker, its
+    parent's), else ``None`` (the runner's default).
 
     Raises:
         ProfileError: the task's own tags, or the blocks around it, name two different profiles.
@@ -65,8 +64,7 @@ def requested_profile(task: Any) -> str | None:
     if own is not None:
         return own
     tags_ctx = TagsContext.get()
-    blocks = tags_ctx.current_tags if tags_ctx else ()
-    names = _profile_names(blocks)
+    names = _profile_names(tags_ctx.current_tags if tags_ctx else ())
     if len(names) > 1:
         raise ProfileError(
             f"task {getattr(task, 'name', task)!r} was submitted inside blocks naming several profiles "

@@ -1,11 +1,7 @@
 """Which alerts a flow run raises, from its resource ledger (pure: no I/O, no Prefect).
 
-Prefect automations match event labels with globs, never with numbers, so the
-comparison with the thresholds happens here, and the run's
-``gpu-tasks.flow-run.summary`` event (:func:`gpu_tasks.reporting.events.emit_run_summary`) carries
-the outcome as the label ``gpu-tasks.alert``: ``none``, or the alerts joined by commas,
-e.g. ``held-busy-over-2,device-wait-over-60``. ``infra/automations/gpu-waste.yaml``
-matches on it.
+Prefect automations match labels with globs, never numbers: the thresholds are compared here and the
+summary event carries the outcome as label ``gpu-tasks.alert`` (``infra/automations/gpu-waste.yaml``).
 """
 
 from __future__ import annotations
@@ -70,8 +66,7 @@ class AlertThresholds:
 
     @classmethod
     def from_settings(cls, settings: GpuTasksSettings) -> AlertThresholds:
-        """``GPU_TASKS_TUNE_ALERT_HELD_BUSY``, ``GPU_TASKS_TUNE_ALERT_DEVICE_WAIT_SECONDS``,
-        ``GPU_TASKS_TUNE_ALERT_MIN_HELD_SECONDS``."""
+        """The thresholds of the ``GPU_TASKS_TUNE_ALERT_*`` settings."""
         return cls(
             held_busy=settings.alert_held_busy,
             device_wait_seconds=settings.alert_device_wait_seconds,

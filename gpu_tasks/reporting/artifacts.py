@@ -1,15 +1,6 @@
-"""What a flow run shows in the Prefect UI about its devices: two artifacts, made from its ledger.
-
-- ``resource-ledger`` (table): one row per cluster life (or retired worker), oldest first:
-  when it held its devices (time of day, UTC), profile, devices with their model, held and
-  busy seconds, busy %, tasks, why it closed.
-- ``device-timeline`` (markdown): one row per device and holding, in time order, with a
-  24-character strip that shows when across the run the device was held and busy; on real
-  devices, what NVML measured in a narrow table of its own below, and the right-size lines.
-  Every table row stays within :data:`TABLE_ROW_CHARS`, so it fits a 1600 px page without
-  wrapping. Runs that held no device (CPU only) get none.
-
-Everything but :func:`publish_run_artifacts` is a pure function of the ledger rows.
+"""What a flow run shows in the Prefect UI about its devices: the ``resource-ledger`` table (a row
+per cluster life) and the ``device-timeline`` markdown (a row and strip per device holding; none
+for CPU-only runs), as docs/operations.md shows them. All but :func:`publish_run_artifacts` is pure.
 """
 
 from __future__ import annotations
@@ -22,6 +13,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+from gpu_tasks.reporting.alerts import RunTotals
 from gpu_tasks.reporting.events import usage_phrase
 from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_order, percent, right_size, wiring_advice
 from gpu_tasks.reporting.measured import Measured, gib
@@ -31,10 +23,7 @@ logger = logging.getLogger(__name__)
 LEDGER_ARTIFACT_KEY = "resource-ledger"
 TIMELINE_ARTIFACT_KEY = "device-timeline"
 STRIP_WIDTH = 24  # the UI keeps markdown to a reading width: a longer strip wraps
-# The most characters of markdown in one timeline table row (profile names of about 10): the UI's
-# reading width on a 1600 px page holds the 7-column holding row (about 80) but wrapped every row
-# once a 26-character "not measured (emulated)" cell was added to it.
-TABLE_ROW_CHARS = 90
+TABLE_ROW_CHARS = 90  # the most of a timeline table row the UI shows unwrapped (docs/operations.md)
 WAITS = "waits_s devices/slots"
 SKIPPED = "skipped (programs outside gpu-tasks)"
 MEASURED = "measured (NVML)"  # SM % mean, peak memory of total, samples; or why not measured
@@ -69,17 +58,12 @@ def short_reason(reason: str) -> str:
     return reason if len(reason) <= REASON_WIDTH else reason[: REASON_WIDTH - 1].rstrip() + "…"
 
 
-def _short_model(model: str, emulated_said: bool) -> str:
-    """A model for a narrow cell: without ``, emulated`` where the description says EMULATED."""
-    return model.removesuffix(", emulated") if emulated_said else model
-
-
 def devices_text(row: LedgerRow, emulated_said: bool = False) -> str:
     """``0,1 (H100 80 GiB)``: a row's devices, grouped by model; ``none (CPU)`` without any.
     ``emulated_said``: the table's description says EMULATED, so the cell does not repeat it."""
     if not row.devices:
         return NO_DEVICE
-    models = {span.device: _short_model(span.model, emulated_said) for span in row.spans}
+    models = {s.device: s.model.removesuffix(", emulated") if emulated_said else s.model for s in row.spans}
     groups: list[tuple[str, list[str]]] = []
     for device in row.devices:
         model = models.get(device, "")
@@ -92,12 +76,11 @@ def devices_text(row: LedgerRow, emulated_said: bool = False) -> str:
 
 def summary(rows: Sequence[LedgerRow]) -> str:
     """``held 12.3 device-s, busy 4.5 (37%)``, ``, EMULATED`` when the devices were emulated."""
-    with_devices = [r for r in rows if r.devices]
-    held = sum(r.held_seconds for r in with_devices)
-    busy = sum(r.busy_seconds for r in with_devices)
-    if held <= 0:
+    totals = RunTotals.of(rows)
+    if totals.held_seconds <= 0:
         return "no device held (CPU only)"
-    return usage_phrase(held, busy, None) + (", EMULATED" if any(r.emulated for r in with_devices) else "")
+    emulated = ", EMULATED" if totals.emulated else ""
+    return usage_phrase(totals.held_seconds, totals.busy_seconds, None) + emulated
 
 
 def _cell(text: str) -> str:
@@ -112,13 +95,8 @@ def ledger_description(rows: Sequence[LedgerRow]) -> str:
 
 
 def ledger_table(rows: Sequence[LedgerRow]) -> list[dict[str, Any]]:
-    """The ``resource-ledger`` table: one dict per row, oldest first, compact columns.
-
-    ``waits_s devices/slots`` (for devices, for Prefect tag slots; apart from held time) appears
-    only when some row waited; ``skipped (programs outside gpu-tasks)`` only when a device was skipped
-    for some row; ``measured (NVML)`` only on real devices (on emulated ones the description's
-    EMULATED says nothing was measured). Device cells leave out ``emulated``: the description says it.
-    """
+    """The ``resource-ledger`` table: one dict per row, oldest first. The waits, skipped and measured
+    columns appear only where some row has them (measured: real devices only)."""
     waited = any(r.wait_devices_seconds + r.wait_slots_seconds >= 0.05 for r in rows)
     measured_column = any(r.measured is not None and not r.emulated for r in rows)
     emulated_said = "EMULATED" in ledger_description(rows)
@@ -174,12 +152,6 @@ def _overlap(s1: float, e1: float, s2: float, e2: float) -> float:
     return max(0.0, min(e1, e2) - max(s1, s2))
 
 
-def timeline_spans(rows: Sequence[LedgerRow]) -> list[DeviceSpan]:
-    """Every device holding of the run: by device, then in time order."""
-    spans = [span for row in rows for span in row.spans]
-    return sorted(spans, key=lambda s: (device_order(s.device), s.start, s.end))
-
-
 def device_models(spans: Sequence[DeviceSpan]) -> str:
     """``0, 1: H100 80 GiB, emulated``: each device's model, once, devices of one model together."""
     by_model: dict[str, list[str]] = {}
@@ -190,14 +162,10 @@ def device_models(spans: Sequence[DeviceSpan]) -> str:
     return "; ".join(f"{', '.join(ids)}: {model}" for model, ids in by_model.items())
 
 
-def _headline(rows: Sequence[LedgerRow]) -> str:
-    devices = {span.device for row in rows for span in row.spans}
-    return f"{len(devices)} device{'s' if len(devices) != 1 else ''} {summary(rows)}"
-
-
 def timeline_description(rows: Sequence[LedgerRow]) -> str:
     """``2 devices held 12.3 device-s, busy 4.5 (37%), EMULATED.``"""
-    return _headline(rows) + "."
+    devices = {span.device for row in rows for span in row.spans}
+    return f"{len(devices)} device{'s' if len(devices) != 1 else ''} {summary(rows)}."
 
 
 def _measured_cells(m: Measured | None) -> tuple[str, str, str, str]:
@@ -240,20 +208,19 @@ def measured_lines(spans: Sequence[DeviceSpan]) -> list[str]:
 
 
 def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> str | None:
-    """The ``device-timeline`` markdown: a summary line, a legend, one table row per device holding;
-    on real devices what NVML measured (a table of its own) and the right-size lines.
-
-    On emulated devices the summary says once that nothing was measured: no measured table, no
-    right-size heading. ``None`` when the run held no device.
+    """The ``device-timeline`` markdown: a summary, a legend, a row per device holding (by device, then
+    time); on real devices what NVML measured and the right-size lines. ``None`` if no device was held.
     """
-    spans = timeline_spans(rows)
+    spans = sorted(
+        (s for row in rows for s in row.spans), key=lambda s: (device_order(s.device), s.start, s.end)
+    )
     if not spans:
         return None
     t0 = min([r.provisioned_at for r in rows] + [s.start for s in spans])
     t1 = max([r.closed_at for r in rows] + [s.end for s in spans])
     emulated = any(r.emulated for r in rows if r.devices)
     lines = [
-        f"**{_headline(rows)}.**"
+        f"**{timeline_description(rows)}**"
         + (
             " Devices were emulated: the scheduling is real, the compute ran on the CPU, and GPU use "
             "was not measured."
@@ -311,26 +278,15 @@ def publish_run_artifacts(rows: Sequence[LedgerRow], flow_run_id: uuid.UUID | No
 
         from gpu_tasks.prefect_api.api import sync_client
 
-        artifacts = [
-            ArtifactCreate(
-                key=LEDGER_ARTIFACT_KEY,
-                type="table",
-                data=json.dumps(ledger_table(rows), default=str),
-                description=ledger_description(rows),
-                flow_run_id=flow_run_id,
-            )
-        ]
         timeline = timeline_markdown(rows)
+        ledger = json.dumps(ledger_table(rows), default=str)
+        made = [(LEDGER_ARTIFACT_KEY, "table", ledger, ledger_description(rows))]
         if timeline is not None:
-            artifacts.append(
-                ArtifactCreate(
-                    key=TIMELINE_ARTIFACT_KEY,
-                    type="markdown",
-                    data=timeline,
-                    description=timeline_description(rows),
-                    flow_run_id=flow_run_id,
-                )
-            )
+            made.append((TIMELINE_ARTIFACT_KEY, "markdown", timeline, timeline_description(rows)))
+        artifacts = [
+            ArtifactCreate(key=key, type=kind, data=data, description=text, flow_run_id=flow_run_id)
+            for key, kind, data, text in made
+        ]
         with sync_client() as client:
             for artifact in artifacts:
                 client.create_artifact(artifact)

@@ -94,12 +94,13 @@ class RunRef:
 
     def related(self) -> list[Resource]:
         """The flow run as a related resource (role ``flow-run``), named; none without a run."""
-        if self.id is None:
-            return []
-        resource = {"prefect.resource.id": f"prefect.flow-run.{self.id}", "prefect.resource.role": "flow-run"}
-        if self.name:
-            resource["prefect.resource.name"] = self.name
-        return [resource]
+        return [_related("flow-run", self.id, self.name)] if self.id is not None else []
+
+
+def _related(role: str, run_id: uuid.UUID, name: str | None) -> Resource:
+    """Prefect's ``<role>`` (``flow-run``, ``task-run``) as a related resource, named where known."""
+    resource = {"prefect.resource.id": f"prefect.{role}.{run_id}", "prefect.resource.role": role}
+    return resource | ({"prefect.resource.name": name} if name else {})
 
 
 # ---------------------------------------------------------------- words
@@ -365,12 +366,8 @@ def summary_payload(
 
 # ---------------------------------------------------------------- the event feed's address
 def feed_url(ui_url: str, flow_run_id: uuid.UUID | str | None = None, v1: bool = False) -> str:
-    """The Prefect UI's event feed showing only gpu-tasks events (of one flow run, if given).
-
-    ``ui_url`` is the UI's root (``http://127.0.0.1:4200``). Prefect 3.8.8 serves two UIs: the
-    default (React, under ``/v2``) reads its search parameters as JSON arrays, the older
-    (Vue, ``/events``) as repeated plain parameters (docs/operations.md).
-    """
+    """The Prefect UI's (root ``ui_url``) event feed of gpu-tasks events, of one flow run if given.
+    ``v1``: the older Vue UI (``/events``, plain parameters), not ``/v2`` (JSON arrays)."""
     from urllib.parse import quote
 
     base = ui_url.rstrip("/")
@@ -409,21 +406,10 @@ def emit_cluster_event(
         if cluster.queue_priority is not None:  # the priority this flow run queued for devices at
             payload = {**payload, "priority": cluster.queue_priority}
         related = run.related()
-        emit_event(
-            event=f"gpu-tasks.cluster.{what}",
-            resource=cluster_resource(
-                what,
-                run,
-                name,
-                cluster.profile.kind,
-                devices,
-                cluster.emulated,
-                cluster.profile.is_gpu,
-                payload,
-            ),
-            related=related,
-            payload=payload,
+        resource = cluster_resource(
+            what, run, name, cluster.profile.kind, devices, cluster.emulated, cluster.profile.is_gpu, payload
         )
+        emit_event(event=f"gpu-tasks.cluster.{what}", resource=resource, related=related, payload=payload)
         lease_event = _DEVICE_EVENTS.get(what)
         reason = payload.get("reason") if lease_event == "released" else None
         for address in devices if lease_event else ():
@@ -446,16 +432,10 @@ def emit_task_event(
 ) -> None:
     """``gpu-tasks.task.<what>`` about one task run."""
     with _sending(f"gpu-tasks.task.{what}") as emit_event:
-        task_run = {
-            "prefect.resource.id": f"prefect.task-run.{task_run_id}",
-            "prefect.resource.role": "task-run",
-        }
-        if task_run_name:
-            task_run["prefect.resource.name"] = task_run_name
         emit_event(
             event=f"gpu-tasks.task.{what}",
             resource=task_resource(what, task_run_id, task_name, profile, payload),
-            related=[task_run, *run.related()],
+            related=[_related("task-run", task_run_id, task_run_name), *run.related()],
             payload=payload,
         )
 
@@ -482,17 +462,15 @@ def emit_run_summary(
 
 def right_size_resource(profile: str, line: str, measured: Measured, run: RunRef) -> Resource:
     """The resource of a ``gpu-tasks.profile.right-size`` event: named with the advice ``line``."""
-    figures = measured.as_dict()
-    labels = {
-        f"gpu-tasks.{k.replace('_', '-')}": _label_value(v)
-        for k, v in figures.items()
-        if k != "note" and v is not None
-    }
     return {
         "prefect.resource.id": f"gpu-tasks.profile.{run.id or 'local'}.{profile}",
         "prefect.resource.name": line,
         "gpu-tasks.profile": profile,
-        **labels,
+        **{
+            f"gpu-tasks.{k.replace('_', '-')}": _label_value(v)
+            for k, v in measured.as_dict().items()
+            if k != "note" and v is not None
+        },
     }
 
 

@@ -1,9 +1,7 @@
 """The resource ledger: how long each profile's workers held devices, and how busy they were.
 
-``Usage`` keeps one cluster's clock (when each worker was asked for, when each task ran);
-``Usage.row`` turns it into a ``LedgerRow`` when the cluster (or one worker) goes away, with
-one ``DeviceSpan`` per device it held. :mod:`gpu_tasks.reporting.artifacts` shows a flow run's rows in
-the Prefect UI.
+``Usage`` keeps one cluster's clock; ``Usage.row`` makes a ``LedgerRow`` (a ``DeviceSpan`` per device)
+when the cluster or one worker goes away.
 """
 
 from __future__ import annotations
@@ -92,7 +90,6 @@ class LedgerRow:
     # each device held, from when to when, and its busy time (none for CPU rows)
     spans: tuple[DeviceSpan, ...] = ()
     # why devices were skipped while it waited or grew: programs outside gpu-tasks used them
-    # (``device 0: used by pid 4242 (...) using 60 GiB: more than ...``)
     skipped: tuple[str, ...] = ()
     # measured use of its devices (SM %, peak memory; gpu_tasks.reporting.measured); None: CPU row
     measured: Measured | None = None
@@ -212,15 +209,23 @@ class Usage:
     """One cluster's clock: since when each worker is held, and when tasks ran on which worker."""
 
     def __init__(self) -> None:
-        self.provisioned_at: float | None = None
         self._started: dict[str, float] = {}
         self._busy: dict[str, list[tuple[float, float]]] = {}
-        self._tasks = 0
-        self._waits = {"devices": 0.0, "slots": 0.0}
-        self._skipped: list[str] = []
         self.samples = Samples()  # filled by the sampler thread (gpu_tasks.devices.measure)
         self._lock = threading.Lock()
-        self.gang_wiring: tuple[tuple[str, ...], str, str] = ((), "", "")
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything (the cluster closed and its row was written)."""
+        with self._lock:
+            self.provisioned_at: float | None = None
+            self._started.clear()
+            self._busy.clear()
+            self._tasks = 0
+            self._waits = {"devices": 0.0, "slots": 0.0}
+            self._skipped: list[str] = []
+            self.samples.by_device.clear()
+            self.gang_wiring: tuple[tuple[str, ...], str, str] = ((), "", "")
 
     def gang(self, devices: tuple[str, ...], worst: str, better: str) -> None:
         """The cluster is a gang on ``devices``, ``worst`` the worst link between them, ``better`` a
@@ -332,18 +337,6 @@ class Usage:
             for device in worker.devices:
                 self.samples.by_device.pop(device, None)
 
-    def reset(self) -> None:
-        """Forget everything (the cluster closed and its row was written)."""
-        with self._lock:
-            self.provisioned_at = None
-            self._started.clear()
-            self._busy.clear()
-            self._tasks = 0
-            self._waits = {"devices": 0.0, "slots": 0.0}
-            self._skipped = []
-            self.samples.by_device.clear()
-            self.gang_wiring = ((), "", "")
-
 
 def wiring_advice(rows: Sequence[LedgerRow]) -> list[tuple[str, str]]:
     """``(profile, line)`` for each gang of ``rows`` that ran across sockets (a ``SYS`` link between
@@ -361,10 +354,8 @@ def wiring_advice(rows: Sequence[LedgerRow]) -> list[tuple[str, str]]:
 
 
 def right_size(rows: Sequence[LedgerRow]) -> list[tuple[str, str, Measured | None]]:
-    """``(profile, line, measured)`` for each GPU profile of a run's ledger ``rows`` that used much less
-    than it held (:func:`gpu_tasks.reporting.measured.advice`), then each gang that ran across
-    sockets while a better set existed (:func:`wiring_advice`, no numbers). Emulated devices: one
-    line, ``GPU use not measured (emulated devices)``, with no profile and no numbers, then those."""
+    """``(profile, line, measured)`` for each GPU profile of ``rows`` that used much less than it held
+    (one ``EMULATED_ADVICE`` line if emulated), then the :func:`wiring_advice` lines (no numbers)."""
     wired: list[tuple[str, str, Measured | None]] = [(p, line, None) for p, line in wiring_advice(rows)]
     gpu = [r for r in rows if r.devices and r.measured is not None]
     if any(r.emulated for r in gpu):

@@ -1,14 +1,6 @@
-"""Where the runner's own lines go.
-
-The runner logs with ``gpu_tasks.*`` module loggers: the terminal shows them through
-Prefect's console handler, as any library's (at INFO while a runner is entered, unless the
-``gpu_tasks`` logger's level was set). :class:`RunLogs` also sends them to the flow
-run's logs on the Prefect server (the UI's run logs), once each, while a runner is entered:
-Prefect sends only its own loggers' records unless ``PREFECT_LOGGING_EXTRA_LOGGERS`` names
-others, and the runner's lines come from its threads and processes where Prefect's run
-logger has no context. Dask's ``distributed`` loggers are set to
-``GPU_TASKS_TUNE_DASK_LOG_LEVEL`` (WARNING) while a runner is entered, so its INFO chatter
-(scheduler and worker start and stop lines) stays out unless asked for.
+"""Where the runner's own lines go: ``gpu_tasks.*`` loggers reach the terminal through Prefect's
+console handler, and (:class:`RunLogs`) the flow run's logs on the server, since Prefect sends only
+its own loggers' records; Dask's loggers are held at ``GPU_TASKS_TUNE_DASK_LOG_LEVEL`` meanwhile.
 """
 
 from __future__ import annotations
@@ -43,12 +35,8 @@ _TASK_RUN_LOGS = "gpu_tasks.task_runs"  # lines for a task run's logs on the ser
 def task_run_log(
     task_run_id: uuid.UUID, flow_run_id: uuid.UUID | None, task_name: str, flow_run_name: str | None = None
 ) -> logging.LoggerAdapter[logging.Logger]:
-    """A logger whose lines reach task run ``task_run_id``'s logs on the Prefect server, also before
-    the task run has started; send from the flow run's context (its API settings).
-
-    They go to the API alone (Prefect's ``APILogHandler`` on a logger that does not propagate): the
-    terminal already has the runner's own wait lines, and a flow run whose output is a pipe nobody
-    reads yet must not block on a line per waiting task."""
+    """A logger whose lines reach task run ``task_run_id``'s logs on the server, also before it
+    started; send from the flow run's context. API only: a pipe nobody reads must not block it."""
     from prefect.logging.handlers import APILogHandler
 
     lg = logging.getLogger(_TASK_RUN_LOGS)
@@ -72,12 +60,8 @@ def task_run_log(
 class RunLogs(logging.Handler):
     """Sends ``gpu_tasks.*`` records (INFO and up) to the Prefect API as the flow run's logs.
 
-    One handler per process, on the ``gpu_tasks`` logger, installed by the first entered
-    runner. A record is attributed to the flow run of the thread that logged it, else to the
-    one flow run whose runner is entered (the runner's own threads carry no Prefect context);
-    with several runners entered in one process and no context, it is not sent (it still
-    reaches the terminal). It is sent from inside that flow run's captured context, so the
-    flow run's API settings apply (the ephemeral API of a plain script included).
+    One per process, on the ``gpu_tasks`` logger. A record goes to its thread's flow run, else to the
+    only entered one (runner threads carry no context), sent in that run's captured context.
     """
 
     _lock = threading.Lock()
@@ -159,9 +143,7 @@ class RunLogs(logging.Handler):
             return  # PREFECT_LOGGING_EXTRA_LOGGERS names gpu_tasks: Prefect sends them already
         current = FlowRunContext.get()
         run_id = current.flow_run.id if current is not None and current.flow_run is not None else None
-        # no lock here: a record may be emitted while logging's own lock is held elsewhere
-        # (logging set-up), and enter() takes this class's lock before logging's; a copy of
-        # the dict is atomic
+        # no lock: enter() takes it before logging's own, which may be held here; a dict copy is atomic
         runs = dict(self.runs)
         if run_id is not None:
             entry = runs.get(run_id)

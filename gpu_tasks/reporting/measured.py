@@ -1,15 +1,6 @@
-"""Measured use: what NVML saw of the devices a profile held, and right-size advice from it.
-
-The flow-side sampler (:mod:`gpu_tasks.devices.measure`) reads, every ``GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS``,
-each real device a local profile holds: SM utilization, memory used, and the device memory of each
-of gpu-tasks' own processes (its worker processes) where NVML lists them. This module is pure: it
-turns those samples into a :class:`Measured` for a ledger row or device span, and a
-:class:`Measured` into one right-size line. Emulated devices and hosts without NVML are never
-sampled: their ``Measured`` says why (``not measured (emulated)``) and holds no numbers.
-
-The per-process peak is per *worker process*: a task of a ``gpus>=1`` profile has its worker to
-itself, so it is the task's peak; tasks of a fractional profile can share one worker process,
-whose peak then covers all of them.
+"""Measured use (pure): the samples :mod:`gpu_tasks.devices.measure` takes of the real devices a
+profile holds, as a :class:`Measured` per ledger row or device span, and right-size advice from it.
+Unsampled devices (emulated, no NVML) get a ``Measured`` that says why and holds no numbers.
 """
 
 from __future__ import annotations
@@ -55,8 +46,7 @@ class Measured:
     peak_used: int | None = None  # bytes, the largest device memory used seen on one device
     total: int | None = None  # bytes, that device's memory
     process_peak: int | None = None  # bytes, the largest one worker process used on one device
-    # bytes, the largest one worker process used while a task ran on it (per worker process: see above)
-    task_peak: int | None = None
+    task_peak: int | None = None  # bytes, process_peak while a task ran (a shared worker: all its tasks)
     note: str = ""
 
     @property
@@ -196,12 +186,9 @@ def _share_text(share: float) -> str:
 
 
 def advice(profile: str, devices: int, m: Measured, emulated: bool = False) -> str | None:
-    """The right-size line for a GPU profile that held ``devices`` devices, or ``None`` when it used
-    what it held (or nothing was measured). Emulated devices: :data:`EMULATED_ADVICE`, no numbers.
-
-    ``profile 'gpu-train' held 1 device; peak 9.1 GiB of 80, SM 23% mean: gpus=0.25 fits (12 GiB a
-    task with headroom)``. (A profile has no per-task memory field yet: the figure is what a task
-    needs, to check against the device memory a share gives it.)
+    """The right-size line for a GPU profile that held ``devices`` devices (``profile 'gpu-train' held
+    1 device; peak 9.1 GiB of 80, SM 23% mean: gpus=0.25 fits (12 GiB a task with headroom)``), or
+    ``None`` when it used what it held or nothing was measured; :data:`EMULATED_ADVICE` if emulated.
     """
     if emulated:
         return EMULATED_ADVICE
