@@ -41,12 +41,8 @@ SLOT_WAIT_REPORTED_S = 0.5
 
 
 def may_be_cached(task: Any) -> bool:
-    """Whether a cached result of ``task`` may exist (cheap: the task's options only).
-
-    False for tasks without a cache policy (``NO_CACHE``), with ``refresh_cache``, with a
-    ``result_storage_key`` (whose key needs the running task's context) and for tasks whose
-    results are not persisted (they never write a record to find).
-    """
+    """Whether a cached result of ``task`` may exist (cheap: the task's options only): not without a
+    cache policy, with ``refresh_cache`` or a ``result_storage_key``, or with results not persisted."""
     from prefect.cache_policies import NO_CACHE, CachePolicy
     from prefect.settings import get_current_settings
 
@@ -70,10 +66,8 @@ def may_be_cached(task: Any) -> bool:
 def cached_key(task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any]) -> str | None:
     """The cache key of ``task`` on ``parameters`` when its result store has a record for it, else None.
 
-    Runs in the flow run's context; the inputs' upstream futures are done. Any error
-    (inputs that cannot be hashed, a ``cache_key_fn`` that needs what only a running task
-    has, storage that cannot be read) means "not found": the task goes to its worker, whose
-    engine computes the key and logs such errors as it always does.
+    Runs in the flow run's context, upstream done. Any error means "not found": the task goes to its
+    worker, whose engine computes the key and logs such errors as it always does.
     """
     from prefect.client.schemas.objects import TaskRun
     from prefect.context import FlowRunContext, TaskRunContext
@@ -122,10 +116,8 @@ async def _awaited(awaitable: Any) -> Any:
 class CacheOnly:
     """``task`` for a run that must only read its cached result: its function raises if called.
 
-    ``called`` tells afterwards whether Prefect's engine found no record after all (it
-    expired, or was deleted, between the check and the run): the run ended ``Crashed``
-    (a ``BaseException`` is no task failure, so no retry ran it here) and the runner runs it
-    again on a worker.
+    ``called`` tells afterwards whether the record was gone by then: the run ended ``Crashed`` (a
+    ``BaseException`` is no task failure, so no retry ran it here) and it runs again on a worker.
     """
 
     class Missed(BaseException):
@@ -143,17 +135,12 @@ class CacheOnly:
                 "on its profile's workers"
             )
 
-        if getattr(task, "isasync", False):
+        @functools.wraps(fn)
+        async def aguarded(*args: Any, **kwargs: Any) -> Any:
+            return guarded(*args, **kwargs)
 
-            @functools.wraps(fn)
-            async def aguarded(*args: Any, **kwargs: Any) -> Any:
-                return guarded(*args, **kwargs)
-
-            self.task = copy.copy(task)
-            self.task.fn = aguarded
-        else:
-            self.task = copy.copy(task)
-            self.task.fn = guarded
+        self.task = copy.copy(task)
+        self.task.fn = aguarded if getattr(task, "isasync", False) else guarded
 
 
 class Admission:
@@ -172,9 +159,8 @@ class Admission:
         self._reading: dict[frozenset[str], list[tuple[Job, Callable[[], Any]]]] = {}  # and their waiters
 
     def admit(self, job: Job) -> None:
-        """Dispatch ``job`` once nothing but devices stands in its way: a GPU task first looks for its
-        cached result, then takes its tag slots, holding no device (docs/runner.md, "Nothing waits while
-        holding a device"); the common case costs a few attribute reads. CPU tasks go on at once."""
+        """Dispatch ``job`` once nothing but devices stands in its way: a GPU task looks for its cached
+        result, then takes its tag slots, holding no device (docs/runner.md); CPU tasks go on at once."""
         then = job.dispatch
         if not job.profile.is_gpu:
             then()
@@ -235,9 +221,8 @@ class Admission:
             raise
 
     def _read_limits(self, ctx: Any, key: frozenset[str], names: list[str]) -> None:
-        """A tag set's first look, by reads (no slot taken): a server busy writing answers a read at
-        once and a slot request only after its backlog (docs/runner.md); then the tasks that came
-        meanwhile go on, or to the gate when a limit exists (or the read failed)."""
+        """A tag set's first look, by reads (a busy server answers a read at once, a slot request after
+        its backlog: docs/runner.md); then its waiters go on, or to the gate when a limit exists."""
         try:
             free = ctx.run(read_without_limits, names)
         except Exception:  # the slot request decides (it waits out a busy server)
@@ -309,12 +294,8 @@ class Admission:
         self._results.fail(job, error)
 
     def _run_cached(self, job: Job, key: str, then: Callable[[], Any]) -> None:
-        """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device).
-
-        If the record is gone by then (expired between the check and the run), the run ends
-        ``Crashed`` and ``then()`` runs it again on the profile's workers, as a retry of the
-        same task run.
-        """
+        """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device);
+        if the record is gone by then, ``then()`` runs it again on a worker as a retry of the same run."""
         prof = job.profile
         only = CacheOnly(job.task)
         kwargs = job.engine_kwargs()
@@ -357,15 +338,8 @@ class Admission:
 
 class TaskQuota:
     """An ``address`` profile's quota slots, held while its task is handed off (the one owner of
-    ``Job.quota_lease``).
-
-    Its task holds its devices while it runs on the shared cluster: it takes
-    :func:`gpu_tasks.prefect_api.quotas.task_need` slots, waiting (logged, holding nothing) while the
-    quota is full; a re-queued preempted task waits without ``GPU_TASKS_LEASE_TIMEOUT``. A
-    preemptible profile's task whose quota is full borrows a slot of its team's borrowing limit when
-    the policy allows it (:func:`gpu_tasks.devices.lending.borrow_slots`, the board's waiters owed
-    devices by :meth:`~gpu_tasks.cluster.remote.RemoteCluster.owed_waiters`); the cluster marks it
-    borrowed, so that an entitled team's waiter reclaims it (:mod:`gpu_tasks.cluster.board`).
+    ``Job.quota_lease``): it waits, logged and holding nothing, while the quota is full; a preemptible
+    profile's task may borrow beyond it (:func:`gpu_tasks.devices.lending.borrow_slots`), reclaimable.
     """
 
     def __init__(self, live: Live) -> None:

@@ -152,15 +152,13 @@ class Controller:
             dfut.add_done_callback(partial(self._results.on_done, job, attempt))
 
     def _wanted(self, tasks: int) -> int | None:
-        """The workers to start the cluster with, or grow it to, for ``tasks`` tasks handed out;
-        ``None`` when it runs with as many already."""
+        """The workers to start or grow the cluster to for ``tasks`` tasks; ``None`` when it has them."""
         cluster = self.st.cluster
         want = cluster.workers_wanted(tasks)
         return want if not cluster.running or want > cluster.worker_count else None
 
     def _provision(self, tasks: int) -> None:
-        """Start the cluster, or grow it (a ``scaled`` event when it added devices), for ``tasks``
-        tasks handed out."""
+        """Start the cluster, or grow it (a ``scaled`` event), for ``tasks`` tasks handed out."""
         st, cluster = self.st, self.st.cluster
         want = self._wanted(tasks)
         if want is None:
@@ -191,8 +189,7 @@ class Controller:
         publish_dashboard(cluster)
 
     def _refill(self) -> None:
-        """After workers were lost: grow back to as many workers as the tasks handed out want, on the
-        devices just given back unless a waiter has them (no later dispatch may come to grow it)."""
+        """After workers were lost: grow back to what the tasks handed out want (no later dispatch may)."""
         st = self.st
         if not (st.dispatched and st.cluster.running and st.profile.is_gpu):
             return
@@ -264,11 +261,8 @@ class Controller:
 
     # ------------------------------------------------------------ lost and dead workers
     def _retire_lost(self) -> None:
-        """Give back the devices of workers whose process ended though no one closed them (their
-        scheduler dropped them: no heartbeat within Dask's worker TTL). Tasks the scheduler holds
-        for the profile then get a new worker (when its devices can be had at once; else the
-        cluster closes and they are reported as for a dead worker): they never wait at a scheduler
-        with no worker."""
+        """Give back the devices of workers whose process ended though no one closed them (no heartbeat
+        within Dask's worker TTL); the tasks queued there get a new worker, or the cluster closes."""
         st = self.st
         if not st.cluster.running or not (lost := st.cluster.lost_workers(LOST_WORKER_GRACE_S)):
             return
@@ -329,12 +323,8 @@ class Controller:
 
     # ------------------------------------------------------------ preemption
     def _preempt(self, addresses: list[str], waiter: dict[str, Any]) -> None:
-        """Stop the workers on ``addresses`` for ``waiter``; re-queue the tasks they ran.
-
-        The tasks end ``Preempted`` and are dispatched again, as the same task runs with their
-        retries intact; they wait for devices like any task of the profile (without
-        ``GPU_TASKS_LEASE_TIMEOUT``).
-        """
+        """Stop the workers on ``addresses`` for ``waiter``; the tasks they ran end ``Preempted`` and are
+        dispatched again as the same task runs, retries intact (no ``GPU_TASKS_LEASE_TIMEOUT``)."""
         st, live = self.st, self.live
         cluster = st.cluster
         waited = time.time() - float(waiter["arrived"])
@@ -376,9 +366,8 @@ class Controller:
             self._recover("requeue", recovery.requeue, j, reason, by)
 
     def _board(self, what: str, info: dict[str, Any]) -> None:
-        """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board):
-        ``preempting`` (it waited past its grace: its entry went up) or ``preempted`` (we
-        interrupted tasks for another's entry)."""
+        """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board): ``preempting``
+        (it waited past its grace) or ``preempted`` (its tasks interrupted for another's entry)."""
         st = self.st
         keep = "profile flow_run_name flow_run_id pid hostname priority waited_s workers".split()
         if what == "preempting":

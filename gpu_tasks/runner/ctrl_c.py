@@ -22,27 +22,30 @@ _armed = False
 
 
 def _plain_script() -> bool:
-    """Whether this process is a script run from a terminal, not an interactive session (``python
-    -i``, a REPL, IPython or a notebook kernel: there an interrupt must not end the session) nor a
-    deployment's flow run that Prefect's runner or worker started (``PREFECT__FLOW_RUN_ID``: that
-    supervisor stops it by its own protocol)."""
+    """Whether this process is a script run from a terminal: not an interactive session (an interrupt
+    must not end it) nor a deployment's flow run (``PREFECT__FLOW_RUN_ID``: its supervisor stops it)."""
     main = sys.modules.get("__main__")
-    if os.environ.get("PREFECT__FLOW_RUN_ID"):  # a deployment's run: its runner or worker owns the signals
+    if os.environ.get("PREFECT__FLOW_RUN_ID"):
         return False
     return not (sys.flags.interactive or hasattr(sys, "ps1") or getattr(main, "__file__", None) is None)
 
 
+def _python_handles_sigint() -> bool:
+    """Whether this is the main thread and its SIGINT handler is still Python's own (not the script's)."""
+    return (
+        threading.current_thread() is threading.main_thread()
+        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    )
+
+
 def on_interrupt(running: int, profiles: list[str]) -> bool:
-    """Called as the runner starts closing after a ``KeyboardInterrupt``: say what is left and arm
-    the second Ctrl-C. Returns whether it was armed (the main thread of a plain script whose SIGINT
-    handler is still Python's own)."""
+    """As the runner closes after a ``KeyboardInterrupt``: say what is left and arm the second Ctrl-C.
+    Returns whether it was armed (only in a plain script while Python's own handler is set)."""
     global _armed
     if _armed:
         return True
-    if threading.current_thread() is not threading.main_thread() or not _plain_script():
+    if not (_python_handles_sigint() and _plain_script()):
         return False
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        return False  # the script handles Ctrl-C itself
     signal.signal(signal.SIGINT, _second_ctrl_c)
     _armed = True
     if profiles:
@@ -59,14 +62,9 @@ def on_interrupt(running: int, profiles: list[str]) -> bool:
 
 @contextlib.contextmanager
 def held_while_closing() -> Iterator[None]:
-    """Within the block (the runner closing its clusters), a Ctrl-C is held: said at once, and
-    raised as ``KeyboardInterrupt`` when the block ends; a second one ends the process now
-    (:func:`_second_ctrl_c`). Only in the main thread while Python's own handler is set: a
-    script's own handler, or the one :func:`on_interrupt` armed, is left as it is."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    if signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    """Within the block, a Ctrl-C is said at once and raised when the block ends; a second one ends
+    the process now. Only while Python's own handler is set (:func:`_python_handles_sigint`)."""
+    if not _python_handles_sigint():
         yield
         return
     held: list[int] = []
@@ -99,8 +97,6 @@ def _second_ctrl_c(signum: int, frame: FrameType | None) -> None:
 
 
 def _say(line: str) -> None:
-    try:
+    with contextlib.suppress(OSError, ValueError):  # a closed or broken stderr: the exit still happens
         sys.stderr.write(line + "\n")
         sys.stderr.flush()
-    except (OSError, ValueError):  # a closed or broken stderr: the exit still happens
-        pass

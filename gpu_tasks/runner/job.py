@@ -1,10 +1,6 @@
-"""One profile's state and inbox in an entered runner (:class:`ProfileState`), the events its
-controller receives, and one submitted task from submit to its final state (:class:`Job`).
-
-A profile's state has one writer: its controller (:mod:`gpu_tasks.runner.controller`), one thread
-that takes the events below from the profile's inbox in the order they were posted. Any thread
-posts (the flow thread, the results thread, Dask's callback thread, a recovery's thread, the idle
-monitor, another profile waiting for devices); posting never waits.
+"""One profile's state and inbox (:class:`ProfileState`), the events its controller receives, and one
+submitted task from submit to its final state (:class:`Job`). A profile's state has one writer, its
+controller thread, which takes the events in the order posted; any thread posts, and never waits.
 """
 
 from __future__ import annotations
@@ -134,10 +130,8 @@ Handler = Callable[[Event, bool], None]
 
 
 class ProfileState:
-    """One profile's runtime state within one entered runner, and its controller's inbox. Every field
-    is written by the controller thread alone (``controller(self)``, started with the first event),
-    which takes the inbox's events one at a time; other threads read them for ``status()`` and
-    :meth:`post` events. :meth:`close` stops it once the queued events are handled."""
+    """One profile's state in an entered runner, and its controller's inbox. Every field is written by
+    the controller thread alone (started with the first event); other threads read them and :meth:`post`."""
 
     def __init__(
         self, cluster: ProfileCluster, idle_timeout: float, controller: Callable[[ProfileState], Handler]
@@ -150,8 +144,7 @@ class ProfileState:
         self.idle_since: float | None = None
         self.ever_provisioned = False
         self.inflight: dict[uuid.UUID, Job] = {}  # handed to the cluster, no final state yet
-        # when its cluster last failed to start, and why: a remote profile's tasks submitted before
-        # then fail with it at once instead of trying again (gpu_tasks.runner.controller)
+        # when its cluster last failed to start, and why: a shared cluster's earlier tasks fail with it
         self.start_failed: tuple[float, Exception] | None = None
         # hand-offs not yet sent to the cluster: sent as one graph when the inbox is empty
         self.outbox: list[tuple[Job, int, tuple[Any, ...]]] = []

@@ -1,9 +1,6 @@
-"""The flow run's Prefect context, serialized for task runs in worker processes.
-
-Like Prefect's ``serialize_context`` (what prefect-dask sends), but the settings and
-the result store, nearly all of its cost, are dumped once per flow run instead of
-once per task, and workers are pointed at the flow run's own API
-(:mod:`gpu_tasks.prefect_api.api`).
+"""The flow run's Prefect context, serialized for task runs in worker processes: like Prefect's
+``serialize_context``, but the settings and result store (nearly all of its cost) are dumped once
+per flow run, and workers are pointed at the flow run's own API (:mod:`gpu_tasks.prefect_api.api`).
 """
 
 from __future__ import annotations
@@ -18,18 +15,13 @@ from gpu_tasks.worker.blobs import Blob, Blobs
 
 
 class ContextSerializer:
-    """Prefect's ``serialize_context``, with the settings serialized once per settings context.
-
-    Dumping the settings is nearly all of ``serialize_context``'s cost, and a flow run's
-    settings context does not change between its tasks (``temporary_settings`` enters a
-    new one). The rest (flow run, task run, tags, asset and deployment context) is
-    serialized for every task as Prefect does.
+    """Prefect's ``serialize_context``, with the settings serialized once per settings context
+    (``temporary_settings`` enters a new one); the rest is serialized for every task as Prefect does.
     """
 
     def __init__(self) -> None:
-        self.api_url: str | None = (
-            None  # the flow run's API: workers report there, never to a server of their own
-        )
+        # the flow run's API: workers report there, never to a server of their own
+        self.api_url: str | None = None
         self._settings: tuple[Any, dict[str, Any], str] | None = None
         self._result_store: tuple[Any, dict[str, Any]] | None = None
         self.blobs = Blobs()  # pickled once per runner: the flow run's context, its tasks
@@ -47,8 +39,8 @@ class ContextSerializer:
         deployment_id, deployment_parameters, dumped = self._deployment(flow_run_ctx)
         cached = self._settings
         if cached is None or cached[0] is not settings_ctx:
-            # the settings the deployment's serialize_context() just dumped (the same context, in
-            # this thread, this moment), else dumped here: each dump is about 27 ms of CPU
+            # the settings _deployment()'s serialize_context() just dumped (the same context), else
+            # dumped here: each dump is costly (docs/operations.md)
             serialized = dumped if dumped is not None else (settings_ctx.serialize() if settings_ctx else {})
             if self.api_url is not None:
                 serialized = for_workers(serialized, self.api_url)
@@ -69,11 +61,8 @@ class ContextSerializer:
         return context, cached[2]
 
     def _flow_run_blob(self, ctx: Any) -> Blob:
-        """The flow run context, serialized and pickled once per flow run (see :mod:`gpu_tasks.worker.blobs`).
-
-        What its tasks see of it is what it was when the first of them was handed off,
-        as for all of them before: the flow, its parameters and the flow run (Running).
-        """
+        """The flow run context, serialized and pickled once per flow run (:mod:`gpu_tasks.worker.blobs`):
+        its tasks see it as it was when the first of them was handed off."""
         made = self._flow_runs.get(id(ctx))
         if made is None or made[0] is not ctx or made[1] is not ctx.flow_run:
             try:
@@ -86,16 +75,13 @@ class ContextSerializer:
                     "module-level names its body uses: keep futures, locks, clients and open files "
                     "out of those names, or define the flow in an importable module"
                 ) from exc
-            if len(self._flow_runs) >= 8:
-                self._flow_runs.clear()
-            made = self._flow_runs[id(ctx)] = (ctx, ctx.flow_run, blob)
+            made = _keep(self._flow_runs, ctx, (ctx, ctx.flow_run, blob))
         return made[2]
 
     def _deployment(self, ctx: Any) -> tuple[Any, Any, dict[str, Any] | None]:
-        """The deployment id and parameters Prefect's public ``serialize_context`` sends, taken from
-        one call of it per flow run context: the flow engine sets them when the flow run starts,
-        and they do not change while it runs. Third, the settings that call dumped (the current
-        settings context's ``serialize()``), or ``None`` where nothing was called now."""
+        """The deployment id and parameters Prefect's ``serialize_context`` sends, from one call of it
+        per flow run context (they do not change while it runs); third, the settings that call dumped,
+        or ``None`` where nothing was called now."""
         from prefect.context import serialize_context
 
         made = self._deployments.get(id(ctx)) if ctx is not None else None
@@ -104,9 +90,7 @@ class ContextSerializer:
         full = serialize_context()
         made = (ctx, (full["deployment_id"], full["deployment_parameters"]))
         if ctx is not None:
-            if len(self._deployments) >= 8:
-                self._deployments.clear()
-            self._deployments[id(ctx)] = made
+            _keep(self._deployments, ctx, made)
         return (*made[1], full["settings_context"])
 
     def _flow_run(self, ctx: Any) -> dict[str, Any]:
@@ -114,9 +98,8 @@ class ContextSerializer:
         store = ctx.result_store
         if store is None:
             return dict(ctx.serialize())
-        serialized: dict[str, Any] = ctx.model_copy(
-            update={"result_store": None}
-        ).serialize()  # shallow copy, all else shared
+        # a shallow copy, all else shared
+        serialized: dict[str, Any] = ctx.model_copy(update={"result_store": None}).serialize()
         cached = self._result_store
         if cached is None or cached[0] is not store:
             dumped = store.model_dump(
@@ -125,3 +108,11 @@ class ContextSerializer:
             cached = self._result_store = (store, dumped)
         serialized["result_store"] = cached[1]
         return serialized
+
+
+def _keep(cache: dict[int, Any], ctx: Any, made: Any) -> Any:
+    """``made``, kept as ``cache[id(ctx)]`` (the cache is emptied at 8 entries)."""
+    if len(cache) >= 8:
+        cache.clear()
+    cache[id(ctx)] = made
+    return made

@@ -1,13 +1,7 @@
-"""A task whose hand-off went wrong, run again: out of memory, preempted, its worker dead.
-
-A task that ran out of memory is re-run once on its profile's ``on_oom`` profile; a task
-stopped for a higher-priority waiter is reported ``Preempted`` and queued again without
-using a retry; a dead worker is reported ``Crashed`` and its task re-run on a new worker
-while it has retries. Its profile's controller (:mod:`gpu_tasks.runner.controller`) did the
-cluster's part (the task landed, the dead worker retired) and calls these on a thread of their
-own, as they wait on the Prefect API; a task that does not run again ends through
-:meth:`~gpu_tasks.runner.results.Results.finish`; a re-run is a
-:class:`~gpu_tasks.runner.job.Dispatch` event again (:meth:`~gpu_tasks.runner.job.Job.dispatch`).
+"""A task whose hand-off went wrong, run again: once on ``on_oom`` after out of memory; ``Preempted``
+and queued again without using a retry; ``Crashed`` and re-run while it has retries after its worker
+died. Its controller did the cluster's part and calls these on a thread of their own (they wait on
+the Prefect API); a task ends through ``Results.finish`` or is dispatched again (``Job.dispatch``).
 """
 
 from __future__ import annotations
@@ -128,9 +122,7 @@ def _report_worker_death(
     results: Results, job: Job, lost: LostWorker, how: str, row: LedgerRow | None
 ) -> tuple[float, Any] | None:
     """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried,
-    ``(0, None)`` when it had not begun on that worker (it runs again, no retry used).
-    The one place a task's crashes are counted (``Job.crashes``: its dispatch lowers the retries of
-    the re-run by them)."""
+    ``(0, None)`` when it had not begun there (no retry used). The one place ``Job.crashes`` is counted."""
     live, st, prof = results.live, job.st, job.profile
     name, devices, ended, address = lost
     where = f"device(s) {','.join(devices)}" if devices else ("unknown devices" if prof.is_gpu else "CPU")

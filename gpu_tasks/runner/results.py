@@ -1,15 +1,8 @@
-"""Results of a local Dask cluster's finished tasks, fetched in batches.
+"""Where a hand-off ends (:class:`Results`): the task's final state, or its recovery
+(:mod:`gpu_tasks.runner.recovery`); and a local cluster's results fetched in batches (:class:`Landings`).
 
-Dask runs every future's done-callback on one thread per process; fetching a task's
-result there (``Future.result``) is a round trip through the scheduler to the worker,
-one task at a time. gpu-tasks' callbacks only queue finished futures here instead; one
-thread per runner fetches everything queued with one ``Client.gather`` per cluster and
-hands each result on. A lone result is fetched at once; a burst (a ``.map``'s tasks
-finishing together) costs one round trip per batch instead of one per task.
-
-:class:`Results` is where a hand-off ends: the task's final state, or its recovery
-(:mod:`gpu_tasks.runner.recovery`: a dead worker, out of memory, preempted on a shared
-scheduler); and where a task's future is resolved, once, giving back what it held.
+Dask runs every done-callback on one thread per process, and fetching a result there is a round
+trip per task; the callbacks only queue finished futures, and one thread gathers a burst at once.
 """
 
 from __future__ import annotations
@@ -37,12 +30,8 @@ Landing = tuple[Any, Any]
 
 
 class Landings:
-    """Fetches finished Dask futures' results in batches on a thread of its own.
-
-    ``deliver(item, value, error)`` is called once per queued item, on that thread:
-    with the future's result, or with ``value=None`` and the exception that fetching it
-    raised (then the consumer looks at the future itself).
-    """
+    """Fetches finished Dask futures' results in batches on a thread of its own, calling
+    ``deliver(item, value, error)`` there once per item (``value=None`` with the fetch's error)."""
 
     def __init__(self, deliver: Callable[[Any, Any, BaseException | None], None], name: str) -> None:
         self._deliver = deliver
@@ -116,12 +105,9 @@ class Landings:
 
 
 def _is_worker_death(exc: BaseException) -> bool:
-    """Whether a Dask future failed because the worker process running it died, or was lost with it:
-    cancelled (or its client's loop closed) when that worker's death closed the profile's cluster.
-    gpu-tasks cancels a hand-off itself only when it stops (then this is not asked) or preempts one
-    (then its outcome is ignored)."""
+    """Whether a Dask future failed because its worker died, or was lost with it (cancelled, or its
+    client's loop closed, as that death closed the cluster): gpu-tasks cancels none it still asks about."""
     import asyncio
-    import concurrent.futures
 
     from distributed.client import FutureCancelledError
     from distributed.scheduler import KilledWorker
@@ -133,10 +119,8 @@ def _is_worker_death(exc: BaseException) -> bool:
 
 
 class Results:
-    """Where a task's hand-off to its cluster ends: its final state, or an event for its profile's
-    controller (:mod:`gpu_tasks.runner.controller`) when it must run again: its worker died, it ran
-    out of memory (``on_oom``), or a shared scheduler preempted it. A task's future, handed off or
-    not, is resolved here (:meth:`finish`, :meth:`fail`).
+    """Where a hand-off ends: its final state, or an event for its profile's controller when it must
+    run again (worker died, ``on_oom``, preempted). Every task's future is resolved here.
 
     Args:
         live: the entered runner's session (its slot gate and in-flight accounting).
@@ -150,8 +134,7 @@ class Results:
         self._release_quota = release_quota
 
     def finish(self, job: Job, result: Any = None, exc: BaseException | None = None) -> None:
-        """Resolve ``job``'s future with its final state (or ``exc``) and account for it; its tag slots
-        and quota slots go back."""
+        """Resolve ``job``'s future with its final state (or ``exc``); its tag and quota slots go back."""
         if job.hold is not None:
             self.live.gate.release(job.hold)
         self._release_quota(job)
@@ -163,9 +146,8 @@ class Results:
                 job.cf.set_result(result)
 
     def fail(self, job: Job, exc: BaseException) -> None:
-        """End ``job`` as if its task had raised ``exc``: a Failed task run, so ``wait()`` returns and
-        ``result()`` raises ``exc``. An ``exc`` that is no ``Exception`` (a Ctrl-C), or a failure to
-        record the Failed state, resolves the future with that error; it is never left unresolved."""
+        """End ``job`` as if its task had raised ``exc`` (a Failed task run); a Ctrl-C, or a failure to
+        record the state, resolves the future with that error: it is never left unresolved."""
         if not isinstance(exc, Exception):
             self.finish(job, exc=exc)
             return
@@ -191,7 +173,6 @@ class Results:
 
     def _landed(self, job: Job, attempt: int, value: Any, error: BaseException | None) -> None:
         """``job``'s hand-off ended with ``value`` (its worker's result) or ``error``."""
-        live = self.live
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
         self._release_quota(job)
@@ -200,7 +181,7 @@ class Results:
                 raise error
             state, start, end, wkey = value
         except BaseException as exc:
-            if _is_worker_death(exc) and not live.stop.is_set() and job.st.post(WorkerDied(job, exc)):
+            if _is_worker_death(exc) and not self.live.stop.is_set() and job.st.post(WorkerDied(job, exc)):
                 return
             self.finish(job, exc=exc)
             return
@@ -221,7 +202,7 @@ class Results:
             and job.escalated_from is None
             and state.is_failed()
             and GpuOutOfMemoryError.__name__ in (state.message or "")
-            and not live.stop.is_set()
+            and not self.live.stop.is_set()
             and job.st.post(OutOfMemory(job, state.message or "out of memory"))
         ):
             return

@@ -1,9 +1,6 @@
-"""What an entered runner owns while it runs: its profiles' states and jobs (:mod:`gpu_tasks.runner.job`),
-the idle monitor, closing.
-
-``Live`` is created when the runner's first task is submitted (never in
-``__enter__``: Prefect enters copies of the runner on workers) and closed as a
-whole when the flow run ends.
+"""What an entered runner owns while it runs (:class:`Live`): its profiles' states and jobs, the idle
+monitor, closing. Created with the runner's first task (never in ``__enter__``: Prefect enters copies
+of the runner on workers) and closed as a whole when the flow run ends.
 """
 
 from __future__ import annotations
@@ -104,11 +101,8 @@ class Live:
             raise
 
     def _warm_pool(self) -> Any:
-        """Start the warm worker processes (gpu_tasks.worker.warm) when a profile's workers can use them.
-
-        Started with the runner's first task, so they import while earlier stages run; they
-        hold no device, and :meth:`close` ends them.
-        """
+        """Start the warm worker processes (gpu_tasks.worker.warm) when a profile's workers can use them:
+        with the first task, so they import while earlier stages run (they hold no device)."""
         size = self.settings.warm_workers
         local = [p for p in self.profiles.values() if starts_processes_here(p)]
         if size <= 0 or not local:
@@ -172,9 +166,8 @@ class Live:
         preemptible profile whose devices a higher-priority waiter is due."""
         self._controller = controller
         if self.monitor is None:
-            # The monitor runs in the submitting thread's context: a thread starts with an empty
-            # one, which would lose the flow run's Prefect settings (an API URL set by
-            # `temporary_settings` or a test harness).
+            # in the submitting thread's context: a new thread's empty one would lose the flow run's
+            # Prefect settings (an API URL set by `temporary_settings` or a test harness)
             self.monitor = threading.Thread(
                 target=contextvars.copy_context().run, args=(self._watch,), name="gpu-tasks-idle", daemon=True
             )
@@ -219,22 +212,11 @@ class Live:
         st = self.states.get(owner)
         if st is None:
             return
-        self.emit(
-            "preempting",
-            st.cluster,
-            {
-                "priority": st.cluster.priority,
-                "devices": [h["address"] for h in holders],
-                "holders": [
-                    {
-                        k: h.get(k)
-                        for k in ("address", "profile", "priority", "flow_run_name", "flow_run_id", "pid")
-                    }
-                    for h in holders
-                ],
-            },
-            [h["address"] for h in holders],
-        )
+        devices = [h["address"] for h in holders]
+        keep = ("address", "profile", "priority", "flow_run_name", "flow_run_id", "pid")
+        described = [{k: h.get(k) for k in keep} for h in holders]
+        payload = {"priority": st.cluster.priority, "devices": devices, "holders": described}
+        self.emit("preempting", st.cluster, payload, devices)
 
     def _on_board(self, name: str, what: str, info: dict[str, Any]) -> None:
         """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board)."""
@@ -290,24 +272,20 @@ class Live:
 
     def emit(self, what: str, cluster: ProfileCluster, payload: dict[str, Any], devices: Any = None) -> None:
         """A ``gpu-tasks.cluster.<what>`` event related to this flow run."""
-        if self.api_down is None:  # else it would only fail, 7 s later, and hold up the exit
-            self.in_run_context(emit_cluster_event, what, cluster, self.run, payload, devices)
+        self._send(emit_cluster_event, what, cluster, self.run, payload, devices)
 
     def emit_task(self, what: str, job: Job, payload: dict[str, Any]) -> None:
         """A ``gpu-tasks.task.<what>`` event about ``job``'s task run."""
-        if self.api_down is not None:
-            return
-        task_run_name = getattr(job.task_run, "name", None)
-        self.in_run_context(
-            emit_task_event,
-            what,
-            job.task_run_id,
-            job.task.name,
-            job.profile.name,
-            self.run,
-            payload,
-            task_run_name,
+        name = getattr(job.task_run, "name", None)
+        self._send(
+            emit_task_event, what, job.task_run_id, job.task.name, job.profile.name, self.run, payload, name
         )
+
+    def _send(self, emit: Callable[..., Any], *args: Any) -> None:
+        """An event, in the flow run's context, unless the API was found down (it would only fail
+        seconds later and hold up the exit)."""
+        if self.api_down is None:
+            self.in_run_context(emit, *args)
 
     def api_answers(self) -> bool:
         """Whether the Prefect API answered when this run closed and still does (probed once more)."""
@@ -361,13 +339,12 @@ class Live:
         line saying nothing was measured."""
         for profile, line, measured in right_size(self.ledger):
             logger.info("gpu-tasks: %s", line)
-            if measured is not None and self.api_down is None:
-                self.in_run_context(emit_right_size, profile, line, measured, self.run)
+            if measured is not None:
+                self._send(emit_right_size, profile, line, measured, self.run)
 
     def _crash_unfinished(self, jobs: list[Job], reason: str, hurry: bool) -> None:
-        """Report task runs that were running when their cluster closed ``Crashed`` (never left Running);
-        with the Prefect API gone, only set here and named in one line (docs/operations.md, "Failure
-        behaviour", a plain script on Prefect's ephemeral API)."""
+        """Report task runs still running when their cluster closed ``Crashed``; with the Prefect API
+        gone, only set here and named in one line (docs/operations.md, "Failure behaviour")."""
         from prefect.states import Crashed
 
         from gpu_tasks.prefect_api.states import crash_task_run, no_client_retries

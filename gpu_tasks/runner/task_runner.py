@@ -1,10 +1,8 @@
 """ProfileTaskRunner: a Prefect task runner with one Dask cluster per resource profile.
 
-Data flow of one task: ``submit`` reads the profile tag -> waits (without blocking
-the flow) for upstream futures of any profile -> finds or provisions that profile's
-cluster -> submits the Prefect task engine to it with the profile's Dask resources
--> pulls the final state back into the flow process when it finishes, so closing an
-idle cluster loses nothing. See docs/runner.md for the modules on that path.
+One task: ``submit`` reads its profile tag -> upstream futures done (the flow never waits) ->
+its profile's cluster runs Prefect's task engine -> the final state comes back to the flow
+process, so closing an idle cluster loses nothing. docs/runner.md names the modules on that path.
 """
 
 from __future__ import annotations
@@ -64,11 +62,8 @@ FALLBACK_TAG = "gpu-tasks:fallback"
 
 
 class ProfileFuture(PrefectConcurrentFuture[Any]):
-    """A Prefect future for a task run on a profile's cluster.
-
-    It wraps a ``concurrent.futures.Future`` that resolves to the task's final
-    Prefect state once that state is back in the flow process.
-    """
+    """A Prefect future for a task run on a profile's cluster: its ``concurrent.futures.Future``
+    resolves to the task's final Prefect state once that is back in the flow process."""
 
     def __init__(self, task_run_id: uuid.UUID, wrapped_future: concurrent.futures.Future[Any], profile: str):
         super().__init__(task_run_id=task_run_id, wrapped_future=wrapped_future)
@@ -94,11 +89,8 @@ _WARNED: set[str] = set()  # the GPU_TASKS_* variables (unknown, old names) this
 
 
 def _check_settings() -> None:
-    """Raise :class:`~gpu_tasks.errors.SettingsError` (one line a variable) for a ``GPU_TASKS_*`` value
-    its setting does not take, and :class:`~gpu_tasks.errors.DeviceDiscoveryError` for a
-    ``GPU_TASKS_EMULATED_GPUS`` that names no devices; warn once per flow process of each
-    ``GPU_TASKS_*`` variable that is no setting (a typo), naming the closest one, and of each old
-    tuning name, naming its new one. Reads the environment only: no file, network or database."""
+    """Raise for a ``GPU_TASKS_*`` value its setting does not take (``GPU_TASKS_EMULATED_GPUS`` too);
+    warn once per flow process of each unknown or old variable name. Reads the environment only."""
     settings = get_settings()
     if settings.emulated_gpus is not None:
         from gpu_tasks.devices.discovery import parse_emulated
@@ -129,12 +121,10 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         profiles: The profiles tasks may name with ``profile:<name>`` tags. Profiles
             from ``GPU_TASKS_PROFILES_FILE`` are added and override same-named ones, so a
             deployment can change hardware without a code change.
-        default: Profile of untagged tasks (default: the file's ``default``, else
-            ``"cpu"``, added as a plain CPU profile when no profile has that name). Any
-            other name must be defined in code or in the file. The runner checks its profiles
-            (the file's too) and the ``GPU_TASKS_*`` settings when it is built, so a flow
-            module with a bad file, default or setting fails as it is imported, in one line;
-            the file is read again for each flow run (a deployment may set it).
+        default: Profile of untagged tasks (default: the file's ``default``, else ``"cpu"``,
+            added as a plain CPU profile when no profile has that name). Profiles, file and
+            ``GPU_TASKS_*`` settings are checked when the runner is built (the file is read again
+            for each flow run).
         idle_timeout: Seconds a cluster may sit idle before it is closed, for profiles
             that do not set their own; ``None`` takes ``GPU_TASKS_IDLE_TIMEOUT``.
 
@@ -162,8 +152,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             raise ProfileError(f"idle_timeout must be >= 0 seconds; got {idle_timeout}")
         self._idle_timeout_arg = idle_timeout
         if not self.__dict__.pop("_unpickled", False) and not _worker.in_worker_process():
-            # a bad GPU_TASKS_* value, profiles file, default or on_oom fails here, as the flow module
-            # builds its runner (read from the environment and the file alone: no network, no database)
+            # a bad setting, profiles file, default or on_oom fails as the flow module builds its runner
             _check_settings()
             self.resolve_profiles()
         self._live: Live | None = None
@@ -370,24 +359,17 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         return out
 
     def warm_workers(self) -> list[dict[str, Any]]:
-        """The warm pool's idle worker processes, each ``{"pid": ..., "ready": ...}``.
-
-        Empty before the first task, after the flow run, with ``GPU_TASKS_TUNE_WARM_WORKERS=0``
-        and when no profile's workers are processes this host starts. None of them holds
-        a device (docs/runner.md, "Warm workers").
-        """
+        """The warm pool's idle worker processes, each ``{"pid": ..., "ready": ...}``; empty when there
+        is no pool (docs/runner.md, "Warm workers"). None of them holds a device."""
         live = self._live
         if live is None or live.pool is None:
             return []
-        described: list[dict[str, Any]] = live.pool.describe()
-        return described
+        return list(live.pool.describe())
 
     @property
     def ledger(self) -> list[LedgerRow]:
         """Closed cluster lifetimes so far (the ledger of the last run after exit)."""
-        if self._live is not None:
-            return list(self._live.ledger)
-        return list(self._last_ledger)
+        return list(self._live.ledger if self._live is not None else self._last_ledger)
 
     @property
     def inventory(self) -> Inventory:
