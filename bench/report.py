@@ -243,10 +243,16 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         "3.5x / 3.6x the thread pool, and the one of 2026-11-24 at 5.7x. What is left, per task: the flow "
         "process about 1.9 ms of CPU (the thread pool's flow process: 3.3 ms, since it runs the engine "
         "itself), the two workers about 5.5 ms between them (Prefect's task engine, its event and log "
-        "sender, Dask's worker), and Prefect's server about 22-26 ms of CPU per task run for every runner "
-        "alike (it records each run's states and logs in SQLite from their events, and catches up after "
-        "the map: a backlog that takes one of the two cores during both rows). For tiny work on a GPU "
-        "profile, batching it into fewer tasks still pays, or give it a CPU profile.",
+        "sender, Dask's worker), and Prefect's server, which records each run's states in SQLite from "
+        "their events. With Prefect's defaults its task-run recorder writes each state in a transaction of "
+        "its own: after a map of 1,000 tasks it needed 25-26 s to catch up, and during the map it took "
+        "4.4-8.0 ms of CPU per task from the two cores the `gpus=0.25` row's workers use (those repeats "
+        "took 6.2-8.8 ms per task, the thread pool's 4.1-4.6 ms: its flow process leaves the server a core). "
+        "The embedded server gpu-tasks starts (this benchmark's, the example's) has it write 50 states per "
+        'transaction, at least every second (docs/operations.md, "Network"): 4.7-7.1 s to catch up, and '
+        "the GPU row at the table's figure (2026-12-06; 1.93x the thread pool at N = 1,000 the day before, "
+        "on Prefect's defaults). For tiny work on a GPU profile, batching it into fewer tasks still pays, "
+        "or give it a CPU profile.",
         "",
         "prefect-ray, like prefect-dask, serializes the flow run's context at every submit and runs "
         "Prefect's task engine in a worker process, which builds that context again for every task; "
