@@ -248,11 +248,12 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         "its own: after a map of 1,000 tasks it needed 25-26 s to catch up, and during the map it took "
         "4.4-8.0 ms of CPU per task from the two cores the `gpus=0.25` row's workers use (those repeats "
         "took 6.2-8.8 ms per task, the thread pool's 4.1-4.6 ms: its flow process leaves the server a core). "
-        "The embedded server gpu-tasks starts (this benchmark's, the example's) has it write 50 states per "
-        'transaction, at least every second (docs/operations.md, "Network"): 4.7-7.1 s to catch up, and '
-        "the GPU row at the table's figure (2026-12-06; 1.93x the thread pool at N = 1,000 the day before, "
-        "on Prefect's defaults). For tiny work on a GPU profile, batching it into fewer tasks still pays, "
-        "or give it a CPU profile.",
+        "Batched (Prefect's public settings: 50 states per transaction, at least every second) the same "
+        "repeats took 4.65-5.92 ms and this page's run gave 1.45x at N = 1,000 (2026-12-06), but "
+        "gpu-tasks does not batch the server it starts: a task that a shared scheduler re-runs after "
+        "its worker died then reads the server's record before the first attempt's Running state is "
+        'written (docs/operations.md, "Network"). For tiny work on a GPU profile, batching it into '
+        "fewer tasks still pays, or give it a CPU profile.",
         "",
         "prefect-ray, like prefect-dask, serializes the flow run's context at every submit and runs "
         "Prefect's task engine in a worker process, which builds that context again for every task; "
