@@ -165,7 +165,7 @@ def test_a_worker_asks_for_no_placement_slot_when_no_limit_exists(tmp_path: Path
             out = run_flow_script(tmp_path, f"placement_{limited}.py", SCRIPT, marker, url, 200)
             log = out.stdout + out.stderr
             assert out.returncode == 0 and "RESULT 55" in out.stdout, log[-4000:]
-            seen[limited] = dict(json.loads(count.read_text())["asked"]) if count.exists() else {}
+            seen[limited] = json.loads(count.read_text())["asked"] if count.exists() else {}
             assert wait_gone(marker, 20)[1] == [], "processes outlived the flow run"
     asked = {side: seen[True].get(side, 0) - seen[False].get(side, 0) for side in ("worker", "flow")}
     assert seen[False].get("worker", 0) == 0 and seen[False].get("flow", 0) == 0, seen
