@@ -206,13 +206,19 @@ def _cpu_seconds() -> float:
 def prefect_server():
     """A temporary SQLite-backed Prefect server on 127.0.0.1 for the whole session (Prefect's test
     harness), on a database already migrated (:func:`seeded_harness_dir`)."""
+    from prefect.settings import get_current_settings, temporary_settings
     from prefect.testing import utilities as harness
+
+    from gpu_tasks.prefect_api.server import recorder_settings
 
     # 240: the compat stage runs at nice 10 beside the parallel phase (.ci/run), where a saturated
     # machine gave its server start a few per cent of a core; 120 timed out there (48 errors at
     # a6f37fb). Prefect counts this bound in polls of 0.1 s, so it is at least that many seconds;
     # pytest-timeout (300 s, setup included) still ends a real hang.
-    with seeded_harness_dir(harness) as seeded:
+    # its task-run recorder batches its writes, as the embedded server's does (docs/operations.md,
+    # "Network"): the tests' task runs cost the session's server less CPU on the 2-core machine
+    batched = temporary_settings(updates=recorder_settings(get_current_settings()))
+    with seeded_harness_dir(harness) as seeded, batched:
         with harness.prefect_test_harness(server_startup_timeout=240):
             import prefect.settings
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from faults._procs import clean_env
 
+from gpu_tasks.prefect_api.server import RECORDER_BATCH
+
 IDLE_CLOSE_SCRIPT = """
 import json, time
 from prefect import flow, task
@@ -53,12 +55,14 @@ if __name__ == "__main__":
         print(json.dumps({"url": url, "reasons": reasons,
                           "server_db_timeout": server_settings["server"]["database"]["timeout"],
                           "server_analytics": server_settings["server"]["analytics_enabled"],
+                          "recorder": server_settings["server"]["services"]["task_run_recorder"],
                           "client_max_retries": get_current_settings().client.max_retries}))
 """
 
 
 def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
-    """The embedded server is tuned for many short tasks and sends no telemetry, and an idle
+    """The embedded server is tuned for many short tasks (its recorder batched, the user's own
+    settings kept) and sends no telemetry, and an idle
     scale-down runs on a runner thread; its events still reach the flow run's server when that
     server's URL lives in a settings context (embedded server), not the environment, and no
     second, ephemeral Prefect server is started for them."""
@@ -70,6 +74,7 @@ def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
         GPU_TASKS_EMULATED_GPUS="1",
         PREFECT_LOGGING_LEVEL="INFO",
         PREFECT_SERVER_ANALYTICS_ENABLED="true",  # Prefect's default: the embedded server turns it off
+        PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL="2",  # the user's own: kept
     )
     proc = subprocess.run(
         [sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=240, cwd=tmp_path
@@ -86,6 +91,10 @@ def test_idle_close_events_reach_the_embedded_server(tmp_path: Path):
     assert any(r.startswith("scaled down: idle") for r in out["reasons"]), out
     # the embedded SQLite server waits on its writer instead of answering 503 under load
     assert out["server_db_timeout"] == 60 and out["client_max_retries"] == 10, out
+    # its task-run recorder writes states in batches (Prefect's default: one transaction each), at
+    # the flush interval the user set
+    recorder = out["recorder"]
+    assert (recorder["batch_size"], recorder["flush_interval"]) == (RECORDER_BATCH, 2), out
     # and nothing phones home: no usage telemetry from the server gpu-tasks started
     assert out["server_analytics"] is False, out
     assert "telemetry" not in proc.stderr.lower(), proc.stderr[-3000:]

@@ -66,6 +66,11 @@ def _free_port() -> int:
 INTERRUPT_DRAIN_S = 2.0  # per service (events, logs): Ctrl-C must exit well within 10 s
 INTERRUPT_RECORD_S = 2.0  # for the server to write the interrupted run's last states
 SETTLED_S = 0.5  # a count of recorded task runs that held this long, none unfinished: all recorded
+# The embedded server's task-run recorder writes up to RECORDER_BATCH states in one transaction, at
+# least every RECORDER_FLUSH_S s (Prefect's defaults, 1 and 5, write each one alone): 1,000 tasks'
+# states took its SQLite writer 25-34 s after the map, 5 s batched (docs/operations.md, "Network")
+RECORDER_BATCH = 50
+RECORDER_FLUSH_S = 1  # Prefect reads it as whole seconds
 DRAIN_S = 60.0  # per service, when the run ends: a drain returns as soon as its queue is sent
 RECORD_S = 120.0  # at most, for the server to record every task run's final state ...
 RECORD_STALL_S = 10.0  # ... given up sooner when its counts have not moved for this long
@@ -92,13 +97,16 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
     if current:
         yield str(current)
         return
+    recorder = recorder_settings(get_current_settings())
     with temporary_settings(
         updates={
             PREFECT_SERVER_DATABASE_TIMEOUT: max(60.0, get_current_settings().server.database.timeout or 0.0),
             # nothing phones home: Prefect's server sends usage telemetry to Prefect by default
             PREFECT_SERVER_ANALYTICS_ENABLED: False,
+            **recorder,
         }
     ):
+        settle = settle_s(get_current_settings())
         dropped = DroppedEvents()
         server = EmbeddedServer(die_with_parent_hook(), dropped.line)
         server.start(timeout=timeout)
@@ -123,7 +131,7 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
                 drain_s, record_s = quick if interrupted else (DRAIN_S, RECORD_S)
                 drain_events(drain_s)  # the run's last events and logs, while the server is up
                 drain_logs(drain_s)
-                _wait_until_recorded(timeout=record_s, since=started, stall=RECORD_STALL_S)
+                _wait_until_recorded(record_s, started, RECORD_STALL_S, settle)
     finally:
         server.stop()
         dropped.report()
@@ -337,10 +345,35 @@ class DroppedEvents:
             )
 
 
-def _wait_until_recorded(timeout: float, since: datetime.datetime, stall: float | None = None) -> bool:
+def recorder_settings(settings: Any) -> dict[Any, Any]:
+    """The embedded server's task-run recorder batches (:data:`RECORDER_BATCH`, every
+    :data:`RECORDER_FLUSH_S` s); a batch size or flush interval the user set is kept."""
+    from prefect.settings import (
+        PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE,
+        PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL,
+    )
+
+    own = settings.server.services.task_run_recorder
+    ours = {
+        "batch_size": (PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE, RECORDER_BATCH),
+        "flush_interval": (PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL, RECORDER_FLUSH_S),
+    }
+    return {setting: value for name, (setting, value) in ours.items() if name not in own.model_fields_set}
+
+
+def settle_s(settings: Any) -> float:
+    """How long a count of recorded task runs must hold: longer than a flush of the recorder's
+    batches, when it batches (a batch not yet written moves no count)."""
+    recorder = settings.server.services.task_run_recorder
+    return SETTLED_S if recorder.batch_size <= 1 else max(SETTLED_S, float(recorder.flush_interval) + 0.5)
+
+
+def _wait_until_recorded(
+    timeout: float, since: datetime.datetime, stall: float | None = None, settle: float = SETTLED_S
+) -> bool:
     """Wait, at most ``timeout`` s (``stall`` s without a change), until the server's task-run
     recorder has written the final states of the task runs since ``since`` (stopped before, it
-    leaves them "Pending" or "Running" for good): none unfinished, the count held ``SETTLED_S``."""
+    leaves them "Pending" or "Running" for good): none unfinished, the count held ``settle`` s."""
     after = {"after_": since.isoformat()}
     started = {"start_time": after}
     # Running since the server started; Pending in one of its flow runs (no start time yet)
@@ -348,7 +381,7 @@ def _wait_until_recorded(timeout: float, since: datetime.datetime, stall: float 
         {"task_runs": {**started, "state": {"type": {"any_": ["RUNNING"]}}}},
         {"flow_runs": {"start_time": after}, "task_runs": {"state": {"type": {"any_": ["PENDING"]}}}},
     ]
-    return _settled({"task_runs": started}, unfinished, timeout, stall)
+    return _settled({"task_runs": started}, unfinished, timeout, stall, settle)
 
 
 def wait_until_flow_run_recorded(
@@ -356,18 +389,24 @@ def wait_until_flow_run_recorded(
 ) -> bool:
     """Wait, at most ``timeout`` s (``stall`` s without progress), until the server has recorded
     every task run of flow run ``flow_run_id`` in a state other than Running, its count held for
-    ``SETTLED_S``: for Prefect's ephemeral server, stopped as the flow process exits, before its
+    :func:`settle_s`: for Prefect's ephemeral server, stopped as the flow process exits, before its
     task-run recorder got to the last states worker processes sent."""
     runs = {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}}
     running = {**runs, "task_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}
-    return _settled(runs, [running], timeout, stall)
+    from prefect.settings import get_current_settings
+
+    return _settled(runs, [running], timeout, stall, settle_s(get_current_settings()))
 
 
 def _settled(
-    everything: dict[str, Any], unfinished: list[dict[str, Any]], timeout: float, stall: float | None
+    everything: dict[str, Any],
+    unfinished: list[dict[str, Any]],
+    timeout: float,
+    stall: float | None,
+    settle: float = SETTLED_S,
 ) -> bool:
     """Poll the counts of task runs matching ``everything`` and each of ``unfinished`` until none
-    is unfinished and the counts held for ``SETTLED_S``; ``False`` at ``timeout``, after ``stall``
+    is unfinished and the counts held for ``settle`` s; ``False`` at ``timeout``, after ``stall``
     s without a change, or when the server does not answer."""
     from prefect.client.orchestration import get_client
 
@@ -385,7 +424,7 @@ def _settled(
             now = time.monotonic()
             if counts != seen:
                 seen, moved = counts, now
-            if sum(counts[1:]) == 0 and now - moved >= SETTLED_S:
+            if sum(counts[1:]) == 0 and now - moved >= settle:
                 return True
             if stall is not None and now - moved >= stall:
                 return False

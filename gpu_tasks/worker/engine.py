@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import logging
 import math
@@ -131,18 +132,22 @@ def run_on_worker(
         _RUNNING[kwargs["task_run_id"]] = running
     try:
         with (
+            contextlib.ExitStack() as stack,
             SettingsContext(**settings),
             # the thread's client in Prefect's context, found by the engine as its own (its
             # __init__ would open a new client: the documented `client` field set directly)
             SyncClientContext.model_construct(client=_thread_client(settings_key)),
         ):
             if remote:
-                after = _after_lost_worker(task, kwargs, running[1], alloc)
-                if isinstance(after, tuple):
-                    task, kwargs = after
-                elif after is not None:  # no retries left: the Crashed state is final
-                    now = time.time()
-                    return after, now, now, worker_key(alloc.device_keys)
+                mark = _StartedMark(dask_worker)
+                stack.callback(mark.clear)
+                if mark.earlier is not None:
+                    after = _after_lost_worker(task, kwargs, running[1], alloc, mark.earlier)
+                    if isinstance(after, tuple):
+                        task, kwargs = after
+                    else:  # no retries left: the Crashed state is final
+                        now = time.time()
+                        return after, now, now, worker_key(alloc.device_keys)
             with tag_slots_held_by_flow(kwargs["task_run_id"], slots_held):
                 if not remote:
                     if started_log:
@@ -184,39 +189,57 @@ def _interruptible(
         return PreemptedRun(start, end, wkey), start, end, wkey
 
 
-def _after_lost_worker(
-    task: Any, kwargs: dict[str, Any], flow_run_id: Any, alloc: Allocation
-) -> tuple[Any, dict[str, Any]] | Any | None:
-    """A shared scheduler re-runs a task whose worker died (its ``allowed-failures``): follow the
-    runner's rules instead, as for a worker of its own.
+class _StartedMark:
+    """The mark a task on a shared scheduler (``address`` / ``cluster_class`` profiles) leaves there
+    while it runs: a Dask ``Variable`` named by its Dask key, holding its worker's address.
 
-    Returns ``None`` for a first run, ``(task, kwargs)`` to run it again as a retry of the same
-    task run (the crash reported, one retry used), or the ``Crashed`` state when no retry is left.
+    The scheduler re-runs a task whose worker died under the same key (its ``allowed-failures``), so
+    a mark already there when a task begins says this is such a re-run (:attr:`earlier`: the dead
+    worker). The runner's own retries use a new key. Dask's record, not the Prefect server's: a
+    server that records task-run states in batches shows the first attempt's ``Running`` late.
     """
-    from prefect.client.schemas.objects import StateType
-    from prefect.context import SyncClientContext
-    from prefect.exceptions import ObjectNotFound
 
-    from gpu_tasks.compat.api_busy import BusyWait
+    def __init__(self, dask_worker: Any) -> None:
+        from distributed import Variable, get_client
+
+        self.earlier: str | None = None
+        self._var: Any = None
+        name = f"gpu-tasks-started-{dask_worker.get_current_task()}"
+        try:
+            var = Variable(name, client=get_client())
+            try:
+                self.earlier = str(var.get(timeout=0))
+            except TimeoutError:  # no mark: the first run of this key
+                pass
+            var.set(str(dask_worker.address))
+            self._var = var
+        except Exception:  # the scheduler refused: run it as a first run, as before marks existed
+            logger.warning("could not mark task %s started on its scheduler", name, exc_info=True)
+
+    def clear(self) -> None:
+        """Remove the mark (the task ended here, however): a message to the scheduler, no reply awaited."""
+        if self._var is not None:
+            try:
+                self._var.delete()
+            except Exception:  # pragma: no cover - the scheduler went away: nothing left to clear
+                logger.debug("could not clear a started mark", exc_info=True)
+
+
+def _after_lost_worker(
+    task: Any, kwargs: dict[str, Any], flow_run_id: Any, alloc: Allocation, dead: str
+) -> tuple[Any, dict[str, Any]] | Any:
+    """A shared scheduler re-runs a task whose worker (``dead``) died (its ``allowed-failures``):
+    follow the runner's rules instead, as for a worker of its own.
+
+    Returns ``(task, kwargs)`` to run it again as a retry of the same task run (the crash
+    reported, one retry used), or the ``Crashed`` state when no retry is left.
+    """
     from gpu_tasks.prefect_api.states import crash_task_run, retry_after_crash
 
-    ctx = SyncClientContext.get()
-    # a task holds its worker's GPU while it waits: ask every 5 s at most, to start soon after
-    wait = BusyWait(f"reading task run {kwargs['task_run_id']} on worker {alloc.worker}", longest=5.0)
-    while True:  # an API unreachable for a while (restarted, its host's link down) is waited out
-        try:
-            task_run = ctx.client.read_task_run(kwargs["task_run_id"]) if ctx is not None else None
-            break
-        except ObjectNotFound:
-            return None
-        except Exception as exc:
-            time.sleep(wait.next_wait(exc))
-    if task_run is None or task_run.state is None or task_run.state.type != StateType.RUNNING:
-        return None  # a first run, or the runner's own retry (AwaitingRetry)
     flow_run = uuid.UUID(str(flow_run_id)) if flow_run_id else None
     message = (
-        f"the worker process running this task on profile {alloc.profile!r} died; its Dask scheduler "
-        f"re-ran it on {alloc.worker} ({alloc.label()})"
+        f"the worker process running this task on profile {alloc.profile!r} ({dead}) died; its Dask "
+        f"scheduler re-ran it on {alloc.worker} ({alloc.label()})"
     )
     state, task_run = crash_task_run(kwargs["task_run_id"], task, flow_run, message, tags=set(task.tags))
     crashes = max(0, int(getattr(task_run, "run_count", 0) or 0) - 1)
