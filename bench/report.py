@@ -249,10 +249,9 @@ def overhead(res: dict[str, Any], img: Path) -> list[str]:
         "4.4-8.0 ms of CPU per task from the two cores the `gpus=0.25` row's workers use (those repeats "
         "took 6.2-8.8 ms per task, the thread pool's 4.1-4.6 ms: its flow process leaves the server a core). "
         "Batched (Prefect's public settings: 50 states per transaction, at least every second) the same "
-        "repeats took 4.65-5.92 ms and this page's run gave 1.45x at N = 1,000 (2026-12-06), but "
-        "gpu-tasks does not batch the server it starts: a task that a shared scheduler re-runs after "
-        "its worker died then reads the server's record before the first attempt's Running state is "
-        'written (docs/operations.md, "Network"). For tiny work on a GPU profile, batching it into '
+        "repeats took 4.65-5.92 ms. The embedded server gpu-tasks starts (this page's server) batches "
+        "so; Prefect's defaults gave this row 1.93x at N = 1,000 on 2026-12-05 "
+        '(docs/operations.md, "Network"). For tiny work on a GPU profile, batching it into '
         "fewer tasks still pays, or give it a CPU profile.",
         "",
         "prefect-ray, like prefect-dask, serializes the flow run's context at every submit and runs "
