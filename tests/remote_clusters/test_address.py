@@ -20,7 +20,14 @@ from prefect_api import api, flow_run_task_runs
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.cluster.remote_workers import executing_keys
 from gpu_tasks.errors import ClusterError, UnsatisfiableProfileError
-from remote_clusters.hosts import Hosts, kill_when_written, overlaps, prioritized_run, tasks_at_scheduler
+from remote_clusters.hosts import (
+    Hosts,
+    kill_when_written,
+    overlaps,
+    prioritized_run,
+    started_marks,
+    tasks_at_scheduler,
+)
 
 pytestmark = pytest.mark.slow
 # the workers cannot import this test module: its flows and tasks travel by value
@@ -209,6 +216,12 @@ def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
     else:
         assert run["state_type"] == "CRASHED", run
         assert "died" in run["state"]["message"]
+    # the re-run found the dead attempt's mark on the scheduler, and its own end removed it (the
+    # removal is a message from the worker's client, not awaited: a moment after the result)
+    deadline = time.monotonic() + 10
+    while (marks := started_marks(own_gpu_hosts)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marks == []
     # no process of ours was left on the hosts but the restarted worker
     assert all(p.poll() is None for p in own_gpu_hosts.procs)
     assert psutil.pid_exists(own_gpu_hosts.scheduler.pid)
