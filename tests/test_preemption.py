@@ -464,7 +464,10 @@ def test_work_that_is_not_preemptible_is_never_stopped(tmp_path, lease_dir):
     assert _starts(tmp_path, "batch") == {0: [pytest.approx(b["start"], abs=1e-3)]}  # started once
     assert u["start"] >= b["end"]  # the urgent task waited for it
     assert "Preempted" not in _state_names(out["batch"]["task_run_ids"][0])
-    assert not _events(out["batch"]["flow_run_id"], "gpu-tasks.task.preempted")
+    # its cluster's close is stored, and with it anything the run emitted before (a preemption's
+    # event would come first): no waiting out a timeout for an event that should not exist
+    _events(out["batch"]["flow_run_id"], "gpu-tasks.cluster.closed")
+    assert not flow_run_events(out["batch"]["flow_run_id"], {"name": ["gpu-tasks.task.preempted"]}, timeout=0)
 
 
 @pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
