@@ -206,6 +206,7 @@ def _cpu_seconds() -> float:
 def prefect_server():
     """A temporary SQLite-backed Prefect server on 127.0.0.1 for the whole session (Prefect's test
     harness), on a database already migrated (:func:`seeded_harness_dir`)."""
+    from prefect.settings import PREFECT_SERVER_SERVICES_EVENT_PERSISTER_FLUSH_INTERVAL as FLUSH
     from prefect.settings import get_current_settings, temporary_settings
     from prefect.testing import utilities as harness
 
@@ -217,7 +218,10 @@ def prefect_server():
     # pytest-timeout (300 s, setup included) still ends a real hang.
     # its task-run recorder batches its writes, as the embedded server's does (docs/operations.md,
     # "Network"): the tests' task runs cost the session's server less CPU on the 2-core machine
-    batched = temporary_settings(updates=recorder_settings(get_current_settings()))
+    # Its event persister writes a partial batch every second, not every 5 s (Prefect's default):
+    # the tests that wait for a gpu-tasks event to be stored wait for that flush
+    updates = {**recorder_settings(get_current_settings()), FLUSH: 1.0}
+    batched = temporary_settings(updates=updates)
     with seeded_harness_dir(harness) as seeded, batched:
         with harness.prefect_test_harness(server_startup_timeout=240):
             import prefect.settings
