@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import contextvars
 import logging
 import math
@@ -130,9 +129,9 @@ def run_on_worker(
     running = (task, getattr(flow_run, "id", None), alloc, set(task.tags))
     with _RUNNING_LOCK:
         _RUNNING[kwargs["task_run_id"]] = running
+    mark = None
     try:
         with (
-            contextlib.ExitStack() as stack,
             SettingsContext(**settings),
             # the thread's client in Prefect's context, found by the engine as its own (its
             # __init__ would open a new client: the documented `client` field set directly)
@@ -140,7 +139,6 @@ def run_on_worker(
         ):
             if remote:
                 mark = _StartedMark(dask_worker)
-                stack.callback(mark.clear)
                 if mark.earlier is not None:
                     after = _after_lost_worker(task, kwargs, running[1], alloc, mark.earlier)
                     if isinstance(after, tuple):
@@ -155,6 +153,8 @@ def run_on_worker(
                     return run_engine(alloc, task, kwargs)
                 return _interruptible(dask_worker, alloc, task, kwargs)
     finally:
+        if mark is not None:
+            mark.clear()
         with _RUNNING_LOCK:
             _RUNNING.pop(kwargs["task_run_id"], None)
 
