@@ -126,20 +126,21 @@ def db_rows(db: Path, sql: str, *args: Any) -> list[tuple[Any, ...]]:
 
 def settled(run: dict[str, Any]) -> bool:
     """Whether a task run has a final state."""
-    return run.get("state_type") not in ("RUNNING", "PENDING", "SCHEDULED")
+    return run.get("state_type") not in (None, "RUNNING", "PENDING", "SCHEDULED")
 
 
 def server_task_run(
     task_run_id: Any, want: Callable[[dict[str, Any]], bool] = settled, timeout: float = 20.0
 ) -> dict[str, Any]:
-    """The task run as the test server recorded it, once ``want`` holds (states arrive as events)."""
+    """The task run as the test server recorded it, once ``want`` holds (states arrive as events;
+    a batched recorder writes the run and its state a moment later: 404, or no ``state`` yet)."""
     from prefect_api import api
 
     deadline = time.monotonic() + timeout
     run: dict[str, Any] = {}
     while time.monotonic() < deadline:
         status, run = api("GET", f"/task_runs/{task_run_id}")
-        if status == 200 and want(run):
+        if status == 200 and run.get("state") and want(run):
             return run
         time.sleep(0.25)
     return run

@@ -13,6 +13,7 @@ from pathlib import Path
 
 
 def main(address: str, marker: str, out: str, sleep: float) -> None:
+    from netns import recorded, summary  # this script's folder
     from prefect import flow, task
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
@@ -46,14 +47,17 @@ def main(address: str, marker: str, out: str, sleep: float) -> None:
         # the server records the task run from its events, a moment after the result came back
         deadline = time.monotonic() + 30
         while True:
-            run = client.read_task_run(result["task_run_id"])
-            done = run.state_type is not None and run.state_type.value == "COMPLETED" and run.run_count >= 2
+            run = recorded(client, result["task_run_id"])
+            done = (
+                run is not None
+                and run.state_type is not None
+                and run.state_type.value == "COMPLETED"
+                and run.run_count >= 2
+            )
             if done or time.monotonic() > deadline:
                 break
             time.sleep(0.25)
-        result["state"] = run.state_type.value if run.state_type else None
-        result["run_count"] = run.run_count
-        result["states"] = [s.type.value for s in client.read_task_run_states(run.id)]
+        result.update(summary(client, run))
         runs = client.read_task_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[result["flow_run_id"]]))
         )

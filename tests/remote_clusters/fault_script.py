@@ -15,6 +15,7 @@ from pathlib import Path
 
 
 def main(address: str, n: int, seconds: float, out: str) -> None:
+    from netns import recorded, summary  # this script's folder
     from prefect import flow, task
     from prefect.client.orchestration import get_client
 
@@ -56,21 +57,14 @@ def main(address: str, n: int, seconds: float, out: str) -> None:
         # the server records the task runs from their events, a moment after the results came back
         deadline = time.monotonic() + 30
         while True:
-            runs = [client.read_task_run(i) for i in result["ids"]]
+            runs = [recorded(client, i) for i in result["ids"]]
             if (
-                all(r.state_type and r.state_type.value == "COMPLETED" for r in runs)
+                all(r and r.state_type and r.state_type.value == "COMPLETED" for r in runs)
                 or time.monotonic() > deadline
             ):
                 break
             time.sleep(0.25)
-        result["runs"] = [
-            {
-                "state": r.state_type.value if r.state_type else None,
-                "run_count": r.run_count,
-                "states": [s.type.value for s in client.read_task_run_states(r.id)],
-            }
-            for r in runs
-        ]
+        result["runs"] = [summary(client, r) for r in runs]
     (where / "out.json").write_text(json.dumps(result))
 
 

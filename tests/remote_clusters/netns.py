@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 INFRA = Path(__file__).resolve().parents[2] / "infra" / "netns"
 NET = "10.213.77"
@@ -228,16 +229,34 @@ def _workers(address: str) -> dict[str, str]:
         return {str(w["name"]): a for a, w in client.scheduler_info(n_workers=-1)["workers"].items()}
 
 
+def recorded(client: Any, task_run_id: str) -> Any:
+    """The task run as the server has recorded it so far, or ``None`` while it has none: the
+    server writes task runs from their events, later still when its recorder batches its writes or
+    catches up after the API was down (Prefect answers 404 until then)."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return client.read_task_run(task_run_id)
+    except ObjectNotFound:
+        return None
+
+
+def summary(client: Any, run: Any) -> dict:
+    """A recorded task run's state, run count and state history (``None``, 0, [] when unrecorded)."""
+    if run is None:
+        return {"state": None, "run_count": 0, "states": []}
+    return {
+        "state": run.state_type.value if run.state_type else None,
+        "run_count": run.run_count,
+        "states": [s.type.value for s in client.read_task_run_states(run.id)],
+    }
+
+
 def _task_run(task_run_id: str) -> dict:
     from prefect.client.orchestration import get_client
 
     with get_client(sync_client=True) as client:
-        run = client.read_task_run(task_run_id)
-        return {
-            "state": run.state_type.value if run.state_type else None,
-            "run_count": run.run_count,
-            "states": [s.type.value for s in client.read_task_run_states(run.id)],
-        }
+        return summary(client, recorded(client, task_run_id))
 
 
 if __name__ == "__main__" and sys.argv[1] == "wait":
