@@ -58,11 +58,20 @@ def ts(iso: str) -> float:
 
 
 def task_run(url: str, task_run_id: str, want: Callable[[dict], bool], timeout: float = SETTLE_S) -> dict:
-    """The task run as the server recorded it, once ``want`` holds (or after ``timeout``)."""
+    """The task run as the server recorded it, once ``want`` holds (or after ``timeout``). The server
+    writes task runs from their events, in batches (the embedded server's recorder): until then it
+    answers 404, or has the run without its ``state``."""
+    import httpx
+
     deadline = time.monotonic() + timeout
+    run: dict = {}
     while True:
-        run = api(url, "GET", f"/task_runs/{task_run_id}")
-        if want(run) or time.monotonic() > deadline:
+        try:
+            run = api(url, "GET", f"/task_runs/{task_run_id}")
+        except httpx.HTTPStatusError as exc:
+            if exc.response.status_code != 404:
+                raise
+        if (run.get("state") and want(run)) or time.monotonic() > deadline:
             return run
         time.sleep(0.25)
 
