@@ -35,6 +35,7 @@ from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_spans, unio
 from gpu_tasks.reporting.measured import NOT_ELSEWHERE, NOT_EMULATED, Measured
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker.api_probe import probe_api
+from gpu_tasks.worker.engine import started_mark
 from gpu_tasks.worker.interrupts import interrupt_tasks
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -156,7 +157,7 @@ class RemoteCluster(ProfileCluster):
         )
         with self._busy_lock:
             self._futures[key] = future
-        future.add_done_callback(lambda f: self._done(key))
+        future.add_done_callback(lambda f: self._done(key, f.status))
         self._watch()
         return future
 
@@ -182,10 +183,18 @@ class RemoteCluster(ProfileCluster):
     _placed_at = 0.0
     replace_every = 5.0  # seconds before a submit re-reads the workers a restricted profile may use
 
-    def _done(self, key: str) -> None:
+    def _done(self, key: str, status: str) -> None:
         with self._busy_lock:
             self._pending.pop(key, None)
             self._futures.pop(key, None)
+        client = self.client
+        if status != "finished" and client is not None:
+            # no attempt ended on a worker to remove the task's started mark (its worker died and the
+            # scheduler gave up on it, or it was cancelled): a message, no reply awaited
+            from distributed import Variable
+
+            with contextlib.suppress(Exception):
+                Variable(started_mark(key), client=client).delete()
 
     def _cancel_unfinished(self) -> None:
         """Stop our tasks on the cluster (the flow run stopped): queued ones never start; running

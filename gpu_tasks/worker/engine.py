@@ -189,6 +189,12 @@ def _interruptible(
         return PreemptedRun(start, end, wkey), start, end, wkey
 
 
+def started_mark(key: str) -> str:
+    """The name of the mark (a Dask ``Variable``) a task with Dask key ``key`` leaves on a shared
+    scheduler while it runs (:class:`_StartedMark`)."""
+    return f"gpu-tasks-started-{key}"
+
+
 class _StartedMark:
     """The mark a task on a shared scheduler (``address`` / ``cluster_class`` profiles) leaves there
     while it runs: a Dask ``Variable`` named by its Dask key, holding its worker's address.
@@ -204,7 +210,7 @@ class _StartedMark:
 
         self.earlier: str | None = None
         self._var: Any = None
-        name = f"gpu-tasks-started-{dask_worker.get_current_task()}"
+        name = started_mark(dask_worker.get_current_task())
         try:
             var = Variable(name, client=get_client())
             try:

@@ -44,6 +44,14 @@ def own_gpu_hosts(tmp_path: Path) -> Iterator[Hosts]:
     yield from _hosts(tmp_path / "hosts")
 
 
+@pytest.fixture
+def strict_gpu_hosts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Hosts]:
+    """Two stand-in GPU hosts whose scheduler allows no failure (``allowed-failures`` 0): the first
+    worker death ends a task there (``KilledWorker``), as a ``cluster_class`` scheduler's does."""
+    monkeypatch.setenv("DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES", "0")
+    yield from _hosts(tmp_path / "hosts")
+
+
 @pytest.fixture(scope="module")
 def tls_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """A CA and a certificate for 127.0.0.1, made for this test module."""

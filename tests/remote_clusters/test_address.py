@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import cloudpickle
 import psutil
@@ -180,12 +181,11 @@ def test_an_unreachable_address_fails_within_the_provision_timeout(prefect_serve
     assert "'nowhere'" in str(error)
 
 
-@pytest.mark.parametrize("retries", [1, 0])
-def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
-    own_gpu_hosts: Hosts, prefect_server, tmp_path: Path, retries: int
-):
+def _worker_killed_mid_task(hosts: Hosts, tmp_path: Path, retries: int) -> Any:
+    """A flow run of one task on ``hosts`` whose worker is killed while the task's first run sleeps
+    (later runs return at once); the task run's id."""
     marker = tmp_path / "running"  # the task writes its worker's pid here, once
-    prof = ResourceProfile(name="doomed", gpus=1, address=own_gpu_hosts.address)
+    prof = ResourceProfile(name="doomed", gpus=1, address=hosts.address)
 
     @task(tags=["profile:doomed"], retries=retries)
     def long_task() -> int:
@@ -202,8 +202,14 @@ def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
     killer = kill_when_written(marker)
     state = killed_worker(return_state=True)
     killer.join(5)
-    future_state = state.result(raise_on_failure=False)
-    task_run_id = future_state.state_details.task_run_id
+    return state.result(raise_on_failure=False).state_details.task_run_id
+
+
+@pytest.mark.parametrize("retries", [1, 0])
+def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
+    own_gpu_hosts: Hosts, prefect_server, tmp_path: Path, retries: int
+):
+    task_run_id = _worker_killed_mid_task(own_gpu_hosts, tmp_path, retries)
     # with a retry the run passes through CRASHED before it completes: wait for the final state
     final = "COMPLETED" if retries else "CRASHED"
     run = server_task_run(task_run_id, lambda r: r["state_type"] == final)
@@ -225,6 +231,21 @@ def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
     # no process of ours was left on the hosts but the restarted worker
     assert all(p.poll() is None for p in own_gpu_hosts.procs)
     assert psutil.pid_exists(own_gpu_hosts.scheduler.pid)
+
+
+def test_a_task_its_scheduler_gave_up_on_is_crashed_and_leaves_no_mark_there(
+    strict_gpu_hosts: Hosts, prefect_server, tmp_path: Path
+):
+    """The scheduler gives up at the first worker death (``KilledWorker``): no attempt runs after the
+    dead one to find and remove its started mark, so the flow process removes it; the task run ends
+    ``Crashed`` by the runner's own rules."""
+    task_run_id = _worker_killed_mid_task(strict_gpu_hosts, tmp_path, retries=0)
+    run = server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
+    assert run["state_type"] == "CRASHED", run
+    deadline = time.monotonic() + 10  # the removal is a message from the flow's client, not awaited
+    while (marks := started_marks(strict_gpu_hosts)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert marks == []
 
 
 def test_a_task_that_must_wait_is_logged_with_what_it_waits_for(
