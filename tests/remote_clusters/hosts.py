@@ -423,13 +423,16 @@ def overlaps(intervals: list[tuple[float, float]]) -> int:
 def started_marks(hosts: Hosts) -> list[str]:
     """The names of the Dask ``Variable`` s gpu-tasks' running tasks leave on the shared scheduler
     (``gpu-tasks-started-<key>``; gpu_tasks.worker.engine), as the scheduler holds them now."""
+    from gpu_tasks.worker.engine import started_mark
+
+    prefix = started_mark("")
     with hosts.client() as client:
         return sorted(
             client.run_on_scheduler(
                 lambda dask_scheduler: [
                     name
                     for name in dask_scheduler.extensions["variables"].variables
-                    if name.startswith("gpu-tasks-started-")
+                    if name.startswith(prefix)
                 ]
             )
         )
