@@ -1,8 +1,5 @@
-"""DeviceBook: which profile's cluster holds each device, and the queue for devices.
-
-Within one entered runner the book hands device groups to profiles; across flow-run
-processes on this host it leases them (:mod:`gpu_tasks.devices.leases`).
-"""
+"""DeviceBook: which profile's cluster holds each device within one runner, the queue for devices,
+and the leases that extend it to every flow run on this host (:mod:`gpu_tasks.devices.leases`)."""
 
 from __future__ import annotations
 
@@ -24,18 +21,17 @@ from gpu_tasks.settings import get_settings, resolve
 
 logger = logging.getLogger(__name__)
 
-# what a waiter file carries beyond leases.enqueue's own fields, for gpu_tasks.preemption
+# what a waiter file carries for gpu_tasks.preemption beyond leases.enqueue's own fields
 _SHARED_WAITER_FIELDS = ("groups", "need", "preemptible", "preemption_grace", "quota")
 _WRITABLE = "; set GPU_TASKS_LEASE_DIR to a directory this user can write"
-# who runs a lease (gpu_tasks.devices.leases.owner_info): left out of the holder info of this book's own
+# who runs a lease (leases.owner_info): left out of the holder info of this book's own
 _RUN_FIELDS = frozenset(("pid", "uid", "user", "hostname", "flow_run_name", "flow_run_id"))
-EXPLAIN_EVERY_S = 1.0  # how often a waiter works out why it waits (gpu_tasks.devices.wait_reasons)
-QUOTA_READ_EVERY_S = 5.0  # how often a waiter for a full quota reads the quota's use from the API
+EXPLAIN_EVERY_S = 1.0  # how often a waiter works out why it waits
+QUOTA_READ_EVERY_S = 5.0  # how often a waiter for a full quota reads its use from the API
 
 
 class DeviceBook:
-    """Which profile holds each device within one entered runner, the leases that extend that to every
-    flow run on this host, and the queue of waiters (docs/leases.md, "Queueing and priority")."""
+    """Device holders, leases and waiters of one entered runner (docs/leases.md, "Queueing and priority")."""
 
     def __init__(
         self,
@@ -59,22 +55,18 @@ class DeviceBook:
         self.lease_dir = Path(resolve(lease_dir, "lease_dir", settings))
         self.lease_timeout = float(resolve(lease_timeout, "lease_timeout", settings))
         self.preemption_grace = float(resolve(preemption_grace, "preemption_grace", settings))
-        # on_preempting(owner, holders) -> None: a waiter past its grace asks preemptible holders
-        self.on_preempting = on_preempting
+        self.on_preempting = on_preempting  # (owner, holders): a waiter past its grace asks them back
         self.priority_aging = float(resolve(priority_aging, "priority_aging", settings))
-        # address -> this process's lease on it; its info is the holder's record (priority, preemptible,
-        # quota, min_run_time, since, borrowed: gpu_tasks.devices.lending)
+        # address -> this process's lease on it; its info is the holder's record
         self.leases: dict[str, leases.Lease] = {}
         self.quota_lease_seconds = float(settings.quota_lease_seconds)
         self.quotas: quotas.QuotaSlots | None = None
         self.quota_leases: dict[str, Any] = {}  # address -> the quota lease its group holds
         self.waiting: dict[int, dict[str, Any]] = {}  # this book's waiters (leases.rank fields), by id
-        # bytes programs outside gpu-tasks may use on a device it leases (gpu_tasks.devices.programs)
         self.other_programs_memory = int(resolve(other_programs_memory, "other_programs_memory", settings))
         self.skipped: dict[str, list[str]] = {}  # profile -> why devices were skipped for it, for its ledger
-        # fair share (gpu_tasks.devices.fair_share): half-life of the teams' usage (0: off), and
-        # address (held in a quota) -> the time up to which its use is counted for its lease's team
         self.fair_share_half_life = float(resolve(fair_share_half_life, "fair_share_half_life", settings))
+        # address (held in a quota) -> the time up to which its use is counted for its lease's team
         self.accounted: dict[str, float] = {}
 
     def acquire(
@@ -92,19 +84,7 @@ class DeviceBook:
         min_run_time: float = 0.0,
     ) -> list[int]:
         """Up to ``n`` indexes of ``groups`` whose devices are all free, now held by ``owner``; with
-        ``block``, waits in the queue until at least ``at_least`` are (all or none).
-
-        Args:
-            preemptible: ``owner``'s devices may be taken back for higher-priority waiters.
-            patient: wait without ``lease_timeout`` (re-queued preempted tasks).
-            quota: count ``owner``'s devices against this quota (:mod:`gpu_tasks.prefect_api.quotas`).
-            need_memory: bytes a device must have free (the profile's ``need_memory_free``).
-            min_run_time: seconds from taking a device during which ``owner``'s run on it is not
-                preempted (:func:`gpu_tasks.policy.choose_victims`).
-
-        Raises:
-            ClusterError: waited ``lease_timeout`` seconds for devices other processes lease.
-        """
+        ``block``, waits in the queue until ``at_least`` are (all or none); ``patient``: no lease timeout."""
         wanted = {d.address for g in groups for d in g}
         if quota is not None and groups and n > 0:
             self.quota_slots().check(owner, quota, len(groups[0]) * max(1, at_least))
@@ -177,7 +157,6 @@ class DeviceBook:
                     self.cond.notify_all()  # waiters that let this one go first may go now
             leases.dequeue(waiter)
 
-    # ------------------------------------------------------------ why it waits
     def _explain(
         self,
         me: dict[str, Any],
@@ -189,11 +168,8 @@ class DeviceBook:
         usage: dict[str, float],
         leased: set[str],
     ) -> None:
-        """Work out why ``me`` waits (at most every ``EXPLAIN_EVERY_S``), write it next to its waiter
-        file when it changed, and tell the caller's listener (:func:`wait_reasons.tell`).
-
-        Other processes' holders are read only for ``leased`` (found leased elsewhere this round):
-        reading a free device's holder briefly locks it, failing another flow run's try to lease it."""
+        """Work out why ``me`` waits (at most every ``EXPLAIN_EVERY_S``), note it beside its waiter file
+        when it changed, and tell the caller's listener."""
         now = time.monotonic()
         if log.explained_at is not None and now - log.explained_at < EXPLAIN_EVERY_S:
             return
@@ -204,6 +180,7 @@ class DeviceBook:
                 infos = {
                     a: h for a, h in self._local_holders().items() if a in wanted and h["profile"] != owner
                 }
+                # only those leased elsewhere: reading a free device's holder locks it, failing others' take
                 unheld = sorted(a for a in wanted & leased if self.holders.get(a) is None)
             for address, info in leases.holders(self.lease_dir, unheld).items():
                 if info is not None:
@@ -253,8 +230,7 @@ class DeviceBook:
         wait_reasons.tell(reason)
 
     def release(self, owner: str, devices: Any) -> None:
-        """Give back ``devices`` held by ``owner`` (and this process's leases on them); their use
-        since last counted goes to the owner's team (fair share)."""
+        """Give back ``devices`` held by ``owner`` and their leases; their use goes to its team."""
         now = time.time()
         with self.cond:
             used = self._give_back(owner, devices, now)
@@ -262,8 +238,7 @@ class DeviceBook:
         self._count_use(used, now)
 
     def accrue(self) -> None:
-        """Count the use of the devices still held so far (the idle monitor calls it every
-        :data:`gpu_tasks.devices.fair_share.ACCRUE_S`), so a long hold weighs before it ends."""
+        """Count the use of the devices still held so far, so a long hold weighs before it ends."""
         now, used = time.time(), dict[str, float]()
         with self.cond:
             for address, since in list(self.accounted.items()):
@@ -273,7 +248,7 @@ class DeviceBook:
         self._count_use(used, now)
 
     def _count_use(self, used: dict[str, float], now: float) -> None:
-        """Add ``used`` (device-seconds by team) to the lease directory's usage (no lock held)."""
+        """Add ``used`` (device-seconds by team) to the lease directory's usage."""
         try:
             fair_share.add(self.lease_dir, used, now, self.fair_share_half_life)
         except OSError:
@@ -293,9 +268,8 @@ class DeviceBook:
         me: dict[str, Any],
         usage: dict[str, float] | None = None,
     ) -> tuple[list[int], set[str], list[dict[str, Any]]]:
-        """Hold up to ``n`` groups free in this book whose new devices lease now (under ``cond``),
-        leaving one a waiter ranking before ``me`` wants to it: the groups' indexes, the devices other
-        processes (leases or first-ranked waiters) kept from us, and the waiters we let go first."""
+        """Hold up to ``n`` free groups whose new devices lease now, leaving any a waiter ranked before ``me``
+        wants (under ``cond``): their indexes, the devices others kept from us, the waiters let go first."""
         free: list[int] = []
         foreign: set[str] = set()
         first: dict[int, dict[str, Any]] = {}
@@ -324,7 +298,6 @@ class DeviceBook:
                 if me["min_run_time"] > 0:
                     info["min_run_time"] = me["min_run_time"]
                 lease = leases.take(new, info, self.lease_dir)
-                # leased elsewhere, used by programs outside gpu-tasks, or no room in the quota
                 if (
                     lease is None
                     or self._kept_by_programs(me, [d for d in g if d.address in new], lease)
@@ -347,8 +320,7 @@ class DeviceBook:
         return free, foreign, sorted(first.values(), key=lambda w: leases.rank(w, now, usage))
 
     def _give_back(self, owner: str, addresses: Any, now: float | None = None) -> dict[str, float]:
-        """Stop ``owner`` holding ``addresses`` (under ``cond``); with ``now`` (a release, not an undone
-        take), the device-seconds by team since their use was last counted."""
+        """Stop ``owner`` holding ``addresses``; with ``now`` (a release), their uncounted use by team."""
         used: dict[str, float] = {}
         for address in addresses:
             if self.holders.get(address) == owner:
@@ -362,8 +334,8 @@ class DeviceBook:
         return used
 
     def _kept_by_programs(self, me: dict[str, Any], devices: list[Device], lease: leases.Lease) -> bool:
-        """Whether programs outside gpu-tasks keep ``me`` off ``devices``, just leased (then the lease
-        is given back; why is kept in ``me`` for the wait log and in :attr:`skipped` for the ledger)."""
+        """Whether programs outside gpu-tasks keep ``me`` off ``devices`` just leased (then the lease is
+        given back; why is kept in ``me`` for the wait log and in :attr:`skipped` for the ledger)."""
         uses = programs.sample(devices, self.lease_dir)
         why = {
             d.address: reason
@@ -388,8 +360,7 @@ class DeviceBook:
             return self.skipped.pop(owner, [])
 
     def rivals(self, usage: dict[str, float], besides: str | None = None) -> list[dict[str, Any]]:
-        """This book's waiters (copies; those of profile ``besides`` left out) and the live waiters of
-        other books (processes: their waiter files, ranked with the teams' ``usage``)."""
+        """Copies of this book's waiters (but ``besides``'s) and other processes' live waiters."""
         with self.cond:
             local = [dict(w) for w in self.waiting.values() if besides is None or w["profile"] != besides]
             mine = {w.get("file") for w in self.waiting.values()}
@@ -408,7 +379,6 @@ class DeviceBook:
             me["file"] = waiter.name
         return waiter
 
-    # ------------------------------------------------------------ quotas
     def quota_slots(self) -> quotas.QuotaSlots:
         """This book's quota leases (made on first use, in the flow run's context)."""
         if self.quotas is None:
@@ -436,8 +406,7 @@ class DeviceBook:
         return True
 
     def _release_quota(self, address: str) -> None:
-        """Give back the quota slots of ``address``'s group once none of its devices is held
-        (under ``cond``)."""
+        """Give back the quota slots of ``address``'s group once none of its devices is held."""
         lease_id = self.quota_leases.pop(address, None)
         if lease_id is not None and lease_id not in self.quota_leases.values():
             self.quota_slots().release(lease_id)
@@ -447,10 +416,8 @@ class DeviceBook:
         if self.quotas is not None:
             self.quotas.close()
 
-    # ------------------------------------------------------------ preemption
     def _local_holders(self) -> dict[str, dict[str, Any]]:
-        """The holder info of each device a profile of this book holds: its lease's info, ``local``
-        and without who runs it (this flow run) (under ``cond``)."""
+        """The holder info of each device this book holds, ``local`` and without its run (under ``cond``)."""
         return {
             a: {k: v for k, v in self.leases[a].info.items() if k not in _RUN_FIELDS} | {"local": True}
             for a in self.holders
@@ -472,8 +439,7 @@ class DeviceBook:
         return holder_of
 
     def _ask_preemptible_holders(self, owner: str, me: dict[str, Any], log: _WaitLog) -> bool:
-        """Past its grace: say which preemptible holders give devices back to ``owner`` (once a wait),
-        or, while the work it could take back is inside its protected run time, until when it waits."""
+        """Past its grace: say which preemptible holders give devices back, or until when protected."""
         holder_of = self._holder_of()
         now = time.time()
         choice = preemption.choose(me, holder_of, now)
@@ -497,8 +463,7 @@ class DeviceBook:
         return True
 
     def preemption_due(self, preemptible: set[str]) -> tuple[dict[str, Any], list[str]] | None:
-        """The first-ranked waiter past its grace that devices of this book's ``preemptible``
-        profiles must be given back to, and those devices; ``None`` when there is none."""
+        """The first-ranked waiter past its grace owed devices of ``preemptible`` profiles, and those."""
         with self.cond:
             if not any(o in preemptible for o in self.holders.values()):
                 return None
@@ -521,10 +486,7 @@ class DeviceBook:
 
     @staticmethod
     def waiters_text(waiters: list[dict[str, Any]]) -> str:
-        """``profile 'x' of this flow run (priority 5, waiting 3.0s for devices 0,1); ...``.
-
-        A waiter whose wait has raised its effective priority says so: ``(priority 0, aged to 2, ...``.
-        """
+        """``profile 'x' of this flow run (priority 0, aged to 2, waiting 3.0s for devices 0,1); ...``."""
         now = time.time()
         parts = []
         for w in waiters:
@@ -578,8 +540,7 @@ class DeviceBook:
 
 
 def _describe(info: dict[str, Any] | None, local_priority: bool = False, **kw: Any) -> str:
-    """A holder's or waiter's info in words: ``profile 'p' of this flow run`` (``local_priority``: with
-    ``(priority 5)``) for one of this book, else :func:`gpu_tasks.devices.leases.describe` (``kw``)."""
+    """A holder's or waiter's info in words (``profile 'p' of this flow run`` for one of this book's)."""
     if info is None or not info.get("local"):
         return leases.describe(info, **kw)
     priority = f" (priority {int(info.get('priority') or 0)})" if local_priority else ""
@@ -597,14 +558,13 @@ class _WaitLog:
         self.book, self.owner, self.priority, self.wanted = book, owner, priority, wanted
         self.last: dict[str, float] = {}  # kind of wait -> when it was last logged
         self.asked = False  # said (once a wait) that preemptible holders give devices back
-        # why it waits (DeviceBook._explain): when last worked out, as last written, the quota's use
         self.explained_at: float | None = None
         self.noted: dict[str, Any] | None = None
         self.quota_read_at: float | None = None
         self.quota_use: tuple[int, int] | None = None
 
     def _due(self, kind: str, now: float) -> bool:
-        """Whether to log ``kind`` of wait at ``now`` (at most once per ``log_every``); records it if so."""
+        """Whether to log ``kind`` of wait at ``now``; records it if so."""
         last = self.last.get(kind)
         if last is not None and now - last < self.book.log_every:
             return False
@@ -612,7 +572,7 @@ class _WaitLog:
         return True
 
     def protected(self, now: float, until: float, holders: str) -> None:
-        """The work it could take back is protected (``min_run_time``) until ``until``: say so."""
+        """Say that the work it could take back is protected (``min_run_time``) until ``until``."""
         if not self._due("protected", now):
             return
         logger.info(

@@ -1,10 +1,5 @@
-"""Device discovery: emulated, a Spark-style discovery command, or NVML.
-
-Precedence: ``GPU_TASKS_EMULATED_GPUS`` (when set), then
-``GPU_TASKS_DISCOVERY_COMMAND`` (when set), then NVML through ``pynvml``
-(the ``nvidia-ml-py`` distribution), else no devices. The inventory always says
-which source it came from, and emulated devices are always marked as such.
-"""
+"""Device discovery, first that applies: ``GPU_TASKS_EMULATED_GPUS``, ``GPU_TASKS_DISCOVERY_COMMAND``
+(Spark-style), NVML; else no devices. The inventory says which source it came from."""
 
 from __future__ import annotations
 
@@ -37,10 +32,7 @@ EMULATION_MEANS = (
 
 
 class Device(BaseModel):
-    """One GPU (or MIG instance) that a worker can own.
-
-    ``address`` is what goes into ``CUDA_VISIBLE_DEVICES`` (an index, or a MIG UUID).
-    """
+    """One GPU (or MIG instance) that a worker can own; ``address`` goes into ``CUDA_VISIBLE_DEVICES``."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -53,9 +45,7 @@ class Device(BaseModel):
     compute_capability: str | None = None
     mig: bool = False
     emulated: bool = False
-    # (pid, bytes) of programs outside gpu-tasks that GPU_TASKS_EMULATED_GPUS declares on this
-    # emulated device ("H100:80GiB@4242:60GiB"); each counts only while its pid runs
-    # (gpu_tasks.devices.programs)
+    # (pid, bytes) of programs outside gpu-tasks declared on this emulated device ("H100:80GiB@4242:60GiB")
     emulated_use: tuple[tuple[int, int], ...] = ()
 
     def describe(self) -> str:
@@ -64,7 +54,7 @@ class Device(BaseModel):
         return f"{self.address}: {self.name} ({mem})"
 
     def model(self) -> str:
-        """Short model text for tables: ``H100 80 GiB``, ``EMU 16 GiB, emulated`` (see :func:`model_text`)."""
+        """Short model text for tables (:func:`model_text`)."""
         return model_text(self.name, self.memory_total, self.emulated)
 
 
@@ -87,12 +77,11 @@ class Inventory(BaseModel):
     devices: tuple[Device, ...] = ()
     source: Source = "none"
     detail: str = ""
-    # how the devices are wired (gpu_tasks.devices.topology); None: not read (unknown)
     topology: Topology | None = None
 
     @property
     def wiring(self) -> Topology:
-        """:attr:`topology`, or an unknown one for these devices."""
+        """:attr:`topology` (``None``: not read), or an unknown one for these devices."""
         return self.topology or Topology.unknown([d.address for d in self.devices])
 
     @property
@@ -130,7 +119,7 @@ def _size(text: str, what: str) -> int:
 
 
 def _declared_use(number: int, item: str, uses: list[str], memory: int) -> tuple[tuple[int, int], ...]:
-    """The ``@PID:MEMORY`` parts of item ``number`` (``uses``) as ``(pid, bytes)``."""
+    """The ``@PID:MEMORY`` parts of item ``number`` as ``(pid, bytes)``."""
     out = []
     for use in uses:
         match = _USE_RE.match(use)
@@ -149,12 +138,8 @@ def _declared_use(number: int, item: str, uses: list[str], memory: int) -> tuple
 
 
 def parse_emulated(spec: str) -> tuple[Device, ...]:
-    """Parse ``"4"`` or ``"2*H100:80GiB@4242:60GiB,L4:24GiB/SHAPE"`` into emulated devices (the
-    format: :data:`EMULATED_HINT`; the shape is checked here, read by :func:`emulated_inventory`).
-
-    Raises:
-        DeviceDiscoveryError: naming GPU_TASKS_EMULATED_GPUS, the bad item and the expected format.
-    """
+    """Parse ``"4"`` or ``"2*H100:80GiB@4242:60GiB,L4:24GiB/SHAPE"`` (:data:`EMULATED_HINT`) into emulated
+    devices; ``DeviceDiscoveryError`` names the bad item and the expected format."""
     text, shape = wiring.split_shape(spec)
     devices = _parse_devices(text)
     if shape is not None:
@@ -240,13 +225,8 @@ def _parse_devices(spec: str) -> tuple[Device, ...]:
 
 
 def run_discovery_command(command: str, timeout: float = 30.0) -> tuple[Device, ...]:
-    """Run a Spark-style discovery command and parse its JSON.
-
-    The command prints ``{"name": "gpu", "addresses": ["0", "1"]}``.
-
-    Raises:
-        DeviceDiscoveryError: the command fails, times out, or prints something else.
-    """
+    """Run a Spark-style discovery command that prints ``{"name": "gpu", "addresses": ["0", "1"]}``;
+    ``DeviceDiscoveryError`` when it fails, times out, or prints something else."""
     where = f"discovery command {command!r} (GPU_TASKS_DISCOVERY_COMMAND)"
     try:
         argv = shlex.split(command)
@@ -364,9 +344,8 @@ def discover(settings: GpuTasksSettings | None = None) -> Inventory:
 
 @functools.lru_cache(maxsize=1)
 def visible_devices() -> Inventory:
-    """The devices of ``CUDA_VISIBLE_DEVICES`` (unset: every discovered one) as :func:`discover`
-    describes them, keeping their ids as ``address`` (``unknown`` when not discovered); read once per
-    process, for workers the runner did not start (``address`` and ``cluster_class`` profiles)."""
+    """The devices of ``CUDA_VISIBLE_DEVICES`` (unset: all) as :func:`discover` describes them, their ids as
+    ``address``; read once per process, for workers the runner did not start."""
     try:
         inventory = discover()
     except DeviceDiscoveryError as exc:

@@ -1,6 +1,5 @@
-"""Emulated devices, only where asked for (``GPU_TASKS_EMULATED_GPUS``): :func:`ensure_devices` for
-the example's ``--emulate`` and the benchmarks, :func:`no_gpu_hint` for the error on a host with no
-GPU. See docs/operations.md, "Emulated devices"."""
+"""Emulated devices, only where asked for: ``--emulate`` and the error on a host with no GPU. See
+docs/operations.md, "Emulated devices"."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ DEFAULT_EMULATION = "2"
 
 
 def no_gpu_hint(command: str | None = None) -> str:
-    """What to do about a GPU profile on a host with no GPU (appended to the error); ``command``, a
-    CLI command that takes ``--emulate`` (``gpu-tasks example run``), is named beside the setting."""
+    """What to do about a GPU profile on a host with no GPU; ``command``: one that takes ``--emulate``."""
     option = f"; `{command}` takes --emulate auto" if command else ""
     return (
         f"To run it here on emulated devices (scheduling real, compute on the CPU), set "
@@ -27,9 +25,8 @@ def no_gpu_hint(command: str | None = None) -> str:
 
 
 def ensure_devices(emulate: str | None = "auto", announce: Any = print) -> str:
-    """Apply ``--emulate``: ``None`` leaves the environment as it is; ``"auto"`` emulates two
-    devices when there is no real GPU and neither emulation nor a discovery command is set; a
-    count or ``"NAME:MEMORY,..."`` emulates those devices. Announced; returns the device source."""
+    """Apply ``--emulate`` (``None``: nothing; ``"auto"``: two devices if none is found or set; else that
+    spec) and announce it; the device source."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if emulate not in (None, "auto"):
         parse_emulated(emulate)  # a bad spec fails here, naming the option's value

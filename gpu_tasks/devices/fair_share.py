@@ -1,6 +1,5 @@
 """Fair share over time: each team's decayed device use, kept in the lease directory
-(``fair-share.<uid>.json``). See docs/leases.md, "Fair share".
-"""
+(``fair-share.<uid>.json``). See docs/leases.md, "Fair share"."""
 
 from __future__ import annotations
 
@@ -36,14 +35,8 @@ def _half_life(half_life: float | None) -> float:
     return float(half_life)
 
 
-def path(lease_dir: Path, uid: int | None = None) -> Path:
-    """This user's (or ``uid``'s) usage file in ``lease_dir``."""
-    return Path(lease_dir) / f"{PREFIX}{os.getuid() if uid is None else uid}.json"
-
-
 def read(lease_dir: Path, now: float | None = None, half_life: float | None = None) -> dict[str, float]:
-    """Each team's usage (device-seconds) decayed to ``now``, every user's files added up; ``{}`` when
-    fair share is off or nothing was recorded. A file that cannot be read counts as none."""
+    """Each team's usage (device-seconds) decayed to ``now``, every user's files added up."""
     half_life = _half_life(half_life)
     if half_life <= 0 or not Path(lease_dir).is_dir():
         return {}
@@ -69,15 +62,14 @@ def read(lease_dir: Path, now: float | None = None, half_life: float | None = No
 def add(
     lease_dir: Path, amounts: Mapping[str, float], now: float | None = None, half_life: float | None = None
 ) -> None:
-    """Add ``amounts`` (device-seconds by team) to this user's usage file, decaying what it held to
-    ``now`` first. Nothing when fair share is off. Raises ``OSError`` when the file cannot be written."""
+    """Add ``amounts`` (device-seconds by team) to this user's usage file, decayed to ``now``."""
     half_life = _half_life(half_life)
     amounts = {t: a for t, a in amounts.items() if t and a > 0}
     if half_life <= 0 or not amounts:
         return
     now = time.time() if now is None else now
     lease_files.prepare(Path(lease_dir))
-    fd = lease_files.open_own(path(lease_dir))
+    fd = lease_files.open_own(Path(lease_dir) / f"{PREFIX}{os.getuid()}.json")
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         teams = lease_files.read_info(fd).get("teams") or {}
@@ -90,6 +82,6 @@ def add(
 
 
 def shares(usage: Mapping[str, float]) -> dict[str, float]:
-    """Each team's part of all teams' decayed usage (0..1; 0 for all when there is none)."""
+    """Each team's part of all teams' decayed usage (0..1)."""
     total = sum(usage.values())
     return {t: (u / total if total > 0 else 0.0) for t, u in usage.items()}

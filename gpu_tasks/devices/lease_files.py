@@ -1,7 +1,5 @@
-"""The files of a lease directory on disk: per-user or shared by several Unix users (group- or
-world-writable, then sticky), each opened ``O_NOFOLLOW`` and checked to be a regular file. See
-docs/shared-hosts.md, "What gpu-tasks does in a shared directory".
-"""
+"""The files of a lease directory, per-user or shared by several Unix users (then sticky); each opened
+``O_NOFOLLOW`` and checked. See docs/shared-hosts.md, "What gpu-tasks does in a shared directory"."""
 
 from __future__ import annotations
 
@@ -61,7 +59,7 @@ def _setup_fix(lease_dir: Path, gid: int | None = None) -> str:
 
 
 def is_shared(lease_dir: Path) -> bool:
-    """Whether ``lease_dir`` is shared by several users (group- or world-writable); ``False`` when missing."""
+    """Whether ``lease_dir`` is shared by several users (group- or world-writable)."""
     try:
         st = os.stat(lease_dir)
     except FileNotFoundError:
@@ -70,11 +68,7 @@ def is_shared(lease_dir: Path) -> bool:
 
 
 def prepare(lease_dir: Path) -> bool:
-    """Make ``lease_dir`` (0700) when it is missing; whether it is shared.
-
-    Raises:
-        LeaseFileError: a shared directory without the sticky bit (anyone could replace a lock file).
-    """
+    """Make ``lease_dir`` (0700) when it is missing; whether it is shared (``LeaseFileError``: not sticky)."""
     lease_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = os.stat(lease_dir)
     if not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
@@ -100,12 +94,8 @@ def problem(lease_dir: Path) -> str | None:
 
 
 def prepare_queue(lease_dir: Path, shared: bool) -> Path:
-    """The waiter queue of ``lease_dir``, made when missing: 0700 in a per-user directory, like its
-    parent (group, setgid, sticky) in a shared one.
-
-    Raises:
-        LeaseFileError: a shared directory whose queue is not shared (other users could not wait).
-    """
+    """The waiter queue of ``lease_dir``, made when missing: 0700, or in a shared one like its parent
+    (``LeaseFileError`` if it is not shared)."""
     queue = Path(lease_dir) / QUEUE
     if not shared:
         queue.mkdir(mode=0o700, exist_ok=True)
@@ -129,13 +119,8 @@ def prepare_queue(lease_dir: Path, shared: bool) -> Path:
 
 
 def open_lock(path: Path, shared: bool) -> int:
-    """Open (making it when missing) the lock file ``path``, close-on-exec, for ``flock``: read-only
-    0444 in a shared directory (the admin's are root-owned), read-write 0644 in a per-user one.
-
-    Raises:
-        LeaseFileError: ``path`` is a symbolic link or not a regular file, or exists but this user
-            may not open it (its owner and mode, and the fix, are named).
-    """
+    """Open (making it when missing) the lock file ``path`` for ``flock``: read-only 0444 in a shared
+    directory (the admin's are root-owned), 0644 in a per-user one; ``LeaseFileError`` names the fix."""
     flags = (os.O_RDONLY if shared else os.O_RDWR) | OPEN_FLAGS
     mode = 0o444 if shared else 0o644
     try:
@@ -187,8 +172,8 @@ def _open_error(path: Path, exc: OSError, shared: bool) -> OSError:
 
 
 def open_own(path: Path) -> int:
-    """Open (making it when missing) a file of this user's own, mode 0644, in a directory others write
-    too; ``LeaseFileError`` unless a regular file of this user with one link (no planted link)."""
+    """Open (making it when missing) a file of this user's own, 0644, in a directory others write too;
+    ``LeaseFileError`` unless a regular file of this user with one link (no planted link)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | OPEN_FLAGS, 0o644)
     except OSError as exc:
@@ -207,8 +192,7 @@ def open_own(path: Path) -> int:
 
 
 def lock_own(fd: int) -> bool:
-    """Lock this user's own file ``fd`` exclusively; readers hold a shared lock for an instant, so
-    try again briefly. ``False`` when it stayed locked by someone else."""
+    """Lock this user's own file ``fd`` exclusively, retrying briefly past readers' instant shared locks."""
     for _ in range(50):
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -219,8 +203,7 @@ def lock_own(fd: int) -> bool:
 
 
 def hold_info(lease_dir: Path, address: str, info: dict[str, Any]) -> int:
-    """Write the holder's ``info`` of ``address`` in its own file of a shared directory, locked until
-    the returned descriptor is closed (so readers tell it from a stale one)."""
+    """Write the holder's ``info`` in its own file of a shared directory, locked until ``fd`` is closed."""
     fd = open_own(Path(lease_dir) / f"{HOLDER}{quote(address, safe='')}.{os.getuid()}.json")
     try:
         lock_own(fd)  # unlocked after all (a reader held it): its info reads as stale, the lease holds
@@ -232,8 +215,7 @@ def hold_info(lease_dir: Path, address: str, info: dict[str, Any]) -> int:
 
 
 def live_info(lease_dir: Path, address: str) -> dict[str, Any] | None:
-    """The live holder's info of ``address`` in a shared directory (with ``user`` and ``uid`` from
-    the file's owner, not its content), or ``None`` when no holder-info file is locked."""
+    """The live holder's info of ``address`` in a shared directory, or ``None``."""
     prefix = f"{HOLDER}{quote(address, safe='')}."
     for name in sorted(os.listdir(lease_dir)):
         uid = name[len(prefix) : -len(".json")]
@@ -246,8 +228,7 @@ def live_info(lease_dir: Path, address: str) -> dict[str, Any] | None:
 
 
 def read_locked(path: Path, uid: int) -> dict[str, Any] | None:
-    """``path``'s JSON, with ``user`` and ``uid``, when its owner ``uid`` (as its name gives) holds a
-    lock on it; else ``None``."""
+    """``path``'s JSON with its owner's ``user`` and ``uid`` when ``uid`` owns and locks it; else ``None``."""
     try:
         fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
     except OSError:  # gone, a link, not readable: not a live holder we can name
@@ -262,8 +243,7 @@ def read_locked(path: Path, uid: int) -> dict[str, Any] | None:
 
 
 def locked_elsewhere(fd: int) -> bool:
-    """Whether another open file holds a lock on ``fd``'s file: its holder or waiter is alive. The
-    shared lock taken to find out is let go at once."""
+    """Whether another open file holds a lock on ``fd``'s file: its holder or waiter is alive."""
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -294,9 +274,8 @@ def read_info(fd: int) -> dict[str, Any]:
 
 
 def setup(lease_dir: Path, gid: int, addresses: list[str], mode: int = SETUP_MODE) -> list[str]:
-    """Make ``lease_dir`` a shared lease directory (as root; again at any time): what was done, line
-    by line. It and its queue become ``root:<gid>`` with ``mode``; each of ``addresses`` gets a
-    root-owned 0444 lock file that nobody can replace and anyone can ``flock``."""
+    """Make ``lease_dir`` and its queue a shared lease directory ``root:<gid>`` (as root; idempotent) with
+    root-owned 0444 lock files for ``addresses``: what was done, line by line."""
     if not mode & stat.S_ISVTX or mode & 0o070 != 0o070 or mode & stat.S_IWOTH:
         raise ValueError(f"mode {mode:04o}: must be sticky (1000), group rwx (070), not world-writable")
     done = []

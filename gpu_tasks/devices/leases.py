@@ -1,7 +1,5 @@
-"""Per-host device leases (``flock`` on ``<lease_dir>/device-<address>.lock``) and the queue of
-waiters for them (``<lease_dir>/queue/<unique>.json``): which process (flow run) may put workers on
-a device. See docs/leases.md, "What a lease is" and "Queueing and priority".
-"""
+"""Per-host device leases (``flock`` on ``<lease_dir>/device-<address>.lock``) and the queue of waiters
+for them (``<lease_dir>/queue/<unique>.json``). See docs/leases.md, "What a lease is"."""
 
 from __future__ import annotations
 
@@ -32,7 +30,7 @@ class Lease:
     def __init__(self, lease_dir: Path, files: dict[str, int], info: dict[str, Any]):
         self.lease_dir = lease_dir
         self.files = files  # address -> open, locked file descriptor
-        # address -> its other open, locked files (holder info, presence) and the path to delete on release
+        # address -> its other locked files (holder info, presence) and the path to delete on release
         self.held: dict[str, list[tuple[int, Path | None]]] = {}
         self.info = info
 
@@ -50,7 +48,7 @@ class Waiter:
 
     def __init__(self, path: Path, fd: int):
         self.path = path
-        self.files = {path.name: fd}  # the one open, locked descriptor (closed in forked children)
+        self.files = {path.name: fd}  # closed in forked children, like a lease's
         self.held: dict[str, list[tuple[int, Path | None]]] = {}
 
     @property
@@ -66,8 +64,7 @@ _OPEN: weakref.WeakSet[Lease | Waiter] = weakref.WeakSet()
 
 
 def _close_in_child() -> None:
-    # A forked child shares the parent's locks through inherited descriptors; closing its
-    # copies keeps a long-lived child from holding a device after the parent released it.
+    # closing a forked child's inherited copies keeps it from holding a device the parent released
     for lease in list(_OPEN):
         for fd in [*lease.files.values(), *(fd for held in lease.held.values() for fd, _ in held)]:
             with contextlib.suppress(OSError):
@@ -79,8 +76,7 @@ os.register_at_fork(after_in_child=_close_in_child)
 
 
 def owner_info(profile: str | None = None, priority: int | None = None) -> dict[str, Any]:
-    """Who is taking a lease now: this process, its flow run (when in one), ``profile`` and the
-    ``priority`` it runs at in this flow run (when given; ``gpu-tasks devices`` shows it)."""
+    """Who is taking a lease now: this process, its flow run, ``profile`` and ``priority`` (when given)."""
     run = RunRef.current()
     info: dict[str, Any] = {
         "pid": os.getpid(),
@@ -105,12 +101,8 @@ def _lease_dir(lease_dir: Path | None) -> Path:
 
 
 def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = None) -> Lease | None:
-    """Lease every device of ``addresses`` now, or none: ``None`` when any is held elsewhere (by
-    another process here, or another user's flow run through another lease directory). Never waits.
-
-    Raises:
-        OSError: the lease directory or a lock file cannot be opened (``LeaseFileError``: unsafe).
-    """
+    """Lease every device of ``addresses`` now, or none (``None``: one is held elsewhere); never waits.
+    Raises ``OSError`` when the lease directory or a lock file cannot be opened."""
     lease_dir = _lease_dir(lease_dir)
     shared = lease_files.prepare(lease_dir)
     info = dict(owner_info, since=time.time())
@@ -146,7 +138,7 @@ def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = No
 
 
 def annotate(lease: Lease, addresses: Any, **fields: Any) -> None:
-    """Add ``fields`` to the holder info of ``addresses`` of ``lease`` (a borrowed lease says so)."""
+    """Add ``fields`` to the holder info of ``addresses`` of ``lease``."""
     lease.info.update(fields)
     for address in addresses:
         mine = dict(lease.info, address=address)
@@ -158,8 +150,7 @@ def annotate(lease: Lease, addresses: Any, **fields: Any) -> None:
 
 
 def _held_elsewhere(lease_dir: Path, addresses: list[str]) -> bool:
-    """Whether another user's flow run holds any of ``addresses`` through another lease directory
-    (each such holder is logged once)."""
+    """Whether another user's flow run holds any of ``addresses`` through another lease directory."""
     others = presence.elsewhere(lease_dir, addresses)
     for address, holder in others.items():
         presence.tell(address, holder)
@@ -174,12 +165,8 @@ def enqueue(
     lease_dir: Path | None = None,
     aging: float = 0.0,
 ) -> Waiter:
-    """Register as a waiter for ``addresses`` until :func:`dequeue`: a file of ``owner_info`` plus
-    ``priority``, ``arrived`` (default now), ``addresses`` and ``aging`` (seconds per +1 priority).
-
-    Written and locked under a temporary name, then renamed: a reader never sees it unlocked or half
-    written. Raises ``OSError`` when the queue directory cannot be written.
-    """
+    """Register as a waiter for ``addresses`` until :func:`dequeue` (``aging``: seconds per +1 priority).
+    Raises ``OSError`` when the queue directory cannot be written."""
     lease_dir = _lease_dir(lease_dir)
     queue = lease_files.prepare_queue(lease_dir, lease_files.prepare(lease_dir))
     info = dict(
@@ -191,6 +178,7 @@ def enqueue(
     )
     name = f"{uuid.uuid4().hex}.json"
     tmp = queue / f".{name}.tmp"
+    # written and locked under a temporary name, then renamed: never seen unlocked or half written
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
     try:
         os.fchmod(fd, 0o644)  # readable by every user of a shared directory, whatever the umask
@@ -208,8 +196,7 @@ def enqueue(
 
 
 def dequeue(waiter: Waiter | None) -> None:
-    """Leave the queue: delete the waiter file and its reason (:func:`note_why`), then unlock it (by
-    closing it)."""
+    """Leave the queue: delete the waiter file and its reason, then unlock it (by closing it)."""
     if waiter is None:
         return
     with contextlib.suppress(OSError):
@@ -227,8 +214,7 @@ def _why_path(queue: Path, name: str) -> Path:
 
 
 def note_why(waiter: Waiter, why: dict[str, Any]) -> None:
-    """Write why ``waiter`` waits (:meth:`~gpu_tasks.devices.wait_reasons.WaitReason.as_dict`) next to
-    its waiter file, for ``gpu-tasks waiters``; best effort (a reason not written is left out)."""
+    """Write why ``waiter`` waits next to its waiter file, for ``gpu-tasks waiters``; best effort."""
     path = _why_path(waiter.path.parent, waiter.name)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
@@ -247,24 +233,18 @@ def note_why(waiter: Waiter, why: dict[str, Any]) -> None:
 def read_why(lease_dir: Path | None, name: str) -> dict[str, Any] | None:
     """Why the waiter of file ``name`` waits (as :func:`note_why` wrote it), or ``None``."""
     path = _why_path(_lease_dir(lease_dir) / QUEUE, name)
-    try:
+    with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | lease_files.OPEN_FLAGS)
-    except OSError:
-        return None
-    try:
-        return lease_files.read_info(fd) or None
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+        try:
+            return lease_files.read_info(fd) or None
+        finally:
+            os.close(fd)
+    return None
 
 
 def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
-    """The live waiters in ``<lease_dir>/queue`` (each its file's JSON plus ``file``), first-ranked
-    first (:func:`rank`; ``usage`` read from the lease directory when not given).
-
-    A file a non-blocking lock gets is a dead waiter's (even one SIGKILLed): left out and deleted.
-    """
+    """The live waiters in ``<lease_dir>/queue`` (each its file's JSON plus ``file``), first-ranked first.
+    A file a non-blocking lock gets is a dead waiter's (even one SIGKILLed): left out and deleted."""
     lease_dir = _lease_dir(lease_dir)
     queue = lease_dir / QUEUE
     now = time.time()
@@ -272,18 +252,15 @@ def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = N
     for path in sorted(queue.glob("*.json")) if queue.is_dir() else []:
         try:
             fd = os.open(path, os.O_RDONLY | lease_files.OPEN_FLAGS)
-        except (FileNotFoundError, PermissionError):  # its waiter just left; not a waiter's file
-            continue
-        except OSError as exc:  # a link planted in the queue: not a waiter
-            if exc.errno == errno.ELOOP:
+        except OSError as exc:  # its waiter just left, not a waiter's file, or a link planted in the queue
+            if isinstance(exc, (FileNotFoundError, PermissionError)) or exc.errno == errno.ELOOP:
                 continue
             raise
         try:
             if lease_files.locked_elsewhere(fd):
                 out.append(dict(lease_files.read_info(fd), file=path.name))
                 continue
-            # dead (or has just left): names are never reused. Another user's dead waiter cannot be
-            # deleted in a sticky directory: it stays, unlocked, and is skipped like this each time
+            # dead (names are never reused); another user's cannot be deleted in a sticky directory
             with contextlib.suppress(FileNotFoundError, PermissionError):
                 path.unlink()
                 _why_path(queue, path.name).unlink()
@@ -295,18 +272,15 @@ def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = N
 
 
 def effective_priority(info: dict[str, Any], now: float | None = None) -> int:
-    """A waiter's ``priority`` plus one for every full ``aging`` seconds (its file's own; missing or
-    0: none) it has waited by ``now``. See docs/leases.md, "Fairness and aging"."""
+    """A waiter's ``priority`` plus one for every full ``aging`` seconds it has waited by ``now``."""
     return -rank(info, now)[0]
 
 
 def rank(
     info: dict[str, Any], now: float | None = None, usage: Mapping[str, float] | None = None
 ) -> tuple[int, float, float, str]:
-    """Sort key of a waiter at ``now`` (lower goes first; :func:`gpu_tasks.policy.waiter_rank`): higher
-    :func:`effective_priority`, less decayed ``usage`` of its team (its ``quota``), earlier ``arrived``,
-    ``file`` name (none: last). Compare keys taken at one ``now``, as :func:`ahead` and :func:`waiters` do.
-    """
+    """Sort key of a waiter at ``now`` (lower goes first: :func:`gpu_tasks.policy.waiter_rank`); compare
+    only keys taken at one ``now``."""
     team = info.get("quota")
     return waiter_rank(
         int(info.get("priority") or 0),
@@ -325,8 +299,7 @@ def ahead(
     now: float | None = None,
     usage: Mapping[str, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """The waiters of ``others`` that rank before ``me`` at ``now`` (default: now; ``usage``: the teams'
-    decayed usage) and want any of ``addresses``, first first."""
+    """Those of ``others`` ranked before ``me`` at ``now`` that want any of ``addresses``, first first."""
     now = time.time() if now is None else now
     key, wanted = rank(me, now, usage), set(addresses)
     return sorted(
@@ -348,12 +321,8 @@ def release(lease: Lease | None, addresses: Any = None) -> None:
 
 
 def holders(lease_dir: Path | None = None, addresses: Any = None) -> dict[str, dict[str, Any] | None]:
-    """Who holds each device now: its holder's info (``{}`` while a new holder has not written it
-    yet), or ``None`` when free; ``addresses`` default to every lock file's and presence's device.
-
-    A device free here that another user's flow run holds through another lease directory has that
-    run's info, with ``user`` and ``elsewhere: true`` (:mod:`gpu_tasks.devices.presence`).
-    """
+    """Who holds each device now: its holder's info (``{}`` until written; ``elsewhere: true`` for another
+    user's run in another lease directory), or ``None`` when free; default: every known device."""
     lease_dir = _lease_dir(lease_dir)
     if addresses is None:
         names = sorted(lease_dir.glob(f"{PREFIX}*{SUFFIX}")) if lease_dir.is_dir() else []
@@ -383,9 +352,7 @@ def holder(lease_dir: Path, address: str) -> dict[str, Any] | None:
 def describe(
     info: dict[str, Any] | None, with_id: bool = True, priority: bool = True, hint: bool = True
 ) -> str:
-    """``profile 'p' (priority 5, preemptible), flow run 'x' (id ...), pid 12`` for a holder's info
-    (``free`` for ``None``), with ``user alice`` for another user's, and a lease directory this user
-    does not share (``hint``: and how users share devices)."""
+    """``profile 'p' (priority 5, preemptible), flow run 'x' (id ...), pid 12`` (``None``: ``free``)."""
     if info is None:
         return "free"
     parts = []

@@ -1,8 +1,5 @@
-"""Borrowing and reclaim on this host's leases: :mod:`gpu_tasks.borrowing` (the pure policy) on the
-quotas' limits (:func:`gpu_tasks.prefect_api.quotas.teams`) and the device queue. See docs/leases.md,
-"Borrowing, reclaim and their limits". The book is passed in (``Any``): this module is below it and
-never imports it.
-"""
+"""Borrowing and reclaim on this host's leases: :mod:`gpu_tasks.borrowing` on the quotas' limits and the
+device queue. The book is passed in (``Any``): this module is below it and never imports it."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ _lock = threading.Lock()
 
 
 def teams(fresh: bool = False) -> dict[str, Team]:
-    """Every team's quota, use, borrowing and lending now (one read of the Prefect API, reused for
-    ``TEAMS_FRESH_S`` unless ``fresh``)."""
+    """Every team's quota, use, borrowing and lending (read again after ``TEAMS_FRESH_S`` or if ``fresh``)."""
     global _cache
     with _lock:
         if not fresh and _cache is not None and time.monotonic() - _cache[0] < TEAMS_FRESH_S:
@@ -47,8 +43,7 @@ def teams(fresh: bool = False) -> dict[str, Team]:
 
 
 def ask_of(waiter: dict[str, Any]) -> Ask:
-    """A waiter's (or a request's) :class:`gpu_tasks.borrowing.Ask`: its team, the devices it takes at
-    once (group size x groups needed), whether it is preemptible."""
+    """A waiter's (or a request's) :class:`gpu_tasks.borrowing.Ask`."""
     groups = preemption.groups_of(waiter)
     size = len(groups[0]) if groups else 1
     return Ask(
@@ -64,9 +59,8 @@ def borrow_slots(
     waiters: Callable[[], list[Ask]] = list,
     what: tuple[str, str] = ("", ""),
 ) -> tuple[Any, str | None]:
-    """A slot of ``team``'s borrowing limit (``slots``: a ``QuotaSlots``) for ``need`` devices beyond its
-    full quota when :func:`gpu_tasks.borrowing.why_not_borrow` lets it: ``(lease id, None)``, or
-    ``(None, why not)``. ``waiters()`` is asked only when the cheap reasons pass; ``what``: for the log."""
+    """A slot of ``team``'s borrowing limit for ``need`` devices beyond its full quota, if allowed:
+    ``(lease id, None)`` or ``(None, why not)``. ``what``: for the log."""
     ask = Ask(team, need, preemptible)
     known = teams(fresh=True)
     why = borrowing.why_not_borrow(ask, known)  # the cheap reasons first: no waiter read
@@ -90,8 +84,7 @@ def borrow_slots(
 
 
 def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease) -> Any:
-    """A slot of ``me``'s team's borrowing limit for the devices ``new`` it just leased beyond its full
-    quota (:func:`borrow_slots`; the lease then says ``borrowed``); ``None``: why is ``me["borrow_why"]``."""
+    """A borrowing slot for the devices ``new`` ``me`` just leased beyond its quota; else ``borrow_why``."""
     lease_id, why = borrow_slots(
         book.quota_slots(),
         me["quota"],
@@ -112,8 +105,7 @@ def borrow(book: Any, me: dict[str, Any], new: list[str], lease: leases.Lease) -
 
 
 def at_borrowing_limit(me: dict[str, Any]) -> tuple[str, float, float] | None:
-    """``(team, borrowed, limit)`` when ``me``, preemptible and its quota full, cannot borrow because its
-    team is at a borrowing limit above 0; ``None`` otherwise or when the API cannot say."""
+    """``(team, borrowed, limit)`` when preemptible ``me`` cannot borrow: its team is at its limit."""
     team = me.get("quota")
     if team is None or not me.get("preemptible"):
         return None
@@ -127,8 +119,7 @@ def at_borrowing_limit(me: dict[str, Any]) -> tuple[str, float, float] | None:
 
 
 def still_ahead(me: dict[str, Any], before: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The waiters of ``before`` (ranked before ``me``) that keep devices from ``me``: all but those
-    beyond their quota when ``me`` is entitled (:func:`gpu_tasks.borrowing.yields_to`)."""
+    """The waiters of ``before`` (ranked before ``me``) that ``me`` does not take precedence over."""
     if me.get("quota") is None or not any(w.get("quota") not in (None, me["quota"]) for w in before):
         return before
     try:
@@ -140,8 +131,8 @@ def still_ahead(me: dict[str, Any], before: list[dict[str, Any]]) -> list[dict[s
 
 
 def reclaim_due(book: Any, preemptible: set[str]) -> tuple[dict[str, Any], list[str]] | None:
-    """An entitled waiter of another team past its preemption grace (with ``reclaimed_by``: its team),
-    and the devices this book's ``preemptible`` profiles borrowed that it takes back; or ``None``."""
+    """An entitled waiter of another team past its grace (with ``reclaimed_by``), and the devices this
+    book's ``preemptible`` profiles borrowed that it takes back; or ``None``."""
     with book.cond:
         ours = {
             a for a, o in book.holders.items() if o in preemptible and book.leases[a].info.get("borrowed")

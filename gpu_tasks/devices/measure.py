@@ -1,7 +1,5 @@
-"""The flow-side sampler of measured use: NVML, every ``GPU_TASKS_TUNE_GPU_SAMPLE_SECONDS``, on the
-real devices this flow run's local profiles hold; the aggregation and the advice are pure
-(:mod:`gpu_tasks.reporting.measured`). See docs/shared-hosts.md, "Measured use".
-"""
+"""The flow-side sampler of measured use: NVML, on the real devices this flow run's local profiles hold.
+See docs/shared-hosts.md, "Measured use"."""
 
 from __future__ import annotations
 
@@ -39,7 +37,7 @@ class Measurable(Protocol):
 
 
 def no_nvml_reason() -> str | None:
-    """Why NVML cannot be sampled here (``no NVML: ...``), or ``None`` when it can."""
+    """Why NVML cannot be sampled here, or ``None`` when it can."""
     reason = _gpu.why_unavailable("pynvml")
     return None if reason is None else f"not measured (no NVML: {reason})"
 
@@ -59,7 +57,7 @@ class Sampler:
         self.seconds = 0.0  # spent reading them
 
     def watch(self, cluster: Measurable) -> None:
-        """Sample ``cluster``'s devices while it holds them (if it is a local GPU profile on real devices)."""
+        """Sample ``cluster``'s devices while it holds them (a local GPU profile on real devices)."""
         prof = cluster.profile
         if not (prof.is_gpu and prof.is_local) or cluster.emulated:
             return  # emulated: ProfileCluster says so itself; other hosts: not ours to sample
@@ -151,7 +149,7 @@ class Sampler:
         )
 
     def _ours(self, pid: int) -> bool:
-        """Whether ``pid`` is this flow process or one of its descendants (its worker processes)."""
+        """Whether ``pid`` is this flow process or one of its descendants."""
         known = self._own.get(pid)
         if known is None:
             me = os.getpid()

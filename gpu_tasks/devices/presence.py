@@ -1,8 +1,5 @@
-"""Other users' gpu-tasks flow runs on this host's devices, seen across lease directories: a
-host-wide presence directory (``GPU_TASKS_PRESENCE_DIR``) of ``device-<X>.<uid>.<key>.lock`` files,
-each locked while its run holds device X. See docs/shared-hosts.md, "The per-user default: other
-users are seen, not queued with".
-"""
+"""Other users' flow runs on this host's devices, seen across lease directories: presence files
+``device-<X>.<uid>.<key>.lock``, locked while a run holds X. See docs/shared-hosts.md."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ HINT = (
 
 
 def directory(path: Path | None = None) -> Path | None:
-    """The presence directory (``GPU_TASKS_PRESENCE_DIR``), made 1777 when missing; ``None`` (warned
-    once) when it is not a sticky, world-writable directory."""
+    """The presence directory, made 1777 when missing; ``None`` when it is not sticky and world-writable."""
     if path is None:
         from gpu_tasks.settings import default_presence_dir, get_settings
 
@@ -73,10 +69,7 @@ def key(lease_dir: Path) -> str:
 
 
 def mark(addresses: Iterable[str], lease_dir: Path, info: dict[str, Any]) -> dict[str, tuple[int, Path]]:
-    """Say that this flow run holds ``addresses``: each one's open, locked presence file, by address.
-
-    A device whose file cannot be made or locked is left out (presence is advisory).
-    """
+    """Say that this flow run holds ``addresses``: each one's open, locked presence file (advisory)."""
     where = directory()
     if where is None:
         return {}
@@ -100,7 +93,7 @@ def mark(addresses: Iterable[str], lease_dir: Path, info: dict[str, Any]) -> dic
 
 
 def unmark(fd: int, path: Path | None) -> None:
-    """Delete this flow run's file ``path`` (``None``: none to delete), then unlock it (by closing it)."""
+    """Delete this flow run's file ``path`` (if any), then unlock it (by closing it)."""
     if path is not None:
         with contextlib.suppress(OSError):
             os.unlink(path)
@@ -109,8 +102,7 @@ def unmark(fd: int, path: Path | None) -> None:
 
 
 def elsewhere(lease_dir: Path, addresses: Iterable[str] | None = None) -> dict[str, dict[str, Any]]:
-    """Devices of ``addresses`` (default: any) that another user's flow run holds through another
-    lease directory now: its info (``user``, ``uid``, ``elsewhere``: true), by address."""
+    """Holder info of ``addresses`` (default: any) that another user's run holds in another lease dir."""
     where = directory()
     if where is None:
         return {}

@@ -1,7 +1,5 @@
-"""Programs outside gpu-tasks on this host's devices, sampled right before a lease is decided
-(:func:`sample`), and whether they keep gpu-tasks off a device (:func:`blocked`). See
-docs/shared-hosts.md, "Programs outside gpu-tasks".
-"""
+"""Programs outside gpu-tasks on this host's devices, sampled right before a lease is decided, and
+whether they keep gpu-tasks off a device. See docs/shared-hosts.md, "Programs outside gpu-tasks"."""
 
 from __future__ import annotations
 
@@ -26,8 +24,7 @@ _Sampled = tuple[str, dict[int, int | None], int | None, int | None, str]
 
 @dataclass(frozen=True)
 class Program:
-    """One process outside gpu-tasks using a device: ``user`` and ``command`` ``None`` when they cannot
-    be read here (``hidden`` says why), ``memory`` when the driver does not report it."""
+    """One process outside gpu-tasks using a device (``None``: not readable here; ``hidden`` says why)."""
 
     pid: int
     memory: int | None
@@ -81,13 +78,8 @@ class DeviceUse:
 
 
 def blocked(use: DeviceUse, limit: int, need: int | None = None) -> str | None:
-    """Why ``use``'s device is not leased now, or ``None`` when it may be.
-
-    Args:
-        limit: ``GPU_TASKS_OTHER_PROGRAMS_MEMORY``: bytes other programs may use (0: none at all).
-        need: bytes the device must have free: the profile's ``gpu_memory_free``, or one task's
-            ``gpu_memory_per_task`` (:attr:`~gpu_tasks.profiles.ResourceProfile.need_memory_free`).
-    """
+    """Why ``use``'s device is not leased now, or ``None``: other programs use more than ``limit`` bytes
+    (``GPU_TASKS_OTHER_PROGRAMS_MEMORY``; 0: any), or less than ``need`` bytes are free."""
     reasons = []
     if use.programs and (limit == 0 or use.used > limit):
         allowed = (
@@ -107,9 +99,8 @@ def blocked(use: DeviceUse, limit: int, need: int | None = None) -> str | None:
 
 
 def sample(devices: Sequence[Device], lease_dir: Path | None = None) -> dict[str, DeviceUse]:
-    """What programs outside gpu-tasks use on each of ``devices`` now, by address: emulated devices'
-    declarations, else NVML's (not sampled: ``note`` says why). The holders in ``lease_dir`` (default
-    ``GPU_TASKS_LEASE_DIR``) and their descendants are gpu-tasks' own."""
+    """What programs outside gpu-tasks use on each of ``devices`` now, by address (emulated: as declared);
+    the holders in ``lease_dir`` and their descendants are gpu-tasks' own."""
     raw: dict[str, _Sampled] = {}
     for d in devices:
         if d.emulated:
@@ -141,7 +132,7 @@ def _alive(pid: int) -> bool:
 
 
 def _own_pids(lease_dir: Path | None) -> set[int]:
-    """This process and every lease holder on this host: their descendants are gpu-tasks' own."""
+    """This process and every lease holder on this host."""
     pids = {os.getpid()}
     with contextlib.suppress(OSError):
         for info in leases.holders(lease_dir).values():

@@ -1,7 +1,5 @@
-"""How this host's devices are wired: the best path between each pair (as ``nvidia-smi topo -m``
-shows it), and each device's CPUs; from NVML (:func:`nvml_topology`) or an emulated shape
-(:func:`emulated_topology`). See docs/profiles.md, "Topology".
-"""
+"""How this host's devices are wired (as ``nvidia-smi topo -m`` shows it) and each device's CPUs, from
+NVML or an emulated shape. See docs/profiles.md, "Topology"."""
 
 from __future__ import annotations
 
@@ -45,9 +43,8 @@ _NVSWITCH_RE = re.compile(r"^nvswitch(?:-c([1-9][0-9]{0,3}))?$")
 
 
 class Topology(BaseModel):
-    """The wiring of an inventory's devices: ``matrix[i][j]`` is the path between ``addresses[i]``
-    and ``addresses[j]`` (``X`` on the diagonal, ``?`` unknown); ``numa[i]`` the NUMA node of
-    device i and ``cpus[i]`` its CPU affinity (``"0-47,96-143"``), ``None`` when unknown."""
+    """The wiring of an inventory's devices: ``matrix[i][j]`` is the path between ``addresses[i]`` and
+    ``addresses[j]``; ``numa[i]`` and ``cpus[i]`` (``"0-47,96-143"``) device i's, ``None`` when unknown."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -83,7 +80,7 @@ class Topology(BaseModel):
             return None
 
     def link(self, a: str, b: str) -> str:
-        """The path between devices ``a`` and ``b`` (``?`` for one it does not know)."""
+        """The path between devices ``a`` and ``b`` (``?``: unknown)."""
         i, j = self._at(a), self._at(b)
         if i is None or j is None:
             return UNKNOWN
@@ -136,8 +133,7 @@ def level_rank(level: str) -> int:
 
 
 def level_class(level: str, same_numa: bool = False) -> int:
-    """Index in :data:`LEVELS` of the best level a path of ``level`` meets; ``same_numa``: both devices
-    are known to be on one NUMA node (then at least ``socket``)."""
+    """Index in :data:`LEVELS` of the best level a ``level`` path meets (``same_numa``: at least socket)."""
     if nvlinks(level) > 0:
         return 0
     if level in ("PIX", "PXB"):
@@ -147,7 +143,6 @@ def level_class(level: str, same_numa: bool = False) -> int:
     return 3
 
 
-# ------------------------------------------------------------------ emulated
 def split_shape(spec: str) -> tuple[str, str | None]:
     """``"8*H100:80GiB/nvswitch"`` -> ``("8*H100:80GiB", "nvswitch")``; no ``/``: ``(spec, None)``."""
     devices, sep, shape = spec.rpartition("/")
@@ -172,8 +167,7 @@ def check_shape(shape: str, count: int, hint: str) -> None:
 
 
 def emulated_topology(shape: str | None, addresses: Sequence[str]) -> Topology:
-    """The wiring an emulated spec's shape declares (unknown without one; checked by :func:`check_shape`).
-    The shapes are in docs/profiles.md, "Topology"."""
+    """The wiring an emulated spec's shape (checked by :func:`check_shape`) declares."""
     n = len(addresses)
     if shape is None:
         return Topology.unknown(addresses, "unknown (emulated devices without a shape)")
@@ -196,26 +190,18 @@ def emulated_topology(shape: str | None, addresses: Sequence[str]) -> Topology:
         return f"NV{NVPAIR_LINKS}" if pairs else "PIX"
 
     numa = tuple(i // per for i in range(n))
+    c = int(cores or 0)  # each device's declared CPUs: the cores of its NUMA node
     return Topology(
         addresses=tuple(addresses),
         matrix=tuple(tuple(path(i, j) for j in range(n)) for i in range(n)),
         numa=numa,
-        cpus=_socket_cpus(numa, cores),
+        cpus=tuple(format_cpus(range(k * c, k * c + c)) if cores else None for k in numa),
         source=f"emulated {shape}",
     )
 
 
-def _socket_cpus(numa: Sequence[int], per_socket: str | None) -> tuple[str | None, ...]:
-    """Each device's declared CPUs: the ``per_socket`` cores of its NUMA node (``None``: undeclared)."""
-    if per_socket is None:
-        return (None,) * len(numa)
-    c = int(per_socket)
-    return tuple(format_cpus(range(k * c, k * c + c)) for k in numa)
-
-
-# ------------------------------------------------------------------ CPU affinity
 def format_cpus(cores: Iterable[int]) -> str:
-    """CPU numbers as a Linux CPU list: ``{0, 1, 2, 3, 8}`` -> ``"0-3,8"`` (``""`` for none)."""
+    """CPU numbers as a Linux CPU list: ``{0, 1, 2, 3, 8}`` -> ``"0-3,8"``."""
     runs: list[list[int]] = []
     for c in sorted(set(cores)):
         if runs and c == runs[-1][1] + 1:
@@ -226,11 +212,7 @@ def format_cpus(cores: Iterable[int]) -> str:
 
 
 def parse_cpus(text: str) -> frozenset[int]:
-    """A Linux CPU list as CPU numbers: ``"0-3,8"`` -> ``{0, 1, 2, 3, 8}``.
-
-    Raises:
-        ValueError: ``text`` is not such a list.
-    """
+    """A Linux CPU list as CPU numbers: ``"0-3,8"`` -> ``{0, 1, 2, 3, 8}``; ``ValueError`` if it is none."""
     cores: set[int] = set()
     for part in (p.strip() for p in text.split(",")):
         if not part:
@@ -244,9 +226,7 @@ def parse_cpus(text: str) -> frozenset[int]:
 
 
 def worker_cores(cpus: Sequence[str | None], allowed: Iterable[int]) -> tuple[frozenset[int] | None, str]:
-    """The CPUs to pin a worker to, and what to record: the union of its devices' ``cpus`` that this
-    process may use (``allowed``); ``(None, why)`` when there are none (a process pinned to no CPU
-    cannot run), a device's are unknown, or there is no device."""
+    """The CPUs to pin a worker to (its devices' that are ``allowed``) and what to record, or (None, why)."""
     if not cpus:
         return None, "not applied: no device"
     if any(c is None for c in cpus):
@@ -258,7 +238,6 @@ def worker_cores(cpus: Sequence[str | None], allowed: Iterable[int]) -> tuple[fr
     return usable, format_cpus(usable)
 
 
-# ---------------------------------------------------------------------- NVML
 def cpu_list(masks: Sequence[int], bits: int = 64) -> str | None:
     """``nvmlDeviceGetCpuAffinity``'s masks (``bits`` CPUs each, lowest first) as ``"0-47,96-143"``."""
     cpus = [w * bits + b for w, mask in enumerate(masks) for b in range(bits) if int(mask) >> b & 1]
@@ -266,8 +245,7 @@ def cpu_list(masks: Sequence[int], bits: int = 64) -> str | None:
 
 
 def pcie_matrix(n: int, ancestor: Any) -> list[list[str]]:
-    """The PCIe paths of ``n`` devices from ``ancestor(i, j)`` (an NVML_TOPOLOGY_* value; one that
-    raises or is unknown gives ``?``)."""
+    """The PCIe paths of ``n`` devices from ``ancestor(i, j)`` (an NVML_TOPOLOGY_* value; else ``?``)."""
     out = [[SELF if i == j else UNKNOWN for j in range(n)] for i in range(n)]
     for i in range(n):
         for j in range(i + 1, n):
@@ -283,8 +261,7 @@ def add_nvlinks(
     matrix: list[list[str]], remotes: Sequence[Sequence[str | None]], bus_ids: Sequence[str]
 ) -> None:
     """Put ``NV<n>`` into ``matrix`` from the PCI bus id at the other end of each active link of each
-    device (``remotes[i]``; ``None``: unknown). A link to no device of ours goes to an NVSwitch: two
-    devices with such links reach each other through it (``NV<the fewer links>``, as nvidia-smi shows)."""
+    device (``remotes[i]``). A link to no device of ours goes to an NVSwitch, joining all such devices."""
     norm = [_bus(b) for b in bus_ids]
     direct: dict[tuple[int, int], int] = {}
     switched = [0] * len(remotes)
@@ -310,11 +287,7 @@ def _bus(bus_id: str) -> str:
 
 
 def nvml_topology(addresses: Sequence[str]) -> Topology:
-    """The wiring of NVML devices ``0..n-1`` (``addresses``, their indexes), read lazily.
-
-    Unverified on GPU. Calls that fail or are missing (one device, an old driver, MIG) leave their
-    part unknown; nothing here raises.
-    """
+    """The wiring of NVML devices ``addresses`` (their indexes); what NVML cannot say stays unknown."""
     n = len(addresses)
     if n == 0 or not all(a.isdigit() for a in addresses):  # MIG instances: wiring is the parent's
         return Topology.unknown(addresses, "unknown (MIG instances)" if n else "unknown")
@@ -334,11 +307,8 @@ def nvml_topology(addresses: Sequence[str]) -> Topology:
 def _read(nvml: Any, indexes: list[int], addresses: Sequence[str]) -> Topology:
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in indexes]
     n = len(handles)
-    ancestor = getattr(nvml, "nvmlDeviceGetTopologyCommonAncestor", None)
-    if ancestor is None:
-        matrix = [[SELF if i == j else UNKNOWN for j in range(n)] for i in range(n)]
-    else:
-        matrix = pcie_matrix(n, lambda i, j: ancestor(handles[i], handles[j]))
+    # an NVML without the call: every pair "?" (pcie_matrix)
+    matrix = pcie_matrix(n, lambda i, j: nvml.nvmlDeviceGetTopologyCommonAncestor(handles[i], handles[j]))
     bus_ids = [reported(lambda h=h: text(nvml.nvmlDeviceGetPciInfo(h).busId)) or "" for h in handles]
     remotes = [_links(nvml, h) for h in handles]
     add_nvlinks(matrix, remotes, bus_ids)
@@ -354,7 +324,7 @@ def _read(nvml: Any, indexes: list[int], addresses: Sequence[str]) -> Topology:
 
 
 def _links(nvml: Any, handle: Any) -> list[str | None]:
-    """The remote bus id of each active NVLink of ``handle`` (none: no NVLink, or NVML cannot say)."""
+    """The remote bus id of each active NVLink of ``handle``."""
     state = getattr(nvml, "nvmlDeviceGetNvLinkState", None)
     remote = getattr(nvml, "nvmlDeviceGetNvLinkRemotePciInfo_v2", None) or getattr(
         nvml, "nvmlDeviceGetNvLinkRemotePciInfo", None

@@ -1,7 +1,5 @@
 """Why a task waits: one reason, in words, from what the device queue knows at the time (pure).
-
-See docs/leases.md, "Why a task waits" (the kinds, by precedence: :data:`KINDS`).
-"""
+See docs/leases.md, "Why a task waits"."""
 
 from __future__ import annotations
 
@@ -65,7 +63,7 @@ class Holder:
 
     @classmethod
     def of(cls, address: str, info: Mapping[str, Any]) -> Holder:
-        """From a lease holder's info (:func:`gpu_tasks.devices.leases.holders`) or this book's."""
+        """From a lease holder's info or a book's."""
         pid = info.get("pid")
         return cls(
             address=address,
@@ -102,38 +100,28 @@ class Ahead:
 
 @dataclass(frozen=True)
 class WaitView:
-    """What the device queue knows about one waiter now.
-
-    ``priority``: its effective priority; ``team``: its quota (the team fair share counts);
-    ``usage``: that team's decayed usage. ``holders``: holders of the devices it wants.
-    ``quota_full``: its quota's name when the quota has no room (``quota_used`` of ``quota_limit``;
-    ``None``: unknown). ``borrowing``: ``(team, borrowed, limit)`` when its team is at its borrowing
-    limit. ``ahead``: waiters ranking before it, first first. ``programs``: address -> why programs
-    outside gpu-tasks keep it off that device.
-    """
+    """What the device queue knows about one waiter now."""
 
     profile: str
-    priority: int = 0
-    team: str | None = None
-    usage: float = 0.0
-    holders: tuple[Holder, ...] = ()
-    quota_full: str | None = None
+    priority: int = 0  # effective
+    team: str | None = None  # its quota
+    usage: float = 0.0  # its team's decayed usage
+    holders: tuple[Holder, ...] = ()  # of the devices it wants
+    quota_full: str | None = None  # its quota, when that has no room
     quota_used: int | None = None
     quota_limit: int | None = None
-    borrowing: tuple[str, float, float] | None = None
-    ahead: tuple[Ahead, ...] = ()
-    programs: tuple[tuple[str, str], ...] = ()
+    borrowing: tuple[str, float, float] | None = None  # (team, borrowed, limit) at its borrowing limit
+    ahead: tuple[Ahead, ...] = ()  # waiters ranking before it, first first
+    programs: tuple[tuple[str, str], ...] = ()  # address -> why programs outside gpu-tasks keep it off
 
 
 @dataclass(frozen=True)
 class WaitReason:
-    """Why a waiter waits: ``kind`` (one of :data:`KINDS`, or a board kind), a sentence, and what it
-    names: ``until`` (a protected run time's end, ``time.time()``), ``holder`` (who holds or goes
-    first), ``quota`` and its ``used`` / ``limit``."""
+    """Why a waiter waits: ``kind`` (one of :data:`KINDS`, or a board kind), a sentence, and what it names."""
 
     kind: str
     text: str
-    until: float | None = None
+    until: float | None = None  # a protected run time's end
     holder: dict[str, Any] | None = None
     quota: str | None = None
     used: float | None = None
@@ -153,7 +141,7 @@ def _clock(t: float) -> str:
 
 
 def why_waiting(view: WaitView, now: float) -> WaitReason:
-    """The one reason ``view``'s waiter waits at ``now`` (see the module's precedence)."""
+    """The one reason ``view``'s waiter waits at ``now`` (the first of :data:`KINDS` that applies)."""
     if view.borrowing is not None:
         team, borrowed, limit = view.borrowing
         return WaitReason(
@@ -229,10 +217,8 @@ def why_waiting(view: WaitView, now: float) -> WaitReason:
 
 
 def board_reason(entry: Mapping[str, Any], entries: Sequence[Mapping[str, Any]]) -> WaitReason:
-    """Why the shared scheduler's waiter ``entry`` waits: queued behind entries that outrank it (higher
-    effective priority, on the workers it is queued on), else the workers that fit are busy.
-
-    Each entry carries ``effective_priority`` (:func:`gpu_tasks.cluster.board.effective_priority`)."""
+    """Why the shared scheduler's waiter ``entry`` waits: queued behind entries of higher
+    ``effective_priority`` on its workers, else the workers that fit are busy."""
     mine = set(entry.get("workers") or ())
     me = int(entry.get("effective_priority") or 0)
     before = [
@@ -257,7 +243,7 @@ def board_reason(entry: Mapping[str, Any], entries: Sequence[Mapping[str, Any]])
     return WaitReason(BOARD_BUSY, f"the workers it is queued on are busy with other work ({where})")
 
 
-# A waiting acquire calls LISTENER's callback (set by its caller) with each reason it works out
+# a waiting acquire calls the listener its caller set with each reason it works out
 Listener = Callable[[WaitReason], None]
 LISTENER: contextvars.ContextVar[Listener | None] = contextvars.ContextVar(
     "gpu_tasks_wait_listener", default=None
@@ -265,18 +251,16 @@ LISTENER: contextvars.ContextVar[Listener | None] = contextvars.ContextVar(
 
 
 def tell(reason: WaitReason) -> None:
-    """Pass ``reason`` to the listener of the current context, if any (it must not raise; if it does,
-    the wait goes on)."""
+    """Pass ``reason`` to the listener of the current context, if any."""
     listener = LISTENER.get()
     if listener is not None:
-        with contextlib.suppress(Exception):  # the wait is what matters; a listener's failure must not end it
+        with contextlib.suppress(Exception):  # a listener's failure must not end the wait
             listener(reason)
 
 
 class Throttle:
-    """When a waiter's reason is said (logged, published): the first at once, the same one at most
-    every ``every`` seconds, a changed one at once but not within ``gap`` seconds of the last line
-    (then as soon as the gap has passed)."""
+    """When a waiter's reason is said: the first at once, the same one at most every ``every`` seconds,
+    a changed one as soon as ``gap`` seconds have passed since the last."""
 
     def __init__(self, every: float = 30.0, gap: float = 2.0) -> None:
         self.every, self.gap = every, gap
@@ -285,7 +269,7 @@ class Throttle:
 
     def due(self, reason: WaitReason, now: float) -> bool:
         """Whether to say ``reason`` at ``now`` (monotonic); records it when so."""
-        wait = self.gap if self.last_kind_text != _key(reason) else self.every  # changed: kind or words
+        wait = self.gap if self.last_kind_text != _key(reason) else self.every
         ok = self.last_at is None or now - self.last_at >= wait
         if ok:
             self.last_at, self.last_kind_text = now, _key(reason)
