@@ -1,6 +1,5 @@
-"""``address=`` profiles: an existing Dask cluster. The runner connects a client and never starts
-or closes the cluster; the shared scheduler's ``GPU`` resources arbitrate between flow runs and
-hosts. An idle close closes the client."""
+"""``address=`` profiles: a client to an existing Dask cluster, never started or closed here; the
+shared scheduler's ``GPU`` resources arbitrate between flow runs and hosts."""
 
 from __future__ import annotations
 
@@ -22,12 +21,8 @@ SCHEDULER_PROBE_S = 5.0  # how long a scheduler that refuses connections is trie
 
 
 def scheduler_unreachable(address: str, within: float) -> str | None:
-    """Why nothing accepts a TCP connection at ``address`` (a ``tcp``/``tls``/``ws(s)`` Dask
-    address), in words, or ``None`` when something does (or the protocol is not TCP).
-
-    A refused connection is tried again until ``within`` seconds have passed (a scheduler that
-    is starting); no route, an unknown name or a timeout fail at once.
-    """
+    """Why nothing accepts a TCP connection at Dask ``address``, in words (``None``: something does, or
+    not TCP). A refusal is retried for ``within`` s (a scheduler starting); other errors fail at once."""
     import socket
 
     from distributed.comm.addressing import parse_address, parse_host_port
@@ -54,9 +49,8 @@ def scheduler_unreachable(address: str, within: float) -> str | None:
             return f"{(exc.strerror or str(exc)).lower()} ({host}, port {port})"
 
 
-# ---------------------------------------------------------------- an existing cluster
 class AddressCluster(RemoteCluster):
-    """A client to an existing Dask cluster; the cluster is never started or closed here."""
+    """A client to an existing Dask cluster."""
 
     stopped_note = (
         "the runner interrupted it on the shared cluster (cancelled it there if it had not started)"
@@ -105,7 +99,7 @@ class AddressCluster(RemoteCluster):
             )
         except Exception as exc:
             # a Client whose constructor raised sits in a reference cycle; collected while another
-            # client starts, it can hang that one (distributed 2026.7): collect it now
+            # client starts, it can hang that one: collect it now
             gc.collect()
             hint = (
                 "check the scheduler's certificates and the profile's security (or GPU_TASKS_TLS_*)"

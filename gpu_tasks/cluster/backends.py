@@ -1,8 +1,5 @@
-"""The one place that builds Dask workers and clusters: :class:`ThreadBackend` (threads in the
-flow process), :class:`DaskBackend` (a ``SpecCluster``), :class:`CudaBackend` (dask-cuda's
-``LocalCUDACluster``), chosen by :func:`start` (docs/runner.md, "Provision on first use"), and a
-task's :func:`per_device_client`. Every worker listens on 127.0.0.1.
-"""
+"""The one place that builds Dask workers and clusters (threads, a ``SpecCluster``, dask-cuda's
+``LocalCUDACluster``), chosen by :func:`start`, and a task's :func:`per_device_client`."""
 
 from __future__ import annotations
 
@@ -34,8 +31,7 @@ _ANY_PORT = f"{LOCALHOST}:0"
 
 # ---------------------------------------------------------------- specs
 def dask_log_level() -> int:
-    """The level of Dask's ``distributed`` loggers in the processes gpu-tasks starts
-    (``GPU_TASKS_TUNE_DASK_LOG_LEVEL``, WARNING): INFO lets its start and stop chatter through."""
+    """The level of Dask's loggers in the processes gpu-tasks starts (GPU_TASKS_TUNE_DASK_LOG_LEVEL)."""
     from gpu_tasks.settings import get_settings
 
     return logging.getLevelName(get_settings().dask_log_level)  # type: ignore[no-any-return]
@@ -48,19 +44,8 @@ def nanny_spec(
     timeout: float = 120.0,
     cuda: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``SpecCluster`` entry of one worker: a nanny process with the spec's threads,
-    resources and environment, or a warm process from ``pool`` given the same.
-
-    Args:
-        watched: a :class:`~gpu_tasks.worker.exits.WatchedNanny` (records how its worker
-            ended) whose worker loads the guard that ends it with the flow process;
-            otherwise a plain ``Nanny`` (a task's own short-lived cluster).
-        pool: a :class:`~gpu_tasks.worker.warm.WarmPool`: the worker runs in one of its
-            processes (:class:`~gpu_tasks.worker.pooled.PooledWorker`) instead of a new one.
-        timeout: how long a pooled worker waits for its process.
-        cuda: a real-GPU profile's :class:`~gpu_tasks.profiles.CudaOptions` (as a dict):
-            the pooled worker sets itself up as dask-cuda's would, once bound to its device.
-    """
+    """The ``SpecCluster`` entry of one worker: a nanny (``watched``: one that ends with the flow process),
+    or a process of the warm ``pool``, which applies ``cuda`` (``CudaOptions``) once bound to its device."""
     from distributed import Nanny
 
     from gpu_tasks.worker.exits import WatchedNanny
@@ -77,7 +62,7 @@ def nanny_spec(
         "name": spec.name,
     }
     if watched:
-        options.update(preload_options())  # workers exit with the flow process (gpu_tasks.worker.guard)
+        options.update(preload_options())  # workers exit with the flow process
     if pool is not None:
         from gpu_tasks.worker.pooled import PooledWorker
 
@@ -90,15 +75,8 @@ def nanny_spec(
 def scheduler_spec(
     dashboard: bool, rerun_lost: bool = False, pool: Any = None, timeout: float = 60.0
 ) -> dict[str, Any]:
-    """The ``SpecCluster`` scheduler entry.
-
-    Args:
-        rerun_lost: let Dask re-run a task whose worker died (its default); a profile's
-            scheduler does not: the runner reports the crash (gpu_tasks.prefect_api.states).
-        pool: a :class:`~gpu_tasks.worker.warm.WarmPool`: the scheduler runs in a process of its own
-            forked from it (:class:`~gpu_tasks.worker.pooled.PooledScheduler`, started within
-            ``timeout``); without one, in the flow process (Dask's default).
-    """
+    """The ``SpecCluster`` scheduler entry: in the flow process, or forked from the warm ``pool``. A
+    profile's does not ``rerun_lost`` tasks (Dask's default): the runner reports the crash."""
     from distributed import Scheduler
 
     options: dict[str, Any] = {"host": LOCALHOST, "dashboard": dashboard, "dashboard_address": _ANY_PORT}
@@ -120,14 +98,11 @@ _SHARED_CONFIG: dict[tuple[str, Any], list[Any]] = {}  # (key, value) -> [users,
 
 @contextmanager
 def shared_config(key: str, value: Any) -> Iterator[None]:
-    """Dask's config ``key`` set to ``value`` while any thread of this process is inside: the first
-    thread in sets it, the last one out restores it (two threads' own ``dask.config.set`` blocks
-    would restore each other's values and leave one cluster without the setting)."""
+    """Dask's config ``key`` set to ``value`` while any thread is inside: two threads' own
+    ``dask.config.set`` blocks would restore each other's values, leaving one cluster without it."""
     import dask
-    import distributed  # noqa: F401  (loads its config defaults first: see below)
+    import distributed  # noqa: F401  (its defaults first, or leaving drops the "distributed" section)
 
-    # Without distributed's defaults in dask's config, leaving the block would remove the whole
-    # "distributed" section it created, defaults loaded meanwhile included.
     with _SHARED_CONFIG_LOCK:
         entry = _SHARED_CONFIG.get((key, value))
         if entry is None:
@@ -151,11 +126,8 @@ _non_daemon_workers = functools.partial(shared_config, "distributed.worker.daemo
 
 
 def apply_worker_spec(cluster: Any) -> None:
-    """Make a ``SpecCluster`` start or stop workers to match its edited ``worker_spec``, and wait.
-
-    ``scale`` only adds copies of ``new_spec`` and each worker has its own devices: ``await
-    cluster`` (distributed's documented way) on its own loop, as its sync methods do.
-    """
+    """Make a ``SpecCluster`` match its edited ``worker_spec``, and wait (``scale`` only adds copies of
+    ``new_spec``; each of ours has its own devices)."""
 
     async def applied() -> None:
         await cluster
@@ -171,7 +143,6 @@ class Backend:
     client: Any = None  # a Dask client, where it has one
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
-        """Run ``fn(*args)``; a future with ``add_done_callback`` and ``result``."""
         raise NotImplementedError
 
     def submit_many(
@@ -181,10 +152,7 @@ class Backend:
         keys: list[str],
         resources: dict[str, float] | None,
     ) -> list[Any]:
-        """``submit`` for each of ``argss`` (under ``keys``): the futures, in that order.
-
-        A Dask client gets one graph, not one each: Dask's per-graph cost is paid once per batch.
-        """
+        """``submit`` for each of ``argss``; a Dask client gets one graph, paying its cost once."""
         if self.client is not None and len(argss) > 1:
             return list(
                 self.client.map(fn, *zip(*argss, strict=True), key=keys, pure=False, resources=resources)
@@ -195,7 +163,7 @@ class Backend:
         ]
 
     def add(self, specs: list[WorkerSpec], total: int) -> None:
-        """Start the workers of ``specs`` and wait until ``total`` workers are up."""
+        """Start the workers of ``specs`` and wait until ``total`` are up."""
         raise ClusterError(f"{type(self).__name__} does not add workers")
 
     def remove(self, name: str) -> None:
@@ -209,8 +177,7 @@ class Backend:
         return set()
 
     def lost(self, grace: float) -> list[tuple[str, str | None]]:
-        """``(name, address)`` of the workers whose process ended ``grace`` s ago or more though no
-        one closed them (a scheduler dropped them: they missed its worker TTL)."""
+        """``(name, address)`` of workers whose process ended ``grace`` s ago unclosed (missed a TTL)."""
         return []
 
     def processing(self, names: list[str]) -> set[str] | None:
@@ -221,18 +188,12 @@ class Backend:
         """SIGTERM the worker processes ``names`` (all: the flow was interrupted)."""
 
     def close(self) -> None:
-        """Stop every worker; nothing of this backend runs afterwards."""
         raise NotImplementedError
 
 
 class ThreadBackend(Backend):
-    """Threads in the flow process.
-
-    A Dask scheduler round trip costs about as much as Prefect's whole task engine
-    (bench/overhead.py), so a plain executor sized by the profile runs these tasks.
-    A slot pool, not a plain thread pool: a task that waits for a child task of this
-    profile gives its slot to the child (:mod:`gpu_tasks.worker.slots`).
-    """
+    """Threads in the flow process: a Dask round trip costs as much as Prefect's task engine. A slot
+    pool, so a task waiting for a child task of this profile gives the child its slot."""
 
     def __init__(self, nthreads: int, name: str) -> None:
         self.pool = SlotPool(nthreads, name=name)
@@ -243,9 +204,7 @@ class ThreadBackend(Backend):
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    # Let running in-process tasks finish (as Prefect's thread pool runner does) before the
-    # runner hands out the results it holds and closes the clusters (Live.close).
-    drain = close
+    drain = close  # running tasks finish (as Prefect's thread pool runner) before the runner closes
 
 
 class DaskBackend(Backend):
@@ -277,7 +236,6 @@ class DaskBackend(Backend):
         self.dashboard_link = self.client.dashboard_link if dashboard else None
 
     def submit(self, fn: Callable[..., Any], *args: Any, key: str, resources: dict[str, float] | None) -> Any:
-        assert self.client is not None
         return self.client.submit(fn, *args, key=key, pure=False, resources=resources)
 
     def add(self, specs: list[WorkerSpec], total: int) -> None:
@@ -287,22 +245,16 @@ class DaskBackend(Backend):
             )
         with _non_daemon_workers():
             apply_worker_spec(self.cluster)
-        self._wait(total - self._absent(exclude={s.name for s in specs}))
+        self.client.wait_for_workers(total - self._absent({s.name for s in specs}), timeout=self.timeout)
 
     def _absent(self, exclude: set[str]) -> int:
-        """Workers of the spec (less ``exclude``) the scheduler no longer lists: dropped ones whose
-        processes have not ended yet (one sending its queued events) would never arrive, and a
-        wait for them held the profile for the whole provisioning timeout."""
-        assert self.client is not None
+        """Workers of the spec (less ``exclude``) the scheduler no longer lists: dropped, not yet
+        ended, they would never arrive, and waiting for them would take the whole timeout."""
         spec = {str(n) for n in self.cluster.worker_spec} - exclude
         if not spec:
             return 0
         listed = {str(w.get("name")) for w in self.client.scheduler_info(n_workers=-1)["workers"].values()}
         return len(spec - listed)
-
-    def _wait(self, total: int) -> None:
-        assert self.client is not None
-        self.client.wait_for_workers(total, timeout=self.timeout)
 
     def remove(self, name: str) -> None:
         self.cluster.worker_spec.pop(name, None)
@@ -320,7 +272,6 @@ class DaskBackend(Backend):
         ]
 
     def processing(self, names: list[str]) -> set[str] | None:
-        assert self.client is not None
         for attempt in range(PROCESSING_TRIES):  # a loaded scheduler's slow answer is not "cannot tell"
             try:
                 info = self.client.scheduler_info(n_workers=-1)["workers"]
@@ -371,7 +322,7 @@ class CudaBackend(DaskBackend):
         self.next_devices.extend(s.devices[0].address for s in specs)
         with _non_daemon_workers():
             self.cluster.scale(total)
-        self._wait(total)
+        self.client.wait_for_workers(total, timeout=self.timeout)
 
 
 def uses_dask_cuda(profile: ResourceProfile, emulated: bool) -> bool:
@@ -388,15 +339,8 @@ def start(
     dashboard: bool,
     pool: Any = None,
 ) -> Backend:
-    """Start ``profile``'s workers for ``specs`` and wait until all are up.
-
-    Args:
-        every_spec: the specs of every worker the profile may ever have (dask-cuda
-            needs all of its devices up front; it starts only those of ``specs``).
-        pool: warm processes (:class:`~gpu_tasks.worker.warm.WarmPool`) for the workers of a
-            ``SpecCluster``; with one, ``specs`` may be empty (the scheduler starts
-            before any device is leased, the workers come with :meth:`DaskBackend.add`).
-    """
+    """Start ``profile``'s workers for ``specs`` and wait until all are up. dask-cuda needs ``every_spec``
+    up front; with a warm ``pool``, ``specs`` may be empty (workers come with :meth:`DaskBackend.add`)."""
     if not profile.uses_processes:
         return ThreadBackend(specs[0].nthreads, name=f"gpu-tasks-{profile.name}")
     what = f"cluster of profile {profile.name!r}"
@@ -427,8 +371,7 @@ def start(
 
 
 def uses_warm_pool(profile: ResourceProfile, emulated: bool) -> bool:
-    """Whether ``profile``'s workers can come from a warm pool: processes this host starts in a
-    ``SpecCluster``; real GPUs over ``tcp`` only (over UCX dask-cuda starts its own workers)."""
+    """Whether ``profile``'s workers can come from a warm pool (over UCX dask-cuda starts its own)."""
     if not (profile.is_local and profile.uses_processes):
         return False
     return not uses_dask_cuda(profile, emulated) or profile.cuda.protocol == "tcp"
@@ -443,8 +386,7 @@ def _load(profile: ResourceProfile, module: str, needs: str) -> Any:
 
 
 def _dask_cuda_for_warm_workers(profile: ResourceProfile) -> dict[str, Any]:
-    """Check that dask-cuda imports here, and apply in this process what ``LocalCUDACluster``
-    would; the options its warm workers set themselves up with."""
+    """Apply in this process what ``LocalCUDACluster`` would; the options its warm workers use."""
     _load(profile, "dask_cuda", "needs dask-cuda on real GPUs")
     if profile.cuda.enable_cudf_spill:  # as dask-cuda does: spilling on in the client process too
         cudf = _load(profile, "cudf", "sets cuda.enable_cudf_spill, which needs cuDF")
@@ -487,10 +429,7 @@ def _cuda_cluster(
 
 @functools.cache
 def _own_device_cluster_class(base: type) -> type:
-    """A ``LocalCUDACluster`` subclass whose workers see only the device leased to them.
-
-    Built on first use (dask-cuda imports only on GPU hosts, through :mod:`gpu_tasks._gpu`).
-    """
+    """A ``LocalCUDACluster`` subclass whose workers see only their leased device (built on first use)."""
     from distributed import Nanny
 
     from gpu_tasks.compat.dask_cuda import without_cpu_affinity
@@ -534,8 +473,7 @@ def _own_device_cluster_class(base: type) -> type:
 def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any]:
     """A Dask client over one worker per device of ``alloc`` (a task's devices), once all are up.
 
-    For distributed training inside one task (``xgboost.dask``): the cluster lives in
-    the task's worker process and closes when the block ends.
+    For distributed training inside one task (``xgboost.dask``); the cluster closes with the block.
     """
     from distributed import SpecCluster
 
@@ -568,10 +506,7 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
         ) from exc
     logger.info("%d workers up on devices %s", len(specs), ",".join(alloc.devices))
     try:
-        # Current for the caller's context: xgboost.dask calls distributed.wait(), which looks
-        # the client up; inside a Dask worker it would otherwise find the worker's own client
-        # (the profile cluster's) and block forever.
-        assert backend.client is not None
+        # current: xgboost.dask's distributed.wait() would find the worker's own client and block forever
         with backend.client.as_current():
             yield backend.client
     finally:

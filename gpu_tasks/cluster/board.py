@@ -1,11 +1,9 @@
-"""Preemption on a shared Dask scheduler (``address`` profiles): a board of waiters kept in the
-scheduler's metadata (``gpu-tasks-waiters``), which preemptible holders of lower priority, or on
-borrowed quota (:mod:`gpu_tasks.borrowing`), interrupt their tasks for. See docs/distributed.md,
-"Preemption" and "Reclaim".
-"""
+"""Preemption on a shared Dask scheduler (``address`` profiles): a board of waiters in the scheduler's
+metadata, for which preemptible holders of lower priority, or on borrowed quota, interrupt tasks."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -27,8 +25,7 @@ PRUNE_S = 60.0  # an entry whose beat has not moved this long is taken off the b
 
 
 def effective_priority(entry: dict[str, Any]) -> int:
-    """An entry's priority aged by its wait as of its last beat
-    (:func:`gpu_tasks.policy.aged_priority`)."""
+    """An entry's priority aged by its wait as of its last beat (:func:`gpu_tasks.policy.aged_priority`)."""
     from gpu_tasks.policy import aged_priority
 
     return aged_priority(
@@ -37,10 +34,8 @@ def effective_priority(entry: dict[str, Any]) -> int:
 
 
 def _dropper(token: str) -> Callable[..., None]:
-    """A function for ``Client.run_on_scheduler`` that removes ``token``'s entry (and cleared ones).
-
-    Made in a closure so that it travels by value: the scheduler needs no gpu-tasks.
-    """
+    """For ``Client.run_on_scheduler``: remove ``token``'s entry (and cleared ones). A closure, so it
+    travels by value: the scheduler needs no gpu-tasks."""
 
     board_key = BOARD  # a local: the closure carries the value
 
@@ -55,9 +50,8 @@ def _dropper(token: str) -> Callable[..., None]:
 
 
 def _mover(keys: list[str]) -> Callable[..., list[str]]:
-    """A function for ``Client.run_on_scheduler`` that moves those of ``keys`` queued on a worker whose
-    resources are over-asked to one with room (``move_task_request``: Dask's own stealing leaves them).
-    Made in a closure so that it travels by value: the scheduler needs no gpu-tasks."""
+    """For ``Client.run_on_scheduler``: move those of ``keys`` queued on an over-asked worker to one with
+    room (Dask's own stealing leaves them). A closure, for the same reason as :func:`_dropper`."""
     wanted = list(keys)
 
     def move(dask_scheduler: Any = None) -> list[str]:
@@ -88,8 +82,8 @@ def _mover(keys: list[str]) -> Callable[..., list[str]]:
 
 
 def drop(client: Any, token: str) -> None:
-    """Remove ``token``'s entry from the board (Dask has no call to delete metadata: the scheduler
-    runs a small function; where it may not, the entry is cleared to ``None``)."""
+    """Remove ``token``'s entry (Dask cannot delete metadata: the scheduler runs a function, else
+    the entry is cleared to ``None``)."""
     try:
         client.run_on_scheduler(_dropper(token))
     except Exception:
@@ -125,13 +119,8 @@ class SharedBoard:
         borrowed: Callable[[str], bool] = lambda key: False,
     ) -> dict[str, Any] | None:
         """Put up, renew or take down our entry; the entry when it has just passed ``grace`` (the
-        ``preempting`` event).
-
-        ``pending`` are our keys handed to the scheduler and not done (monotonic time of
-        hand-off); ``executing()`` the keys running on workers now, or ended there (a broadcast: only asked
-        when some key has waited ``grace``, or ``aging`` when that is shorter); ``borrowed(key)``:
-        whether a key runs on borrowed quota (the entry is ``entitled`` when a queued key does not).
-        """
+        ``preempting`` event). ``pending``: our keys not done, by hand-off time; ``executing()``: those
+        started (a broadcast, asked only once one has waited); ``borrowed(key)``: on borrowed quota."""
         now = time.monotonic()
         after = min(grace, aging) if aging > 0 else grace
         old = {k: t for k, t in pending.items() if now - t >= after}
@@ -141,11 +130,9 @@ class SharedBoard:
             return None
         waited = now - min(old[k] for k in queued)
         workers: list[str] = []
-        try:
+        with contextlib.suppress(Exception):  # where they are queued is a hint; without it any worker will do
             processing = client.processing()
             workers = sorted(str(w) for w, keys in processing.items() if set(map(str, keys)) & set(queued))
-        except Exception:  # where they are queued is a hint; without it any worker will do
-            pass
         self.beat += 1
         entry = {
             **me,
@@ -197,8 +184,7 @@ class SharedBoard:
         return out
 
     def aged_ahead(self, client: Any, priority: int) -> list[dict[str, Any]]:
-        """Waiters of lower priority whose effective priority (aging) now exceeds ``priority``:
-        a new task of ours should not be handed to the scheduler before them."""
+        """Waiters of lower priority whose aged priority now exceeds ``priority``: they go first."""
         out = []
         for entry in self.live_entries(client).values():
             effective = effective_priority(entry)
@@ -207,8 +193,8 @@ class SharedBoard:
         return out
 
     def owed(self, client: Any, workers: set[str]) -> list[Ask]:
-        """The live entries owed devices within their quota (``entitled``), as the policy's waiters,
-        that wait on any of ``workers`` (or did not say where): they keep borrowers off."""
+        """The live entries owed devices within their quota, waiting on any of ``workers`` (or anywhere),
+        as the policy's waiters: they keep borrowers off."""
         return [
             Ask(str(e["quota"]), task_need(float(e.get("need") or 1)), held=True)
             for e in self.live_entries(client).values()
@@ -216,9 +202,8 @@ class SharedBoard:
         ]
 
     def due_waiters(self, client: Any, priority: int, team: str | None = None) -> list[dict[str, Any]]:
-        """Live entries of other profiles that waited their grace and outrank us (we are
-        preemptible), highest first; with ``team`` (we run tasks on its borrowed quota), first the
-        entitled entries of other teams, marked ``reclaimed_by`` their team."""
+        """Live entries that waited their grace and outrank us, highest first; with ``team`` (our
+        borrowed quota's), first other teams' entitled entries, marked ``reclaimed_by``."""
         out = []
         now = time.monotonic()
         for token, entry in self.live_entries(client).items():
@@ -247,13 +232,9 @@ class SharedBoard:
         per_task: float,
         claim: Callable[[str], Claim] | None = None,
     ) -> tuple[str, list[str]] | None:
-        """``(worker, keys)``: our running tasks to interrupt for ``waiter``, on one of the workers it
-        is queued on (any, when it did not say) where we run the most; ``None``: we run none there.
-
-        A reclaim (``waiter["reclaimed_by"]``): only our tasks on borrowed quota (``claim(key)``),
-        chosen by :func:`gpu_tasks.borrowing.reclaim_victims` (least work lost, none inside its
-        protected run time), on a worker the waiter is queued on if one has enough, else on any
-        (the scheduler moves the waiting task to the worker freed)."""
+        """``(worker, keys)``: our running tasks to interrupt for ``waiter``, on a worker it is queued on
+        where we run the most; ``None``: none there. A reclaim takes only borrowed tasks
+        (:func:`gpu_tasks.borrowing.reclaim_victims`), on any worker if need be (the task is moved)."""
         allowed = set(waiter.get("workers") or ())
         want = max(1, math.ceil(float(waiter.get("need") or 1) / max(per_task, 1e-9)))
         if waiter.get("reclaimed_by"):

@@ -1,13 +1,5 @@
-"""Which kind of cluster a profile gets: the one place that tells the three apart.
-
-- :class:`~gpu_tasks.cluster.local.ProfileCluster`: this host's leased devices (or CPUs).
-- :class:`~gpu_tasks.cluster.address.AddressCluster` (``address=``): an existing scheduler.
-- :class:`~gpu_tasks.cluster.managed.ManagedCluster` (``cluster_class=``): a cluster manager's.
-
-The flow side holds every kind as a :class:`ProfileCluster` and calls the same methods on each
-(``start``, ``scale_to``, ``submit``, ``close``); nothing above this module
-switches on the kind.
-"""
+"""Which kind of cluster a profile gets (this host's, ``address=``, ``cluster_class=``): the one place
+that tells them apart; the flow side holds each as a :class:`ProfileCluster`."""
 
 from __future__ import annotations
 
@@ -27,8 +19,7 @@ SAME_PREFECT_ENV = {"PREFECT_CLIENT_SERVER_VERSION_CHECK_ENABLED": "false"}
 
 
 def placed_on_this_host(profile: ResourceProfile) -> bool:
-    """Whether ``profile``'s workers run on this host's devices, so this host's inventory tells at
-    submit whether it can ever be satisfied (the other kinds' workers are checked when they start)."""
+    """Whether ``profile``'s workers run on this host, whose inventory tells at submit if it can ever run."""
     return profile.is_local
 
 
@@ -49,13 +40,8 @@ def new_cluster(
     api_url: str | None,
     on_board: Callable[[str, dict[str, Any]], None] | None,
 ) -> ProfileCluster:
-    """The cluster of ``profile`` in one flow run (not started: ``start`` provisions it).
-
-    ``inventory``: this host's devices, asked for only by a local GPU profile (discovering them
-    costs NVML's start; the other kinds get none). ``on_board``: called with
-    ``("preempting" | "preempted", info)`` when an ``address`` GPU profile's entry on its shared
-    scheduler's board goes up or it interrupts tasks for another's.
-    """
+    """The cluster of ``profile`` in one flow run, not started. ``inventory`` is called only for a local
+    GPU profile (it costs NVML's start); ``on_board`` hears an address profile's preemptions."""
     if profile.is_local:
         return ProfileCluster(
             profile,

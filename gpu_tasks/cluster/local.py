@@ -1,10 +1,5 @@
-"""One profile's cluster within one flow run: lease devices, start, grow, account, close.
-
-The decisions (how many workers, which devices, when to close) come from
-:mod:`gpu_tasks.policy`, devices from :class:`~gpu_tasks.devices.book.DeviceBook`,
-workers from :mod:`gpu_tasks.cluster.backends`, held and busy time from :mod:`gpu_tasks.reporting.ledger`;
-this module only acts on them.
-"""
+"""One profile's cluster within one flow run: lease devices, start, grow, account, close. It acts on
+the decisions of :mod:`gpu_tasks.policy`; workers come from :mod:`gpu_tasks.cluster.backends`."""
 
 from __future__ import annotations
 
@@ -51,8 +46,7 @@ def _held(specs: list[WorkerSpec]) -> list[Held]:
 
 
 def run_priority(profile: ResourceProfile, settings: GpuTasksSettings | None = None) -> int:
-    """The priority ``profile`` waits for devices at in this flow run: ``GPU_TASKS_PRIORITY``
-    when set (per deployment or flow run), else the profile's own ``priority``."""
+    """The priority ``profile`` waits for devices at: ``GPU_TASKS_PRIORITY`` when set, else its own."""
     override = (settings or get_settings()).priority
     return profile.priority if override is None else override
 
@@ -64,9 +58,8 @@ def _addresses(specs: list[WorkerSpec]) -> list[str]:
 class ProfileCluster:
     """The live cluster of one profile within one flow run."""
 
-    # Its workers are not this flow run's own (``address``, ``cluster_class``): hand-offs go one at a
-    # time, a task's quota slots are held while it runs there, a failed start fails the tasks
-    # submitted before it, and the worker side caps its client waits per task run.
+    # Its workers are not this flow run's own (``address``, ``cluster_class``): the runner hands off
+    # one at a time, holds quota slots while a task runs, and fails the tasks of a failed start.
     shared = False
     # why a task still running when the flow run stopped did not finish (its crash report)
     stopped_note = "its worker was closed"
@@ -90,8 +83,7 @@ class ProfileCluster:
         self.worker_env = worker_env
         self.provision_timeout = provision_timeout
         self.dashboard = dashboard
-        # every group its workers may own (cut by wiring where it is known); a start or a growth
-        # chooses among them by what is free then (_placement)
+        # every group its workers may own; a start or a growth chooses by what is free then
         self.groups: list[tuple[Device, ...]] = worker_groups(profile, inventory) if profile.is_gpu else []
         self.limit = max_worker_count(profile, len(self.groups))
         self.specs: list[WorkerSpec] = []
@@ -100,19 +92,15 @@ class ProfileCluster:
         self.usage = Usage()
         if profile.is_gpu and inventory.emulated:  # never sampled: the ledger says so, with no numbers
             self.usage.not_measured(NOT_EMULATED)
-        # seconds the last start() spent waiting for devices and starting workers
-        self.startup: dict[str, float] = {}
+        self.startup: dict[str, float] = {}  # seconds the last start() spent in each phase
         self.preemptions = 0  # times its workers were stopped for a higher-priority waiter
 
-    # ------------------------------------------------------------ properties
     @property
     def running(self) -> bool:
-        """Whether the cluster is up."""
         return self.backend is not None
 
     @property
     def worker_count(self) -> int:
-        """Workers started so far."""
         return len(self.specs)
 
     @property
@@ -121,30 +109,21 @@ class ProfileCluster:
         return min((s.nthreads for s in self.specs), default=None)
 
     def workers_wanted(self, tasks: int) -> int:
-        """The workers ``tasks`` tasks handed to it want, within its limit
-        (:func:`gpu_tasks.policy.desired_workers`: the one rule the runner's starts and growth use)."""
+        """The workers ``tasks`` tasks want (:func:`gpu_tasks.policy.desired_workers`), within its limit."""
         return desired_workers(self.profile, tasks, self.worker_count, self.limit, self.slots)
 
     @property
     def devices(self) -> tuple[str, ...]:
-        """Device addresses the cluster holds now."""
         return tuple(_addresses(self.specs))
 
     @property
     def emulated(self) -> bool:
-        """Whether the devices it schedules on are emulated."""
         return bool(self.profile.is_gpu and self.inventory.emulated)
 
     @property
     def queue_priority(self) -> int | None:
-        """The priority it waits for and holds this host's devices at (:func:`run_priority`);
-        ``None`` for profiles that never queue for devices here (CPU, address, cluster_class)."""
+        """The priority it holds this host's devices at; ``None`` for profiles that never queue here."""
         return self.priority if self.profile.is_gpu and self.profile.is_local else None
-
-    @property
-    def _unit(self) -> str:
-        """What its ledger counts: device-seconds, or worker-seconds for a CPU profile."""
-        return "device-s" if self.profile.is_gpu else "worker-s"
 
     @property
     def gang_wiring(self) -> dict[str, str]:
@@ -154,20 +133,14 @@ class ProfileCluster:
 
     @property
     def dashboard_link(self) -> str | None:
-        """The Dask dashboard URL, when dashboards are on."""
         return self.backend.dashboard_link if self.backend is not None else None
 
     # ------------------------------------------------------------ lifecycle
     def start(self, n_workers: int) -> None:
-        """Start the cluster with ``n_workers`` workers and wait until they are up.
-
-        Raises:
-            ClusterError: naming the profile and devices when workers do not start.
-        """
+        """Start the cluster with ``n_workers`` workers and wait until they are up (else ``ClusterError``)."""
         n_workers = max(1, min(n_workers, self.limit))
         asked = time.monotonic()
-        # With a warm pool, everything that needs no device happens before the lease: the
-        # processes finish importing and the scheduler starts; the lease then only binds them.
+        # with a warm pool, all that needs no device happens before the lease, which only binds them
         backend = self._start_before_lease(n_workers) if self.pool is not None else None
         prepared = time.monotonic()
         self._placement_limits()
@@ -185,14 +158,7 @@ class ProfileCluster:
         t0 = time.monotonic()
         try:
             if backend is None:
-                backend = backends.start(
-                    self.profile,
-                    specs,
-                    lambda: [self._spec(i) for i in range(len(self.groups))],
-                    self.inventory.emulated,
-                    self.provision_timeout,
-                    self.dashboard,
-                )
+                backend = self._backend(specs, lambda: [self._spec(i) for i in range(len(self.groups))])
             else:
                 backend.add(specs, len(specs))
         except Exception as exc:
@@ -217,8 +183,8 @@ class ProfileCluster:
         )
 
     def _placement_limits(self) -> None:
-        """Before a GPU profile's lease: tell its workers when no concurrency limit exists on the
-        placement tags (:data:`~gpu_tasks.allocation.PLACEMENT_FREE_ENV`), so they ask for no slots."""
+        """Before a GPU profile's lease: tell its workers when the placement tags have no concurrency
+        limit (:data:`~gpu_tasks.allocation.PLACEMENT_FREE_ENV`), so they ask for no slots."""
         if not self.profile.is_gpu or get_settings().tag_limit_cache_seconds <= 0:
             return
         env = {k: v for k, v in self.worker_env.items() if k != PLACEMENT_FREE_ENV}
@@ -231,17 +197,22 @@ class ProfileCluster:
         try:
             assert self.pool is not None
             self.pool.wait_ready(n_workers, self.provision_timeout)
-            return backends.start(
-                self.profile,
-                [],
-                lambda: [],
-                self.inventory.emulated,
-                self.provision_timeout,
-                self.dashboard,
-                pool=self.pool,
-            )
+            return self._backend([], lambda: [])
         except Exception as exc:
             raise self._start_error(n_workers, [], exc) from exc
+
+    def _backend(
+        self, specs: list[WorkerSpec], every_spec: Callable[[], list[WorkerSpec]]
+    ) -> backends.Backend:
+        return backends.start(
+            self.profile,
+            specs,
+            every_spec,
+            self.inventory.emulated,
+            self.provision_timeout,
+            self.dashboard,
+            pool=self.pool,
+        )
 
     def _start_error(self, n: int, devices: list[str], exc: BaseException) -> ClusterError:
         # a deadline only when one passed: a worker that dies while starting fails at once
@@ -252,10 +223,8 @@ class ProfileCluster:
         )
 
     def _acquire(self, n_workers: int) -> list[tuple[Device, ...]]:
-        """The device groups leased for ``n_workers`` workers (CPU profiles: ``n_workers`` empty ones).
-
-        A gang waits in the device queue for all of them at once, so two gangs never each hold half.
-        """
+        """The device groups leased for ``n_workers`` workers (CPU profiles: empty ones). A gang waits
+        for all of them at once, so two gangs never each hold half."""
         if not self.profile.is_gpu:
             return [()] * n_workers
         groups = self._placement(n_workers)
@@ -279,9 +248,8 @@ class ProfileCluster:
         return [groups[i] for i in indexes]
 
     def _placement(self, n_workers: int) -> list[tuple[Device, ...]]:
-        """The groups to lease ``n_workers`` new workers from, in the order to try them: by wiring where
-        it is known (:func:`gpu_tasks.policy.placement_groups`, the best-connected free sets first),
-        else :attr:`groups` as they are."""
+        """The groups to lease ``n_workers`` new workers from, best-wired free sets first where wiring
+        is known (:func:`gpu_tasks.policy.placement_groups`)."""
         wiring = self.inventory.wiring
         if not wiring.known:
             return self.groups
@@ -294,8 +262,7 @@ class ProfileCluster:
         return placement_groups(self.profile, wiring, matching, free, n_workers)
 
     def _say_wiring(self, groups: list[tuple[Device, ...]]) -> None:
-        """Log how the devices just leased are wired (a profile without a ``topology`` level takes the
-        best set free, never waiting for a better one: this says which level it got)."""
+        """Log how the devices just leased are wired (without a ``topology`` level: which it got)."""
         wiring = self.inventory.wiring
         if not wiring.known or not groups or self.profile.devices_per_worker == 0:
             return
@@ -318,10 +285,7 @@ class ProfileCluster:
             )
 
     def scale_to(self, n_workers: int) -> int:
-        """Grow a GPU profile to ``n_workers`` (never shrinks while running); returns the new count.
-
-        CPU profiles have one worker (:func:`gpu_tasks.policy.desired_workers`).
-        """
+        """Grow a GPU profile to ``n_workers`` (never shrinks while running); the new count."""
         n_workers = min(n_workers, self.limit)
         if self.backend is None or not self.profile.is_gpu or n_workers <= len(self.specs):
             return len(self.specs)
@@ -359,7 +323,7 @@ class ProfileCluster:
         return total
 
     def submit(self, fn: Any, *args: Any, key: str, resources: dict[str, float] | None) -> Any:
-        """Submit ``fn(*args)``; returns a future with ``add_done_callback`` and ``result``."""
+        """Submit ``fn(*args)``: a future with ``add_done_callback`` and ``result``."""
         return self._running().submit(fn, *args, key=key, resources=resources)
 
     def submit_many(
@@ -369,7 +333,6 @@ class ProfileCluster:
         return self._running().submit_many(fn, argss, keys, resources)
 
     def _running(self) -> backends.Backend:
-        """Its backend; ``ClusterError`` when it is not running."""
         if self.backend is None:
             raise ClusterError(f"profile {self.profile.name!r}: its cluster is not running")
         return self.backend
@@ -379,17 +342,13 @@ class ProfileCluster:
         self.usage.record(worker, start, end)
 
     def drain(self) -> None:
-        """Let running in-flow-process tasks finish before the runner closes (see ThreadBackend)."""
+        """Let running in-flow-process tasks finish before the runner closes."""
         if self.backend is not None:
             self.backend.drain()
 
     def close(self, reason: str, hurry: bool = False) -> LedgerRow | None:
-        """Close the cluster and return its ledger row (``None`` if it was not running).
-
-        Args:
-            hurry: terminate worker processes first (the flow was interrupted): Dask's
-                graceful close waits for each worker busy in a task.
-        """
+        """Close the cluster; its ledger row (``None``: not running). ``hurry``: terminate the workers
+        first (the flow was interrupted), as Dask's graceful close waits for each busy one."""
         backend, self.backend = self.backend, None
         if backend is None:
             return None
@@ -415,11 +374,8 @@ class ProfileCluster:
         return None if spec is None else tuple(d.address for d in spec.devices)
 
     def retire(self, name: str, reason: str, keep: bool = False) -> LedgerRow | None:
-        """Remove the worker ``name`` (its process died) and give its devices back; the ledger row.
-
-        The whole cluster closes after its last worker (unless ``keep``: the scheduler stays up for
-        the tasks it holds), or for a worker not ours by name (dask-cuda names its own).
-        """
+        """Remove the dead worker ``name`` and give its devices back; the ledger row. The whole cluster
+        closes after its last worker (unless ``keep``), or for a worker not ours by name (dask-cuda's)."""
         spec = next((s for s in self.specs if s.name == name), None)
         if self.backend is None or (spec is None and name in self.retired):
             return None  # nothing running, or retired already (found lost while idle)
@@ -441,15 +397,16 @@ class ProfileCluster:
         return row
 
     def _log_given_back(self, what: str, reason: str, row: LedgerRow) -> None:
+        unit = "device-s" if self.profile.is_gpu else "worker-s"
         logger.info(
             "profile %r: %s (%s); held %.1f %s, busy %.1f %s",
             self.profile.name,
             what,
             reason,
             row.held_seconds,
-            self._unit,
+            unit,
             row.busy_seconds,
-            self._unit,
+            unit,
         )
 
     def _queueing(self) -> dict[str, Any]:
@@ -458,12 +415,9 @@ class ProfileCluster:
             "priority": self.priority,
             "preemptible": self.profile.preemptible,
             "quota": self.profile.quota,
-            # its preempted tasks wait for devices without GPU_TASKS_LEASE_TIMEOUT
-            "patient": self.preemptions > 0,
-            # a device must have this much free when it is leased (programs outside gpu-tasks use the rest)
-            "need_memory": self.profile.need_memory_free,
-            # its run on a device is not preempted for this long after it took the device
-            "min_run_time": self.profile.min_run_time or 0.0,
+            "patient": self.preemptions > 0,  # preempted: wait without GPU_TASKS_LEASE_TIMEOUT
+            "need_memory": self.profile.need_memory_free,  # free when leased: other programs use the rest
+            "min_run_time": self.profile.min_run_time or 0.0,  # not preempted this long after leasing
         }
 
     # ------------------------------------------------------------ preemption
@@ -497,8 +451,7 @@ class ProfileCluster:
         return []
 
     def lost_workers(self, grace: float) -> list[tuple[str, str | None]]:
-        """``(name, address)`` of this cluster's workers whose process ended ``grace`` s ago or more
-        though no one closed it (:meth:`~gpu_tasks.cluster.backends.Backend.lost`)."""
+        """Its workers whose process ended ``grace`` s ago, unclosed (see ``Backend.lost``)."""
         if self.backend is None:
             return []
         names = {s.name for s in self.specs}
@@ -511,10 +464,7 @@ class ProfileCluster:
         return self.backend.processing(names)
 
     def stop_workers(self, names: list[str], reason: str) -> list[LedgerRow]:
-        """Stop the workers ``names`` at once (their tasks are killed) and give their devices back.
-
-        All of them: the cluster closes (a gang always closes whole). Returns the ledger rows.
-        """
+        """Stop the workers ``names`` at once (their tasks die), give their devices back; the ledger rows."""
         if self.backend is None or not names:
             return []
         self.preemptions += 1

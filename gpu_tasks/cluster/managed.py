@@ -1,6 +1,5 @@
-"""``cluster_class=`` profiles: any Dask cluster class (dask-jobqueue, dask-kubernetes,
-dask-gateway, ``LocalCUDACluster``) created on the profile's first task, scaled to the queued
-tasks (at most ``max_workers``), scaled to zero when idle and closed when the flow run ends."""
+"""``cluster_class=`` profiles: any Dask cluster class (dask-jobqueue, dask-gateway, ...) created on
+the first task, scaled to the queue, to zero when idle, and closed when the flow run ends."""
 
 from __future__ import annotations
 
@@ -28,11 +27,7 @@ logger = logging.getLogger("gpu_tasks.runner")
 
 
 def load_cluster_class(profile: ResourceProfile) -> type:
-    """The class ``profile.cluster_class`` names, checked to be a Dask cluster class.
-
-    Raises:
-        ClusterError: the module or class cannot be imported, or it is not a Dask cluster.
-    """
+    """The class ``profile.cluster_class`` names, checked to be a Dask cluster (else ``ClusterError``)."""
     from distributed.deploy.cluster import Cluster
 
     path = profile.cluster_class
@@ -53,9 +48,8 @@ def load_cluster_class(profile: ResourceProfile) -> type:
             f"profile {profile.name!r}: cluster_class {path!r}: module {module_name!r} has no {attr!r}; "
             "fix the class name"
         )
-    # dask-gateway's GatewayCluster is no Cluster subclass but acts as one: scale() and close() on the
-    # class; its scheduler_address is an instance attribute, set once the gateway started the cluster,
-    # so that one is checked on the instance (ManagedCluster._create)
+    # dask-gateway's GatewayCluster is no Cluster subclass but acts as one; its scheduler_address is
+    # set once the gateway started the cluster, so ManagedCluster._create checks that on the instance
     acts_as_one = all(callable(getattr(cls, m, None)) for m in ("scale", "close"))
     if not (isinstance(cls, type) and (issubclass(cls, Cluster) or acts_as_one)):
         raise ClusterError(
@@ -63,11 +57,10 @@ def load_cluster_class(profile: ResourceProfile) -> type:
             "distributed.deploy.Cluster such as dask_jobqueue.SLURMCluster, or a class with scale(), close() "
             "and scheduler_address such as dask_gateway.GatewayCluster); fix cluster_class"
         )
-    warn_if_changed()  # the private names of the library just imported (dask-gateway's), once a process
+    warn_if_changed()  # the private names of the library just imported (dask-gateway's)
     return cls
 
 
-# ---------------------------------------------------------------- a cluster manager's cluster
 class ManagedCluster(RemoteCluster):
     """A cluster of ``profile.cluster_class``, created on the first task and scaled with the queue."""
 
@@ -129,8 +122,7 @@ class ManagedCluster(RemoteCluster):
         name = self.profile.cluster_class
 
         def make() -> Any:
-            # a task whose worker died is reported by the runner, not re-run by the scheduler
-            # (for schedulers in this process: dask-jobqueue, LocalCUDACluster)
+            # a task whose worker died is reported, not re-run (schedulers in this process: dask-jobqueue)
             with _non_daemon_workers(), shared_config("distributed.scheduler.allowed-failures", 0):
                 return cls(**self.profile.cluster_kwargs)
 
@@ -239,8 +231,8 @@ class ManagedCluster(RemoteCluster):
         return row
 
     def _wait_until_gone(self, seconds: float) -> None:
-        """Wait until the scheduler has no worker left: scaling to zero retires them one by one, and a
-        task of the next start handed to a worker still retiring would die with it (a crash)."""
+        """Wait until the scheduler has no worker left: a task of the next start handed to a worker
+        still retiring would die with it."""
         deadline = time.monotonic() + seconds
         left: dict[str, RemoteWorker] = {}
         while time.monotonic() < deadline:

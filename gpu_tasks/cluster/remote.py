@@ -1,8 +1,5 @@
-"""What profiles whose workers are not this host's leased devices share (:class:`RemoteCluster`):
-:mod:`gpu_tasks.cluster.address` (``address=``, an existing Dask cluster) and
-:mod:`gpu_tasks.cluster.managed` (``cluster_class=``) hold the two kinds. Device leases do not
-apply to them: they cover one host's devices.
-"""
+"""What ``address=`` (:mod:`~gpu_tasks.cluster.address`) and ``cluster_class=``
+(:mod:`~gpu_tasks.cluster.managed`) profiles share; device leases cover one host and do not apply."""
 
 from __future__ import annotations
 
@@ -17,12 +14,7 @@ from typing import Any
 from gpu_tasks.borrowing import Claim
 from gpu_tasks.cluster.board import SharedBoard
 from gpu_tasks.cluster.local import ProfileCluster
-from gpu_tasks.cluster.remote_workers import (
-    RemoteWorker,
-    executing_keys,
-    read_workers,
-    started_keys,
-)
+from gpu_tasks.cluster.remote_workers import RemoteWorker, executing_keys, read_workers, started_keys
 from gpu_tasks.cluster.within import within
 from gpu_tasks.devices import wait_reasons
 from gpu_tasks.devices.discovery import Inventory
@@ -46,7 +38,7 @@ API_PROBE_TIMEOUT_S = 5.0  # how long a worker's request to the flow run's Prefe
 
 
 def security_for(profile: ResourceProfile) -> Any:
-    """Dask ``Security`` for a ``tls://`` address: the profile's files, then GPU_TASKS_TLS_*, then
+    """Dask ``Security`` for a ``tls://`` address: the profile's files, else GPU_TASKS_TLS_*, else
     Dask's ``distributed.comm.tls`` configuration."""
     from distributed import Security
 
@@ -56,7 +48,7 @@ def security_for(profile: ResourceProfile) -> Any:
     cert = (tls.cert if tls else None) or settings.tls_cert
     key = (tls.key if tls else None) or settings.tls_key
     if ca is None and cert is None:
-        return Security()  # Dask's own configuration (distributed.comm.tls.*)
+        return Security()
     for what, path in (("ca_file", ca), ("cert", cert), ("key", key)):
         if path is not None:
             try:
@@ -74,7 +66,6 @@ def security_for(profile: ResourceProfile) -> Any:
     )
 
 
-# ---------------------------------------------------------------- shared by both kinds
 def _by_worker(answers: dict[Any, Any]) -> dict[str, list[str]]:
     """A ``Client.run`` of a keys function, by worker address (workers that failed left out)."""
     return {str(w): [str(k) for k in keys] for w, keys in answers.items() if isinstance(keys, list)}
@@ -104,19 +95,17 @@ class RemoteCluster(ProfileCluster):
         self._tasks = 0
         self._busy_lock = threading.Lock()
         self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory_total)
-        self._fit: list[RemoteWorker] = []  # the workers that can run this profile's tasks
+        self._fit: list[RemoteWorker] = []
         self._no_api: dict[str, str] = {}  # workers that could not reach the Prefect API: why
         self._pending: dict[str, float] = {}  # keys submitted and not done: when
-        self._futures: dict[str, Any] = {}  # their futures
+        self._futures: dict[str, Any] = {}
         self._watch_stop = threading.Event()
         self._watcher: threading.Thread | None = None
-        # preemption on a shared scheduler (address GPU profiles; gpu_tasks.cluster.board)
-        self.board: SharedBoard | None = None
+        self.board: SharedBoard | None = None  # preemption on a shared scheduler (address GPU profiles)
         self.me: dict[str, Any] | None = None  # who we are on the board (flow run, priority)
         self.preempted: dict[str, dict[str, Any]] = {}  # key interrupted -> the waiter it was for
         self._lent: set[str] = set()  # task runs (hex ids) whose task runs on borrowed quota
 
-    # ------------------------------------------------------------ properties
     @property
     def running(self) -> bool:
         return self.client is not None
@@ -150,8 +139,7 @@ class RemoteCluster(ProfileCluster):
             self.me = owner_info(self.profile.name, self.priority)  # in the flow run's context
         with self._busy_lock:
             self._pending[key] = time.monotonic()
-        # a shared scheduler's workers start the higher-priority task first among those waiting for
-        # their GPU resources: this flow run's priority (GPU_TASKS_PRIORITY, else the profile's)
+        # a shared scheduler's workers start the higher-priority task first among those waiting
         future = self.client.submit(
             fn, *args, key=key, pure=False, resources=resources, priority=self.priority, **where
         )
@@ -162,8 +150,8 @@ class RemoteCluster(ProfileCluster):
         return future
 
     def _place(self, workers: dict[str, RemoteWorker]) -> None:
-        """Send tasks only to the workers that fit, when some do not (gpu_model, gpu_memory_total, or
-        a worker without gpu-tasks, which a task would break)."""
+        """Send tasks only to the workers that fit, when some do not (gpu_model, gpu_memory_total, no
+        gpu-tasks, no Prefect API)."""
         why = {a: w.why_not(self.profile) or self._no_api.get(a) for a, w in workers.items()}
         for address, reason in why.items():
             w = workers[address]
@@ -189,19 +177,16 @@ class RemoteCluster(ProfileCluster):
             self._futures.pop(key, None)
         client = self.client
         if status != "finished" and client is not None:
-            # no attempt ended on a worker to remove the task's started mark (its worker died and the
-            # scheduler gave up on it, or it was cancelled): a message, no reply awaited
+            # no attempt ended on a worker to remove the task's started mark (its worker died, or
+            # it was cancelled): a message, no reply awaited
             from distributed import Variable
 
             with contextlib.suppress(Exception):
                 Variable(started_mark(key), client=client).delete()
 
     def _cancel_unfinished(self) -> None:
-        """Stop our tasks on the cluster (the flow run stopped): queued ones never start; running
-        ones are interrupted (``KeyboardInterrupt``: ``Crashed``, as on this host).
-
-        Cancelled first: a worker freed by an interrupt would otherwise take a queued task of ours
-        before its cancel arrived; the interrupt finds a cancelled task's thread by its key."""
+        """Stop our tasks on the cluster: cancel the queued first (else a worker freed by an interrupt
+        could take one), then interrupt the running (``Crashed``)."""
         with self._busy_lock:
             futures = list(self._futures.values())
             keys = list(self._futures)
@@ -227,8 +212,7 @@ class RemoteCluster(ProfileCluster):
             self._watcher.start()
 
     def _watch_queue(self, stop: threading.Event) -> None:
-        """Log the tasks that waited ``wait_log_every`` s in the queue, and why; with a board,
-        every ``BOARD_STEP_S`` s also be a waiter or a holder on it (gpu_tasks.cluster.board)."""
+        """Log the tasks long in the queue; with a board, also take our turn on it."""
         step = min(self.wait_log_every, BOARD_STEP_S) if self.board is not None else self.wait_log_every
         next_log = time.monotonic() + self.wait_log_every
         while not stop.wait(step):
@@ -271,9 +255,8 @@ class RemoteCluster(ProfileCluster):
             )
 
     def _board_step(self, client: Any, board: SharedBoard) -> None:
-        """Put up (or take down) our waiter entry (with our team, and whether it is owed devices); as
-        a preemptible holder, interrupt our running tasks that a higher-priority waiter on the same
-        workers needs, or our borrowed ones an entitled waiter of another team reclaims."""
+        """Renew our waiter entry; as a preemptible holder, interrupt our running tasks that a
+        higher-priority waiter on our workers needs, or borrowed ones another team reclaims."""
         with self._busy_lock:
             pending = dict(self._pending)
         settings = get_settings()
@@ -319,12 +302,11 @@ class RemoteCluster(ProfileCluster):
                 for key in set(keys) - set(hit):  # it ended meanwhile (or the worker is gone)
                     self.preempted.pop(key, None)
             mine[worker] = [k for k in mine[worker] if k not in keys]
+            reclaim = waiter.get("reclaimed_by")
             logger.warning(
                 "profile %r: %s %d task(s) on worker %s of %s for %s, queued %.1fs there",
                 self.profile.name,
-                f"reclaimed by {waiter['reclaimed_by']}: stopping borrowed"
-                if waiter.get("reclaimed_by")
-                else "preempting",
+                f"reclaimed by {reclaim}: stopping borrowed" if reclaim else "preempting",
                 len(keys),
                 worker,
                 self.scheduler_address,
@@ -332,24 +314,11 @@ class RemoteCluster(ProfileCluster):
                 float(waiter.get("waited_s") or 0),
             )
             if self.on_board is not None:
-                self.on_board(
-                    "preempted",
-                    {
-                        "by": waiter,
-                        "worker": worker,
-                        "keys": keys,
-                        "interrupted": hit,
-                    },
-                )
+                self.on_board("preempted", {"by": waiter, "worker": worker, "keys": keys, "interrupted": hit})
 
     def admit(self, stop: threading.Event, say: Callable[[str], None]) -> None:
-        """Hold a new task back while a waiter of lower priority on the board has aged past our
-        priority (``GPU_TASKS_TUNE_PRIORITY_AGING``) and waits on workers we use: so a stream of our
-        tasks cannot starve it. Tasks already with the scheduler keep their place.
-
-        Raises:
-            RuntimeError: ``stop`` was set (the runner is stopping).
-        """
+        """Hold a new task back while a lower-priority waiter on our workers has aged past us, so our
+        tasks cannot starve it; ``RuntimeError`` once ``stop`` is set."""
         board, client = self.board, self.client
         if board is None or client is None or time.monotonic() - self._clear_at < BOARD_STEP_S:
             return
@@ -385,14 +354,11 @@ class RemoteCluster(ProfileCluster):
     _clear_at = -math.inf  # when the board last had no aged waiter ahead of us
 
     def preempted_by(self, key: str) -> dict[str, Any]:
-        """The waiter ``key`` was interrupted for (``{}`` when not known)."""
         with self._busy_lock:
             return self.preempted.pop(key, {})
 
     # ------------------------------------------------------------ borrowing (gpu_tasks.borrowing)
     def lend(self, task_run: str, borrowed: bool) -> None:
-        """Mark the task of ``task_run`` (hex id) as running on borrowed quota (a slot of its team's
-        borrowing limit, :class:`gpu_tasks.runner.admission.TaskQuota`), or not: reclaim takes only those."""
         with self._busy_lock:
             (self._lent.add if borrowed else self._lent.discard)(task_run)
 
@@ -402,8 +368,6 @@ class RemoteCluster(ProfileCluster):
         return len(parts) == 3 and parts[1] in self._lent
 
     def owed_waiters(self) -> list[Any]:
-        """The board's waiters of other teams owed devices within their quota, on workers we use (no
-        borrowing while one waits); none when the board cannot be read."""
         board, client = self.board, self.client
         if board is None or client is None:
             return []
@@ -416,11 +380,9 @@ class RemoteCluster(ProfileCluster):
 
     def _wait_reason(self) -> str:
         fit = [w for w in self.remote.values() if w.why_not(self.profile) is None]
-        return (
-            f"the {len(fit)} worker(s) that fit are busy with other work"
-            if fit
-            else "no worker that fits is up"
-        )
+        if fit:
+            return f"the {len(fit)} worker(s) that fit are busy with other work"
+        return "no worker that fits is up"
 
     def record(self, worker: str, start: float, end: float) -> None:
         with self._busy_lock:
@@ -440,7 +402,6 @@ class RemoteCluster(ProfileCluster):
         return None
 
     def shutdown(self) -> None:
-        """Close the client (the flow run ended)."""
         self._watch_stop.set()
         client, self.client = self.client, None
         if client is not None:
@@ -452,7 +413,6 @@ class RemoteCluster(ProfileCluster):
     # ------------------------------------------------------------ internals
     def _connected_workers(self, want: int, deadline: float, what: str) -> dict[str, RemoteWorker]:
         """Wait until the scheduler has ``want`` workers (or the deadline); their facts."""
-        assert self.client is not None
         next_log = time.monotonic() + _WAIT_LOG_EVERY
         while True:
             workers = read_workers(self.client)
@@ -490,11 +450,8 @@ class RemoteCluster(ProfileCluster):
         return fit
 
     def _check_api(self, workers: list[RemoteWorker], every: bool = False) -> None:
-        """Ask ``workers`` whether they reach the flow run's Prefect API (once per start).
-
-        Those that cannot get no task (``_no_api``), with a warning; with none left, or with any
-        when ``every`` (a cluster class's workers are alike), raise ``ClusterError``.
-        """
+        """Ask ``workers`` whether they reach the flow run's Prefect API; those that cannot get no task
+        (``_no_api``), or, with none left or ``every`` (a cluster class's workers are alike), fail."""
         self._no_api = failed = self._probe_api(workers)
         if not failed:
             return
@@ -506,8 +463,7 @@ class RemoteCluster(ProfileCluster):
         logger.warning("%s; its tasks go to the other %d worker(s)", why, len(workers) - len(failed))
 
     def _probe_api(self, workers: list[RemoteWorker]) -> dict[str, str]:
-        """{address: why not} for the ``workers`` that cannot reach the API, each asking it for this
-        flow run (:func:`~gpu_tasks.worker.api_probe.probe_api`); ``{}`` when they cannot be asked."""
+        """{address: why not} for the ``workers`` that cannot reach the API (``{}``: cannot ask)."""
         client, url = self.client, self.api_url
         if url is None or client is None or not workers or not self.profile.uses_processes:
             return {}
@@ -578,8 +534,8 @@ class RemoteCluster(ProfileCluster):
     def _spans(
         self, intervals: dict[str, list[tuple[float, float]]], held: tuple[float, float] | None
     ) -> tuple[DeviceSpan, ...]:
-        """One span per device a task ran on: over ``held`` (from, to), or, when the cluster is
-        not ours to hold (``None``), from its first task's start to its last task's end."""
+        """One span per device a task ran on: over ``held``, or, for a cluster not ours to hold
+        (``None``), from its first task's start to its last task's end."""
         models = {k: m for w in self._known_workers() for k, m in w.models().items()}
         spans: list[DeviceSpan] = []
         for key, runs in intervals.items():

@@ -17,13 +17,9 @@ from gpu_tasks.worker.engine import owned_devices
 logger = logging.getLogger("gpu_tasks.runner")
 
 
-# ---------------------------------------------------------------- what a worker is
 def worker_facts(dask_worker: Any = None) -> dict[str, Any]:
-    """Run on a worker (``Client.run``): its host and the devices it owns.
-
-    A worker owns the first ``GPU``-resource-many of its ``CUDA_VISIBLE_DEVICES``
-    (``dask cuda worker`` shows each worker every device, its own first).
-    """
+    """Run on a worker (``Client.run``): its host and the devices it owns (the first GPU-resource-many
+    of its ``CUDA_VISIBLE_DEVICES``: ``dask cuda worker`` shows each worker every device, its own first)."""
     from gpu_tasks.devices.discovery import visible_devices
 
     own = owned_devices(dask_worker)
@@ -44,8 +40,8 @@ def executing_keys(dask_worker: Any) -> list[str]:
 
 
 def started_keys(dask_worker: Any) -> list[str]:
-    """Run on a worker (``Client.run``): the keys it is executing, and those that ended there whose
-    result or error it still holds (their client may not have heard yet: they are not queued)."""
+    """Run on a worker (``Client.run``): the keys it is executing, and those ended there whose result
+    or error it still holds (not queued, though their client may not have heard yet)."""
     started = ("executing", "long-running", "memory", "error")
     return [str(k) for k, ts in dask_worker.state.tasks.items() if ts.state in started]
 
@@ -107,8 +103,7 @@ class RemoteWorker:
 
 
 def is_leaving(answer: object) -> bool:
-    """Whether a worker's answer to ``Client.run`` says it is closing or gone (a comm error, an
-    ``OSError``), not that it lacks gpu-tasks (its ``ImportError``)."""
+    """Whether a worker's answer to ``Client.run`` says it is closing or gone, not that it lacks gpu-tasks."""
     return isinstance(answer, OSError)
 
 

@@ -11,13 +11,8 @@ T = TypeVar("T")
 
 
 def within(seconds: float, fn: Callable[[], T], what: str, hint: str | None = None) -> T:
-    """``fn()`` in a daemon thread, giving up after ``seconds``.
-
-    Dask's SpecCluster can wait forever when a worker process fails while starting
-    (for one, a script that runs its flow at import time under the spawn start
-    method). A result that arrives after the deadline is closed, not leaked. ``hint``
-    replaces the timeout message's advice (which is about worker processes this host starts).
-    """
+    """``fn()`` in a daemon thread, giving up after ``seconds`` (a SpecCluster can wait forever on a
+    worker process that fails while starting); a late result is closed. ``hint``: the timeout's advice."""
     box: dict[str, Any] = {}
     done = threading.Event()
     lock = threading.Lock()
