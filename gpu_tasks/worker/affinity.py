@@ -1,11 +1,6 @@
-"""A worker process on its devices' CPUs: the flow side decides (:func:`plan`), the worker applies.
-
-The runner puts the CPUs in the worker's environment (:data:`ENV`); gpu-tasks' worker preload
-(:mod:`gpu_tasks.worker.guard`) calls :func:`apply_from_env` in the worker process on every path
-this host starts (Dask's nanny, a warm process, dask-cuda's ``LocalCUDACluster``), before a task
-runs. Whenever :data:`ENV` is set, dask-cuda's own CPU-affinity plugin is left out
-(:func:`gpu_tasks.compat.dask_cuda.without_cpu_affinity`): one owner of the worker's CPUs.
-"""
+"""A worker process on its devices' CPUs: the flow side decides (:func:`plan`) and passes them in
+:data:`ENV`; the worker preload applies them. With :data:`ENV` set, dask-cuda's own CPU-affinity
+plugin is left out: one owner of the worker's CPUs."""
 
 from __future__ import annotations
 
@@ -30,8 +25,7 @@ def supported() -> bool:
 
 
 def plan(enabled: bool, cpus: Sequence[str | None]) -> tuple[str, str]:
-    """``(value of ENV, what the ledger records)`` for a worker whose devices have ``cpus``
-    (:attr:`gpu_tasks.devices.topology.Topology.cpus`), in this process's allowed CPUs."""
+    """``(value of ENV, what the ledger records)`` for a worker whose devices have ``cpus``."""
     if not enabled:
         return "", OFF
     if not supported():
@@ -49,8 +43,7 @@ def plan(enabled: bool, cpus: Sequence[str | None]) -> tuple[str, str]:
 
 
 def apply_from_env() -> None:
-    """Pin every thread of this process to the CPUs :data:`ENV` names (threads started later inherit
-    them); a failure is logged."""
+    """Pin every thread of this process to the CPUs :data:`ENV` names (later threads inherit them)."""
     text = os.environ.get(ENV, "")
     if not text or not supported():
         return

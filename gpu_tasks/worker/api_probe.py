@@ -1,9 +1,5 @@
-"""Run on a remote worker (``Client.run``): can this worker reach the flow run's Prefect API?
-
-The question asked is one only the right server can answer: the flow run by its id. A
-different server (another user's, or one at the worker's own ``127.0.0.1``) answers 404,
-and a host that cannot be reached raises; both count as "cannot reach it".
-"""
+"""Run on a remote worker (``Client.run``): can it reach the flow run's Prefect API? Only the right
+server knows the flow run by its id; another one (another user's, the worker's own) answers 404."""
 
 from __future__ import annotations
 
@@ -13,10 +9,8 @@ import urllib.request
 
 
 def probe_api(api_url: str, flow_run_id: str | None, headers: dict[str, str], timeout: float) -> str | None:
-    """``None`` when ``api_url`` answers for ``flow_run_id`` from here; else why not, in words.
-
-    Without a flow run id (a runner outside a flow run), any answer from ``/health`` counts.
-    """
+    """``None`` when ``api_url`` answers for ``flow_run_id`` (without one, any ``/health`` answer);
+    else why not, in words."""
     path = f"/flow_runs/{flow_run_id}" if flow_run_id else "/health"
     request = urllib.request.Request(api_url.rstrip("/") + path, headers=headers)
     try:

@@ -1,10 +1,5 @@
-"""Objects pickled once in the flow process and loaded once per worker process.
-
-A task's Prefect ``Task`` and the flow run's context travel by value, and cloudpickle walks
-``sys.modules`` for each: :meth:`Blobs.blob` pickles each object once, :func:`_load` unpickles it
-once per process. Both caches are bounded (least recently used out); the flow side's keeps the
-objects it pickled alive, so an ``id`` is never reused while its bytes are cached.
-"""
+"""Objects pickled once in the flow process and loaded once per worker process: cloudpickle walks
+``sys.modules`` for each task's ``Task`` and flow run context. Both caches drop the least recently used."""
 
 from __future__ import annotations
 
@@ -14,14 +9,11 @@ from collections import OrderedDict
 from typing import Any
 
 KEEP = 256  # objects per process: a flow run's tasks and contexts, and a few flow runs'
+KEEP_BYTES = 256 * 2**20  # and at most this many pickled bytes' worth of them
 
 
 class Blob:
-    """``obj`` pickled once; :meth:`open` gives the object, unpickled once per process.
-
-    A blob pickles as its bytes: it passes through Dask's scheduler (which unpickles a
-    task's arguments and pickles them again for the worker) without unpickling ``obj``.
-    """
+    """``obj`` pickled once; it pickles as its bytes, so Dask's scheduler never unpickles ``obj``."""
 
     __slots__ = ("data", "key", "kind")
 
@@ -41,24 +33,19 @@ def opened(value: Any) -> Any:
     return value.open() if isinstance(value, Blob) else value
 
 
-KEEP_BYTES = 256 * 2**20  # and at most this many pickled bytes' worth of them
-
 _LOADED: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key -> (object loaded here, its bytes)
 _LOCK = threading.Lock()
 
 
 class Blobs:
-    """The flow side: one per runner, so what it keeps alive goes with the runner."""
+    """The flow side: one per runner; it keeps the objects it pickled alive, so an ``id`` is not reused."""
 
     def __init__(self) -> None:
         self._made: OrderedDict[int, tuple[Any, Blob]] = OrderedDict()  # id(obj) -> (obj, its blob)
         self._lock = threading.Lock()
 
     def blob(self, obj: Any, kind: str = "") -> Blob:
-        """``obj``'s blob, pickled (cloudpickle) at the first call for this object.
-
-        ``obj`` must not change while its blob is in use: later changes do not reach workers.
-        """
+        """``obj``'s blob, pickled at the first call for it: later changes to ``obj`` reach no worker."""
         import cloudpickle  # type: ignore[import-untyped]
 
         with self._lock:
@@ -84,7 +71,7 @@ def _load(key: str, data: bytes, kind: str) -> Any:
             return _LOADED[key][0]
     if threading.current_thread() is threading.main_thread():
         loaded = pickle.loads(data)  # our own flow process pickled it
-    else:  # a worker thread: what it imports may not set signal handlers (dask_jobqueue.runner does)
+    else:  # what a worker thread imports may not set signal handlers (dask_jobqueue.runner does)
         from gpu_tasks.compat.cpython import signal_handlers_kept
 
         with signal_handlers_kept():
@@ -102,8 +89,7 @@ def _load(key: str, data: bytes, kind: str) -> Any:
 def _prepared(obj: Any, kind: str) -> Any:
     """Work done once per loaded blob instead of in every task that uses it."""
     if kind == "flow_run_context":
-        # Prefect's hydrated_context validates the flow run and the result store (a block)
-        # from their dicts for every task; pydantic keeps a model instance as it is
+        # Prefect's hydrated_context validates these dicts for every task; a model instance is kept
         from prefect.client.schemas.objects import FlowRun
         from prefect.results import ResultStore
 

@@ -1,12 +1,13 @@
-"""Prefect's task engine on a worker's allocation: :func:`run_on_worker` in a profile's worker
-process, :func:`run_engine` in its thread pool (in-process profiles). State here is per process.
-"""
+"""Prefect's task engine on a worker's allocation: :func:`run_on_worker` in a worker process,
+:func:`run_engine` in-process too. State here is per process."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import contextvars
+import copy
+import functools
 import logging
 import math
 import os
@@ -15,6 +16,10 @@ import threading
 import time
 import uuid
 from typing import Any
+
+from prefect.client.schemas.objects import State
+from prefect.context import SettingsContext, SyncClientContext
+from prefect.states import Crashed
 
 from gpu_tasks.allocation import (
     PLACEMENT_FREE_ENV,
@@ -32,12 +37,14 @@ from gpu_tasks.compat.prefect import (
     use_no_limits_cache,
 )
 from gpu_tasks.compat.prefect_client import cap_client_waits
-from gpu_tasks.compat.prefect_server import keep_slim_event_contexts
+from gpu_tasks.compat.prefect_server import drain_events, keep_slim_event_contexts
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
 from gpu_tasks.policy import GPU_RESOURCE
+from gpu_tasks.preemption import PreemptedRun
 from gpu_tasks.prefect_api.api import sync_client
 from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
+from gpu_tasks.prefect_api.states import crash_task_run, looks_like_oom, retry_after_crash
 from gpu_tasks.prefect_api.tag_answers import limited_names, start_renewing
 from gpu_tasks.profiles import profile, requested_profile
 from gpu_tasks.reporting.ledger import worker_key
@@ -45,19 +52,13 @@ from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import guard as _worker_guard
 from gpu_tasks.worker import memory_caps
 from gpu_tasks.worker.blobs import opened
-from gpu_tasks.worker.interrupts import (
-    INTERRUPTIBLE,
-    INTERRUPTIBLE_LOCK,
-    ORPHANED,
-    watch_released,
-)
+from gpu_tasks.worker.interrupts import INTERRUPTIBLE, INTERRUPTIBLE_LOCK, ORPHANED, watch_released
 from gpu_tasks.worker.slots import SlotPool
 from gpu_tasks.worker.started import mark_started
 
 logger = logging.getLogger(__name__)
 
-# Built Prefect settings by the key their serialized form was sent with (gpu_tasks.runner.payload):
-# validating Settings from a dict reads env, .env and toml sources, too slow to do per task.
+# Built Prefect settings by their key: validating Settings reads env, .env and toml, too slow per task.
 _WORKER_SETTINGS: dict[str, dict[str, Any]] = {}
 _WORKER_SETTINGS_LOCK = threading.Lock()
 _WORKER_THREAD = threading.local()  # each worker thread's open sync Prefect client, by settings key
@@ -74,10 +75,8 @@ def owned_devices(dask_worker: Any) -> int | None:
 
 
 def prepare_process() -> None:
-    """Configure Prefect's logging in this worker process once, before any task of it runs:
-    Prefect's lazy setup in the first task, with no lock of its own, could deadlock tasks that
-    start at once (docs/runner.md, "Tasks starting together in a fresh worker process").
-    """
+    """Set Prefect's logging up once, before any task runs: its lazy, lockless setup could deadlock
+    tasks that start at once (docs/runner.md, "Tasks starting together in a fresh worker process")."""
     if _PROCESS_READY.is_set():
         return
     with _PROCESS_READY_LOCK:
@@ -99,33 +98,21 @@ def run_on_worker(
     slots_held: tuple[str, ...] = (),
     started_log: str | None = None,
 ) -> tuple[Any, float, float, str]:
-    """Run the Prefect task engine in a worker process (context travels serialized).
-
-    Args:
-        remote: a worker the runner did not start (``address`` / ``cluster_class``
-            profiles): its devices come from its own environment, and a task that its
-            scheduler re-runs after a worker died is reported ``Crashed`` first
-            (:func:`_after_lost_worker`).
-        slots_held: the tag concurrency limits (``tag:<tag>``) the flow process holds a slot
-            of for this task run, or knows do not exist (:mod:`gpu_tasks.prefect_api.tag_slots`): the
-            engine does not take them again (it takes those of tags added here, ``gpu:<id>``).
-        started_log: a local cluster's file of begun hand-offs (:mod:`gpu_tasks.worker.started`),
-            noted before the engine runs, so a task only queued on a worker that dies runs again.
-    """
+    """Run the Prefect task engine in a worker process; ``remote``: one the runner did not start,
+    ``slots_held``: tag limits the flow holds (or knows absent), ``started_log``: the hand-off file."""
     from distributed import get_worker
-    from prefect.context import SettingsContext, SyncClientContext
 
     prepare_process()
-    memory_caps.apply()  # a gpu_memory_per_task worker's allocators, before its first task runs
-    dask_worker: Any = get_worker()  # always submitted to a Dask worker (run_engine runs in-process)
+    memory_caps.apply()
+    dask_worker: Any = get_worker()
     task = opened(task)
     context = {k: opened(v) for k, v in kwargs["context"].items()}
     settings = _worker_settings(settings_key, context["settings_context"], remote)
     kwargs = {**kwargs, "context": {**context, "settings_context": settings}}
     host, own = (socket.gethostname(), owned_devices(dask_worker)) if remote else (None, None)
     alloc = worker_allocation(profile_name, fraction, dask_worker.address, host=host, own=own)
-    _worker_guard.on_orphaned(_report_orphaned)  # once per worker process (idempotent)
-    flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run")  # validated (_blobs)
+    _worker_guard.on_orphaned(_report_orphaned)
+    flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run")
     running = (task, getattr(flow_run, "id", None), alloc, set(task.tags))
     with _RUNNING_LOCK:
         _RUNNING[kwargs["task_run_id"]] = running
@@ -133,8 +120,7 @@ def run_on_worker(
     try:
         with (
             SettingsContext(**settings),
-            # the thread's client in Prefect's context, found by the engine as its own (its
-            # __init__ would open a new client: the documented `client` field set directly)
+            # the engine finds the thread's client as its own (__init__ would open a new one)
             SyncClientContext.model_construct(client=_thread_client(settings_key)),
         ):
             if remote:
@@ -163,11 +149,7 @@ def _interruptible(
     dask_worker: Any, alloc: Allocation, task: Any, kwargs: dict[str, Any]
 ) -> tuple[Any, float, float, str]:
     """``run_engine`` in a thread :func:`interrupt_tasks` may interrupt; a ``PreemptedRun`` if it did.
-
-    Registered under ``interrupt_tasks``'s lock, inside the ``try``: what it raises is caught here.
-    """
-    from gpu_tasks.preemption import PreemptedRun
-
+    Registered inside the ``try``, so what ``interrupt_tasks`` raises is caught here."""
     key = str(dask_worker.get_current_task())
     ident = threading.get_ident()
     start = time.time()
@@ -183,27 +165,20 @@ def _interruptible(
                 ORPHANED.discard(ident)
     except (TaskPreempted, KeyboardInterrupt) as exc:
         end, wkey = time.time(), worker_key(alloc.device_keys)
-        if isinstance(exc, KeyboardInterrupt):  # interrupt_tasks(..., "stop"): its flow run stopped
+        if isinstance(exc, KeyboardInterrupt):  # its flow run stopped
             return _crashed_by(exc, kwargs.get("task_run_id")), start, end, wkey
         logger.warning("task run %s was preempted on %s", kwargs.get("task_run_id"), alloc.worker)
         return PreemptedRun(start, end, wkey), start, end, wkey
 
 
 def started_mark(key: str) -> str:
-    """The name of the mark (a Dask ``Variable``) a task with Dask key ``key`` leaves on a shared
-    scheduler while it runs (:class:`_StartedMark`)."""
+    """The name of the :class:`_StartedMark` of the task with Dask key ``key``."""
     return f"gpu-tasks-started-{key}"
 
 
 class _StartedMark:
-    """The mark a task on a shared scheduler (``address`` / ``cluster_class`` profiles) leaves there
-    while it runs: a Dask ``Variable`` named by its Dask key, holding its worker's address.
-
-    The scheduler re-runs a task whose worker died under the same key (its ``allowed-failures``), so
-    a mark already there when a task begins says this is such a re-run (:attr:`earlier`: the dead
-    worker). The runner's own retries use a new key. Dask's record, not the Prefect server's: a
-    server that records task-run states in batches shows the first attempt's ``Running`` late.
-    """
+    """A Dask ``Variable`` a task on a shared scheduler leaves while it runs: its worker's address. The
+    scheduler re-runs a task whose worker died under the same key: a mark found (:attr:`earlier`) says so."""
 
     def __init__(self, dask_worker: Any) -> None:
         from distributed import Variable, get_client
@@ -219,11 +194,11 @@ class _StartedMark:
                 pass
             var.set(str(dask_worker.address))
             self._var = var
-        except Exception:  # the scheduler refused: run it as a first run, as before marks existed
+        except Exception:  # the scheduler refused: run it as a first run
             logger.warning("could not mark task %s started on its scheduler", name, exc_info=True)
 
     def clear(self) -> None:
-        """Remove the mark (the task ended here, however): a message to the scheduler, no reply awaited."""
+        """Remove the mark (no reply awaited)."""
         if self._var is not None:
             try:
                 self._var.delete()
@@ -234,14 +209,8 @@ class _StartedMark:
 def _after_lost_worker(
     task: Any, kwargs: dict[str, Any], flow_run_id: Any, alloc: Allocation, dead: str
 ) -> tuple[Any, dict[str, Any]] | Any:
-    """A shared scheduler re-runs a task whose worker (``dead``) died (its ``allowed-failures``):
-    follow the runner's rules instead, as for a worker of its own.
-
-    Returns ``(task, kwargs)`` to run it again as a retry of the same task run (the crash
-    reported, one retry used), or the ``Crashed`` state when no retry is left.
-    """
-    from gpu_tasks.prefect_api.states import crash_task_run, retry_after_crash
-
+    """A shared scheduler re-ran a task whose worker ``dead`` died: follow the runner's rules instead.
+    ``(task, kwargs)`` to run it as a retry of the same task run, or ``Crashed`` with no retry left."""
     flow_run = uuid.UUID(str(flow_run_id)) if flow_run_id else None
     message = (
         f"the worker process running this task on profile {alloc.profile!r} ({dead}) died; its Dask "
@@ -253,26 +222,18 @@ def _after_lost_worker(
     if delay is None:
         return state
     time.sleep(delay)  # as Prefect's own retries wait retry_delay_seconds
-    return task.with_options(retries=max(0, (task.retries or 0) - crashes - 1)), {
-        **kwargs,
-        "task_run": task_run,
-    }
+    retry = task.with_options(retries=max(0, (task.retries or 0) - crashes - 1))
+    return retry, {**kwargs, "task_run": task_run}
 
 
-# Task runs this worker process is running now, for a crash report if the flow process dies.
+# Task runs this process runs now, for a crash report if the flow process dies.
 _RUNNING: dict[uuid.UUID, tuple[Any, Any, Allocation, set[str]]] = {}
 _RUNNING_LOCK = threading.Lock()
 
 
 def _report_orphaned(flow_pid: int) -> None:
-    """The flow process died (SIGKILL, OOM killer): report its running task runs and flow run ``Crashed``.
-
-    Called by the worker guard before this worker exits; bounded to a few seconds.
-    """
+    """The flow process died: report its running task runs and flow run ``Crashed``, in a few seconds."""
     from prefect.client.orchestration import get_client
-    from prefect.states import Crashed
-
-    from gpu_tasks.prefect_api.states import crash_task_run
 
     with _RUNNING_LOCK:
         running = dict(_RUNNING)
@@ -283,52 +244,35 @@ def _report_orphaned(flow_pid: int) -> None:
             f"the flow process (pid {flow_pid}) died while this task ran on profile {alloc.profile!r}, "
             f"{where}; its worker exited with it"
         )
-        crash_task_run(
-            task_run_id,
-            task,
-            uuid.UUID(str(flow_run_id)) if flow_run_id else None,
-            message,
-            tags=tags,
-            wait=0.5,
-        )
-        if flow_run_id:
-            flow_runs.add(str(flow_run_id))
+        flow_run = uuid.UUID(str(flow_run_id)) if flow_run_id else None
+        crash_task_run(task_run_id, task, flow_run, message, tags=tags, wait=0.5)
+        if flow_run:
+            flow_runs.add(flow_run)
     if flow_runs:
+        why = (
+            f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its tasks "
+            "(reported by a worker)"
+        )
         try:
             with get_client(sync_client=True) as client:
-                for flow_run_id in flow_runs:
-                    client.set_flow_run_state(
-                        uuid.UUID(flow_run_id),
-                        Crashed(
-                            message=f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its "
-                            "tasks (reported by a worker)"
-                        ),
-                        force=True,
-                    )
+                for flow_run in flow_runs:
+                    client.set_flow_run_state(flow_run, Crashed(message=why), force=True)
         except Exception:
             logger.warning("could not report the flow run Crashed", exc_info=True)
-    from gpu_tasks.compat.prefect_server import drain_events
-
     drain_events(2)
 
 
 def _worker_settings(key: str, serialized: dict[str, Any], remote: bool = False) -> dict[str, Any]:
-    """``SettingsContext`` fields (built profile and settings) for serialized settings sent under ``key``.
-
-    The first one in a process installs gpu-tasks' cap on Prefect's client waits: for every request
-    of a worker process the runner started, for gpu-tasks' own task runs alone on a ``remote``
-    worker (an ``address`` or ``cluster_class`` profile's), which may run other people's code."""
-    from prefect.context import SettingsContext
-
+    """``SettingsContext`` fields for serialized settings sent under ``key``, built once. The cap on
+    Prefect's client waits covers a ``remote`` worker's gpu-tasks task runs alone (others share it)."""
     with _WORKER_SETTINGS_LOCK:
         built = _WORKER_SETTINGS.get(key)
     if built is None:
         use_no_limits_cache(get_settings().tag_limit_cache_seconds, limited_names)  # once per settings
-        cap_client_waits(get_settings().api_longest_wait, whole_process=not remote)  # Prefect's waits, capped
+        cap_client_waits(get_settings().api_longest_wait, whole_process=not remote)
         ctx = SettingsContext(**serialized)  # pydantic does not revalidate these instances later
         built = {"profile": ctx.profile, "settings": ctx.settings}
-        # the answers renewed before they expire (prefect_api.tag_answers), asking the flow run's
-        # server: the worker process's own settings may name none (a flow on an embedded server)
+        # asking the flow run's server: the worker's own settings may name none (an embedded server)
         start_renewing(ctx.profile, ctx.settings)
         with _WORKER_SETTINGS_LOCK:
             if len(_WORKER_SETTINGS) >= 8:  # one key per flow run's settings: keep a few
@@ -339,8 +283,6 @@ def _worker_settings(key: str, serialized: dict[str, Any], remote: bool = False)
 
 def _thread_client(key: str) -> Any:
     """This thread's started sync Prefect client for the settings under ``key`` (active now)."""
-    from prefect.context import SettingsContext
-
     cached = getattr(_WORKER_THREAD, "client", None)
     if cached is not None and cached[0] == key:
         return cached[1]
@@ -357,8 +299,7 @@ def _thread_client(key: str) -> Any:
     return client
 
 
-# Tasks as run on an allocation, by task id and allocation: Task.with_options is costly per task
-# (docs/benchmarks.md); each entry keeps its task, so an id is never reused meanwhile.
+# Tasks as run on an allocation (with_options is costly); each entry keeps its task, so no id is reused.
 _PREPARED: dict[tuple[int, Allocation], tuple[Any, Any]] = {}
 _PREPARED_LOCK = threading.Lock()
 _PREPARED_KEEP = 256
@@ -387,9 +328,8 @@ def _prepared(task: Any, alloc: Allocation) -> Any:
 
 
 def _placement_unlimited(placement: set[str]) -> None:
-    """The flow process found no concurrency limit on the placement tags before the lease (its
-    :data:`~gpu_tasks.allocation.PLACEMENT_FREE_ENV`, fresh): the engine's check of their slots is
-    answered from the "no limits" cache, with no request while the device is held."""
+    """The flow process found no limit on the placement tags lately (``PLACEMENT_FREE_ENV``): the
+    engine's check is answered from the "no limits" cache, with no request while the device is held."""
     found = os.environ.get(PLACEMENT_FREE_ENV)
     if not placement or not found:
         return
@@ -404,12 +344,12 @@ def _placement_unlimited(placement: set[str]) -> None:
 def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[Any, float, float, str]:
     from prefect.task_engine import run_task_async, run_task_sync
 
-    if not _NAMES_CACHED.is_set():  # once per process: worker processes and in-process profiles alike
+    if not _NAMES_CACHED.is_set():
         cache_qualified_names()
         keep_slim_event_contexts()
         _NAMES_CACHED.set()
     task = _prepared(task, alloc)
-    wait_to_start()  # while this process's Prefect events back up (gpu_tasks.prefect_api.backlog)
+    wait_to_start()  # while this process's Prefect events back up
     start = time.time()
     try:
         with allocated(alloc), ours():  # what gpu-tasks changes in Prefect applies in here alone
@@ -420,20 +360,13 @@ def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[An
     except (Exception, TaskPreempted):
         raise
     except BaseException as exc:
-        # KeyboardInterrupt, SystemExit and the like raised by the task itself: Prefect's engine
-        # has reported the run Crashed and re-raises; raised further it would abort the flow
-        # process (in-process profiles) or kill the Dask worker (which Dask then re-runs).
+        # raised by the task (reported Crashed): further, it would abort the flow or kill the Dask worker
         state = _crashed_by(exc, kwargs.get("task_run_id"))
     return state, start, time.time(), worker_key(alloc.device_keys)
 
 
 def _oom_translated(task: Any, alloc: Allocation) -> Any:
-    """``task`` whose out-of-memory errors (CUDA, RMM, cuDF, MemoryError) name its profile and devices."""
-    import copy
-    import functools
-
-    from gpu_tasks.prefect_api.states import looks_like_oom
-
+    """``task`` whose out-of-memory errors name its profile and devices."""
     fn = task.fn
     if getattr(fn, "__gpu_tasks_oom__", False):
         return task
@@ -446,8 +379,7 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
             where += " (emulated)"
         error = GpuOutOfMemoryError(
             f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. Lower the "
-            "task's "
-            "memory use, or give the profile on_oom='<a larger profile>' to re-run it there once"
+            "task's memory use, or give the profile on_oom='<a larger profile>' to re-run it there once"
         )
         error.__cause__ = exc
         return error
@@ -476,23 +408,18 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
 
 
 def _crashed_by(exc: BaseException, task_run_id: uuid.UUID | None) -> Any:
-    from prefect.client.schemas.objects import State
-    from prefect.states import Crashed
-
-    words = {
-        KeyboardInterrupt: "Execution was aborted by an interrupt signal.",
-        SystemExit: "Execution was aborted by Python system exit call.",
-    }
-    message = next((m for cls, m in words.items() if isinstance(exc, cls)), None)
-    state: State[Any] = Crashed(
-        message=message or f"Execution was interrupted by {type(exc).__name__}: {exc}"
-    )
+    if isinstance(exc, KeyboardInterrupt):
+        message = "Execution was aborted by an interrupt signal."
+    elif isinstance(exc, SystemExit):
+        message = "Execution was aborted by Python system exit call."
+    else:
+        message = f"Execution was interrupted by {type(exc).__name__}: {exc}"
+    state: State[Any] = Crashed(message=message)
     state.state_details.task_run_id = task_run_id
     return state
 
 
-# Nested tasks submitted by a task running in a worker process run in that process, on the
-# parent's allocation, in a slot pool sized like the worker (see ProfileTaskRunner.submit).
+# Nested tasks run in their parent's worker process, on its allocation, in a slot pool sized like it.
 _NESTED_POOLS: dict[str, SlotPool] = {}
 _NESTED_LOCK = threading.Lock()
 
@@ -501,7 +428,7 @@ def nested_pool(profile_name: str) -> SlotPool:
     with _NESTED_LOCK:
         pool = _NESTED_POOLS.get(profile_name)
         if pool is None:
-            try:  # as many threads as the Dask worker this runs in (its documented WorkerState.nthreads)
+            try:  # as many threads as the Dask worker this runs in
                 from distributed import get_worker
 
                 threads = max(1, int(get_worker().state.nthreads))
@@ -518,20 +445,12 @@ def submit_nested(
     dependencies: dict[str, set[Any]] | None,
     default: str,
 ) -> tuple[uuid.UUID, concurrent.futures.Future[Any], str]:
-    """Run a task submitted by a task running in this worker process here, on the parent's devices.
-
-    The child shares its parent's allocation and slots (the parent leaves its slot while it
-    waits), so nesting never waits for devices the parent holds, at any depth. Returns the
-    child's task run id, a future of its final state, and its profile.
-
-    Raises:
-        ProfileError: the child names another profile than the worker's.
-    """
+    """Run a task submitted by a task in this worker process here, on the parent's allocation and
+    slots (it leaves its slot while it waits): ``(task run id, future of its final state, profile)``."""
     from prefect import tags
 
     here = os.environ[WORKER_ENV_PROFILE]
-    # its own tag first; the tags context it inherits carries its parent's profile
-    wanted = requested_profile(task) or default
+    wanted = requested_profile(task) or default  # its own tag first: inherited tags carry the parent's
     if wanted != here:
         raise ProfileError(
             f"task {task.name!r} asks for profile {wanted!r} but was submitted by a task running in a "

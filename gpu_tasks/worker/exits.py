@@ -1,19 +1,18 @@
-"""How a profile's worker processes ended (exit code, signal, Dask memory kill), for the runner's
-crash report (:func:`worker_exit`). It imports distributed (:class:`WatchedNanny`): import it lazily.
-"""
+"""How a profile's worker processes ended, for the runner's crash report (:func:`worker_exit`).
+It imports distributed (:class:`WatchedNanny`): import it lazily."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 import time
-from dataclasses import dataclass
 from typing import Any
 
 from gpu_tasks.compat.distributed import nanny_class_with_exit_hook
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class WorkerExit:
     """How a worker process ended."""
 
@@ -70,9 +69,8 @@ def _record(address: str | None, **fields: Any) -> None:
         if len(_EXITS) > 1000:  # one entry per dead worker: keep the recent ones
             for key in list(_EXITS)[:500]:
                 del _EXITS[key]
-        old = _EXITS.get(address)
-        merged = {**(old.__dict__ if old else {"address": address, "pid": None, "exitcode": None}), **fields}
-        _EXITS[address] = WorkerExit(**merged)
+        old = _EXITS.get(address) or WorkerExit(address, None, None)
+        _EXITS[address] = dataclasses.replace(old, **fields)
 
 
 def remember_pid(address: str | None, pid: int | None) -> None:
@@ -85,8 +83,7 @@ def remember_pid(address: str | None, pid: int | None) -> None:
 
 
 def record_exit(address: str | None, exitcode: int | None, pid: int | None = None) -> None:
-    """Note how the worker at ``address`` ended (a :class:`~gpu_tasks.worker.pooled.PooledWorker`
-    has no nanny)."""
+    """Note how the worker at ``address`` ended (a ``PooledWorker`` has no nanny)."""
     if not address:
         return
     with _EXITS_LOCK:

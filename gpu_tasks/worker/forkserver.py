@@ -1,8 +1,5 @@
-"""The flow process's warm-pool fork server, shared by its warm pools (docs/runner.md, "Warm
-workers"): flow runs one after another pay its imports once. Safe, since a bound process takes the
-flow's whole environment at its bind; kept ``GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS`` after its last
-pool closes.
-"""
+"""The flow process's warm-pool fork server, shared by its warm pools so flow runs one after another
+pay its imports once; safe, as a bound process takes the flow's whole environment at its bind."""
 
 from __future__ import annotations
 
@@ -17,8 +14,7 @@ _SHARED: dict[str, Any] = {}  # "ctx": the ForkServerContext, "users": pools usi
 
 
 def acquire(preload: list[str]) -> ForkServerContext:
-    """This process's fork server for a new pool (started with ``preload`` imported when there is
-    none: every pool passes the same); give it back with :func:`release`."""
+    """This process's fork server for a new pool, started with ``preload`` if none; see :func:`release`."""
     with _SHARED_LOCK:
         timer = _SHARED.pop("timer", None)
         if timer is not None:
@@ -31,8 +27,7 @@ def acquire(preload: list[str]) -> ForkServerContext:
 
 
 def release(ctx: ForkServerContext) -> None:
-    """A pool closed: with no pool left the server is kept ``GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS``,
-    then ends (at once with 0)."""
+    """A pool closed: with none left the server ends ``GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS`` later."""
     from gpu_tasks.settings import get_settings
 
     keep = get_settings().warm_server_keep_seconds
@@ -62,8 +57,7 @@ def _close_fork_server(ctx: ForkServerContext) -> None:
 
 
 def in_use() -> dict[str, Any]:
-    """This process's fork server as :func:`acquire` shares it: ``pools`` using it
-    and whether it is ``kept`` (no pool uses it; it ends when its keep runs out); ``{}`` if none."""
+    """``pools`` using this process's fork server and whether it is ``kept`` (unused); ``{}`` if none."""
     with _SHARED_LOCK:
         if "ctx" not in _SHARED:
             return {}
@@ -71,8 +65,7 @@ def in_use() -> dict[str, Any]:
 
 
 def _forget_fork_server() -> None:
-    """In a child forked from this process: the parent's fork server is not the child's to use
-    (and the lock may have been held by another thread of the parent at the fork)."""
+    """In a forked child: the parent's fork server is not its own, and the lock may have been held."""
     global _SHARED_LOCK
     _SHARED_LOCK = threading.Lock()
     _SHARED.clear()

@@ -1,7 +1,5 @@
-"""Worker preload: a worker process and its children go when the flow process goes (even by
-SIGKILL); ``os._exit`` ends the children first, SIGINT is ignored, ``faulthandler`` is on. See
-docs/runner.md, "The flow process is killed" and "A worker process crashes in C code".
-"""
+"""Worker preload: a worker process and its children go when the flow process goes, even by SIGKILL
+(docs/runner.md, "The flow process is killed" and "A worker process crashes in C code")."""
 
 from __future__ import annotations
 
@@ -27,14 +25,12 @@ MODULE = "gpu_tasks.worker.guard"
 POLL_S = 0.5  # how often the watch thread looks at the parent
 GRACE_S = 1.0  # SIGTERM to SIGKILL
 
-_state: dict[str, Any] = {}  # pid, parent, exit (the real os._exit) once started
+_state: dict[str, Any] = {}  # pid, parent, flow, watch, exit (the real os._exit) once started
 _lock = threading.Lock()
 
 
 def preload_options(preload: Any = None, preload_argv: Any = None) -> dict[str, Any]:
-    """Nanny options ``preload``/``preload_argv`` with this guard added to ``preload`` (``None``:
-    Dask's configured ``distributed.worker.preload`` / ``preload-argv``), as
-    :func:`gpu_tasks.compat.distributed.add_preload` adds one; the guard is added once."""
+    """Nanny options ``preload``/``preload_argv`` with this guard added once (``None``: Dask's config)."""
     import dask
 
     if preload is None:
@@ -48,9 +44,8 @@ def preload_options(preload: Any = None, preload_argv: Any = None) -> dict[str, 
 
 
 def dask_setup(worker: Any) -> None:
-    """Dask preload hook, run in the worker process: start the guard; put the worker on its devices'
-    CPUs where the runner said which (:mod:`gpu_tasks.worker.affinity`; every worker path has this
-    preload, so this is the one place that applies them)."""
+    """Dask preload hook: start the guard; pin the worker to its devices' CPUs (every worker path has
+    this preload, so this is the one place that applies them)."""
     start(os.getppid())
     from gpu_tasks.worker.affinity import apply_from_env
 
@@ -58,7 +53,7 @@ def dask_setup(worker: Any) -> None:
 
 
 def dask_teardown(worker: Any) -> None:
-    """Dask preload hook, run when the worker closes: end the processes its tasks left."""
+    """Dask preload hook: end the processes the worker's tasks left."""
     ended = end_children()
     if ended:
         logger.info("worker %d closing: ended %d child process(es) its tasks left", os.getpid(), ended)
@@ -66,14 +61,7 @@ def dask_teardown(worker: Any) -> None:
 
 def start(parent: int, flow: int | None = None) -> None:
     """Watch the flow process from a daemon thread, wrap ``os._exit``, ignore SIGINT (once per process).
-
-    Args:
-        parent: pid of this process's parent; when the parent is no longer it, the flow
-            process is gone.
-        flow: pid of the flow process when it is not the parent (a warm process forked from
-            its pool's fork server, which outlives the flow process while a process forked from
-            it lives): watched itself (a pidfd where Linux has one).
-    """
+    ``flow``: the flow's pid when it is not ``parent`` (a fork server outlives the flow process)."""
     with _lock:
         if _state.get("pid") == os.getpid():
             return
@@ -82,7 +70,7 @@ def start(parent: int, flow: int | None = None) -> None:
         watch = _flow_watch(flow) if flow is not None and flow != parent else None
         _state.update(pid=os.getpid(), parent=parent, flow=flow or parent, watch=watch, exit=first or real)
     if not faulthandler.is_enabled():
-        with contextlib.suppress(Exception):  # a stderr without a file descriptor: nothing to write to
+        with contextlib.suppress(Exception):  # a stderr without a file descriptor
             faulthandler.enable(all_threads=True)
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGINT, _ignore_sigint)
@@ -92,8 +80,8 @@ def start(parent: int, flow: int | None = None) -> None:
 
 
 def end_children(grace: float = GRACE_S) -> int:
-    """End this process's descendants but multiprocessing's resource tracker (it exits by itself):
-    SIGTERM, then SIGKILL after ``grace`` s; how many were asked to end."""
+    """SIGTERM, then SIGKILL after ``grace`` s, this process's descendants but multiprocessing's
+    resource tracker (it exits by itself); how many were asked to end."""
     try:
         procs = [p for p in psutil.Process().children(recursive=True) if not _is_resource_tracker(p)]
     except psutil.Error:
@@ -117,9 +105,8 @@ def end_children(grace: float = GRACE_S) -> int:
 
 
 def _flow_watch(flow: int) -> Any:
-    """How to tell that ``flow`` (not this process's parent) is gone: a pidfd (readable once it
-    exits; Linux 5.3+), else its ``psutil.Process`` (compared by start time, so a reused pid is
-    not taken for it); ``None`` when it is gone already."""
+    """A pidfd of ``flow`` (readable once it exits), else its ``psutil.Process`` (a reused pid is not
+    taken for it); ``None`` when it is gone already."""
     with contextlib.suppress(OSError, AttributeError):
         return os.pidfd_open(flow)  # Linux only
     try:
@@ -166,10 +153,7 @@ _ORPHAN_HOOKS: list[Callable[[int], None]] = []
 
 
 def on_orphaned(hook: Callable[[int], None]) -> None:
-    """Call ``hook(flow_pid)`` when this worker exits because its flow process died.
-
-    The hook bounds its own time.
-    """
+    """Call ``hook(flow_pid)`` (which bounds its own time) when this worker exits as its flow died."""
     if hook not in _ORPHAN_HOOKS:
         _ORPHAN_HOOKS.append(hook)
 
@@ -180,25 +164,21 @@ def _exit(status: int) -> NoReturn:
     if os.getpid() == _state.get("pid"):  # not in a forked child, which inherits this
         with _lock:  # a second caller waits for the first one's clean-up
             flow = _state.get("flow")
-            # Dask exits its worker (-1) when its pipe to the parent closes, a moment before the
-            # kernel re-parents the worker: wait for that
+            # Dask exits its worker (-1) on its pipe's close, a moment before the kernel re-parents it
             if flow is not None and _flow_gone(1.0 if status == -1 else 0.0):
                 for hook in list(_ORPHAN_HOOKS):
                     try:
                         hook(flow)
                     except BaseException:  # exiting anyway
                         logger.warning("worker %d: orphan hook failed", os.getpid(), exc_info=True)
-            try:
+            with contextlib.suppress(BaseException):  # exiting anyway
                 end_children()
-            except BaseException:  # exiting anyway
-                pass
     real(status)
     raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
-    # The flow process stops busy workers this way when it is interrupted: end the task's
-    # child processes too (Python's default SIGTERM action would orphan them).
+    # how an interrupted flow process stops busy workers: Python's default action would orphan children
     _exit(128 + signum)
 
 

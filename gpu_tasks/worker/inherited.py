@@ -1,8 +1,5 @@
-"""Imported by the warm-pool fork server (:data:`gpu_tasks.worker.warm.WARM_IMPORTS`): per-process
-start-up work done once there and inherited by every fork (docs/operations.md): Prefect's
-collections (loaded at a worker's first block), the package versions a Dask worker registers with,
-and the ``DASK_*`` environment its config was read with (:func:`dask_config_is_current`).
-"""
+"""Imported by the warm-pool fork server: start-up work done once there and inherited by every fork
+(Prefect's collections, the versions a Dask worker registers with, the ``DASK_*`` environment)."""
 
 from __future__ import annotations
 
@@ -22,6 +19,5 @@ get_versions()
 
 
 def dask_config_is_current() -> bool:
-    """Whether Dask's config in this process is what :func:`dask.config.refresh` would read now: the
-    ``DASK_*`` variables are those it was read with (its YAML files are taken as unchanged since)."""
+    """Whether the ``DASK_*`` variables are those Dask's config was read with (YAML taken as unchanged)."""
     return _dask_environ() == _READ_WITH

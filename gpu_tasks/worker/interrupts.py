@@ -1,12 +1,5 @@
-"""Interrupting the tasks a shared cluster's worker runs, from outside their threads.
-
-- :func:`interrupt_tasks` (``Client.run`` from the flow process): preemption
-  (``TaskPreempted``) or the flow run's end (``KeyboardInterrupt``).
-- A watch thread per worker (:func:`watch_released`): the tasks whose keys the scheduler
-  released (their flow process was killed: nobody wants them) are interrupted within
-  :data:`RELEASED_POLL_S`; when the worker closes (it lost its scheduler) the tasks it still runs
-  are interrupted too, and their attempt reports nothing (the scheduler re-runs them elsewhere).
-"""
+"""Interrupting the tasks a shared cluster's worker runs, from outside their threads: preemption or
+the flow run's end (:func:`interrupt_tasks`), and tasks nobody wants any more (:func:`watch_released`)."""
 
 from __future__ import annotations
 
@@ -19,8 +12,7 @@ from gpu_tasks.errors import TaskPreempted
 
 logger = logging.getLogger(__name__)
 
-# Threads of this worker process running a shared cluster's task, by ident: its Dask key
-# (gpu_tasks.cluster.board preempts them with interrupt_tasks).
+# Threads of this worker process running a shared cluster's task, by ident: its Dask key.
 INTERRUPTIBLE: dict[int, str] = {}
 INTERRUPTIBLE_LOCK = threading.Lock()
 
@@ -30,8 +22,7 @@ _RELEASE_WATCH: dict[int, threading.Thread] = {}  # by id() of the Dask worker
 
 
 def released_keys(dask_worker: Any, keys: list[str]) -> list[str]:
-    """Those of ``keys`` this worker still executes though its scheduler released them: the
-    client that wanted them is gone (its flow process was killed) or cancelled them."""
+    """Those of ``keys`` this worker still executes though its scheduler released them."""
     tasks = dask_worker.state.tasks  # distributed's documented WorkerState.tasks, TaskState.state
     return [k for k in keys if getattr(tasks.get(k), "state", None) == "cancelled"]
 
@@ -40,8 +31,8 @@ ORPHANED: set[int] = set()  # threads interrupted as their worker closed: their 
 
 
 def _quiet_orphan_crash() -> None:
-    """Prefect's task engine reports no ``Crashed`` for an attempt interrupted because its worker
-    closed: its rerun elsewhere reports it, and a late report from here would overwrite the retry's."""
+    """No ``Crashed`` report for an attempt interrupted as its worker closed: a late one from here
+    would overwrite that of its rerun elsewhere."""
     from gpu_tasks.compat.prefect import skip_crash_reports
 
     def say(task_run: Any) -> None:
@@ -55,9 +46,8 @@ def _quiet_orphan_crash() -> None:
 
 
 def watch_released(dask_worker: Any) -> None:
-    """Start, once per worker, a thread that interrupts (``"stop"``) the tasks whose keys the scheduler
-    released (a killed flow process cannot call :func:`interrupt_tasks`), and, when the worker
-    closes, the tasks it still runs."""
+    """Start, once per worker, a thread that stops the tasks whose keys the scheduler released (a
+    killed flow process cannot call :func:`interrupt_tasks`), and, when the worker closes, the rest."""
 
     def watch() -> None:
         while getattr(dask_worker.status, "name", "") not in ("closing", "closed", "failed"):
@@ -74,8 +64,7 @@ def watch_released(dask_worker: Any) -> None:
                     ", ".join(gone),
                 )
                 interrupt_tasks(gone, "stop")
-        # the worker is closing (it lost its scheduler): what its tasks return reaches no one, and
-        # the scheduler re-runs them elsewhere
+        # the worker lost its scheduler: results reach no one, and the scheduler re-runs them elsewhere
         with INTERRUPTIBLE_LOCK:
             _RELEASE_WATCH.pop(id(dask_worker), None)
             left = list(INTERRUPTIBLE.values())
@@ -102,11 +91,7 @@ def watch_released(dask_worker: Any) -> None:
 
 def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
     """Run on a worker (``Client.run``): raise ``TaskPreempted`` (``why="preempt"``) or
-    ``KeyboardInterrupt`` (``"stop"``: the flow run stopped) in the threads running ``keys``.
-
-    Python code in the task stops at once; a task inside one long call into C (a CUDA
-    kernel, ``time.sleep``) stops when that call returns. Returns the keys interrupted.
-    """
+    ``KeyboardInterrupt`` (``"stop"``) in the threads running ``keys``; the keys interrupted."""
     exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
     wanted = set(keys)
     with INTERRUPTIBLE_LOCK:
@@ -114,8 +99,7 @@ def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
 
 
 def raise_in_thread(ident: int, exc: type[BaseException]) -> bool:
-    """Raise ``exc`` in the thread ``ident`` (at its next Python instruction); whether it was found.
-    CPython's documented C API ``PyThreadState_SetAsyncExc``, through ``ctypes.pythonapi``."""
+    """Raise ``exc`` in thread ``ident`` at its next Python instruction; whether it was found."""
     import ctypes
 
     hit = ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(ident), ctypes.py_object(exc))

@@ -1,9 +1,5 @@
-"""Cap a ``gpu_memory_per_task`` worker's allocators to its tasks' shares, before its first task.
-
-The cap (``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT``, :func:`gpu_tasks.policy.worker_spec`) applies to
-the worker process, to CuPy, RMM and PyTorch where they import (docs/shared-hosts.md). On emulated
-devices :func:`apply` only records what it would cap, so tests see the values a real worker enforces.
-"""
+"""Cap a ``gpu_memory_per_task`` worker's CuPy, RMM and PyTorch allocators to its tasks' shares
+(docs/shared-hosts.md). On emulated devices :func:`apply` only records what it would cap, for tests."""
 
 from __future__ import annotations
 
@@ -23,14 +19,13 @@ _LOCK = threading.Lock()
 
 
 def applied() -> dict[str, Any]:
-    """What :func:`apply` did in this process: ``{"limit": bytes, "emulated": bool, "capped": {...}}``
-    (``capped``: library -> how, or why not); empty before it ran or without a cap."""
+    """What :func:`apply` did here: ``limit``, ``emulated`` and ``capped`` (library -> how, or why not)."""
     return dict(_APPLIED)
 
 
 def apply() -> None:
-    """Cap this worker's allocators to ``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT`` bytes (once per process
-    and cap: a warm process bound to another profile's worker is capped again)."""
+    """Cap this worker's allocators to ``_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT`` bytes, once per cap (a warm
+    process bound again is capped again)."""
     with _LOCK:
         raw = os.environ.get(WORKER_ENV_MEMORY_LIMIT)
         if not raw or _APPLIED.get("limit") == int(raw):  # no cap, or this one is in force

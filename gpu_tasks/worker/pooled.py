@@ -1,9 +1,5 @@
-"""A warm worker process bound to a lease: :class:`PooledWorker`, the ``SpecCluster`` entry a
-profile's cluster uses when it takes its workers from the warm pool (:mod:`gpu_tasks.worker.warm`).
-
-What the nanny did for its worker, :class:`PooledWorker` does from the flow process: it tells
-the warm process its devices and worker options, waits for the worker to start, and ends it.
-"""
+"""A warm process bound to a lease as a ``SpecCluster`` entry (:class:`PooledWorker`): from the flow
+process it does what the nanny did, telling the process its devices and options and ending it."""
 
 from __future__ import annotations
 
@@ -15,24 +11,36 @@ import time
 from typing import Any
 
 import dask
+import psutil
 from distributed.core import Status
 from distributed.deploy.spec import ProcessInterface
 
+from gpu_tasks.compat.distributed import memory_limit
+from gpu_tasks.worker.exits import describe_exitcode, record_exit, record_memory_kill, remember_pid
 from gpu_tasks.worker.warm import CLOSE_GRACE_S, MEMORY_POLL_S, WarmPool, WarmProcess, end_closed
 
 logger = logging.getLogger(__name__)
 
 
-# ---------------------------------------------------------------- SpecCluster entries
 class _Bound(ProcessInterface):
-    """A ``SpecCluster`` entry run by one warm process: closing it asks the process to close, then
-    ends it (:func:`~gpu_tasks.worker.warm.end_process`)."""
+    """A ``SpecCluster`` entry run by one warm process: closing it asks the process to close, then ends it."""
 
+    pool: WarmPool
+    timeout: float
     warm: WarmProcess | None = None
     _watch: asyncio.Task[None] | None = None
 
     def _released(self, warm: WarmProcess) -> None:
         """``warm`` has ended after a close."""
+
+    async def _bind(self, warm: WarmProcess, msg: tuple[Any, ...], failed: str) -> None:
+        """Send ``msg`` to ``warm`` and wait for its server's address (else stop it, raise ``failed``)."""
+        warm.conn.send(msg)
+        answer = await asyncio.to_thread(_receive, warm, self.timeout)
+        if answer[0] != "up":
+            await asyncio.to_thread(warm.stop)
+            raise RuntimeError(f"{failed} {warm.pid}: {answer[1]}")
+        self.address = answer[1]
 
     async def close(self) -> None:
         warm, self.warm = self.warm, None
@@ -50,11 +58,8 @@ class _Bound(ProcessInterface):
 
 
 class PooledWorker(_Bound):
-    """A ``SpecCluster`` worker entry that binds a warm process instead of spawning one.
-
-    Takes the options gpu-tasks gives Dask's ``Nanny`` (:func:`gpu_tasks.cluster.backends.nanny_spec`):
-    ``env`` and ``silence_logs`` are applied in the process, the rest go to its ``Worker``.
-    """
+    """A ``SpecCluster`` worker entry that binds a warm process instead of spawning one; of the Nanny's
+    options, ``env`` and ``silence_logs`` apply in the process, the rest go to its ``Worker``."""
 
     def __init__(
         self,
@@ -67,13 +72,13 @@ class PooledWorker(_Bound):
         cuda: dict[str, Any] | None = None,
         **worker_kwargs: Any,
     ) -> None:
-        super().__init__(scheduler=scheduler, name=worker_kwargs.get("name"))  # type: ignore[no-untyped-call]
+        super().__init__()  # type: ignore[no-untyped-call]
         self.scheduler = scheduler
         self.pool = pool
         self.timeout = timeout
         self.env = dict(env or {})
         self.silence_logs = silence_logs
-        self.cuda = cuda  # dask-cuda's worker setup, applied once bound (gpu_tasks._gpu)
+        self.cuda = cuda  # dask-cuda's worker setup, applied once bound
         self.worker_kwargs = worker_kwargs
         self.name = worker_kwargs.get("name")
         self.process: Any = None  # the multiprocessing.Process (its pid: the runner's terminate)
@@ -81,38 +86,25 @@ class PooledWorker(_Bound):
         self.ended_at: float | None = None  # when its process ended though no one closed it
 
     async def start(self) -> None:
-        self.warm = await asyncio.to_thread(self.pool.take, self.timeout)
-        self.process = self.warm.process
-        env = self.warm.bind_environ(self.env)
+        self.warm = warm = await asyncio.to_thread(self.pool.take, self.timeout)
+        self.process = warm.process
+        env = warm.bind_environ(self.env)
         config = dask.config.config
-        self.warm.conn.send(
-            ("bind", self.scheduler, self.worker_kwargs, env, config, self.silence_logs, self.cuda)
-        )
-        msg = await asyncio.to_thread(_receive, self.warm, self.timeout)
-        if msg[0] != "up":
-            await asyncio.to_thread(self.warm.stop)
-            raise RuntimeError(
-                f"worker {self.name!r} did not start in warm process {self.warm.pid}: {msg[1]}"
-            )
-        self.address = self.worker_address = msg[1]
-        from gpu_tasks.worker.exits import remember_pid
-
-        remember_pid(self.worker_address, self.warm.pid)
+        msg = ("bind", self.scheduler, self.worker_kwargs, env, config, self.silence_logs, self.cuda)
+        await self._bind(warm, msg, f"worker {self.name!r} did not start in warm process")
+        self.worker_address = self.address
+        remember_pid(self.worker_address, warm.pid)
         self._watch = asyncio.ensure_future(self._watch_process())
         await super().start()  # type: ignore[no-untyped-call]
 
     async def _watch_process(self) -> None:
         """Record how the process ended; terminate it past the memory limit (the nanny's jobs)."""
-        from gpu_tasks.worker.exits import record_exit, record_memory_kill
-
         warm = self.warm
         assert warm is not None
         proc = warm.process
         limit = _terminate_at(self.worker_kwargs)
         ps = None
         if limit:
-            import psutil
-
             with contextlib.suppress(psutil.Error):
                 ps = psutil.Process(proc.pid)
         while proc.is_alive():
@@ -138,7 +130,7 @@ class PooledWorker(_Bound):
         record_exit(self.worker_address, proc.exitcode, proc.pid)
         if self.warm is not None:  # not closed by its cluster
             self.ended_at = time.monotonic()
-        self.pool.released(warm)  # its place in the pool's capacity is free again
+        self.pool.released(warm)
         self.status = Status.closed
         self._event_finished.set()
 
@@ -147,10 +139,8 @@ class PooledWorker(_Bound):
 
 
 class PooledScheduler(_Bound):
-    """A ``SpecCluster`` scheduler entry: Dask's ``Scheduler`` in a process of its own, forked from
-    the warm pool's fork server (:meth:`~gpu_tasks.worker.warm.WarmPool.own`), not in the flow
-    process (:mod:`gpu_tasks.worker.serve` says why). ``scheduler_kwargs`` go to the ``Scheduler``;
-    the flow process's Dask config and environment go with them, as to a bound worker."""
+    """A ``SpecCluster`` scheduler entry: Dask's ``Scheduler`` in a process forked from the warm pool's
+    fork server, not in the flow process (:mod:`gpu_tasks.worker.serve` says why)."""
 
     def __init__(
         self, *, pool: WarmPool, timeout: float, silence_logs: int | None = None, **scheduler_kwargs: Any
@@ -163,21 +153,14 @@ class PooledScheduler(_Bound):
 
     async def start(self) -> None:
         self.warm = warm = await asyncio.to_thread(self.pool.own, self.timeout)
-        warm.conn.send(
-            ("scheduler", self.scheduler_kwargs, warm.bind_environ({}), dask.config.config, self.silence_logs)
-        )
-        msg = await asyncio.to_thread(_receive, warm, self.timeout)
-        if msg[0] != "up":
-            await asyncio.to_thread(warm.stop)
-            raise RuntimeError(f"the scheduler did not start in process {warm.pid}: {msg[1]}")
-        self.address = msg[1]
+        env = warm.bind_environ({})
+        msg = ("scheduler", self.scheduler_kwargs, env, dask.config.config, self.silence_logs)
+        await self._bind(warm, msg, "the scheduler did not start in process")
         self._watch = asyncio.ensure_future(self._watch_process())
         await super().start()  # type: ignore[no-untyped-call]
 
     async def _watch_process(self) -> None:
         """A scheduler process that ends (killed, out of memory) is closed to its cluster."""
-        from gpu_tasks.worker.exits import describe_exitcode
-
         assert self.warm is not None
         proc = self.warm.process
         await asyncio.to_thread(proc.join)
@@ -205,7 +188,5 @@ def _terminate_at(worker_kwargs: dict[str, Any]) -> int | None:
     fraction = dask.config.get("distributed.worker.memory.terminate")
     if not fraction:
         return None
-    from gpu_tasks.compat.distributed import memory_limit
-
     limit = memory_limit(worker_kwargs.get("memory_limit", "auto"), worker_kwargs.get("nthreads") or 1)
     return int(limit * fraction) if limit else None

@@ -1,10 +1,5 @@
-"""A closing worker process's Prefect queues: the events and run logs it has not yet sent.
-
-A worker's task runs report their states as events, which Prefect's ``EventsWorker`` sends from a
-queue; under load (a slow server) that queue holds thousands. The worker sends them before it
-exits, and tells the runner it is doing so, so that the runner does not end it first
-(:func:`gpu_tasks.worker.warm.end_closed`).
-"""
+"""A closing worker process sends the Prefect events and run logs it still queues (thousands under a
+slow server), and tells the runner so, which then does not end it first."""
 
 from __future__ import annotations
 
@@ -19,11 +14,8 @@ logger = logging.getLogger(__name__)
 
 
 def send_before_exit(conn: Connection) -> None:
-    """Before a closed worker exits: send the Prefect events and run logs it still queues.
-
-    Says ``("draining", n)`` on ``conn`` first, so the runner waits ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS``
-    past its close grace; what is still queued after that is lost, and said.
-    """
+    """Before a closed worker exits: say ``("draining", n)`` on ``conn``, then send what it queues for
+    up to ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS``; what is left then is lost, and said."""
     if "prefect.events.worker" not in sys.modules:  # no task run here
         return
     from gpu_tasks.compat.prefect_server import drain_events, drain_logs, events_backlog
@@ -51,7 +43,7 @@ def send_before_exit(conn: Connection) -> None:
 
 
 def says_draining(conn: Connection) -> bool:
-    """Whether a closing worker said ``("draining", n)`` on ``conn`` (:func:`send_before_exit`)."""
+    """Whether a closing worker said ``("draining", n)`` on ``conn``."""
     with contextlib.suppress(OSError, EOFError, ValueError):
         while conn.poll(0):
             if conn.recv()[0] == "draining":

@@ -1,7 +1,5 @@
-"""What a bound warm process runs (:mod:`gpu_tasks.worker.warm`): one Dask server, a worker or a
-profile's scheduler, until the flow process asks it to close or goes. A scheduler in the flow
-process shared its interpreter lock and, starved, dropped its workers (docs/runner.md).
-"""
+"""What a bound warm process runs: one Dask worker or profile's scheduler (which, in the flow process,
+shared its interpreter lock and, starved, dropped its workers), until the flow process closes it."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ async def serve_worker(
             from gpu_tasks.worker.affinity import ENV
 
             worker_kwargs = {**worker_kwargs, **worker_options(cuda, worker_kwargs)}
-            if ENV in os.environ:  # gpu-tasks sets its CPUs (gpu_tasks.worker.affinity), not dask-cuda
+            if ENV in os.environ:  # gpu-tasks sets its CPUs, not dask-cuda
                 worker_kwargs["plugins"] = without_cpu_affinity(worker_kwargs.get("plugins"))
         worker = Worker(scheduler, **worker_kwargs)
         await worker
@@ -49,8 +47,7 @@ async def serve_scheduler(conn: Connection, scheduler_kwargs: dict[str, Any]) ->
 
 
 async def _serve(conn: Connection, server: Any, close: Any) -> None:
-    """Say the server is up, then run it until "close" arrives or the pipe closes with the flow
-    process."""
+    """Say the server is up, then run it until "close" arrives or the pipe closes with the flow process."""
     conn.send(("up", server.address))
     loop = asyncio.get_running_loop()
 

@@ -1,9 +1,5 @@
-"""A thread pool with a fixed number of task slots that a waiting task gives back.
-
-A task waiting for a child task of its own profile would hold the slot its child needs (with one
-slot, a deadlock): as Dask's ``secede``/``rejoin``, it leaves its slot while it waits
-(:func:`waiting`) and takes one again, before queued tasks.
-"""
+"""A thread pool with a fixed number of task slots that a waiting task gives back, as Dask's
+``secede``/``rejoin``: a task waiting for its child would otherwise hold the slot the child needs."""
 
 from __future__ import annotations
 
@@ -67,13 +63,10 @@ class SlotPool(concurrent.futures.Executor):
             future.set_result(result)
         finally:
             _CURRENT.pool = None
-            with self._cond:
-                self._free += 1
-                self._cond.notify_all()
-                self._pump()
+            self.secede()
 
     def secede(self) -> None:
-        """Give this thread's slot back while it waits (it must hold one)."""
+        """Give this thread's slot back (it must hold one)."""
         with self._cond:
             self._free += 1
             self._cond.notify_all()
@@ -100,15 +93,10 @@ class SlotPool(concurrent.futures.Executor):
         self._threads.shutdown(wait=wait, cancel_futures=cancel_futures)
 
 
-def current_pool() -> SlotPool | None:
-    """The pool whose slot this thread holds, if any."""
-    return getattr(_CURRENT, "pool", None)
-
-
 @contextlib.contextmanager
 def waiting() -> Iterator[None]:
     """Leave this thread's slot (if it holds one) for the duration of a blocking wait."""
-    pool = current_pool()
+    pool: SlotPool | None = getattr(_CURRENT, "pool", None)
     if pool is None:
         yield
         return

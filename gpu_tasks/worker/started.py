@@ -1,10 +1,5 @@
-"""Which hand-offs began in a local cluster's worker processes: a task Dask had only queued on a
-worker that died runs again instead of ending ``Crashed`` (docs/runner.md, "A worker process dies").
-
-A worker appends each hand-off to a file of the flow run's before the engine runs it
-(:func:`mark_started`; a kernel write outlives the process); the flow process reads it when a
-worker dies (:class:`StartedLog`).
-"""
+"""Which hand-offs began in a local cluster's workers, noted in a file: a task Dask had only queued
+on a worker that died runs again instead of ending ``Crashed`` (docs/runner.md, "A worker process dies")."""
 
 from __future__ import annotations
 
@@ -26,7 +21,7 @@ def hand_off_token(key: str) -> str:
 
 
 def mark_started(path: str, key: str) -> None:
-    """In a worker: note that hand-off ``key`` begins (one append; no flush needed to outlive us)."""
+    """In a worker: note that hand-off ``key`` begins (a kernel write outlives the process)."""
     try:
         fd = _FDS.get(path)
         if fd is None:
@@ -45,8 +40,7 @@ def _remove(path: str) -> None:
 
 
 def _remove_stale(folder: str) -> None:
-    """Remove the files of flow processes that are gone (killed with all their workers, none left
-    to remove it); another user's cannot be removed and stay."""
+    """Remove the files of flow processes that are gone (killed with all their workers)."""
     import psutil
 
     for path in glob.glob(os.path.join(folder, "gpu-tasks-started-*-*.log")):
@@ -56,8 +50,7 @@ def _remove_stale(folder: str) -> None:
 
 
 class StartedLog:
-    """The flow run's file of begun hand-offs: made at the first hand-off to a local worker, read
-    (only what was added since the last read) when a worker dies, removed when the runner closes."""
+    """The flow run's file of begun hand-offs: made at the first hand-off, read when a worker dies."""
 
     def __init__(self) -> None:
         self._path: str | None = None
@@ -75,8 +68,7 @@ class StartedLog:
             return self._path
 
     def began(self, key: str) -> bool:
-        """Whether hand-off ``key`` began; ``True`` when that cannot be read (it is then reported as
-        a crash, never run twice)."""
+        """Whether hand-off ``key`` began; ``True`` when unreadable (reported a crash, never run twice)."""
         with self._lock:
             if self._path is None:
                 return True

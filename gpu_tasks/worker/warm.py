@@ -1,13 +1,12 @@
-"""Warm worker processes: started, imported and holding no device until a lease binds one
-(:class:`WarmPool`); :class:`~gpu_tasks.worker.pooled.PooledWorker` binds one per worker, in the
-place of Dask's ``Nanny``. See docs/runner.md, "Warm workers".
-"""
+"""Warm worker processes: started and imported, holding no device until a lease binds one
+(:class:`WarmPool`). See docs/runner.md, "Warm workers"."""
 
 from __future__ import annotations
 
 import asyncio
 import atexit
 import contextlib
+import importlib
 import logging
 import multiprocessing
 import os
@@ -21,7 +20,8 @@ from typing import Any
 
 import dask
 
-from gpu_tasks.compat.cpython import ForkServerContext
+from gpu_tasks.compat.cpython import ForkServerContext, run_exit_handlers, spawn_executable
+from gpu_tasks.settings import get_settings
 from gpu_tasks.worker import forkserver, prefect_queues
 from gpu_tasks.worker import guard as _worker_guard
 
@@ -46,7 +46,7 @@ WARM_IMPORTS = (
     "distributed.worker",
     "prefect.task_engine",
     "gpu_tasks.worker.engine",
-    "gpu_tasks.worker.inherited",  # Prefect's collections and Dask's versions, once per fork server
+    "gpu_tasks.worker.inherited",
 )
 CLOSE_GRACE_S = 3.0  # a bound process asked to close, before SIGTERM
 KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL
@@ -55,15 +55,9 @@ REFILL_DELAY_S = 2.0  # from taking warm processes to starting their replacement
 _WHOLE_ENVIRON = "__gpu_tasks_whole_environ__"  # in a bind's env: it is the whole environment
 
 
-# ---------------------------------------------------------------- the child process
 def _child_main(conn: Connection, flow: int) -> None:
-    """A warm process: import, say ready, wait for a bind (or close), run one Dask worker (or a
-    profile's scheduler)."""
-    # exits with the flow process (its parent, or the pool's fork server's parent); SIGINT
-    # ignored, SIGTERM ends its children
+    """A warm process: import, say ready, wait for a bind, run one Dask worker or scheduler."""
     _worker_guard.start(os.getppid(), flow=flow)
-    import importlib
-
     for name in WARM_IMPORTS:  # done already in a process forked from the pool's fork server
         importlib.import_module(name)
     try:
@@ -75,16 +69,15 @@ def _child_main(conn: Connection, flow: int) -> None:
         return
     if msg[0] == "bind":
         _, scheduler, worker_kwargs, env, config, silence_logs, cuda = msg
-    else:  # a profile's scheduler (gpu_tasks.worker.pooled.PooledScheduler)
+    else:
         _, scheduler_kwargs, env, config, silence_logs = msg
     if env.pop(_WHOLE_ENVIRON, None):
-        # the flow process's environment as it is now (a fork server's is as it was when the
-        # server started), then the worker's: its devices, read by CUDA when it initialises
+        # a fork server's environment is the flow's as it was when the server started
         os.environ.clear()
     os.environ.update(env)
     from gpu_tasks.worker.inherited import dask_config_is_current
 
-    if not dask_config_is_current():  # as a new process would read it (else the same, at no cost)
+    if not dask_config_is_current():
         dask.config.refresh()
     dask.config.set(config)
     if silence_logs:
@@ -100,23 +93,16 @@ def _child_main(conn: Connection, flow: int) -> None:
 
 
 def run_in_new_loop(main: Any) -> Any:
-    """Run coroutine ``main`` in a new event loop of the kind Dask's worker processes use: uvloop's
-    when Dask's documented ``distributed.admin.event-loop`` says ``uvloop``, asyncio's otherwise
-    (``asyncio.Runner``, public since Python 3.11)."""
+    """Run coroutine ``main`` in a new event loop of the kind Dask's worker processes use."""
     factory = None
     if dask.config.get("distributed.admin.event-loop", "tornado") == "uvloop":
-        import importlib
-
         factory = importlib.import_module("uvloop").new_event_loop
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(main)
 
 
 def _exit_now() -> None:
-    """End a bound process as soon as its exit handlers have run, without the interpreter's
-    teardown (docs/runner.md, "Quick to give the device back")."""
-    from gpu_tasks.compat.cpython import run_exit_handlers
-
+    """End a bound process once its exit handlers have run, skipping the interpreter's teardown."""
     run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -124,20 +110,19 @@ def _exit_now() -> None:
     os._exit(0)
 
 
-# ---------------------------------------------------------------- the flow side
 class WarmProcess:
     """One pool process, seen from the flow process."""
 
     def __init__(self, ctx: Any) -> None:
-        self.forked = isinstance(ctx, ForkServerContext)  # from the pool's fork server (else spawned)
+        self.forked = isinstance(ctx, ForkServerContext)
         self.conn, child = ctx.Pipe()
         self.process = ctx.Process(
             target=_child_main, args=(child, os.getpid()), name="gpu-tasks warm worker", daemon=False
         )
-        if self.forked:  # it takes the fork server's environment, set once when the server started
+        if self.forked:  # the fork server's environment is set once, when the server starts
             ctx.ensure_started(_spawn_environment)
             self.process.start()
-        else:  # a spawned interpreter takes this process's environment as it is now, and the launcher's
+        else:
             with _spawn_environment():
                 self.process.start()
         child.close()
@@ -146,8 +131,7 @@ class WarmProcess:
         self._reading = threading.Lock()  # one reader of its pipe until it is bound
 
     def bind_environ(self, env: dict[str, str]) -> dict[str, str]:
-        """The environment a bind sends: the worker's ``env``, over the flow process's environment as
-        it is now for a forked process (a fork server's is the flow's as it was when it started)."""
+        """The environment a bind sends: ``env`` over the flow's as it is now (for a forked process)."""
         if not self.forked:
             return {**_pre_spawn_environ(), **env}
         return {**os.environ, **_pre_spawn_environ(), **env, _WHOLE_ENVIRON: "1"}
@@ -158,13 +142,8 @@ class WarmProcess:
         return pid
 
     def wait_ready(self, timeout: float) -> None:
-        """Wait for the process to finish importing (one reader at a time: the pool's
-        ``wait_ready`` and a profile's ``take`` may wait for the same process).
-
-        Raises:
-            TimeoutError: not ready within ``timeout`` s.
-            RuntimeError: it exited while starting.
-        """
+        """Wait for the process to finish importing: ``TimeoutError``, or ``RuntimeError`` if it exited
+        (the pool and a profile may wait at once)."""
         deadline = time.monotonic() + timeout
         late = f"warm worker process {self.pid} did not finish importing within {timeout:g}s"
         if not self._reading.acquire(timeout=max(0.0, timeout)):
@@ -207,16 +186,15 @@ class WarmProcess:
         self.process.join(timeout=1)
         from gpu_tasks.worker.exits import describe_exitcode
 
+        died = f"warm worker process {self.pid} {describe_exitcode(self.process.exitcode)} while starting"
         if self.forked:
             return (
-                f"warm worker process {self.pid} {describe_exitcode(self.process.exitcode)} while starting "
-                "(forked from the warm pool's fork server); GPU_TASKS_TUNE_WARM_START=spawn starts each one "
-                "in a new interpreter instead"
+                f"{died} (forked from the warm pool's fork server); GPU_TASKS_TUNE_WARM_START=spawn starts "
+                "each one in a new interpreter instead"
             )
         return (
-            f"warm worker process {self.pid} {describe_exitcode(self.process.exitcode)} while starting. "
-            "Worker processes are spawned and re-import the script that started the flow: guard the flow "
-            'call with `if __name__ == "__main__":`'
+            f"{died}. Worker processes are spawned and re-import the script that started the flow: guard "
+            'the flow call with `if __name__ == "__main__":`'
         )
 
     def stop(self) -> None:
@@ -232,8 +210,8 @@ _ALL_REGISTERED: list[bool] = []
 
 
 def _track(proc: WarmProcess) -> None:
-    """Remember ``proc`` for :func:`_end_all` (registered at the first spawn: after
-    multiprocessing's own exit handler, so it runs before that one joins its children)."""
+    """Remember ``proc`` for :func:`_end_all`, registered after multiprocessing's exit handler so
+    that it runs before that one joins its children."""
     with _ALL_LOCK:
         if not _ALL_REGISTERED:
             atexit.register(_end_all)
@@ -254,11 +232,8 @@ def _end_all() -> None:  # pragma: no cover - interpreter exit
 
 
 def end_closed(warm: WarmProcess, grace: float) -> None:
-    """End a bound process asked to close: as :func:`end_process`, but one that says it is sending
-    its queued Prefect events (:mod:`gpu_tasks.worker.prefect_queues`) gets
-    ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS`` more first."""
-    from gpu_tasks.settings import get_settings
-
+    """:func:`end_process` for a bound process asked to close; one that says it is sending its
+    queued Prefect events gets ``GPU_TASKS_TUNE_EVENTS_DRAIN_SECONDS`` more first."""
     warm.process.join(timeout=grace)
     bound = get_settings().events_drain_seconds
     if bound and warm.process.is_alive() and prefect_queues.says_draining(warm.conn):
@@ -278,11 +253,8 @@ def end_process(process: Any, grace: float) -> None:
 
 
 class WarmPool:
-    """Up to ``size`` unbound, imported worker processes, replaced as they are taken.
-
-    ``capacity``, when given, is the most worker processes the flow's profiles can have bound at
-    once: the pool never keeps more idle processes than could still be bound (:meth:`released`).
-    """
+    """Up to ``size`` unbound, imported worker processes, replaced as they are taken; never more idle
+    than could still be bound (``capacity``: the most the flow's profiles can have bound at once)."""
 
     def __init__(self, size: int, capacity: int | None = None) -> None:
         self.size = size
@@ -293,7 +265,7 @@ class WarmPool:
         self._timers: list[threading.Timer] = []  # refills scheduled (cancelled by close)
         self._lock = threading.Lock()
         self._closed = False
-        self._starter: threading.Thread | None = None  # start_in_background's thread
+        self._starter: threading.Thread | None = None
 
     def target(self) -> int:
         """How many idle processes to keep now: ``size``, less the places bound processes fill."""
@@ -304,13 +276,12 @@ class WarmPool:
             return max(0, min(self.size, self.capacity - len(self._bound)))
 
     def start(self) -> None:
-        """Start processes until the target is idle (they import in the background; launching
-        the first ones waits for a new fork server's imports, :meth:`start_in_background` not)."""
+        """Start processes until the target is idle (they import in the background)."""
         self.ensure(self.target())
 
     def start_in_background(self) -> None:
-        """:meth:`start` from a thread of its own: a flow's first task waits for a new fork server's
-        imports only when it needs a warm process (in :meth:`wait_ready` or :meth:`take`)."""
+        """:meth:`start` from a thread of its own: the first task waits for a new fork server's
+        imports only when it needs a warm process."""
 
         def launch() -> None:
             t0 = time.monotonic()
@@ -346,16 +317,8 @@ class WarmPool:
                 self._idle.extend(WarmProcess(self._ctx) for _ in range(missing))
 
     def wait_ready(self, n: int, timeout: float) -> None:
-        """Block until ``n`` idle processes are ready, starting more when fewer exist.
-
-        Best effort when profiles start at the same time: a process another profile takes
-        meanwhile is not replaced here (:meth:`take` starts one). A process that fails while
-        starting is dropped and replaced; the error is raised when a replacement fails too.
-
-        Raises:
-            TimeoutError: not ready within ``timeout`` s.
-            RuntimeError: processes exit while starting.
-        """
+        """Block until ``n`` idle processes are ready, starting more when fewer exist; one that fails
+        while starting is replaced, and the error raised when more than ``n`` fail."""
         deadline = time.monotonic() + timeout
         failed = 0
         while True:
@@ -375,7 +338,7 @@ class WarmPool:
                     logger.warning("gpu-tasks warm pool: a process failed while starting", exc_info=True)
 
     def take(self, timeout: float) -> WarmProcess:
-        """An idle process (the readiest first), or a new one; a replacement starts at once."""
+        """An idle process (the readiest first), or a new one; a replacement starts shortly."""
         with self._lock:
             self._prune()
             idle = list(self._idle)
@@ -393,15 +356,13 @@ class WarmPool:
         return proc
 
     def own(self, timeout: float) -> WarmProcess:
-        """A new process outside the pool's count and capacity, ready (a profile's scheduler:
-        forked from the pool's fork server, it costs a fork, not an interpreter's imports)."""
+        """A new ready process outside the pool's count and capacity (a profile's scheduler)."""
         proc = WarmProcess(self._ctx)
         proc.wait_ready(timeout)
         return proc
 
     def _refill_later(self) -> None:
-        """Start the replacements :data:`REFILL_DELAY_S` after a take: the first tasks of the workers
-        just bound need the CPU more (a profile that needs processes meanwhile starts them)."""
+        # after a delay: the first tasks of the workers just bound need the CPU more
         timer = threading.Timer(REFILL_DELAY_S, self._refill)
         timer.daemon = True
         with self._lock:
@@ -411,8 +372,7 @@ class WarmPool:
         timer.start()
 
     def _refill(self) -> None:
-        """The refill timer's work; a fork server that ended under it (the process is stopping) is
-        no error to print: processes start on demand, each profile raising its own failure."""
+        """The refill timer's work; a fork server that ended under it (stopping) is no error."""
         try:
             self.ensure(self.target())
         except (EOFError, OSError) as exc:  # its pipe closed mid-request, or it was reaped
@@ -437,10 +397,10 @@ class WarmPool:
             idle, self._idle = self._idle, []
             timers, self._timers = self._timers, []
             starter = self._starter
-        for timer in timers:  # no refill after the close, and no timer thread outlives it
+        for timer in timers:  # no timer thread outlives the close
             timer.cancel()
             timer.join(timeout=1.0)
-        if starter is not None:  # it started nothing after the close (ensure holds the lock)
+        if starter is not None:
             starter.join(timeout=1.0)
         for proc in idle:
             with contextlib.suppress(OSError):
@@ -462,11 +422,7 @@ class WarmPool:
 
 
 def _context() -> Any:
-    """Where the pool's processes come from: forked from this flow process's fork server, which
-    imported :data:`WARM_IMPORTS` once (Linux; ``GPU_TASKS_TUNE_WARM_START=forkserver``, the default),
-    or each spawned and importing them itself (``spawn``, and elsewhere)."""
-    from gpu_tasks.settings import get_settings
-
+    """Forked from this process's fork server (Linux, ``GPU_TASKS_TUNE_WARM_START=forkserver``) or spawned."""
     if sys.platform.startswith("linux") and get_settings().warm_start == "forkserver":
         if (why := _socket_path_too_long()) is None:
             return forkserver.acquire(list(WARM_IMPORTS))
@@ -478,7 +434,6 @@ _SAID: set[str] = set()
 
 
 def _warn_once(why: str) -> None:
-    """Log ``why`` as a warning, once per process."""
     if why not in _SAID:
         _SAID.add(why)
         logger.warning("gpu-tasks: %s", why)
@@ -488,8 +443,7 @@ AF_UNIX_PATH_MAX = 107  # Linux: 108 bytes with the terminating NUL
 
 
 def _socket_path_too_long() -> str | None:
-    """Why a fork server cannot start here, if so: a deep ``TMPDIR`` makes its Unix socket's path
-    (``<TMPDIR>/pymp-XXXXXXXX/listener-XXXXXXXX``) longer than Linux allows."""
+    """Why a fork server cannot start here, if so: a deep ``TMPDIR`` makes its socket path too long."""
     import tempfile
 
     path = os.path.join(tempfile.gettempdir(), "pymp-" + "x" * 8, "listener-" + "x" * 8)
@@ -504,10 +458,8 @@ def _socket_path_too_long() -> str | None:
 
 
 def _pre_spawn_environ() -> dict[str, str]:
-    """What Dask's nanny sets before it spawns a worker (``OMP_NUM_THREADS=1`` and the like: Dask's
-    documented ``distributed.nanny.pre-spawn-environ``, read as the nanny reads it, a variable set
-    in this process's environment winning and ``None`` unsetting one), and an empty device list:
-    an unbound process sees no device."""
+    """What Dask's nanny sets before it spawns a worker (``distributed.nanny.pre-spawn-environ``,
+    read as the nanny reads it), and no device."""
     cfg = dask.config.get("distributed.nanny.pre-spawn-environ", {}) or {}
     env = {str(k): os.environ.get(str(k), str(v)) for k, v in cfg.items() if v is not None}
     if env.get("PYTHONHASHSEED") in (None, "0"):
@@ -519,9 +471,8 @@ def _pre_spawn_environ() -> dict[str, str]:
 
 
 def _launcher(env: dict[str, str]) -> str | None:
-    """A shell script that runs this Python with ``env`` added to its environment and SIGINT
-    ignored (``None`` without /bin/sh, or where ``$TMPDIR/gpu-tasks-<uid>`` is not this user's
-    alone); named by its content and shared (docs/runner.md, "Warm workers")."""
+    """A shared shell script, named by its content, that runs this Python with ``env`` and SIGINT
+    ignored; ``None`` without /bin/sh or a private ``$TMPDIR/gpu-tasks-<uid>``."""
     if not os.path.exists("/bin/sh"):
         return None
     import hashlib
@@ -554,14 +505,10 @@ def _launcher(env: dict[str, str]) -> str | None:
 
 @contextlib.contextmanager
 def _spawn_environment() -> Any:
-    """How a new interpreter starts: through :func:`_launcher`, with the environment Dask's nanny
-    gives a worker, no device and SIGINT ignored; this process's ``os.environ`` never changes
-    (docs/runner.md, "Warm workers", "Deaf to a terminal's Ctrl-C")."""
+    """A new interpreter starts through :func:`_launcher`; this process's ``os.environ`` never changes."""
     launcher = _launcher(_pre_spawn_environ())
     if launcher is None:
         yield
         return
-    from gpu_tasks.compat.cpython import spawn_executable
-
     with spawn_executable(launcher):
         yield
