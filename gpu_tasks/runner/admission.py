@@ -1,7 +1,5 @@
-"""What happens to a GPU task before any device (:class:`Admission`): its cached result looked up
-in the flow process, then its Prefect tag concurrency slots; and an ``address`` profile's quota
-slots while its task is handed off (:class:`TaskQuota`). docs/runner.md, "Cached results".
-"""
+"""A GPU task before any device: its cached result, then its Prefect tag concurrency slots
+(:class:`Admission`); an ``address`` profile's quota slots (:class:`TaskQuota`)."""
 
 from __future__ import annotations
 
@@ -41,8 +39,7 @@ SLOT_WAIT_REPORTED_S = 0.5
 
 
 def may_be_cached(task: Any) -> bool:
-    """Whether a cached result of ``task`` may exist (cheap: the task's options only): not without a
-    cache policy, with ``refresh_cache`` or a ``result_storage_key``, or with results not persisted."""
+    """Whether a cached result of ``task`` may exist, judged from its options alone (cheap)."""
     from prefect.cache_policies import NO_CACHE, CachePolicy
     from prefect.settings import get_current_settings
 
@@ -64,11 +61,8 @@ def may_be_cached(task: Any) -> bool:
 
 
 def cached_key(task: Any, task_run_id: uuid.UUID, parameters: dict[str, Any]) -> str | None:
-    """The cache key of ``task`` on ``parameters`` when its result store has a record for it, else None.
-
-    Runs in the flow run's context, upstream done. Any error means "not found": the task goes to its
-    worker, whose engine computes the key and logs such errors as it always does.
-    """
+    """The cache key of ``task`` on ``parameters`` if its result store has a record, else None (on any
+    error too: the worker's engine computes the key again and logs it)."""
     from prefect.client.schemas.objects import TaskRun
     from prefect.context import FlowRunContext, TaskRunContext
     from prefect.results import get_result_store
@@ -114,11 +108,8 @@ async def _awaited(awaitable: Any) -> Any:
 
 
 class CacheOnly:
-    """``task`` for a run that must only read its cached result: its function raises if called.
-
-    ``called`` tells afterwards whether the record was gone by then: the run ended ``Crashed`` (a
-    ``BaseException`` is no task failure, so no retry ran it here) and it runs again on a worker.
-    """
+    """``task`` for a run that must only read its cached result (its function raises if called);
+    ``called``: the record was gone and the run ended ``Crashed``, which uses no retry."""
 
     class Missed(BaseException):
         """The engine would have run the task's function in the flow process."""
@@ -144,12 +135,7 @@ class CacheOnly:
 
 
 class Admission:
-    """Before a device: a GPU task's cached result, then its Prefect tag concurrency slots.
-
-    Args:
-        live: the entered runner's session (its executor, slot gate and events).
-        results: ends a task (:meth:`~gpu_tasks.runner.results.Results.finish`): a cache hit, or an error.
-    """
+    """Before a device: a GPU task's cached result, then its Prefect tag concurrency slots."""
 
     def __init__(self, live: Live, results: Results) -> None:
         self.live = live
@@ -159,8 +145,7 @@ class Admission:
         self._reading: dict[frozenset[str], list[tuple[Job, Callable[[], Any]]]] = {}  # and their waiters
 
     def admit(self, job: Job) -> None:
-        """Dispatch ``job`` once nothing but devices stands in its way: a GPU task looks for its cached
-        result, then takes its tag slots, holding no device (docs/runner.md); CPU tasks go on at once."""
+        """Dispatch ``job`` once nothing but devices stands in its way (CPU tasks: at once)."""
         then = job.dispatch
         if not job.profile.is_gpu:
             then()
@@ -171,7 +156,7 @@ class Admission:
         self._take_slots(job, then)
 
     def _settled(self, job: Job, step: Callable[..., Any], *args: Any) -> None:
-        """``step(*args)`` for ``job`` on an executor thread; an error fails the task run, never loses it."""
+        """``step(*args)`` on an executor thread; an error fails the task run, never loses it."""
         try:
             step(*args)
         except BaseException as exc:
@@ -222,7 +207,7 @@ class Admission:
 
     def _read_limits(self, ctx: Any, key: frozenset[str], names: list[str]) -> None:
         """A tag set's first look, by reads (a busy server answers a read at once, a slot request after
-        its backlog: docs/runner.md); then its waiters go on, or to the gate when a limit exists."""
+        its backlog); then its waiters go on, or to the gate when a limit exists."""
         try:
             free = ctx.run(read_without_limits, names)
         except Exception:  # the slot request decides (it waits out a busy server)
@@ -258,8 +243,7 @@ class Admission:
             raise
 
     def _slots_taken(self, job: Job, hold: Hold, then: Callable[[], Any]) -> None:
-        """On the gate's callback thread: report a long wait, then ``then()``; whatever fails here,
-        the task goes on or ends, never left waiting (an error on this thread is only logged)."""
+        """Report a long wait, then ``then()``: the task goes on or ends, never left waiting."""
         if hold.limits:
             job.slot_waited = hold.waited
             if hold.waited >= SLOT_WAIT_REPORTED_S:
@@ -295,7 +279,7 @@ class Admission:
 
     def _run_cached(self, job: Job, key: str, then: Callable[[], Any]) -> None:
         """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device);
-        if the record is gone by then, ``then()`` runs it again on a worker as a retry of the same run."""
+        if the record is gone by then, ``then()`` runs it on a worker as a retry of the same run."""
         prof = job.profile
         only = CacheOnly(job.task)
         kwargs = job.engine_kwargs()
@@ -337,16 +321,14 @@ class Admission:
 
 
 class TaskQuota:
-    """An ``address`` profile's quota slots, held while its task is handed off (the one owner of
-    ``Job.quota_lease``): it waits, logged and holding nothing, while the quota is full; a preemptible
-    profile's task may borrow beyond it (:func:`gpu_tasks.devices.lending.borrow_slots`), reclaimable.
-    """
+    """An ``address`` profile's quota slots while its task is handed off (the one owner of
+    ``Job.quota_lease``); a preemptible profile's task may borrow beyond the quota, reclaimable."""
 
     def __init__(self, live: Live) -> None:
         self.live = live
 
     def take(self, job: Job) -> None:
-        """Hold room in ``job``'s profile's quota for its task before it is handed off."""
+        """Hold room in ``job``'s profile's quota (waiting, holding nothing, while it is full)."""
         live, prof = self.live, job.profile
         assert prof.quota is not None
         said: list[str] = []

@@ -1,7 +1,5 @@
 """A profile's controller: the one thread that runs a profile's cluster and writes its state, taking
-the profile's events (:mod:`gpu_tasks.runner.job`) in order; hand-offs to a local cluster leave in
-batches of up to ``OUTBOX_MAX``. docs/runner.md, "One task's path, with its threads".
-"""
+the profile's events (:mod:`gpu_tasks.runner.job`) in order."""
 
 from __future__ import annotations
 
@@ -43,22 +41,14 @@ from gpu_tasks.worker.engine import run_engine, run_on_worker
 
 logger = logging.getLogger("gpu_tasks.runner")
 
-# hand-offs a controller sends to its Dask cluster as one graph, at most
-OUTBOX_MAX = 32
-# a worker process that ended though no one closed it, while idle, is retired this long after (one
-# that ran a task is the task's crash report's to retire, which comes first)
+OUTBOX_MAX = 32  # hand-offs a controller sends to its Dask cluster as one graph, at most
+# an idle worker process that ended though no one closed it is retired this long after (a busy one's
+# task's crash report retires it first)
 LOST_WORKER_GRACE_S = 2.0
 
 
 class Controller:
-    """The controller of profile ``st`` (``controller(event, more)`` handles one event).
-
-    Args:
-        st: the profile's state, written here alone.
-        live: the entered runner's session.
-        results: where hand-offs end (their Dask futures' done-callbacks) and futures are resolved.
-        quota: an ``address`` profile's quota slots, taken before a hand-off.
-    """
+    """The controller of profile ``st``, its state's one writer; ``controller(event, more)`` handles one."""
 
     def __init__(self, st: ProfileState, live: Live, results: Results, quota: TaskQuota) -> None:
         self.st = st
@@ -110,14 +100,11 @@ class Controller:
         if st.outbox and (not more or len(st.outbox) >= OUTBOX_MAX):
             self.flush()
 
-    # ------------------------------------------------------------ counts
     def _landed(self, job: Job) -> None:
         self.st.inflight.pop(job.task_run_id, None)
 
-    # ------------------------------------------------------------ dispatch
     def dispatch(self, job: Job) -> None:
-        """Run ``job`` on the profile's cluster (its upstream futures are done), starting or growing
-        the cluster first when it needs to (the one place this profile waits for devices)."""
+        """Run ``job`` on the profile's cluster, starting or growing it first (it waits for devices here)."""
         if self.st.closing:  # queued when the runner stopped: no server call, as no task ran
             self._results.finish(job, exc=RuntimeError("the task runner is shutting down"))
             return
@@ -189,7 +176,7 @@ class Controller:
         publish_dashboard(cluster)
 
     def _refill(self) -> None:
-        """After workers were lost: grow back to what the tasks handed out want (no later dispatch may)."""
+        """After workers were lost: grow back to what the tasks handed out want."""
         st = self.st
         if not (st.dispatched and st.cluster.running and st.profile.is_gpu):
             return
@@ -259,10 +246,8 @@ class Controller:
                 dfut = st.cluster.submit(run_on_worker, *args, key=key, resources=task_resources(prof))
         dfut.add_done_callback(partial(self._results.on_done, job, job.attempt))
 
-    # ------------------------------------------------------------ lost and dead workers
     def _retire_lost(self) -> None:
-        """Give back the devices of workers whose process ended though no one closed them (no heartbeat
-        within Dask's worker TTL); the tasks queued there get a new worker, or the cluster closes."""
+        """Give back the devices of workers that ended though no one closed them; refill, or close."""
         st = self.st
         if not st.cluster.running or not (lost := st.cluster.lost_workers(LOST_WORKER_GRACE_S)):
             return
@@ -290,8 +275,7 @@ class Controller:
             self.live.close_cluster(st, "its workers were lost")
 
     def _worker_died(self, job: Job, exc: BaseException) -> None:
-        """The worker running ``job`` died: retire it (once for all its tasks), replace it for the
-        tasks still handed out, then report and retry ``job`` on a thread of its own."""
+        """Retire the dead worker that ran ``job`` (once), replace it, and recover ``job`` off thread."""
         from gpu_tasks.worker.exits import worker_exit  # imports distributed: only once a worker died
 
         st = self.st
@@ -317,14 +301,11 @@ class Controller:
         self._recover("crash", recovery.worker_died, job, lost, how, row)
 
     def _recover(self, kind: str, step: Callable[..., None], job: Job, *args: Any) -> None:
-        """``step(results, job, *args)`` (:mod:`gpu_tasks.runner.recovery`) on a thread of its own, as it
-        waits on the Prefect API; it ends ``job`` or dispatches it again."""
+        """``step(results, job, *args)`` on a thread of its own, as it waits on the Prefect API."""
         job.off_thread(step, self._results, job, *args, name=f"gpu-tasks-{kind}-{job.profile.name}")
 
-    # ------------------------------------------------------------ preemption
     def _preempt(self, addresses: list[str], waiter: dict[str, Any]) -> None:
-        """Stop the workers on ``addresses`` for ``waiter``; the tasks they ran end ``Preempted`` and are
-        dispatched again as the same task runs, retries intact (no ``GPU_TASKS_LEASE_TIMEOUT``)."""
+        """Stop the workers on ``addresses`` for ``waiter``; their tasks run again, retries intact."""
         st, live = self.st, self.live
         cluster = st.cluster
         waited = time.time() - float(waiter["arrived"])
@@ -366,8 +347,7 @@ class Controller:
             self._recover("requeue", recovery.requeue, j, reason, by)
 
     def _board(self, what: str, info: dict[str, Any]) -> None:
-        """An address profile's preemption on its shared scheduler (gpu_tasks.cluster.board): ``preempting``
-        (it waited past its grace) or ``preempted`` (its tasks interrupted for another's entry)."""
+        """An address profile's ``preempting`` or ``preempted`` on its shared scheduler, as an event."""
         st = self.st
         keep = "profile flow_run_name flow_run_id pid hostname priority waited_s workers".split()
         if what == "preempting":

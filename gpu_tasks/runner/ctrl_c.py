@@ -1,7 +1,5 @@
-"""Ctrl-C on a plain flow script: one line at once, and a second Ctrl-C that ends the process now
-(exit status 130); a Ctrl-C while the runner closes its clusters is held until the close is done
-(:func:`held_while_closing`). Why and when: docs/operations.md, "Failure behaviour".
-"""
+"""Ctrl-C on a plain flow script: one line at once, and a second Ctrl-C that ends the process now; a
+Ctrl-C while the runner closes its clusters is held until the close is done."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ _armed = False
 
 
 def _plain_script() -> bool:
-    """Whether this process is a script run from a terminal: not an interactive session (an interrupt
-    must not end it) nor a deployment's flow run (``PREFECT__FLOW_RUN_ID``: its supervisor stops it)."""
+    """Whether this is a script run from a terminal, not an interactive session nor a deployment's run."""
     main = sys.modules.get("__main__")
     if os.environ.get("PREFECT__FLOW_RUN_ID"):
         return False
@@ -63,7 +60,7 @@ def on_interrupt(running: int, profiles: list[str]) -> bool:
 @contextlib.contextmanager
 def held_while_closing() -> Iterator[None]:
     """Within the block, a Ctrl-C is said at once and raised when the block ends; a second one ends
-    the process now. Only while Python's own handler is set (:func:`_python_handles_sigint`)."""
+    the process now. Only while Python's own handler is set."""
     if not _python_handles_sigint():
         yield
         return

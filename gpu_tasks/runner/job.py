@@ -1,7 +1,5 @@
 """One profile's state and inbox (:class:`ProfileState`), the events its controller receives, and one
-submitted task from submit to its final state (:class:`Job`). A profile's state has one writer, its
-controller thread, which takes the events in the order posted; any thread posts, and never waits.
-"""
+submitted task from submit to its final state (:class:`Job`)."""
 
 from __future__ import annotations
 
@@ -39,7 +37,6 @@ class LostWorker(NamedTuple):
 NO_WORKER = LostWorker("", (), None, None)
 
 
-# ---------------------------------------------------------------- events
 class Arrived(NamedTuple):
     """A task of the profile was submitted, or moved here (``on_oom``)."""
 
@@ -123,15 +120,13 @@ Event = (
     | Tick
     | Reclaim
 )
-# events of which one queued is enough (the monitor and a device waiter post them again and again)
-COALESCED = (Tick, Reclaim, Preempt)
-# a controller: handles one event; ``more``: others are queued behind it
-Handler = Callable[[Event, bool], None]
+COALESCED = (Tick, Reclaim, Preempt)  # one queued is enough (the monitor and waiters post them often)
+Handler = Callable[[Event, bool], None]  # a controller: one event, and whether others are queued behind it
 
 
 class ProfileState:
     """One profile's state in an entered runner, and its controller's inbox. Every field is written by
-    the controller thread alone (started with the first event); other threads read them and :meth:`post`."""
+    the controller thread alone; other threads read them and :meth:`post`, which never waits."""
 
     def __init__(
         self, cluster: ProfileCluster, idle_timeout: float, controller: Callable[[ProfileState], Handler]
@@ -162,7 +157,6 @@ class ProfileState:
     def profile(self) -> ResourceProfile:
         return self.cluster.profile
 
-    # ------------------------------------------------------------ inbox
     def post(self, event: Event) -> bool:
         """Queue ``event`` for the controller (never waits); ``False`` once the profile is closed."""
         with self._cv:
@@ -186,8 +180,7 @@ class ProfileState:
         return True
 
     def close(self) -> None:
-        """Take no more events; wait until the controller handled those queued (a device wait in
-        progress ends with the runner's stop)."""
+        """Take no more events; wait until the controller handled those queued."""
         with self._cv:
             self.closing = True
             self._cv.notify()
@@ -215,7 +208,6 @@ class ProfileState:
                     exc_info=True,
                 )
 
-    # ------------------------------------------------------------ counts (controller only)
     def active_changed(self) -> None:
         """Idle from the moment nothing but slot waits is outstanding."""
         if self.outstanding - self.waiting_for_slots > 0:
@@ -281,8 +273,7 @@ class Job:
         return waited
 
     def dispatch(self) -> None:
-        """Ask its profile's controller to run it (its upstream is done, it was admitted); once the
-        runner closes, its future resolves with that error instead."""
+        """Ask its profile's controller to run it; once the runner closes, fail its future instead."""
         if not self.st.post(Dispatch(self)) and not self.cf.done():
             self.cf.set_exception(RuntimeError("the task runner is shutting down"))
 
@@ -297,9 +288,9 @@ class Job:
         )
 
     def say(self, level: int, msg: str, *args: Any) -> None:
-        """A line in the flow run's logs (from any thread: the logger is looked up in the job's context)."""
+        """A line in the flow run's logs (from any thread: the job's context finds the logger)."""
         self.ctx.copy().run(lambda: flow_logger().log(level, msg, *args))
 
     def off_thread(self, fn: Callable[..., Any], *args: Any, name: str) -> None:
-        """``fn(*args)`` in the job's context on a thread of its own (it may wait on the server, devices)."""
+        """``fn(*args)`` in the job's context on a thread of its own."""
         threading.Thread(target=self.ctx.copy().run, args=(fn, *args), name=name, daemon=True).start()

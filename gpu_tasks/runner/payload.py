@@ -1,7 +1,5 @@
 """The flow run's Prefect context, serialized for task runs in worker processes: like Prefect's
-``serialize_context``, but the settings and result store (nearly all of its cost) are dumped once
-per flow run, and workers are pointed at the flow run's own API (:mod:`gpu_tasks.prefect_api.api`).
-"""
+``serialize_context``, but the costly settings and result store are dumped once per flow run."""
 
 from __future__ import annotations
 
@@ -16,12 +14,10 @@ from gpu_tasks.worker.blobs import Blob, Blobs
 
 class ContextSerializer:
     """Prefect's ``serialize_context``, with the settings serialized once per settings context
-    (``temporary_settings`` enters a new one); the rest is serialized for every task as Prefect does.
-    """
+    (``temporary_settings`` enters a new one); the rest for every task, as Prefect does."""
 
     def __init__(self) -> None:
-        # the flow run's API: workers report there, never to a server of their own
-        self.api_url: str | None = None
+        self.api_url: str | None = None  # the flow run's API: workers report there, never to their own
         self._settings: tuple[Any, dict[str, Any], str] | None = None
         self._result_store: tuple[Any, dict[str, Any]] | None = None
         self.blobs = Blobs()  # pickled once per runner: the flow run's context, its tasks
@@ -39,8 +35,7 @@ class ContextSerializer:
         deployment_id, deployment_parameters, dumped = self._deployment(flow_run_ctx)
         cached = self._settings
         if cached is None or cached[0] is not settings_ctx:
-            # the settings _deployment()'s serialize_context() just dumped (the same context), else
-            # dumped here: each dump is costly (docs/operations.md)
+            # the settings _deployment()'s serialize_context() just dumped, else dumped here
             serialized = dumped if dumped is not None else (settings_ctx.serialize() if settings_ctx else {})
             if self.api_url is not None:
                 serialized = for_workers(serialized, self.api_url)
@@ -61,8 +56,8 @@ class ContextSerializer:
         return context, cached[2]
 
     def _flow_run_blob(self, ctx: Any) -> Blob:
-        """The flow run context, serialized and pickled once per flow run (:mod:`gpu_tasks.worker.blobs`):
-        its tasks see it as it was when the first of them was handed off."""
+        """The flow run context, serialized and pickled once per flow run: its tasks see it as it was
+        when the first of them was handed off."""
         made = self._flow_runs.get(id(ctx))
         if made is None or made[0] is not ctx or made[1] is not ctx.flow_run:
             try:
@@ -79,9 +74,8 @@ class ContextSerializer:
         return made[2]
 
     def _deployment(self, ctx: Any) -> tuple[Any, Any, dict[str, Any] | None]:
-        """The deployment id and parameters Prefect's ``serialize_context`` sends, from one call of it
-        per flow run context (they do not change while it runs); third, the settings that call dumped,
-        or ``None`` where nothing was called now."""
+        """The deployment id and parameters, from one ``serialize_context`` call per flow run context;
+        third, the settings that call dumped, or ``None`` where nothing was called now."""
         from prefect.context import serialize_context
 
         made = self._deployments.get(id(ctx)) if ctx is not None else None
@@ -98,7 +92,6 @@ class ContextSerializer:
         store = ctx.result_store
         if store is None:
             return dict(ctx.serialize())
-        # a shallow copy, all else shared
         serialized: dict[str, Any] = ctx.model_copy(update={"result_store": None}).serialize()
         cached = self._result_store
         if cached is None or cached[0] is not store:

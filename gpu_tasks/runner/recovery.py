@@ -1,7 +1,5 @@
-"""A task whose hand-off went wrong, run again: once on ``on_oom`` after out of memory; ``Preempted``
-and queued again without using a retry; ``Crashed`` and re-run while it has retries after its worker
-died. Its controller did the cluster's part and calls these on a thread of their own (they wait on
-the Prefect API); a task ends through ``Results.finish`` or is dispatched again (``Job.dispatch``).
+"""A task whose hand-off went wrong, run again: on ``on_oom`` after out of memory, after preemption, or
+after its worker died. Called by its controller on a thread of their own (they wait on the Prefect API).
 """
 
 from __future__ import annotations
@@ -31,7 +29,6 @@ logger = logging.getLogger("gpu_tasks.runner")
 ESCALATED_TAG = "gpu-tasks:on-oom"
 
 
-# ------------------------------------------------------------ out of memory
 def escalate(results: Results, job: Job, task_run: Any, why: str) -> None:
     """Re-run ``job`` once on its profile's ``on_oom`` profile; whatever fails, its future resolves."""
     try:
@@ -70,7 +67,6 @@ def _escalate(live: Live, job: Job, task_run: Any, why: str) -> None:
     job.dispatch()
 
 
-# ------------------------------------------------------------ preemption
 def requeue(results: Results, job: Job, reason: str, by: dict[str, Any]) -> None:
     """Report ``job`` ``Preempted`` and dispatch it again (devices permitting)."""
     live = results.live
@@ -98,10 +94,9 @@ def requeue(results: Results, job: Job, reason: str, by: dict[str, Any]) -> None
     job.dispatch()
 
 
-# ------------------------------------------------------------ dead workers
 def worker_died(results: Results, job: Job, lost: LostWorker, how: str, row: LedgerRow | None) -> None:
-    """The worker running ``job`` died (``lost``, ``how``; ``row``: its ledger row when this report
-    retired it): report the crash, then retry ``job`` if allowed; whatever fails, its future resolves."""
+    """The worker running ``job`` died (``row``: its ledger row when this report retired it): report the
+    crash, then retry ``job`` if allowed; whatever fails, its future resolves."""
     try:
         retry = _report_worker_death(results, job, lost, how, row)
     except BaseException as err:  # never leave the future unresolved
@@ -122,7 +117,7 @@ def _report_worker_death(
     results: Results, job: Job, lost: LostWorker, how: str, row: LedgerRow | None
 ) -> tuple[float, Any] | None:
     """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried,
-    ``(0, None)`` when it had not begun there (no retry used). The one place ``Job.crashes`` is counted."""
+    ``(0, None)`` when it had not begun there (no retry used)."""
     live, st, prof = results.live, job.st, job.profile
     name, devices, ended, address = lost
     where = f"device(s) {','.join(devices)}" if devices else ("unknown devices" if prof.is_gpu else "CPU")

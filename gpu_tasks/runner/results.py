@@ -1,9 +1,5 @@
-"""Where a hand-off ends (:class:`Results`): the task's final state, or its recovery
-(:mod:`gpu_tasks.runner.recovery`); and a local cluster's results fetched in batches (:class:`Landings`).
-
-Dask runs every done-callback on one thread per process, and fetching a result there is a round
-trip per task; the callbacks only queue finished futures, and one thread gathers a burst at once.
-"""
+"""Where a hand-off ends (:class:`Results`); a local cluster's results fetched in batches
+(:class:`Landings`), since Dask runs every done-callback on one thread and a fetch is a round trip."""
 
 from __future__ import annotations
 
@@ -25,8 +21,7 @@ from gpu_tasks.runner.session import Live
 
 logger = logging.getLogger("gpu_tasks.runner")
 
-# (its key for the consumer, the Dask future)
-Landing = tuple[Any, Any]
+Landing = tuple[Any, Any]  # (its key for the consumer, the Dask future)
 
 
 class Landings:
@@ -106,7 +101,7 @@ class Landings:
 
 def _is_worker_death(exc: BaseException) -> bool:
     """Whether a Dask future failed because its worker died, or was lost with it (cancelled, or its
-    client's loop closed, as that death closed the cluster): gpu-tasks cancels none it still asks about."""
+    client's loop closed with the cluster): gpu-tasks cancels none it still asks about."""
     import asyncio
 
     from distributed.client import FutureCancelledError
@@ -120,13 +115,7 @@ def _is_worker_death(exc: BaseException) -> bool:
 
 class Results:
     """Where a hand-off ends: its final state, or an event for its profile's controller when it must
-    run again (worker died, ``on_oom``, preempted). Every task's future is resolved here.
-
-    Args:
-        live: the entered runner's session (its slot gate and in-flight accounting).
-        landings: fetches a local cluster's finished results in batches (its items: ``land(value, error)``).
-        release_quota: gives back a task's quota slots (:meth:`gpu_tasks.runner.admission.TaskQuota.release`).
-    """
+    run again (worker died, ``on_oom``, preempted). Every task's future is resolved here."""
 
     def __init__(self, live: Live, landings: Landings, release_quota: Callable[[Job], None]) -> None:
         self.live = live
@@ -162,8 +151,7 @@ class Results:
         self.finish(job, result=state)
 
     def on_done(self, job: Job, attempt: int, dfut: Any) -> None:
-        """On Dask's callback thread (one per process): a local cluster's finished task has its
-        result fetched in a batch (:class:`Landings`), anything else here."""
+        """On Dask's callback thread: a local cluster's finished result is fetched in a batch, others here."""
         if attempt != job.attempt:
             return  # it was preempted: re-queued, its worker's end is not its end
         land = partial(self._landed, job, attempt)

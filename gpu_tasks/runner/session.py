@@ -1,7 +1,5 @@
-"""What an entered runner owns while it runs (:class:`Live`): its profiles' states and jobs, the idle
-monitor, closing. Created with the runner's first task (never in ``__enter__``: Prefect enters copies
-of the runner on workers) and closed as a whole when the flow run ends.
-"""
+"""What an entered runner owns while it runs (:class:`Live`): its profiles' states, the idle monitor,
+closing. Created with the first task (Prefect enters copies of the runner on workers)."""
 
 from __future__ import annotations
 
@@ -44,8 +42,7 @@ PREEMPTION_CHECK_S = 0.5  # how often a runner with preemptible clusters reads t
 
 
 class Live:
-    """Everything an entered runner owns; closed as a whole on exit (``close_results(timeout)``: the
-    results fetched or queued reach their tasks, gpu_tasks.runner.results.Landings.close)."""
+    """Everything an entered runner owns; closed as a whole on exit."""
 
     def __init__(
         self,
@@ -58,7 +55,7 @@ class Live:
         self._close_results = close_results
         self.settings = get_settings()
         use_no_limits_cache(self.settings.tag_limit_cache_seconds, limited_names)
-        start_renewing()  # the answers renewed before they expire (prefect_api.tag_answers)
+        start_renewing()
         warn_if_changed()  # once per process: a release that changed a private name gpu-tasks uses
         self.idle_timeout = idle_timeout
         self._inventory: Inventory | None = None
@@ -71,10 +68,10 @@ class Live:
         )
         self.monitor: threading.Thread | None = None
         self._controller: Callable[[ProfileState], Handler] | None = None  # given by start()
-        self.gate = SlotGate()  # the tag concurrency slots of GPU tasks (its thread starts on first use)
+        self.gate = SlotGate()  # the tag concurrency slots of GPU tasks
         self.worker_env: dict[str, str] | None = None
         self.context = ContextSerializer()
-        self.started = StartedLog()  # the hand-offs that began in local workers (worker.started)
+        self.started = StartedLog()  # the hand-offs that began in local workers
         self.book = DeviceBook(
             reclaim=self._reclaim,
             stop=self.stop,
@@ -86,14 +83,14 @@ class Live:
             fair_share_half_life=self.settings.fair_share_half_life,
         )
         self.run = RunRef.current()  # the runner outlives the flow run context; remember the run
-        # events are sent in the flow run's context, also after Prefect left it (exit-time events):
-        # Prefect's events worker adds related resources from the sending context
+        # events are sent in the flow run's context, also after Prefect left it: Prefect's events
+        # worker adds related resources from the sending context
         self.ctx = contextvars.copy_context()
         self.flow_run_id = self.run.id
         # why the Prefect API could not be reached when an interrupted run closed (then no events)
         self.api_down: str | None = None
-        self.sampler = Sampler(self.settings.gpu_sample_seconds)  # measured use (its thread: real devices)
-        RunLogs.enter(self.flow_run_id, self.settings.dask_log_level)  # lines to the run's logs
+        self.sampler = Sampler(self.settings.gpu_sample_seconds)  # measured use
+        RunLogs.enter(self.flow_run_id, self.settings.dask_log_level)
         try:
             self.pool = self._warm_pool()
         except BaseException:
@@ -101,8 +98,8 @@ class Live:
             raise
 
     def _warm_pool(self) -> Any:
-        """Start the warm worker processes (gpu_tasks.worker.warm) when a profile's workers can use them:
-        with the first task, so they import while earlier stages run (they hold no device)."""
+        """Start the warm worker processes when a profile's workers can use them: with the first task,
+        so they import while earlier stages run (they hold no device)."""
         size = self.settings.warm_workers
         local = [p for p in self.profiles.values() if starts_processes_here(p)]
         if size <= 0 or not local:
@@ -138,7 +135,7 @@ class Live:
             st = self.states.get(prof.name)
             if st is None:
                 if self.worker_env is None and prof.uses_processes:
-                    RunLogs.dask_imported()  # Dask's INFO chatter stays out (GPU_TASKS_TUNE_DASK_LOG_LEVEL)
+                    RunLogs.dask_imported()  # Dask's INFO chatter stays out
                     api_url = require_flow_api_url(prof.name)
                     self.worker_env = worker_env(api_url)
                     self.context.api_url = api_url
@@ -159,11 +156,9 @@ class Live:
                 self.sampler.watch(cluster)
             return st
 
-    # ------------------------------------------------------------ the monitor
     def start(self, controller: Callable[[ProfileState], Handler]) -> None:
-        """Each profile's state gets its controller from ``controller`` (when its first task comes);
-        the monitor starts: it posts the idle beat (``Tick``) to every profile, and ``Preempt`` to a
-        preemptible profile whose devices a higher-priority waiter is due."""
+        """Profiles' states get their controllers from ``controller``; the monitor starts: ``Tick`` to
+        every profile, ``Preempt`` to a preemptible one whose devices a higher-priority waiter is due."""
         self._controller = controller
         if self.monitor is None:
             # in the submitting thread's context: a new thread's empty one would lose the flow run's
@@ -191,8 +186,7 @@ class Live:
                     st.post(Tick())
 
     def _check_preemption(self) -> None:
-        """Ask preemptible profiles to stop the workers whose devices a higher-priority waiter has
-        waited for too long."""
+        """Ask preemptible profiles to stop the workers a higher-priority waiter waited too long for."""
         preemptible = {
             name for name, st in list(self.states.items()) if st.profile.preemptible and st.cluster.running
         }
@@ -225,8 +219,7 @@ class Live:
             st.post(Board(what, info))
 
     def _reclaim(self, wanted: set[str], by: str) -> None:
-        """Profile ``by`` waits for ``wanted``: idle profiles holding some give them back before their
-        timeout (asked on the waiter's thread; each holder's controller decides)."""
+        """Profile ``by`` waits for ``wanted``: ask idle profiles holding some to give them back early."""
         for name, st in list(self.states.items()):
             if name != by and wanted.intersection(st.cluster.devices):
                 st.post(Reclaim(frozenset(wanted), by))
@@ -261,7 +254,6 @@ class Live:
             devices,
         )
 
-    # ------------------------------------------------------------ events
     def priorities(self) -> dict[str, int]:
         """The priority each profile that queues for this host's devices waited at (by name)."""
         return {
@@ -282,8 +274,7 @@ class Live:
         )
 
     def _send(self, emit: Callable[..., Any], *args: Any) -> None:
-        """An event, in the flow run's context, unless the API was found down (it would only fail
-        seconds later and hold up the exit)."""
+        """An event in the flow run's context, unless the API was found down (it would hold up the exit)."""
         if self.api_down is None:
             self.in_run_context(emit, *args)
 
@@ -297,7 +288,6 @@ class Live:
         """``fn(*args)`` in the flow run's context as it was when the runner started (any thread)."""
         return self.ctx.copy().run(fn, *args)
 
-    # ------------------------------------------------------------ close
     def close(self, reason: str, hurry: bool = False) -> None:
         try:
             self.stop.set()
@@ -334,17 +324,14 @@ class Live:
             RunLogs.leave(self.flow_run_id)  # the close's own lines were sent before this
 
     def _advise(self) -> None:
-        """A right-size line per GPU profile that used much less than it held (reporting.measured),
-        in the run's log and as a ``gpu-tasks.profile.right-size`` event; on emulated devices one
-        line saying nothing was measured."""
+        """A right-size line and event per GPU profile that used much less than it held."""
         for profile, line, measured in right_size(self.ledger):
             logger.info("gpu-tasks: %s", line)
             if measured is not None:
                 self._send(emit_right_size, profile, line, measured, self.run)
 
     def _crash_unfinished(self, jobs: list[Job], reason: str, hurry: bool) -> None:
-        """Report task runs still running when their cluster closed ``Crashed``; with the Prefect API
-        gone, only set here and named in one line (docs/operations.md, "Failure behaviour")."""
+        """Report task runs still running at the close ``Crashed`` (API gone: set here, named in one line)."""
         from prefect.states import Crashed
 
         from gpu_tasks.prefect_api.states import crash_task_run, no_client_retries

@@ -1,9 +1,5 @@
-"""ProfileTaskRunner: a Prefect task runner with one Dask cluster per resource profile.
-
-One task: ``submit`` reads its profile tag -> upstream futures done (the flow never waits) ->
-its profile's cluster runs Prefect's task engine -> the final state comes back to the flow
-process, so closing an idle cluster loses nothing. docs/runner.md names the modules on that path.
-"""
+"""ProfileTaskRunner: a Prefect task runner with one Dask cluster per resource profile. Final states
+come back to the flow process, so closing an idle cluster loses nothing."""
 
 from __future__ import annotations
 
@@ -47,7 +43,7 @@ from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner.admission import Admission, TaskQuota
 from gpu_tasks.runner.controller import Controller
 from gpu_tasks.runner.ctrl_c import held_while_closing, on_interrupt
-from gpu_tasks.runner.job import Arrived, Job
+from gpu_tasks.runner.job import Arrived, Job, ProfileState
 from gpu_tasks.runner.results import Landings, Results
 from gpu_tasks.runner.session import Live
 from gpu_tasks.settings import get_settings, resolve, variable_warnings
@@ -70,7 +66,7 @@ class ProfileFuture(PrefectConcurrentFuture[Any]):
         self.profile = profile
 
     def _block(self, timeout: float | None) -> float | None:
-        """Wait here, leaving this thread's task slot to others meanwhile; the timeout left."""
+        """Wait here, leaving this thread's task slot to others meanwhile; returns the timeout left."""
         if self.wrapped_future.done():
             return timeout
         with waiting():  # a parent task waiting for its child must not hold the child's slot
@@ -89,8 +85,7 @@ _WARNED: set[str] = set()  # the GPU_TASKS_* variables (unknown, old names) this
 
 
 def _check_settings() -> None:
-    """Raise for a ``GPU_TASKS_*`` value its setting does not take (``GPU_TASKS_EMULATED_GPUS`` too);
-    warn once per flow process of each unknown or old variable name. Reads the environment only."""
+    """Raise for a bad ``GPU_TASKS_*`` value; warn once per process of each unknown or old name."""
     settings = get_settings()
     if settings.emulated_gpus is not None:
         from gpu_tasks.devices.discovery import parse_emulated
@@ -113,23 +108,18 @@ def _close_leftovers() -> None:  # pragma: no cover - interpreter exit
             logger.warning("gpu-tasks: error closing clusters at exit", exc_info=True)
 
 
-# ---------------------------------------------------------------- the runner
 class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     """Runs each task on the Dask cluster of its resource profile.
 
     Args:
-        profiles: The profiles tasks may name with ``profile:<name>`` tags. Profiles
-            from ``GPU_TASKS_PROFILES_FILE`` are added and override same-named ones, so a
-            deployment can change hardware without a code change.
+        profiles: The profiles tasks may name with ``profile:<name>`` tags; those from
+            ``GPU_TASKS_PROFILES_FILE`` are added and override same-named ones.
         default: Profile of untagged tasks (default: the file's ``default``, else ``"cpu"``,
-            added as a plain CPU profile when no profile has that name). Profiles, file and
-            ``GPU_TASKS_*`` settings are checked when the runner is built (the file is read again
-            for each flow run).
+            added as a plain CPU profile when no profile has that name).
         idle_timeout: Seconds a cluster may sit idle before it is closed, for profiles
             that do not set their own; ``None`` takes ``GPU_TASKS_IDLE_TIMEOUT``.
 
-    Clusters start when a profile's first task is submitted, never in ``__enter__``
-    (Prefect enters a copy of the runner on workers while hydrating context).
+    Profiles, file and ``GPU_TASKS_*`` settings are checked when the runner is built.
     """
 
     def __init__(
@@ -160,7 +150,6 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         self._last_ledger: list[LedgerRow] = []
         _environment.check_ephemeral()  # Prefect starts its ephemeral server before entering a runner
 
-    # ------------------------------------------------------------ configuration
     @property
     def idle_timeout(self) -> float:
         """The runner-wide idle timeout (argument, else GPU_TASKS_IDLE_TIMEOUT)."""
@@ -170,7 +159,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         self, path: Path | None = None, origin: str = ""
     ) -> tuple[dict[str, ResourceProfile], str]:
         """The profiles in force (code, then ``path`` or GPU_TASKS_PROFILES_FILE) and the default
-        name (see :func:`gpu_tasks.profiles.resolve_profiles`); ``origin`` names where ``path`` came from."""
+        name; ``origin`` names where ``path`` came from."""
         if path is None:
             path, origin = get_settings().profiles_file, "GPU_TASKS_PROFILES_FILE"
         return resolve_profiles(self._profiles_arg, self._default_arg, path, origin)
@@ -194,7 +183,6 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         self._unpickled = True  # in a worker: its flow process checked the settings and profiles
         self.__init__(**state)  # type: ignore[misc]  # rebuilt from its pickled arguments
 
-    # ------------------------------------------------------------ lifetime
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
             if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
@@ -244,22 +232,18 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
         if self._live is None or self._admission is None:
-            # each piece gets what it needs when it is built (docs/runner.md, "Where the code lives")
             profiles, default = self.resolve_profiles()
-            # results fetched in batches; each item is its job's ``land(value, error)``
             landings = Landings(lambda land, value, error: land(value, error), name="gpu-tasks-results")
             live = Live(profiles, default, self.idle_timeout, close_results=landings.close)
             self._log_profile_sources(profiles)  # once Live sends the runner's lines to the run's logs
             quota = TaskQuota(live)
             results = Results(live, landings, quota.release)
             self._admission = Admission(live, results)
-            # each profile's controller (its one thread) and the idle and preemption monitor
             live.start(partial(Controller, live=live, results=results, quota=quota))
             self._live = live
             _LIVE_RUNNERS.add(self)
         return self._live, self._admission
 
-    # ------------------------------------------------------------ routing
     def _route(self, live: Live, task: Any) -> tuple[ResourceProfile, str, str | None]:
         """The profile to run on, the profile asked for, and why they differ (fallback) if so."""
         name = requested_profile(task) or live.default
@@ -267,9 +251,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if prof is None:
             raise UnknownProfileError(
                 f"task {task.name!r} asks for profile {name!r}, which this runner does not know; known "
-                "profiles: "
-                f"{', '.join(sorted(live.profiles))}. Add a ResourceProfile(name={name!r}, ...) to "
-                "ProfileTaskRunner(profiles=[...]) or to GPU_TASKS_PROFILES_FILE"
+                f"profiles: {', '.join(sorted(live.profiles))}. Add a ResourceProfile(name={name!r}, ...) "
+                "to ProfileTaskRunner(profiles=[...]) or to GPU_TASKS_PROFILES_FILE"
             )
         # an address or cluster_class profile's workers are checked when its cluster starts
         reason = (
@@ -288,7 +271,6 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             "or set fallback='cpu' on the profile"
         )
 
-    # ------------------------------------------------------------ submit
     def submit(
         self,
         task: Any,
@@ -335,32 +317,26 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             admission.admit(job)  # GPU: cache and tag slots before devices; then its controller
         return future
 
-    # ------------------------------------------------------------ inspection
     def status(self) -> dict[str, dict[str, Any]]:
         """Each profile's state (``absent``, ``running``, ``closed``), workers and devices."""
         live = self._live
         if live is None:
             profiles, _ = self.resolve_profiles()
-            return {name: _status_row("absent", p, None, 0) for name, p in profiles.items()}
+            return {name: _status_row("absent", p, None, None) for name, p in profiles.items()}
         out = {}
         for name, prof in live.profiles.items():
             st = live.states.get(name)
             if st is None or not st.ever_provisioned:
-                row = _status_row("absent", prof, None, st.outstanding if st else 0)
+                out[name] = _status_row("absent", prof, None, st)
             elif st.cluster.running:
-                row = _status_row("running", prof, st.cluster, st.outstanding)
+                out[name] = _status_row("running", prof, st.cluster, st)
             else:
-                row = _status_row("closed", prof, None, st.outstanding)
-                row["emulated"] = st.cluster.emulated
-            if st is not None:
-                # tasks waiting for Prefect tag slots now (no device held), and answered from cache
-                row["waiting_for_slots"], row["cache_hits"] = st.waiting_for_slots, st.cache_hits
-            out[name] = row
+                out[name] = dict(_status_row("closed", prof, None, st), emulated=st.cluster.emulated)
         return out
 
     def warm_workers(self) -> list[dict[str, Any]]:
-        """The warm pool's idle worker processes, each ``{"pid": ..., "ready": ...}``; empty when there
-        is no pool (docs/runner.md, "Warm workers"). None of them holds a device."""
+        """The warm pool's idle worker processes, each ``{"pid": ..., "ready": ...}`` (none holds a
+        device); empty when there is no pool."""
         live = self._live
         if live is None or live.pool is None:
             return []
@@ -378,7 +354,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
 
 
 def _status_row(
-    state: str, prof: ResourceProfile, cluster: ProfileCluster | None, outstanding: int
+    state: str, prof: ResourceProfile, cluster: ProfileCluster | None, st: ProfileState | None
 ) -> dict[str, Any]:
     return {
         "state": state,
@@ -386,10 +362,11 @@ def _status_row(
         "workers": cluster.worker_count if cluster else 0,
         "devices": list(cluster.devices) if cluster else [],
         "emulated": bool(cluster and cluster.emulated),
-        "outstanding": outstanding,
+        "outstanding": st.outstanding if st else 0,
         "dashboard": cluster.dashboard_link if cluster else None,
         # seconds the last start spent waiting for devices and starting workers
         "startup": dict(cluster.startup) if cluster else {},
-        "waiting_for_slots": 0,
-        "cache_hits": 0,
+        # tasks waiting for Prefect tag slots now (no device held), and answered from cache
+        "waiting_for_slots": st.waiting_for_slots if st else 0,
+        "cache_hits": st.cache_hits if st else 0,
     }

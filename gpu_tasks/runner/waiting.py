@@ -1,7 +1,5 @@
-"""What a waiting task says about why it waits: its task run's log, at a bounded rate, and a
-``gpu-tasks.task.waiting`` event when the reason changes (docs/leases.md, "Why a task waits"). A
-:class:`WaitReporter` is the listener the controller sets for a dispatch, on its thread.
-"""
+"""Why a dispatching task waits: its task run's log, at a bounded rate, and a ``gpu-tasks.task.waiting``
+event when the reason changes."""
 
 from __future__ import annotations
 
