@@ -1,7 +1,5 @@
-"""Which Prefect API a flow run reports to, and how its worker processes reach the same one: the
-flow process's URL (its ephemeral server's too), with ephemeral servers switched off, in their
-environment and settings (docs/runner.md, "Faults: ... the ephemeral API").
-"""
+"""Which Prefect API a flow run reports to, and how its worker processes reach the same one, with
+ephemeral servers switched off (docs/runner.md, "Faults: ... the ephemeral API")."""
 
 from __future__ import annotations
 
@@ -18,15 +16,13 @@ PROXY_VARIABLES = ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 @functools.cache
 def _trusts_nothing() -> ssl.SSLContext:
-    """A client TLS context with no trusted certificate: a TLS connection made with it fails its
-    verification, so handing it to a client of a plain-http API can never weaken one."""
+    """A TLS context that trusts nothing: handed to a client of a plain-http API, it can never weaken one."""
     return ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
 def client_tls(api_url: str | None) -> dict[str, Any] | None:
-    """``httpx_settings`` for a Prefect client of ``api_url``: over plain http, a TLS context that
-    trusts nothing instead of the certifi bundle Prefect loads per client (docs/operations.md);
-    ``None`` (Prefect's own) for anything else, and wherever a proxy (which may speak TLS) is set."""
+    """``httpx_settings`` for a client of ``api_url``: over plain http, no certifi bundle loaded per
+    client (docs/operations.md); ``None`` (Prefect's own) otherwise, or with a proxy (it may speak TLS)."""
     if any(os.environ.get(v) for v in PROXY_VARIABLES):
         return None
     if api_url and api_url.lower().startswith("http://"):
@@ -43,18 +39,13 @@ def sync_client() -> Any:
     return get_client(sync_client=True, httpx_settings=client_tls(str(url) if url else None))
 
 
-# The ephemeral server URL this process last found in a run's context: (pid, URL), a forked child
-# finding its parent's entry finds none (:func:`ephemeral_api_url`).
+# (pid, URL) of the ephemeral server this process last found: a forked child finds none of its parent's
 _SEEN_EPHEMERAL: list[tuple[int, str]] = []
 
 
 def ephemeral_api_url() -> str | None:
-    """The URL of Prefect's ephemeral API server that the context in force talks to; never starts one.
-
-    Prefect keeps that URL in no setting, only as the ``api_url`` of the client a run's context
-    holds, so this reads that client's: ``None`` outside any such context, or when the settings name
-    a server. Each URL found is remembered (:func:`last_ephemeral_api_url`).
-    """
+    """The URL of the ephemeral server the context in force talks to, remembered; never starts one.
+    Prefect keeps it in no setting, only as the ``api_url`` of the client a run's context holds."""
     from prefect.context import AsyncClientContext, FlowRunContext, SyncClientContext, TaskRunContext
     from prefect.settings import get_current_settings
 
@@ -74,14 +65,13 @@ def _remember(url: str) -> str:
 
 
 def last_ephemeral_api_url() -> str | None:
-    """The ephemeral server URL this process last found (:func:`ephemeral_api_url`, or started for
-    :func:`require_flow_api_url`), for code outside any run's context; never starts a server."""
+    """The ephemeral server URL this process last found, for code outside any run's context."""
     return next((url for pid, url in _SEEN_EPHEMERAL if pid == os.getpid()), None)
 
 
 def flow_api_url() -> str | None:
-    """The API URL this process's Prefect clients use: the setting, else its ephemeral server's (the
-    context's, else the one it last found: :func:`ephemeral_api_url`). Never starts a server."""
+    """The API URL this process's Prefect clients use: the setting, else its ephemeral server's. Never
+    starts a server."""
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
@@ -89,18 +79,13 @@ def flow_api_url() -> str | None:
 
 
 def on_ephemeral_server() -> bool:
-    """Whether this process's Prefect clients use the ephemeral server it started, which Prefect
-    stops as the process exits; asked of the context in force (``False`` outside a run)."""
+    """Whether the context in force uses the ephemeral server, which Prefect stops as the process exits."""
     return ephemeral_api_url() is not None
 
 
 def require_flow_api_url(profile: str) -> str:
-    """``flow_api_url()``, starting Prefect's ephemeral server the way its client would if needed
-    (``get_client()``: the server it started before, if any; its URL is remembered).
-
-    Raises:
-        GpuTasksError: no API URL and ephemeral servers are off.
-    """
+    """``flow_api_url()``, starting Prefect's ephemeral server as its client would if needed;
+    ``GpuTasksError`` when there is no API URL and ephemeral servers are off."""
     url = flow_api_url()
     if url is not None:
         return url
@@ -150,8 +135,7 @@ def for_workers(serialized: dict[str, Any], api_url: str) -> dict[str, Any]:
 
 
 def api_headers() -> dict[str, str]:
-    """The headers this process's Prefect client sends: its auth string, else its API key, if any
-    (Prefect's client prefers the auth string too)."""
+    """The headers this process's Prefect client sends: its auth string, else its API key, if any."""
     import base64
 
     from prefect.settings import get_current_settings
@@ -166,8 +150,8 @@ def api_headers() -> dict[str, str]:
 
 
 def unreachable_api_error(profile: str, api_url: str, scheduler: str, failed: dict[str, str]) -> str:
-    """The message for workers of ``scheduler`` that could not reach ``api_url``: ``failed`` maps
-    each worker (its name or address) to what went wrong there."""
+    """The message for workers of ``scheduler`` that could not reach ``api_url`` (``failed``: worker ->
+    what went wrong there)."""
     from urllib.parse import urlsplit
 
     which = "; ".join(f"{w}: {why}" for w, why in sorted(failed.items()))

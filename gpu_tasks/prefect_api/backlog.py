@@ -1,8 +1,5 @@
-"""Back-pressure from Prefect's event queue: a task run waits to start while more than
-``GPU_TASKS_TUNE_EVENTS_BACKLOG_LIMIT`` events of its process wait to be sent, or until the queue has
-not shrunk for ``STALL_S``. Why and what it measured: docs/operations.md, "A Prefect server that holds
-the load".
-"""
+"""Back-pressure from Prefect's event queue: a task run waits to start while too many events of its
+process wait to be sent (docs/operations.md, "A Prefect server that holds the load")."""
 
 from __future__ import annotations
 
@@ -81,7 +78,7 @@ def wait_to_start() -> float:
 
 
 def waited_seconds() -> float:
-    """The seconds this process's task runs have waited in all for its events to be sent (0 if none)."""
+    """The seconds this process's task runs have waited in all for its events to be sent."""
     return _this_process().waited_s
 
 

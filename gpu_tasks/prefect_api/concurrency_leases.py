@@ -1,7 +1,5 @@
-"""Prefect concurrency leases: slots taken under a lease, renewed while held, given back.
-:class:`LeaseHolder` is the one holder both tag slots and team quotas use: its own loop thread and
-client, requests one at a time, renewal, give-back, close (docs/runner.md, "Tag concurrency slots").
-"""
+"""Prefect concurrency leases: slots taken under a lease, renewed while held, given back; the one
+holder tag slots and team quotas both use (docs/runner.md, "Tag concurrency slots")."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from typing import Any
 MIN_LEASE_S = 60.0  # Prefect's smallest lease
 RETRY_AFTER_DEFAULT_S = 1.0  # a full limit's answer without a usable Retry-After
 CLOSE_TIMEOUT_S = 10.0
-RELEASE_WAIT_S = 30.0  # how long release(wait=True) waits; the give-back goes on after that
+RELEASE_WAIT_S = 30.0  # how long release() waits; the give-back goes on after that
 
 
 @dataclass(frozen=True)
@@ -34,15 +32,8 @@ class Answer:
 
 
 class LeaseHolder:
-    """Takes, renews and gives back Prefect concurrency leases (docs/runner.md, "Tag concurrency slots").
-
-    Args:
-        name: the name of its thread.
-        lease_s: the lease asked for and renewed, in seconds.
-        renew_every_s: the renewal period (default: a third of ``lease_s``).
-        log: the logger its warnings go to.
-        on_tick: called on the loop once every renewal period, before the renewals.
-    """
+    """Takes, renews (every ``renew_every_s``, default a third of ``lease_s``) and gives back leases on
+    a loop thread ``name`` of its own; ``on_tick`` runs on it each period, before the renewals."""
 
     def __init__(
         self,
@@ -69,16 +60,11 @@ class LeaseHolder:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._renewal: asyncio.Task[Any] | None = None
 
-    # ------------------------------------------------------------ any thread
     def submit(
         self, make: Callable[[], Awaitable[Any]], ctx: contextvars.Context | None = None
     ) -> concurrent.futures.Future[Any]:
-        """Run ``make()`` on the holder's loop, in ``ctx`` (default: a copy of the caller's);
-        returns at once. The first call starts the loop, whose renewals run in that context.
-
-        Raises:
-            RuntimeError: the holder is closed.
-        """
+        """Run ``make()`` on the loop in ``ctx`` (default: a copy of the caller's); returns at once.
+        The first call starts the loop, renewing in its context. ``RuntimeError`` once closed."""
         ctx = ctx if ctx is not None else contextvars.copy_context()
         done: concurrent.futures.Future[Any] = concurrent.futures.Future()
         with self._lock:  # scheduled under the lock: never after close() scheduled its shutdown
@@ -99,9 +85,7 @@ class LeaseHolder:
         return self.submit(lambda: self.increment(names, slots, what, holder)).result()  # type: ignore[no-any-return]
 
     def release(self, lease_id: uuid.UUID | None) -> None:
-        """:meth:`give_back` ``lease_id`` (from a thread other than the holder's), waited for up to
-        ``RELEASE_WAIT_S``; nothing to do when the holder is closed (it gave everything back) or the
-        lease is not held."""
+        """:meth:`give_back`, waited for up to ``RELEASE_WAIT_S`` (closed: it gave everything back)."""
         if lease_id is None or self._loop is None:
             return
         try:
@@ -111,24 +95,15 @@ class LeaseHolder:
         with contextlib.suppress(concurrent.futures.TimeoutError):  # still under way; close() waits for it
             done.result(RELEASE_WAIT_S)
 
-    def call_soon(self, fn: Callable[..., Any], *args: Any) -> bool:
-        """Call ``fn(*args)`` on the loop soon, never blocking; ``False`` when the loop is not
-        running (not started yet, or closed)."""
+    def call_soon(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Call ``fn(*args)`` on the loop soon, never blocking; nothing when it is not running."""
         loop = self._loop
-        if loop is None:
-            return False
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # the loop closed
-            return False
-        return True
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed
+                loop.call_soon_threadsafe(fn, *args)
 
     def close(self, timeout: float = CLOSE_TIMEOUT_S, first: Callable[[], None] | None = None) -> None:
-        """Give back every held lease (within ``timeout``), then stop the thread.
-
-        ``first`` runs on the loop before that. A request still pending is let finish within
-        ``timeout``, then cancelled (a slot granted later is free again when its lease expires).
-        """
+        """Run ``first`` on the loop, give back every held lease (within ``timeout``), stop the thread."""
         with self._lock:
             self._closed = True
             loop, thread = self._loop, self._thread
@@ -144,7 +119,6 @@ class LeaseHolder:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=5)
 
-    # ------------------------------------------------------------ the loop
     def spawn(self, make: Callable[[], Awaitable[Any]], ctx: contextvars.Context) -> None:
         """Run ``make()`` as a task of the holder (on its loop; :meth:`close` waits for it)."""
         self._create(make, ctx, None)
@@ -157,15 +131,8 @@ class LeaseHolder:
         holder: tuple[str, uuid.UUID] | None = None,
         unless: Callable[[], bool] | None = None,
     ) -> Answer:
-        """Ask for ``slots`` of each limit in ``names`` under a lease, once.
-
-        ``holder`` is Prefect's lease holder, ``(type, id)``; ``what`` says what the slots are
-        for in log lines. ``unless()``, when given, is asked in this request's turn, just
-        before it is sent: true, and it is granted without asking (nothing to hold).
-
-        Raises:
-            httpx.HTTPStatusError: the server refused it otherwise than with a full limit (423).
-        """
+        """Ask once for ``slots`` of each limit in ``names`` (``what`` in log lines). ``unless()`` is
+        asked in this request's turn, just before it is sent: true, it is granted with nothing held."""
         import httpx
         from prefect.client.schemas.objects import ConcurrencyLeaseHolder
 
@@ -202,7 +169,7 @@ class LeaseHolder:
         return Answer(granted=True, lease_id=lease_id, limits=limits)
 
     async def give_back(self, lease_id: uuid.UUID) -> None:
-        """Give ``lease_id``'s slots back (best effort: a failure is logged, the lease expires)."""
+        """Give ``lease_id``'s slots back (best effort: on failure the lease expires)."""
         what = self._held.pop(lease_id, None)
         if what is None:
             return
@@ -221,7 +188,7 @@ class LeaseHolder:
             )
 
     def _start(self, ctx: contextvars.Context) -> asyncio.AbstractEventLoop:
-        """The loop, started on first use (under ``_lock``), renewing in ``ctx``."""
+        """The loop, started on first use (under ``_lock``)."""
         if self._loop is not None:
             return self._loop
         loop = asyncio.new_event_loop()
@@ -266,8 +233,7 @@ class LeaseHolder:
             task.add_done_callback(lambda t: _settle(done, t))
 
     async def _api(self) -> Any:
-        """The holder's Prefect client, built on first use (in the flow run's context, as every
-        task on the loop runs in it)."""
+        """The holder's Prefect client, built on first use (in the flow run's context)."""
         async with self._client_lock:
             if self._client is None:
                 client = _new_client(self.name)
@@ -283,16 +249,13 @@ class LeaseHolder:
                     self._on_tick()
                 except Exception:
                     self.log.debug("gpu-tasks: %s: the renewal tick failed", self.name, exc_info=True)
-            held = list(self._held)
-            if held:
-                await asyncio.gather(*(self._renew(lease_id) for lease_id in held))
+            await asyncio.gather(*(self._renew(lease_id) for lease_id in list(self._held)))
 
     async def _renew(self, lease_id: uuid.UUID) -> None:
         try:
             client = await self._api()
             async with self._send_lock:
-                what = self._held.get(lease_id)
-                if what is None:  # given back meanwhile
+                if lease_id not in self._held:  # given back meanwhile
                     return
                 await client.renew_concurrency_lease(lease_id, self.lease_s)
         except Exception:
@@ -306,8 +269,8 @@ class LeaseHolder:
             )
 
     async def _shutdown(self, timeout: float, first: Callable[[], None] | None) -> None:
-        """Let pending requests finish, give back every lease, close the client; whatever is left
-        after ``timeout`` is cancelled (a lease the server grants it expires by itself)."""
+        """Give back every lease and let pending requests finish; those left after ``timeout`` are
+        cancelled (a lease the server grants one later expires by itself)."""
         if first is not None:
             first()
         for lease_id in list(self._held):
@@ -359,8 +322,8 @@ def _retry_after(value: str | None) -> float:
 
 
 def _new_client(purpose: str) -> Any:
-    """A Prefect client for the flow run's API (its URL, credentials and client settings); not
-    ``get_client()``, which would start a server of its own when the URL is in no setting."""
+    """A client for the flow run's API; not ``get_client()``, which would start a server of its own
+    when the URL is in no setting."""
     from prefect.client.orchestration import PrefectClient
     from prefect.settings import get_current_settings
 

@@ -1,10 +1,9 @@
-"""Preflight: the environment Prefect runs in, checked before anything starts (docs/operations.md,
-"When the environment is broken"). :func:`preflight` is the CLI's, :func:`local_problems` the part
-that needs no network, :func:`check_ephemeral` the runner's on Prefect's ephemeral API.
-"""
+"""Preflight: the environment Prefect runs in, checked before anything starts, each problem in one
+line with its fix (docs/operations.md, "When the environment is broken")."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import re
@@ -23,15 +22,13 @@ FULL_BYTES = 4 * 2**20  # a flow on the ephemeral API is refused only for a disk
 API_TIMEOUT_S = 2.0  # one request, no retries: Prefect's client retries a dead URL for about a minute
 
 
-# --------------------------------------------------------------- Prefect's side
 _REVISION = re.compile(r"""^revision\s*(?::\s*str\s*)?=\s*["']([0-9A-Za-z_]+)["']""", re.MULTILINE)
 
 
 @functools.cache
 def _known_revisions() -> frozenset[str]:
-    """The alembic revisions of Prefect's SQLite migrations: the ``revision = "..."`` line of each
-    script (read, not imported) in ``AioSqliteORMConfiguration().versions_dir``. Empty when not
-    found (the check is skipped)."""
+    """The alembic revisions of Prefect's SQLite migrations, read (not imported) from its scripts;
+    empty when not found (the check is skipped)."""
     try:
         from prefect.server.database.orm_models import AioSqliteORMConfiguration
 
@@ -42,10 +39,9 @@ def _known_revisions() -> frozenset[str]:
     return frozenset(match.group(1) for text in texts if (match := _REVISION.search(text)))
 
 
-# --------------------------------------------------------------- the checks
 def _write_probe(folder: Path) -> str | None:
-    """Why a file cannot be created in ``folder``, or ``None``. A real write, not permission
-    bits: root passes those everywhere, a read-only mount fails them all."""
+    """Why a file cannot be created in ``folder``, or ``None``. A real write, not permission bits:
+    root passes those everywhere, a read-only mount fails them all."""
     try:
         with tempfile.TemporaryFile(dir=folder):
             return None
@@ -61,8 +57,7 @@ def _existing_ancestor(path: Path) -> Path:
 
 
 def home_problem(home: Path) -> str | None:
-    """``PREFECT_HOME`` is not a directory this process can write (creating it if missing, as
-    Prefect means to)."""
+    """``PREFECT_HOME`` is not a directory this process can write (created if missing, as Prefect does)."""
     fix = (
         "set PREFECT_HOME to a directory you can write (e.g. export PREFECT_HOME=$HOME/.prefect-gpu-tasks; "
         "Prefect starts a new, empty database there)"
@@ -85,8 +80,7 @@ def home_problem(home: Path) -> str | None:
 
 
 def sqlite_path(url: str) -> Path | None:
-    """The file of a ``sqlite[+driver]:///path`` database URL; ``None`` for another database or
-    an in-memory one."""
+    """The file of a ``sqlite[+driver]:///path`` URL; ``None`` for another or an in-memory database."""
     if not url.startswith("sqlite") or ":///" not in url:
         return None
     path = url.split(":///", 1)[1].split("?", 1)[0]
@@ -96,8 +90,7 @@ def sqlite_path(url: str) -> Path | None:
 
 
 def database_problem(db: Path, home: Path) -> str | None:
-    """Prefect's SQLite database cannot be opened by this Prefect: not a database, not
-    writable, or at a schema revision this Prefect does not know (a newer one migrated it)."""
+    """Prefect's SQLite database is not one, not writable, or at a revision this Prefect does not know."""
     if not db.exists():
         return None  # Prefect creates it
     home_default = _database_place(db, home)[1] == "PREFECT_HOME"
@@ -154,8 +147,8 @@ def _size(n: int) -> str:
 
 
 def disk_problem(places: Iterable[tuple[str, str, Path]], min_free: int = MIN_FREE_BYTES) -> str | None:
-    """A place where a run writes is on a disk with less than ``min_free`` bytes free, or cannot
-    be written. Each place is ``(what it is, the setting that moves it, path)``."""
+    """A place ``(what, the setting that moves it, path)`` cannot be written or has under ``min_free``
+    bytes free."""
     seen: set[int] = set()
     for what, setting, path in places:
         fix = f"point {setting} at a directory you can write"
@@ -180,10 +173,10 @@ def disk_problem(places: Iterable[tuple[str, str, Path]], min_free: int = MIN_FR
 
 
 def _port_holder(host: str, port: int) -> str | None:
-    """Which local process listens on ``port`` (its name and pid), where the OS says so."""
+    """Which local process listens on ``port``, where the OS says so."""
     if host not in ("127.0.0.1", "localhost", "::1", "0.0.0.0"):
         return None
-    try:
+    with contextlib.suppress(Exception):  # psutil.AccessDenied on some systems for other users' sockets
         import psutil
 
         for conn in psutil.net_connections(kind="tcp"):
@@ -194,8 +187,6 @@ def _port_holder(host: str, port: int) -> str | None:
                     return f"{proc.name()} (pid {conn.pid}: {command[:100]})"
                 except psutil.Error:
                     return f"pid {conn.pid}"
-    except Exception:  # psutil.AccessDenied on some systems for other users' sockets
-        return None
     return None
 
 
@@ -223,12 +214,9 @@ def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str |
     parts = urlsplit(url)
     host = parts.hostname or "?"
     port = parts.port or (443 if parts.scheme == "https" else 80)
-    # `example serve` needs a server of yours; `example run` starts its own without PREFECT_API_URL
-    unset = (
-        ""
-        if command.endswith("serve")
-        else f", or unset PREFECT_API_URL (gpu-tasks {command} starts its own)"
-    )
+    unset = f", or unset PREFECT_API_URL (gpu-tasks {command} starts its own)"
+    if command.endswith("serve"):  # `example serve` needs a server of yours
+        unset = ""
     fix = f"start it (`prefect server start --host 127.0.0.1 --port {port}`){unset}"
     free_port = (
         "run Prefect on a free port (`prefect server start --host 127.0.0.1 --port <free port>`) and point "
@@ -261,10 +249,8 @@ def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str |
     return None
 
 
-# --------------------------------------------------------------- entry points
 def _settings() -> tuple[Path, str | None, str, bool, Path]:
-    """PREFECT_HOME, PREFECT_API_URL, the database URL, whether Prefect may start an ephemeral
-    server, and where Prefect's local result storage is."""
+    """PREFECT_HOME, PREFECT_API_URL, the database URL, ephemeral servers allowed, result storage."""
     from prefect.settings import get_current_settings
 
     s = get_current_settings()
@@ -281,9 +267,8 @@ def _database_place(db: Path, home: Path) -> tuple[str, str, Path]:
 
 
 def local_problems(data_dir: Path | None = None) -> list[str]:
-    """The problems found without the network: ``PREFECT_HOME``, the database a server started
-    here would open (when no ``PREFECT_API_URL``), free space where Prefect and the pipeline
-    (``data_dir``) write."""
+    """The problems found without the network: home, the database a server started here would open,
+    free space where Prefect and the pipeline (``data_dir``) write."""
     home, api, db_url, _, storage = _settings()
     problem = home_problem(home)
     if problem is not None:
@@ -301,12 +286,8 @@ def local_problems(data_dir: Path | None = None) -> list[str]:
 
 
 def preflight(command: str, data_dir: Path | None = None) -> None:
-    """Every check for ``gpu-tasks <command>`` (``example run``, ``example serve``) before it starts
-    anything.
-
-    Raises:
-        EnvironmentProblem: the first problem found, in one line with its fix.
-    """
+    """Every check for ``gpu-tasks <command>`` before it starts anything: ``EnvironmentProblem``, the
+    first problem found."""
     problems = local_problems(data_dir)
     if problems:
         raise EnvironmentProblem(problems[0])
@@ -322,14 +303,8 @@ _lock = threading.Lock()
 
 
 def check_ephemeral() -> None:
-    """A flow on Prefect's ephemeral API (no ``PREFECT_API_URL``): raise at once, in one line, when
-    Prefect's server could not open its home or database, instead of after minutes of retries. Once
-    per process and settings; nothing when an API URL is set or ephemeral servers are off.
-
-    Raises:
-        EnvironmentProblem: ``PREFECT_HOME`` not writable, a database this Prefect cannot open, or
-            a full disk under it (``FULL_BYTES``).
-    """
+    """On Prefect's ephemeral API: ``EnvironmentProblem`` at once when its server could not open its
+    home or database, instead of after minutes of retries. Once per process and settings."""
     home, api, db_url, ephemeral, _ = _settings()
     if api is not None or not ephemeral:
         return

@@ -1,8 +1,5 @@
-"""Prefect futures as task inputs: wait for them without blocking, turn them into states.
-
-A task's upstream futures may live on another profile's cluster; Dask futures of one
-cluster cannot go to another, so inputs travel as final Prefect states.
-"""
+"""Prefect futures as task inputs, waited for without blocking and sent as final states: Dask futures
+of one profile's cluster cannot go to another's."""
 
 from __future__ import annotations
 
@@ -20,10 +17,8 @@ _PLAIN_DEPTH = 32
 
 
 def _plain_futures(expr: Any, found: list[PrefectFuture[Any]], depth: int = 0) -> bool:
-    """Add the Prefect futures in ``expr`` to ``found`` when ``expr`` is made of nothing but
-    built-in dicts, lists, tuples and sets of numbers, strings and futures; ``False`` (stop) at
-    anything else, which Prefect's slower ``visit_collection`` then walks (docs/benchmarks.md).
-    """
+    """Add the futures in ``expr`` to ``found`` while it is plain built-in containers and atoms;
+    ``False`` at anything else, which Prefect's slower ``visit_collection`` then walks."""
     kind = type(expr)
     if kind in _ATOMS:
         return True

@@ -1,7 +1,5 @@
-"""Team quotas: at most N devices held at once, across flow runs, per quota name, kept as Prefect
-global concurrency limits ``gpu-quota:<name>`` (borrowing ``gpu-borrow:``, lending ``gpu-lend:``).
-See docs/leases.md, "Quotas" and "Borrowing, reclaim and their limits".
-"""
+"""Team quotas: at most N devices held at once across flow runs, kept as Prefect global concurrency
+limits ``gpu-quota:<name>`` (borrowing ``gpu-borrow:``, lending ``gpu-lend:``) (docs/leases.md, "Quotas")."""
 
 from __future__ import annotations
 
@@ -28,23 +26,22 @@ WAIT_LOG_EVERY = 30.0  # seconds between the lines that say a task still waits f
 
 
 def limit_name(quota: str) -> str:
-    """The Prefect global concurrency limit that keeps ``quota``: ``gpu-quota:<quota>``."""
+    """The Prefect global concurrency limit that keeps ``quota``."""
     return f"{PREFIX}{quota}"
 
 
 def borrow_name(quota: str) -> str:
-    """The limit that keeps ``quota``'s borrowing limit: ``gpu-borrow:<quota>``."""
+    """The limit that keeps ``quota``'s borrowing limit."""
     return f"{BORROW_PREFIX}{quota}"
 
 
 def lend_name(quota: str) -> str:
-    """The limit that keeps ``quota``'s lending limit: ``gpu-lend:<quota>``."""
+    """The limit that keeps ``quota``'s lending limit."""
     return f"{LEND_PREFIX}{quota}"
 
 
 def holders_here(quota: str, holders: dict[str, Any]) -> list[dict[str, Any]]:
-    """The lease infos of :func:`gpu_tasks.devices.leases.holders` that count against ``quota``,
-    with addresses."""
+    """The lease infos of :func:`gpu_tasks.devices.leases.holders` that count against ``quota``."""
     return [dict(info, address=a) for a, info in holders.items() if info and info.get("quota") == quota]
 
 
@@ -57,17 +54,14 @@ def how_to_set(quota: str, n: int | str = "N") -> str:
 
 
 class QuotaSlots:
-    """The quota slots one device book (one flow run) holds, by Prefect lease (a
-    :class:`~gpu_tasks.prefect_api.concurrency_leases.LeaseHolder`'s). ``take`` never waits for room.
-    """
+    """The quota slots one device book (one flow run) holds, by Prefect lease; ``take`` never waits."""
 
     def __init__(self, lease_seconds: float, flow_run_id: uuid.UUID | None = None) -> None:
         self.lease_seconds = max(MIN_LEASE_S, float(lease_seconds))
-        self.flow_run_id = flow_run_id
+        self._holder = ("flow_run", flow_run_id) if flow_run_id else None
         self.leases = LeaseHolder("gpu-tasks-quota-leases", self.lease_seconds, log=logger)
         self.checked: dict[tuple[str, int], float] = {}  # (quota, need) -> when it last fitted
 
-    # ------------------------------------------------------------ limits
     def limit(self, quota: str) -> Any:
         """The quota's global concurrency limit; ``ClusterError`` when it does not exist."""
         from prefect.exceptions import ObjectNotFound
@@ -79,10 +73,8 @@ class QuotaSlots:
             raise ClusterError(f"quota {quota!r} has no limit: create it with {how_to_set(quota)}") from None
 
     def check(self, owner: str, quota: str, need: int) -> None:
-        """Fail fast when ``owner`` needs more devices at once than ``quota`` allows.
-
-        A need that fitted is not read again for ``CHECK_AGAIN_S`` (a growing profile asks often).
-        """
+        """Fail fast when ``owner`` needs more devices at once than ``quota`` allows (a need that
+        fitted is not read again for ``CHECK_AGAIN_S``: a growing profile asks often)."""
         if time.monotonic() - self.checked.get((quota, need), -CHECK_AGAIN_S) < CHECK_AGAIN_S:
             return
         limit = self.limit(quota)
@@ -94,18 +86,10 @@ class QuotaSlots:
             )
         self.checked[(quota, need)] = time.monotonic()
 
-    # ------------------------------------------------------------ slots
-    def _holder(self) -> tuple[str, uuid.UUID] | None:
-        return ("flow_run", self.flow_run_id) if self.flow_run_id else None
-
     def take(self, quota: str, slots: int) -> uuid.UUID | None:
-        """Hold ``slots`` of ``quota`` now (a lease id), or ``None`` when it has no room.
-
-        Raises:
-            ClusterError: the quota has no limit (deleted since it was checked).
-        """
+        """Hold ``slots`` of ``quota`` now (a lease id), or ``None`` when it has no room."""
         answer = self.leases.take(
-            [limit_name(quota)], slots, f"{slots} slot(s) of quota {quota!r}", self._holder()
+            [limit_name(quota)], slots, f"{slots} slot(s) of quota {quota!r}", self._holder
         )
         if not answer.granted:  # 423 Locked: no room now
             return None
@@ -114,14 +98,13 @@ class QuotaSlots:
         return answer.lease_id
 
     def borrow(self, quota: str, slots: int) -> uuid.UUID | None:
-        """Hold ``slots`` of ``quota``'s borrowing limit now (a lease id), or ``None`` when it has no
-        room or no borrowing limit."""
+        """Hold ``slots`` of ``quota``'s borrowing limit now, or ``None`` (no room, or no such limit)."""
         what = f"{slots} borrowed slot(s) of quota {quota!r}"
-        answer = self.leases.take([borrow_name(quota)], slots, what, self._holder())
+        answer = self.leases.take([borrow_name(quota)], slots, what, self._holder)
         return answer.lease_id if answer.granted else None
 
     def release(self, lease_id: uuid.UUID | None) -> None:
-        """Give the slots of ``lease_id`` back (best effort: an unreachable server lets it expire)."""
+        """Give the slots of ``lease_id`` back (best effort: else the lease expires)."""
         self.leases.release(lease_id)
 
     def close(self) -> None:
@@ -130,7 +113,7 @@ class QuotaSlots:
 
 
 def _all_limits() -> list[Any]:
-    """Every global concurrency limit of the Prefect API (one page of 200 at a time)."""
+    """Every global concurrency limit of the Prefect API."""
     limits = []
     offset = 0
     with sync_client() as client:
@@ -144,8 +127,8 @@ def _all_limits() -> list[Any]:
 
 
 def teams() -> dict[str, dict[str, Any]]:
-    """Each team's quota (``limit``, ``in_use``), ``borrowing_limit``, ``borrowed`` and
-    ``lending_limit`` (``None``: lends all of its unused quota) now, in one read of the API."""
+    """Each team's quota, use, borrowing and lending limits now (``lending_limit`` ``None``: it lends
+    all of its unused quota), in one read of the API."""
     named = {limit.name: limit for limit in _all_limits()}
     out = {}
     for name, limit in sorted(named.items()):
@@ -165,9 +148,8 @@ def teams() -> dict[str, dict[str, Any]]:
 
 
 def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Every ``gpu-quota:*`` limit: quota, limit, devices in use, its borrowing and lending limits and
-    devices borrowed, and this host's holders (``holders``: :func:`gpu_tasks.devices.leases.holders` of
-    this host's lease directory)."""
+    """Every team's row of :func:`teams`, with this host's holders (``holders``:
+    :func:`gpu_tasks.devices.leases.holders`)."""
     holders = holders or {}
     return [
         dict(quota=quota, **row, holders_here=holders_here(quota, holders)) for quota, row in teams().items()
@@ -175,7 +157,7 @@ def usage(holders: dict[str, Any] | None = None) -> list[dict[str, Any]]:
 
 
 def set_sharing(quota: str, borrowing_limit: int | None = None, lending_limit: int | None = None) -> None:
-    """Set ``quota``'s borrowing limit and lending limit (``None``: leave it; a negative lending limit:
+    """Set ``quota``'s borrowing and lending limits (``None``: leave it; a negative lending limit:
     remove it, so that all of its unused quota may be lent)."""
     from prefect.exceptions import ObjectNotFound
 
@@ -211,9 +193,8 @@ def delete_limit(quota: str) -> bool:
 
 
 def task_need(gpus: float) -> int:
-    """The devices one task of a shared-scheduler profile counts against its quota: ``gpus``
-    rounded up (a fractional task counts one whole device: which share of it others use is not
-    known here)."""
+    """The devices one task of a shared-scheduler profile counts against its quota: ``gpus`` rounded
+    up (which share of a device others use is not known here)."""
     return max(1, math.ceil(float(gpus) - 1e-9))
 
 
@@ -227,16 +208,9 @@ def wait_for_room(
     say: Callable[[str], None],
     borrow: Callable[[], tuple[uuid.UUID | None, str | None]] | None = None,
 ) -> tuple[uuid.UUID, float, bool]:
-    """Take ``need`` slots of ``quota`` for one task of an ``address`` profile ``owner``, waiting for
-    room (told through ``say`` when it begins and every ``WAIT_LOG_EVERY`` s). ``borrow`` (a
-    preemptible profile): while the quota is full, try its borrowing limit instead
-    (:func:`gpu_tasks.devices.lending.borrow_slots`: ``(lease id, None)`` or ``(None, why not)``).
-    Returns ``(lease id, seconds waited, borrowed)``.
-
-    Raises:
-        ClusterError: the need can never fit the quota, or it waited ``timeout`` seconds.
-        RuntimeError: ``stop`` was set (the runner is stopping).
-    """
+    """Take ``need`` slots of ``quota`` for one task of ``owner``, waiting for room (said through
+    ``say`` every ``WAIT_LOG_EVERY`` s); while it is full, try ``borrow`` (a preemptible profile's
+    :func:`gpu_tasks.devices.lending.borrow_slots`). Returns ``(lease id, seconds waited, borrowed)``."""
     slots.check(owner, quota, need)
     t0 = time.monotonic()
     next_log = t0
@@ -260,17 +234,13 @@ def wait_for_room(
                 f"{how_to_set(quota)}"
             )
         if now >= next_log:
+            name = str(limit.name) + ("" if getattr(limit, "active", True) else ", inactive")
             say(
                 f"profile {owner!r}: a task waits for room for {need} device(s) in quota {quota!r} "
-                f"({limits_text(limit)}: {use}), holding no device"
+                f"({name}: {use}), holding no device"
                 + (f"; it does not borrow: {why_not}" if why_not else "")
             )
             next_log = now + WAIT_LOG_EVERY
         if stop.wait(delay):
             raise RuntimeError("the task runner is shutting down")
         delay = min(1.0, delay * 1.5)
-
-
-def limits_text(limit: Any) -> str:
-    """``gpu-quota:team-a`` (and ``inactive`` when the limit is switched off)."""
-    return str(limit.name) + ("" if getattr(limit, "active", True) else ", inactive")

@@ -1,9 +1,6 @@
-"""The embedded Prefect server: :func:`embedded_server` and the process it runs in.
-
-Without ``PREFECT_API_URL``, ``gpu-tasks example run``, the benchmarks and scripts get a Prefect
-server on 127.0.0.1 for a ``with`` block, kept out of the terminal's Ctrl-C and never outliving its
-parent. Only the server's own process imports ``prefect.server`` (slow to import).
-"""
+"""The embedded Prefect server that ``gpu-tasks example run``, benchmarks and scripts get without
+``PREFECT_API_URL``: out of the terminal's Ctrl-C, never outliving its parent. Only its own process
+imports ``prefect.server`` (slow to import)."""
 
 from __future__ import annotations
 
@@ -28,19 +25,14 @@ _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
 def count_task_runs(client: Any, task_run_filter: dict[str, Any]) -> int:
-    """How many task runs match ``task_run_filter`` (the API's filter JSON), on a sync client: the
-    server's ``POST /task_runs/count`` through the client's public ``request`` (its client offers no
-    ``count_task_runs``; an error status raises as any of its calls)."""
+    """How many task runs match ``task_run_filter`` (the API's filter JSON): the sync client has no
+    ``count_task_runs``, so ``POST /task_runs/count`` through its public ``request``."""
     return int(client.request("POST", "/task_runs/count", json=task_run_filter).json())
 
 
 def die_with_parent_hook() -> Callable[[], None] | None:
-    """A ``preexec_fn`` that has the kernel SIGKILL the child when its parent goes (Linux; ``None``
-    without ``prctl``).
-
-    ``PR_SET_PDEATHSIG`` fires when the *thread* that forked the child ends: start the server from
-    a thread that outlives it (the CLI's main thread), not a short-lived one.
-    """
+    """A ``preexec_fn`` that has the kernel SIGKILL the child when its parent goes (Linux). The signal
+    fires when the *thread* that forked the child ends: start it from one that outlives it."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -57,18 +49,10 @@ def die_with_parent_hook() -> Callable[[], None] | None:
     return hook
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 INTERRUPT_DRAIN_S = 2.0  # per service (events, logs): Ctrl-C must exit well within 10 s
 INTERRUPT_RECORD_S = 2.0  # for the server to write the interrupted run's last states
 SETTLED_S = 0.5  # a count of recorded task runs that held this long, none unfinished: all recorded
-# The embedded server's task-run recorder writes up to RECORDER_BATCH states in one transaction, at
-# least every RECORDER_FLUSH_S s (Prefect's defaults, 1 and 5, write each one alone): 1,000 tasks'
-# states took its SQLite writer 25-34 s after the map, 5 s batched (docs/operations.md, "Network")
+# the task-run recorder batches its SQLite writes: one transaction per state falls far behind a map
 RECORDER_BATCH = 50
 RECORDER_FLUSH_S = 1  # Prefect reads it as whole seconds
 DRAIN_S = 60.0  # per service, when the run ends: a drain returns as soon as its queue is sent
@@ -78,12 +62,8 @@ RECORD_STALL_S = 10.0  # ... given up sooner when its counts have not moved for 
 
 @contextlib.contextmanager
 def embedded_server(timeout: int = 120) -> Iterator[str]:
-    """Use ``PREFECT_API_URL`` when set; otherwise start a Prefect server on 127.0.0.1 (SQLite, a 60 s
-    statement timeout, the run's clients retrying up to 10 times, no telemetry), stopped once it has
-    recorded every task run's final state (docs/operations.md, "Network"). It runs in its own session,
-    so a terminal's Ctrl-C does not reach it, and dies with the process that started it (Linux;
-    :func:`die_with_parent_hook`); on Ctrl-C it gets ``INTERRUPT_RECORD_S`` to record the run's end.
-    """
+    """``PREFECT_API_URL`` when set; otherwise a Prefect server on 127.0.0.1 for the block, stopped once
+    it has recorded every task run's final state (briefly on Ctrl-C) (docs/operations.md, "Network")."""
     from prefect.settings import (
         PREFECT_API_URL,
         PREFECT_CLIENT_MAX_RETRIES,
@@ -138,9 +118,8 @@ def embedded_server(timeout: int = 120) -> Iterator[str]:
 
 
 def ephemeral_app() -> Any:
-    """The app the embedded server's process serves (uvicorn's ``--factory``): Prefect's REST API as
-    its own ephemeral server serves it, through the documented ``create_app`` (``ephemeral``: no UI,
-    an ephemeral server's services; ``final``: the last app of its process)."""
+    """The app the server's process serves (uvicorn's ``--factory``): Prefect's REST API as its own
+    ephemeral server serves it."""
     from prefect.server.api.server import create_app
 
     return create_app(ephemeral=True, final=True)
@@ -154,22 +133,11 @@ STOP_GRACE_S = 5.0  # after SIGTERM, before SIGKILL (as Prefect's own temporary 
 
 
 class EmbeddedServer:
-    """Prefect's server (:func:`ephemeral_app`) under uvicorn on 127.0.0.1, in a process of its own.
+    """Prefect's ``SubprocessASGIServer`` plus what it cannot ask for: a session of its own (Ctrl-C
+    would stop it before an interrupted run's final states reach it), a ``preexec_fn``, and its
+    stderr read as it comes (so the pipe never fills), each line to ``stderr_line``."""
 
-    What Prefect's ``SubprocessASGIServer`` runs, plus what it cannot ask for: a session of its own
-    (a terminal's Ctrl-C would stop it before an interrupted run's final states reach it), a
-    ``preexec_fn`` and its stderr read as it comes.
-
-    Args:
-        preexec_fn: run in the server process before it starts (:func:`die_with_parent_hook`).
-        stderr_line: given each line the server process writes to its stderr (from a daemon thread
-            that reads it as it comes, so the pipe never fills); ``None``: passed on to this
-            process's stderr. The last lines are kept for the error of a server that did not start.
-    """
-
-    def __init__(
-        self, preexec_fn: Callable[[], None] | None, stderr_line: Callable[[bytes], None] | None = None
-    ) -> None:
+    def __init__(self, preexec_fn: Callable[[], None] | None, stderr_line: Callable[[bytes], None]) -> None:
         self._preexec_fn, self._stderr_line = preexec_fn, stderr_line
         self.port = 0
         self.process: subprocess.Popen[bytes] | None = None
@@ -185,9 +153,8 @@ class EmbeddedServer:
         return f"{self.address}/api"
 
     def start(self, timeout: float) -> None:
-        """Start the server and wait until ``GET /api/health`` answers 200. Raises ``RuntimeError``
-        (its exit status and last stderr lines) when it exits or does not answer within ``timeout``
-        s; it is stopped then."""
+        """Start the server and wait for ``GET /api/health``; ``RuntimeError`` (stopped) when it exits
+        or does not answer within ``timeout`` s."""
         import httpx
 
         deadline = time.monotonic() + timeout
@@ -219,7 +186,9 @@ class EmbeddedServer:
         from prefect.settings import get_current_settings
 
         self._reap()
-        self.port = _free_port()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
         logger.info("Starting temporary server on %s", self.address)
         self.process = subprocess.Popen(
             [
@@ -249,19 +218,15 @@ class EmbeddedServer:
             stderr=subprocess.PIPE,
         )
         self._reader = threading.Thread(
-            target=_read_lines,
-            args=(self.process.stderr, self._line),
-            name="gpu-tasks-server-stderr",
-            daemon=True,
+            target=self._read, args=(self.process.stderr,), name="gpu-tasks-server-stderr", daemon=True
         )
         self._reader.start()
 
-    def _line(self, line: bytes) -> None:
-        self._last_lines.append(line)
-        if self._stderr_line is not None:
-            self._stderr_line(line)
-            return
-        _pass_on(line)
+    def _read(self, stream: Any) -> None:
+        with contextlib.suppress(OSError, ValueError):  # closed with the process
+            for line in iter(stream.readline, b""):
+                self._last_lines.append(line)  # for the error of a server that did not start
+                self._stderr_line(line)
 
     def _failed(self, why: str) -> str:
         if self._reader is not None and self.process is not None and self.process.poll() is not None:
@@ -272,7 +237,7 @@ class EmbeddedServer:
         )
 
     def stop(self) -> None:
-        """Stop the server: SIGTERM, then SIGKILL after ``STOP_GRACE_S`` s. Safe to call again."""
+        """SIGTERM, then SIGKILL after ``STOP_GRACE_S`` s. Safe to call again."""
         atexit.unregister(self.stop)
         if self.process is not None:
             logger.info("Stopping temporary server on %s", self.address)
@@ -295,45 +260,34 @@ class EmbeddedServer:
                 process.stderr.close()
 
 
-def _pass_on(line: bytes) -> None:
-    with contextlib.suppress(OSError, ValueError):  # to this process's stderr, as an inherited one
-        sys.stderr.buffer.write(line)
-        sys.stderr.flush()
-
-
-def _read_lines(stream: Any, each: Callable[[bytes], None]) -> None:
-    with contextlib.suppress(OSError, ValueError):  # closed with the process
-        for line in iter(stream.readline, b""):
-            each(line)
-
-
 DROPPED_MESSAGE = b"Subscription queue is full, dropping message"  # Prefect's in-memory messaging
 LOAD_DOCS = "docs/operations.md#a-prefect-server-that-holds-the-load"
 
 
 class DroppedEvents:
-    """Reads the embedded server's stderr as it comes (passing it on) and counts the event messages
-    its in-memory messaging dropped under load (their task runs' states are missing from the UI).
-    The first drop is logged at once, the count when the server stops."""
+    """Passes the server's stderr on, counting the event messages its in-memory messaging dropped under
+    load: the first drop logged at once, the count when the server stops."""
 
     def __init__(self) -> None:
         self.count = 0
         self._lock = threading.Lock()
 
     def line(self, line: bytes) -> None:
-        if DROPPED_MESSAGE in line:
-            with self._lock:
-                self.count += 1
-                first = self.count == 1
-            if first:
-                logger.warning(
-                    "the embedded Prefect server is dropping event messages under load (its in-memory "
-                    "queue is full): some task runs' states will be missing from the UI and the API. For "
-                    "this load run Prefect on PostgreSQL and Redis and point PREFECT_API_URL at it (%s)",
-                    LOAD_DOCS,
-                )
-            return  # counted, not repeated: one per dropped message would flood the terminal
-        _pass_on(line)
+        if DROPPED_MESSAGE not in line:
+            with contextlib.suppress(OSError, ValueError):  # to this process's stderr, as an inherited one
+                sys.stderr.buffer.write(line)
+                sys.stderr.flush()
+            return
+        with self._lock:  # counted, not repeated: one per dropped message would flood the terminal
+            self.count += 1
+            first = self.count == 1
+        if first:
+            logger.warning(
+                "the embedded Prefect server is dropping event messages under load (its in-memory "
+                "queue is full): some task runs' states will be missing from the UI and the API. For "
+                "this load run Prefect on PostgreSQL and Redis and point PREFECT_API_URL at it (%s)",
+                LOAD_DOCS,
+            )
 
     def report(self) -> None:
         if self.count:
@@ -346,8 +300,7 @@ class DroppedEvents:
 
 
 def recorder_settings(settings: Any) -> dict[Any, Any]:
-    """The embedded server's task-run recorder batches (:data:`RECORDER_BATCH`, every
-    :data:`RECORDER_FLUSH_S` s); a batch size or flush interval the user set is kept."""
+    """The task-run recorder's batch settings, except those the user set."""
     from prefect.settings import (
         PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_BATCH_SIZE,
         PREFECT_SERVER_SERVICES_TASK_RUN_RECORDER_FLUSH_INTERVAL,
@@ -362,8 +315,8 @@ def recorder_settings(settings: Any) -> dict[Any, Any]:
 
 
 def settle_s(settings: Any) -> float:
-    """How long a count of recorded task runs must hold: longer than a flush of the recorder's
-    batches, when it batches (a batch not yet written moves no count)."""
+    """How long a count of recorded task runs must hold: past a flush, when the recorder batches (a
+    batch not yet written moves no count)."""
     recorder = settings.server.services.task_run_recorder
     return SETTLED_S if recorder.batch_size <= 1 else max(SETTLED_S, float(recorder.flush_interval) + 0.5)
 
@@ -371,9 +324,8 @@ def settle_s(settings: Any) -> float:
 def _wait_until_recorded(
     timeout: float, since: datetime.datetime, stall: float | None = None, settle: float = SETTLED_S
 ) -> bool:
-    """Wait, at most ``timeout`` s (``stall`` s without a change), until the server's task-run
-    recorder has written the final states of the task runs since ``since`` (stopped before, it
-    leaves them "Pending" or "Running" for good): none unfinished, the count held ``settle`` s."""
+    """Wait until the recorder has written the final states of the task runs since ``since``: stopped
+    before, the server leaves them "Pending" or "Running" for good."""
     after = {"after_": since.isoformat()}
     started = {"start_time": after}
     # Running since the server started; Pending in one of its flow runs (no start time yet)
@@ -387,10 +339,8 @@ def _wait_until_recorded(
 def wait_until_flow_run_recorded(
     flow_run_id: Any, timeout: float = RECORD_S, stall: float = RECORD_STALL_S
 ) -> bool:
-    """Wait, at most ``timeout`` s (``stall`` s without progress), until the server has recorded
-    every task run of flow run ``flow_run_id`` in a state other than Running, its count held for
-    :func:`settle_s`: for Prefect's ephemeral server, stopped as the flow process exits, before its
-    task-run recorder got to the last states worker processes sent."""
+    """Wait until no task run of ``flow_run_id`` is recorded Running: Prefect's ephemeral server stops
+    with the flow process, before its recorder got to the last states workers sent."""
     runs = {"flow_runs": {"id": {"any_": [str(flow_run_id)]}}}
     running = {**runs, "task_runs": {"state": {"type": {"any_": ["RUNNING"]}}}}
     from prefect.settings import get_current_settings
@@ -403,11 +353,10 @@ def _settled(
     unfinished: list[dict[str, Any]],
     timeout: float,
     stall: float | None,
-    settle: float = SETTLED_S,
+    settle: float,
 ) -> bool:
-    """Poll the counts of task runs matching ``everything`` and each of ``unfinished`` until none
-    is unfinished and the counts held for ``settle`` s; ``False`` at ``timeout``, after ``stall``
-    s without a change, or when the server does not answer."""
+    """Poll the counts until none is ``unfinished`` and they held ``settle`` s; ``False`` at ``timeout``,
+    after ``stall`` s without a change, or when the server does not answer."""
     from prefect.client.orchestration import get_client
 
     deadline = time.monotonic() + timeout
@@ -416,9 +365,7 @@ def _settled(
     with get_client(sync_client=True) as client:
         while time.monotonic() < deadline:
             try:
-                counts = (count_task_runs(client, everything),) + tuple(
-                    count_task_runs(client, f) for f in unfinished
-                )
+                counts = tuple(count_task_runs(client, f) for f in [everything, *unfinished])
             except Exception:  # the run is over; an unreachable server is not its failure
                 return False
             now = time.monotonic()

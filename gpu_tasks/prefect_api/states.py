@@ -1,7 +1,5 @@
-"""Worker deaths and interrupted task runs, turned into Prefect ``Crashed`` states (docs/runner.md,
-"Faults"). Task run states reach Prefect's server as events (its task-run recorder keeps the newest
-by timestamp), so a crash is reported the same way, later than anything the dead worker sent.
-"""
+"""Worker deaths and interrupted task runs, turned into Prefect states (docs/runner.md, "Faults"): sent
+as events, as the engine sends them, so the recorder keeps them over anything the dead worker sent."""
 
 from __future__ import annotations
 
@@ -40,11 +38,8 @@ def looks_like_oom(exc: BaseException | None) -> bool:
 
 
 def api_unreachable(timeout: float = 2.0) -> str | None:
-    """Why the Prefect API cannot be reached now, or ``None`` when it answers (any HTTP reply).
-
-    One request, no retries: with Prefect's retries, reporting hundreds of task runs to a server
-    that is gone (an ephemeral server dies with its flow process's Ctrl-C) would hang for hours.
-    """
+    """Why the Prefect API cannot be reached now, or ``None``. One request, no retries: with Prefect's,
+    reporting hundreds of task runs to a server that is gone would hang for hours."""
     import httpx
     from prefect.client.orchestration import get_client
 
@@ -61,8 +56,8 @@ def api_unreachable(timeout: float = 2.0) -> str | None:
 
 @contextlib.contextmanager
 def no_client_retries(on: bool = True) -> Iterator[None]:
-    """Prefect's client in this thread makes each request once (``on``): a refused connection
-    fails at once instead of after about a minute of retries."""
+    """Prefect's client in this thread makes each request once (``on``): a refused connection fails at
+    once, not after a minute of retries."""
     if not on:
         yield
         return
@@ -124,7 +119,7 @@ def crash_task_run(
     tags: set[str] | None = None,
     wait: float = 1.5,
 ) -> tuple[Any, Any]:
-    """Report the task run ``Crashed`` with ``message``; returns ``(state, task_run)`` (best effort)."""
+    """Report the task run ``Crashed`` with ``message`` (:func:`report_state`)."""
     from prefect.states import Crashed
 
     return report_state(Crashed(message=message), task_run_id, task, flow_run_id, tags, wait)
@@ -141,8 +136,8 @@ def report_state(
     tags: set[str] | None,
     wait: float,
 ) -> tuple[Any, Any]:
-    """Set ``state`` on the task run and send it to the server as Prefect's engine would (best effort);
-    ``wait``: seconds to wait for the server to know the task run. Returns ``(state, task_run)``."""
+    """Send ``state`` for the task run as Prefect's engine would, best effort, waiting up to ``wait`` s
+    for the server to know it. Returns ``(state, task_run)``."""
     from prefect.utilities.engine import emit_task_run_state_change_event
 
     state.state_details.task_run_id = task_run_id
@@ -162,9 +157,8 @@ def report_state(
 def retry_after_crash(
     task: Any, task_run: Any, flow_run_id: uuid.UUID | None, crashes: int, message: str, log: Any
 ) -> float | None:
-    """After ``task_run``'s crash report (``message``), the one rule for a dead worker's task
-    (:func:`gpu_tasks.policy.crash_retry`): the seconds before ``task`` runs again, its task run
-    ``AwaitingRetry`` now, or ``None`` when ``crashes`` used up its retries. Said on ``log``."""
+    """After a crash report: the seconds before ``task`` runs again (its task run ``AwaitingRetry``
+    now), or ``None`` when ``crashes`` used up its retries (:func:`gpu_tasks.policy.crash_retry`)."""
     from gpu_tasks.policy import crash_retry
 
     attempts = max(crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
@@ -187,7 +181,7 @@ def retry_after_crash(
 
 
 def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0) -> Any:
-    """Move ``task_run`` to ``AwaitingRetry`` (re-run in ``delay`` s) and report it; returns the state."""
+    """Move ``task_run`` to ``AwaitingRetry`` (re-run in ``delay`` s) and report it."""
     import datetime
 
     from prefect.client.schemas.objects import State

@@ -1,12 +1,5 @@
-"""Renewing gpu-tasks' "no tag limits" answers before they expire (docs/runner.md, "Tagged task runs
-and Prefect's tag-limit checks").
-
-Every half time-to-live, a thread of the process asks the server (GET, no slot taken) whether each
-remembered tag set still has no limit, and renews the answer or drops it, so a long map's task runs
-never all miss at once and queue behind Prefect's own check. The server is the settings' one, else
-the ephemeral server the process's latest flow run used (a client made from settings without an
-address would start another server).
-"""
+"""Renewing gpu-tasks' "no tag limits" answers before they expire, so a long map's task runs never all
+miss at once and queue behind Prefect's own check (docs/runner.md, "Tagged task runs")."""
 
 from __future__ import annotations
 
@@ -27,8 +20,8 @@ _LOCK = threading.Lock()
 
 
 def start_renewing(profile: Any = None, settings: Any = None) -> None:
-    """Start this process's renewing thread (once per process, forked children included), for the
-    server of ``settings`` (a worker's, from its flow run), else of the settings in force now."""
+    """Start this process's renewing thread (once per process, forked children too), for the server of
+    ``settings`` (a worker's, from its flow run), else of the settings in force now."""
     from prefect.context import SettingsContext
 
     if settings is None:
@@ -36,13 +29,12 @@ def start_renewing(profile: Any = None, settings: Any = None) -> None:
         if found is None:
             return
         profile, settings = found.profile, found.settings
-        if not settings.api.url:  # a flow run's start on Prefect's ephemeral API: its server's URL,
-            ephemeral_api_url()  # remembered for the thread (it runs outside the run's context)
+        if not settings.api.url:  # on the ephemeral API: remember its URL for the thread, which runs
+            ephemeral_api_url()  # outside the run's context
     with _LOCK:
         if _STARTED.get("pid") == os.getpid():
             return
         _STARTED["pid"] = os.getpid()
-    # the settings of the process's first such run (its server's address), never a run's context
     threading.Thread(
         target=_renew_forever, args=(profile, settings), name="gpu-tasks-tag-limits", daemon=True
     ).start()
@@ -64,8 +56,8 @@ def _renew_forever(profile: Any, settings: Any) -> None:
 
 
 def _with_server(settings: Any) -> Any:
-    """``settings`` if they name a server, else a copy naming the ephemeral server this process's
-    latest flow run used (``None`` when none has run on one yet; never starts a server)."""
+    """``settings`` if they name a server, else a copy naming the ephemeral server this process last
+    used (``None`` if none): settings without an address would start another server."""
     if settings.api.url:
         return settings
     url = last_ephemeral_api_url()
@@ -75,8 +67,7 @@ def _with_server(settings: Any) -> Any:
 
 
 def read_without_limits(names: list[str]) -> bool:
-    """Whether none of ``names`` has a limit, read (no slot taken) from the server of the settings in
-    force, else from the ephemeral server of this process's latest flow run (never starts one)."""
+    """Whether none of ``names`` has a limit, read (no slot taken) from the server of :func:`_with_server`."""
     from prefect.context import SettingsContext
 
     found = SettingsContext.get()
@@ -88,8 +79,7 @@ def read_without_limits(names: list[str]) -> bool:
 
 
 def refresh_no_limits() -> tuple[int, int]:
-    """Ask the server whether each remembered tag set still has no limit: renew those answers, drop
-    the others. Returns (renewed, dropped)."""
+    """Renew the answers whose tag sets still have no limit, drop the others: (renewed, dropped)."""
     keys = remembered_tag_sets()[1]
     if not keys:
         return 0, 0
@@ -99,8 +89,7 @@ def refresh_no_limits() -> tuple[int, int]:
 
 
 def limited_names(names: Iterable[str]) -> set[str]:
-    """The concurrency limits among ``names`` (``tag:<tag>``) that exist on the server now: a read
-    each (``GET /v2/concurrency_limits/<name>``), no slot taken."""
+    """The concurrency limits among ``names`` that exist on the server now: a read each, no slot taken."""
     from prefect.exceptions import ObjectNotFound
 
     from gpu_tasks.prefect_api.api import sync_client

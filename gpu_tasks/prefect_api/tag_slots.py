@@ -1,7 +1,5 @@
-"""Prefect tag concurrency slots a GPU task takes in the flow process, before it leases a device
-(:class:`SlotGate`), so that no task waits for a slot while it holds one (PrefectHQ/prefect#8539).
-How they are asked for, held, logged and given back: docs/runner.md, "Tag concurrency slots".
-"""
+"""Prefect tag concurrency slots a GPU task takes in the flow process before it leases a device, so
+that no task waits for a slot while it holds one (PrefectHQ/prefect#8539; docs/runner.md)."""
 
 from __future__ import annotations
 
@@ -10,7 +8,6 @@ import concurrent.futures
 import contextlib
 import contextvars
 import logging
-import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
@@ -25,18 +22,14 @@ LEASE_S = 60.0  # the lease Prefect's task engine asks for on tag slots
 RENEW_EVERY_S = 20.0  # well inside the lease, so one slow renewal does not lose it
 WAIT_LOGGED_S = 30.0  # a wait this long is logged (each RENEW_EVERY_S while it lasts)
 
-
 PLACEMENT_PREFIX = "tag:gpu:"  # the limits of the gpu:<id> tags a worker adds to its task runs
 LIMITS_PAGE = 200  # limits read per request
 LIMITS_READ_MAX = 2000  # more than this many limits: not read through, the worker asks as Prefect does
 
 
 def placement_tags_unlimited() -> bool:
-    """Whether the Prefect API has no concurrency limit on the tags a worker adds to its task runs
-    (``gpu:<id>``, ``gpu-tasks:emulated``), read once before devices are leased, so a worker holding
-    a device need not ask for their slots. ``False`` when one exists, when there are too many limits
-    to read, with no API yet, or when the read fails: the worker then asks as Prefect's engine does.
-    """
+    """Whether no limit exists on the tags a worker adds to its task runs, so it need not ask for their
+    slots; ``False`` when unsure (too many limits, no API yet, a failed read): it asks as Prefect does."""
     from gpu_tasks.allocation import EMULATED_TAG
     from gpu_tasks.prefect_api.api import flow_api_url, sync_client
     from gpu_tasks.prefect_api.states import no_client_retries
@@ -64,10 +57,8 @@ def slot_names(tags: Sequence[str] | set[str]) -> list[str]:
 
 
 class Hold:
-    """One task run's tag slots: ``waiting``, then ``held`` (or ``failed``), then ``released``.
-
-    Changed on the gate's loop only; other threads read ``state``, ``waited`` and ``limits``.
-    """
+    """One task run's tag slots: ``waiting``, ``held`` (or ``failed``), ``released``; changed on the
+    gate's loop only."""
 
     def __init__(self, names: list[str], holder_id: uuid.UUID, ctx: contextvars.Context) -> None:
         self.names = names
@@ -90,15 +81,14 @@ class Hold:
 
 
 class SlotGate:
-    """Takes, renews and gives back the tag slots of one runner's GPU tasks (see the module doc)."""
+    """Takes, renews and gives back the tag slots of one runner's GPU tasks."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._callbacks: concurrent.futures.ThreadPoolExecutor | None = None
+        # its thread starts with the first callback
+        self._callbacks = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{NAME}-callback")
         self._leases = LeaseHolder(NAME, LEASE_S, RENEW_EVERY_S, logger, on_tick=self._say_long_waits)
         self._holds: set[Hold] = set()
 
-    # ------------------------------------------------------------ any thread
     def take(
         self,
         names: list[str],
@@ -107,20 +97,9 @@ class SlotGate:
         on_ready: Callable[[Hold], Any],
         on_error: Callable[[BaseException], Any],
     ) -> Hold:
-        """Start taking ``names`` for task run ``holder_id``; returns at once.
-
-        ``on_ready(hold)`` runs once the slots are held, ``on_error(exc)`` if they cannot be taken
-        (neither once released first), on the gate's callback thread, one at a time.
-
-        Raises:
-            RuntimeError: the gate is closed (the runner is stopping).
-        """
+        """Start taking ``names`` for task run ``holder_id``; returns at once. ``on_ready(hold)`` or
+        ``on_error(exc)`` (neither once released) runs on the gate's callback thread, one at a time."""
         hold = Hold(names, holder_id, ctx.copy())
-        with self._lock:
-            if self._callbacks is None:
-                self._callbacks = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"{NAME}-callback"
-                )
         try:
             self._leases.submit(lambda: self._acquire(hold, on_ready, on_error), hold.ctx)
         except RuntimeError:
@@ -137,13 +116,9 @@ class SlotGate:
         self._leases.close(timeout, first=self._stop_all)
         for hold in list(self._holds):  # the loop has stopped: what it left is over
             self._done(hold)
-        with self._lock:
-            if self._callbacks is not None:
-                self._callbacks.shutdown(wait=False, cancel_futures=True)
+        self._callbacks.shutdown(wait=False, cancel_futures=True)
 
-    # ------------------------------------------------------------ the loop thread
     def _callback(self, fn: Callable[..., Any], *args: Any) -> None:
-        assert self._callbacks is not None
         with contextlib.suppress(RuntimeError):  # the gate closed meanwhile
             self._callbacks.submit(self._run_callback, fn, *args)
 
@@ -229,9 +204,9 @@ class SlotGate:
         if lease_id is not None:
             await self._leases.give_back(lease_id)
         self._done(hold)
-        if not hold.limits:  # no limit held: no waiter can take what this gave back (and a map's
-            return  # thousands of holds are not scanned for each of them)
-        # a waiter of this gate for one of these limits tries again now, not after its Retry-After
+        if not hold.limits:  # no waiter can take what this gave back: a map's holds are not scanned
+            return
+        # a waiter for one of these limits tries again now, not after its Retry-After
         for other in list(self._holds):
             if other.state == "waiting" and other._wake is not None and set(other.names) & set(hold.limits):
                 other._wake.set()
@@ -241,8 +216,7 @@ class SlotGate:
         self._holds.discard(hold)
 
     def _say_long_waits(self) -> None:
-        """Log the task runs that have waited over ``WAIT_LOGGED_S`` for their slots (nothing waits
-        unseen: a full limit, or a server that does not answer); each renewal period."""
+        """Log the task runs that have waited over ``WAIT_LOGGED_S`` for their slots: nothing waits unseen."""
         now = time.monotonic()
         waiting: dict[tuple[str, ...], list[float]] = {}
         for hold in list(self._holds):
