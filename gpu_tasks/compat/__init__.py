@@ -1,7 +1,5 @@
-"""The compat layer: every private or undocumented name of Prefect, Dask/distributed, dask-cuda,
-dask-gateway and CPython that gpu-tasks uses, each a :class:`Use` with why and a feature check
-(run by ``tests/test_compat.py``, and once per process by :func:`warn_if_changed`). See
-docs/operations.md, "Private names: the compat layer".
+"""Every private or undocumented library name gpu-tasks uses, each a :class:`Use` with why and a
+feature check (docs/operations.md, "Private names: the compat layer").
 """
 
 from __future__ import annotations
@@ -24,13 +22,8 @@ class NotInstalled(Exception):
 
 @dataclass(frozen=True)
 class Use:
-    """One private or undocumented name gpu-tasks uses.
-
-    ``kind`` is ``private``, ``undocumented`` or ``patched``. ``check`` returns ``None`` when the
-    installed release has the name in the shape gpu-tasks uses, else what changed (raises
-    :class:`NotInstalled` when the library is absent). ``needs``: a module the run-time check waits
-    for rather than imports (importing ``prefect.server.api.server`` is slow).
-    """
+    """One private or undocumented name: ``kind`` is ``private``, ``undocumented`` or ``patched``;
+    ``check`` returns ``None`` or what changed; ``needs``: a module the run-time check waits for."""
 
     library: str
     name: str
@@ -58,8 +51,8 @@ def callables(owner: Any, where: str, *names: str) -> str | None:
 
 
 def _codes(owner: Any) -> list[Any]:
-    """The code objects of ``owner`` (a function, or a class's methods and properties), nested ones
-    included; gpu-tasks' own replacements are left out, as the source file would not show them."""
+    """The code objects of ``owner`` (a function, or a class's methods), nested ones included;
+    gpu-tasks' own replacements are left out, as the source file would not show them."""
     if isinstance(owner, type):
         found: list[Any] = []
         for value in vars(owner).values():
@@ -85,22 +78,18 @@ def _codes(owner: Any) -> list[Any]:
 
 
 def code_names(owner: Any) -> set[str]:
-    """The global and attribute names that ``owner``'s code (:func:`_codes`) reads, calls or hands on."""
+    """The global and attribute names ``owner``'s code reads, calls or hands on."""
     return {n for code in _codes(owner) for n in (*code.co_names, *code.co_freevars)}
 
 
 def code_strings(owner: Any) -> set[str]:
-    """The string constants in ``owner``'s code (:func:`_codes`): f-strings' literal parts included."""
+    """The string constants in ``owner``'s code, f-strings' literal parts included."""
     return {c for code in _codes(owner) for c in code.co_consts if isinstance(c, str)}
 
 
 def called_in(caller: Any, name: str, source: str | None = None) -> str | None:
-    """``None`` when the code of ``caller`` (a function or class; or ``source``, a module's text)
-    still calls ``name`` or hands it on (``on_exit=self._on_worker_exit_sync``), else what changed.
-
-    A patched name no longer called where gpu-tasks relies on it would be a silent no-op: such a
-    release fails the check. Code objects are read rather than source, which is slow to parse.
-    """
+    """``None`` when ``caller`` (a function or class; or ``source``, a module's text) still calls
+    ``name`` or hands it on, else what changed: a patch no longer called would be a silent no-op."""
     where = getattr(caller, "__qualname__", None) or getattr(caller, "__name__", None) or str(caller)
     if source is None:
         if not _codes(caller):
@@ -121,7 +110,7 @@ def called_in(caller: Any, name: str, source: str | None = None) -> str | None:
 
 
 def uses() -> list[Use]:
-    """Every use, from each compat module (importing them imports Prefect and distributed)."""
+    """Every use, from each compat module."""
     from gpu_tasks.compat import (
         cpython,
         dask_cuda,
@@ -132,20 +121,12 @@ def uses() -> list[Use]:
         prefect_server,
     )
 
-    return [
-        *prefect.USES,
-        *prefect_server.USES,
-        *prefect_client.USES,
-        *distributed.USES,
-        *dask_cuda.USES,
-        *dask_gateway.USES,
-        *cpython.USES,
-    ]
+    modules = (prefect, prefect_server, prefect_client, distributed, dask_cuda, dask_gateway, cpython)
+    return [use for module in modules for use in module.USES]
 
 
 def verify(among: list[Use] | None = None) -> list[tuple[Use, str]]:
-    """The uses (``among``, default all) whose check fails on the installed releases, with what
-    changed (absent libraries are not reported)."""
+    """The uses (``among``, default all) whose check fails here, with what changed."""
     out = []
     for use in uses() if among is None else among:
         try:
@@ -159,14 +140,13 @@ def verify(among: list[Use] | None = None) -> list[tuple[Use, str]]:
     return out
 
 
-_CHECKED: set[str] = set()  # the uses this process has checked (warn_if_changed)
+_CHECKED: set[str] = set()
 _WARN_LOCK = threading.Lock()
 
 
 def warn_if_changed() -> None:
-    """Log one warning naming each private name the installed releases changed, checking each use
-    once per process: those whose module (:attr:`Use.needs`) is not imported yet are left for a
-    later call (a cluster manager's import makes one), since the process does not use them yet."""
+    """Log one warning naming each changed private name, checking each use once per process; a use
+    whose module (:attr:`Use.needs`) is not imported yet waits for a later call."""
     try:
         with _WARN_LOCK:
             loaded = [u for u in uses() if u.needs is None or u.needs in sys.modules]

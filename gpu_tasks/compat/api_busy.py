@@ -1,7 +1,5 @@
-"""Waiting out a busy Prefect API, so that a busy server is never a failed task run: gpu-tasks'
-own tag-slot requests ask again with a warning, and Prefect's client waits are capped
-(:func:`gpu_tasks.compat.prefect_client.cap_client_waits`). See docs/operations.md, "Failure
-behaviour" (the busy-API rows).
+"""Waiting out a busy Prefect API, so that a busy server is never a failed task run
+(docs/operations.md, "Failure behaviour").
 """
 
 from __future__ import annotations
@@ -19,8 +17,7 @@ FIRST_WAIT_S = 1.0
 
 
 def busy_reason(exc: BaseException) -> str | None:
-    """Why ``exc`` (or an error it was raised from) is a busy or unreachable API, to wait out;
-    ``None`` when it is anything else."""
+    """Why ``exc`` (or an error it was raised from) is a busy or unreachable API; else ``None``."""
     import httpx
 
     seen: set[int] = set()
@@ -43,9 +40,8 @@ def _tuned(name: str) -> float:
 
 @dataclass
 class BusyWait:
-    """The waits between tries of one request to a busy API: 1 s, doubling to ``longest``
-    (``GPU_TASKS_TUNE_API_LONGEST_WAIT``), with jitter, until ``timeout``
-    (``GPU_TASKS_TUNE_API_BUSY_TIMEOUT``) seconds have passed since the first refusal."""
+    """The waits between tries of one request to a busy API: 1 s, doubling to ``longest``, with
+    jitter, until ``timeout`` seconds have passed since the first refusal."""
 
     what: str
     timeout: float = field(default_factory=lambda: _tuned("api_busy_timeout"))
@@ -54,8 +50,7 @@ class BusyWait:
     started: float = field(default_factory=time.monotonic)
 
     def next_wait(self, exc: BaseException, log: Any = None) -> float:
-        """Seconds to wait before asking again; raises ``exc`` when it is not a busy API's refusal
-        or the time is up."""
+        """Seconds to wait before asking again; raises ``exc`` when not a busy API's or time is up."""
         reason = busy_reason(exc)
         waited = time.monotonic() - self.started
         log = log or logger

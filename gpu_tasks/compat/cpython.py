@@ -1,6 +1,5 @@
-"""CPython names gpu-tasks uses beyond the documented way: exit handlers run early, ``os._exit``
-wrapped in worker processes, ``signal.signal`` swapped while a cluster manager's module imports, a
-fork server of gpu-tasks' own (:class:`ForkServerContext`)."""
+"""CPython names gpu-tasks uses beyond the documented way: exit handlers, ``os._exit``,
+``signal.signal``, multiprocessing's spawn executable and a fork server of its own."""
 
 from __future__ import annotations
 
@@ -23,14 +22,12 @@ logger = logging.getLogger(__name__)
 
 
 def run_exit_handlers() -> None:
-    """Run the interpreter's exit handlers now (the private ``atexit._run_exitfuncs``): a bound warm
-    process then ends with ``os._exit``, skipping a teardown that only frees memory."""
+    """Run the interpreter's exit handlers now: a bound warm process then ends with ``os._exit``."""
     atexit._run_exitfuncs()
 
 
 def replace_os_exit(replacement: Callable[[int], Any]) -> Callable[[int], Any]:
-    """Make ``os._exit`` call ``replacement`` in this process; returns the one it replaced (a worker's
-    guard, :mod:`gpu_tasks.worker.guard`, ends the task's child processes whoever exits that way)."""
+    """Make ``os._exit`` call ``replacement`` in this process; returns the one it replaced."""
     real = os._exit
     os._exit = replacement  # type: ignore[assignment]
     return real
@@ -38,11 +35,8 @@ def replace_os_exit(replacement: Callable[[int], Any]) -> Callable[[int], Any]:
 
 @contextmanager
 def signal_handlers_kept() -> Iterator[None]:
-    """Within the block, ``signal.signal`` leaves handlers as they are (said at debug level).
-
-    ``dask_jobqueue.runner`` sets a SIGINT handler on import: ``ValueError`` off the main thread, and
-    on it Prefect's Ctrl-C handling replaced with ``sys.exit()``.
-    """
+    """Within the block, ``signal.signal`` leaves handlers as they are: ``dask_jobqueue.runner`` sets
+    a SIGINT handler on import (``ValueError`` off the main thread, Prefect's Ctrl-C lost on it)."""
     with _SIGNAL_SWAP:  # one swap at a time: two threads' nested swaps could keep `keep` for good
         real = signal.signal
 
@@ -61,11 +55,8 @@ _SIGNAL_SWAP = threading.RLock()
 
 
 class ForkServerContext:
-    """A multiprocessing context whose processes fork from a fork server of its owner's (a warm pool).
-
-    multiprocessing's own fork server is shared by the whole process, preloads included; this one
-    imports ``preload`` once for its owner alone, and :meth:`close` lets it end.
-    """
+    """A multiprocessing context whose processes fork from a fork server of its owner's (a warm pool):
+    multiprocessing's own is shared by the whole process, preloads included, and never ends."""
 
     def __init__(self, preload: list[str]) -> None:
         import multiprocessing
@@ -82,7 +73,7 @@ class ForkServerContext:
 
     def ensure_started(self, around: Callable[[], contextlib.AbstractContextManager[Any]]) -> None:
         """Start the server now (once) inside ``around()``: the environment and executable it
-        starts with are its children's (else it starts at its first fork, in whatever is set then)."""
+        starts with are its children's."""
         with self._start_lock:
             if self._started:
                 return
@@ -97,8 +88,7 @@ class ForkServerContext:
         return _ForkedProcess(_server_key=self.key, **kwargs)
 
     def close(self) -> None:
-        """Let the server end: it exits once no process forked from it is left (each holds its
-        "alive" pipe), and is reaped by a daemon thread meanwhile."""
+        """Let the server end once no process forked from it is left; a daemon thread reaps it."""
         with _SERVERS_LOCK:
             _SERVERS.pop(self.key, None)
         threading.Thread(
@@ -111,7 +101,7 @@ def _stop_server(server: Any) -> None:
         server._stop()
 
 
-_SERVERS: dict[int, Any] = {}  # ForkServerContext.key -> its multiprocessing ForkServer
+_SERVERS: dict[int, Any] = {}  # ForkServerContext.key -> its ForkServer
 _SERVERS_LOCK = threading.Lock()
 _SERVER_KEYS = itertools.count(1)
 
@@ -135,8 +125,8 @@ else:
             with _SERVERS_LOCK:
                 server = _SERVERS[process_obj.server_key]
             prep_data = spawn.get_preparation_data(process_obj._name)
-            # the main module is not imported again in the child (it needs none of it: what
-            # it runs comes pickled by value), so a script without a __main__ guard still works
+            # the main module is not imported again in the child (what it runs comes pickled by
+            # value), so a script without a __main__ guard still works
             prep_data.pop("init_main_from_path", None)
             prep_data.pop("init_main_from_name", None)
             buf = io.BytesIO()
@@ -172,7 +162,7 @@ _SPAWN_LOCK = threading.Lock()
 
 @contextmanager
 def spawn_executable(path: str) -> Iterator[None]:
-    """multiprocessing starts its spawned interpreters with ``path`` meanwhile (one swap at a time)."""
+    """multiprocessing starts its spawned interpreters with ``path`` meanwhile."""
     from multiprocessing import spawn
 
     with _SPAWN_LOCK:
@@ -187,7 +177,7 @@ def spawn_executable(path: str) -> Iterator[None]:
 def _check_spawn_executable() -> str | None:
     from multiprocessing import forkserver, spawn
 
-    # where the swapped executable is read: a fork server's start, a spawned process's command line
+    # where the swapped executable is read
     return (
         callables(spawn, "multiprocessing.spawn", "get_executable", "set_executable")
         or called_in(forkserver.ForkServer.ensure_running, "get_executable")
@@ -201,8 +191,8 @@ def _check_signal() -> str | None:
     for name in ("signal", "getsignal"):
         if not callable(getattr(signal, name, None)):
             return f"signal.{name} is not callable"
-    # the module the swap is for sets a handler when imported (read, not imported: importing it
-    # here would take this process's Ctrl-C); no dask-jobqueue installed: nothing to check there
+    # the module the swap is for sets a handler when imported (read: importing it would take this
+    # process's Ctrl-C)
     spec = importlib.util.find_spec("dask_jobqueue")
     runner = Path(spec.origin).parent / "runner.py" if spec is not None and spec.origin else None
     if runner is None or not runner.is_file():
@@ -260,8 +250,8 @@ USES = [
         "cpython",
         "multiprocessing.forkserver.ForkServer",
         "private",
-        "warm worker processes fork from a fork server of the pool's own, which imported Prefect "
-        "and distributed once: its _stop and popen_forkserver.Popen._launch repeated with that server",
+        "warm worker processes fork from a fork server of the pool's own, which imported Prefect and "
+        "distributed once (popen_forkserver.Popen._launch repeated with that server)",
         _check_forkserver,
     ),
 ]

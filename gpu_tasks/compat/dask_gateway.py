@@ -1,7 +1,4 @@
-"""dask-gateway's client internals gpu-tasks touches: a closed ``Gateway`` client's private
-``_loop_runner``, dropped so that its ``__del__`` does not close it a second time. Without
-dask-gateway installed the check raises :class:`~gpu_tasks.compat.NotInstalled`.
-"""
+"""dask-gateway's client internals gpu-tasks touches: a closed ``Gateway`` client's ``_loop_runner``."""
 
 from __future__ import annotations
 
@@ -13,9 +10,8 @@ from gpu_tasks.compat import NotInstalled, Use, code_names, code_strings
 
 
 def drop_stopped_loop_runner(manager: Any) -> None:
-    """Let a closed cluster manager's ``Gateway`` client be collected quietly: drop its stopped
-    ``_loop_runner``, without which ``__del__`` does not close it again on a stopped loop (a
-    ``RuntimeError`` printed as "Exception ignored in Gateway.__del__"). Other managers: untouched."""
+    """Drop a closed cluster manager's stopped ``_loop_runner``, without which ``Gateway.__del__``
+    does not close it again on a stopped loop (an "Exception ignored in Gateway.__del__")."""
     client = getattr(manager, "gateway", None)
     runner = getattr(client, "_loop_runner", None)
     is_started = getattr(runner, "is_started", None)

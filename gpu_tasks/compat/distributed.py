@@ -1,6 +1,5 @@
-"""The private Dask/distributed names gpu-tasks relies on: the nanny's ``_on_worker_exit_sync`` hook
-(:func:`nanny_class_with_exit_hook`, so :class:`gpu_tasks.worker.exits.WatchedNanny` uses a public
-method of its own), and worker options read as distributed reads them.
+"""The private distributed names gpu-tasks relies on (the nanny's exit hook), and worker options read
+as distributed reads them.
 """
 
 from __future__ import annotations
@@ -11,11 +10,8 @@ from gpu_tasks.compat import Use, called_in, params
 
 
 def nanny_class_with_exit_hook() -> type[Any]:
-    """``distributed.Nanny`` whose worker-process exit calls ``self.on_worker_exit(exitcode)`` first.
-
-    The nanny's process watcher calls the private ``Nanny._on_worker_exit_sync(exitcode)``: the
-    one place a nanny learns its worker's exit code (crash reports name it).
-    """
+    """``distributed.Nanny`` whose worker-process exit calls ``self.on_worker_exit(exitcode)`` first
+    (``_on_worker_exit_sync`` is the one place a nanny learns its worker's exit code)."""
     from distributed import Nanny
 
     class NannyWithExitHook(Nanny):
@@ -30,11 +26,8 @@ def nanny_class_with_exit_hook() -> type[Any]:
 
 
 def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, ...] = ()) -> dict[str, Any]:
-    """``preload``/``preload_argv`` with ``module`` appended, given ``args``.
-
-    Dask gives a flat ``preload_argv`` to every preload, so ``args`` join it (as dask-cuda
-    adds its own); a list of lists has one entry per preload, so ``args`` become one.
-    """
+    """``preload``/``preload_argv`` with ``module`` appended, given ``args``: a flat ``preload_argv``
+    goes to every preload, so ``args`` join it; a list of lists has one entry per preload."""
     preload = [preload] if isinstance(preload, str) else list(preload or [])
     argv = list(preload_argv or [])
     if argv and not isinstance(argv[0], str):
@@ -45,9 +38,8 @@ def add_preload(preload: Any, preload_argv: Any, module: str, args: tuple[str, .
 
 
 def memory_limit(memory_limit: Any, nthreads: int) -> int | None:
-    """A worker's host memory limit in bytes, read as ``distributed.Worker`` documents its
-    ``memory_limit`` (a size, a fraction of the system's memory, 0 or ``None`` for none, ``"auto"``),
-    capped at ``system.MEMORY_LIMIT`` as a worker caps it."""
+    """A worker's host memory limit in bytes, read as ``distributed.Worker`` reads its ``memory_limit``
+    (a size, a fraction of the system's memory, 0 or ``None`` for none, ``"auto"``)."""
     from dask.system import CPU_COUNT
     from dask.utils import parse_bytes
     from distributed.system import MEMORY_LIMIT

@@ -1,6 +1,5 @@
-"""The private Prefect APIs gpu-tasks relies on, each with why; each wrapper degrades to Prefect's own
-behaviour where the name is gone. The "no tag limits" answers and the tag slots the flow process
-holds: docs/runner.md, "Tagged task runs and Prefect's tag-limit checks".
+"""The private Prefect task-engine APIs gpu-tasks relies on; each wrapper degrades to Prefect's own
+behaviour where the name is gone (docs/runner.md, "Tagged task runs and Prefect's tag-limit checks").
 """
 
 from __future__ import annotations
@@ -14,25 +13,19 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from typing import Any
 
-from gpu_tasks.compat import Use, called_in, code_names, code_strings, params
+from gpu_tasks.compat import Use, callables, called_in, code_names, code_strings, params
 
 logger = logging.getLogger(__name__)
 
 
-# gpu-tasks' own "no limits for this tag set" answers, consulted only for the task runs gpu-tasks
-# runs (:func:`ours`); Prefect's cache is left as it ships (5 s) for every other task run.
+# gpu-tasks' own "no limits for this tag set" answers, for its own task runs alone (:func:`ours`).
 _OWN_NO_LIMITS: dict[str, Any] = {}
 _OWN_LOCK = threading.Lock()
 
 
 def use_no_limits_cache(seconds: float, ask_limited: Callable[[list[str]], set[str]] | None = None) -> float:
-    """Keep gpu-tasks' own "no tag limits" answers ``seconds`` long (its task runs only; Prefect's
-    cache is untouched).
-
-    Filled from the flow process's slot grants (:func:`remember_without_limits`) and, after Prefect's
-    check of an unknown tag set, from ``ask_limited(names)`` (the names with a limit now; a
-    "limited" answer is kept too). ``seconds`` 0 learns nothing. Returns the time-to-live in force
-    (never shortened within a process)."""
+    """Keep gpu-tasks' own "no tag limits" answers ``seconds`` long, learning unknown tag sets from
+    ``ask_limited(names)``; returns the time-to-live in force (never shortened within a process)."""
     import cachetools
 
     _install_tag_slot_skip()
@@ -56,7 +49,7 @@ def remembered_tag_sets() -> tuple[float, list[frozenset[str]]]:
 
 
 def renew_answers(renew: Iterable[frozenset[str]], drop: Iterable[frozenset[str]]) -> int:
-    """Restart these answers' time-to-live (not those expired meanwhile), forget those; how many renewed."""
+    """Restart these answers' time-to-live, forget those; how many renewed."""
     with _OWN_LOCK:
         cache = _OWN_NO_LIMITS.get("cache", {})
         for key in drop:
@@ -66,8 +59,7 @@ def renew_answers(renew: Iterable[frozenset[str]], drop: Iterable[frozenset[str]
     return len(kept)
 
 
-# The layout of Prefect's ``serialize_context()``, which gpu-tasks builds for its workers (the
-# settings serialized once per flow run): a key Prefect adds or renames fails the check.
+# The layout of Prefect's ``serialize_context()``, which gpu-tasks builds for its workers.
 CONTEXT_KEYS = frozenset(
     {
         "flow_run_context",
@@ -82,22 +74,19 @@ CONTEXT_KEYS = frozenset(
 
 
 def context_for_workers(**parts: Any) -> dict[str, Any]:
-    """What Prefect's ``serialize_context()`` returns, built from its parts (the keys of
-    :data:`CONTEXT_KEYS`, by name): the one place gpu-tasks copies that layout. Raises ``TypeError``
-    for a part Prefect's layout does not have, or one missing."""
+    """What Prefect's ``serialize_context()`` returns, from its parts (:data:`CONTEXT_KEYS`, by name):
+    the one place gpu-tasks copies that layout. ``TypeError`` for a part missing or unknown."""
     if set(parts) != CONTEXT_KEYS:
         raise TypeError(f"Prefect's serialized context has {sorted(CONTEXT_KEYS)}; got {sorted(parts)}")
     return dict(parts)
 
 
-# ---------------------------------------------------------------- tag slots the flow process holds
 # The `tag:<tag>` slots the flow process took for a task run before its device was leased: the
 # engine's own acquisition leaves them out inside `tag_slots_held_by_flow`, never waiting twice.
 _FLOW_HOLDS: contextvars.ContextVar[tuple[Any, frozenset[str]] | None] = contextvars.ContextVar(
     "gpu_tasks_flow_holds_tag_slots", default=None
 )
-# True inside a task run gpu-tasks runs: what gpu-tasks changes in Prefect applies there alone;
-# any other task run of the process sees Prefect as shipped.
+# True inside a task run gpu-tasks runs: what gpu-tasks changes in Prefect applies there alone.
 _OURS: contextvars.ContextVar[bool] = contextvars.ContextVar("gpu_tasks_runs_this_task", default=False)
 
 
@@ -120,14 +109,12 @@ def can_skip_engine_tag_slots() -> bool:
     """Whether this Prefect's task engine takes tag slots where gpu-tasks can skip them."""
     import prefect.task_engine as engine
 
-    return callable(getattr(engine, "_concurrency", None)) and callable(
-        getattr(engine, "_aconcurrency", None)
-    )
+    return callables(engine, "prefect.task_engine", "_concurrency", "_aconcurrency") is None
 
 
 def _left_to_take(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """The engine's ``_concurrency`` arguments less the names the flow process holds for its holder,
-    and none at all when this process's "no limits" cache knows those left have no limit."""
+    """The engine's ``_concurrency`` arguments less the names the flow process holds for its holder
+    (none when the "no limits" cache knows those left have no limit)."""
     held = _FLOW_HOLDS.get()
     holder = kwargs.get("holder")
     if not _OURS.get() or holder is None or getattr(holder, "type", None) != "task_run":
@@ -137,13 +124,12 @@ def _left_to_take(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[
     if held is not None and getattr(holder, "id", None) == held[0]:
         names = [n for n in names if n not in held[1]]
     if names and all(n.startswith("tag:") for n in names) and known_without_limits(names):
-        names = []  # Prefect's own answer from its cache, without its thread hops (docs/operations.md)
+        names = []  # Prefect's own answer from its cache, without its thread hops
     return (), {**kwargs, "names": names}
 
 
 def _busy_wait(kwargs: dict[str, Any]) -> Any:
-    """How a gpu-tasks task run's tag-slot check waits out a busy API (``None``: any other task
-    run's, which fails as Prefect ships)."""
+    """How a gpu-tasks task run's tag-slot check waits out a busy API (``None``: as Prefect ships)."""
     if not _OURS.get() or not kwargs.get("names"):
         return None
     from gpu_tasks.compat.api_busy import BusyWait
@@ -155,8 +141,7 @@ _ENGINE_ORIGINALS: dict[str, Any] = {}  # Prefect's own, once gpu-tasks' wrapper
 
 
 def _learn(kwargs: dict[str, Any]) -> None:
-    """After Prefect's own check of a gpu-tasks task run's tags: when gpu-tasks' cache does not know
-    that tag set, ask the server which of its names have a limit and keep the answer."""
+    """After Prefect's check of a gpu-tasks task run's tags, learn an unknown tag set's answer."""
     names = kwargs.get("names")
     if not _OURS.get() or not names or isinstance(names, str) or not all(n.startswith("tag:") for n in names):
         return
@@ -223,9 +208,9 @@ def _install_tag_slot_skip() -> None:
 @contextlib.contextmanager
 def tag_slots_held_by_flow(task_run_id: Any, names: Iterable[str]) -> Iterator[None]:
     """Within the block, the task engine takes no slot of ``names`` for ``task_run_id`` (the flow
-    process holds them, or knows they have no limit)."""
+    process holds them)."""
     held = frozenset(names)
-    _install_tag_slot_skip()  # also answers tag checks from the "no limits" cache (_left_to_take)
+    _install_tag_slot_skip()
     with ours():
         token = _FLOW_HOLDS.set((task_run_id, held)) if held else None
         try:
@@ -236,15 +221,14 @@ def tag_slots_held_by_flow(task_run_id: Any, names: Iterable[str]) -> Iterator[N
 
 
 def known_without_limits(names: list[str]) -> bool:
-    """Whether gpu-tasks' own cache (:func:`use_no_limits_cache`) says the concurrency limits
-    ``names`` do not exist. ``False`` when unknown, or known to have one."""
+    """Whether gpu-tasks' own cache says the concurrency limits ``names`` do not exist."""
     with _OWN_LOCK:
         own = _OWN_NO_LIMITS.get("cache")
         return own is not None and bool(own.get(frozenset(names), False))
 
 
 def remember_without_limits(names: list[str]) -> None:
-    """Record in gpu-tasks' own cache that the limits ``names`` do not exist (Prefect's is untouched)."""
+    """Record in gpu-tasks' own cache that the limits ``names`` do not exist."""
     with _OWN_LOCK:
         own = _OWN_NO_LIMITS.get("cache")
         if own is not None:
@@ -255,12 +239,8 @@ _QUALIFIED_KEEP = 512
 
 
 def cache_qualified_names() -> bool:
-    """Let Prefect's serializers resolve each qualified name once in gpu-tasks' task runs (others get
-    Prefect's own function); returns whether they now use the cache.
-
-    ``from_qualified_name`` tries a failed module import per cache key, waiting for the interpreter
-    lock while another thread computes (figures: docs/operations.md, "Private names").
-    """
+    """Let Prefect's serializers resolve each qualified name once in gpu-tasks' task runs (each
+    resolution tries a failed module import); returns whether they now use the cache."""
     import prefect.serializers as serializers
 
     resolve = getattr(serializers, "from_qualified_name", None)
@@ -273,26 +253,24 @@ def cache_qualified_names() -> bool:
 
     def cached(name: str) -> Any:
         if not _OURS.get():
-            return resolve(name)  # a task run gpu-tasks does not run: as Prefect ships
+            return resolve(name)
         with lock:
             if name in found:
                 return found[name]
-        value = resolve(name)  # raises as Prefect's does for a name that does not resolve
+        value = resolve(name)
         with lock:
             if len(found) < _QUALIFIED_KEEP:
                 found[name] = value
         return value
 
-    cached._gpu_tasks_cached = True  # type: ignore[attr-defined]  # a marker on the function
+    cached._gpu_tasks_cached = True  # type: ignore[attr-defined]
     setattr(serializers, "from_qualified_name", cached)  # noqa: B010 - not exported by Prefect
     return True
 
 
-# ---------------------------------------------------------------- undocumented Prefect internals
 def skip_crash_reports(skip: Callable[[], bool], say: Callable[[Any], None]) -> None:
-    """Once per process: Prefect's task engines, sync and async, report no ``Crashed`` state
-    (``SyncTaskRunEngine.handle_crash`` / ``AsyncTaskRunEngine.handle_crash``, undocumented) while
-    ``skip()`` is true in the crashing thread; ``say(task_run)`` is called instead."""
+    """Prefect's task engines, sync and async, report no ``Crashed`` state while ``skip()`` is true in
+    the crashing thread; ``say(task_run)`` is called instead."""
     from prefect.task_engine import AsyncTaskRunEngine, SyncTaskRunEngine
 
     sync_original, async_original = SyncTaskRunEngine.handle_crash, AsyncTaskRunEngine.handle_crash
@@ -334,7 +312,6 @@ def _check_handle_crash() -> str | None:
     return None
 
 
-# ---------------------------------------------------------------- the uses, with feature checks
 def _check_engine_concurrency() -> str | None:
     import prefect.task_engine as engine
 
@@ -346,7 +323,7 @@ def _check_engine_concurrency() -> str | None:
         if problem:
             return f"{name}: {problem}"
     # the engines must still take tag slots there, else a worker waits for a slot its own flow
-    # holds (read from the classes' code: f"tag:{tag}" leaves its "tag:" among their constants)
+    # holds (f"tag:{tag}" leaves its "tag:" among the classes' constants)
     for cls_name, call in (("SyncTaskRunEngine", "_concurrency"), ("AsyncTaskRunEngine", "_aconcurrency")):
         cls = getattr(engine, cls_name, None)
         if cls is None or call not in code_names(cls) or "tag:" not in code_strings(cls):
@@ -366,7 +343,6 @@ def _check_context_layout() -> str | None:
 def _check_serializers() -> str | None:
     import prefect.serializers as serializers
 
-    # resolve ``object_encoder`` by name at every dumps: the call gpu-tasks' cache answers
     return params(getattr(serializers, "from_qualified_name", None), "name") or called_in(
         serializers.JSONSerializer.dumps, "from_qualified_name"
     )
@@ -385,24 +361,21 @@ USES = [
         "prefect",
         "prefect.context.serialize_context (its layout)",
         "undocumented",
-        "the flow run's context for workers, built with the settings serialized once per flow run "
-        "(they were nearly all of serialize_context's cost per task)",
+        "the flow run's context for workers, built with the settings serialized once per flow run",
         _check_context_layout,
     ),
     Use(
         "prefect",
         "prefect.serializers.from_qualified_name",
         "patched",
-        "resolved once per name in gpu-tasks' task runs (a failed import per cache key otherwise: "
-        "milliseconds of waiting for the interpreter lock while another thread computes)",
+        "resolved once per name in gpu-tasks' task runs (a failed import per cache key otherwise)",
         _check_serializers,
     ),
     Use(
         "prefect",
         "prefect.task_engine.SyncTaskRunEngine.handle_crash, AsyncTaskRunEngine.handle_crash",
         "patched",
-        "an attempt (sync or async) interrupted as its worker lost its scheduler reports no Crashed "
-        "over its retry",
+        "an attempt interrupted as its worker lost its scheduler reports no Crashed over its retry",
         _check_handle_crash,
     ),
 ]

@@ -1,6 +1,4 @@
-"""Prefect's client waits between tries of a refused request (``2**n`` s, no upper bound), capped in
-gpu-tasks' processes; why: :mod:`gpu_tasks.compat.api_busy`.
-"""
+"""Prefect's client waits between tries of a refused request (``2**n`` s, no upper bound), capped."""
 
 from __future__ import annotations
 
@@ -14,12 +12,8 @@ _CAP: dict[str, Any] = {"longest": None, "whole_process": False}  # in force onc
 
 
 def cap_client_waits(longest: float, whole_process: bool = False) -> bool:
-    """Cap each of Prefect's client waits between tries of a refused request at ``longest`` s (with
-    Prefect's jitter) in gpu-tasks' task runs, or in every request of the process with
-    ``whole_process`` (a worker process, whose Prefect services run off the task's thread).
-
-    Returns whether the cap is in force (``False`` on a Prefect whose client waits otherwise).
-    """
+    """Cap Prefect's client waits between tries at ``longest`` s in gpu-tasks' task runs, or in the
+    whole process (a worker's Prefect services run off the task's thread); whether the cap is in force."""
     import prefect.client.base as base
 
     _CAP["longest"] = longest
@@ -35,14 +29,13 @@ def cap_client_waits(longest: float, whole_process: bool = False) -> bool:
             average_interval = min(average_interval, float(_CAP["longest"]))
         return float(current(average_interval, clamping_factor))
 
-    capped._gpu_tasks_capped = True  # type: ignore[attr-defined]  # installed once per process
+    capped._gpu_tasks_capped = True  # type: ignore[attr-defined]
     capped.__wrapped__ = current  # type: ignore[attr-defined]  # Prefect's, for the feature check
     setattr(base, "clamped_poisson_interval", capped)  # noqa: B010 - a name Prefect does not export
     return True
 
 
 def _check_client_waits() -> str | None:
-    """Prefect's clients still wait ``clamped_poisson_interval(2**n, jitter)`` between tries."""
     import prefect.client.base as base
 
     fn = getattr(base, "clamped_poisson_interval", None)

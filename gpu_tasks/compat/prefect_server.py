@@ -1,6 +1,5 @@
-"""Prefect's client internals gpu-tasks uses around a server: draining the events and logs a process
-queued, counting the events still waiting to be sent, and keeping a slim run context for each
-event of gpu-tasks' task runs until it is sent.
+"""Prefect's event and log services: draining what a process queued, counting the events still
+unsent, and a slim run context for each event of gpu-tasks' task runs.
 """
 
 from __future__ import annotations
@@ -14,16 +13,14 @@ from gpu_tasks.compat import Use, called_in, code_names, params
 
 
 def drain_events(timeout: float) -> bool:
-    """Send the events this process queued (``EventsWorker.drain_all``, undocumented); whether all
-    were sent within ``timeout``."""
+    """Send the events this process queued; whether all were sent within ``timeout``."""
     from prefect.events.worker import EventsWorker
 
     return _drained(EventsWorker, timeout)
 
 
 def drain_logs(timeout: float) -> bool:
-    """Send the run logs this process queued (``APILogWorker.drain_all``, undocumented); whether
-    all were sent within ``timeout``."""
+    """Send the run logs this process queued; whether all were sent within ``timeout``."""
     from prefect.logging.handlers import APILogWorker
 
     return _drained(APILogWorker, timeout)
@@ -36,9 +33,8 @@ def _drained(service: Any, timeout: float) -> bool:
 
 
 def events_backlog() -> int:
-    """Events this process has emitted and Prefect's ``EventsWorker`` has not yet sent (the private
-    ``_instances`` and each worker's ``_context_cache``, a context per unsent event; its ``_queue``
-    stays short, as events move on to its loop at once). 0 when none runs."""
+    """Events this process emitted and ``EventsWorker`` has not yet sent: a context per unsent event
+    in ``_context_cache`` (its ``_queue`` stays short, as events move on to its loop at once)."""
     from prefect.events.worker import EventsWorker
 
     instances = list(getattr(EventsWorker, "_instances", {}).values())
@@ -51,22 +47,19 @@ def _check_events_backlog() -> str | None:
     if not isinstance(getattr(EventsWorker, "_instances", None), dict):
         return "EventsWorker has no _instances dict"
     init = vars(EventsWorker).get("__init__")
-    names = getattr(getattr(init, "__code__", None), "co_names", ())  # prefect 3.8.8
+    names = getattr(getattr(init, "__code__", None), "co_names", ())
     return None if "_context_cache" in names else "EventsWorker no longer keeps _context_cache"
 
 
-# Slim run contexts for the events of gpu-tasks' task runs, by task run id (a task run's events
-# share one): what Prefect's events worker reads from a context when it sends an event.
 _SLIM: dict[Any, Any] = {}  # task run id -> its context; ("flow", flow run id) -> flow-run context
 _SLIM_LOCK = threading.Lock()
 _SLIM_KEEP = 1024
 
 
 def keep_slim_event_contexts() -> bool:
-    """From now on, each event of a task run gpu-tasks runs waits to be sent with a slim copy of the
-    run context (flow run, task run without its state, settings: all ``EventsWorker`` reads), not
-    Prefect's whole copy, which holds parameters, results and engines (docs/operations.md, "A Prefect
-    server that holds the load"). Returns whether the slim copy is in use."""
+    """Each event of gpu-tasks' task runs waits to be sent with a slim run context (flow run, task run
+    without its state, settings), not Prefect's whole copy with parameters, results and engines.
+    Returns whether the slim copy is in use."""
     from prefect.events.worker import EventsWorker
 
     prepare = vars(EventsWorker).get("_prepare_item")
@@ -79,7 +72,7 @@ def keep_slim_event_contexts() -> bool:
     @functools.wraps(prepare)  # its __wrapped__: the compat check reads Prefect's own code
     def slim_prepare(self: Any, event: Any) -> Any:
         if not is_ours():
-            return prepare(self, event)  # not gpu-tasks' task run: as Prefect ships
+            return prepare(self, event)
         self._context_cache[event.id] = _slim_context()
         return event
 
@@ -138,9 +131,8 @@ def _slim_flow_context(flow_run: Any) -> Any:
 
 
 def _check_event_contexts() -> str | None:
-    """What the slim context must carry: the events worker keeps a context per event and sends it
-    with related resources read from the flow-run and task-run contexts alone (their ``flow_run``,
-    ``task_run``), and the settings."""
+    """The events worker keeps a context per event and reads related resources from the flow-run and
+    task-run contexts alone: what the slim context carries."""
     from prefect.context import FlowRunContext, SettingsContext, TaskRunContext
     from prefect.events import related
     from prefect.events.worker import EventsWorker
@@ -172,11 +164,9 @@ USES = [
         "prefect.events.worker.EventsWorker (drain_all, _instances, _context_cache, _prepare_item), "
         "prefect.logging.handlers.APILogWorker.drain_all, prefect.context's context models' __var__",
         "private",
-        "Prefect's queue services of events and logs: send a run's last events and logs before a "
-        "process or the embedded server stops (drain_all), count the events waiting to be sent "
-        "(_instances, _context_cache: task runs wait to start while too many do), and keep a slim run "
-        "context per event of gpu-tasks' task runs (_prepare_item patched, __var__ set): not their "
-        "parameters, results and engines",
+        "send a run's last events and logs before a process stops (drain_all), count the events "
+        "waiting to be sent (task runs wait while too many do), and keep a slim run context per event "
+        "of gpu-tasks' task runs (_prepare_item patched, __var__ set)",
         lambda: _check_drains() or _check_events_backlog() or _check_event_contexts(),
     ),
 ]

@@ -1,8 +1,5 @@
-"""Resource profiles: what a task needs and where its workers run, validated when a profile is built.
-
-- :mod:`~gpu_tasks.profiles.model`: :class:`ResourceProfile`, its three kinds and their fields.
-- :mod:`~gpu_tasks.profiles.tags`: the ``profile:<name>`` tag that sends a task to a profile.
-- :mod:`~gpu_tasks.profiles.in_force`: which profiles are in force (code, TOML file, default).
+"""Resource profiles: what a task needs and where its workers run (``model``), the tag that sends a
+task to one (``tags``), and which are in force (``in_force``).
 """
 
 from gpu_tasks.profiles.in_force import (

@@ -1,8 +1,4 @@
-"""Which profiles are in force: the code's, a TOML file's (``GPU_TASKS_PROFILES_FILE``), the default.
-
-:func:`resolve_profiles` is the one place that decides which profiles are in force and which is the
-default; :func:`profile_sources` says where their values came from.
-"""
+"""Which profiles are in force: the code's, a TOML file's (``GPU_TASKS_PROFILES_FILE``), the default."""
 
 from __future__ import annotations
 
@@ -24,12 +20,8 @@ DEFAULT_PROFILE = "cpu"  # untagged tasks run here; added as a plain CPU profile
 def profiles_from_mapping(
     data: Mapping[str, Any], source: str = "profiles", text: str | None = None
 ) -> dict[str, ResourceProfile]:
-    """Build profiles from ``{"profiles": {name: {field: value}}}``; ``text``: the TOML they were read
-    from, for the line of a field at fault.
-
-    Raises:
-        ProfileError: naming ``source`` (and the line, with ``text``) and the profile at fault.
-    """
+    """Build profiles from ``{"profiles": {name: {field: value}}}``; a ``ProfileError`` names ``source``
+    and, given ``text`` (the TOML they came from), the line at fault."""
     tables = data.get("profiles")
     if not isinstance(tables, Mapping) or not tables:
         raise ProfileError(f"{source}: expected [profiles.<name>] tables, e.g. [profiles.gpu] with gpus = 1")
@@ -59,8 +51,8 @@ def profiles_from_mapping(
 
 
 def line_of(text: str, path: tuple[str, ...]) -> int | None:
-    """The line (from 1) of TOML ``text`` that sets the key at ``path`` (``("profiles", "gpu", "gpus")``),
-    else of the nearest table or key above it; ``None`` if none. A plain scan, for error messages."""
+    """The line (from 1) of TOML ``text`` that sets the key at ``path``, else of the nearest table or
+    key above it; ``None`` if none. A plain scan, for error messages."""
 
     def parts(key: str) -> tuple[str, ...]:
         return tuple(p.strip().strip("\"'") for p in key.split("."))
@@ -88,7 +80,7 @@ def line_of(text: str, path: tuple[str, ...]) -> int | None:
 
 def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, ResourceProfile], str | None]:
     """Load profiles (and an optional ``default``) from a TOML file; ``origin``: where the user named
-    it (``GPU_TASKS_PROFILES_FILE``, a CLI option), for the message when it cannot be read.
+    it (``GPU_TASKS_PROFILES_FILE``, a CLI option).
 
     Raises:
         ProfileError: the file is missing, is not TOML, or holds a bad profile.
@@ -107,7 +99,7 @@ def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, Re
         )
         raise ProfileError(
             f"profiles file {str(path)!r}{named} cannot be read: {exc.strerror}; {fix}"
-        ) from None  # the message says all: one line, not two tracebacks, where a flow module fails
+        ) from None  # one line, not two tracebacks, where a flow module fails
     try:
         text = raw.decode("utf-8")
         data = tomllib.loads(text)
@@ -119,21 +111,14 @@ def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, Re
     return profiles_from_mapping(data, source=f"profiles file {str(path)!r}", text=text), default
 
 
-# --------------------------------------------------------------------- in force
 def resolve_profiles(
     profiles: Iterable[ResourceProfile] = (),
     default: str | None = None,
     path: str | Path | None = None,
     origin: str = "",
 ) -> tuple[dict[str, ResourceProfile], str]:
-    """The profiles in force and the default profile's name: ``profiles`` (from code), overridden by
-    same-named ones of the TOML file at ``path``. The default is ``default``, else the file's, else
-    :data:`DEFAULT_PROFILE` (added as a plain CPU profile when undefined).
-
-    Raises:
-        UnknownProfileError: the default, or a profile's ``on_oom``, names no profile.
-        ProfileError: the file is bad, or the default profile asks for GPUs.
-    """
+    """The profiles in force (``profiles`` overridden by the file at ``path``) and the default's name:
+    ``default``, else the file's, else :data:`DEFAULT_PROFILE`."""
     in_force = {p.name: p for p in profiles}
     file_default = None
     if path is not None:
@@ -171,10 +156,8 @@ def profile_sources(
     runner_idle_timeout: float | None,
     settings: GpuTasksSettings,
 ) -> tuple[list[str], list[str]]:
-    """Where the profiles in force got their values, as run log lines ``(info, warnings)``, by the
-    rule of docs/profiles.md ("Where a profile's values come from"); a setting that changes no
-    profile is a warning.
-    """
+    """Where the profiles in force got their values, as run log lines ``(info, warnings)``; a setting
+    that changes no profile is a warning."""
     info: list[str] = []
     warnings: list[str] = []
     code_names = {p.name for p in code}

@@ -1,7 +1,4 @@
-"""What a resource profile is: its fields, its three kinds and their rules, checked when it is built.
-
-A profile is data (:func:`gpu_tasks.policy.worker_spec` turns it into worker specs).
-"""
+"""What a resource profile is: its fields, its three kinds and their rules, checked when it is built."""
 
 from __future__ import annotations
 
@@ -30,7 +27,7 @@ def is_valid_name(name: str) -> bool:
     return bool(_NAME_RE.match(name))
 
 
-# a Dask scheduler address: [tcp|tls|ucx|ucxx|ws|wss://]host:port (host may be [IPv6])
+# [tcp|tls|ucx|ucxx|ws|wss://]host:port (host may be [IPv6])
 _ADDRESS_RE = re.compile(
     r"^(?:(tcp|tls|ucx|ucxx|ws|wss)://)?(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})\Z"
 )
@@ -77,11 +74,8 @@ class CudaOptions(BaseModel):
 
 
 class TlsOptions(BaseModel):
-    """Certificates for a ``tls://`` scheduler address (Dask's ``Security``).
-
-    Unset fields fall back to ``GPU_TASKS_TLS_CA_FILE``, ``GPU_TASKS_TLS_CERT`` and
-    ``GPU_TASKS_TLS_KEY``, then to Dask's own ``distributed.comm.tls`` configuration.
-    """
+    """Certificates for a ``tls://`` scheduler address (Dask's ``Security``); unset fields fall back to
+    ``GPU_TASKS_TLS_*``, then to Dask's ``distributed.comm.tls`` configuration."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -101,8 +95,8 @@ _KIND_WORDS = {
     "address": "address profile (an existing Dask scheduler)",
     "cluster_class": "cluster_class profile (workers a cluster manager starts)",
 }
-# The fields only some kinds take (the others apply to all three): those kinds, what the field does,
-# and the fix. A field at its default counts as not given, so ``ResourceProfile(**p.model_dump())`` works.
+# The fields only some kinds take: those kinds, what the field does, and the fix. A field at its
+# default counts as not given, so ``ResourceProfile(**p.model_dump())`` works.
 KIND_FIELDS: dict[str, tuple[frozenset[str], str, str]] = {
     "cpus": (_LOCAL, "it sizes the CPU workers the runner starts here", "remove cpus"),
     "memory": (
@@ -183,10 +177,10 @@ KIND_FIELDS: dict[str, tuple[frozenset[str], str, str]] = {
 
 
 class ResourceProfile(BaseModel):
-    """What each task of a stage needs, and where and how its workers run.
+    """What each task of a stage needs, and where and how its workers run (docs/profiles.md).
 
-    Its ``kind`` follows from ``address`` or ``cluster_class`` where left out, else ``"local"``; each
-    kind takes only its own fields (:data:`KIND_FIELDS`). Fields: docs/profiles.md.
+    ``kind`` follows from ``address`` or ``cluster_class`` where left out; each kind takes only its own
+    fields (:data:`KIND_FIELDS`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -488,7 +482,6 @@ class ResourceProfile(BaseModel):
                     f"{field} applies to {takes} profiles, not to this {_KIND_WORDS[self.kind]}: {why}; {fix}"
                 )
 
-    # ----------------------------------------------------------------- derived
     @property
     def gpu_memory(self) -> int | None:
         """Deprecated: :attr:`gpu_memory_total` (a device's size) or :attr:`gpu_memory_free`."""
@@ -517,11 +510,8 @@ class ResourceProfile(BaseModel):
 
     @property
     def share(self) -> Fraction:
-        """The fraction of one device a task holds (0 for CPU, 1 for whole devices).
-
-        A ``gpu_memory_per_task`` profile's tasks hold 1 here (at most the whole device); how many
-        share it depends on the device's free memory (:func:`gpu_tasks.policy.memory_slots`).
-        """
+        """The fraction of one device a task holds: 0 for CPU, 1 for whole devices and for
+        ``gpu_memory_per_task`` (how many share then depends on free memory)."""
         if self.by_memory or self.gpus >= 1:
             return Fraction(1)
         return Fraction(1, round(1 / self.gpus)) if self.gpus else Fraction(0)
@@ -545,15 +535,14 @@ class ResourceProfile(BaseModel):
 
     @property
     def need_memory_free(self) -> int | None:
-        """Bytes a device must have free when it is leased: ``gpu_memory_free``, or one task's
-        ``gpu_memory_per_task``, the larger (``None``: no need to check)."""
+        """Bytes a device must have free when leased: the larger of ``gpu_memory_free`` and
+        ``gpu_memory_per_task`` (``None``: no need to check)."""
         needs = [n for n in (self.gpu_memory_free, self.gpu_memory_per_task) if n is not None]
         return max(needs) if needs else None
 
 
 def _old_gpu_memory(data: dict[str, Any]) -> dict[str, Any]:
-    """The new spelling of ``gpu_memory`` (popped from ``data``), with a warning that gives it:
-    ``gpu_memory_total`` and, for ``local`` profiles (which also checked free memory), ``gpu_memory_free``."""
+    """The new spelling of ``gpu_memory`` (popped from ``data``), with a warning that gives it."""
     old = data.pop("gpu_memory")
     given = [f for f in ("gpu_memory_total", "gpu_memory_free") if data.get(f) is not None]
     if given:
@@ -582,7 +571,7 @@ def _old_gpu_memory(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _caller_level() -> int:
-    """The ``stacklevel`` of the first frame outside gpu_tasks and pydantic: the user's line."""
+    """The ``stacklevel`` of the user's line: the first frame outside gpu_tasks and pydantic."""
     frame, level = sys._getframe(1), 1
     while frame.f_back is not None and (
         frame.f_globals.get("__name__", "").split(".")[0] in {"gpu_tasks", "pydantic", "pydantic_core"}

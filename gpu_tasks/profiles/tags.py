@@ -11,8 +11,7 @@ from gpu_tasks.profiles.model import _NAME_RE, TAG_PREFIX
 
 
 def profile_tag(name: str) -> str:
-    """The tag that sends a task to profile ``name``: ``profile_tag("gpu") == "profile:gpu"``
-    (``profile`` is the same function under its first name)."""
+    """The tag that sends a task to profile ``name``: ``profile_tag("gpu") == "profile:gpu"``."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
         raise ProfileError(f"profile name {name!r} is not valid: use letters, digits, '_', '.', '-'")
     return f"{TAG_PREFIX}{name}"
@@ -22,11 +21,7 @@ profile = profile_tag  # its first name, kept: tags=[profile("gpu")] works as be
 
 
 def profile_from_tags(tags: Iterable[str]) -> str | None:
-    """The profile named by ``profile:<name>`` tags, or ``None``.
-
-    Raises:
-        ProfileError: when the tags name two different profiles.
-    """
+    """The profile named by ``profile:<name>`` tags, or ``None``; ``ProfileError`` when they name two."""
     names = _profile_names(tags)
     if len(names) > 1:
         raise ProfileError(
@@ -51,13 +46,8 @@ def use_profile(name: str) -> Iterator[None]:
 
 
 def requested_profile(task: Any) -> str | None:
-    """The profile a task asks for, wherever it is submitted: its own ``profile:<name>`` tag, else the
-    one the ``use_profile`` / ``prefect.tags`` blocks around the submit name (in a worker, its
-    parent's), else ``None`` (the runner's default).
-
-    Raises:
-        ProfileError: the task's own tags, or the blocks around it, name two different profiles.
-    """
+    """The profile a task asks for: its own ``profile:<name>`` tag, else the one the ``use_profile`` /
+    ``prefect.tags`` blocks around the submit name, else ``None`` (the runner's default)."""
     from prefect.context import TagsContext
 
     own = profile_from_tags(task.tags)
