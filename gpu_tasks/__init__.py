@@ -1,9 +1,5 @@
-"""gpu-tasks: GPU-aware stages for Prefect.
-
-Tasks carry resource profiles (``profile:<name>`` tags); :class:`ProfileTaskRunner`
-provisions one Dask cluster per profile when its first task arrives and closes it
-when idle. Importing this package never needs a GPU or the RAPIDS libraries.
-"""
+"""gpu-tasks: GPU-aware stages for Prefect. :class:`ProfileTaskRunner` provisions one Dask cluster per
+resource profile when its first task arrives and closes it when idle; importing never needs a GPU."""
 
 import sys
 import warnings

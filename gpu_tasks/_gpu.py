@@ -35,11 +35,7 @@ def _try_import(name: str) -> ModuleType | str:
 
 
 def load(name: str) -> ModuleType:
-    """Import a GPU library (``cudf``, ``dask_cuda``, ``dask_cudf``, ``rmm``, ``pynvml``).
-
-    Raises:
-        GpuLibraryUnavailable: with the reason the import failed.
-    """
+    """Import a GPU library (``cudf``, ``rmm``, ``pynvml``...), or raise GpuLibraryUnavailable."""
     outcome = _try_import(name)
     if isinstance(outcome, str):
         raise GpuLibraryUnavailable(name, outcome)
@@ -58,12 +54,7 @@ def why_unavailable(name: str) -> str | None:
 
 
 def nvml_init() -> Any:
-    """``pynvml``, initialized (:func:`nvml_shutdown` after use).
-
-    Raises:
-        GpuLibraryUnavailable: pynvml does not import.
-        Exception: whatever ``nvmlInit`` raises (NVMLError_LibraryNotFound, DriverNotLoaded, ...).
-    """
+    """``pynvml``, initialized (:func:`nvml_shutdown` after use); raises what ``nvmlInit`` raises."""
     lib = load("pynvml")
     lib.nvmlInit()
     return lib

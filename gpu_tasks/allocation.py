@@ -12,15 +12,11 @@ from pydantic import BaseModel, ConfigDict
 WORKER_ENV_PROFILE = "_GPU_TASKS_WORKER_PROFILE"
 WORKER_ENV_EMULATED = "_GPU_TASKS_WORKER_EMULATED"
 WORKER_ENV_DEVICES = "_GPU_TASKS_WORKER_DEVICES"
-# a gpu_memory_per_task profile's worker: each task's share, and the cap of the worker's allocators
-# (slots x share), in bytes (gpu_tasks.worker.memory_caps applies it)
+# a gpu_memory_per_task profile's worker: each task's share, and its allocators' cap (slots x share)
 WORKER_ENV_MEMORY_PER_TASK = "_GPU_TASKS_WORKER_GPU_MEMORY_PER_TASK"
 WORKER_ENV_MEMORY_LIMIT = "_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"
-
-
 EMULATED_TAG = "gpu-tasks:emulated"
-# In a worker's environment: when (epoch seconds) the flow process found, before its devices were
-# leased, that no concurrency limit exists on any placement tag (``gpu:*``, ``gpu-tasks:emulated``)
+# when (epoch seconds) the flow process found, before the lease, no concurrency limit on a placement tag
 PLACEMENT_FREE_ENV = "_GPU_TASKS_PLACEMENT_TAGS_FREE_AT"
 
 
@@ -34,11 +30,9 @@ class Allocation(BaseModel):
         worker: Address of the Dask worker running the task.
         emulated: Whether the devices are emulated (no real GPU: the task computes on the CPU).
         device_names: Names of the devices, in the order of ``devices``.
-        host: The worker's host, for a worker of an ``address`` or ``cluster_class``
-            profile (``None`` on this host's own workers).
+        host: The worker's host for an ``address`` or ``cluster_class`` profile (else ``None``).
         memory_per_task: Device memory the task asked for (``gpu_memory_per_task``, bytes).
-        memory_limit: The cap of the worker's allocators: its tasks' shares together (bytes);
-            ``None`` when nothing is capped (not a ``gpu_memory_per_task`` profile).
+        memory_limit: The cap of the worker's allocators in bytes (``None``: uncapped).
     """
 
     model_config = ConfigDict(frozen=True)
@@ -76,8 +70,7 @@ class Allocation(BaseModel):
         return f"{text} (emulated)" if self.emulated else text
 
     def placement_tags(self) -> set[str]:
-        """Task-run tags naming the devices: ``gpu:<id>`` each (``gpu:<host>:<id>`` on another
-        host's worker), plus ``gpu-tasks:emulated``."""
+        """Task-run tags naming the devices (``gpu:<id>`` or ``gpu:<host>:<id>``), plus the emulated tag."""
         tags = {f"gpu:{d}" for d in self.device_keys}
         if tags and self.emulated:
             tags.add(EMULATED_TAG)
@@ -92,8 +85,7 @@ _CURRENT: contextvars.ContextVar[Allocation | None] = contextvars.ContextVar(
 def current_allocation() -> Allocation:
     """The allocation of the task running in this thread.
 
-    Outside a task run by :class:`~gpu_tasks.ProfileTaskRunner` this returns an
-    allocation with ``profile=None`` and no devices (never an exception).
+    Outside a ProfileTaskRunner task: ``profile=None`` and no devices (never an exception).
     """
     return _CURRENT.get() or Allocation()
 
@@ -111,39 +103,29 @@ def allocated(alloc: Allocation) -> Iterator[Allocation]:
 def worker_allocation(
     profile: str, fraction: float, worker: str | None, host: str | None = None, own: int | None = None
 ) -> Allocation:
-    """Build the allocation of a task on a worker process from its environment.
-
-    Args:
-        host: set for a worker the runner did not start (an ``address`` or
-            ``cluster_class`` profile's): its devices, names and emulation come from
-            :func:`gpu_tasks.devices.discovery.worker_devices`, not from variables the runner set.
-        own: how many of its visible devices such a worker owns (its ``GPU`` resource).
-    """
+    """The allocation of a task on a worker process, from its environment; ``host``: a worker the runner
+    did not start, whose ``own`` devices are discovered instead."""
+    per_task: str | None = None
+    limit: str | None = None
     if host is not None:
         from gpu_tasks.devices.discovery import worker_devices
 
         ids, device_names, emulated = worker_devices(own) if fraction > 0 else ((), (), False)
-        return Allocation(
-            profile=profile,
-            devices=ids,
-            fraction=fraction,
-            worker=worker,
-            emulated=emulated,
-            device_names=device_names,
-            host=host,
-        )
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-    names = os.environ.get(WORKER_ENV_DEVICES, "")
-    per_task, limit = os.environ.get(WORKER_ENV_MEMORY_PER_TASK), os.environ.get(WORKER_ENV_MEMORY_LIMIT)
-    if per_task and limit and fraction > 0:  # the device's share its tasks hold together
-        fraction = min(1.0, int(per_task) / max(1, int(limit)))
+    else:
+        ids = tuple(d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d)
+        device_names = tuple(n for n in os.environ.get(WORKER_ENV_DEVICES, "").split("|") if n)
+        emulated = os.environ.get(WORKER_ENV_EMULATED) == "1"
+        per_task, limit = os.environ.get(WORKER_ENV_MEMORY_PER_TASK), os.environ.get(WORKER_ENV_MEMORY_LIMIT)
+        if per_task and limit and fraction > 0:  # the device's share its tasks hold together
+            fraction = min(1.0, int(per_task) / max(1, int(limit)))
     return Allocation(
         profile=profile,
-        devices=tuple(d for d in visible.split(",") if d),
+        devices=ids,
         fraction=fraction,
         worker=worker,
-        emulated=os.environ.get(WORKER_ENV_EMULATED) == "1",
-        device_names=tuple(n for n in names.split("|") if n),
+        emulated=emulated,
+        device_names=device_names,
+        host=host,
         memory_per_task=int(per_task) if per_task else None,
         memory_limit=int(limit) if limit else None,
     )

@@ -1,7 +1,5 @@
 """Borrowing and reclaim between teams' quotas: one pure policy (no clock, no I/O) for the host's
-leases (:mod:`gpu_tasks.devices.lending`) and a shared scheduler (:mod:`gpu_tasks.cluster.board`).
-See docs/leases.md, "Borrowing, reclaim and their limits".
-"""
+leases (gpu_tasks.devices.lending) and a shared scheduler (gpu_tasks.cluster.board)."""
 
 from __future__ import annotations
 
@@ -13,11 +11,7 @@ from gpu_tasks.policy import Holding, VictimChoice, choose_victims
 
 @dataclass(frozen=True)
 class Team:
-    """One team's quota as the policy sees it at one moment.
-
-    ``used``: devices it holds within its quota; ``borrowed``: devices it holds beyond it.
-    ``lending_limit``: the most of its unused quota others may borrow (``None``: all of it).
-    """
+    """One team's quota at one moment: devices ``used`` within it, ``borrowed`` beyond it."""
 
     quota: int
     used: int = 0
@@ -32,16 +26,14 @@ class Team:
 
     @property
     def lendable(self) -> int:
-        """Devices of its unused quota other teams may borrow now."""
-        limit = self.room if self.lending_limit is None else max(0, self.lending_limit)
-        return min(self.room, limit)
+        """Devices of its unused quota other teams may borrow now (``lending_limit`` ``None``: all)."""
+        return self.room if self.lending_limit is None else min(self.room, max(0, self.lending_limit))
 
 
 @dataclass(frozen=True)
 class Ask:
-    """A request for devices, or a waiter: its team (``None``: no quota), how many devices it takes
-    at once, whether its profile is preemptible. ``held``: it holds its quota slots already (a task
-    queued on a shared scheduler within its quota): entitled whatever room its team has left."""
+    """A request for devices, or a waiter (``team`` ``None``: no quota). ``held``: it holds its quota
+    slots already (queued on a shared scheduler), so it is entitled whatever room its team has left."""
 
     team: str | None
     devices: int = 1
@@ -51,8 +43,7 @@ class Ask:
 
 @dataclass(frozen=True)
 class Claim:
-    """A device's holder as reclaim judges it: its team, whether the device is borrowed, and its run
-    (``holding.since`` and ``min_run_time`` protect it, ``lost_work`` orders victims)."""
+    """A device's holder as reclaim judges it: its team, whether the device is borrowed, and its run."""
 
     team: str | None
     borrowed: bool
@@ -87,7 +78,7 @@ Groups = Sequence[Sequence[tuple[str, "Claim | None"]]]
 
 
 def entitled(ask: Ask, teams: Mapping[str, Team]) -> bool:
-    """Whether ``ask``'s team has room in its quota for all of it, or holds it already (it may reclaim)."""
+    """Whether ``ask``'s team has room in its quota for all of it, or holds it already."""
     team = teams.get(ask.team) if ask.team is not None else None
     return team is not None and (ask.held or team.room >= ask.devices)
 
@@ -98,8 +89,8 @@ def lending_pool(teams: Mapping[str, Team], borrower: str | None) -> int:
 
 
 def why_not_borrow(ask: Ask, teams: Mapping[str, Team], waiters: Iterable[Ask] = ()) -> str | None:
-    """Why ``ask`` (its quota full) may not borrow its devices now; ``None``: it may. ``waiters``: the
-    others that want the same devices (an entitled one of another team keeps them)."""
+    """Why ``ask`` (its quota full) may not borrow now, or ``None``; an entitled waiter of another team
+    keeps the devices."""
     if ask.team is None or ask.team not in teams:
         return "it has no quota to borrow beyond"
     team = teams[ask.team]
@@ -124,9 +115,8 @@ def why_not_borrow(ask: Ask, teams: Mapping[str, Team], waiters: Iterable[Ask] =
 
 
 def yields_to(first: Ask, me: Ask, teams: Mapping[str, Team]) -> bool:
-    """Whether a waiter ``first`` that ranks before ``me`` lets ``me`` have the devices both want:
-    ``first`` is beyond its team's quota and ``me`` is entitled, of another team (else the two would
-    wait for each other: the entitled waiter is what keeps ``first`` from borrowing)."""
+    """Whether ``first``, ranked before ``me``, lets ``me`` have the devices: ``first`` is beyond its
+    quota and ``me`` entitled, of another team (else each waits for the other)."""
     return (
         first.team is not None
         and first.team != me.team
@@ -135,19 +125,9 @@ def yields_to(first: Ask, me: Ask, teams: Mapping[str, Team]) -> bool:
     )
 
 
-def quota_room(ask: Ask, teams: Mapping[str, Team], waiters: Iterable[Ask] = ()) -> Grant | Wait:
-    """Whether ``ask`` takes its devices within its quota (``Grant(borrowed=False)``), borrows them
-    (``Grant(borrowed=True)``) or waits (no devices judged here: ``groups`` is empty)."""
-    if ask.team is None or entitled(ask, teams):
-        return Grant(())
-    why = why_not_borrow(ask, teams, waiters)
-    return Wait(why) if why is not None else Grant((), borrowed=True)
-
-
 def reclaim_victims(team: str | None, groups: Groups, need: int, now: float) -> VictimChoice:
     """The borrowed devices of other teams an entitled waiter of ``team`` takes back to start ``need``
-    of its ``groups`` (``(address, claim)``; ``None``: free), as :func:`gpu_tasks.policy.choose_victims`
-    judges holders that are borrowers of another team."""
+    of its ``groups``, as :func:`gpu_tasks.policy.choose_victims` judges them."""
 
     def judged(claim: Claim | None) -> Holding | None:
         if claim is None:
@@ -167,17 +147,17 @@ def admit(
     waiters: Iterable[Ask] = (),
     now: float = 0.0,
 ) -> Decision:
-    """What ``ask`` gets now on ``groups`` (its device groups with their holders), ``need`` of them
-    at once: free groups within its quota or borrowed (:func:`quota_room`), or, entitled, the
-    borrowed devices of other teams to take back first (:func:`reclaim_victims`), or a wait."""
-    room = quota_room(ask, teams, waiters)
-    if isinstance(room, Wait):
-        return room
+    """What ``ask`` gets now on ``groups``, ``need`` of them at once: free groups within its quota or
+    borrowed, or, entitled, the borrowed devices of other teams to take back first, or a wait."""
+    borrowed = ask.team is not None and not entitled(ask, teams)
+    why = why_not_borrow(ask, teams, waiters) if borrowed else None
+    if why is not None:
+        return Wait(why)
     need = max(1, need)
     free = [i for i, g in enumerate(groups) if all(c is None for _, c in g)]
     if len(free) >= need:
-        return Grant(tuple(free[:need]), borrowed=room.borrowed)
-    if not room.borrowed and ask.team is not None:
+        return Grant(tuple(free[:need]), borrowed=borrowed)
+    if not borrowed and ask.team is not None:
         choice = reclaim_victims(ask.team, groups, need, now)
         if choice.devices:
             return Reclaim(choice.devices)

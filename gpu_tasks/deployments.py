@@ -1,9 +1,6 @@
 """A deployment's description and tags from its flow's profiles, since the Prefect UI's Deployments
-page shows those and not the task runner: ``flow.serve(..., **deployment_info(flow).kwargs())``.
-
-Tags are ``gpu-profile:<name>``, ``gpu-model:<model>``, ``gpus:<n>``, never ``profile:<name>``: a flow
-run carries its deployment's tags, and ``profile:`` tags route tasks.
-"""
+page shows those and not the task runner. Never ``profile:<name>`` tags: a flow run carries its
+deployment's tags, and ``profile:`` tags route tasks."""
 
 from __future__ import annotations
 
@@ -14,8 +11,6 @@ from typing import Any
 from gpu_tasks.errors import ProfileError
 from gpu_tasks.profiles import ResourceProfile
 from gpu_tasks.reporting.events import plural
-
-GPU_TASKS_TAG = "gpu-tasks"
 
 
 @dataclass(frozen=True)
@@ -37,7 +32,7 @@ def _gib(n: int) -> str:
 
 
 def describe_profile(prof: ResourceProfile) -> str:
-    """``gpu-train: 2 GPUs per task as a gang, H100, >= 40 GiB, up to 1 worker, else cpu`` style."""
+    """``gpu-train: 2 GPUs per task as a gang, H100, >= 40 GiB, up to 1 worker`` style."""
     if not prof.is_gpu:
         return f"{prof.name}: CPU ({prof.cpus:g} cores per task)"
     if prof.gpu_memory_per_task:
@@ -64,8 +59,7 @@ def describe_profile(prof: ResourceProfile) -> str:
 
 
 def most_gpus(profiles: dict[str, ResourceProfile]) -> int | None:
-    """Devices the flow may hold at once at most (every GPU profile at its cap), or ``None``
-    when a local GPU profile has no ``max_workers`` (then: as many as the host has)."""
+    """Devices the flow may hold at once at most, or ``None`` when a GPU profile has no ``max_workers``."""
     total = 0
     for prof in profiles.values():
         if not prof.is_gpu:
@@ -82,15 +76,12 @@ def deployment_info(
     """Description and tags for a deployment of ``flow`` (a Prefect flow on a ProfileTaskRunner).
 
     Args:
-        flow: The flow object.
-        profiles_file: The ``GPU_TASKS_PROFILES_FILE`` the deployment's runs will use (its
-            ``job_variables.env``); default: this process's setting.
-        summary: The description's first sentence; default: the flow's description or the
-            first line of its docstring.
+        profiles_file: The ``GPU_TASKS_PROFILES_FILE`` the deployment's runs will use; default: this
+            process's setting.
+        summary: The description's first sentence; default: the first line of the flow's description.
 
     Raises:
-        ProfileError: the flow's task runner is not a ProfileTaskRunner, or its profiles do not
-            resolve (the message names the file and the profile).
+        ProfileError: the task runner is not a ProfileTaskRunner, or its profiles do not resolve.
     """
     from gpu_tasks.runner import ProfileTaskRunner
 
@@ -121,7 +112,7 @@ def deployment_info(
     text.append(
         "CPU profiles: " + ", ".join(p.name + (" (default)" if p.name == default else "") for p in cpu) + "."
     )
-    tags = [GPU_TASKS_TAG, *(f"gpu-profile:{p.name}" for p in gpu)]
+    tags = ["gpu-tasks", *(f"gpu-profile:{p.name}" for p in gpu)]
     tags += sorted({f"gpu-model:{p.gpu_model}" for p in gpu if p.gpu_model})
     if gpu:
         tags.append(f"gpus:{gpus}" if gpus is not None else "gpus:any")

@@ -1,8 +1,5 @@
-"""Exceptions raised by gpu-tasks.
-
-Every error names the thing at fault (profile, field, file, device) and the fix.
-Foreign errors are translated with ``raise ... from exc`` so the cause is kept.
-"""
+"""Exceptions raised by gpu-tasks: each names the thing at fault and the fix; foreign errors are
+translated with ``raise ... from exc`` so the cause is kept."""
 
 from __future__ import annotations
 
@@ -41,20 +38,15 @@ class ClusterError(GpuTasksError, RuntimeError):
 
 
 class GpuOutOfMemoryError(GpuTasksError, RuntimeError):
-    """A task ran out of (device) memory; the message names its profile and devices.
-
-    Not a ``MemoryError`` subclass: distributed's traceback pickling (tblib) cannot
-    rebuild one in the flow process when gpu-tasks was imported before distributed.
-    """
+    """A task ran out of (device) memory. Not a ``MemoryError``: tblib cannot rebuild one in the flow
+    process when gpu-tasks was imported before distributed."""
 
 
 class TaskPreempted(BaseException):
-    """Raised in a running task's thread on a shared cluster's worker to preempt it
-    (gpu_tasks.cluster.board); a ``BaseException`` so that neither the task's own
-    ``except Exception`` nor Prefect's retries take it for the task's failure."""
+    """Raised in a task's thread on a shared cluster's worker to preempt it; a ``BaseException`` so
+    neither the task's ``except Exception`` nor Prefect's retries take it for the task's failure."""
 
 
 class EnvironmentProblem(GpuTasksError, RuntimeError):
     """The environment Prefect runs in is broken (``PREFECT_HOME``, its database, a full disk,
-    ``PREFECT_API_URL``): one line naming the cause, the path or URL, and the fix
-    (:mod:`gpu_tasks.prefect_api.environment`)."""
+    ``PREFECT_API_URL``): one line naming the cause, the path or URL, and the fix."""

@@ -1,8 +1,5 @@
-"""Pure scheduling decisions: which devices, how many workers, when to close.
-
-No I/O, no clusters: :mod:`gpu_tasks.cluster.local` and :mod:`gpu_tasks.runner.task_runner` act on
-what these functions decide, and tests exercise them without starting anything.
-"""
+"""Pure scheduling decisions (which devices, how many workers, when to close): no I/O, no clock;
+gpu_tasks.cluster.local and gpu_tasks.runner act on them."""
 
 from __future__ import annotations
 
@@ -30,8 +27,8 @@ GPU_MEMORY_RESOURCE = "GPU_MEMORY"
 
 
 def matching_devices(profile: ResourceProfile, inventory: Inventory) -> list[Device]:
-    """Devices whose name contains ``gpu_model`` and whose total memory is at least ``gpu_memory_total``
-    and ``gpu_memory_free`` (a device smaller than the free memory a lease needs never has it)."""
+    """Devices matching ``gpu_model`` with total memory >= ``gpu_memory_total`` and ``gpu_memory_free``
+    (a device smaller than the free memory a lease needs never has it)."""
     out = []
     for dev in inventory.devices:
         if profile.gpu_model and profile.gpu_model.lower() not in dev.name.lower():
@@ -41,7 +38,7 @@ def matching_devices(profile: ResourceProfile, inventory: Inventory) -> list[Dev
             continue
         per_task = profile.gpu_memory_per_task
         if per_task and dev.memory_total is not None and dev.memory_total < per_task:
-            continue  # not even one task fits (a device of unknown memory is given the benefit)
+            continue  # not even one task fits (unknown memory is given the benefit)
         out.append(dev)
     return out
 
@@ -90,8 +87,7 @@ def _describe_request(profile: ResourceProfile) -> str:
 
 
 def device_groups(profile: ResourceProfile, devices: list[Device]) -> list[tuple[Device, ...]]:
-    """Split devices into per-worker groups (n devices for n-GPU tasks), every one eligible:
-    ``max_workers`` caps how many are held at once, so a capped profile takes whichever is free."""
+    """Per-worker groups of n devices, all eligible: ``max_workers`` caps how many are held at once."""
     per = profile.devices_per_worker
     if per == 0:
         return []
@@ -99,17 +95,17 @@ def device_groups(profile: ResourceProfile, devices: list[Device]) -> list[tuple
 
 
 # ------------------------------------------------------------------ wiring: which devices a group takes
-_SEARCH_SETS = 400  # candidate sets looked at per level: an 8-GPU host has at most 70 of any size
-_SEARCH_STEPS = 20_000  # search steps per level before taking what was found
+_SEARCH_SETS = 400  # candidate sets per level: an 8-GPU host has at most 70 of any size
+_SEARCH_STEPS = 20_000
 
 
 def level_index(level: str | None) -> int:
-    """The index in :data:`~gpu_tasks.devices.topology.LEVELS` of ``level`` (``None``: "any")."""
+    """The index in LEVELS of ``level`` (``None``: "any")."""
     return LEVELS.index(level) if level is not None else len(LEVELS) - 1
 
 
 def pair_class(topology: Topology, a: str, b: str) -> int:
-    """The best level (index in LEVELS) devices ``a`` and ``b`` meet: their path, or their NUMA node."""
+    """The best level (index in LEVELS) ``a`` and ``b`` meet: their path, or their NUMA node."""
     na, nb = topology.numa_of(a), topology.numa_of(b)
     return level_class(topology.link(a, b), same_numa=na is not None and na == nb)
 
@@ -120,14 +116,11 @@ def set_level(topology: Topology, addresses: Sequence[str]) -> int:
 
 
 def gang_wiring(topology: Topology, chosen: Sequence[str], candidates: Sequence[Device]) -> tuple[str, str]:
-    """``(worst link, better set)`` of a gang that runs on ``chosen``: the worst path between any two
-    of its devices (``SYS``), and the best-connected set of that size among ``candidates`` (its
-    matching devices, busy or free) when that set meets a better level (``0,1,2,3 (socket)``), else
-    ``""``. ``("", "")`` for fewer than two devices or unknown wiring."""
+    """``(worst link, better set)`` of a gang on ``chosen``: its worst path, and the best-connected set
+    among ``candidates`` (busy or free) if it meets a better level, else ``""``."""
     if len(chosen) < 2 or not topology.known:
         return "", ""
-    pairs = itertools.combinations(chosen, 2)
-    worst = max((topology.link(a, b) for a, b in pairs), key=level_rank)
+    worst = max((topology.link(a, b) for a, b in itertools.combinations(chosen, 2)), key=level_rank)
     best = best_connected(topology, candidates, len(chosen))
     if best is None:
         return worst, ""
@@ -140,11 +133,9 @@ def gang_wiring(topology: Topology, chosen: Sequence[str], candidates: Sequence[
 def best_connected(
     topology: Topology, free: Sequence[Device], n: int, at_most: int | None = None
 ) -> tuple[Device, ...] | None:
-    """The best-connected ``n`` of ``free``, or ``None`` when there are fewer, or none whose every pair
-    meets level ``at_most`` (an index in LEVELS).
+    """The best-connected ``n`` of ``free`` whose every pair meets level ``at_most``, or ``None``.
 
-    Best: the best level every pair meets, then the worst path (:func:`topology.level_rank`), then the
-    fewest good links cut from the free devices left (NVLink pairs stay whole), then order.
+    Best: level, then worst path, then fewest good links cut from those left (NVLink pairs stay whole).
     """
     if n <= 0 or n > len(free):
         return None
@@ -177,7 +168,7 @@ def best_connected(
 
 
 def _cliques(m: int, n: int, joined: Any) -> list[tuple[int, ...]]:
-    """Up to ``_SEARCH_SETS`` sets of ``n`` of ``range(m)`` (in order) whose every pair is ``joined``."""
+    """Up to ``_SEARCH_SETS`` sets of ``n`` of ``range(m)`` whose every pair is ``joined``."""
     found: list[tuple[int, ...]] = []
     steps = 0
 
@@ -201,8 +192,7 @@ def _cliques(m: int, n: int, joined: Any) -> list[tuple[int, ...]]:
 def wired_groups(
     topology: Topology, devices: Sequence[Device], per: int, at_most: int | None = None
 ) -> list[tuple[Device, ...]]:
-    """``devices`` cut into disjoint groups of ``per``, each the best-connected of what is left
-    (:func:`best_connected`), best groups first; with ``at_most``, only groups that meet that level."""
+    """``devices`` cut into disjoint groups of ``per``, each the best-connected of what is left."""
     left = list(devices)
     out: list[tuple[Device, ...]] = []
     while per > 0 and len(left) >= per:
@@ -215,8 +205,7 @@ def wired_groups(
 
 
 def worker_groups(profile: ResourceProfile, inventory: Inventory) -> list[tuple[Device, ...]]:
-    """Every device group ``profile``'s workers may own on ``inventory`` (how many it may hold at once):
-    :func:`device_groups`; with a ``topology`` level, the groups cut by wiring that meet it."""
+    """Every device group ``profile``'s workers may own; with ``topology``, those cut by wiring."""
     devices = matching_devices(profile, inventory)
     if profile.topology is None:
         return device_groups(profile, devices)
@@ -226,18 +215,10 @@ def worker_groups(profile: ResourceProfile, inventory: Inventory) -> list[tuple[
 
 
 def placement_groups(
-    profile: ResourceProfile,
-    topology: Topology,
-    devices: Sequence[Device],
-    free: set[str],
-    n_groups: int,
+    profile: ResourceProfile, topology: Topology, devices: Sequence[Device], free: set[str], n_groups: int
 ) -> list[tuple[Device, ...]]:
-    """The device groups, disjoint and in the order to try, for ``n_groups`` new workers of ``profile``
-    on its matching ``devices`` (``free``: the addresses free now).
-
-    First the best-connected free sets (a gang: one set for all), then the rest cut by wiring, for the
-    device queue; groups below the ``topology`` level are left out. Unknown wiring: :func:`device_groups`.
-    """
+    """Disjoint device groups in the order to try for ``n_groups`` new workers (``free``: addresses free
+    now): best-connected free sets first (a gang: one set), then the rest, for the device queue."""
     per = profile.devices_per_worker
     required = None if profile.topology is None else level_index(profile.topology)
     if not topology.known or per == 0:
@@ -247,7 +228,7 @@ def placement_groups(
     if profile.gang:
         whole = best_connected(topology, idle, n_groups * per, required)
         if whole is None and required is not None:  # wait for the qualifying set with the most free now
-            ordered = sorted(devices, key=lambda d: d.address not in free)  # stable: free first, then order
+            ordered = sorted(devices, key=lambda d: d.address not in free)
             whole = best_connected(topology, ordered, n_groups * per, required)
         if whole is not None:
             out = wired_groups(topology, whole, per)
@@ -260,8 +241,7 @@ def placement_groups(
 
 
 def topology_reason(profile: ResourceProfile, inventory: Inventory) -> str | None:
-    """Why ``profile``'s ``topology`` level can never be met on ``inventory`` (``None``: it can, or
-    the profile requires none)."""
+    """Why ``profile``'s ``topology`` level can never be met on ``inventory``, or ``None``."""
     if profile.topology is None or not profile.is_gpu:
         return None
     devices = matching_devices(profile, inventory)
@@ -301,9 +281,7 @@ def cpu_count() -> int:
 
 
 def memory_slots(profile: ResourceProfile, device: Device, free: int | None = None) -> int:
-    """How many tasks of a ``gpu_memory_per_task`` profile fit on ``device`` at once: floor(memory /
-    per task) of its ``free`` memory when known, else of its total; at least 1 (unknown memory: 1).
-    """
+    """Tasks of a ``gpu_memory_per_task`` profile that fit on ``device`` (``free`` memory, else total)."""
     per_task = profile.gpu_memory_per_task or 0
     memory = free if free is not None else device.memory_total
     if not per_task or memory is None:
@@ -314,12 +292,8 @@ def memory_slots(profile: ResourceProfile, device: Device, free: int | None = No
 def slots_per_worker(
     profile: ResourceProfile, cores: int | None = None, device: Device | None = None, free: int | None = None
 ) -> int:
-    """How many tasks of ``profile`` one worker runs at once.
-
-    GPU: k for ``gpus=1/k`` (tasks share the device), :func:`memory_slots` for a
-    ``gpu_memory_per_task`` profile on ``device`` (1 when the device is not known yet), else 1.
-    CPU: the worker's cores divided by ``cpus`` per task (at least 1).
-    """
+    """How many tasks of ``profile`` one worker runs at once: k for ``gpus=1/k``, memory slots for a
+    ``gpu_memory_per_task`` profile (1 before its device is known), cores / ``cpus`` on CPU."""
     if profile.by_memory:
         return memory_slots(profile, device, free) if device is not None else 1
     if profile.is_gpu:
@@ -329,16 +303,14 @@ def slots_per_worker(
 
 
 def max_worker_count(profile: ResourceProfile, groups: int) -> int:
-    """The most workers ``profile`` may have at once: its device groups (GPU, capped by
-    max_workers) or max_workers (CPU)."""
+    """The most workers ``profile`` may have at once: device groups capped by max_workers (GPU)."""
     if profile.is_gpu:
         return groups if profile.max_workers is None else min(groups, profile.max_workers)
     return profile.max_workers or 1
 
 
 def bound_at_most(profiles: list[ResourceProfile], inventory: Inventory) -> int:
-    """The most workers ``profiles`` can have at once on ``inventory``: each one's
-    :func:`max_worker_count` (the warm pool keeps no more processes than that)."""
+    """The most workers ``profiles`` can have at once (the warm pool keeps no more processes)."""
     total = 0
     for prof in profiles:
         groups = len(device_groups(prof, matching_devices(prof, inventory))) if prof.is_gpu else 0
@@ -350,10 +322,7 @@ def desired_workers(
     profile: ResourceProfile, outstanding: int, current: int, limit: int, slots: int | None = None
 ) -> int:
     """Workers to have now: enough slots for the outstanding tasks, never fewer than now; a gang: all.
-
-    Fractional profiles fill a device before using the next (``ceil(n / k)``). ``slots``: tasks per
-    worker where the running workers tell (``gpu_memory_per_task``: their devices' free memory).
-    """
+    ``slots``: tasks per worker where running workers tell (``gpu_memory_per_task``)."""
     if limit <= 0:
         return 0
     if profile.gang:
@@ -377,7 +346,7 @@ class IdleView:
 
 
 def close_reason(view: IdleView, now: float) -> str | None:
-    """Why the cluster should close now, or ``None`` to keep it (always, with running or queued work)."""
+    """Why the cluster should close now, or ``None`` to keep it."""
     if not view.running or view.outstanding > 0 or view.idle_since is None:
         return None
     idle_for = now - view.idle_since
@@ -401,8 +370,7 @@ class WorkerSpec:
 
 
 def task_resources(profile: ResourceProfile) -> dict[str, float] | None:
-    """The Dask resources one task of ``profile`` asks for (a ``gpu_memory_per_task`` task: its bytes of
-    ``GPU_MEMORY``). CPU profiles need none: their own cluster's thread count bounds them."""
+    """The Dask resources one task of ``profile`` asks for; CPU: none, its cluster's threads bound it."""
     if profile.by_memory:
         return {GPU_MEMORY_RESOURCE: float(profile.gpu_memory_per_task or 0)}
     if profile.is_gpu:
@@ -419,11 +387,8 @@ def worker_spec(
     extra_env: dict[str, str] | None = None,
     free: int | None = None,
 ) -> WorkerSpec:
-    """Turn a profile and the devices of one worker into that worker's spec.
-
-    ``free``: a ``gpu_memory_per_task`` profile's device's free memory sampled at the lease: its worker
-    runs :func:`memory_slots` tasks, its allocators capped to slots x per task (gpu_tasks.worker.memory_caps).
-    """
+    """The spec of one worker of ``profile`` on ``devices``; ``free``: its device's free memory at the
+    lease (a ``gpu_memory_per_task`` worker's slots and allocator cap come from it)."""
     slots = slots_per_worker(profile, cores, devices[0] if devices else None, free)
     env = dict(extra_env or {})
     env[WORKER_ENV_PROFILE] = profile.name
@@ -452,10 +417,8 @@ def worker_spec(
 
 
 def crash_retry(retries: int, attempts: int, retry_delay_seconds: Any, crashes: int) -> float | None:
-    """A task run whose worker died (the runner's report, or a shared scheduler's re-run): seconds
-    before it runs again, from Prefect's ``retry_delay_seconds`` (a number, or one per retry, the
-    last repeating), or ``None`` when its ``attempts`` (runs so far) used up its ``retries``.
-    ``crashes`` is how many re-runs came before this one (0 for the first)."""
+    """Seconds before a task run whose worker died runs again (``retry_delay_seconds``, the last
+    repeating), or ``None`` when its ``attempts`` used up its ``retries``."""
     if attempts > retries:
         return None
     delay = retry_delay_seconds
@@ -465,8 +428,7 @@ def crash_retry(retries: int, attempts: int, retry_delay_seconds: Any, crashes: 
 
 
 def aged_priority(base: int, aging: float, waited: float) -> int:
-    """``base + floor(waited / aging)``; ``base`` without aging (``aging`` 0) or without a wait. The one
-    aging rule, of the device queue and of a shared scheduler's waiter board."""
+    """``base + floor(waited / aging)``: the one aging rule, of the device queue and the waiter board."""
     if aging <= 0 or not math.isfinite(waited) or waited <= 0:
         return base
     return base + math.floor(waited / aging)
@@ -475,11 +437,7 @@ def aged_priority(base: int, aging: float, waited: float) -> int:
 # ------------------------------------------------------------------ preemption: whose work stops
 @dataclass(frozen=True)
 class Holding:
-    """A device's holder as preemption judges it: may it be stopped, and what would stopping it lose.
-
-    ``since``: when it took the device (wall time; ``None``: unknown, it loses and is protected by
-    nothing). ``min_run_time``: seconds from ``since`` during which its run is protected (0: never).
-    """
+    """A device's holder as preemption judges it (``since`` ``None``: unknown, nothing protects it)."""
 
     preemptible: bool
     priority: int
@@ -487,7 +445,7 @@ class Holding:
     min_run_time: float = 0.0
 
     def protected_until(self) -> float | None:
-        """When its protection ends; ``None``: it has none."""
+        """When its ``min_run_time`` protection ends; ``None``: it has none."""
         if self.since is None or self.min_run_time <= 0:
             return None
         return self.since + self.min_run_time
@@ -499,8 +457,7 @@ class Holding:
 
 @dataclass(frozen=True)
 class VictimChoice:
-    """What a waiter may take back now (:func:`choose_victims`): ``devices`` (empty: none), or, when
-    only ``protected`` devices stand in the way, ``protected_until`` (when enough of them may go)."""
+    """Devices a waiter may take back now, or when only ``protected`` ones stand in the way, until when."""
 
     devices: tuple[str, ...] = ()
     protected_until: float | None = None
@@ -510,12 +467,10 @@ class VictimChoice:
 def choose_victims(
     groups: Sequence[Sequence[tuple[str, Holding | None]]], need: int, priority: int, now: float
 ) -> VictimChoice:
-    """The devices a waiter of ``priority`` takes back to start ``need`` of its device ``groups`` (each
-    ``(address, holder)``; ``None``: free).
+    """The devices a waiter of ``priority`` takes back to start ``need`` of its ``groups``.
 
-    A group may be taken when every holder is preemptible, of lower priority and past its protected
-    run time; the ``need`` that lose the least work, then stop the fewest devices, then come first,
-    are chosen. When only protected holders stand in the way, nothing is taken: it says until when.
+    A group is takeable when every holder is preemptible, of lower priority and past its protected run
+    time; the ``need`` losing least work, then stopping fewest devices, then first, are chosen.
     """
     need = max(1, need)
     takeable: list[tuple[float, int, int, list[str]]] = []
@@ -553,8 +508,7 @@ def choose_victims(
 
 # ------------------------------------------------------------------ fair share: who is served next
 def decayed_usage(usage: float, at: float, now: float, half_life: float) -> float:
-    """``usage`` (device-seconds, as of ``at``) decayed to ``now``: halved every ``half_life``
-    seconds; 0 when fair share is off (``half_life`` 0)."""
+    """``usage`` as of ``at`` halved every ``half_life`` seconds to ``now``; 0 when fair share is off."""
     if half_life <= 0 or usage <= 0:
         return 0.0
     return float(usage * 0.5 ** (max(0.0, now - at) / half_life))
@@ -563,6 +517,5 @@ def decayed_usage(usage: float, at: float, now: float, half_life: float) -> floa
 def waiter_rank(
     priority: int, aging: float, arrived: float, now: float, usage: float = 0.0, name: str = "\uffff"
 ) -> tuple[int, float, float, str]:
-    """Sort key of a device waiter at ``now`` (lower first): higher aged priority, then less decayed
-    usage of its team (fair share; 0 without), then earlier arrival, then ``name``."""
+    """Sort key of a device waiter: higher aged priority, then less team usage, then earlier arrival."""
     return (-aged_priority(priority, aging, now - arrived), usage, arrived, name)

@@ -1,7 +1,5 @@
 """Which devices preemptible work gives back, and to whom: every holder process runs :func:`plan` on
-the waiters it can see and stops its own workers on the planned devices (gpu_tasks.runner.recovery);
-the waiter runs it too, to say whom it waits on. See docs/leases.md, "Preemption".
-"""
+the waiters it sees and stops its own workers there; the waiter runs it too, to say whom it waits on."""
 
 from __future__ import annotations
 
@@ -34,8 +32,7 @@ def may_preempt(waiter: dict[str, Any], holder: dict[str, Any]) -> bool:
 
 
 def holding(holder: dict[str, Any]) -> Holding:
-    """A holder's lease info (``preemptible``, ``priority``, ``since``, ``min_run_time``) as
-    :func:`gpu_tasks.policy.choose_victims` judges it."""
+    """A holder's lease info as :func:`gpu_tasks.policy.choose_victims` judges it."""
     since = holder.get("since")
     return Holding(
         preemptible=bool(holder.get("preemptible")),
@@ -46,9 +43,8 @@ def holding(holder: dict[str, Any]) -> Holding:
 
 
 def choose(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None) -> VictimChoice:
-    """What ``waiter`` may take back at ``now``: :func:`gpu_tasks.policy.choose_victims` on its device
-    groups (:func:`groups_of`; ``need`` of them at once) and their holders (``holder_of(address)``:
-    the holder's info, ``None`` when free)."""
+    """What ``waiter`` may take back at ``now`` from the holders of its device groups (``holder_of``:
+    a device's holder info, ``None`` when free)."""
     groups = groups_of(waiter)
     held = {a: holder_of(a) for group in groups for a in group}  # one read of each device
     if any(_taken_by(waiter, h) for h in held.values()):
@@ -63,28 +59,23 @@ def choose(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None
 
 
 def _taken_by(waiter: dict[str, Any], holder: dict[str, Any] | None) -> bool:
-    """Whether ``holder`` is ``waiter`` itself on a device it took since it began to wait: it leaves the
-    queue only after taking its devices, and must not then have another group's holder stopped."""
-    if (
-        not holder
-        or holder.get("since") is None
-        or holder.get("profile") != waiter.get("profile")
-        or not waiter.get("profile")
-    ):
+    """Whether ``holder`` is ``waiter`` itself on a device taken since it began to wait: it leaves the
+    queue only after that, and must not then have another group's holder stopped."""
+    if not holder or holder.get("since") is None:
+        return False
+    if not waiter.get("profile") or holder.get("profile") != waiter.get("profile"):
         return False
     if waiter.get("local") or holder.get("local"):
         same = bool(waiter.get("local") and holder.get("local"))
     else:  # another process's: its pid and host name say who it is (a holder without them: unknown)
-        same = waiter.get("pid") is not None and (holder.get("pid"), holder.get("hostname")) == (
-            waiter.get("pid"),
-            waiter.get("hostname"),
+        same = waiter.get("pid") is not None and all(
+            holder.get(k) == waiter.get(k) for k in ("pid", "hostname")
         )
     return same and float(holder["since"]) >= float(waiter.get("arrived") or 0.0)
 
 
 def plan(waiter: dict[str, Any], holder_of: HolderOf, now: float | None = None) -> list[str]:
-    """The devices whose holders must give them back so ``waiter`` can start at ``now`` (:func:`choose`);
-    ``[]``: none needed, none would do, or protected work stands in the way."""
+    """The devices whose holders must give them back so ``waiter`` can start at ``now`` (:func:`choose`)."""
     return list(choose(waiter, holder_of, now).devices)
 
 

@@ -1,9 +1,5 @@
-"""Settings, read from ``GPU_TASKS_*`` environment variables (pydantic-settings).
-
-User settings are ``GPU_TASKS_<NAME>``, tuning knobs ``GPU_TASKS_TUNE_<NAME>`` (their old name
-``GPU_TASKS_<NAME>`` still read, with a warning); ``_GPU_TASKS_*`` are the runner's own, never reported.
-Arguments default to ``None``: :func:`resolve` gives the argument, else the setting.
-"""
+"""Settings from ``GPU_TASKS_<NAME>`` (user) and ``GPU_TASKS_TUNE_<NAME>`` (tuning; the old name still
+read, with a warning) environment variables; ``_GPU_TASKS_*`` are the runner's own, never reported."""
 
 from __future__ import annotations
 
@@ -29,14 +25,14 @@ def default_presence_dir() -> Path:
 
 
 def _doc(shown: str | None = None, takes: str | None = None, see: str | None = None) -> dict[str, Any]:
-    """What docs/profiles.md's settings tables show beyond the field: default as written, takes, link."""
+    """What docs/profiles.md's settings tables show beyond the field."""
     return {k: v for k, v in {"shown": shown, "takes": takes, "see": see}.items() if v is not None}
 
 
 def _tune(
     name: str, default: Any, description: str, *, see: str, takes: str | None = None, **rules: Any
 ) -> Any:
-    """A tuning knob: read from ``GPU_TASKS_TUNE_<NAME>``, else from its old name ``GPU_TASKS_<NAME>``."""
+    """A tuning knob: read from ``GPU_TASKS_TUNE_<NAME>``, else from its old name."""
     var = name.upper()
     return Field(
         default,
@@ -301,12 +297,8 @@ class GpuTasksSettings(BaseSettings):
 
 
 def size_bytes(text: str) -> int:
-    """``text`` (``"16GiB"``, ``"500 MB"``, ``"0"``) in bytes, as Dask's ``parse_bytes`` reads it, with
-    a number required (``parse_bytes`` reads ``""`` as 1 byte and ``"GiB"`` as 1 GiB).
-
-    Raises:
-        ValueError: no number in it, or not a size (a 400-digit size overflows to inf).
-    """
+    """``text`` (``"16GiB"``, ``"0"``) in bytes as ``parse_bytes`` reads it, but requiring a number
+    (``parse_bytes`` reads ``""`` as 1 byte and ``"GiB"`` as 1 GiB); ValueError if it is no size."""
     from dask.utils import parse_bytes
 
     if not any(ch.isdigit() for ch in text):
@@ -336,19 +328,17 @@ def old_names() -> dict[str, str]:
     return {PREFIX + f.upper(): variable(f) for f in GpuTasksSettings.model_fields if is_tuning(f)}
 
 
-# ``GPU_TASKS_*`` variables that are no setting (never warned about): the example pipeline's
-# DATA_DIR, scripts/setup's EXTRAS, infra/prefect.yaml's HOME, the benchmarks' COMMIT; and the
-# prefixes of scripts/test, bench/ and test-compat
+# ``GPU_TASKS_*`` variables that are no setting (never warned about): the pipeline's, scripts' and bench's
 NOT_SETTINGS = frozenset({"DATA_DIR", "EXTRAS", "HOME", "COMMIT"})
 SCRIPT_PREFIXES = ("TEST_", "BENCH_", "COMPAT_")
 
-# the settings last read, with the GPU_TASKS_* variables they were read from (get_settings)
+# the settings last read, with the variables they were read from
 _READ: tuple[tuple[tuple[str, str], ...], GpuTasksSettings] | None = None
 
 
 def get_settings() -> GpuTasksSettings:
     """The settings as the environment gives them now, read again only when a ``GPU_TASKS_*``
-    variable changed (a read validates every field; docs/operations.md has its cost).
+    variable changed (a read validates every field).
 
     Raises:
         SettingsError: one line per invalid variable, naming it, its value and what it takes.
@@ -356,8 +346,7 @@ def get_settings() -> GpuTasksSettings:
     global _READ
     from pydantic import ValidationError
 
-    # pydantic-settings matches the prefix in any case; beside those variables only the temporary
-    # directory (the lease and presence directories' defaults) goes into a read
+    # pydantic-settings matches the prefix in any case; the temporary directory gives two defaults
     key = (
         ("", tempfile.gettempdir()),
         *sorted((k, v) for k, v in os.environ.items() if k[: len(PREFIX)].upper() == PREFIX),
@@ -384,8 +373,8 @@ def _field_of(loc: str) -> str | None:
 
 
 def describe_invalid(exc: Any) -> str:
-    """``exc`` (pydantic's ValidationError of :class:`GpuTasksSettings`) as lines naming each variable:
-    the one that was set (an old name too), its value and what the setting takes."""
+    """A ValidationError of :class:`GpuTasksSettings` as one line per variable set (an old name too):
+    its value and what the setting takes."""
     lines = []
     for err in exc.errors():
         loc = "_".join(str(p) for p in err["loc"])
@@ -405,8 +394,8 @@ def describe_invalid(exc: Any) -> str:
 
 
 def variable_warnings(environ: dict[str, str] | None = None) -> list[str]:
-    """One line per ``GPU_TASKS_*`` variable to change: an old name (with its new one), or one that is
-    no setting (a typo would change nothing silently), with the closest setting if one is close."""
+    """One line per ``GPU_TASKS_*`` variable to change: an old name, or one that is no setting (a typo
+    would change nothing silently), with the closest setting."""
     import difflib
 
     env = os.environ if environ is None else environ
