@@ -74,8 +74,7 @@ def load_inventory(settings: GpuTasksSettings) -> Inventory:
 
 
 def preflight(command: str, data_dir: Path | None = None) -> None:
-    """Exit 2 with one line naming the cause and the fix when Prefect's environment is broken
-    (PREFECT_HOME, its database, a full disk, PREFECT_API_URL), before anything starts."""
+    """Exit 2 naming the cause and the fix when Prefect's environment is broken, before anything starts."""
     from gpu_tasks.prefect_api.environment import preflight
 
     try:

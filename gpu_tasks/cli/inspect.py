@@ -1,5 +1,4 @@
-"""``gpu-tasks devices``, ``profiles``, ``deployment-info`` and ``waiters``: what this host has and
-what profiles would get."""
+"""``gpu-tasks devices``, ``profiles``, ``deployment-info``, ``waiters``: this host and its profiles."""
 
 from __future__ import annotations
 
@@ -41,7 +40,6 @@ from gpu_tasks.settings import GpuTasksSettings
 _RUNS_ON = {"local": "this host", "address": "an existing Dask cluster", "cluster_class": "a cluster manager"}
 
 
-# ------------------------------------------------------------------- devices
 @app.command(help="Discover this host's GPUs (emulated, discovery command, or NVML) and list them.")
 def devices(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of a table.")] = False,
@@ -136,27 +134,9 @@ def _wiring(inventory: Inventory) -> None:
     )
 
 
-# ------------------------------------------------------------------ profiles
-def _load_profiles(
-    file: Path | None, settings: GpuTasksSettings
-) -> tuple[dict[str, ResourceProfile], str, Path | None]:
-    """Profiles from ``file`` or GPU_TASKS_PROFILES_FILE, resolved as the runner resolves them,
-    and the default."""
-    path, origin = (
-        (file, "--file") if file is not None else (settings.profiles_file, "GPU_TASKS_PROFILES_FILE")
-    )
-    try:
-        profiles, default = resolve_profiles(path=path, origin=origin)
-    except (ProfileError, UnknownProfileError) as exc:
-        fail(str(exc))
-    return profiles, default, path
-
-
 def _profile_fit(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
-    """Which devices ``prof`` may use on ``inventory``, and why it can never run if so.
-
-    An address or cluster_class profile's workers are elsewhere: checked when its first task runs.
-    """
+    """Which devices ``prof`` may use on ``inventory``, and why it can never run if so (a remote
+    profile's workers are checked when its first task runs)."""
     if not prof.is_local:
         return {
             "can_run": None,
@@ -228,7 +208,13 @@ def profiles(
     as_json: Annotated[bool, typer.Option("--json", help="Print JSON instead of tables.")] = False,
 ) -> None:
     settings = load_settings()
-    loaded, default, path = _load_profiles(file, settings)
+    path, origin = (
+        (file, "--file") if file is not None else (settings.profiles_file, "GPU_TASKS_PROFILES_FILE")
+    )
+    try:
+        loaded, default = resolve_profiles(path=path, origin=origin)
+    except (ProfileError, UnknownProfileError) as exc:
+        fail(str(exc))
     inventory = load_inventory(settings)
     placements = {name: _profile_fit(prof, inventory) for name, prof in loaded.items()}
     if as_json:
@@ -321,8 +307,7 @@ def deployment_info_command(
 
 
 def _probe(address: str, host: str, port: int, timeout: float) -> None:
-    """Exit 2 at once, naming ``address`` and the fix, when nothing listens there (rather than
-    waiting out ``--timeout`` as Dask's connect retries do)."""
+    """Exit 2 at once when nothing listens at ``address``, rather than wait out Dask's connect retries."""
     import socket
 
     try:
@@ -433,7 +418,6 @@ def waiters(
         say(f"No waiters on {address}: no task of an address profile has waited past its aging or grace.")
 
 
-# ------------------------------------------------------------------- helpers
 def size(value: int | None, unset: str = "-") -> str:
     return format_bytes(value) if value else unset
 
@@ -482,8 +466,7 @@ def lease_holders(inventory: Inventory, settings: GpuTasksSettings) -> dict[str,
 
 
 def lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
-    """The profiles queued for this host's devices, first-ranked first, with ``effective_priority``,
-    ``waited_s`` and ``why`` (as the waiter last wrote it, or ``None``); ``[]`` if unreadable."""
+    """The profiles queued for this host's devices, first-ranked first; ``[]`` if unreadable."""
     now = time.time()
     try:
         queued = leases.waiters(settings.lease_dir)

@@ -1,6 +1,5 @@
-"""``gpu-tasks example run`` and ``example serve``: the example ETL -> train pipeline (extra
-``pipeline``), loaded inside the commands so that the plugin never imports it; ``gpu-tasks run`` /
-``serve`` stay as hidden, deprecated aliases."""
+"""``gpu-tasks example run`` and ``example serve``: the example pipeline, loaded inside the commands so
+that the plugin never imports it; ``gpu-tasks run`` / ``serve`` stay as hidden, deprecated aliases."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ def _run_records() -> str:
 
 
 def _interrupted() -> NoReturn:
-    """Ctrl-C during ``example run``: one line on stderr and exit 130 (the cleanup already ran on the
-    way out)."""
+    """Ctrl-C during ``example run``: one line on stderr and exit 130 (the cleanup already ran)."""
     import gc
 
     err_console.print(
@@ -151,7 +149,6 @@ def run(
     as_json: Annotated[bool, typer.Option("--json", help="Print the run summary as JSON on stdout.")] = False,
     emulate: EmulateOption = None,
 ) -> None:
-    """Run the example pipeline's flow and print where the model and metrics went."""
     _pipeline_options(RUN, scale, rounds, limit)
     preflight(RUN, pipeline_data_dir(data_dir))
     _pipeline_devices(RUN, emulate)
@@ -225,7 +222,6 @@ def serve(
         ),
     ] = None,
 ) -> None:
-    """Register the deployment with its schedule and run its flow runs until Ctrl-C."""
     from prefect.deployments.runner import EntrypointType  # type: ignore[attr-defined]  # re-exported
     from prefect.settings import get_current_settings
 
@@ -266,9 +262,8 @@ def serve(
     prefect_serve(deployment, **limits)  # type: ignore[arg-type]  # to_deployment is sync here, outside an event loop
 
 
-# ------------------------------------------------ the old spellings, kept for scripts and deployments
 def _deprecated_alias(command: Callable[..., None], name: str) -> None:
-    """Register ``gpu-tasks NAME`` (hidden) as ``gpu-tasks example NAME``, with one warning line."""
+    """Register ``gpu-tasks NAME`` (hidden, kept for old scripts) as ``gpu-tasks example NAME``."""
 
     @functools.wraps(command)
     def alias(*args: Any, **kwargs: Any) -> None:

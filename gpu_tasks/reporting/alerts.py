@@ -1,8 +1,5 @@
-"""Which alerts a flow run raises, from its resource ledger (pure: no I/O, no Prefect).
-
-Prefect automations match labels with globs, never numbers: the thresholds are compared here and the
-summary event carries the outcome as label ``gpu-tasks.alert`` (``infra/automations/gpu-waste.yaml``).
-"""
+"""Which alerts a flow run raises, from its resource ledger (pure). Prefect automations match labels
+with globs, never numbers: thresholds are compared here and the outcome is label ``gpu-tasks.alert``."""
 
 from __future__ import annotations
 
@@ -75,8 +72,7 @@ class AlertThresholds:
 
 
 def run_alerts(totals: RunTotals, thresholds: AlertThresholds) -> tuple[str, ...]:
-    """The alerts ``totals`` raise: held/busy above its threshold (with at least the minimum
-    device-seconds held), a device wait above its threshold."""
+    """The alerts ``totals`` raise: held/busy (past the minimum held) or a device wait above threshold."""
     alerts: list[str] = []
     if (
         thresholds.held_busy > 0
@@ -91,5 +87,5 @@ def run_alerts(totals: RunTotals, thresholds: AlertThresholds) -> tuple[str, ...
 
 
 def alert_label(alerts: Sequence[str]) -> str:
-    """The value of the ``gpu-tasks.alert`` label: the alerts joined by commas, or ``none``."""
+    """The value of the ``gpu-tasks.alert`` label."""
     return ",".join(alerts) or NO_ALERT

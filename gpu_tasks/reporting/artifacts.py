@@ -1,7 +1,5 @@
-"""What a flow run shows in the Prefect UI about its devices: the ``resource-ledger`` table (a row
-per cluster life) and the ``device-timeline`` markdown (a row and strip per device holding; none
-for CPU-only runs), as docs/operations.md shows them. All but :func:`publish_run_artifacts` is pure.
-"""
+"""The flow run's artifacts about its devices: the ``resource-ledger`` table and the ``device-timeline``
+markdown. All but :func:`publish_run_artifacts` is pure."""
 
 from __future__ import annotations
 
@@ -33,14 +31,12 @@ NO_DEVICE = "none (CPU)"  # a "-" alone in a table cell renders as a list bullet
 BUSY, PARTLY_BUSY, HELD_IDLE, NOT_HELD = "#", "+", "-", "."
 
 
-# ---------------------------------------------------------------- small pieces
 def clock(ts: float) -> str:
-    """``HH:MM:SS`` (UTC) of the wall-clock time ``ts``."""
+    """``HH:MM:SS`` (UTC)."""
     return datetime.datetime.fromtimestamp(ts, tz=datetime.UTC).strftime("%H:%M:%S")
 
 
 def clock_range(start: float, end: float) -> str:
-    """``18:02:11–18:02:14`` (UTC)."""
     return f"{clock(start)}–{clock(end)}"
 
 
@@ -59,8 +55,8 @@ def short_reason(reason: str) -> str:
 
 
 def devices_text(row: LedgerRow, emulated_said: bool = False) -> str:
-    """``0,1 (H100 80 GiB)``: a row's devices, grouped by model; ``none (CPU)`` without any.
-    ``emulated_said``: the table's description says EMULATED, so the cell does not repeat it."""
+    """``0,1 (H100 80 GiB)``: a row's devices, grouped by model. ``emulated_said``: the table's
+    description says EMULATED, so the cell does not repeat it."""
     if not row.devices:
         return NO_DEVICE
     models = {s.device: s.model.removesuffix(", emulated") if emulated_said else s.model for s in row.spans}
@@ -75,7 +71,7 @@ def devices_text(row: LedgerRow, emulated_said: bool = False) -> str:
 
 
 def summary(rows: Sequence[LedgerRow]) -> str:
-    """``held 12.3 device-s, busy 4.5 (37%)``, ``, EMULATED`` when the devices were emulated."""
+    """``held 12.3 device-s, busy 4.5 (37%)``, ``, EMULATED`` when emulated."""
     totals = RunTotals.of(rows)
     if totals.held_seconds <= 0:
         return "no device held (CPU only)"
@@ -87,7 +83,6 @@ def _cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
-# ---------------------------------------------------------------- resource-ledger (table)
 def ledger_description(rows: Sequence[LedgerRow]) -> str:
     """The table's description, short enough for the UI's artifact card: the totals first."""
     text = summary(rows)
@@ -95,8 +90,7 @@ def ledger_description(rows: Sequence[LedgerRow]) -> str:
 
 
 def ledger_table(rows: Sequence[LedgerRow]) -> list[dict[str, Any]]:
-    """The ``resource-ledger`` table: one dict per row, oldest first. The waits, skipped and measured
-    columns appear only where some row has them (measured: real devices only)."""
+    """The ``resource-ledger`` table, oldest first; optional columns only where some row has them."""
     waited = any(r.wait_devices_seconds + r.wait_slots_seconds >= 0.05 for r in rows)
     measured_column = any(r.measured is not None and not r.emulated for r in rows)
     emulated_said = "EMULATED" in ledger_description(rows)
@@ -122,7 +116,6 @@ def ledger_table(rows: Sequence[LedgerRow]) -> list[dict[str, Any]]:
     return table
 
 
-# ---------------------------------------------------------------- device-timeline (markdown)
 def strip(
     start: float,
     end: float,
@@ -130,8 +123,7 @@ def strip(
     window: tuple[float, float],
     width: int = STRIP_WIDTH,
 ) -> str:
-    """``width`` characters across ``window``: where a device held from ``start`` to ``end``
-    was busy (``busy`` intervals), held idle, or not held (see ``BUSY`` and the others)."""
+    """``width`` characters across ``window``: where the device was busy, held idle, or not held."""
     t0, t1 = window
     if t1 <= t0:
         return (BUSY if busy else HELD_IDLE) * width
@@ -153,7 +145,7 @@ def _overlap(s1: float, e1: float, s2: float, e2: float) -> float:
 
 
 def device_models(spans: Sequence[DeviceSpan]) -> str:
-    """``0, 1: H100 80 GiB, emulated``: each device's model, once, devices of one model together."""
+    """``0, 1: H100 80 GiB, emulated``: devices of one model together."""
     by_model: dict[str, list[str]] = {}
     for span in spans:
         ids = by_model.setdefault(span.model or "model unknown", [])
@@ -163,7 +155,6 @@ def device_models(spans: Sequence[DeviceSpan]) -> str:
 
 
 def timeline_description(rows: Sequence[LedgerRow]) -> str:
-    """``2 devices held 12.3 device-s, busy 4.5 (37%), EMULATED.``"""
     devices = {span.device for row in rows for span in row.spans}
     return f"{len(devices)} device{'s' if len(devices) != 1 else ''} {summary(rows)}."
 
@@ -179,8 +170,7 @@ def _measured_cells(m: Measured | None) -> tuple[str, str, str, str]:
 
 
 def measured_lines(spans: Sequence[DeviceSpan]) -> list[str]:
-    """What NVML measured of each holding, as a narrow table of its own (so the holding rows stay
-    narrow), and why any holding was not measured; ``[]`` when no holding says anything."""
+    """What NVML measured of each holding, a table of its own so that the holding rows stay narrow."""
     with_figures = [s.measured for s in spans if s.measured is not None and s.measured.measured]
     if not with_figures:
         notes = sorted({span.measured.text() for span in spans if span.measured is not None})
@@ -208,9 +198,7 @@ def measured_lines(spans: Sequence[DeviceSpan]) -> list[str]:
 
 
 def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> str | None:
-    """The ``device-timeline`` markdown: a summary, a legend, a row per device holding (by device, then
-    time); on real devices what NVML measured and the right-size lines. ``None`` if no device was held.
-    """
+    """The ``device-timeline`` markdown, a row per device holding; ``None`` if no device was held."""
     spans = sorted(
         (s for row in rows for s in row.spans), key=lambda s: (device_order(s.device), s.start, s.end)
     )
@@ -267,10 +255,8 @@ def timeline_markdown(rows: Sequence[LedgerRow], width: int = STRIP_WIDTH) -> st
     return "\n".join(lines) + "\n"
 
 
-# ---------------------------------------------------------------- publishing
 def publish_run_artifacts(rows: Sequence[LedgerRow], flow_run_id: uuid.UUID | None) -> None:
-    """Attach the run's ``resource-ledger`` table and ``device-timeline`` markdown to the flow
-    run (best effort: never fails the run)."""
+    """Attach the run's artifacts to the flow run (best effort: never fails the run)."""
     if not rows or flow_run_id is None:
         return
     try:

@@ -1,8 +1,5 @@
-"""What gpu-tasks tells Prefect about clusters, devices, task runs and flow runs: events (best
-effort: never fail a run over one), each related to its flow run. The builders (``*_resource``,
-``*_sentence``, :func:`payload_labels`) are pure; the ``emit_*`` functions send. Each event, its
-resource name and labels: docs/operations.md, "Events and the gpu-waste automation".
-"""
+"""Prefect events about clusters, devices, task runs and flow runs, each related to its flow run (best
+effort: never fail a run over one). The builders are pure; the ``emit_*`` functions send."""
 
 from __future__ import annotations
 
@@ -30,8 +27,7 @@ Resource = dict[str, str]
 
 
 class ClusterView(Protocol):
-    """What the events read of a profile's cluster (:class:`gpu_tasks.cluster.local.ProfileCluster`
-    and the remote ones); reporting sits below the clusters and imports none of them."""
+    """What the events read of a profile's cluster: reporting sits below the clusters, imports none."""
 
     @property
     def profile(self) -> ResourceProfile: ...
@@ -45,8 +41,7 @@ class ClusterView(Protocol):
     def dashboard_link(self) -> str | None: ...
 
 
-# the device event that each cluster event implies for the devices it names
-_DEVICE_EVENTS = {
+_DEVICE_EVENTS = {  # the device event that each cluster event implies for the devices it names
     "provisioned": "leased",
     "scaled": "leased",
     "closed": "released",
@@ -54,8 +49,7 @@ _DEVICE_EVENTS = {
     "preempted": "released",
 }
 
-# payload keys that are also resource labels (strings), so automations can match on them
-_LABELS = {
+_LABELS = {  # payload keys that are also resource labels (strings), so automations can match on them
     "reason": "gpu-tasks.reason",
     "workers": "gpu-tasks.workers",
     "added": "gpu-tasks.added-devices",
@@ -78,7 +72,7 @@ _LABELS = {
 
 @dataclass(frozen=True)
 class RunRef:
-    """The flow run that events relate to: its id, and its name for the UI to show."""
+    """The flow run that events relate to, named for the UI."""
 
     id: uuid.UUID | None = None
     name: str | None = None
@@ -93,7 +87,7 @@ class RunRef:
         return cls(run.id, run.name) if run is not None else cls()
 
     def related(self) -> list[Resource]:
-        """The flow run as a related resource (role ``flow-run``), named; none without a run."""
+        """The flow run as a related resource; none without a run."""
         return [_related("flow-run", self.id, self.name)] if self.id is not None else []
 
 
@@ -103,7 +97,6 @@ def _related(role: str, run_id: uuid.UUID, name: str | None) -> Resource:
     return resource | ({"prefect.resource.name": name} if name else {})
 
 
-# ---------------------------------------------------------------- words
 def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
@@ -135,27 +128,20 @@ def payload_labels(payload: Mapping[str, Any]) -> Resource:
 
 
 def devices_phrase(devices: Sequence[str], emulated: bool, gpu: bool = True) -> str:
-    """``GPU 0,1 (emulated)``, ``GPU host-a:0``, ``CPU``; ``GPU`` for a GPU profile whose devices
-    are not known yet."""
+    """``GPU 0,1 (emulated)``, ``CPU``; ``GPU`` for a GPU profile whose devices are not known yet."""
     if not devices:
         return "GPU" if gpu else "CPU"
     return f"GPU {','.join(devices)}" + (" (emulated)" if emulated else "")
 
 
-def subject(profile: str, devices: Sequence[str], emulated: bool, gpu: bool = True) -> str:
-    """``gpu-etl on GPU 0,1 (emulated)``, ``etl on CPU``: who an event is about."""
-    return f"{profile} on {devices_phrase(devices, emulated, gpu)}"
-
-
 def usage_phrase(held: float, busy: float, tasks: int | None, devices: bool = True) -> str:
-    """``held 12.3 device-s, busy 1.2 (10%), 4 tasks``."""
     unit = "device-s" if devices else "s"
     text = f"held {held:.1f} {unit}, busy {busy:.1f} ({percent(busy, held)}%)"
     return text + (f", {plural(tasks, 'task')}" if tasks is not None else "")
 
 
 def cluster_sentence(what: str, who: str, payload: Mapping[str, Any], devices: bool = True) -> str:
-    """The resource name of a ``gpu-tasks.cluster.<what>`` event about ``who`` (:func:`subject`)."""
+    """The resource name of a ``gpu-tasks.cluster.<what>`` event about ``who``."""
     if what == "provisioned":
         text = f"{who}: {plural(int(payload.get('workers', 0)), 'worker')} up"
         if "start_workers_s" in payload:
@@ -192,7 +178,6 @@ def cluster_sentence(what: str, who: str, payload: Mapping[str, Any], devices: b
     return f"{who}: {payload.get('reason', what)}"
 
 
-# ---------------------------------------------------------------- resources
 def cluster_resource(
     what: str,
     run: RunRef,
@@ -207,7 +192,7 @@ def cluster_resource(
     return {
         "prefect.resource.id": f"gpu-tasks.cluster.{run.id or 'local'}.{profile}",
         "prefect.resource.name": cluster_sentence(
-            what, subject(profile, devices, emulated, gpu), payload, bool(devices)
+            what, f"{profile} on {devices_phrase(devices, emulated, gpu)}", payload, bool(devices)
         ),
         "gpu-tasks.profile": profile,
         "gpu-tasks.devices": ",".join(devices) or "-",
@@ -220,8 +205,7 @@ def cluster_resource(
 def device_resource(
     what: str, address: str, profile: str, emulated: bool, reason: str | None = None, host: str | None = None
 ) -> Resource:
-    """The resource of a ``gpu-tasks.device.<leased|released>`` event for device ``address``
-    (``0``, or ``<host>:0`` for a device of another host's worker)."""
+    """The resource of a ``gpu-tasks.device.<leased|released>`` event (``0``, or ``<host>:0``)."""
     here = host or socket.gethostname()
     where, _, device = address.rpartition(":") if ":" in address else (here, "", address)
     name = f"{devices_phrase([address], emulated)} {'to' if what == 'leased' else 'from'} profile {profile}"
@@ -239,9 +223,7 @@ def device_resource(
 
 
 def device_payload(profile: str, reason: str | None, cluster_payload: Mapping[str, Any]) -> dict[str, Any]:
-    """The payload of a ``gpu-tasks.device.<leased|released>`` event: its profile, the release's reason,
-    and a gang's devices and the worst link between them (``gang``, ``worst_link``) where the
-    cluster's event has them."""
+    """The payload of a ``gpu-tasks.device.*`` event, with a gang's wiring where the cluster's has it."""
     wiring = {k: cluster_payload[k] for k in ("gang", "worst_link") if cluster_payload.get(k)}
     return {"profile": profile, **({"reason": reason} if reason else {}), **wiring}
 
@@ -288,8 +270,6 @@ def task_resource(
 
 
 def summary_sentence(run_name: str | None, totals: RunTotals, alerts: Sequence[str]) -> str:
-    """``flow run crimson-otter: gpu-etl, gpu-train on GPU 0,1 (emulated) held 12.3 device-s, busy 1.2
-    (10%), 4 tasks; longest device wait 0.0 s; alert: held-busy-over-2``."""
     who = f"flow run {run_name}" if run_name else "flow run"
     where = f"{', '.join(totals.profiles)} on {devices_phrase(totals.devices, totals.emulated)}"
     text = (
@@ -316,9 +296,7 @@ def _priority_labels(priorities: Mapping[str, int]) -> Resource:
 def summary_resource(
     run: RunRef, totals: RunTotals, thresholds: AlertThresholds, priorities: Mapping[str, int] | None = None
 ) -> Resource:
-    """The resource of a ``gpu-tasks.flow-run.summary`` event; ``gpu-tasks.alert`` is what the
-    shipped automation matches on. ``gpu-tasks.priority`` is the highest priority a profile of
-    the run queued for devices at (``priorities``, by profile; ``gpu-tasks.priorities`` lists them)."""
+    """The resource of a ``gpu-tasks.flow-run.summary`` event (automations match ``gpu-tasks.alert``)."""
     alerts = run_alerts(totals, thresholds)
     return {
         "prefect.resource.id": f"gpu-tasks.flow-run.{run.id or 'local'}",
@@ -340,8 +318,7 @@ def summary_resource(
 def summary_payload(
     totals: RunTotals, thresholds: AlertThresholds, priorities: Mapping[str, int] | None = None
 ) -> dict[str, Any]:
-    """The numbers of a ``gpu-tasks.flow-run.summary`` event, with the thresholds they met and the
-    priorities its profiles queued for devices at (``priority``: the highest)."""
+    """The numbers of a ``gpu-tasks.flow-run.summary`` event, with the thresholds they met."""
     held_busy = totals.held_per_busy
     ran_at = run_priorities(totals, priorities)
     return {
@@ -364,10 +341,9 @@ def summary_payload(
     }
 
 
-# ---------------------------------------------------------------- the event feed's address
 def feed_url(ui_url: str, flow_run_id: uuid.UUID | str | None = None, v1: bool = False) -> str:
-    """The Prefect UI's (root ``ui_url``) event feed of gpu-tasks events, of one flow run if given.
-    ``v1``: the older Vue UI (``/events``, plain parameters), not ``/v2`` (JSON arrays)."""
+    """The Prefect UI's feed of gpu-tasks events, of one flow run if given; ``v1``: the older Vue UI's
+    ``/events`` (plain parameters), not ``/v2`` (JSON arrays)."""
     from urllib.parse import quote
 
     base = ui_url.rstrip("/")
@@ -380,7 +356,6 @@ def feed_url(ui_url: str, flow_run_id: uuid.UUID | str | None = None, v1: bool =
     return f"{base}/v2/events?{query}"
 
 
-# ---------------------------------------------------------------- sending
 @contextlib.contextmanager
 def _sending(event: str) -> Iterator[Any]:
     """Prefect's ``emit_event``; an error building or sending ``event`` is logged, never raised."""
@@ -446,8 +421,7 @@ def emit_run_summary(
     thresholds: AlertThresholds,
     priorities: Mapping[str, int] | None = None,
 ) -> None:
-    """``gpu-tasks.flow-run.summary`` for a run whose ledger ``rows`` held devices (none otherwise);
-    ``priorities``: what each profile queued for devices at (:attr:`ClusterView.queue_priority`)."""
+    """``gpu-tasks.flow-run.summary`` for a run whose ledger ``rows`` held devices (none otherwise)."""
     totals = RunTotals.of(rows)
     if not totals.devices:
         return
@@ -461,7 +435,6 @@ def emit_run_summary(
 
 
 def right_size_resource(profile: str, line: str, measured: Measured, run: RunRef) -> Resource:
-    """The resource of a ``gpu-tasks.profile.right-size`` event: named with the advice ``line``."""
     return {
         "prefect.resource.id": f"gpu-tasks.profile.{run.id or 'local'}.{profile}",
         "prefect.resource.name": line,
@@ -475,7 +448,7 @@ def right_size_resource(profile: str, line: str, measured: Measured, run: RunRef
 
 
 def emit_right_size(profile: str, line: str, measured: Measured, run: RunRef) -> None:
-    """``gpu-tasks.profile.right-size``: profile ``profile`` used much less than it held (``line``)."""
+    """``gpu-tasks.profile.right-size``: ``profile`` used much less than it held."""
     with _sending("gpu-tasks.profile.right-size") as emit_event:
         emit_event(
             event="gpu-tasks.profile.right-size",

@@ -1,8 +1,5 @@
 """The resource ledger: how long each profile's workers held devices, and how busy they were.
-
-``Usage`` keeps one cluster's clock; ``Usage.row`` makes a ``LedgerRow`` (a ``DeviceSpan`` per device)
-when the cluster or one worker goes away.
-"""
+``Usage`` keeps one cluster's clock and makes a ``LedgerRow`` when the cluster or a worker goes away."""
 
 from __future__ import annotations
 
@@ -35,10 +32,8 @@ class DeviceSpan:
     end: float  # wall clock: the release
     busy: tuple[tuple[float, float], ...] = ()  # when tasks ran on it: merged, within start..end
     tasks: int = 0
-    # what NVML measured of it while held (gpu_tasks.reporting.measured); says why when not measured
-    measured: Measured | None = None
-    # the CPUs its worker's process was pinned to (``0-3``), or why not (gpu_tasks.worker.affinity)
-    cpus: str = ""
+    measured: Measured | None = None  # what NVML measured of it while held, or why not
+    cpus: str = ""  # the CPUs its worker's process was pinned to (``0-3``), or why not
 
     @property
     def held_seconds(self) -> float:
@@ -83,20 +78,14 @@ class LedgerRow:
     busy_seconds: float
     tasks: int
     reason: str
-    # waits, apart from held time (held starts at the lease): the cluster's start waiting for devices,
-    # and its tasks waiting for Prefect tag concurrency slots, holding no device
+    # waits apart from held time (held starts at the lease); slots: Prefect tag concurrency, no device held
     wait_devices_seconds: float = 0.0
     wait_slots_seconds: float = 0.0
-    # each device held, from when to when, and its busy time (none for CPU rows)
-    spans: tuple[DeviceSpan, ...] = ()
-    # why devices were skipped while it waited or grew: programs outside gpu-tasks used them
-    skipped: tuple[str, ...] = ()
-    # measured use of its devices (SM %, peak memory; gpu_tasks.reporting.measured); None: CPU row
-    measured: Measured | None = None
-    # each GPU worker's CPUs: ``devices 0,1: 0-3``, or why not pinned (gpu_tasks.worker.affinity)
-    cpu_affinity: tuple[str, ...] = ()
-    # a gang's devices, the worst link between any two (``SYS``), and a better-wired set of matching
-    # devices that existed on the host when it was placed (``0,1,2,3 (socket)``; "" when none)
+    spans: tuple[DeviceSpan, ...] = ()  # none for CPU rows
+    skipped: tuple[str, ...] = ()  # why devices were skipped: programs outside gpu-tasks used them
+    measured: Measured | None = None  # None: CPU row
+    cpu_affinity: tuple[str, ...] = ()  # ``devices 0,1: 0-3``, or why not pinned
+    # a gang's devices, the worst link between two, a better-wired matching set that existed ("" if none)
     gang: tuple[str, ...] = ()
     worst_link: str = ""
     better_set: str = ""
@@ -171,9 +160,7 @@ def device_spans(
     intervals: Sequence[tuple[float, float]],
     cpus: str = "",
 ) -> tuple[DeviceSpan, ...]:
-    """The spans of one worker's ``(device, model)`` ``devices``, held from ``start`` to ``end``, whose
-    tasks ran over ``intervals`` (each device of a multi-device worker ran all of them); ``cpus``: its
-    process's CPUs, or why not pinned."""
+    """The spans of one worker's ``(device, model)`` ``devices``; each device ran all its tasks."""
     busy = tuple((max(s, start), min(e, end)) for s, e in merge_intervals(intervals) if s < end and e > start)
     return tuple(
         DeviceSpan(device, model, profile, start, end, busy, len(intervals), cpus=cpus)
@@ -191,13 +178,12 @@ def measured_span(span: DeviceSpan, samples: Samples) -> DeviceSpan:
 
 @dataclass(frozen=True)
 class Held:
-    """One worker as the ledger sees it: its name and the devices it holds (none: a CPU worker),
-    with their models (:meth:`gpu_tasks.devices.discovery.Device.model`) where known."""
+    """One worker as the ledger sees it: its devices (none: a CPU worker), with models where known."""
 
     name: str
     devices: tuple[str, ...]
     models: tuple[str, ...] = ()
-    cpus: str = ""  # its process's CPUs (``0-3``), or why not pinned; "" for none (CPU workers)
+    cpus: str = ""  # its process's CPUs (``0-3``), or why not pinned
 
     def named_devices(self) -> list[tuple[str, str]]:
         """``(device, model)`` of each device ("" where the model is unknown)."""
@@ -228,29 +214,27 @@ class Usage:
             self.gang_wiring: tuple[tuple[str, ...], str, str] = ((), "", "")
 
     def gang(self, devices: tuple[str, ...], worst: str, better: str) -> None:
-        """The cluster is a gang on ``devices``, ``worst`` the worst link between them, ``better`` a
-        better-wired set that existed (:func:`gpu_tasks.policy.gang_wiring`)."""
+        """The cluster is a gang on ``devices`` (:func:`gpu_tasks.policy.gang_wiring`)."""
         self.gang_wiring = (devices, worst, better)
 
     def waited(self, devices: float = 0.0, slots: float = 0.0) -> None:
-        """The cluster's start waited ``devices`` s for devices; a task of it waited ``slots`` s for
-        Prefect tag slots before it reached the cluster."""
+        """The cluster's start waited for devices, or a task of it for Prefect tag slots."""
         with self._lock:
             self._waits["devices"] += devices
             self._waits["slots"] += slots
 
     def skipped(self, reasons: Iterable[str]) -> None:
-        """Devices were skipped for the cluster, for these ``reasons`` (each kept once)."""
+        """Devices were skipped for the cluster, for these ``reasons``."""
         with self._lock:
             self._skipped.extend(r for r in reasons if r not in self._skipped)
 
     def waits(self) -> dict[str, float]:
-        """``{"wait_devices_seconds": ..., "wait_slots_seconds": ...}`` so far, for a ledger row."""
+        """The waits so far, as a ledger row's fields."""
         with self._lock:
             return {f"wait_{k}_seconds": v for k, v in self._waits.items()}
 
     def not_measured(self, reason: str) -> None:
-        """Its devices are not sampled, for ``reason`` (``not measured (emulated)``)."""
+        """Its devices are not sampled, for ``reason``."""
         self.samples.note = reason
 
     def sampled(self, sample: Sample, period: float) -> None:
@@ -339,8 +323,7 @@ class Usage:
 
 
 def wiring_advice(rows: Sequence[LedgerRow]) -> list[tuple[str, str]]:
-    """``(profile, line)`` for each gang of ``rows`` that ran across sockets (a ``SYS`` link between
-    two of its devices) while a better-wired set of its matching devices existed on the host."""
+    """``(profile, line)`` for each gang that ran across sockets while a better-wired set existed."""
     out: list[tuple[str, str]] = []
     for r in rows:
         if r.worst_link == "SYS" and r.better_set:
@@ -354,8 +337,8 @@ def wiring_advice(rows: Sequence[LedgerRow]) -> list[tuple[str, str]]:
 
 
 def right_size(rows: Sequence[LedgerRow]) -> list[tuple[str, str, Measured | None]]:
-    """``(profile, line, measured)`` for each GPU profile of ``rows`` that used much less than it held
-    (one ``EMULATED_ADVICE`` line if emulated), then the :func:`wiring_advice` lines (no numbers)."""
+    """``(profile, line, measured)`` for each GPU profile that used much less than it held (one
+    ``EMULATED_ADVICE`` line if emulated), then the :func:`wiring_advice` lines."""
     wired: list[tuple[str, str, Measured | None]] = [(p, line, None) for p, line in wiring_advice(rows)]
     gpu = [r for r in rows if r.devices and r.measured is not None]
     if any(r.emulated for r in gpu):
@@ -387,7 +370,7 @@ def remember_ended(flow_run_id: uuid.UUID | None, rows: list[LedgerRow]) -> None
 
 
 def ended_ledger(flow_run_id: uuid.UUID) -> list[LedgerRow] | None:
-    """The final ledger of a flow run whose runner ended in this process (the last 16), or ``None``."""
+    """The final ledger of a flow run whose runner ended in this process lately, or ``None``."""
     with _ended_lock:
         rows = _ENDED.get(flow_run_id)
         return list(rows) if rows is not None else None

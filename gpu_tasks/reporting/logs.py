@@ -1,7 +1,5 @@
-"""Where the runner's own lines go: ``gpu_tasks.*`` loggers reach the terminal through Prefect's
-console handler, and (:class:`RunLogs`) the flow run's logs on the server, since Prefect sends only
-its own loggers' records; Dask's loggers are held at ``GPU_TASKS_TUNE_DASK_LOG_LEVEL`` meanwhile.
-"""
+"""Where the runner's own lines go: the terminal, and (:class:`RunLogs`) the flow run's logs on the
+server, since Prefect sends only its own loggers' records; Dask's loggers are quietened meanwhile."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ _DASK = ("distributed", "distributed.worker", "distributed.scheduler", "distribu
 
 
 def flow_logger() -> logging.Logger | logging.LoggerAdapter[logging.Logger]:
-    """The flow run's Prefect logger (lines reach the run's logs), else the runner's module logger
-    (lines reach them through :class:`RunLogs` while a runner is entered)."""
+    """The flow run's Prefect logger, else the runner's (its lines reach the run via :class:`RunLogs`)."""
     from prefect.logging import get_run_logger
 
     try:
@@ -58,11 +55,8 @@ def task_run_log(
 
 
 class RunLogs(logging.Handler):
-    """Sends ``gpu_tasks.*`` records (INFO and up) to the Prefect API as the flow run's logs.
-
-    One per process, on the ``gpu_tasks`` logger. A record goes to its thread's flow run, else to the
-    only entered one (runner threads carry no context), sent in that run's captured context.
-    """
+    """Sends ``gpu_tasks.*`` records to the Prefect API as the flow run's logs (one per process). A record
+    goes to its thread's flow run, else to the only entered one (runner threads carry no context)."""
 
     _lock = threading.Lock()
     _instance: RunLogs | None = None
@@ -74,7 +68,6 @@ class RunLogs(logging.Handler):
         self.dask_level = "WARNING"
         self.api: Any = None
 
-    # ------------------------------------------------------------ runner side
     @classmethod
     def enter(cls, flow_run_id: uuid.UUID | None, dask_level: str) -> None:
         """A runner of ``flow_run_id`` starts (call from inside the flow run's context)."""
@@ -134,7 +127,6 @@ class RunLogs(logging.Handler):
                     logging.getLogger(name).setLevel(level)
                 me.saved_levels = None
 
-    # ------------------------------------------------------------ handler side
     def emit(self, record: logging.LogRecord) -> None:
         from prefect.context import FlowRunContext
         from prefect.logging.handlers import APILogHandler

@@ -1,7 +1,5 @@
-"""Measured use (pure): the samples :mod:`gpu_tasks.devices.measure` takes of the real devices a
-profile holds, as a :class:`Measured` per ledger row or device span, and right-size advice from it.
-Unsampled devices (emulated, no NVML) get a ``Measured`` that says why and holds no numbers.
-"""
+"""Measured use (pure): what :mod:`gpu_tasks.devices.measure` samples of the real devices a profile
+holds, as a :class:`Measured` per ledger row or device span, and right-size advice from it."""
 
 from __future__ import annotations
 
@@ -16,29 +14,27 @@ GiB = 2**30
 NOT_EMULATED = "not measured (emulated)"
 NOT_ELSEWHERE = "not measured (devices on another host)"  # address / cluster_class profiles
 EMULATED_ADVICE = "GPU use not measured (emulated devices)"
-# Right-size advice: a profile is "much less than it held" when BOTH hold (measured over the run):
-ADVICE_MEMORY_FRACTION = 0.5  # its peak memory was under half of the memory it held
-ADVICE_SM_PERCENT = 50.0  # and its mean SM utilization was under 50%
+ADVICE_MEMORY_FRACTION = 0.5  # right-size advice when the peak memory was under half of that held
+ADVICE_SM_PERCENT = 50.0  # and the mean SM utilization under 50% (both over the run)
 MEMORY_HEADROOM = 1.25  # the memory a task is said to need: the peak plus 25%, rounded up to a GiB
 
 
 @dataclass(frozen=True)
 class Sample:
-    """One reading of one device: SM %, memory used of total, and gpu-tasks' processes on it
-    (pid -> bytes). ``None`` where NVML did not report the figure."""
+    """One reading of one device; ``None`` where NVML did not report the figure."""
 
     t: float  # wall clock
     device: str
     sm: float | None
     used: int | None
     total: int | None
-    processes: tuple[tuple[int, int], ...] = ()
+    processes: tuple[tuple[int, int], ...] = ()  # gpu-tasks' processes on it: (pid, bytes)
 
 
 @dataclass(frozen=True)
 class Measured:
-    """What was measured of one or more devices over a holding. With ``note`` (not measured),
-    every number is ``None`` and ``samples`` is 0: never an invented figure."""
+    """What was measured of one or more devices over a holding. With ``note`` (not measured), every
+    number is ``None``: never an invented figure."""
 
     samples: int = 0
     period: float | None = None
@@ -54,8 +50,7 @@ class Measured:
         return self.samples > 0 and not self.note
 
     def text(self) -> str:
-        """``SM 23% mean, peak 9.1 GiB of 80, worker process peak 8.9 GiB (12 samples every 1 s)``,
-        or why nothing was measured."""
+        """One line of the figures, or why nothing was measured."""
         if not self.measured:
             return self.note or "not measured"
         parts = []
@@ -86,7 +81,7 @@ class Measured:
 
 @dataclass
 class Samples:
-    """Samples kept for one cluster, by device (appended by the sampler thread, read at close)."""
+    """Samples kept for one cluster, by device (appended by the sampler thread)."""
 
     period: float | None = None
     by_device: dict[str, list[Sample]] = field(default_factory=dict)
@@ -107,8 +102,7 @@ def aggregate(
     end: float = math.inf,
     busy: Sequence[tuple[float, float]] = (),
 ) -> Measured:
-    """Mean SM and peaks of the ``samples`` taken from ``start`` to ``end``; ``task_peak`` from those
-    taken while a task ran (``busy`` intervals)."""
+    """Mean SM and peaks of the samples within ``start``..``end``; ``task_peak``: while a task ran."""
     within = [s for s in samples if start <= s.t <= end]
     if not within:
         return Measured(period=period, note="not measured (no sample while held)")
@@ -149,7 +143,6 @@ def combine(parts: Sequence[Measured]) -> Measured:
     )
 
 
-# ---------------------------------------------------------------- right-size advice
 def used_for_advice(m: Measured) -> int | None:
     """The memory the profile itself needed: its worker process's peak where NVML listed it, else
     the device's peak used (which counts other programs too, so it errs on the large side)."""
@@ -157,8 +150,7 @@ def used_for_advice(m: Measured) -> int | None:
 
 
 def oversized(m: Measured) -> bool:
-    """Whether a profile used much less than it held: peak under ``ADVICE_MEMORY_FRACTION`` of the
-    memory held AND mean SM under ``ADVICE_SM_PERCENT``. Needs both figures measured."""
+    """Whether a profile used much less than it held, in memory AND SM (needs both measured)."""
     used = used_for_advice(m)
     if not m.measured or used is None or not m.total or m.sm_mean is None:
         return False
@@ -166,8 +158,7 @@ def oversized(m: Measured) -> bool:
 
 
 def suggested_share(used: int, total: int, sm_mean: float) -> float:
-    """The smallest ``1/k`` (k in 1..MAX_SHARE) whose memory fits ``used`` with the headroom and
-    whose SM share covers the mean SM use."""
+    """The smallest ``1/k`` whose memory fits ``used`` with headroom and whose SM covers the mean."""
     need = max(used * MEMORY_HEADROOM / total, sm_mean / 100.0)
     for k in range(MAX_SHARE, 0, -1):
         if 1.0 / k >= need:
@@ -176,7 +167,7 @@ def suggested_share(used: int, total: int, sm_mean: float) -> float:
 
 
 def suggested_memory(used: int) -> int:
-    """``used`` plus ``MEMORY_HEADROOM``, rounded up to a whole GiB (at least 1 GiB)."""
+    """``used`` plus the headroom, rounded up to a whole GiB."""
     return max(1, math.ceil(used * MEMORY_HEADROOM / GiB)) * GiB
 
 
@@ -186,10 +177,7 @@ def _share_text(share: float) -> str:
 
 
 def advice(profile: str, devices: int, m: Measured, emulated: bool = False) -> str | None:
-    """The right-size line for a GPU profile that held ``devices`` devices (``profile 'gpu-train' held
-    1 device; peak 9.1 GiB of 80, SM 23% mean: gpus=0.25 fits (12 GiB a task with headroom)``), or
-    ``None`` when it used what it held or nothing was measured; :data:`EMULATED_ADVICE` if emulated.
-    """
+    """The right-size line for a GPU profile, or ``None`` when it used what it held or was not measured."""
     if emulated:
         return EMULATED_ADVICE
     if not oversized(m):
