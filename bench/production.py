@@ -54,10 +54,10 @@ def production_server(split: bool | None = None) -> Iterator[str]:
     if os.geteuid() != 0:
         raise SystemExit("--server production runs infra/postgres/up.sh and infra/redis/up.sh: run as root")
     db = f"bench_{uuid.uuid4().hex[:8]}"  # a fresh database, as the embedded server's is
-    database = _up("infra/postgres/up.sh", {**os.environ, "PG_DB": db})["PREFECT_API_DATABASE_CONNECTION_URL"]
     port = _free_port()
     url = f"http://127.0.0.1:{port}/api"
     with (
+        _fresh_database(db) as database,
         tempfile.TemporaryDirectory(prefix="gpu-tasks-bench-server-") as home,
         _fresh_redis(home) as messaging,
     ):
@@ -110,6 +110,30 @@ def server_settings() -> dict[str, str]:
     """``infra/prefect-server.env``: the production set-up's service batch sizes."""
     lines = (ROOT / "infra" / "prefect-server.env").read_text().splitlines()
     return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
+@contextlib.contextmanager
+def _fresh_database(db: str) -> Iterator[str]:
+    """A database and role ``db`` of their own on infra/postgres's PostgreSQL (started if it was not
+    running); yields the server's connection URL. Afterwards the database and role are dropped, and
+    a PostgreSQL this call started is stopped: before, each run's database stayed (3.3 GB after one
+    100,000-task run of both runners, 185 MB after a 10,000-task run) and PostgreSQL kept running."""
+    pg_dir = Path(os.environ.get("PG_DIR", "/tmp/gpu-tasks-postgres"))
+    was_up = (pg_dir / "data" / "postmaster.pid").exists()
+    env = {**os.environ, "PG_DB": db}
+    try:
+        yield _up("infra/postgres/up.sh", env)["PREFECT_API_DATABASE_CONNECTION_URL"]
+    finally:
+        port = os.environ.get("PG_PORT", "55432")
+        for sql in (f"DROP DATABASE IF EXISTS {db} WITH (FORCE)", f"DROP ROLE IF EXISTS {db}"):
+            subprocess.run(
+                ["runuser", "-u", "postgres", "--", "psql", "-h", str(pg_dir), "-p", port, "-U", "postgres"]
+                + ["-qtA", "-c", sql],
+                capture_output=True,
+                timeout=120,
+            )
+        if not was_up:
+            subprocess.run([str(ROOT / "infra/postgres/down.sh")], env=env, capture_output=True, timeout=60)
 
 
 @contextlib.contextmanager

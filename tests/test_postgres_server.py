@@ -228,3 +228,49 @@ def test_the_api_writes_each_event_to_redis_as_it_arrives_and_loses_none(
     # five at least (a clean-clone run once saw none lost in a single try; if five in a row lose
     # none, prefect-redis has likely fixed it: the settings' comment in infra/ can say so)
     assert any(n < 1000 for n in lost), ticking
+
+
+@pytest.mark.timeout(300)
+def test_the_benchmarks_database_is_dropped_and_a_postgresql_they_started_is_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+):
+    """bench.production's database of a run: dropped afterwards, and a PostgreSQL it started is
+    stopped; one that was running before stays up (an unused data directory and port, so another
+    test's PostgreSQL is never touched)."""
+    if why := _why_not():
+        pytest.skip(why)
+    from bench.production import _fresh_database
+
+    base = Path(tempfile.mkdtemp(prefix="gpu-tasks-pg-"))
+    base.chmod(0o755)
+    pg_dir = base / "pg"
+    monkeypatch.setenv("PG_DIR", str(pg_dir))
+    monkeypatch.setenv("PG_PORT", str(free_port()))
+
+    def databases() -> set[str]:
+        out = subprocess.run(
+            ["runuser", "-u", "postgres", "--", "psql", "-h", str(pg_dir), "-p", os.environ["PG_PORT"]]
+            + ["-U", "postgres", "-qtA", "-c", "SELECT datname FROM pg_database"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return set(out.stdout.split())
+
+    running = lambda: (pg_dir / "data" / "postmaster.pid").exists()  # noqa: E731
+    try:
+        with _fresh_database("bench_started") as url:
+            assert url.endswith("/bench_started") and "bench_started" in databases()
+        assert not running()  # it started PostgreSQL, so it stopped it
+        up = subprocess.run([str(ROOT / "infra/postgres/up.sh")], capture_output=True, text=True, timeout=300)
+        assert up.returncode == 0, up.stderr[-2000:]
+        assert "bench_started" not in databases()
+        with _fresh_database("bench_kept_up"):
+            assert "bench_kept_up" in databases()
+        assert running() and not {"bench_started", "bench_kept_up"} & databases()
+    finally:
+        subprocess.run(
+            [str(ROOT / "infra/postgres/down.sh")], env={**os.environ, "PG_CLEAN": "1"}, timeout=60
+        )
+        shutil.rmtree(base, ignore_errors=True)
