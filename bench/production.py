@@ -112,26 +112,37 @@ def server_settings() -> dict[str, str]:
     return dict(line.split("=", 1) for line in lines if line.strip() and not line.startswith("#"))
 
 
+def _pg_dir() -> Path:
+    return Path(os.environ.get("PG_DIR", "/tmp/gpu-tasks-postgres"))  # infra/postgres/up.sh's default
+
+
+def psql(sql: str) -> subprocess.CompletedProcess[str]:
+    """``sql`` as PostgreSQL's superuser on infra/postgres's server (its PG_DIR and PG_PORT)."""
+    port = os.environ.get("PG_PORT", "55432")
+    return subprocess.run(
+        ["runuser", "-u", "postgres", "--", "psql", "-h", str(_pg_dir()), "-p", port, "-U", "postgres"]
+        + ["-qtA", "-c", sql],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 @contextlib.contextmanager
 def _fresh_database(db: str) -> Iterator[str]:
     """A database and role ``db`` of their own on infra/postgres's PostgreSQL (started if it was not
     running); yields the server's connection URL. Afterwards the database and role are dropped, and
     a PostgreSQL this call started is stopped: before, each run's database stayed (3.3 GB after one
     100,000-task run of both runners, 185 MB after a 10,000-task run) and PostgreSQL kept running."""
-    pg_dir = Path(os.environ.get("PG_DIR", "/tmp/gpu-tasks-postgres"))
-    was_up = (pg_dir / "data" / "postmaster.pid").exists()
+    was_up = (_pg_dir() / "data" / "postmaster.pid").exists()
     env = {**os.environ, "PG_DB": db}
     try:
         yield _up("infra/postgres/up.sh", env)["PREFECT_API_DATABASE_CONNECTION_URL"]
     finally:
-        port = os.environ.get("PG_PORT", "55432")
         for sql in (f"DROP DATABASE IF EXISTS {db} WITH (FORCE)", f"DROP ROLE IF EXISTS {db}"):
-            subprocess.run(
-                ["runuser", "-u", "postgres", "--", "psql", "-h", str(pg_dir), "-p", port, "-U", "postgres"]
-                + ["-qtA", "-c", sql],
-                capture_output=True,
-                timeout=120,
-            )
+            out = psql(sql)
+            if out.returncode != 0:
+                print(f"bench: {sql!r} failed, {db} stays: {out.stderr.strip()[-300:]}", file=sys.stderr)
         if not was_up:
             subprocess.run([str(ROOT / "infra/postgres/down.sh")], env=env, capture_output=True, timeout=60)
 

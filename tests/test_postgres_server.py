@@ -239,7 +239,7 @@ def test_the_benchmarks_database_is_dropped_and_a_postgresql_they_started_is_sto
     test's PostgreSQL is never touched)."""
     if why := _why_not():
         pytest.skip(why)
-    from bench.production import _fresh_database
+    from bench.production import _fresh_database, psql
 
     base = Path(tempfile.mkdtemp(prefix="gpu-tasks-pg-"))
     base.chmod(0o755)
@@ -248,13 +248,7 @@ def test_the_benchmarks_database_is_dropped_and_a_postgresql_they_started_is_sto
     monkeypatch.setenv("PG_PORT", str(free_port()))
 
     def databases() -> set[str]:
-        out = subprocess.run(
-            ["runuser", "-u", "postgres", "--", "psql", "-h", str(pg_dir), "-p", os.environ["PG_PORT"]]
-            + ["-U", "postgres", "-qtA", "-c", "SELECT datname FROM pg_database"],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        out = psql("SELECT datname FROM pg_database")
         assert out.returncode == 0, out.stderr
         return set(out.stdout.split())
 
