@@ -252,7 +252,9 @@ def test_the_benchmarks_database_is_dropped_and_a_postgresql_they_started_is_sto
         assert out.returncode == 0, out.stderr
         return set(out.stdout.split())
 
-    running = lambda: (pg_dir / "data" / "postmaster.pid").exists()  # noqa: E731
+    def running() -> bool:
+        return (pg_dir / "data" / "postmaster.pid").exists()
+
     try:
         with _fresh_database("bench_started") as url:
             assert url.endswith("/bench_started") and "bench_started" in databases()
