@@ -441,5 +441,78 @@ def test_waiters_bad_address_names_the_input_not_an_internal_profile(env, runner
     err = _failed(runner.invoke(app, ["waiters", "gpu-scheduler"]))
     assert "must be a Dask scheduler address" in err and "'gpu-scheduler'" in err, err
     assert "profile" not in err, err
-    err = _failed(runner.invoke(app, ["waiters", "--timeout", "0"]))
-    assert "--timeout must be more than 0 seconds" in err
+    for value in ("0", "-1", "nan", "inf"):
+        err = _failed(runner.invoke(app, ["waiters", "--timeout", value]))
+        assert "--timeout must be a number of seconds more than 0" in err, err
+
+
+def test_waiters_at_a_port_that_never_answers_give_up_at_the_timeout(env, runner, lease_dir):
+    """Something accepts connections but never speaks Dask (a wrong port): the error comes at --timeout,
+    not when the other side closes."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)  # the kernel completes the connections; nothing ever answers on them
+        address = f"tcp://127.0.0.1:{silent.getsockname()[1]}"
+        t0 = time.monotonic()
+        err = _failed(runner.invoke(app, ["waiters", address, "--timeout", "2"]))
+        waited = time.monotonic() - t0
+    assert waited < 30, f"gave up {waited:.1f} s after it started, with --timeout 2"
+    assert f"address {address!r}: no Dask scheduler answered within 2 s (--timeout)" in err, err
+
+
+def test_a_lease_dir_under_a_file_is_named_by_devices_and_waiters(env, runner, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for lease_dir in (blocker, blocker / "leases"):
+        env.setenv("GPU_TASKS_LEASE_DIR", str(lease_dir))
+        for command in ("devices", "waiters"):
+            result = runner.invoke(app, [command])
+            assert result.exit_code == 0, result.output
+            said = f"lease directory {str(lease_dir)!r}: {str(blocker)!r} is a file, not a directory"
+            assert f"warning: flow runs would fail here: {said}; set GPU_TASKS_LEASE_DIR to" in _plain(
+                result.stderr
+            ), (command, result.stderr)
+
+
+def test_leases_setup_names_the_absolute_directory(env, runner, tmp_path):
+    """A relative DIR is useless to the other users: every line names it from /."""
+    env.chdir(tmp_path)
+    err = _failed(runner.invoke(app, ["leases", "setup", "missing/leases", "--group", "root"]))
+    assert repr(str(tmp_path / "missing")).rstrip("'") in err, (
+        err
+    )  # as root: no parent; else: run it with sudo
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["q", "99999999999999999999"], "devices must be at most 2,147,483,647"),
+        (["q", "2", "--lending-limit", "-5"], "--lending-limit must be 0 to 2,147,483,647, or -1 to remove"),
+        (["q", "2", "--borrowing-limit", "-1"], "--borrowing-limit must be 0 to 2,147,483,647"),
+    ],
+)
+def test_quotas_set_checks_its_numbers_before_asking_prefect(env, runner, args, needle):
+    err = _failed(runner.invoke(app, ["quotas", "set", *args]))
+    assert needle in err, err
+
+
+def test_quotas_in_a_broken_prefect_environment_say_why_in_one_line(env, runner, tmp_path):
+    from prefect.settings import PREFECT_API_URL, PREFECT_HOME, temporary_settings
+
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with temporary_settings({PREFECT_HOME: str(blocker / "prefect")}, restore_defaults={PREFECT_API_URL}):
+        for command in (["quotas"], ["quotas", "set", "q", "2"], ["quotas", "delete", "q"]):
+            err = _failed(runner.invoke(app, command))
+            assert f"PREFECT_HOME {blocker / 'prefect'} cannot be created" in err, err
+            assert len(err.strip().splitlines()) == 1, err
+    with temporary_settings({PREFECT_API_URL: "not a url"}):
+        err = _failed(runner.invoke(app, ["quotas"]))
+        assert "PREFECT_API_URL 'not a url' is not an http(s) URL of a server" in err, err
+
+
+def test_example_run_with_a_bad_profiles_file_says_so_in_one_line(env, runner, tmp_path):
+    """The example's flow module builds its runner, which reads the file: an error, not a traceback."""
+    env.setenv("GPU_TASKS_PROFILES_FILE", str(tmp_path / "nope.toml"))
+    err = _failed(runner.invoke(app, ["example", "run", "--limit", "100", "--data-dir", str(tmp_path)]))
+    assert f"profiles file '{tmp_path / 'nope.toml'}' (GPU_TASKS_PROFILES_FILE) cannot be read" in err, err

@@ -127,3 +127,20 @@ def test_cli_prints_prefect_yaml_lines_and_json(tmp_path: Path):
 
     bad = runner.invoke(app, ["deployment-info", f"{tmp_path}/nope.py:flow"])
     assert bad.exit_code == 2 and "cannot load flow" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_cli_names_what_a_flow_script_raised_and_reads_the_deployments_profiles_file(tmp_path, monkeypatch):
+    runner = CliRunner()
+    script = tmp_path / "boom.py"
+    script.write_text('raise RuntimeError("boom at import")\n')
+    bad = runner.invoke(app, ["deployment-info", f"{script}:flow"])
+    assert bad.exit_code == 2 and "importing it raised RuntimeError: boom at import" in bad.stderr, bad.output
+    entrypoint = f"{ROOT}/flows/etl_train.py:etl_train"
+    missing = runner.invoke(app, ["deployment-info", entrypoint, "-f", str(tmp_path / "missing.toml")])
+    assert missing.exit_code == 2 and "(--profiles-file) cannot be read" in missing.stderr, missing.output
+    # a broken file in the shell's environment: -f gives the deployment's own, for the flow's import too
+    monkeypatch.setenv("GPU_TASKS_PROFILES_FILE", str(tmp_path / "nope.toml"))
+    good = runner.invoke(
+        app, ["deployment-info", entrypoint, "--json", "-f", str(ROOT / "infra/profiles.toml")]
+    )
+    assert good.exit_code == 0 and json.loads(good.stdout)["gpus"] == 3, good.output

@@ -109,3 +109,4 @@ def test_serve_rejects_bad_input(args, needle, monkeypatch):
     with temporary_settings({PREFECT_API_URL: "http://127.0.0.1:9/api"}):
         result = CliRunner().invoke(app, ["example", "serve", *args])
     assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # one line, a pydantic dump neither

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import math
+import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -34,10 +37,15 @@ from gpu_tasks.policy import (
     slots_per_worker,
     unsatisfiable_reason,
 )
-from gpu_tasks.profiles import DEFAULT_PROFILE, ResourceProfile, resolve_profiles
+from gpu_tasks.profiles import DEFAULT_PROFILE, ResourceProfile, load_profiles_file, resolve_profiles
 from gpu_tasks.settings import GpuTasksSettings
 
 _RUNS_ON = {"local": "this host", "address": "an existing Dask cluster", "cluster_class": "a cluster manager"}
+
+
+def _warn_lease_dir(settings: GpuTasksSettings) -> None:
+    if (unsafe := lease_files.problem(settings.lease_dir)) is not None:
+        err_console.print(Text(f"warning: flow runs would fail here: {unsafe}"), soft_wrap=True)
 
 
 @app.command(help="Discover this host's GPUs (emulated, discovery command, or NVML) and list them.")
@@ -49,8 +57,7 @@ def devices(
 
     for problem in local_problems():  # nothing here needs Prefect: list the devices all the same
         err_console.print(Text(f"warning: a flow run here would stop at once: {problem}"), soft_wrap=True)
-    if (unsafe := lease_files.problem(settings.lease_dir)) is not None:
-        err_console.print(Text(f"warning: flow runs would fail here: {unsafe}"), soft_wrap=True)
+    _warn_lease_dir(settings)
     inventory = load_inventory(settings)
     held = lease_holders(inventory, settings)
     queued = lease_waiters(settings)
@@ -289,16 +296,27 @@ def deployment_info_command(
     from gpu_tasks.deployments import deployment_info
 
     load_settings()
+    if file is not None:
+        try:
+            load_profiles_file(file, "--profiles-file")
+        except GpuTasksError as exc:
+            fail(str(exc))
+        # the flow's module builds its runner, which reads GPU_TASKS_PROFILES_FILE: the deployment's
+        os.environ["GPU_TASKS_PROFILES_FILE"] = str(file.resolve())
     try:
+        from prefect.exceptions import ScriptError
         from prefect.flows import load_flow_from_entrypoint
 
-        flow: Any = load_flow_from_entrypoint(entrypoint)
+        flow: Any = load_flow_from_entrypoint(entrypoint, use_placeholder_flow=False)
     except Exception as exc:
+        if isinstance(exc, ScriptError):  # the script raised as it was imported: that error, not Prefect's
+            raised = exc.user_exc
+            fail(f"cannot load flow {entrypoint!r}: importing it raised {type(raised).__name__}: {raised}")
         fail(f"cannot load flow {entrypoint!r}: {exc} (use path/to/file.py:flow_name or module:flow_name)")
     try:
         info = deployment_info(flow, profiles_file=file, summary=summary)
     except GpuTasksError as exc:
-        fail(f"{type(exc).__name__}: {exc}")
+        fail(str(exc))
     if as_json:
         echo_json({"description": info.description, "tags": info.tags, "gpus": info.gpus})
         return
@@ -348,13 +366,29 @@ def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
         security = security_for(shared) if scheme == "tls" else None
     except ClusterError as exc:
         fail(str(exc).removeprefix(f"profile {name!r}: "))
+
+    # one deadline for it all: Dask's timeout= bounds the connect, not a handshake that never comes
+    async def read() -> Any:
+        client = Client(
+            shared.address, security=security, timeout=timeout, asynchronous=True, set_as_default=False
+        )
+        try:
+            await asyncio.wait_for(client, timeout)
+            return await asyncio.wait_for(client.get_metadata([BOARD], default=None), timeout)
+        finally:
+            await client.close(timeout=timeout)
+
     try:
-        with Client(shared.address, security=security, timeout=timeout, set_as_default=False) as client:
-            board = client.get_metadata([BOARD], default=None) or {}
+        board = asyncio.run(read()) or {}
+    except TimeoutError:
+        fail(
+            f"address {address!r}: no Dask scheduler answered within {timeout:g} s (--timeout); something "
+            "accepts connections there: check that it is a scheduler's address"
+        )
     except Exception as exc:
         fail(
-            f"address {address!r}: no Dask scheduler answered within {timeout:g} s ({type(exc).__name__}: "
-            f"{exc}); check that it is a scheduler's address"
+            f"address {address!r}: no Dask scheduler answered ({type(exc).__name__}: {exc}); check that it "
+            "is a scheduler's address"
         )
     rows = [
         dict(entry, token=token, effective_priority=effective_priority(entry))
@@ -397,8 +431,9 @@ def waiters(
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the scheduler.")] = 10.0,
 ) -> None:
     settings = load_settings()
-    if timeout <= 0:
-        fail(f"--timeout must be more than 0 seconds, got {timeout:g}")
+    if not (math.isfinite(timeout) and timeout > 0):
+        fail(f"--timeout must be a number of seconds more than 0, got {timeout:g}")
+    _warn_lease_dir(settings)
     here = lease_waiters(settings)
     board = _scheduler_board(address, timeout) if address is not None else []
     if as_json:

@@ -47,6 +47,7 @@ def setup(
     ] = "3770",
 ) -> None:
     settings = load_settings()
+    directory = directory.absolute()  # what every user sets, whatever their working directory
     if os.geteuid() != 0:
         fail(
             f"gpu-tasks leases setup must run as root (the lock files must belong to root): "
@@ -61,6 +62,8 @@ def setup(
     except ValueError:
         fail(f"--mode {mode!r}: an octal mode such as 3770 or 3775")
     addresses = list(device or [d.address for d in load_inventory(settings).devices])
+    if directory.parent.exists() and not directory.parent.is_dir():
+        fail(f"{str(directory.parent)!r} is a file, not a directory: choose another DIR")
     if not directory.parent.is_dir():
         fail(f"{str(directory.parent)!r} does not exist: make it first (mode 0755), then run this again")
     try:
@@ -70,7 +73,9 @@ def setup(
             os.chown(place, 0, 0)
             os.chmod(place, 0o1777)
             done.append(f"{place}: presence directory, owner root, mode 1777")
-    except (OSError, ValueError) as exc:
+    except ValueError as exc:  # the mode given
+        fail(f"--{exc}")
+    except OSError as exc:
         fail(f"could not set up {str(directory)!r}: {exc}", code=1)
     for line in done:
         say(line)

@@ -66,10 +66,21 @@ EmulateOption = Annotated[
 ]
 
 
+def _pipeline_flow() -> Any:
+    """The example's ``etl_train`` flow, or exit 2: its module builds its runner, which reads
+    GPU_TASKS_PROFILES_FILE and the settings, so a bad one fails here."""
+    try:
+        from gpu_tasks.pipeline.flow import etl_train
+    except GpuTasksError as exc:
+        fail(f"{type(exc).__name__}: {exc}")
+    return etl_train
+
+
 def _pipeline_devices(command: str, emulate: str | None) -> None:
     """Apply ``--emulate``; exit 2 when the pipeline's GPU stages could not run on this host."""
     from gpu_tasks.devices.emulation import ensure_devices, no_gpu_hint
-    from gpu_tasks.pipeline.flow import etl_train
+
+    etl_train = _pipeline_flow()
 
     def announce(message: str) -> None:
         err_console.print(Text(message, style="bold yellow"), soft_wrap=True)
@@ -77,7 +88,7 @@ def _pipeline_devices(command: str, emulate: str | None) -> None:
     try:
         ensure_devices(emulate, announce)
         inventory = discover()
-        profiles, _ = etl_train.task_runner.resolve_profiles()  # type: ignore[attr-defined]
+        profiles, _ = etl_train.task_runner.resolve_profiles()
     except GpuTasksError as exc:
         fail(f"--emulate {emulate!r}: {exc}" if emulate else f"{type(exc).__name__}: {exc}")
     for prof in profiles.values():  # the pipeline's profiles whose workers this host starts
@@ -238,11 +249,12 @@ def serve(
 
         construct_schedule(cron=cron)
     except Exception as exc:
-        fail(f"--cron {cron!r} is not a valid cron expression: {exc}")
+        errors = getattr(exc, "errors", None)  # pydantic's ValidationError: its first message, one line
+        why = errors()[0]["msg"].removeprefix("Value error, ") if callable(errors) else str(exc)
+        fail(f"--cron {cron!r} is not a valid cron expression ({why}): five fields, e.g. '0 2 * * *'")
     preflight(SERVE, pipeline_data_dir(None))
-    from gpu_tasks.pipeline.flow import etl_train
-
     _pipeline_devices(SERVE, emulate)
+    etl_train = _pipeline_flow()
     parameters: dict[str, Any] = {"scale": scale, "num_rounds": rounds}
     if limit is not None:
         parameters["limit"] = limit

@@ -8,7 +8,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from gpu_tasks.cli.common import app, console, echo_json, fail, load_settings, say
+from gpu_tasks.cli.common import app, console, echo_json, fail, load_settings, preflight, say
 from gpu_tasks.devices import fair_share, leases
 
 quotas_app = typer.Typer(
@@ -18,6 +18,10 @@ quotas_app = typer.Typer(
     no_args_is_help=False,
 )
 app.add_typer(quotas_app, name="quotas")
+
+
+# the most a Prefect concurrency limit holds (an INTEGER column: 32 bits on PostgreSQL)
+MOST = 2**31 - 1
 
 
 def _quota_api(what: str, fn: Any, *args: Any) -> Any:
@@ -43,6 +47,7 @@ def quotas_list(
     from gpu_tasks.prefect_api import quotas
 
     settings = load_settings()
+    preflight("quotas")  # a broken Prefect home or API: one line, not the ephemeral server's tracebacks
     rows = _quota_api("read the quotas", quotas.usage, leases.holders(settings.lease_dir))
     used = fair_share.read(settings.lease_dir, half_life=settings.fair_share_half_life)
     share = fair_share.shares(used)
@@ -109,8 +114,14 @@ def quotas_set(
         fail(
             f"devices must be at least 1 (got {devices}); `gpu-tasks quotas delete {name}` removes the quota"
         )
-    if borrowing_limit is not None and borrowing_limit < 0:
-        fail(f"--borrowing-limit must be at least 0 (got {borrowing_limit})")
+    if not devices <= MOST:
+        fail(f"devices must be at most {MOST:,} (got {devices}), the most a Prefect concurrency limit holds")
+    if borrowing_limit is not None and not 0 <= borrowing_limit <= MOST:
+        fail(f"--borrowing-limit must be 0 to {MOST:,} (got {borrowing_limit})")
+    if lending_limit is not None and not -1 <= lending_limit <= MOST:
+        fail(f"--lending-limit must be 0 to {MOST:,}, or -1 to remove the limit (got {lending_limit})")
+    load_settings()
+    preflight("quotas set")
     _quota_api(f"set quota {name!r}", quotas.set_limit, name, devices)
     say(f"quota {name!r}: at most {devices} device(s) at once ({quotas.limit_name(name)})")
     if borrowing_limit is not None or lending_limit is not None:
@@ -121,7 +132,7 @@ def quotas_set(
             f"({quotas.borrow_name(name)})"
         )
     if lending_limit is not None:
-        lends = "all of its unused quota" if lending_limit < 0 else f"at most {lending_limit} device(s)"
+        lends = "all" if lending_limit < 0 else f"at most {lending_limit} device(s)"
         say(f"quota {name!r}: lends {lends} of its unused quota ({quotas.lend_name(name)})")
 
 
@@ -129,6 +140,8 @@ def quotas_set(
 def quotas_delete(name: Annotated[str, typer.Argument(help="The quota's name.")]) -> None:
     from gpu_tasks.prefect_api import quotas
 
+    load_settings()
+    preflight("quotas delete")
     if not _quota_api(f"delete quota {name!r}", quotas.delete_limit, name):
         fail(f"no quota {name!r} ({quotas.limit_name(name)})", code=1)
     say(f"quota {name!r} deleted")

@@ -13,7 +13,7 @@ from typing import Any
 from gpu_tasks import preemption
 from gpu_tasks.devices import fair_share, leases, lending, programs, wait_reasons
 from gpu_tasks.devices.discovery import Device
-from gpu_tasks.devices.lease_files import LeaseFileError
+from gpu_tasks.devices.lease_files import WRITABLE_FIX, LeaseFileError
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.prefect_api import quotas
 from gpu_tasks.reporting.events import RunRef
@@ -23,7 +23,6 @@ logger = logging.getLogger(__name__)
 
 # what a waiter file carries for gpu_tasks.preemption beyond leases.enqueue's own fields
 _SHARED_WAITER_FIELDS = ("groups", "need", "preemptible", "preemption_grace", "quota")
-_WRITABLE = "; set GPU_TASKS_LEASE_DIR to a directory this user can write"
 # who runs a lease (leases.owner_info): left out of the holder info of this book's own
 _RUN_FIELDS = frozenset(("pid", "uid", "user", "hostname", "flow_run_name", "flow_run_id"))
 EXPLAIN_EVERY_S = 1.0  # how often a waiter works out why it waits
@@ -481,7 +480,7 @@ class DeviceBook:
         return None
 
     def _lease_error(self, owner: str, exc: OSError) -> ClusterError:
-        fix = "" if isinstance(exc, LeaseFileError) else _WRITABLE
+        fix = "" if isinstance(exc, LeaseFileError) else WRITABLE_FIX
         return ClusterError(f"profile {owner!r}: cannot lease devices in {str(self.lease_dir)!r}: {exc}{fix}")
 
     @staticmethod

@@ -22,6 +22,7 @@ HOLDER = "holder-"  # shared directories: holder-<quoted address>.<uid>.json, th
 SETUP_MODE = 0o3770  # setgid + sticky, group rwx, others nothing
 OPEN_FLAGS = os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
 _DOCS = "docs/shared-hosts.md, Several users on one host"
+WRITABLE_FIX = "; set GPU_TASKS_LEASE_DIR to a directory this user can write"
 
 
 class LeaseFileError(PermissionError):
@@ -84,8 +85,12 @@ def prepare(lease_dir: Path) -> bool:
 
 def problem(lease_dir: Path) -> str | None:
     """Why ``lease_dir`` cannot be used as it is (for ``gpu-tasks devices``), or ``None``."""
-    if not Path(lease_dir).is_dir():
-        return None
+    path = Path(lease_dir)
+    if not path.is_dir():  # made at the first lease, unless it or a parent is a file
+        there = next((p for p in (path, *path.parents) if p.exists()), None)
+        if there is None or there.is_dir():
+            return None
+        return f"lease directory {str(path)!r}: {str(there)!r} is a file, not a directory{WRITABLE_FIX}"
     try:
         prepare(Path(lease_dir))
     except LeaseFileError as exc:

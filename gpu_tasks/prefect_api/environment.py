@@ -211,12 +211,20 @@ def api_problem(url: str, command: str, timeout: float = API_TIMEOUT_S) -> str |
     """``PREFECT_API_URL`` does not answer as a Prefect API: one ``GET /health``, no retries."""
     import httpx
 
-    parts = urlsplit(url)
-    host = parts.hostname or "?"
-    port = parts.port or (443 if parts.scheme == "https" else 80)
     unset = f", or unset PREFECT_API_URL (gpu-tasks {command} starts its own)"
     if command.endswith("serve"):  # `example serve` needs a server of yours
         unset = ""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+    except ValueError:  # a port that is not a number
+        port = 0
+    if parts.scheme not in ("http", "https") or not parts.hostname or not port:
+        return (
+            f"PREFECT_API_URL {url!r} is not an http(s) URL of a server: set it to one such as "
+            f"http://127.0.0.1:4200/api{unset}"
+        )
+    host = parts.hostname
     fix = f"start it (`prefect server start --host 127.0.0.1 --port {port}`){unset}"
     free_port = (
         "run Prefect on a free port (`prefect server start --host 127.0.0.1 --port <free port>`) and point "
