@@ -24,6 +24,8 @@ from gpu_tasks.profiles import ResourceProfile
 GPU_RESOURCE = "GPU"
 # a gpu_memory_per_task profile's tasks ask for their bytes of it; its worker has slots x that
 GPU_MEMORY_RESOURCE = "GPU_MEMORY"
+# the profile's on_oom, in its workers' environment: their out-of-memory errors say where the task re-runs
+WORKER_ENV_ON_OOM = "_GPU_TASKS_WORKER_ON_OOM"
 
 
 def matching_devices(profile: ResourceProfile, inventory: Inventory) -> list[Device]:
@@ -51,23 +53,34 @@ def unsatisfiable_reason(profile: ResourceProfile, inventory: Inventory) -> str 
     if not inventory.devices:
         return f"profile {profile.name!r} asks for {wanted}, but this host has {inventory.describe()}"
     matching = matching_devices(profile, inventory)
-    if not matching and profile.by_memory:
-        model = (profile.gpu_model or "").lower()
-        largest = max((d.memory_total or 0 for d in inventory.devices if model in d.name.lower()), default=0)
+    # without the memory request: the devices gpu_model, gpu_memory_total and gpu_memory_free match
+    filtered = matching_devices(profile.model_copy(update={"gpu_memory_per_task": None}), inventory)
+    if not matching and filtered:
+        largest = max(d.memory_total or 0 for d in filtered)
         return (
             f"profile {profile.name!r} asks for {wanted}, more than any matching device's memory; "
             f"inventory: {inventory.describe()}. Lower gpu_memory_per_task to at most "
-            f"{largest / 2**30:.1f}GiB, or run the profile on a host with larger devices"
+            f"{largest / 2**30:.1f}GiB or run the profile on a host with larger devices"
         )
     if not matching:
+        fixes = {"gpu_model": "change", "gpu_memory_total": "lower", "gpu_memory_free": "lower"}
+        fields = [f for f in fixes if getattr(profile, f)]
+        off = dict.fromkeys(fields, None) | {"gpu_memory_per_task": None}
+        # at fault: each filter that alone matches no device (all of them), else their combination (one)
+        alone = [
+            f
+            for f in fields
+            if not matching_devices(profile.model_copy(update={**off, f: getattr(profile, f)}), inventory)
+        ]
+        fix = (" and " if alone else " or ").join(f"{fixes[f]} {f}" for f in alone or fields)
         return (
             f"profile {profile.name!r} asks for {wanted}, but no device matches; inventory: "
-            f"{inventory.describe()}"
+            f"{inventory.describe()}. {fix[0].upper()}{fix[1:]} to match a device"
         )
     if profile.devices_per_worker > len(matching):
         return (
             f"profile {profile.name!r} asks for {wanted} per task, but only {len(matching)} matching "
-            f"device(s) exist; inventory: {inventory.describe()}"
+            f"device(s) exist; inventory: {inventory.describe()}. Lower gpus to at most {len(matching)}"
         )
     return topology_reason(profile, inventory)
 
@@ -392,6 +405,8 @@ def worker_spec(
     slots = slots_per_worker(profile, cores, devices[0] if devices else None, free)
     env = dict(extra_env or {})
     env[WORKER_ENV_PROFILE] = profile.name
+    if profile.on_oom:
+        env[WORKER_ENV_ON_OOM] = profile.on_oom
     if profile.is_gpu:
         resources = {GPU_RESOURCE: float(len(devices))}
         env["CUDA_VISIBLE_DEVICES"] = ",".join(d.address for d in devices)

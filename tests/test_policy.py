@@ -117,7 +117,31 @@ def test_reason_when_too_few_matching_devices_for_one_task():
     reason = unsatisfiable_reason(ResourceProfile(name="wide", gpus=3, gpu_model="H100"), _inventory())
     assert reason is not None
     assert "profile 'wide'" in reason and "gpus=3" in reason
-    assert "only 2 matching device(s)" in reason
+    assert "only 2 matching device(s)" in reason and reason.endswith("Lower gpus to at most 2")
+
+
+@pytest.mark.parametrize(
+    ("filters", "fix"),
+    [
+        ({"gpu_model": "A100"}, "Change gpu_model to match a device"),
+        ({"gpu_memory_total": "100GiB"}, "Lower gpu_memory_total to match a device"),
+        ({"gpu_memory_free": "90GiB"}, "Lower gpu_memory_free to match a device"),
+        ({"gpu_model": "H100", "gpu_memory_free": "90GiB"}, "Lower gpu_memory_free to match a device"),
+        ({"gpu_model": "L4", "gpu_memory_total": "40GiB"}, "Change gpu_model or lower gpu_memory_total to"),
+        ({"gpu_model": "A100", "gpu_memory_total": "100GiB"}, "Change gpu_model and lower gpu_memory_total"),
+    ],
+)
+def test_a_memory_request_whose_other_filters_match_nothing_names_the_filter_at_fault(filters, fix):
+    """gpu_memory_per_task is blamed only when the other filters alone match a device."""
+    prof = ResourceProfile(name="m", gpu_memory_per_task="8GiB", **filters)
+    reason = unsatisfiable_reason(prof, _inventory()) or ""
+    assert "no device matches" in reason and fix in reason, reason
+    assert "gpu_memory_per_task to at most" not in reason, reason
+    too_big = ResourceProfile(name="m", gpu_memory_per_task="30GiB", gpu_model="L4")
+    reason = unsatisfiable_reason(too_big, _inventory()) or ""
+    assert reason.endswith(
+        "Lower gpu_memory_per_task to at most 24.0GiB or run the profile on a host with larger devices"
+    )
 
 
 @given(k=st.integers(min_value=2, max_value=MAX_SHARE), n=st.integers(min_value=0, max_value=8))

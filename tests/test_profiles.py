@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from gpu_tasks.errors import ProfileError, SettingsError
+from gpu_tasks.errors import ProfileError, SettingsError, UnknownProfileError
 from gpu_tasks.profiles import (
     MAX_SHARE,
     ResourceProfile,
@@ -18,6 +18,7 @@ from gpu_tasks.profiles import (
     profile,
     profile_from_tags,
     profiles_from_mapping,
+    requested_profile,
     resolve_profiles,
     use_profile,
 )
@@ -272,14 +273,35 @@ def test_invalid_profile_names_are_rejected(name):
 
 def test_longest_name_is_accepted():
     assert profile("a" * 63) == "profile:" + "a" * 63
+    with pytest.raises(ProfileError, match=r"\(at most 63 characters\)"):
+        profile("a" * 64)
 
 
 def test_profile_from_tags():
+    from prefect import task
+
     assert profile_from_tags([]) is None
     assert profile_from_tags(["etl", "nightly"]) is None
     assert profile_from_tags(["profile:gpu", "profile:gpu"]) == "gpu"
     with pytest.raises(ProfileError, match=r"several profiles \(cpu, gpu\)"):
         profile_from_tags(["profile:gpu", "x", "profile:cpu"])
+    train = task(name="train")(lambda: None)
+    with pytest.raises(ProfileError, match=r"^task 'train' carries tags for several profiles \(cpu, gpu\)"):
+        profile_from_tags(["profile:gpu", "profile:cpu"], train)
+
+
+@pytest.mark.parametrize("own", [["profile:"], ["profile:", "profile:gpu"], []])
+def test_a_bare_profile_tag_is_an_unknown_profile_not_the_default(own):
+    """``f"profile:{name}"`` with an empty name names no profile: an error, never the default."""
+    from prefect import tags, task
+
+    train = task(name="train", tags=own)(lambda: None)
+    where = "task 'train'" if own else "a block around task 'train'"
+    with tags(*([] if own else ["profile:"])):
+        with pytest.raises(
+            UnknownProfileError, match=rf"^{where} carries the tag 'profile:', which names no"
+        ):
+            requested_profile(train)
 
 
 def test_use_profile_sets_prefect_tags():

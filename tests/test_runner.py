@@ -259,14 +259,14 @@ def test_unknown_profile_fails_at_submit_listing_known_profiles():
 @pytest.mark.parametrize(
     "prof, words",
     [
-        (ResourceProfile(name="big", gpus=4), ["gpus=4", "2 matching", "H100"]),
+        (ResourceProfile(name="big", gpus=4), ["gpus=4", "2 matching", "H100", "Lower gpus to at most 2"]),
         (
             ResourceProfile(name="a100", gpus=1, gpu_model="A100"),
-            ["gpu_model='A100'", "no device matches", "H100"],
+            ["gpu_model='A100'", "no device matches", "H100", "Change gpu_model to match a device"],
         ),
         (
             ResourceProfile(name="huge", gpus=1, gpu_memory_total="200GiB"),
-            ["gpu_memory_total", "no device matches"],
+            ["gpu_memory_total", "no device matches", "Lower gpu_memory_total to match a device"],
         ),
     ],
 )
@@ -286,7 +286,9 @@ def test_unsatisfiable_profile_fails_fast_naming_request_and_inventory(prof, wor
     assert status["state"] == "absent", "no cluster was started for an unsatisfiable profile"
     for w in words:
         assert w in str(err)
-    assert "fallback='cpu'" in str(err)
+    # one fix (the profile's own; its words come last), and the fallback that is always open
+    assert str(err).endswith(f"{words[-1]}, or set fallback='cpu' on the profile"), str(err)
+    assert "Lower the request" not in str(err)
 
 
 def test_gpu_profile_on_a_host_without_gpus_says_how_to_emulate_or_fall_back(monkeypatch):

@@ -194,7 +194,22 @@ def test_two_different_profile_tags_fail_at_submit_naming_both(how):
     assert "several profiles (a, b)" in message
     fix = "keep exactly one profile:<name> tag" if how == "own-tags" else "its own profile tag, which wins"
     assert fix in message, message
+    assert "task 'where'" in message, message
     assert status["a"]["state"] == status["b"]["state"] == "absent", "nothing ran on either profile"
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_a_bare_profile_tag_fails_at_submit_instead_of_running_on_the_default():
+    @flow(task_runner=ProfileTaskRunner(profiles=TWO))
+    def f():
+        try:
+            return where.with_options(tags=["profile:"]).submit().result()
+        except UnknownProfileError as exc:
+            return str(exc)
+
+    message = f()
+    assert isinstance(message, str), f"ran on {message}"
+    assert message.startswith("task 'where' carries the tag 'profile:', which names no profile"), message
 
 
 @task(tags=[profile("a")])

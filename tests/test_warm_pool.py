@@ -352,6 +352,41 @@ def test_starting_a_warm_process_leaves_the_flow_processs_environment_alone(tmp_
     assert folder.st_uid == os.getuid() and folder.st_mode & 0o777 == 0o700
 
 
+@pytest.mark.parametrize("start", ["forkserver", "spawn"])
+def test_a_start_past_the_provision_timeout_says_to_raise_it(monkeypatch, start):
+    """The fix is the setting, with its value; the __main__ guard is named only where worker processes
+    are spawned (they re-import the flow's script), and no Dask log is promised."""
+    from gpu_tasks.cluster.within import within
+
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_START", start)
+    monkeypatch.delenv("GPU_TASKS_TUNE_WARM_WORKERS", raising=False)  # the default: a warm pool
+    gate = threading.Event()
+    try:
+        with pytest.raises(TimeoutError) as info:
+            within(0.05, gate.wait, "cluster of profile 'gpu'")
+    finally:
+        gate.set()
+    message = str(info.value)
+    assert message.startswith("cluster of profile 'gpu' did not start within 0.05s; if this host is slow or")
+    assert "raise GPU_TASKS_PROVISION_TIMEOUT (now 0.05s)" in message and "Dask log" not in message
+    assert ('__name__ == "__main__"' in message) == (start == "spawn"), message
+
+
+def test_a_warm_process_past_the_provision_timeout_names_the_timeout_and_the_fix(monkeypatch):
+    from gpu_tasks.worker.warm import WarmPool
+
+    monkeypatch.setenv("GPU_TASKS_TUNE_WARM_START", "spawn")  # a new interpreter: seconds of imports
+    pool = WarmPool(1)
+    try:
+        with pytest.raises(TimeoutError) as info:
+            pool.wait_ready(1, 0.05)
+    finally:
+        pool.close()
+    message = str(info.value)
+    assert "did not finish importing within 0.05s" in message, message  # the whole wait, not what was left
+    assert "raise GPU_TASKS_PROVISION_TIMEOUT (now 0.05s)" in message and '__name__ == "__main__"' in message
+
+
 def test_a_pool_started_in_the_background_is_ready_when_waited_for_and_leaves_no_thread():
     """The runner starts its pool from a thread of its own (a new fork server's imports hold up no
     task that needs no warm process): waiting for it gives ready processes, and its close leaves no

@@ -7,6 +7,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from gpu_tasks.settings import get_settings
+
 T = TypeVar("T")
 
 
@@ -37,13 +39,21 @@ def within(seconds: float, fn: Callable[[], T], what: str, hint: str | None = No
         with lock:
             box["abandoned"] = True
             value = box.get("value")
-        if value is None:
+        if value is None and hint:
             raise TimeoutError(
-                f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). "
+                f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). {hint}"
+            )
+        if value is None:
+            settings = get_settings()  # nanny workers and spawned warm ones re-import the flow's script
+            spawned = settings.warm_workers == 0 or settings.warm_start == "spawn"
+            raise TimeoutError(
+                f"{what} did not start within {seconds:g}s; if this host is slow or busy, raise "
+                f"GPU_TASKS_PROVISION_TIMEOUT (now {seconds:g}s)"
                 + (
-                    hint
-                    or "Worker processes are spawned and re-import the script that started the flow: "
-                    'guard the flow call with `if __name__ == "__main__":`, and see the Dask log above'
+                    ". Its worker processes are spawned and re-import the script that started the flow: "
+                    'a flow call not guarded by `if __name__ == "__main__":` also keeps them from starting'
+                    if spawned
+                    else ""
                 )
             )
     if "error" in box:

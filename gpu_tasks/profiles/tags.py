@@ -6,34 +6,45 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-from gpu_tasks.errors import ProfileError
+from gpu_tasks.errors import ProfileError, UnknownProfileError
 from gpu_tasks.profiles.model import _NAME_RE, TAG_PREFIX
 
 
 def profile_tag(name: str) -> str:
     """The tag that sends a task to profile ``name``: ``profile_tag("gpu") == "profile:gpu"``."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ProfileError(f"profile name {name!r} is not valid: use letters, digits, '_', '.', '-'")
+        raise ProfileError(
+            f"profile name {name!r} is not valid: start with a letter or digit and use only letters, "
+            "digits, '_', '.', '-' (at most 63 characters)"
+        )
     return f"{TAG_PREFIX}{name}"
 
 
 profile = profile_tag  # its first name, kept: tags=[profile("gpu")] works as before
 
 
-def profile_from_tags(tags: Iterable[str]) -> str | None:
-    """The profile named by ``profile:<name>`` tags, or ``None``; ``ProfileError`` when they name two."""
-    names = _profile_names(tags)
+def profile_from_tags(tags: Iterable[str], task: Any = None) -> str | None:
+    """The profile named by ``profile:<name>`` tags, or ``None``; ``ProfileError`` when they name two,
+    ``UnknownProfileError`` for a bare ``profile:`` (``task``: the task carrying them, named in both)."""
+    who = f"task {getattr(task, 'name', task)!r}" if task is not None else "a task"
+    names = _profile_names(tags, who)
     if len(names) > 1:
         raise ProfileError(
-            f"a task carries tags for several profiles ({', '.join(names)}); keep exactly one "
+            f"{who} carries tags for several profiles ({', '.join(names)}); keep exactly one "
             "profile:<name> tag"
         )
     return next(iter(names), None)
 
 
-def _profile_names(tags: Iterable[str]) -> list[str]:
-    """The distinct profile names of ``profile:<name>`` tags, sorted."""
-    return sorted({t[len(TAG_PREFIX) :] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)})
+def _profile_names(tags: Iterable[str], who: str) -> list[str]:
+    """The distinct profile names of ``profile:<name>`` tags, sorted; ``who`` carries them."""
+    names = sorted({t[len(TAG_PREFIX) :] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)})
+    if names[:1] == [""]:  # e.g. f"profile:{name}" with an empty name: never the default profile silently
+        raise UnknownProfileError(
+            f"{who} carries the tag {TAG_PREFIX!r}, which names no profile; put a profile's name after "
+            f"it ({TAG_PREFIX}<name>, or profile(name)), or drop the tag to run on the default profile"
+        )
+    return names
 
 
 @contextlib.contextmanager
@@ -50,14 +61,15 @@ def requested_profile(task: Any) -> str | None:
     ``prefect.tags`` blocks around the submit name, else ``None`` (the runner's default)."""
     from prefect.context import TagsContext
 
-    own = profile_from_tags(task.tags)
+    own = profile_from_tags(task.tags, task)
     if own is not None:
         return own
     tags_ctx = TagsContext.get()
-    names = _profile_names(tags_ctx.current_tags if tags_ctx else ())
+    name = getattr(task, "name", task)
+    names = _profile_names(tags_ctx.current_tags if tags_ctx else (), f"a block around task {name!r}")
     if len(names) > 1:
         raise ProfileError(
-            f"task {getattr(task, 'name', task)!r} was submitted inside blocks naming several profiles "
+            f"task {name!r} was submitted inside blocks naming several profiles "
             f"({', '.join(names)}) (use_profile / prefect.tags; inside a task, its parent's profile counts "
             "too); give the task its own profile tag, which wins, or keep one block"
         )

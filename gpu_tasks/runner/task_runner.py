@@ -266,9 +266,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             from gpu_tasks.devices.emulation import no_gpu_hint
 
             raise UnsatisfiableProfileError(f"task {task.name!r} cannot run: {reason}. {no_gpu_hint()}")
+        # the reason ends with its fix
         raise UnsatisfiableProfileError(
-            f"task {task.name!r} cannot run: {reason}. Lower the request, fix gpu_model/gpu_memory_total, "
-            "or set fallback='cpu' on the profile"
+            f"task {task.name!r} cannot run: {reason}, or set fallback='cpu' on the profile"
         )
 
     def submit(

@@ -39,7 +39,7 @@ from gpu_tasks.compat.prefect import (
 from gpu_tasks.compat.prefect_client import cap_client_waits
 from gpu_tasks.compat.prefect_server import drain_events, keep_slim_event_contexts
 from gpu_tasks.errors import GpuOutOfMemoryError, ProfileError, TaskPreempted
-from gpu_tasks.policy import GPU_RESOURCE
+from gpu_tasks.policy import GPU_RESOURCE, WORKER_ENV_ON_OOM
 from gpu_tasks.preemption import PreemptedRun
 from gpu_tasks.prefect_api.api import sync_client
 from gpu_tasks.prefect_api.backlog import wait_to_start
@@ -377,9 +377,15 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
         where = f"device(s) {','.join(alloc.devices)}" if alloc.devices else "CPU"
         if alloc.devices and alloc.emulated:
             where += " (emulated)"
+        on_oom = os.environ.get(WORKER_ENV_ON_OOM)  # set on the workers of a profile with on_oom
+        fix = (
+            f"The task re-runs once on profile {on_oom!r} (the profile's on_oom)"
+            if on_oom
+            else "Lower the task's memory use, or give the profile on_oom='<a larger profile>' to re-run "
+            "it there once"
+        )
         error = GpuOutOfMemoryError(
-            f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. Lower the "
-            "task's memory use, or give the profile on_oom='<a larger profile>' to re-run it there once"
+            f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. {fix}"
         )
         error.__cause__ = exc
         return error

@@ -141,11 +141,21 @@ class WarmProcess:
         pid: int | None = self.process.pid
         return pid
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, total: float | None = None) -> None:
         """Wait for the process to finish importing: ``TimeoutError``, or ``RuntimeError`` if it exited
-        (the pool and a profile may wait at once)."""
+        (the pool and a profile may wait at once). ``total``: the whole wait ``timeout`` is left of."""
         deadline = time.monotonic() + timeout
-        late = f"warm worker process {self.pid} did not finish importing within {timeout:g}s"
+        total = timeout if total is None else total
+        late = (
+            f"warm worker process {self.pid} did not finish importing within {total:g}s; if this host is "
+            f"slow or busy, raise GPU_TASKS_PROVISION_TIMEOUT (now {total:g}s)"
+            + (
+                ""
+                if self.forked
+                else ". It is spawned and re-imports the script that started the flow: a flow call not "
+                'guarded by `if __name__ == "__main__":` also keeps it from starting'
+            )
+        )
         if not self._reading.acquire(timeout=max(0.0, timeout)):
             raise TimeoutError(late)
         try:
@@ -329,7 +339,7 @@ class WarmPool:
                 return
             for proc in waiting:
                 try:
-                    proc.wait_ready(max(0.0, deadline - time.monotonic()))
+                    proc.wait_ready(max(0.0, deadline - time.monotonic()), total=timeout)
                 except RuntimeError:
                     failed += 1
                     self._discard(proc)

@@ -77,6 +77,11 @@ def test_on_oom_reruns_the_task_once_on_the_larger_profile(which: str):
     # its first attempt FAILED (then AwaitingRetry, Running): wait for the rerun's final state
     run = server_task_run(task_run_id, lambda r: r["state_type"] == "COMPLETED")
     assert run["state_type"] == "COMPLETED" and run["run_count"] == 2, run
+    if which == "raised":  # the failed attempt says where it re-runs, not to set what is set
+        _, states = api("GET", "/task_run_states/", params={"task_run_id": str(task_run_id)})
+        failed = [s["message"] for s in states if s["type"] == "FAILED"]
+        assert len(failed) == 1 and "The task re-runs once on profile 'big'" in failed[0], states
+        assert "give the profile on_oom" not in failed[0], failed
     escalated: list = []
     deadline = time.monotonic() + 30  # events are persisted in batches
     while not escalated and time.monotonic() < deadline:
