@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -110,3 +111,77 @@ def test_serve_rejects_bad_input(args, needle, monkeypatch):
         result = CliRunner().invoke(app, ["example", "serve", *args])
     assert result.exit_code == 2 and needle in result.stderr and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr  # one line, a pydantic dump neither
+
+
+def test_ctrl_c_on_serve_mid_run_reports_the_flow_run_crashed(tmp_path: Path, prefect_server):
+    """Ctrl-C on `gpu-tasks example serve` while a run's GPU clusters start: the run process closes and
+    reports Crashed; the serving runner must not SIGKILL it first (it did when the deployment was
+    served without its flow object: the flow run stayed Running for good)."""
+    import prefect.settings
+    import psutil
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k in ("GPU_TASKS_LEASE_DIR", "GPU_TASKS_PRESENCE_DIR") or not k.startswith("GPU_TASKS_")
+    }
+    env.update(
+        PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()),
+        GPU_TASKS_EMULATED_GPUS="2",
+        GPU_TASKS_DATA_DIR=str(tmp_path),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+    )
+    name = f"serve-ctrl-c-{os.getpid()}"
+    args = ["example", "serve", "--name", name, "--cron", "0 2 * * *", "--limit", "5000", "--rounds", "3"]
+    proc = subprocess.Popen(
+        [str(GPU_TASKS), *args],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # a terminal's Ctrl-C: SIGINT to the whole process group
+    )
+    try:
+        deployment = None
+        for _ in range(240):
+            code, body = api("GET", f"/deployments/name/etl-train/{name}")
+            if code == 200:
+                deployment = body
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.25)
+        assert deployment, "serve did not register the deployment"
+        code, run = api("POST", f"/deployments/{deployment['id']}/create_flow_run", json={})
+        assert code == 201, run
+        # the moment of the report: just after the first stage (CPU), while the GPU clusters start
+        for _ in range(600):
+            query = {"flow_runs": {"id": {"any_": [run["id"]]}}}
+            code, task_runs = api("POST", "/task_runs/filter", json=query)
+            assert code == 200, task_runs
+            if any(t["name"].startswith("ingest-") and t["state_type"] == "COMPLETED" for t in task_runs):
+                break
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        else:
+            pytest.fail("the run's ingest task never completed")
+        time.sleep(0.3)
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=60)
+        state = None
+        for _ in range(120):  # the run process reports Crashed before it exits; allow the API a moment
+            state = api("GET", f"/flow_runs/{run['id']}")[1]["state"]["type"]
+            if state != "RUNNING":
+                break
+            time.sleep(0.25)
+        assert state == "CRASHED", f"{state}\n{proc.stdout.read()[-3000:]}"
+        left = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, ProcessLookupError):
+                if p.status() != psutil.STATUS_ZOMBIE and os.getpgid(p.pid) == proc.pid:
+                    left.append(" ".join(p.cmdline())[:150])
+        assert not left, left
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()

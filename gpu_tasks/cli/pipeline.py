@@ -261,17 +261,18 @@ def serve(
     from gpu_tasks.deployments import deployment_info
 
     info = deployment_info(etl_train, summary="ETL -> train on GPU profiles (gpu-tasks example serve)")
-    deployment = etl_train.to_deployment(
+    # flow.serve, not prefect.serve(etl_train.to_deployment(...)): it registers the flow object with the
+    # runner, which then starts each run as a child that it waits for. A deployment alone is started as
+    # `python -m prefect.engine` through anyio, whose cancellation on Ctrl-C SIGKILLs the run process
+    # ~0.1 s later, before it can report Crashed: the flow run would stay Running for good.
+    etl_train.serve(
         name=name,
         cron=cron,
         parameters=parameters,
         entrypoint_type=EntrypointType.MODULE_PATH,
+        limit=process_limit,  # None: Prefect's default, as prefect.serve
         **info.kwargs(),
     )
-    from prefect import serve as prefect_serve
-
-    limits = {"limit": process_limit} if process_limit is not None else {}
-    prefect_serve(deployment, **limits)  # type: ignore[arg-type]  # to_deployment is sync here, outside an event loop
 
 
 def _deprecated_alias(command: Callable[..., None], name: str) -> None:
