@@ -154,7 +154,7 @@ def test_a_worker_that_dies_after_every_task_was_handed_out_is_replaced(tmp_path
     no later dispatch comes to grow the cluster again (at 100,000 tasks, one worker went on alone
     for 9 minutes). The tasks started after the death wait until one of them runs on the dead
     worker's device, so without a new worker there they time out and fail the test. Only the tasks
-    that had begun on the dead worker (at most its four slots) end Crashed: the ones Dask had only
+    running on the dead worker (at most its four slots) end Crashed: the ones Dask had only
     queued on it run again (before, they crashed with it: 20-odd of the 48)."""
     seen = tmp_path
 
@@ -193,8 +193,10 @@ def test_a_worker_that_dies_after_every_task_was_handed_out_is_replaced(tmp_path
     lost = [s for s in states if not s.is_completed()]
     assert lost and all(s.type == StateType.CRASHED and "SIGSEGV" in (s.message or "") for s in lost), lost
     assert all(f"device(s) {dead} (emulated)" in (s.message or "") for s in lost), lost
+    # at most its four slots: a task in one crashed with it whether its body had begun (a before-* file)
+    # or its run was still in Prefect's engine (a CI run under load: 4 crashed, 1 body begun there)
     begun_there = {p.name.split("-")[2] for p in seen.glob(f"before-{dead}-*")}
-    assert 1 <= len(lost) <= min(4, len(begun_there)), (len(lost), sorted(begun_there))
+    assert begun_there and 1 <= len(lost) <= 4, (len(lost), sorted(begun_there))
 
 
 # ---------------------------------------------------------------- BaseException raised by a task
