@@ -19,7 +19,9 @@ from gpu_tasks.cli import app
 GPU_TASKS = Path(sys.executable).with_name("gpu-tasks")
 
 
-def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Path, prefect_server):
+def _serve(tmp_path: Path, name: str, limit: int) -> subprocess.Popen[str]:
+    """`gpu-tasks example serve` on the session's server, in a process group of its own (a terminal's
+    Ctrl-C goes to the whole group), on two emulated devices."""
     import prefect.settings
 
     env = {
@@ -33,21 +35,9 @@ def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Pat
         GPU_TASKS_DATA_DIR=str(tmp_path),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
     )
-    name = f"serve-test-{os.getpid()}"
-    proc = subprocess.Popen(
-        [
-            str(GPU_TASKS),
-            "example",
-            "serve",
-            "--name",
-            name,
-            "--cron",
-            "0 2 * * *",
-            "--limit",
-            "15000",
-            "--rounds",
-            "3",
-        ],
+    args = ["example", "serve", "--name", name, "--cron", "0 2 * * *", "--limit", str(limit), "--rounds", "3"]
+    return subprocess.Popen(
+        [str(GPU_TASKS), *args],
         env=env,
         cwd=tmp_path,
         stdout=subprocess.PIPE,
@@ -55,16 +45,24 @@ def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Pat
         text=True,
         start_new_session=True,
     )
+
+
+def _registered(proc: subprocess.Popen[str], name: str) -> dict:
+    """The served deployment, once serve has registered it."""
+    for _ in range(240):
+        code, body = api("GET", f"/deployments/name/etl-train/{name}")
+        if code == 200:
+            return body
+        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.25)
+    raise AssertionError("serve did not register the deployment")
+
+
+def test_served_deployment_has_its_schedule_and_runs_to_completion(tmp_path: Path, prefect_server):
+    name = f"serve-test-{os.getpid()}"
+    proc = _serve(tmp_path, name, limit=15000)
     try:
-        deployment = None
-        for _ in range(240):  # the deployment appears once serve has registered it
-            code, body = api("GET", f"/deployments/name/etl-train/{name}")
-            if code == 200:
-                deployment = body
-                break
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.25)
-        assert deployment, "serve did not register the deployment"
+        deployment = _registered(proc, name)
         assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 2 * * *"]
         assert deployment["parameters"] == {"scale": 1, "num_rounds": 3, "limit": 15000}
         # the Deployments page says which profiles and GPUs it needs
@@ -117,41 +115,12 @@ def test_ctrl_c_on_serve_mid_run_reports_the_flow_run_crashed(tmp_path: Path, pr
     """Ctrl-C on `gpu-tasks example serve` while a run's GPU clusters start: the run process closes and
     reports Crashed; the serving runner must not SIGKILL it first (it did when the deployment was
     served without its flow object: the flow run stayed Running for good)."""
-    import prefect.settings
     import psutil
 
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k in ("GPU_TASKS_LEASE_DIR", "GPU_TASKS_PRESENCE_DIR") or not k.startswith("GPU_TASKS_")
-    }
-    env.update(
-        PREFECT_API_URL=str(prefect.settings.PREFECT_API_URL.value()),
-        GPU_TASKS_EMULATED_GPUS="2",
-        GPU_TASKS_DATA_DIR=str(tmp_path),
-        PREFECT_SERVER_ANALYTICS_ENABLED="false",
-    )
     name = f"serve-ctrl-c-{os.getpid()}"
-    args = ["example", "serve", "--name", name, "--cron", "0 2 * * *", "--limit", "5000", "--rounds", "3"]
-    proc = subprocess.Popen(
-        [str(GPU_TASKS), *args],
-        env=env,
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,  # a terminal's Ctrl-C: SIGINT to the whole process group
-    )
+    proc = _serve(tmp_path, name, limit=5000)
     try:
-        deployment = None
-        for _ in range(240):
-            code, body = api("GET", f"/deployments/name/etl-train/{name}")
-            if code == 200:
-                deployment = body
-                break
-            assert proc.poll() is None, proc.stdout.read()
-            time.sleep(0.25)
-        assert deployment, "serve did not register the deployment"
+        deployment = _registered(proc, name)
         code, run = api("POST", f"/deployments/{deployment['id']}/create_flow_run", json={})
         assert code == 201, run
         # the moment of the report: just after the first stage (CPU), while the GPU clusters start
