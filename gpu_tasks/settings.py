@@ -54,7 +54,7 @@ class GpuTasksSettings(BaseSettings):
         default=None,
         description="TOML file of `[profiles.<name>]` tables; its profiles replace the code's of the same "
         "name.",
-        json_schema_extra=_doc(takes="path", see="#profiles-from-a-toml-file"),
+        json_schema_extra=_doc(takes="path (empty: unset)", see="#profiles-from-a-toml-file"),
     )
     idle_timeout: float = Field(
         default=60.0,
@@ -289,6 +289,12 @@ class GpuTasksSettings(BaseSettings):
                 "must be a size such as 1GiB, 512MiB or a number of bytes; 0 lets no other program use a "
                 f"device gpu-tasks leases; got {value!r}"
             ) from None
+
+    @field_validator("profiles_file", mode="before")
+    @classmethod
+    def _empty_is_unset(cls, value: Any) -> Any:
+        # GPU_TASKS_PROFILES_FILE="" is an unset variable, not Path("."): the current directory
+        return None if isinstance(value, str) and not value.strip() else value
 
     @field_validator("dask_log_level", mode="before")
     @classmethod

@@ -144,3 +144,20 @@ def test_cli_names_what_a_flow_script_raised_and_reads_the_deployments_profiles_
         app, ["deployment-info", entrypoint, "--json", "-f", str(ROOT / "infra/profiles.toml")]
     )
     assert good.exit_code == 0 and json.loads(good.stdout)["gpus"] == 3, good.output
+
+
+def test_cli_rejects_a_profiles_file_whose_default_names_no_profile(tmp_path):
+    """As ``gpu-tasks profiles --file`` does, even where the flow's runner sets its own default=."""
+    path = tmp_path / "p.toml"
+    path.write_text('default = "nope"\n[profiles.gpu]\ngpus = 1\n')
+    out = CliRunner().invoke(
+        app, ["deployment-info", f"{ROOT}/flows/etl_train.py:etl_train", "-f", str(path)]
+    )
+    assert out.exit_code == 2, out.output
+    # one line, from the flow's own runner as its module is imported (where this process has not
+    # imported it before) or as deployment_info resolves its profiles
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("error: ") and line.endswith(
+        f"profiles file {str(path)!r}: default profile 'nope' is not defined; known profiles: cpu, gpu, "
+        "gpu-etl, gpu-train; add [profiles.nope] to the file or change its default"
+    ), line

@@ -211,7 +211,7 @@ def test_a_profiles_file_says_the_kind_and_a_foreign_field_names_the_file(tmp_pa
     with pytest.raises(ProfileError) as info:
         load_profiles_file(path)
     assert str(info.value).startswith(
-        f"profiles file {str(path)!r}, line 1: profile 'shared': memory applies to local profiles, "
+        f"profiles file {str(path)!r}, line 5: profile 'shared': memory applies to local profiles, "
         "not to this address profile"
     )
 

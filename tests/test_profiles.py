@@ -290,6 +290,33 @@ def test_profile_from_tags():
         profile_from_tags(["profile:gpu", "profile:cpu"], train)
 
 
+def test_a_profile_tag_prefix_in_another_case_is_read_not_ignored():
+    """``Profile:GPU`` sends the task to profile ``GPU`` (the name keeps its case), never to the
+    default; two names so written are two profiles."""
+    from prefect import task
+
+    assert profile_from_tags(["Profile:GPU"]) == "GPU"
+    assert profile_from_tags(["PROFILE:gpu", "profile:gpu"]) == "gpu"
+    with pytest.raises(ProfileError, match=r"^task 'train' carries tags for several profiles \(GPU, gpu\)"):
+        profile_from_tags(["Profile:GPU", "profile:gpu"], task(name="train")(lambda: None))
+    assert requested_profile(task(name="train", tags=["Profile:train"])(lambda: None)) == "train"
+
+
+def test_an_unknown_profiles_fix_names_the_near_match_and_never_an_invalid_name():
+    from gpu_tasks.profiles.tags import unknown_profile_fix
+
+    for asked in ("gpu", " GPU", "GPU "):  # profile:gpu, profile: GPU
+        assert unknown_profile_fix(asked, ["cpu", "GPU"]).startswith(
+            "Did you mean 'GPU'? Tag the task profile:GPU"
+        )
+    bad = unknown_profile_fix(" tpu", ["cpu", "GPU"])
+    assert "ResourceProfile(name=" not in bad and bad.startswith(
+        "' tpu' is not a valid profile name: fix the tag"
+    )
+    assert "(at most 63 characters)" in bad
+    assert unknown_profile_fix("tpu", ["cpu"]).startswith("Add a ResourceProfile(name='tpu', ...)")
+
+
 @pytest.mark.parametrize("own", [["profile:"], ["profile:", "profile:gpu"], []])
 def test_a_bare_profile_tag_is_an_unknown_profile_not_the_default(own):
     """``f"profile:{name}"`` with an empty name names no profile: an error, never the default."""
@@ -399,6 +426,26 @@ def test_missing_file_names_path_and_where_it_was_named(tmp_path):
     )
 
 
+def test_an_undefined_default_says_how_to_fix_it(tmp_path):
+    """default= naming no profile: define it or change default=; a file's default naming no profile
+    fails even where default= replaces it (``gpu-tasks profiles --file`` rejects that file too)."""
+    gpu = ResourceProfile(name="gpu", gpus=1)
+    with pytest.raises(UnknownProfileError) as info:
+        resolve_profiles([gpu], "fast")
+    assert str(info.value) == (
+        "default profile 'fast' is not defined; known profiles: gpu; define it "
+        "(ResourceProfile(name='fast', ...) in profiles=[...]) or change default="
+    )
+    path = tmp_path / "p.toml"
+    path.write_text('default = "nope"\n[profiles.gpu]\ngpus = 1\n')
+    with pytest.raises(UnknownProfileError) as info:
+        resolve_profiles([ResourceProfile(name="cpu")], "cpu", path)
+    assert str(info.value) == (
+        f"profiles file {str(path)!r}: default profile 'nope' is not defined; known profiles: cpu, gpu; "
+        "add [profiles.nope] to the file or change its default"
+    )
+
+
 def test_invalid_toml(tmp_path):
     path = tmp_path / "bad.toml"
     path.write_text("[profiles.gpu\ngpus = 1\n")
@@ -482,6 +529,13 @@ def test_settings_read_env(monkeypatch, tmp_path):
     assert s.dashboard is True
     assert resolve(None, "idle_timeout", s) == 2.5
     assert resolve(9, "idle_timeout", s) == 9
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_profiles_file_setting_is_unset(monkeypatch, value):
+    """GPU_TASKS_PROFILES_FILE="" is no file, as an unset variable: not Path("."), a directory."""
+    monkeypatch.setenv("GPU_TASKS_PROFILES_FILE", value)
+    assert get_settings().profiles_file is None
 
 
 def test_settings_defaults(monkeypatch):
@@ -579,6 +633,9 @@ def test_a_bad_field_in_a_profiles_file_is_named_with_its_line(tmp_path):
         ),
         '[profiles."gpu"]\ngpus = 1\nname = "other"\n': ", line 3: [profiles.gpu] sets name = 'other'",
         "\n[profiles.gpu]\ngpus = 2\nprocesses = false\n": ", line 2: profile 'gpu': processes=False is not",
+        # a rule across fields that starts with a field: that field's line
+        '[profiles.gpu]\ngpus = 1\nquota = "team a"\n': ", line 3: profile 'gpu': quota must be a name",
+        '[profiles.s]\ngpus = 1\ncluster_class = "a.B"\n': ", line 3: profile 's': cluster_class needs max_",
     }
     for i, (text, says) in enumerate(cases.items()):
         path = tmp_path / f"p{i}.toml"
@@ -586,3 +643,13 @@ def test_a_bad_field_in_a_profiles_file_is_named_with_its_line(tmp_path):
         with pytest.raises(ProfileError) as info:
             load_profiles_file(path)
         assert str(info.value).startswith(f"profiles file {str(path)!r}{says}"), (text, str(info.value))
+
+
+def test_a_deprecated_key_in_a_profiles_file_is_warned_at_its_line(tmp_path):
+    """``gpu_memory``'s FutureWarning names the file and the key's line, not the code that read it."""
+    path = tmp_path / "old.toml"
+    path.write_text('[profiles.cpu]\ncpus = 1\n\n[profiles.train]\ngpus = 1\ngpu_memory = "40GiB"\n')
+    with pytest.warns(FutureWarning, match="profile 'train': gpu_memory is deprecated") as caught:
+        profiles, _ = load_profiles_file(path)
+    assert [(w.filename, w.lineno) for w in caught] == [(str(path), 6)]
+    assert profiles["train"].gpu_memory_total == 40 * 2**30

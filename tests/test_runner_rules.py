@@ -212,6 +212,28 @@ def test_a_bare_profile_tag_fails_at_submit_instead_of_running_on_the_default():
     assert message.startswith("task 'where' carries the tag 'profile:', which names no profile"), message
 
 
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_an_unknown_profile_tag_names_the_profile_it_nearly_names():
+    """``profile:big`` or ``profile: Big`` where only ``Big`` is defined: did you mean 'Big'?, never
+    the fix ``ResourceProfile(name=' Big', ...)``, an invalid name."""
+    big = ResourceProfile(name="Big", cpus=0.5)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[CPU, big]))
+    def f(tag: str) -> str:
+        try:
+            return str(where.with_options(tags=[tag]).submit().result())
+        except UnknownProfileError as exc:
+            return str(exc)
+
+    for tag, asked in (("profile:big", "'big'"), ("profile: Big", "' Big'")):
+        message = f(tag)
+        assert message.startswith(f"task 'where' asks for profile {asked}, which this runner does not know")
+        assert message.endswith(
+            "known profiles: Big, cpu. Did you mean 'Big'? Tag the task profile:Big "
+            "(names are case-sensitive)"
+        ), message
+
+
 @task(tags=[profile("a")])
 def nested_parent() -> dict:
     """On profile a's worker: its child's own tag (a) wins over the block naming b around its

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gpu_tasks.errors import ProfileError, UnknownProfileError
-from gpu_tasks.profiles.model import ResourceProfile
+from gpu_tasks.profiles.model import WARN_AT, ResourceProfile
 
 if TYPE_CHECKING:
     from gpu_tasks.settings import GpuTasksSettings
@@ -18,10 +18,11 @@ DEFAULT_PROFILE = "cpu"  # untagged tasks run here; added as a plain CPU profile
 
 
 def profiles_from_mapping(
-    data: Mapping[str, Any], source: str = "profiles", text: str | None = None
+    data: Mapping[str, Any], source: str = "profiles", text: str | None = None, path: str | None = None
 ) -> dict[str, ResourceProfile]:
     """Build profiles from ``{"profiles": {name: {field: value}}}``; a ``ProfileError`` names ``source``
-    and, given ``text`` (the TOML they came from), the line at fault."""
+    and, given ``text`` (the TOML they came from), the line at fault; a warning names ``path``, the
+    file, and its line."""
     tables = data.get("profiles")
     if not isinstance(tables, Mapping) or not tables:
         raise ProfileError(f"{source}: expected [profiles.<name>] tables, e.g. [profiles.gpu] with gpus = 1")
@@ -43,11 +44,25 @@ def profiles_from_mapping(
             raise ProfileError(
                 f"{at(('name',))}: [profiles.{name}] sets name = {fields['name']!r}; drop it or make it match"
             )
+        where = None  # the old spelling's FutureWarning names the file's line (WARN_AT)
+        if path is not None and "gpu_memory" in fields:
+            where = (path, (text and line_of(text, ("profiles", name, "gpu_memory"))) or 0)
+        token = WARN_AT.set(where)
         try:
             out[name] = ResourceProfile(**{**fields, "name": name})
         except ProfileError as exc:
-            raise ProfileError(f"{at(exc.fields[0] if exc.fields else ())}: {exc}") from None
+            field = exc.fields[0] if exc.fields else ()
+            raise ProfileError(f"{at(field or _named_first(str(exc)))}: {exc}") from None
+        finally:
+            WARN_AT.reset(token)
     return out
+
+
+def _named_first(message: str) -> tuple[str, ...]:
+    """For a rule across fields (``profile 'x': quota applies to ...``), the field it names first,
+    whose line a file's message gives; ``()`` when it starts with none."""
+    first = message.split(": ", 1)[-1].split(" ", 1)[0]
+    return (first,) if first in ResourceProfile.model_fields else ()
 
 
 def line_of(text: str, path: tuple[str, ...]) -> int | None:
@@ -108,7 +123,7 @@ def load_profiles_file(path: str | Path, origin: str = "") -> tuple[dict[str, Re
     default = data.get("default")
     if default is not None and not isinstance(default, str):
         raise ProfileError(f"profiles file {str(path)!r}: default must be a profile name string")
-    return profiles_from_mapping(data, source=f"profiles file {str(path)!r}", text=text), default
+    return profiles_from_mapping(data, f"profiles file {str(path)!r}", text, str(path)), default
 
 
 def resolve_profiles(
@@ -126,11 +141,18 @@ def resolve_profiles(
         in_force.update(loaded)
     name = default or file_default or DEFAULT_PROFILE
     source = f"profiles file {str(path)!r}: " if default is None and file_default is not None else ""
+    known = ", ".join(sorted(in_force)) or "none"
+    # the file's default is checked even where default= replaces it: `gpu-tasks profiles --file` rejects it
+    if file_default not in (*in_force, DEFAULT_PROFILE, None):
+        raise UnknownProfileError(
+            f"profiles file {str(path)!r}: default profile {file_default!r} is not defined; known "
+            f"profiles: {known}; add [profiles.{file_default}] to the file or change its default"
+        )
     if name not in in_force:
         if name != DEFAULT_PROFILE:
             raise UnknownProfileError(
-                f"{source}default profile {name!r} is not defined; known profiles: "
-                f"{', '.join(sorted(in_force)) or 'none'}"
+                f"default profile {name!r} is not defined; known profiles: {known}; define it "
+                f"(ResourceProfile(name={name!r}, ...) in profiles=[...]) or change default="
             )
         in_force[DEFAULT_PROFILE] = ResourceProfile(name=DEFAULT_PROFILE)
     for p in in_force.values():

@@ -7,6 +7,7 @@ import re
 import sys
 import warnings
 from collections.abc import Mapping
+from contextvars import ContextVar
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -20,6 +21,10 @@ TAG_PREFIX = "profile:"
 MAX_SHARE = 64
 # \Z, not $: "$" also matches before a trailing newline, which let "gpu\n" through.
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,62}\Z")
+# where a profiles file sets the profile being built (file, line): its warnings point there, not at the
+# caller's line (typer's, under the CLI)
+WARN_AT: ContextVar[tuple[str, int] | None] = ContextVar("gpu_tasks_profile_warn_at", default=None)
+NAME_RULE = "start with a letter or digit and use only letters, digits, '_', '.', '-' (at most 63 characters)"
 
 
 def is_valid_name(name: str) -> bool:
@@ -332,10 +337,7 @@ class ResourceProfile(BaseModel):
     @classmethod
     def _name(cls, value: str) -> str:
         if not _NAME_RE.match(value):
-            raise ValueError(
-                "must start with a letter or digit and use only letters, digits, '_', '.', '-' "
-                "(at most 63 characters)"
-            )
+            raise ValueError(f"must {NAME_RULE}")
         return value
 
     @field_validator("cpus", "gpus", "max_workers", "idle_timeout", "priority", "min_run_time", mode="before")
@@ -559,15 +561,20 @@ def _old_gpu_memory(data: dict[str, Any]) -> dict[str, Any]:
     who = f"profile {name!r}" if isinstance(name, str) and name else "profile"
     total = f"gpu_memory_total={old!r} (devices with at least that much memory)"
     free = f" and gpu_memory_free={old!r} (that much free when a device is leased)"
-    warnings.warn(
+    message = (
         f"{who}: gpu_memory is deprecated: write {total}{free}, which it stood for, or only the one you mean"
         if "gpu_memory_free" in new
         else f"{who}: gpu_memory is deprecated: write {total}, which it stands for on this "
-        f"{data.get('kind')} profile",
-        FutureWarning,
-        stacklevel=_caller_level(),
+        f"{data.get('kind')} profile"
     )
+    if (at := WARN_AT.get()) is not None:  # once per file line
+        warnings.warn_explicit(message, FutureWarning, *at, registry=_WARNED.setdefault(at[0], {}))
+    else:
+        warnings.warn(message, FutureWarning, stacklevel=_caller_level())
     return new
+
+
+_WARNED: dict[str, dict[Any, Any]] = {}  # a warnings registry per profiles file
 
 
 def _caller_level() -> int:

@@ -7,16 +7,13 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from gpu_tasks.errors import ProfileError, UnknownProfileError
-from gpu_tasks.profiles.model import _NAME_RE, TAG_PREFIX
+from gpu_tasks.profiles.model import _NAME_RE, NAME_RULE, TAG_PREFIX
 
 
 def profile_tag(name: str) -> str:
     """The tag that sends a task to profile ``name``: ``profile_tag("gpu") == "profile:gpu"``."""
     if not isinstance(name, str) or not _NAME_RE.match(name):
-        raise ProfileError(
-            f"profile name {name!r} is not valid: start with a letter or digit and use only letters, "
-            "digits, '_', '.', '-' (at most 63 characters)"
-        )
+        raise ProfileError(f"profile name {name!r} is not valid: {NAME_RULE}")
     return f"{TAG_PREFIX}{name}"
 
 
@@ -37,14 +34,30 @@ def profile_from_tags(tags: Iterable[str], task: Any = None) -> str | None:
 
 
 def _profile_names(tags: Iterable[str], who: str) -> list[str]:
-    """The distinct profile names of ``profile:<name>`` tags, sorted; ``who`` carries them."""
-    names = sorted({t[len(TAG_PREFIX) :] for t in tags if isinstance(t, str) and t.startswith(TAG_PREFIX)})
+    """The distinct profile names of ``profile:<name>`` tags, sorted; ``who`` carries them. The prefix
+    is read in any case (``Profile:gpu`` too): a tag meant for a profile is never silently ignored."""
+    ours = (t for t in tags if isinstance(t, str) and t[: len(TAG_PREFIX)].lower() == TAG_PREFIX)
+    names = sorted({t[len(TAG_PREFIX) :] for t in ours})
     if names[:1] == [""]:  # e.g. f"profile:{name}" with an empty name: never the default profile silently
         raise UnknownProfileError(
             f"{who} carries the tag {TAG_PREFIX!r}, which names no profile; put a profile's name after "
             f"it ({TAG_PREFIX}<name>, or profile(name)), or drop the tag to run on the default profile"
         )
     return names
+
+
+def unknown_profile_fix(name: str, known: Iterable[str]) -> str:
+    """The fix for a tag naming profile ``name``, which is not in ``known``: the profile it nearly
+    names (another case, spaces around it), else the naming rule it breaks, else to define it."""
+    near = [k for k in sorted(known) if k.casefold() == name.strip().casefold()]
+    if near:
+        return f"Did you mean {near[0]!r}? Tag the task {TAG_PREFIX}{near[0]} (names are case-sensitive)"
+    if not _NAME_RE.match(name):
+        return f"{name!r} is not a valid profile name: fix the tag; a name must {NAME_RULE}"
+    return (
+        f"Add a ResourceProfile(name={name!r}, ...) to ProfileTaskRunner(profiles=[...]) or to "
+        "GPU_TASKS_PROFILES_FILE"
+    )
 
 
 @contextlib.contextmanager

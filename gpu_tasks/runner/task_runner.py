@@ -35,6 +35,7 @@ from gpu_tasks.profiles import (
     requested_profile,
     resolve_profiles,
 )
+from gpu_tasks.profiles.tags import unknown_profile_fix
 from gpu_tasks.reporting.alerts import AlertThresholds
 from gpu_tasks.reporting.artifacts import publish_run_artifacts
 from gpu_tasks.reporting.events import emit_run_summary
@@ -251,8 +252,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if prof is None:
             raise UnknownProfileError(
                 f"task {task.name!r} asks for profile {name!r}, which this runner does not know; known "
-                f"profiles: {', '.join(sorted(live.profiles))}. Add a ResourceProfile(name={name!r}, ...) "
-                "to ProfileTaskRunner(profiles=[...]) or to GPU_TASKS_PROFILES_FILE"
+                f"profiles: {', '.join(sorted(live.profiles))}. {unknown_profile_fix(name, live.profiles)}"
             )
         # an address or cluster_class profile's workers are checked when its cluster starts
         reason = (
