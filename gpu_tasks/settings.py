@@ -77,7 +77,10 @@ class GpuTasksSettings(BaseSettings):
         json_schema_extra=_doc(takes="command line", see="#devices"),
     )
     provision_timeout: float = Field(
-        default=120.0, gt=0, description="Seconds to wait for a profile's workers to start."
+        default=120.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds to wait for a profile's workers to start.",
     )
     dashboard: bool = Field(default=False, description="Start a Dask dashboard (127.0.0.1) per cluster.")
     lease_dir: Path = Field(

@@ -125,6 +125,33 @@ def test_devices_when_there_are_none(env, runner):
     }
 
 
+def test_devices_with_zero_emulated_says_none_are_emulated_and_the_fix(env, runner):
+    """GPU_TASKS_EMULATED_GPUS=0: no line says devices are EMULATED, nor asks to set what is set."""
+    env.setenv("GPU_TASKS_EMULATED_GPUS", "0")
+    out = _ok(runner.invoke(app, ["devices"]))
+    assert "EMULATED devices" not in out and "set GPU_TASKS_EMULATED_GPUS=2 (" not in out, out
+    assert "No devices: GPU_TASKS_EMULATED_GPUS='0' emulates none and hides this host's GPUs" in out, out
+    assert "Unset it to use this host's GPUs, or set GPU_TASKS_EMULATED_GPUS=2 to emulate 2 devices" in out
+    assert "Source: 0 emulated devices (GPU_TASKS_EMULATED_GPUS='0'); real GPUs are not looked for" in out
+
+
+@pytest.mark.processes
+def test_devices_piped_without_columns_keeps_the_tables_cells_whole(env):
+    """Output to no terminal (a pipe) and no COLUMNS: rich's 80 columns cut the cells (`Addre ss`)."""
+    environ = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    out = subprocess.run(
+        [sys.executable, "-m", "gpu_tasks.cli", "devices"],
+        env=environ,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
+    header = next((line for line in out.splitlines() if "Address" in line), "")
+    assert all(name in header for name in ("Memory total", "Compute capability", "Other programs")), out
+
+
 @pytest.mark.parametrize("value", ["H100:lots", "65", "H100:80GiB,,L4"])
 def test_devices_bad_emulated_env(env, runner, value):
     env.setenv("GPU_TASKS_EMULATED_GPUS", value)
@@ -444,6 +471,22 @@ def test_waiters_bad_address_names_the_input_not_an_internal_profile(env, runner
     for value in ("0", "-1", "nan", "inf"):
         err = _failed(runner.invoke(app, ["waiters", "--timeout", value]))
         assert "--timeout must be a number of seconds more than 0" in err, err
+
+
+@pytest.mark.parametrize("scheme", ["ucx", "ucxx"])
+def test_waiters_over_ucx_without_ucx_installed_say_so_at_once(env, runner, lease_dir, scheme):
+    import importlib.util
+
+    if importlib.util.find_spec("distributed_ucxx") is not None:
+        pytest.skip("UCX is installed here (distributed-ucxx)")
+    address = f"{scheme}://127.0.0.1:9"
+    t0 = time.monotonic()
+    err = _failed(runner.invoke(app, ["waiters", address, "--timeout", "30"]))
+    assert time.monotonic() - t0 < 15, "refused before the 30 s --timeout"
+    assert err.strip() == (
+        f"error: address {address!r}: the {scheme} protocol needs UCX installed (distributed-ucxx; on "
+        "PyPI distributed-ucxx-cu12 or -cu13): install it, or give the scheduler's tcp:// address"
+    ), err
 
 
 def test_waiters_at_a_port_that_never_answers_give_up_at_the_timeout(env, runner, lease_dir):

@@ -213,6 +213,26 @@ def test_the_book_skips_a_device_outsiders_use_and_takes_it_once_they_leave(outs
     strict.release("gpu", ["0", "1"])
 
 
+def test_the_lease_timeout_offers_to_raise_the_other_programs_limit_when_that_is_the_cause(
+    outsider, lease_dir
+):
+    from gpu_tasks.errors import ClusterError
+
+    pid = outsider()
+    (dev,) = parse_emulated(f"H100:80GiB@{pid}:60GiB")
+    book = DeviceBook(other_programs_memory=GiB, lease_timeout=0.5)
+    with pytest.raises(ClusterError) as info:
+        book.acquire("gpu", [(dev,)], 1, block=True)
+    fix = "raise GPU_TASKS_OTHER_PROGRAMS_MEMORY (now 1.00 GiB) above what they use"
+    assert fix in str(info.value) and "raise GPU_TASKS_LEASE_TIMEOUT (now 0.5s)" in str(info.value)
+    # too little free memory is no matter of that limit: it is not offered
+    roomy = DeviceBook(other_programs_memory=100 * GiB, lease_timeout=0.5)
+    with pytest.raises(ClusterError) as info:
+        roomy.acquire("big", [(dev,)], 1, block=True, need_memory=30 * GiB)
+    said = str(info.value)
+    assert "less than the 30.00 GiB" in said and "OTHER_PROGRAMS_MEMORY (now" not in said, said
+
+
 def test_cli_devices_names_the_programs_on_each_device(outsider, lease_dir, monkeypatch):
     pid = outsider()
     monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", f"H100:80GiB@{pid}:60GiB,H100:80GiB")

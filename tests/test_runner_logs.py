@@ -118,16 +118,19 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("dask_level", [None, "info"])
-def test_plain_script_run_logs_and_dask_chatter(tmp_path: Path, dask_level: str | None):
+@pytest.mark.parametrize(("dask_level", "warm"), [(None, None), ("info", None), (None, "0")])
+def test_plain_script_run_logs_and_dask_chatter(tmp_path: Path, dask_level: str | None, warm: str | None):
     """A plain script on Prefect's default ephemeral API, as a user runs it: the runner's lines are
-    in the terminal once and in the flow run's logs once; Dask's INFO lines only when asked for."""
+    in the terminal once and in the flow run's logs once; Dask's INFO lines only when asked for, from
+    warm workers and from nanny-started ones (``warm`` 0) alike."""
     from faults._procs import clean_env, db_rows, kill_marked, wait_gone
 
     marker = uuid.uuid4().hex
     (tmp_path / "plain.py").write_text(SCRIPT)
     home = tmp_path / "prefect-home"
     extra = {"GPU_TASKS_TUNE_DASK_LOG_LEVEL": dask_level} if dask_level else {}
+    if warm is not None:
+        extra["GPU_TASKS_TUNE_WARM_WORKERS"] = warm
     env = clean_env(marker, PREFECT_HOME=str(home), GPU_TASKS_EMULATED_GPUS="1", **extra)
     try:
         proc = subprocess.run(

@@ -66,6 +66,7 @@ def test_the_example_script_and_internal_variables_are_not_reported():
     [
         ("GPU_TASKS_IDLE_TIMEOUT", "-1", "greater than or equal to 0"),
         ("GPU_TASKS_IDLE_TIMEOUT", "soon", "valid number"),
+        ("GPU_TASKS_PROVISION_TIMEOUT", "inf", "finite number"),  # an endless wait failed every start
         ("GPU_TASKS_TUNE_WARM_WORKERS", "many", "valid integer"),
         ("GPU_TASKS_TUNE_WARM_START", "thread", "'forkserver' or 'spawn'"),
         ("GPU_TASKS_TUNE_QUOTA_LEASE_SECONDS", "5", "greater than or equal to 60"),

@@ -111,6 +111,32 @@ def test_no_pool_when_warm_workers_is_zero(monkeypatch, no_leaked_processes):
     assert task_["visible"] == task_["devices"][0]  # the nanny path binds the same way
 
 
+def test_no_pool_and_no_line_without_devices(monkeypatch, no_leaked_processes):
+    """No GPU and no emulation: no warm process could ever be bound, so none is started and the log
+    does not say "0 warm worker process(es) starting"."""
+    import logging
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "0")  # no devices, also on a host with GPUs
+    said: list[str] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    runner_log = logging.getLogger("gpu_tasks.runner")
+    runner_log.addHandler(handler)
+
+    @flow(task_runner=_runner())
+    def f() -> bool:
+        cpu_step.submit().result()
+        return FlowRunContext.get().task_runner._live.pool is None
+
+    try:
+        no_pool = f()
+    finally:
+        runner_log.removeHandler(handler)
+    assert any("gpu-tasks devices:" in line for line in said), said  # the runner's lines were seen
+    assert no_pool and not [line for line in said if "warm worker process" in line], said
+    assert not [line for line in said if "EMULATING" in line], said  # 0 emulated devices: no emulation
+
+
 BROKEN = textwrap.dedent(
     """
     import os, sys

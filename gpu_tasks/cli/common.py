@@ -4,6 +4,8 @@ and :func:`fail` (the rules all commands follow: :mod:`gpu_tasks.cli`)."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -27,9 +29,20 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+PIPED_WIDTH = 240  # columns of output to no terminal
+
+
+def _width(stream: Any) -> int | None:
+    """A console's width where it writes to no terminal (a pipe, a file): wide enough that tables are
+    not cut to rich's 80 columns there. None: rich's own (a terminal's width, or COLUMNS)."""
+    if "COLUMNS" in os.environ or getattr(stream, "isatty", lambda: False)():
+        return None
+    return PIPED_WIDTH
+
+
 # consoles resolve sys.stdout / sys.stderr when they print: test runners that swap them see the output
-console = Console(highlight=False)
-err_console = Console(stderr=True, highlight=False)
+console = Console(highlight=False, width=_width(sys.stdout))
+err_console = Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 
 @app.callback()

@@ -97,6 +97,12 @@ def devices(
             )
         console.print(table)
         _wiring(inventory)
+    elif inventory.emulated:  # GPU_TASKS_EMULATED_GPUS=0
+        say(
+            f"No devices: {inventory.detail} emulates none and hides this host's GPUs, so GPU profiles "
+            "cannot run here. Unset it to use this host's GPUs, or set "
+            f"GPU_TASKS_EMULATED_GPUS={DEFAULT_EMULATION} to emulate {DEFAULT_EMULATION} devices."
+        )
     else:
         say(
             "No devices: GPU profiles cannot run here. To try flows here anyway, set "
@@ -344,6 +350,19 @@ def _probe(address: str, host: str, port: int, timeout: float) -> None:
         fail(f"address {address!r}: cannot connect ({exc.strerror or exc}); check the host name and port")
 
 
+def _needs_ucx(address: str, scheme: str) -> None:
+    """Exit 2 when this Python cannot speak ``scheme`` (UCX not installed), before any connection."""
+    from distributed.comm.registry import get_backend
+
+    try:
+        get_backend(scheme).get_connector()
+    except Exception:
+        fail(
+            f"address {address!r}: the {scheme} protocol needs UCX installed (distributed-ucxx; on PyPI "
+            "distributed-ucxx-cu12 or -cu13): install it, or give the scheduler's tcp:// address"
+        )
+
+
 def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
     """The waiter board of the shared scheduler at ``address``, or exit 2 naming the address."""
     from distributed import Client
@@ -362,6 +381,8 @@ def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
     if scheme in ("", "tcp", "tls", "ws", "wss"):
         host, _, port = rest.rpartition(":")
         _probe(address, host, int(port), timeout)
+    else:  # ucx, ucxx: without distributed-ucxx, Dask has only a stub that cannot connect
+        _needs_ucx(address, scheme)
     try:
         security = security_for(shared) if scheme == "tls" else None
     except ClusterError as exc:
@@ -459,6 +480,8 @@ def size(value: int | None, unset: str = "-") -> str:
 
 def source_line(inventory: Inventory) -> Text:
     """Where the devices came from, in words."""
+    if inventory.source == "emulated" and not inventory.devices:
+        return Text(f"Source: 0 emulated devices ({inventory.detail}); real GPUs are not looked for")
     if inventory.source == "emulated":
         return Text(f"EMULATED devices: {EMULATION_MEANS} ({inventory.detail})", style="bold yellow")
     if inventory.source == "command":

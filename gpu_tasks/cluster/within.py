@@ -44,18 +44,11 @@ def within(seconds: float, fn: Callable[[], T], what: str, hint: str | None = No
                 f"{what} did not start within {seconds:g}s (GPU_TASKS_PROVISION_TIMEOUT). {hint}"
             )
         if value is None:
+            from gpu_tasks.worker.warm import provision_timeout_advice
+
             settings = get_settings()  # nanny workers and spawned warm ones re-import the flow's script
             spawned = settings.warm_workers == 0 or settings.warm_start == "spawn"
-            raise TimeoutError(
-                f"{what} did not start within {seconds:g}s; if this host is slow or busy, raise "
-                f"GPU_TASKS_PROVISION_TIMEOUT (now {seconds:g}s)"
-                + (
-                    ". Its worker processes are spawned and re-import the script that started the flow: "
-                    'a flow call not guarded by `if __name__ == "__main__":` also keeps them from starting'
-                    if spawned
-                    else ""
-                )
-            )
+            raise TimeoutError(provision_timeout_advice(f"{what} did not start", seconds, spawned))
     if "error" in box:
         raise box["error"]
     result: T = box["value"]

@@ -529,10 +529,11 @@ class DeviceBook:
     ) -> str:
         queued = f"; waiters that rank before it: {self.waiters_text(first)}" if first else ""
         used = f"; programs outside gpu-tasks: {_programs_text(others)}" if others else ""
+        beside = programs.limit_fix(others.values(), self.other_programs_memory)
         return (
             f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease"
             f"{' or use' if others else ''} ({self.holders_text(wanted)}{queued}{used}). Stop those flow runs"
-            f"{' or programs' if others else ''} or wait longer: raise "
+            f"{' or programs' if others else ''}{beside} or wait longer: raise "
             f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s); leases are in {str(self.lease_dir)!r} "
             "(GPU_TASKS_LEASE_DIR)"
         )

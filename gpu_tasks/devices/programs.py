@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,17 @@ class DeviceUse:
             "used_by_others": self.used,
             "programs": [asdict(p) for p in self.programs],
         }
+
+
+def limit_fix(reasons: Iterable[str], limit: int) -> str:
+    """``, or lease beside them: raise GPU_TASKS_OTHER_PROGRAMS_MEMORY ...,`` when :func:`blocked`'s
+    ``reasons`` include that limit (not too little free memory, which it does not change); else ``""``."""
+    if not any("(GPU_TASKS_OTHER_PROGRAMS_MEMORY" in why for why in reasons):
+        return ""
+    return (
+        f", or lease beside them: raise GPU_TASKS_OTHER_PROGRAMS_MEMORY (now {format_bytes(limit)}) above "
+        "what they use,"
+    )
 
 
 def blocked(use: DeviceUse, limit: int, need: int | None = None) -> str | None:

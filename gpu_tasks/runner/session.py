@@ -108,9 +108,12 @@ class Live:
         pooled = [p for p in local if uses_warm_pool(p, emulated)]
         if not pooled:
             return None
+        capacity = bound_at_most(pooled, self.inventory)
+        if capacity <= 0:  # no device to bind one to (no GPU, no emulation): no pool, no line
+            return None
         from gpu_tasks.worker.warm import WarmPool
 
-        pool = WarmPool(size, capacity=bound_at_most(pooled, self.inventory))
+        pool = WarmPool(size, capacity=capacity)
         target = pool.target()
         pool.start_in_background()  # a new fork server's imports hold up no task of this flow
         logger.info("gpu-tasks: %d warm worker process(es) starting (GPU_TASKS_TUNE_WARM_WORKERS)", target)
@@ -124,7 +127,7 @@ class Live:
             logger.info(
                 "gpu-tasks devices: %s (found in %.2f s)", self._inventory.describe(), time.monotonic() - t0
             )
-            if self._inventory.emulated:
+            if self._inventory.emulated and self._inventory.devices:  # GPU_TASKS_EMULATED_GPUS=0: none
                 logger.warning(
                     "gpu-tasks is EMULATING devices (%s): %s", self._inventory.detail, EMULATION_MEANS
                 )

@@ -4,6 +4,8 @@ It imports distributed (:class:`WatchedNanny`): import it lazily."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import signal
 import threading
 import time
@@ -28,6 +30,14 @@ class WorkerExit:
             mib = f" ({self.rss / 2**20:.0f} MiB resident)" if self.rss else ""
             return f"ran out of memory: it exceeded its Dask memory limit{mib} and was terminated"
         return describe_exitcode(self.exitcode)
+
+
+def quiet_worker(cls: Any, *args: Any, silence_logs: int | None = None, **kwargs: Any) -> Any:
+    """``cls(...)`` in a nanny's worker process, Dask's loggers there at ``silence_logs`` first
+    (GPU_TASKS_TUNE_DASK_LOG_LEVEL): Dask's nanny sets only its own logger's level there."""
+    if silence_logs:
+        logging.getLogger("distributed").setLevel(silence_logs)
+    return cls(*args, silence_logs=silence_logs, **kwargs)
 
 
 def describe_exitcode(exitcode: int | None) -> str:
@@ -98,6 +108,12 @@ def record_memory_kill(address: str | None, rss: int | None, pid: int | None) ->
 
 class WatchedNanny(nanny_class_with_exit_hook()):  # type: ignore[misc]  # a class built at import
     """Dask's nanny, noting how its worker process ended (exit code, memory kill) for crash reports."""
+
+    def __init__(self, *args: Any, worker_class: Any = None, **kwargs: Any) -> None:
+        from distributed import Worker
+
+        quiet = functools.partial(quiet_worker, worker_class or Worker)  # GPU_TASKS_TUNE_DASK_LOG_LEVEL
+        super().__init__(*args, worker_class=quiet, **kwargs)
 
     async def instantiate(self) -> Any:
         status = await super().instantiate()

@@ -55,6 +55,21 @@ REFILL_DELAY_S = 2.0  # from taking warm processes to starting their replacement
 _WHOLE_ENVIRON = "__gpu_tasks_whole_environ__"  # in a bind's env: it is the whole environment
 
 
+def provision_timeout_advice(what: str, seconds: float, spawned: bool) -> str:
+    """``what`` (``cluster ... did not start``) past the provision timeout of ``seconds``, and the fix;
+    ``spawned`` worker processes re-import the flow's script, so they name the ``__main__`` guard."""
+    return (
+        f"{what} within {seconds:g}s; if this host is slow or busy, raise GPU_TASKS_PROVISION_TIMEOUT "
+        f"(now {seconds:g}s)"
+        + (
+            ". Spawned worker processes re-import the script that started the flow: a flow call not "
+            'guarded by `if __name__ == "__main__":` also keeps them from starting'
+            if spawned
+            else ""
+        )
+    )
+
+
 def _child_main(conn: Connection, flow: int) -> None:
     """A warm process: import, say ready, wait for a bind, run one Dask worker or scheduler."""
     _worker_guard.start(os.getppid(), flow=flow)
@@ -146,15 +161,8 @@ class WarmProcess:
         (the pool and a profile may wait at once). ``total``: the whole wait ``timeout`` is left of."""
         deadline = time.monotonic() + timeout
         total = timeout if total is None else total
-        late = (
-            f"warm worker process {self.pid} did not finish importing within {total:g}s; if this host is "
-            f"slow or busy, raise GPU_TASKS_PROVISION_TIMEOUT (now {total:g}s)"
-            + (
-                ""
-                if self.forked
-                else ". It is spawned and re-imports the script that started the flow: a flow call not "
-                'guarded by `if __name__ == "__main__":` also keeps it from starting'
-            )
+        late = provision_timeout_advice(
+            f"warm worker process {self.pid} did not finish importing", total, spawned=not self.forked
         )
         if not self._reading.acquire(timeout=max(0.0, timeout)):
             raise TimeoutError(late)
