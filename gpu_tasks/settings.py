@@ -47,7 +47,11 @@ class GpuTasksSettings(BaseSettings):
     """Process-wide settings: field ``<f>`` is ``GPU_TASKS_<F>`` (user setting) or ``GPU_TASKS_TUNE_<F>``."""
 
     # frozen: get_settings hands the same object to every caller until a variable changes
-    model_config = SettingsConfigDict(env_prefix=PREFIX, extra="ignore", populate_by_name=True, frozen=True)
+    # no setting means "forever" by inf: a float one that was given inf or nan failed later, in a wait
+    # (GPU_TASKS_PROVISION_TIMEOUT=inf: every worker start, OverflowError)
+    model_config = SettingsConfigDict(
+        env_prefix=PREFIX, extra="ignore", populate_by_name=True, frozen=True, allow_inf_nan=False
+    )
 
     # ---- user settings (docs/profiles.md, first table)
     profiles_file: Path | None = Field(
@@ -77,10 +81,7 @@ class GpuTasksSettings(BaseSettings):
         json_schema_extra=_doc(takes="command line", see="#devices"),
     )
     provision_timeout: float = Field(
-        default=120.0,
-        gt=0,
-        allow_inf_nan=False,
-        description="Seconds to wait for a profile's workers to start.",
+        default=120.0, gt=0, description="Seconds to wait for a profile's workers to start."
     )
     dashboard: bool = Field(default=False, description="Start a Dask dashboard (127.0.0.1) per cluster.")
     lease_dir: Path = Field(

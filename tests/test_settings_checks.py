@@ -81,6 +81,19 @@ def test_a_bad_value_is_one_line_naming_the_variable(monkeypatch, var, value, sa
     assert text.count("\n") == 0 and text.startswith(f"invalid setting {var}={value!r}: ") and says in text
 
 
+def test_no_float_setting_takes_inf_or_nan(monkeypatch):
+    """Each waits or compares with its value; none means 'forever' by inf (0 is 'never' where one can)."""
+    floats = [f for f, info in GpuTasksSettings.model_fields.items() if info.annotation is float]
+    assert "lease_timeout" in floats and "idle_timeout" in floats
+    for field in floats:
+        var = variable(field)
+        for value in ("inf", "nan"):
+            monkeypatch.setenv(var, value)
+            with pytest.raises(SettingsError, match="finite number"):
+                get_settings()
+        monkeypatch.delenv(var)
+
+
 def test_building_a_runner_checks_the_settings(monkeypatch, caplog):
     monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "-1")
     with pytest.raises(SettingsError, match="GPU_TASKS_IDLE_TIMEOUT='-1'"):
