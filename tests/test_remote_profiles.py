@@ -188,6 +188,19 @@ def test_a_scheduler_address_that_refuses_connections_is_named_at_once():
     assert scheduler_unreachable("ucx://127.0.0.1:1", 1.0) is None  # not TCP: the client finds out
 
 
+def test_a_ucx_address_without_ucx_installed_fails_saying_so_before_any_client():
+    import importlib.util
+
+    from gpu_tasks.cluster.address import AddressCluster
+
+    if importlib.util.find_spec("distributed_ucxx") is not None:
+        pytest.skip("UCX is installed here (distributed-ucxx)")
+    cluster = AddressCluster(ResourceProfile(name="u", gpus=1, address="ucx://127.0.0.1:1"), {}, 5.0)
+    with pytest.raises(ClusterError, match=r"'u': cannot use ucx://127.0.0.1:1: the ucx protocol needs UCX"):
+        cluster.start(1)
+    assert cluster.client is None
+
+
 def _free_port() -> int:
     import socket
 

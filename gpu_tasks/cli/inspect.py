@@ -350,23 +350,11 @@ def _probe(address: str, host: str, port: int, timeout: float) -> None:
         fail(f"address {address!r}: cannot connect ({exc.strerror or exc}); check the host name and port")
 
 
-def _needs_ucx(address: str, scheme: str) -> None:
-    """Exit 2 when this Python cannot speak ``scheme`` (UCX not installed), before any connection."""
-    from distributed.comm.registry import get_backend
-
-    try:
-        get_backend(scheme).get_connector()
-    except Exception:
-        fail(
-            f"address {address!r}: the {scheme} protocol needs UCX installed (distributed-ucxx; on PyPI "
-            "distributed-ucxx-cu12 or -cu13): install it, or give the scheduler's tcp:// address"
-        )
-
-
 def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
     """The waiter board of the shared scheduler at ``address``, or exit 2 naming the address."""
     from distributed import Client
 
+    from gpu_tasks.cluster.address import ucx_missing
     from gpu_tasks.cluster.board import BOARD, effective_priority
     from gpu_tasks.cluster.remote import security_for
     from gpu_tasks.devices.wait_reasons import board_reason
@@ -381,8 +369,8 @@ def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
     if scheme in ("", "tcp", "tls", "ws", "wss"):
         host, _, port = rest.rpartition(":")
         _probe(address, host, int(port), timeout)
-    else:  # ucx, ucxx: without distributed-ucxx, Dask has only a stub that cannot connect
-        _needs_ucx(address, scheme)
+    elif (why := ucx_missing(shared.address)) is not None:  # ucx, ucxx
+        fail(f"address {address!r}: {why}")
     try:
         security = security_for(shared) if scheme == "tls" else None
     except ClusterError as exc:

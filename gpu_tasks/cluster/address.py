@@ -3,14 +3,13 @@ shared scheduler's ``GPU`` resources arbitrate between flow runs and hosts."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from typing import Any
 
 from gpu_tasks.cluster.board import SharedBoard
 from gpu_tasks.cluster.remote import RemoteCluster, security_for
-from gpu_tasks.cluster.within import within
+from gpu_tasks.cluster.within import dask_client, within
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE, task_resources
 from gpu_tasks.reporting.ledger import LedgerRow
@@ -49,6 +48,24 @@ def scheduler_unreachable(address: str, within: float) -> str | None:
             return f"{(exc.strerror or str(exc)).lower()} ({host}, port {port})"
 
 
+def ucx_missing(address: str) -> str | None:
+    """Why this Python cannot speak the ucx/ucxx protocol of Dask ``address`` (``None``: another
+    protocol, or it can): without distributed-ucxx, Dask has only a stub that cannot connect."""
+    from distributed.comm.registry import get_backend
+
+    scheme = address.partition("://")[0]
+    if scheme not in ("ucx", "ucxx"):
+        return None
+    try:
+        get_backend(scheme).get_connector()
+    except Exception:
+        return (
+            f"the {scheme} protocol needs UCX installed (distributed-ucxx; on PyPI distributed-ucxx-cu12 or "
+            "-cu13): install it, or give the scheduler's tcp:// address"
+        )
+    return None
+
+
 class AddressCluster(RemoteCluster):
     """A client to an existing Dask cluster."""
 
@@ -72,11 +89,11 @@ class AddressCluster(RemoteCluster):
         return len(self._fit) if self.client is not None else 0
 
     def start(self, n_workers: int) -> None:
-        from distributed import Client
-
         t0 = time.monotonic()
         deadline = t0 + self.provision_timeout
         address = self.scheduler_address
+        if (missing := ucx_missing(address)) is not None:
+            raise ClusterError(f"profile {self.profile.name!r}: cannot use {address}: {missing}")
         why = scheduler_unreachable(address, min(SCHEDULER_PROBE_S, self.provision_timeout))
         if why is not None:
             raise ClusterError(
@@ -87,7 +104,7 @@ class AddressCluster(RemoteCluster):
         try:
             client = within(
                 self.provision_timeout,
-                lambda: Client(
+                lambda: dask_client(
                     address,
                     security=security,
                     timeout=self.provision_timeout,
@@ -98,18 +115,15 @@ class AddressCluster(RemoteCluster):
                 hint=f"The scheduler at {address} accepts connections but did not answer as a Dask scheduler",
             )
         except Exception as exc:
-            # a Client whose constructor raised sits in a reference cycle; collected while another
-            # client starts, it can hang that one: collect it now
-            gc.collect()
             hint = (
                 "check the scheduler's certificates and the profile's security (or GPU_TASKS_TLS_*)"
                 if address.startswith("tls://")
                 else "if the scheduler uses TLS, use a tls:// address with security"
             )
             raise ClusterError(
-                f"profile {self.profile.name!r}: cannot connect to the Dask scheduler at {address} within "
-                f"{self.provision_timeout:g}s: {type(exc).__name__}: {exc}. Check that the scheduler runs "
-                f"and this host can reach it (address, port, firewall); {hint}"
+                f"profile {self.profile.name!r}: cannot connect to the Dask scheduler at {address}: "
+                f"{type(exc).__name__}: {exc}. Check that the scheduler runs and this host can reach it "
+                f"(address, port, firewall); {hint}"
             ) from exc
         self.client = client
         try:
@@ -128,11 +142,12 @@ class AddressCluster(RemoteCluster):
         busy = [w for w in self._fit if w.gpus]
         logger.info(
             "profile %r: connected to %s; %d worker(s) can run its tasks (%s); tasks wait in that "
-            "scheduler's queue while other work uses their GPU resources",
+            "scheduler's queue while other work uses their %s",
             self.profile.name,
             address,
             len(self._fit),
             "; ".join(w.describe() for w in (busy or self._fit)),
+            "GPU resources" if self.profile.is_gpu else "threads",
         )
 
     def scale_to(self, n_workers: int) -> int:
@@ -146,11 +161,12 @@ class AddressCluster(RemoteCluster):
         self._cancel_unfinished()
         self.shutdown()
         logger.info(
-            "profile %r: closed its client of %s (%s); its tasks used %.1f device-s",
+            "profile %r: closed its client of %s (%s); its tasks used %.1f %s",
             self.profile.name,
             self.scheduler_address,
             reason,
             row.busy_seconds,
+            self.unit,
         )
         self.usage.reset()
         return row

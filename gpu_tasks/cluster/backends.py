@@ -16,7 +16,7 @@ from typing import Any
 
 from gpu_tasks import _gpu
 from gpu_tasks.allocation import Allocation
-from gpu_tasks.cluster.within import within
+from gpu_tasks.cluster.within import dask_client, within
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.policy import GPU_RESOURCE, WorkerSpec
 from gpu_tasks.profiles import ResourceProfile
@@ -219,15 +219,13 @@ class DaskBackend(Backend):
         pool: Any = None,
         cuda: dict[str, Any] | None = None,
     ) -> None:
-        from distributed import Client
-
         self.cluster = cluster
         self.timeout = timeout
         self.pool = pool  # warm processes for the workers it adds (gpu_tasks.worker.warm)
         self.cuda = cuda  # dask-cuda's worker setup for them (real GPUs), as nanny_spec takes it
         self.client = None
         try:
-            self.client = Client(cluster, set_as_default=False, timeout=timeout)
+            self.client = dask_client(cluster, set_as_default=False, timeout=timeout)
             if n_workers:  # none yet: a warm pool's workers come with add(), after their lease
                 self.client.wait_for_workers(n_workers, timeout=timeout)
         except BaseException:

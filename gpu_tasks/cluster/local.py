@@ -121,6 +121,11 @@ class ProfileCluster:
         return bool(self.profile.is_gpu and self.inventory.emulated)
 
     @property
+    def unit(self) -> str:
+        """Of the held and busy time its log lines tell."""
+        return "device-s" if self.profile.is_gpu else "worker-s"
+
+    @property
     def queue_priority(self) -> int | None:
         """The priority it holds this host's devices at; ``None`` for profiles that never queue here."""
         return self.priority if self.profile.is_gpu and self.profile.is_local else None
@@ -397,16 +402,15 @@ class ProfileCluster:
         return row
 
     def _log_given_back(self, what: str, reason: str, row: LedgerRow) -> None:
-        unit = "device-s" if self.profile.is_gpu else "worker-s"
         logger.info(
             "profile %r: %s (%s); held %.1f %s, busy %.1f %s",
             self.profile.name,
             what,
             reason,
             row.held_seconds,
-            unit,
+            self.unit,
             row.busy_seconds,
-            unit,
+            self.unit,
         )
 
     def _queueing(self) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Any
 from gpu_tasks.cluster.backends import _non_daemon_workers, shared_config
 from gpu_tasks.cluster.remote import RemoteCluster
 from gpu_tasks.cluster.remote_workers import RemoteWorker, read_workers
-from gpu_tasks.cluster.within import within
+from gpu_tasks.cluster.within import dask_client, within
 from gpu_tasks.compat import warn_if_changed
 from gpu_tasks.compat.cpython import signal_handlers_kept
 from gpu_tasks.compat.dask_gateway import drop_stopped_loop_runner
@@ -96,6 +96,7 @@ class ManagedCluster(RemoteCluster):
         want = self.limit if self.profile.gang else max(1, min(n_workers, self.limit))
         self._ask(want)
         try:
+            self._await_workers(t0 + self.provision_timeout)
             workers = self._connected_workers(
                 want if self.profile.gang else 1, t0 + self.provision_timeout, f"scaled to {want}"
             )
@@ -129,14 +130,7 @@ class ManagedCluster(RemoteCluster):
         try:
             manager = within(self.provision_timeout, make, f"cluster of profile {self.profile.name!r}")
         except Exception as exc:
-            # TypeError or ValueError for arguments the class does not take; anything else its own
-            rejected = isinstance(exc, (TypeError, ValueError))
-            raise ClusterError(
-                f"profile {self.profile.name!r}: {name}(**cluster_kwargs) "
-                + (f"rejected cluster_kwargs {sorted(self.profile.cluster_kwargs)}" if rejected else "failed")
-                + f": {type(exc).__name__}: {exc}; fix cluster_kwargs to match {name}'s arguments"
-                + ("" if rejected else " or the cluster manager's configuration")
-            ) from exc
+            raise self._kwargs_error(exc, f"{name}(**cluster_kwargs)") from exc
         self.manager = manager
         if not isinstance(getattr(manager, "scheduler_address", None), str):
             self.shutdown()
@@ -147,12 +141,52 @@ class ManagedCluster(RemoteCluster):
                 "scheduler_address such as dask_gateway.GatewayCluster)"
             )
         try:
-            from distributed import Client
-
-            self.client = Client(manager, set_as_default=False, timeout=self.provision_timeout)
+            self.client = dask_client(manager, set_as_default=False, timeout=self.provision_timeout)
         except BaseException:
             self.shutdown()
             raise
+
+    def _kwargs_error(self, exc: BaseException, what: str) -> ClusterError:
+        # TypeError or ValueError for arguments the class (or its workers) do not take; anything else its own
+        name, rejected = self.profile.cluster_class, isinstance(exc, (TypeError, ValueError))
+        return ClusterError(
+            f"profile {self.profile.name!r}: {what} "
+            + (f"rejected cluster_kwargs {sorted(self.profile.cluster_kwargs)}" if rejected else "failed")
+            + f": {type(exc).__name__}: {exc}; fix cluster_kwargs to match {name}'s arguments"
+            + ("" if rejected else " or the cluster manager's configuration")
+        )
+
+    no_workers_hint = (
+        "its workers may have failed to start: the cluster manager logs why (a class that starts them in "
+        "this process, such as LocalCluster, in the flow run's output; dask-jobqueue in the jobs' output "
+        "files), else check that they can reach the scheduler"
+    )
+
+    def _await_workers(self, deadline: float) -> None:
+        """Await a SpecCluster's (LocalCluster's, dask-jobqueue's) workers: one that cannot be created
+        or started raises its error at once, rather than never joining until the provision timeout."""
+        from distributed import SpecCluster
+        from distributed.core import Status
+
+        manager = self.manager
+        if not isinstance(manager, SpecCluster):
+            return
+
+        async def started() -> None:
+            await manager  # creates the workers asked for, and starts them
+            for worker in list(manager.workers.values()):
+                if worker.status == Status.failed:
+                    await worker  # raises why it failed to start
+
+        try:
+            with _non_daemon_workers():
+                manager.sync(started, callback_timeout=max(0.1, deadline - time.monotonic()))
+        except Exception as exc:
+            if time.monotonic() < deadline:  # (else the wait for them says how many joined in time)
+                cause: BaseException = exc
+                while cause.__cause__ is not None:  # RuntimeError: Nanny failed to start: its cause
+                    cause = cause.__cause__
+                raise self._kwargs_error(cause, f"{self.profile.cluster_class}'s worker") from exc
 
     def _ask(self, n: int) -> None:
         """Scale the cluster manager to ``n`` workers; held time starts now for the new ones."""
@@ -203,7 +237,7 @@ class ManagedCluster(RemoteCluster):
         closed = time.time()
         with contextlib.suppress(Exception):
             self._note(read_workers(self.client))
-        per = max(1, self.profile.devices_per_worker)
+        per = max(1, self.profile.devices_per_worker) if self._seen else 0  # none ever joined: none held
         held = sum(closed - t for t in self._asked) * per
         row = self._busy_row(held, len(self._asked), reason, closed)
         if not row.devices:
@@ -221,12 +255,14 @@ class ManagedCluster(RemoteCluster):
         self._seen = {}
         self.usage.reset()
         logger.info(
-            "profile %r: scaled %s to zero (%s); held %.1f device-s, busy %.1f device-s",
+            "profile %r: scaled %s to zero (%s); held %.1f %s, busy %.1f %s",
             self.profile.name,
             self.profile.cluster_class,
             reason,
             row.held_seconds,
+            self.unit,
             row.busy_seconds,
+            self.unit,
         )
         return row
 

@@ -423,7 +423,7 @@ class RemoteCluster(ProfileCluster):
                 raise ClusterError(
                     f"profile {self.profile.name!r}: {what}: {len(workers)} of {want} worker(s) joined "
                     f"{self.scheduler_address} within {self.provision_timeout:g}s "
-                    "(GPU_TASKS_PROVISION_TIMEOUT); check that workers can start and reach the scheduler"
+                    f"(GPU_TASKS_PROVISION_TIMEOUT); {self.no_workers_hint}"
                 )
             if now >= next_log:
                 logger.info(
@@ -435,6 +435,8 @@ class RemoteCluster(ProfileCluster):
                 )
                 next_log = now + _WAIT_LOG_EVERY
             time.sleep(0.1)
+
+    no_workers_hint = "check that workers can start and reach the scheduler"
 
     def _check_workers(self, workers: dict[str, RemoteWorker]) -> list[RemoteWorker]:
         """The workers that can run this profile's tasks; fail when none ever can."""

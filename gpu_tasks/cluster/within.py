@@ -1,8 +1,9 @@
-"""A blocking start with a deadline: :func:`within`."""
+"""A blocking start with a deadline: :func:`within`; a Dask client that fails cleanly: :func:`dask_client`."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -53,3 +54,21 @@ def within(seconds: float, fn: Callable[[], T], what: str, hint: str | None = No
         raise box["error"]
     result: T = box["value"]
     return result
+
+
+def dask_client(*args: Any, **kwargs: Any) -> Any:
+    """``distributed.Client(*args, **kwargs)``. One whose constructor raised is collected here, while its
+    loop runs: the traceback of its error (kept: a failed start fails the tasks after it too) holds it,
+    and its ``__del__`` at interpreter exit would wait on a stopped loop (the process hung)."""
+    from distributed import Client
+
+    try:
+        return Client(*args, **kwargs)
+    except Exception as exc:
+        error = exc
+    chained: BaseException | None = error
+    while chained is not None:
+        chained.__traceback__ = None
+        chained = chained.__cause__ or chained.__context__
+    gc.collect()
+    raise error

@@ -138,8 +138,6 @@ def report_state(
 ) -> tuple[Any, Any]:
     """Send ``state`` for the task run as Prefect's engine would, best effort, waiting up to ``wait`` s
     for the server to know it. Returns ``(state, task_run)``."""
-    from prefect.utilities.engine import emit_task_run_state_change_event
-
     state.state_details.task_run_id = task_run_id
     state.state_details.flow_run_id = flow_run_id
     run = None
@@ -148,7 +146,7 @@ def report_state(
         previous = run.state
         run.state = state
         run.state_type, run.state_name = state.type, state.name
-        emit_task_run_state_change_event(task_run=run, initial_state=previous, validated_state=state)
+        _emit(run, previous, state, flow_run_id)
     except Exception:
         logger.warning("could not report task run %s as %s", task_run_id, state.name, exc_info=True)
     return state, run
@@ -186,7 +184,6 @@ def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0
 
     from prefect.client.schemas.objects import State
     from prefect.states import AwaitingRetry
-    from prefect.utilities.engine import emit_task_run_state_change_event
 
     state: State[Any] = AwaitingRetry(
         scheduled_time=datetime.datetime.now(datetime.UTC) + datetime.timedelta(seconds=delay)
@@ -194,5 +191,50 @@ def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0
     state.state_details.task_run_id = task_run.id
     state.state_details.flow_run_id = flow_run_id
     previous, task_run.state = task_run.state, state
-    emit_task_run_state_change_event(task_run=task_run, initial_state=previous, validated_state=state)
+    _emit(task_run, previous, state, flow_run_id)
     return state
+
+
+def _emit(task_run: Any, previous: Any, state: Any, flow_run_id: uuid.UUID | None) -> None:
+    """Prefect's state event for ``task_run``, related to its flow run as the engine's are: Prefect's
+    events worker adds the sending run context's. Sent outside it (a shared worker's report of its dead
+    predecessor), the event named no flow run, or the one the events worker's thread began in, and the
+    server's task-run recorder moved the task run there; the flow run's context is set for it here."""
+    from prefect.context import FlowRunContext, TaskRunContext
+    from prefect.utilities.engine import emit_task_run_state_change_event
+
+    from gpu_tasks.prefect_api.api import sync_client
+
+    task_run.flow_run_id = flow_run_id or task_run.flow_run_id
+    within = getattr(getattr(FlowRunContext.get(), "flow_run", None), "id", None)
+    with contextlib.ExitStack() as stack:
+        if task_run.flow_run_id and within != task_run.flow_run_id:
+            with contextlib.suppress(Exception), sync_client() as client:  # unreadable: sent as before
+                flow_run = client.read_flow_run(task_run.flow_run_id)
+                stack.enter_context(FlowRunContext.model_construct(flow_run=flow_run))
+                stack.enter_context(TaskRunContext.model_construct(task_run=task_run))
+        emit_task_run_state_change_event(task_run=task_run, initial_state=previous, validated_state=state)
+
+
+def crash_topic(flow_run_id: Any) -> str:
+    """The Dask event topic on which shared workers tell flow run ``flow_run_id``'s process of crashes."""
+    return f"gpu-tasks-crashes-{flow_run_id}"
+
+
+class ToFlow(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """A shared worker's logger for the crashes it finds (:func:`retry_after_crash`): each line also
+    goes to the flow process as a Dask event on :func:`crash_topic`, for the flow run's log."""
+
+    def __init__(self, log: logging.Logger, flow_run_id: Any, profile: str | None) -> None:
+        super().__init__(log)
+        self.topic, self.profile = crash_topic(flow_run_id), profile
+
+    def log(self, level: int, msg: Any, *args: Any, **kwargs: Any) -> None:
+        super().log(level, msg, *args, **kwargs)
+        from distributed import get_worker
+
+        try:
+            told = {"level": level, "line": str(msg) % args, "profile": self.profile}
+            get_worker().log_event(self.topic, told)
+        except Exception:  # not on a worker, or it is closing: its own log has the line
+            logger.debug("could not tell the flow process of a crash", exc_info=True)

@@ -11,10 +11,12 @@ from functools import partial
 from typing import Any
 
 from gpu_tasks.allocation import Allocation
-from gpu_tasks.errors import ClusterError
+from gpu_tasks.errors import ClusterError, GpuTasksError
 from gpu_tasks.policy import close_reason, task_resources
 from gpu_tasks.preemption import preemption_reason
+from gpu_tasks.prefect_api.states import crash_topic
 from gpu_tasks.reporting.events import publish_dashboard
+from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner import recovery, waiting
 from gpu_tasks.runner.admission import TaskQuota
 from gpu_tasks.runner.job import (
@@ -162,6 +164,9 @@ class Controller:
             st.start_failed = (time.monotonic(), exc)
             raise
         st.start_failed = None
+        client: Any = getattr(cluster, "client", None)  # a shared cluster's (RemoteCluster)
+        if cluster.shared and client is not None:  # its workers tell of the crashes they find there
+            client.subscribe_topic(crash_topic(self.live.flow_run_id), self._told)
         cluster.usage.waited(devices=cluster.startup.get("wait_devices_s", 0.0))
         st.ever_provisioned = True
         self.live.emit(
@@ -174,6 +179,12 @@ class Controller:
             },
         )
         publish_dashboard(cluster)
+
+    def _told(self, event: tuple[float, dict[str, Any]]) -> None:
+        """A shared worker's line about a crash of this profile's task, for the flow run's log."""
+        told = event[1]
+        if told.get("profile") == self.st.profile.name:
+            self.live.in_run_context(lambda: flow_logger().log(int(told["level"]), "%s", told["line"]))
 
     def _refill(self) -> None:
         """After workers were lost: grow back to what the tasks handed out want."""
@@ -202,7 +213,8 @@ class Controller:
             raise RuntimeError("the task runner is shutting down")
         failed = st.start_failed
         if failed is not None and st.cluster.shared and failed[0] >= job.submitted_at:
-            raise ClusterError(
+            kind = type(failed[1]) if isinstance(failed[1], GpuTasksError) else ClusterError  # as the first
+            raise kind(
                 f"{failed[1]} (the start failed {time.monotonic() - failed[0]:.1f}s ago, after this "
                 "task was submitted: it fails with it instead of trying again)"
             ) from failed[1]
@@ -281,7 +293,9 @@ class Controller:
         st = self.st
         ws = getattr(exc, "last_worker", None)
         row = None
-        if ws is None:  # lost with its cluster (closed when its last worker died), no worker named
+        if ws is None and st.cluster.shared:  # its client lost the scheduler: no worker to name
+            lost, how = NO_WORKER, f"{type(exc).__name__}: {exc}"
+        elif ws is None:  # lost with its cluster (closed when its last worker died), no worker named
             lost = st.last_lost or NO_WORKER
             how = lost.ended.describe() if lost.ended else f"was lost ({type(exc).__name__}: {exc})"
         else:

@@ -124,10 +124,17 @@ def _report_worker_death(
     if st.cluster.emulated:
         where += " (emulated)"
     pid = f", pid {ended.pid}" if ended and ended.pid else ""
-    message = (
-        f"{'Out of memory: ' if ended and ended.memory_kill else ''}the worker process of profile "
-        f"{prof.name!r} on {where} ({name or address}{pid}) {how} while running this task"
-    )
+    if st.cluster.shared and not (name or address):  # no worker named: its client lost the scheduler
+        message = (
+            f"the connection of profile {prof.name!r} to its Dask scheduler at "
+            f"{getattr(st.cluster, 'scheduler_address', None)} was lost ({how}) while this "
+            "task waited or ran there"
+        )
+    else:
+        message = (
+            f"{'Out of memory: ' if ended and ended.memory_kill else ''}the worker process of profile "
+            f"{prof.name!r} on {where} ({name or address}{pid}) {how} while running this task"
+        )
     if row is not None:
         live.gave_back(
             st,

@@ -345,10 +345,14 @@ class Live:
         down = (self.api_down or api_unreachable()) if unfinished else None
         unreported: list[Job] = []
         for i, job in enumerate(unfinished):  # the others finished while the clusters closed
-            prof = job.profile
+            prof, cluster = job.profile, job.st.cluster
+            # a local worker notes each hand-off as it begins (gpu_tasks.worker.started)
+            began = cluster.shared or not prof.uses_processes or self.started.began(job.key)
             message = (
                 f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; "
-                f"{job.st.cluster.stopped_note}"
+                f"{cluster.stopped_note}"
+                if began
+                else f"the flow run stopped ({reason}) before this task started on profile {prof.name!r}"
             )
             if down is None and i and i % 16 == 0 and hurry:
                 down = api_unreachable()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import copy
 import functools
@@ -149,7 +150,8 @@ def _interruptible(
     dask_worker: Any, alloc: Allocation, task: Any, kwargs: dict[str, Any]
 ) -> tuple[Any, float, float, str]:
     """``run_engine`` in a thread :func:`interrupt_tasks` may interrupt; a ``PreemptedRun`` if it did.
-    Registered inside the ``try``, so what ``interrupt_tasks`` raises is caught here."""
+    Registered inside the ``try``, so what ``interrupt_tasks`` raises is caught here; it unregisters
+    the thread as it interrupts it, so the engine handles one interrupt, never a second."""
     key = str(dask_worker.get_current_task())
     ident = threading.get_ident()
     start = time.time()
@@ -172,38 +174,47 @@ def _interruptible(
 
 
 def started_mark(key: str) -> str:
-    """The name of the :class:`_StartedMark` of the task with Dask key ``key``."""
+    """The name of the Dask ``Variable`` that was the started mark of the task with Dask key ``key``
+    before the mark became metadata (:class:`_StartedMark`); deleting one that is absent is harmless."""
     return f"gpu-tasks-started-{key}"
 
 
 class _StartedMark:
-    """A Dask ``Variable`` a task on a shared scheduler leaves while it runs: its worker's address. The
-    scheduler re-runs a task whose worker died under the same key: a mark found (:attr:`earlier`) says so."""
+    """Metadata a task on a shared scheduler leaves there while it runs (``Client.set_metadata`` under
+    its Dask key, which the scheduler drops with the task): its worker's address. The scheduler re-runs a
+    task whose worker died under the same key: a mark found (:attr:`earlier`) says so. Read with
+    ``get_metadata``'s default: ``Variable.get(timeout=0)`` logged an ERROR on the scheduler per task."""
 
     def __init__(self, dask_worker: Any) -> None:
-        from distributed import Variable, get_client
+        from distributed import get_client
 
         self.earlier: str | None = None
-        self._var: Any = None
-        name = started_mark(dask_worker.get_current_task())
+        self._client: Any = None
+        self._worker = dask_worker
+        self._path = [dask_worker.get_current_task(), "gpu-tasks-started"]
         try:
-            var = Variable(name, client=get_client())
-            try:
-                self.earlier = str(var.get(timeout=0))
-            except TimeoutError:  # no mark: the first run of this key
-                pass
-            var.set(str(dask_worker.address))
-            self._var = var
+            client = get_client()
+            earlier = client.get_metadata(self._path, default=None)
+            self.earlier = None if earlier is None else str(earlier)
+            client.set_metadata(self._path, str(dask_worker.address))
+            self._client = client
         except Exception:  # the scheduler refused: run it as a first run
-            logger.warning("could not mark task %s started on its scheduler", name, exc_info=True)
+            logger.warning("could not mark task %s started on its scheduler", self._path[0], exc_info=True)
 
     def clear(self) -> None:
-        """Remove the mark (no reply awaited)."""
-        if self._var is not None:
-            try:
-                self._var.delete()
-            except Exception:  # pragma: no cover - the scheduler went away: nothing left to clear
-                logger.debug("could not clear a started mark", exc_info=True)
+        """Clear the mark, no reply awaited; not for a task its scheduler released (gone with it there)."""
+        from gpu_tasks.worker.interrupts import released_keys
+
+        client, path = self._client, self._path
+        if client is None or released_keys(self._worker, path[:1]):
+            return
+
+        async def clear() -> None:
+            with contextlib.suppress(Exception):  # the scheduler went away: nothing left to clear
+                await client.scheduler.set_metadata(keys=path, value=None)
+
+        with contextlib.suppress(Exception):
+            client.loop.add_callback(clear)
 
 
 def _after_lost_worker(
@@ -211,6 +222,8 @@ def _after_lost_worker(
 ) -> tuple[Any, dict[str, Any]] | Any:
     """A shared scheduler re-ran a task whose worker ``dead`` died: follow the runner's rules instead.
     ``(task, kwargs)`` to run it as a retry of the same task run, or ``Crashed`` with no retry left."""
+    from gpu_tasks.prefect_api.states import ToFlow
+
     flow_run = uuid.UUID(str(flow_run_id)) if flow_run_id else None
     message = (
         f"the worker process running this task on profile {alloc.profile!r} ({dead}) died; its Dask "
@@ -218,7 +231,8 @@ def _after_lost_worker(
     )
     state, task_run = crash_task_run(kwargs["task_run_id"], task, flow_run, message, tags=set(task.tags))
     crashes = max(0, int(getattr(task_run, "run_count", 0) or 0) - 1)
-    delay = retry_after_crash(task, task_run, flow_run, crashes, message, logger)
+    told = ToFlow(logger, flow_run, alloc.profile)  # its line reaches the flow run's log too
+    delay = retry_after_crash(task, task_run, flow_run, crashes, message, told)
     if delay is None:
         return state
     time.sleep(delay)  # as Prefect's own retries wait retry_delay_seconds

@@ -55,15 +55,15 @@ def watch_released(dask_worker: Any) -> None:
             with INTERRUPTIBLE_LOCK:
                 keys = list(INTERRUPTIBLE.values())
             gone = released_keys(dask_worker, keys) if keys else []
-            if gone:
+            hit = interrupt_tasks(gone, "stop") if gone else []  # none interrupted already
+            if hit:
                 logger.warning(
-                    "worker %s: interrupting %d task(s) their scheduler released (their flow run's "
+                    "worker %s: interrupted %d task(s) their scheduler released (their flow run's "
                     "client is gone): %s",
                     dask_worker.address,
-                    len(gone),
-                    ", ".join(gone),
+                    len(hit),
+                    ", ".join(hit),
                 )
-                interrupt_tasks(gone, "stop")
         # the worker lost its scheduler: results reach no one, and the scheduler re-runs them elsewhere
         with INTERRUPTIBLE_LOCK:
             _RELEASE_WATCH.pop(id(dask_worker), None)
@@ -91,11 +91,16 @@ def watch_released(dask_worker: Any) -> None:
 
 def interrupt_tasks(keys: list[str], why: str = "preempt") -> list[str]:
     """Run on a worker (``Client.run``): raise ``TaskPreempted`` (``why="preempt"``) or
-    ``KeyboardInterrupt`` (``"stop"``) in the threads running ``keys``; the keys interrupted."""
+    ``KeyboardInterrupt`` (``"stop"``) in the threads running ``keys``; the keys interrupted. Each
+    task at most once: a thread interrupted is no longer interruptible (a second exception could land
+    while Prefect's engine handles the first, in a logging handler's lock, and leak that lock)."""
     exc = TaskPreempted if why == "preempt" else KeyboardInterrupt
     wanted = set(keys)
     with INTERRUPTIBLE_LOCK:
-        return [key for ident, key in INTERRUPTIBLE.items() if key in wanted and raise_in_thread(ident, exc)]
+        hit = [(ident, key) for ident, key in INTERRUPTIBLE.items() if key in wanted]
+        for ident, _ in hit:
+            del INTERRUPTIBLE[ident]
+        return [key for ident, key in hit if raise_in_thread(ident, exc)]
 
 
 def raise_in_thread(ident: int, exc: type[BaseException]) -> bool:

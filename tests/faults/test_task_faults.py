@@ -281,3 +281,63 @@ def test_nested_task_of_another_profile_in_a_worker_process_fails_with_the_fix()
     failed, message = mixed()
     assert failed
     assert "nested tasks run on their parent's profile" in message and "profile('gpu')" in message
+
+
+# ---------------------------------------------------------------- reports from outside the flow run
+@pytest.mark.parametrize("sent_from", ["no run", "another flow run"])
+def test_a_crash_reported_outside_its_flow_run_keeps_the_task_run_in_it(sent_from: str):
+    """A shared worker reports the attempt of its dead predecessor ``Crashed`` outside any Prefect run
+    context (gpu_tasks.worker.engine._after_lost_worker), where Prefect's events worker may hold the
+    context of another flow run (the one it began in): the event names the task run's own flow run, so
+    the server's recorder keeps the task run under it (it cleared ``flow_run_id``, or moved it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.states import Running
+
+    from gpu_tasks.prefect_api.states import crash_task_run
+
+    @task
+    def lost() -> None: ...
+
+    @flow
+    def parent() -> None: ...
+
+    with get_client(sync_client=True) as client:
+        flow_run = client.create_flow_run(parent)
+        task_run = client.create_task_run(lost, flow_run.id, dynamic_key="0", state=Running())
+
+    def report() -> None:
+        crash_task_run(task_run.id, lost, flow_run.id, "its worker died", wait=5.0)
+
+    flow(report)() if sent_from == "another flow run" else report()
+    run = server_task_run(task_run.id, lambda r: r["state_type"] == "CRASHED")
+    assert run["state_type"] == "CRASHED" and run["flow_run_id"] == str(flow_run.id), run
+
+
+@task(tags=[profile("gpu")])
+def sleeps_long(marker: str) -> None:
+    Path(marker).write_text("")
+    time.sleep(60)
+
+
+def test_a_task_still_queued_when_the_flow_run_stopped_is_reported_as_not_started(tmp_path: Path):
+    """Three tasks on two devices; the flow raises once two run: the third, only queued on a worker,
+    is reported stopped before it started, not as running there."""
+    ids: list = []
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, max_workers=2)]))
+    def stops_early() -> None:
+        ids.extend(sleeps_long.submit(str(tmp_path / f"began-{i}")).task_run_id for i in range(3))
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("began-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        raise RuntimeError("the flow gives up")
+
+    with pytest.raises(RuntimeError, match="gives up"):
+        stops_early()
+    runs = [server_task_run(i, lambda r: r["state_type"] == "CRASHED") for i in ids]
+    messages = sorted(r["state"]["message"] for r in runs)
+    assert [("before this task started" in m, "while this task ran" in m) for m in messages] == [
+        (True, False),
+        (False, True),
+        (False, True),
+    ], messages

@@ -1,6 +1,7 @@
 """The worker side of a lost flow process or a lost scheduler, without a cluster: the watch thread
 interrupts a task whose key its scheduler released, and the tasks still running when the worker
-closes (whose crash then goes unreported); an unreachable API is asked again every ``longest`` s."""
+closes (whose crash then goes unreported); an unreachable API is asked again every ``longest`` s.
+On an in-process cluster: a task is interrupted once, by the runner or the watch thread."""
 
 from __future__ import annotations
 
@@ -97,3 +98,56 @@ def test_an_unreachable_api_is_asked_again_every_longest_seconds_at_most():
     assert waits[0] < 1.5 and max(waits) <= 5.0 * 1.2 and waits[-1] >= 5.0 * 0.8, waits
     with pytest.raises(ValueError):
         wait.next_wait(ValueError("an answer, not a busy API"))
+
+
+def test_a_task_stopped_by_its_runner_and_then_released_is_interrupted_once(monkeypatch: pytest.MonkeyPatch):
+    """Ctrl-C on an ``address`` flow: the runner cancels the task, then interrupts it out of band; its
+    worker's watch thread, which sees it released a moment later, must not interrupt it again while
+    Prefect's engine handles the first interrupt (a second one there once leaked a logging lock and
+    wedged the worker). A real Dask worker, in this process; the engine stands in for Prefect's."""
+    from distributed import Client, LocalCluster
+
+    from gpu_tasks.worker import engine
+
+    monkeypatch.setattr(interrupts, "RELEASED_POLL_S", 0.02)
+    seen: list[str] = []
+    running, handling = threading.Event(), threading.Event()
+
+    def prefects_engine(alloc: object, task: object, kwargs: dict) -> None:
+        try:
+            running.set()
+            while True:  # the task's body
+                time.sleep(0.01)
+        except KeyboardInterrupt:
+            seen.append("interrupted")
+            try:  # Prefect's engine logs the crash and reports it: a second interrupt lands here
+                handling.set()
+                time.sleep(1.0)
+            except KeyboardInterrupt:
+                seen.append("interrupted again")
+            raise
+
+    monkeypatch.setattr(engine, "run_engine", prefects_engine)
+
+    def run() -> object:
+        from distributed import get_worker
+
+        alloc = SimpleNamespace(device_keys=(), worker="w")
+        return engine._interruptible(get_worker(), alloc, None, {"task_run_id": None})  # type: ignore[arg-type]
+
+    with (
+        LocalCluster(n_workers=1, threads_per_worker=1, processes=False, dashboard_address=None) as cluster,
+        Client(cluster) as client,
+    ):
+        future = client.submit(run, key="g-1", pure=False)
+        assert running.wait(10)
+        client.cancel(future)  # the runner cancels its unfinished tasks, then interrupts them
+        client.run(interrupts.interrupt_tasks, ["g-1"], "stop")  # (or the watch thread came first)
+        assert handling.wait(5)
+        assert "g-1" not in interrupts.INTERRUPTIBLE.values()  # no longer interruptible
+        assert client.run(interrupts.interrupt_tasks, ["g-1"], "stop").popitem()[1] == []
+        worker = next(iter(cluster.workers.values()))
+        deadline = time.monotonic() + 10
+        while worker.state.executing_count and time.monotonic() < deadline:
+            time.sleep(0.02)
+    assert seen == ["interrupted"]

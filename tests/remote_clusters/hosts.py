@@ -421,18 +421,15 @@ def overlaps(intervals: list[tuple[float, float]]) -> int:
 
 
 def started_marks(hosts: Hosts) -> list[str]:
-    """The names of the Dask ``Variable`` s gpu-tasks' running tasks leave on the shared scheduler
-    (``gpu-tasks-started-<key>``; gpu_tasks.worker.engine), as the scheduler holds them now."""
-    from gpu_tasks.worker.engine import started_mark
-
-    prefix = started_mark("")
+    """The Dask keys whose started mark (metadata under the key, set while gpu-tasks' task runs and
+    cleared as it ends; gpu_tasks.worker.engine) the shared scheduler holds now, cleared or not."""
     with hosts.client() as client:
         return sorted(
             client.run_on_scheduler(
                 lambda dask_scheduler: [
-                    name
-                    for name in dask_scheduler.extensions["variables"].variables
-                    if name.startswith(prefix)
+                    str(key)
+                    for key, meta in dask_scheduler.task_metadata.items()
+                    if isinstance(meta, dict) and "gpu-tasks-started" in meta
                 ]
             )
         )

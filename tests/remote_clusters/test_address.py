@@ -16,7 +16,7 @@ import pytest
 from faults._procs import seed_prefect_home, server_task_run
 from prefect import flow, task
 from prefect.settings import get_current_settings
-from prefect_api import api, flow_run_task_runs
+from prefect_api import api, flow_run_task_runs, run_logs
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation
 from gpu_tasks.cluster.remote_workers import executing_keys
@@ -116,10 +116,12 @@ def _address_flow(profile: ResourceProfile, n: int = 1, seconds: float = 0.1):
 def test_a_request_no_worker_can_satisfy_fails_fast_naming_the_workers(gpu_hosts: Hosts, prefect_server):
     prof = ResourceProfile(name="too-big", gpus=2, address=gpu_hosts.address)
     started = time.monotonic()
-    [error] = _address_flow(prof)()
+    errors = _address_flow(prof, n=3)()
     assert time.monotonic() - started < 60
-    assert isinstance(error, UnsatisfiableProfileError), error
-    assert "no worker of" in str(error) and "GPU=1 < 2" in str(error) and "--resources GPU=" in str(error)
+    # one type for all: the tasks after the first fail with its error, never try again
+    assert all(isinstance(e, UnsatisfiableProfileError) for e in errors), errors
+    for error in errors:
+        assert "no worker of" in str(error) and "GPU=1 < 2" in str(error) and "--resources GPU=" in str(error)
 
 
 def test_a_shared_worker_caps_prefects_client_waits_only_in_gpu_tasks_task_runs(
@@ -181,9 +183,57 @@ def test_an_unreachable_address_fails_within_the_provision_timeout(prefect_serve
     assert "'nowhere'" in str(error)
 
 
+FAILING_SCRIPT = """
+import sys
+from prefect import flow, task
+from gpu_tasks import ProfileTaskRunner, ResourceProfile
+
+SHARED = ResourceProfile(name="shared", gpus=1, address=sys.argv[1])
+
+@task(tags=["profile:shared"])
+def never() -> None:
+    raise AssertionError("must not run")
+
+@flow(task_runner=ProfileTaskRunner(profiles=[SHARED]))
+def failing() -> list:
+    errors = []
+    for future in [never.submit() for _ in range(2)]:
+        try:
+            future.result()
+        except Exception as exc:
+            errors.append(str(exc))
+    return errors
+
+print(*failing(), sep="\\n", flush=True)
+"""
+
+
+def test_a_script_whose_client_cannot_be_built_ends_after_its_flow(prefect_server, tmp_path: Path):
+    """A tls:// address without security: Dask's Client constructor raises (no ssl_context). The
+    script ends after its flow; the half-built client did not hang it at exit (for 240 s)."""
+    import socket
+
+    script = tmp_path / "failing.py"
+    script.write_text(FAILING_SCRIPT)
+    env = {**os.environ, "PREFECT_API_URL": str(get_current_settings().api.url)}
+    with socket.socket() as s:  # something accepts connections there
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        cmd = [sys.executable, str(script), f"tls://127.0.0.1:{s.getsockname()[1]}"]
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        try:
+            out = proc.communicate(timeout=90)[0].decode(errors="replace")
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"the script did not end within 90 s: {proc.communicate()[0].decode()[-3000:]}")
+    assert proc.returncode == 0, out[-3000:]
+    assert "profile 'shared': cannot connect to the Dask scheduler at tls://" in out, out[-3000:]
+    assert "TLS expects a `ssl_context`" in out and "within 120s" not in out, out[-3000:]
+
+
 def _worker_killed_mid_task(hosts: Hosts, tmp_path: Path, retries: int) -> Any:
     """A flow run of one task on ``hosts`` whose worker is killed while the task's first run sleeps
-    (later runs return at once); the task run's id."""
+    (later runs return at once); the task run's id and the flow run's."""
     marker = tmp_path / "running"  # the task writes its worker's pid here, once
     prof = ResourceProfile(name="doomed", gpus=1, address=hosts.address)
 
@@ -202,17 +252,21 @@ def _worker_killed_mid_task(hosts: Hosts, tmp_path: Path, retries: int) -> Any:
     killer = kill_when_written(marker)
     state = killed_worker(return_state=True)
     killer.join(5)
-    return state.result(raise_on_failure=False).state_details.task_run_id
+    return state.result(raise_on_failure=False).state_details.task_run_id, state.state_details.flow_run_id
 
 
 @pytest.mark.parametrize("retries", [1, 0])
 def test_a_worker_killed_mid_task_is_reported_crashed_and_retried_by_the_rules(
     own_gpu_hosts: Hosts, prefect_server, tmp_path: Path, retries: int
 ):
-    task_run_id = _worker_killed_mid_task(own_gpu_hosts, tmp_path, retries)
+    task_run_id, flow_run_id = _worker_killed_mid_task(own_gpu_hosts, tmp_path, retries)
     # with a retry the run passes through CRASHED before it completes: wait for the final state
     final = "COMPLETED" if retries else "CRASHED"
     run = server_task_run(task_run_id, lambda r: r["state_type"] == final)
+    assert run["flow_run_id"] == str(flow_run_id), run  # the worker's report kept it in its flow run
+    # the worker that found the crash told the flow process, which logged it in the flow run's log
+    told = run_logs(flow_run_id, "died; its Dask scheduler re-ran it")
+    assert len(told) == 1 and ("retrying it" in told[0]) == bool(retries), told
     _, history = api("GET", "/task_run_states/", params={"task_run_id": str(task_run_id)})
     crashed = [h for h in history if h["type"] == "CRASHED"]
     assert crashed and "died; its Dask scheduler re-ran it" in crashed[0]["message"], history
@@ -239,13 +293,45 @@ def test_a_task_its_scheduler_gave_up_on_is_crashed_and_leaves_no_mark_there(
     """The scheduler gives up at the first worker death (``KilledWorker``): no attempt runs after the
     dead one to find and remove its started mark, so the flow process removes it; the task run ends
     ``Crashed`` by the runner's own rules."""
-    task_run_id = _worker_killed_mid_task(strict_gpu_hosts, tmp_path, retries=0)
+    task_run_id, _ = _worker_killed_mid_task(strict_gpu_hosts, tmp_path, retries=0)
     run = server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
     assert run["state_type"] == "CRASHED", run
     deadline = time.monotonic() + 10  # the removal is a message from the flow's client, not awaited
     while (marks := started_marks(strict_gpu_hosts)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert marks == []
+
+
+def test_a_scheduler_killed_mid_run_is_named_in_every_task_it_took(
+    own_gpu_hosts: Hosts, prefect_server, tmp_path: Path
+):
+    """The shared scheduler dies while two tasks run and one waits: each task run is reported as lost
+    with its client's connection to that scheduler, not as a lost worker on unknown devices."""
+    import signal
+
+    prof = ResourceProfile(name="orphaned", gpus=1, address=own_gpu_hosts.address)
+    scheduler = own_gpu_hosts.scheduler.pid  # (the flow's body travels to the workers: no Popen in it)
+
+    @task(tags=["profile:orphaned"])
+    def long_task(i: int) -> None:
+        (tmp_path / f"began-{i}").write_text("")
+        time.sleep(30)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def loses_its_scheduler() -> list:
+        futures = [long_task.submit(i) for i in range(3)]
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.glob("began-*"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.kill(scheduler, signal.SIGKILL)
+        for f in futures:
+            f.wait()
+        return [f.state.message or "" for f in futures]
+
+    for message in loses_its_scheduler():
+        assert f"Dask scheduler at {own_gpu_hosts.address} was lost" in message, message
+        assert "(None)" not in message and "unknown devices" not in message, message
+        assert "while running this task" not in message, message
 
 
 def test_a_task_that_must_wait_is_logged_with_what_it_waits_for(
@@ -422,6 +508,9 @@ def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, pre
     assert runs and not set(states) & {"RUNNING", "PENDING"}, states
     crashed = [r["state"]["message"] for r in runs if r["state_type"] == "CRASHED"]
     assert len(crashed) >= 2 and all("interrupt" in m for m in crashed), crashed
+    # the next flow run's tasks run there (a worker interrupted twice once wedged for good)
+    results = _address_flow(ResourceProfile(name="next", gpus=1, address=gpu_hosts.address), n=2)()
+    assert all(isinstance(r, dict) for r in results), results
 
 
 # serial: which worker Dask's scheduler gives each queued task (with GPU=1 restrictions, at arrival,

@@ -153,6 +153,38 @@ def test_ledger_counts_held_time_from_the_request(prefect_server):
     assert published["profile"] == "ledger" and published["held_s"] == round(row.held_seconds, 1)
 
 
+def test_the_started_mark_puts_no_error_in_the_schedulers_log(prefect_server):
+    """Each task's started mark is read on its scheduler, here ``distributed.LocalCluster``'s in the flow
+    process: ``Variable.get(timeout=0)`` logged ``Exception while handling op variable_get`` there
+    with a traceback, once per task, into the user's console."""
+    import logging
+
+    prof = ResourceProfile(
+        name="local",
+        cluster_class="distributed.LocalCluster",
+        cluster_kwargs={"n_workers": 0, "threads_per_worker": 1, "dashboard_address": None},
+        max_workers=1,
+    )
+
+    @task(tags=["profile:local"])
+    def one(i: int) -> int:
+        return i
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[prof]))
+    def marked() -> list[int]:
+        return [f.result() for f in [one.submit(i) for i in range(2)]]
+
+    errors: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.ERROR)
+    handler.emit = errors.append  # type: ignore[method-assign]
+    logging.getLogger("distributed").addHandler(handler)
+    try:
+        assert marked() == [0, 1]
+    finally:
+        logging.getLogger("distributed").removeHandler(handler)
+    assert not [r.getMessage() for r in errors if "Exception while handling op" in r.getMessage()]
+
+
 def _fails(prof: ResourceProfile) -> BaseException:
     @task(tags=[f"profile:{prof.name}"])
     def never() -> None:
@@ -185,6 +217,23 @@ def test_bad_cluster_class_or_kwargs_is_a_clear_error(
 ):
     prof = ResourceProfile(name="bad", gpus=1, cluster_class=path, cluster_kwargs=kwargs, max_workers=1)
     assert says in str(_fails(prof))
+
+
+@pytest.mark.parametrize("bad", [{"bogus_kw": 1}, {"threads_per_worker": "abc"}])
+def test_cluster_kwargs_its_workers_reject_fail_at_once_naming_them(
+    prefect_server, no_leaked_processes, monkeypatch, bad
+):
+    """distributed.LocalCluster hands kwargs it does not take to its workers, which fail to start:
+    the error names them at once, not after GPU_TASKS_PROVISION_TIMEOUT."""
+    monkeypatch.setenv("GPU_TASKS_PROVISION_TIMEOUT", "90")
+    kwargs = {"n_workers": 0, "host": "127.0.0.1", "dashboard_address": ":0", **bad}
+    prof = ResourceProfile(
+        name="badkw", cluster_class="distributed.LocalCluster", cluster_kwargs=kwargs, max_workers=1
+    )
+    started = time.monotonic()
+    error = str(_fails(prof))
+    assert time.monotonic() - started < 30
+    assert "LocalCluster's worker rejected cluster_kwargs [" in error and "TypeError" in error, error
 
 
 def test_workers_without_gpu_resources_fail_at_start_up_with_the_fix(prefect_server, no_leaked_processes):
