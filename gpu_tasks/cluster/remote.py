@@ -27,7 +27,6 @@ from gpu_tasks.reporting.ledger import DeviceSpan, LedgerRow, device_spans, unio
 from gpu_tasks.reporting.measured import NOT_ELSEWHERE, NOT_EMULATED, Measured
 from gpu_tasks.settings import get_settings
 from gpu_tasks.worker.api_probe import probe_api
-from gpu_tasks.worker.engine import started_mark
 from gpu_tasks.worker.interrupts import interrupt_tasks
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -175,14 +174,7 @@ class RemoteCluster(ProfileCluster):
         with self._busy_lock:
             self._pending.pop(key, None)
             self._futures.pop(key, None)
-        client = self.client
-        if status != "finished" and client is not None:
-            # no attempt ended on a worker to remove the task's started mark (its worker died, or
-            # it was cancelled): a message, no reply awaited
-            from distributed import Variable
-
-            with contextlib.suppress(Exception):
-                Variable(started_mark(key), client=client).delete()
+        # a task's started mark (metadata under its key) goes with the task on the scheduler
 
     def _cancel_unfinished(self) -> None:
         """Stop our tasks on the cluster: cancel the queued first (else a worker freed by an interrupt

@@ -173,12 +173,6 @@ def _interruptible(
         return PreemptedRun(start, end, wkey), start, end, wkey
 
 
-def started_mark(key: str) -> str:
-    """The name of the Dask ``Variable`` that was the started mark of the task with Dask key ``key``
-    before the mark became metadata (:class:`_StartedMark`); deleting one that is absent is harmless."""
-    return f"gpu-tasks-started-{key}"
-
-
 class _StartedMark:
     """Metadata a task on a shared scheduler leaves there while it runs (``Client.set_metadata`` under
     its Dask key, which the scheduler drops with the task): its worker's address. The scheduler re-runs a
