@@ -162,6 +162,7 @@ def _exit(status: int) -> NoReturn:
     """``os._exit`` for the worker process: end its child processes, then exit."""
     real = _state["exit"]
     if os.getpid() == _state.get("pid"):  # not in a forked child, which inherits this
+        _state["exiting"] = True  # before the lock: a SIGTERM from here on waits for this clean-up
         with _lock:  # a second caller waits for the first one's clean-up
             flow = _state.get("flow")
             # Dask exits its worker (-1) on its pipe's close, a moment before the kernel re-parents it
@@ -179,6 +180,10 @@ def _exit(status: int) -> NoReturn:
 
 def _terminate(signum: int, frame: FrameType | None) -> None:
     # how an interrupted flow process stops busy workers: Python's default action would orphan children
+    if _state.get("exiting") and os.getpid() == _state.get("pid"):
+        # already exiting: the handler may run inside that clean-up, in the thread holding _lock,
+        # where waiting for it never ended (a forked worker's SIGTERM mid-exit left it hung for good)
+        return
     _exit(128 + signum)
 
 

@@ -223,6 +223,38 @@ def test_guard_without_dask_exits_with_its_parent_and_ignores_sigint():
         _kill_all(_marked(marker))
 
 
+def test_a_sigterm_during_the_guards_own_exit_neither_hangs_nor_orphans_its_child():
+    """A worker ending its children on its way out (the guard's ``os._exit``) gets a SIGTERM (a Prefect
+    worker's shutdown signals the process group): it still exits, its child ended. Before, the signal's
+    handler waited for the clean-up it interrupted, in the same thread: the process hung for good."""
+    marker = uuid.uuid4().hex
+    script = (
+        "import os, signal, subprocess, sys, threading, time\n"
+        "from gpu_tasks.worker import guard\n"
+        "guard.start(os.getppid())\n"
+        # a child that ignores SIGTERM: the clean-up waits its grace (1 s) before SIGKILL
+        "subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(300)'])\n"
+        "time.sleep(1.0)\n"
+        "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGTERM)).start()\n"
+        "os._exit(3)\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], env={**os.environ, "GPU_TASKS_TEST_MARKER": marker}
+    )
+    try:
+        assert proc.wait(timeout=30) == 3, "the process did not exit with its own status"
+        deadline = time.monotonic() + 10
+        while _marked(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _marked(marker), "the guarded process's child outlived it"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+        _kill_all(_marked(marker))
+
+
 def test_a_guarded_worker_that_segfaults_prints_where_it_was():
     """A 100,000-task run lost a worker to SIGSEGV with nothing but the signal to go on: the guard
     turns faulthandler on, so the dying worker prints its threads' Python tracebacks to its stderr."""
