@@ -100,6 +100,7 @@ def test_an_unreachable_api_is_asked_again_every_longest_seconds_at_most():
         wait.next_wait(ValueError("an answer, not a busy API"))
 
 
+@pytest.mark.processes  # a Dask worker's start may run `uname -p` (platform.processor(), once a process)
 def test_a_task_stopped_by_its_runner_and_then_released_is_interrupted_once(monkeypatch: pytest.MonkeyPatch):
     """Ctrl-C on an ``address`` flow: the runner cancels the task, then interrupts it out of band; its
     worker's watch thread, which sees it released a moment later, must not interrupt it again while
