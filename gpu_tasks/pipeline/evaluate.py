@@ -56,7 +56,8 @@ def baseline_rates(train: pd.DataFrame, test: pd.DataFrame, label: str) -> np.nd
 def _scores(y: np.ndarray, p: np.ndarray, what: str) -> tuple[float, float]:
     if len(np.unique(y)) < 2:
         raise PipelineInputError(
-            f"test split has a single class ({np.unique(y).tolist()}); AUC of the {what} is undefined"
+            f"test split has a single class ({np.unique(y).tolist()}) in {len(y)} rows; AUC of the {what} "
+            "is undefined: too few flights (with a small limit, raise limit)"
         )
     return float(roc_auc_score(y, p)), float(log_loss(y, np.clip(p, 1e-7, 1 - 1e-7), labels=[0, 1]))
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
 import uuid
-from pathlib import Path
 from typing import Any
 
 from prefect import flow
 from prefect.context import FlowRunContext
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile
-from gpu_tasks.pipeline.data import validate_scale
-from gpu_tasks.pipeline.settings import get_pipeline_settings
+from gpu_tasks.pipeline.params import check_parameters, run_directory
 from gpu_tasks.pipeline.tasks import (
     CPU_PROFILE,
     ETL_PROFILE,
@@ -52,22 +51,33 @@ def etl_train(
         num_rounds: XGBoost boosting rounds.
         seed: Seed for replication jitter and training.
         holdout_months: Months at the end of each year held out for evaluation.
-        limit: Use only this many flights (tests and smoke runs).
+        limit: Use only this many flights, at least 1,000 (tests and smoke runs).
     """
-    validate_scale(scale)  # fail before any cluster starts
-    base = Path(data_dir) if data_dir else get_pipeline_settings().data_dir
-    run_dir = base / f"scale-{scale}"
-    raw = ingest_task.submit(str(run_dir), scale=scale, seed=seed, limit=limit).result()
-    features = etl_task.submit(
-        raw["raw_dir"], str(run_dir / "features"), holdout_months=holdout_months
-    ).result()
-    model_path = str(run_dir / "model" / f"model-{uuid.uuid4().hex[:8]}.json")
-    trained = train_task.submit(
-        features["features_dir"], model_path, num_rounds=num_rounds, seed=seed
-    ).result()
-    metrics = evaluate_task.submit(features["features_dir"], trained["model_path"]).result()
+    # every parameter, before any cluster starts or a device is leased
+    base = check_parameters(
+        scale=scale,
+        data_dir=data_dir,
+        num_rounds=num_rounds,
+        seed=seed,
+        holdout_months=holdout_months,
+        limit=limit,
+    )
     ctx = FlowRunContext.get()
     assert ctx is not None and ctx.flow_run is not None, "etl_train runs as a flow"
+    # this run's raw/ and features/: a run beside it at the same scale never reads them
+    work = run_directory(base, scale, str(ctx.flow_run.id))
+    try:
+        raw = ingest_task.submit(str(work), scale=scale, seed=seed, limit=limit).result()
+        features = etl_task.submit(
+            raw["raw_dir"], str(work / "features"), holdout_months=holdout_months
+        ).result()
+        model_path = str(base / f"scale-{scale}" / "model" / f"model-{uuid.uuid4().hex[:8]}.json")
+        trained = train_task.submit(
+            features["features_dir"], model_path, num_rounds=num_rounds, seed=seed
+        ).result()
+        metrics = evaluate_task.submit(features["features_dir"], trained["model_path"]).result()
+    finally:  # the model and its metrics stay; the intermediates go with the run
+        shutil.rmtree(work, ignore_errors=True)
     runner = ctx.task_runner
     assert isinstance(runner, ProfileTaskRunner)
     return {

@@ -230,7 +230,7 @@ def test_split_without_test_months_is_an_error(
     shutil.rmtree(raw_copy / "flights")
     (raw_copy / "flights").mkdir()
     flights[flights["month"] <= 6].to_parquet(raw_copy / "flights" / "part-0.parquet", index=False)
-    with pytest.raises(PipelineInputError, match="0 test rows"):
+    with pytest.raises(PipelineInputError, match="0 test rows.* ingested with limit=3000 .*raise limit"):
         build_features(raw_copy, tmp_path / "f")
     assert not (tmp_path / "f" / "train").exists()
 
@@ -270,3 +270,22 @@ def test_cudf_backend_matches_pandas(raw_dir: Path, tmp_path: Path) -> None:
         expected = _sorted(pd.read_parquet(tmp_path / "pandas" / split))
         got = _sorted(pd.read_parquet(tmp_path / "cudf" / split))
         pd.testing.assert_frame_equal(got, expected, check_exact=False, rtol=1e-5)
+
+
+def test_two_runs_at_one_scale_each_train_on_their_own_rows(tmp_path: Path) -> None:
+    """Two flow runs at scale 1 with different limits, their stages interleaved as on one worker:
+    each run's ETL and training read what that run ingested (they shared <data_dir>/scale-1/, and a
+    limit=5000 run trained on the 273,355 rows of a full run beside it)."""
+    from gpu_tasks.pipeline.params import run_directory
+    from gpu_tasks.pipeline.train import train_model
+
+    nyc = load_tables()
+    runs = {1000: run_directory(tmp_path, 1, "run-a"), 2000: run_directory(tmp_path, 1, "run-b")}
+    raw = {limit: ingest(work, scale=1, limit=limit, tables=nyc)["raw_dir"] for limit, work in runs.items()}
+    feats = {limit: build_features(Path(raw[limit]), work / "features") for limit, work in runs.items()}
+    for limit, work in runs.items():
+        rows = feats[limit]["train_rows"] + feats[limit]["test_rows"]
+        assert rows == _not_cancelled(pd.read_parquet(Path(raw[limit]) / "flights")) and rows <= limit
+        trained = train_model(Path(feats[limit]["features_dir"]), work / "model.json", num_rounds=2)
+        assert trained["train_rows"] == feats[limit]["train_rows"], f"run with limit={limit}"
+    assert feats[1000]["train_rows"] < feats[2000]["train_rows"]

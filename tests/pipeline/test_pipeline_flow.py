@@ -34,6 +34,7 @@ def test_pipeline_runs_each_stage_on_its_profile(tmp_path: Path):
     m = out["metrics"]
     assert 0.5 < m["auc"] <= 1 and 0 < m["baseline_auc"] <= 1 and m["logloss"] > 0
     assert Path(out["model_path"]).is_file()
+    assert not list((tmp_path / "scale-1" / "runs").iterdir()), "the run's raw/ and features/ went with it"
     saved = json.loads(Path(out["metrics_path"]).read_text())
     assert saved["auc"] == pytest.approx(m["auc"])
     assert out["rows"]["train"] + out["rows"]["test"] <= 30000
@@ -74,8 +75,12 @@ def test_multi_device_training_runs_as_a_gang(tmp_path: Path, monkeypatch):
     assert out["metrics"]["auc"] > 0.5
 
 
-@pytest.mark.parametrize("scale", [0, -3])
-def test_bad_scale_fails_before_any_cluster_starts(tmp_path: Path, scale: int):
-    with pytest.raises(PipelineInputError, match="scale"):
-        etl_train(scale=scale, data_dir=str(tmp_path), limit=1000)
-    assert not (tmp_path / f"scale-{scale}").exists()
+@pytest.mark.parametrize(
+    ("name", "value"), [("scale", 0), ("scale", -3), ("num_rounds", 0), ("holdout_months", 12), ("limit", 10)]
+)
+def test_a_bad_parameter_fails_before_any_cluster_starts(tmp_path: Path, name: str, value: int):
+    """Named in the error, before ingest (nothing written) or a device lease: num_rounds=0 failed in
+    training, after ingest and ETL ran on a leased device."""
+    with pytest.raises(PipelineInputError, match=f"^{name} must be"):
+        etl_train(**{"scale": 1, "limit": 1000, name: value}, data_dir=str(tmp_path))
+    assert not list(tmp_path.iterdir()), "nothing was written"

@@ -157,3 +157,10 @@ def test_model_beats_the_historical_rate_baseline(features_dir: Path, tmp_path: 
 def test_evaluate_without_a_model(features_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(PipelineInputError, match="model"):
         evaluate(features_dir, tmp_path / "absent.json")
+
+
+def test_a_single_class_test_split_says_to_raise_limit() -> None:
+    from gpu_tasks.pipeline.evaluate import _scores
+
+    with pytest.raises(PipelineInputError, match=r"single class \(\[1\]\) in 3 rows.*raise limit"):
+        _scores(np.ones(3, dtype="int64"), np.full(3, 0.5), "model")
