@@ -378,7 +378,7 @@ def _without_the_pipeline_extra(*args: str) -> subprocess.CompletedProcess[str]:
         "GPU_TASKS_EMULATED_GPUS": "1",
     }
     return subprocess.run(
-        [sys.executable, "-c", code, *args, "--limit", "100"],
+        [sys.executable, "-c", code, *args, "--limit", "1000"],
         capture_output=True,
         text=True,
         timeout=120,
@@ -557,5 +557,5 @@ def test_quotas_in_a_broken_prefect_environment_say_why_in_one_line(env, runner,
 def test_example_run_with_a_bad_profiles_file_says_so_in_one_line(env, runner, tmp_path):
     """The example's flow module builds its runner, which reads the file: an error, not a traceback."""
     env.setenv("GPU_TASKS_PROFILES_FILE", str(tmp_path / "nope.toml"))
-    err = _failed(runner.invoke(app, ["example", "run", "--limit", "100", "--data-dir", str(tmp_path)]))
+    err = _failed(runner.invoke(app, ["example", "run", "--limit", "1000", "--data-dir", str(tmp_path)]))
     assert f"profiles file '{tmp_path / 'nope.toml'}' (GPU_TASKS_PROFILES_FILE) cannot be read" in err, err

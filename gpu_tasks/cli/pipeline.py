@@ -49,8 +49,13 @@ def _pipeline_options(command: str, scale: int, rounds: int, limit: int | None) 
         fail(f"--scale must be at least 1 (the number of copies of the flights data), got {scale}")
     if rounds < 1:
         fail(f"--rounds must be at least 1, got {rounds}")
-    if limit is not None and limit < 1:
-        fail(f"--limit must be at least 1 flight, got {limit}")
+    from gpu_tasks.pipeline.params import MIN_LIMIT  # a light module, as the flow's own check
+
+    if limit is not None and limit < MIN_LIMIT:
+        fail(
+            f"--limit must be at least {MIN_LIMIT} flights (fewer can leave a split with one class), "
+            f"got {limit}"
+        )
 
 
 EMULATED_STAGES = "its ETL reads with pandas instead of cuDF and XGBoost trains with device='cpu'"

@@ -92,6 +92,7 @@ def test_run_command_human_output_on_a_given_server(tmp_path: Path, prefect_serv
         (["--scale", "0"], "--scale"),
         (["--rounds", "0"], "--rounds"),
         (["--limit", "-5"], "--limit"),
+        (["--limit", "999"], "--limit must be at least 1000"),  # the flow's own minimum, before any server
     ],
 )
 def test_run_command_rejects_bad_input_before_starting_anything(
@@ -125,7 +126,7 @@ def test_pipeline_commands_on_a_host_without_gpus_say_how_to_emulate(
     monkeypatch.setattr(
         devices_module, "nvml_devices", lambda: ((), "no NVIDIA driver (NVMLError_LibraryNotFound)")
     )
-    result = CliRunner().invoke(app, ["example", command, "--limit", "100"])
+    result = CliRunner().invoke(app, ["example", command, "--limit", "1000"])
     assert result.exit_code == 2, result.output
     err = result.stderr
     assert f"gpu-tasks example {command}: the pipeline's stages cannot run here" in err, err
