@@ -64,6 +64,10 @@ class ProfileCluster:
     # why a task still running when the flow run stopped did not finish (its crash report)
     stopped_note = "its worker was closed"
 
+    def subscribe(self, topic: str, handler: Any) -> None:
+        """Call ``handler(event)`` for Dask events on ``topic``: a shared cluster's workers' (remote.py);
+        this flow run's own workers tell of their crashes otherwise."""
+
     def __init__(
         self,
         profile: ResourceProfile,

@@ -121,6 +121,11 @@ class RemoteCluster(ProfileCluster):
     def scheduler_address(self) -> str:
         raise NotImplementedError
 
+    def subscribe(self, topic: str, handler: Any) -> None:
+        """Call ``handler(event)`` for each Dask event its workers log on ``topic`` (after :meth:`start`)."""
+        if self.client is not None:
+            self.client.subscribe_topic(topic, handler)
+
     # ------------------------------------------------------------ tasks
     def submit(self, fn: Any, *args: Any, key: str, resources: dict[str, float] | None) -> Any:
         if self.client is None:

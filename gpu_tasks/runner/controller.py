@@ -164,9 +164,7 @@ class Controller:
             st.start_failed = (time.monotonic(), exc)
             raise
         st.start_failed = None
-        client: Any = getattr(cluster, "client", None)  # a shared cluster's (RemoteCluster)
-        if cluster.shared and client is not None:  # its workers tell of the crashes they find there
-            client.subscribe_topic(crash_topic(self.live.flow_run_id), self._told)
+        cluster.subscribe(crash_topic(self.live.flow_run_id), self._told)  # a shared one's workers tell
         cluster.usage.waited(devices=cluster.startup.get("wait_devices_s", 0.0))
         st.ever_provisioned = True
         self.live.emit(
