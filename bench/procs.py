@@ -31,13 +31,14 @@ def marked(marker: str) -> list[Any]:
     return found
 
 
-def wait_gone(marker: str, timeout: float) -> tuple[float, list[str]]:
-    """Seconds until no marked process is left (or ``timeout``), and the command lines of those left."""
+def wait_gone(marker: str, timeout: float, keep: int | None = None) -> tuple[float, list[str]]:
+    """Seconds until no marked process but ``keep`` (a pid) is left (or ``timeout``), and the command
+    lines of those left."""
     import psutil
 
     t0 = time.monotonic()
     while True:
-        left = marked(marker)
+        left = [p for p in marked(marker) if p.pid != keep]
         if not left or time.monotonic() - t0 >= timeout:
             break
         time.sleep(0.05)

@@ -89,6 +89,20 @@ def test_usage_row_has_one_span_per_device_and_none_for_cpu_workers():
     assert cpu.row("cpu", [Held("c", ())], False, T0 + 2, "flow run ended").spans == ()
 
 
+def test_usage_row_counts_a_task_still_running_at_the_close_as_busy_and_interrupted():
+    usage = Usage()
+    workers = [Held("w0", ("0",), (H100,))]
+    usage.held(workers, since=T0)
+    usage.record("0", T0 + 1, T0 + 2)
+    usage.record("0", T0 + 3, T0 + 10, interrupted=True)  # the runner closed at T0 + 10
+    row = usage.row("train", workers, True, T0 + 10, "flow run ended with TerminationSignal")
+    assert (row.tasks, row.interrupted, row.busy_seconds) == (2, 1, pytest.approx(8.0))
+    assert row.as_dict()["interrupted"] == 1
+    usage.reset()
+    usage.held(workers, since=T0)
+    assert usage.row("train", workers, True, T0 + 1, "flow run ended").interrupted == 0
+
+
 def test_a_remote_row_spans_its_tasks_with_the_workers_device_models():
     cluster = AddressCluster(ResourceProfile(name="shared", gpus=1, address="tcp://h:8786"), {}, 10.0)
     cluster.remote = {

@@ -658,6 +658,78 @@ def test_flow_run_gets_a_resource_ledger_artifact():
     assert "EMULATED" in arts[0]["description"]
 
 
+@task
+def mark_then_sleep(ready: str, seconds: float) -> None:
+    Path(ready).write_text("started")
+    time.sleep(seconds)
+
+
+def test_a_task_running_when_the_flow_stops_counts_as_busy_and_raises_no_waste_alert(
+    tmp_path: Path, monkeypatch
+):
+    """A GPU task still running when the flow run is interrupted (here the flow raises; Ctrl-C and
+    SIGTERM close the same way) is busy from its start up to the close, and counted as a task: the
+    row said `busy 0.0, 0 tasks`, and the summary raised a false held-busy alert."""
+    monkeypatch.setenv("GPU_TASKS_TUNE_ALERT_MIN_HELD_SECONDS", "0")  # seconds held here, not minutes
+    ready = tmp_path / "ready"
+    box: list = []
+
+    @flow(task_runner=runner(GPU))
+    def interrupted():
+        box.append((FlowRunContext.get().task_runner, FlowRunContext.get().flow_run.id))
+        mark_then_sleep.with_options(tags=[profile("gpu")]).submit(str(ready), 120)
+        _until(ready.exists, "the GPU task started")
+        time.sleep(3.0)
+        raise RuntimeError("the flow stops while its GPU task runs")
+
+    with pytest.raises(RuntimeError, match="while its GPU task runs"):
+        interrupted()
+    runner_, run_id = box[0]
+    [row] = [r for r in runner_.ledger if r.profile == "gpu"]
+    assert row.reason.startswith("flow run ended"), row.reason
+    assert row.tasks == 1 and 3.0 <= row.busy_seconds <= row.held_seconds, row.as_dict()
+    assert row.interrupted == 1, row.as_dict()
+    [span] = row.spans
+    assert span.tasks == 1 and span.busy_seconds == pytest.approx(row.busy_seconds), span.as_dict()
+    [table] = _artifacts(run_id, "resource-ledger")
+    [gpu_row] = [r for r in _table(table) if r["profile"] == "gpu"]
+    assert gpu_row["tasks"] == 1 and gpu_row["busy_s"] >= 3.0, gpu_row
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all(timeout=10)
+    [summary] = flow_run_events(run_id, {"name": ["gpu-tasks.flow-run.summary"]})
+    assert summary["resource"]["gpu-tasks.alert"] == "none", summary["resource"]
+
+
+def test_a_cluster_whose_scheduler_process_was_killed_closes_at_once_and_keeps_its_row(tmp_path: Path):
+    """A Prefect worker's cancel sends SIGTERM to the flow run's whole process group, the profile's
+    scheduler process included: the close skips Dask's request to the dead scheduler, which retried
+    the connection for 30 s (distributed.comm.timeouts.connect), and the row counts the task."""
+    import signal
+
+    ready = tmp_path / "ready"
+    box: list = []
+
+    @flow(task_runner=runner(GPU))
+    def scheduler_killed():
+        box.append(FlowRunContext.get().task_runner)
+        mark_then_sleep.with_options(tags=[profile("gpu")]).submit(str(ready), 120)
+        _until(ready.exists, "the GPU task started")
+        scheduler = box[0]._live.states["gpu"].cluster.backend.cluster.scheduler
+        os.kill(scheduler.warm.pid, signal.SIGTERM)
+        _until(lambda: not scheduler.warm.process.is_alive(), "the scheduler process ended", 10)
+        time.sleep(0.5)
+        box.append(time.monotonic())
+        raise RuntimeError("the flow stops after its scheduler died")
+
+    with pytest.raises(RuntimeError, match="after its scheduler died"):
+        scheduler_killed()
+    took = time.monotonic() - box[1]
+    assert took < 10, f"the runner closed {took:.1f}s after the flow stopped"
+    [row] = [r for r in box[0].ledger if r.profile == "gpu"]
+    assert row.tasks == 1 and row.busy_seconds > 0, row.as_dict()
+
+
 def _seconds_of_day(hms: str) -> int:
     h, m, s = (int(x) for x in hms.split(":"))
     return h * 3600 + m * 60 + s

@@ -41,3 +41,24 @@ def test_a_file_left_by_a_flow_process_that_is_gone_is_removed_by_the_next_runne
         assert not left.exists() and mine.exists()
     finally:
         log.close()
+
+
+def test_a_noted_hand_off_tells_when_it_began_and_on_which_worker():
+    """What the runner counts as busy for a task still running at its close (the ledger)."""
+    import time
+
+    log = StartedLog()
+    try:
+        assert log.since("train-ab12-1") is None  # no file yet
+        path = log.path
+        before = time.time()
+        mark_started(path, "train step-ab12-1", "0,1")
+        began = log.since("train step-ab12-1")
+        assert began is not None and before - 0.001 <= began[0] <= time.time() + 0.001 and began[1] == "0,1"
+        assert log.since("train step-ab12-2") is None
+        with open(path, "a") as f:  # a token alone (an older worker's note): begun, time unknown
+            f.write("cd34-1\n")
+        assert log.began("other-cd34-1") and log.since("other-cd34-1") is None
+    finally:
+        log.close()
+    assert log.since("train step-ab12-1") is None  # removed: nothing to count

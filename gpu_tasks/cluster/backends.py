@@ -297,10 +297,19 @@ class DaskBackend(Backend):
                     os.kill(pid, signal.SIGTERM)  # they end their own children first
 
     def close(self) -> None:
+        scheduler: Any = getattr(self.cluster, "scheduler", None)
+        # a scheduler process that ended unasked (a Prefect worker's cancel sends SIGTERM to the flow
+        # run's whole process group): Dask's close would ask it to terminate, retrying the connection
+        # for distributed.comm.timeouts.connect (30 s, then Prefect's SIGKILL): its entry is closed here
+        gone = bool(getattr(scheduler, "gone", False))
         for thing in (self.client, self.cluster):
             if thing is None:
                 continue
             try:
+                if gone and thing is self.cluster:
+                    self.cluster.shutdown_scheduler = False
+                    with contextlib.suppress(Exception):
+                        self.cluster.sync(scheduler.close)
                 thing.close()
             except Exception:
                 logger.warning("error while closing %r", thing, exc_info=True)

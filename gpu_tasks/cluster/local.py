@@ -346,9 +346,10 @@ class ProfileCluster:
             raise ClusterError(f"profile {self.profile.name!r}: its cluster is not running")
         return self.backend
 
-    def record(self, worker: str, start: float, end: float) -> None:
-        """Record that a task ran on ``worker`` (:func:`~gpu_tasks.reporting.ledger.worker_key`)."""
-        self.usage.record(worker, start, end)
+    def record(self, worker: str, start: float, end: float, interrupted: bool = False) -> None:
+        """Record that a task ran on ``worker`` (:func:`~gpu_tasks.reporting.ledger.worker_key`);
+        ``interrupted``: it did not finish (its cluster closed or its worker died at ``end``)."""
+        self.usage.record(worker, start, end, interrupted)
 
     def drain(self) -> None:
         """Let running in-flow-process tasks finish before the runner closes."""
@@ -407,7 +408,7 @@ class ProfileCluster:
 
     def _log_given_back(self, what: str, reason: str, row: LedgerRow) -> None:
         logger.info(
-            "profile %r: %s (%s); held %.1f %s, busy %.1f %s",
+            "profile %r: %s (%s); held %.1f %s, busy %.1f %s%s",
             self.profile.name,
             what,
             reason,
@@ -415,6 +416,7 @@ class ProfileCluster:
             self.unit,
             row.busy_seconds,
             self.unit,
+            f"; {row.interrupted} task(s) interrupted, busy until then" if row.interrupted else "",
         )
 
     def _queueing(self) -> dict[str, Any]:

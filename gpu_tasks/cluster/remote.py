@@ -381,7 +381,7 @@ class RemoteCluster(ProfileCluster):
             return f"the {len(fit)} worker(s) that fit are busy with other work"
         return "no worker that fits is up"
 
-    def record(self, worker: str, start: float, end: float) -> None:
+    def record(self, worker: str, start: float, end: float, interrupted: bool = False) -> None:
         with self._busy_lock:
             self._busy.setdefault(worker, []).append((start, end))
             self._tasks += 1

@@ -89,6 +89,9 @@ class LedgerRow:
     gang: tuple[str, ...] = ()
     worst_link: str = ""
     better_set: str = ""
+    # of ``tasks``, those that did not finish: still running when the cluster closed, or when their
+    # worker died (busy up to then)
+    interrupted: int = 0
 
     @property
     def utilization(self) -> float:
@@ -108,6 +111,7 @@ class LedgerRow:
             "busy_s": round(self.busy_seconds, 3),
             "utilization": round(self.utilization, 3),
             "tasks": self.tasks,
+            "interrupted": self.interrupted,
             "wait_devices_s": round(self.wait_devices_seconds, 3),
             "wait_slots_s": round(self.wait_slots_seconds, 3),
             "reason": self.reason,
@@ -208,6 +212,7 @@ class Usage:
             self._started.clear()
             self._busy.clear()
             self._tasks = 0
+            self._interrupted = 0
             self._waits = {"devices": 0.0, "slots": 0.0}
             self._skipped: list[str] = []
             self.samples.by_device.clear()
@@ -250,11 +255,13 @@ class Usage:
         for w in workers:
             self._started[w.name] = since
 
-    def record(self, worker: str, start: float, end: float) -> None:
-        """A task ran on ``worker`` (see :func:`worker_key`) from ``start`` to ``end``."""
+    def record(self, worker: str, start: float, end: float, interrupted: bool = False) -> None:
+        """A task ran on ``worker`` (see :func:`worker_key`) from ``start`` to ``end`` (``interrupted``:
+        it did not finish: its cluster closed or its worker died at ``end``)."""
         with self._lock:
             self._busy.setdefault(worker, []).append((start, end))
             self._tasks += 1
+            self._interrupted += interrupted
 
     def row(
         self,
@@ -272,6 +279,7 @@ class Usage:
         gang, worst, better = self.gang_wiring if whole else ((), "", "")
         with self._lock:
             skipped = tuple(self._skipped) if whole else ()
+            interrupted = self._interrupted if whole else 0
             if whole:
                 tasks = self._tasks
             else:
@@ -299,6 +307,7 @@ class Usage:
             held_seconds=held,
             busy_seconds=min(busy, held),
             tasks=tasks,
+            interrupted=interrupted,
             reason=reason,
             spans=tuple(spans),
             skipped=skipped,

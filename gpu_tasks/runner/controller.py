@@ -291,10 +291,16 @@ class Controller:
         st = self.st
         ws = getattr(exc, "last_worker", None)
         row = None
+        # busy from the hand-off's start until now (the ledger counted it idle), on the devices it had
+        began = None if st.cluster.shared else self.live.started.since(job.key)
+        if began is not None:
+            st.cluster.record(began[1], began[0], max(began[0], time.time()), interrupted=True)
         if ws is None and st.cluster.shared:  # its client lost the scheduler: no worker to name
             lost, how = NO_WORKER, f"{type(exc).__name__}: {exc}"
         elif ws is None:  # lost with its cluster (closed when its last worker died), no worker named
-            lost = st.last_lost or NO_WORKER
+            # (or with its scheduler, killed: a one-worker cluster's devices are still known)
+            only = st.cluster.devices if st.cluster.worker_count == 1 else ()
+            lost = st.last_lost or LostWorker("", tuple(only), None, None)
             how = lost.ended.describe() if lost.ended else f"was lost ({type(exc).__name__}: {exc})"
         else:
             name = str(getattr(ws, "name", "") or "")

@@ -124,7 +124,17 @@ def _report_worker_death(
     if st.cluster.emulated:
         where += " (emulated)"
     pid = f", pid {ended.pid}" if ended and ended.pid else ""
-    if st.cluster.shared and not (name or address):  # no worker named: its client lost the scheduler
+    who = f" ({name or address}{pid})" if name or address else ""
+    began = st.cluster.shared or live.started.began(job.key)
+    cancelled = live.cancelled()  # a Prefect worker's cancel signals the flow run's whole process group
+    if cancelled:
+        message = (
+            f"the flow run stopped (cancelled) while this task ran on profile {prof.name!r} on {where}; "
+            f"its worker ended with the cancellation{who}"
+            if began
+            else f"the flow run stopped (cancelled) before this task started on profile {prof.name!r}"
+        )
+    elif st.cluster.shared and not (name or address):  # no worker named: its client lost the scheduler
         message = (
             f"the connection of profile {prof.name!r} to its Dask scheduler at "
             f"{getattr(st.cluster, 'scheduler_address', None)} was lost ({how}) while this "
@@ -133,7 +143,7 @@ def _report_worker_death(
     else:
         message = (
             f"{'Out of memory: ' if ended and ended.memory_kill else ''}the worker process of profile "
-            f"{prof.name!r} on {where} ({name or address}{pid}) {how} while running this task"
+            f"{prof.name!r} on {where}{who} {how} while running this task"
         )
     if row is not None:
         live.gave_back(
@@ -148,7 +158,7 @@ def _report_worker_death(
                 "out_of_memory": bool(ended and ended.memory_kill),
             },
         )
-    if not st.cluster.shared and not live.started.began(job.key):
+    if not began and not cancelled:
         job.say(
             logging.INFO,
             "Task %r had been queued on the worker of profile %r on %s (%s), which %s before it began: "
@@ -161,6 +171,12 @@ def _report_worker_death(
         )
         return 0.0, None
     state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
+    if cancelled:  # never retried: the run is ending
+        flow_logger().warning(
+            "Task run %s crashed: %s", getattr(task_run, "name", None) or job.task.name, message
+        )
+        results.finish(job, result=state)
+        return None
     if ended and ended.memory_kill and prof.on_oom and job.escalated_from is None and task_run is not None:
         _escalate(live, job, task_run, message)
         return None

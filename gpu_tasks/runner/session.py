@@ -23,8 +23,8 @@ from gpu_tasks.devices.discovery import EMULATION_MEANS, Inventory, discover
 from gpu_tasks.devices.fair_share import ACCRUE_S
 from gpu_tasks.devices.measure import Sampler
 from gpu_tasks.policy import bound_at_most
-from gpu_tasks.prefect_api.api import require_flow_api_url, worker_env
-from gpu_tasks.prefect_api.states import api_unreachable
+from gpu_tasks.prefect_api.api import client_tls, require_flow_api_url, worker_env
+from gpu_tasks.prefect_api.states import api_unreachable, no_client_retries
 from gpu_tasks.prefect_api.tag_answers import limited_names, start_renewing
 from gpu_tasks.prefect_api.tag_slots import SlotGate
 from gpu_tasks.profiles import ResourceProfile
@@ -89,6 +89,7 @@ class Live:
         self.flow_run_id = self.run.id
         # why the Prefect API could not be reached when an interrupted run closed (then no events)
         self.api_down: str | None = None
+        self._cancelled = False  # found Cancelling or Cancelled on the server (:meth:`cancelled`)
         self.sampler = Sampler(self.settings.gpu_sample_seconds)  # measured use
         RunLogs.enter(self.flow_run_id, self.settings.dask_log_level)
         try:
@@ -252,6 +253,7 @@ class Live:
                 "held_s": round(row.held_seconds, 3),
                 "busy_s": round(row.busy_seconds, 3),
                 "tasks": row.tasks,
+                **({"interrupted": row.interrupted} if row.interrupted else {}),  # tasks that did not finish
                 **(extra or {}),
             },
             devices,
@@ -287,6 +289,14 @@ class Live:
             self.api_down = api_unreachable()
         return self.api_down is None
 
+    def cancelled(self) -> bool:
+        """Whether this flow run is being cancelled (``Cancelling`` or ``Cancelled`` on its server): a
+        Prefect worker's cancel stops the flow process, and its process group, with a SIGTERM, as other
+        stops do. One request without retries; a run found cancelled stays so."""
+        if not self._cancelled and self.api_down is None and self.flow_run_id is not None:
+            self._cancelled = bool(self.in_run_context(_being_cancelled, self.flow_run_id))
+        return self._cancelled
+
     def in_run_context(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the flow run's context as it was when the runner started (any thread)."""
         return self.ctx.copy().run(fn, *args)
@@ -309,6 +319,7 @@ class Live:
             # finished is never reported Crashed for the close); later ones are fetched one by one
             self._close_results(2.0 if hurry else 10.0)
             running = [j for st in states for j in st.inflight.values()]
+            self._count_running(running)
             for st in states:
                 self.close_cluster(st, reason, hurry=hurry)
                 try:
@@ -326,6 +337,19 @@ class Live:
             self.started.close()
             RunLogs.leave(self.flow_run_id)  # the close's own lines were sent before this
 
+    def _count_running(self, jobs: list[Job]) -> None:
+        """Tasks still running as their clusters close count as busy from their start up to now, and as
+        tasks (``interrupted``): the rows would otherwise call the devices idle (a false waste alert).
+        A local worker noted when each hand-off began and on which devices (gpu_tasks.worker.started)."""
+        now = time.time()
+        for job in jobs:
+            cluster = job.st.cluster
+            if job.cf.done() or cluster.shared or not job.profile.uses_processes:
+                continue  # ended (counted), or no note (a shared scheduler's; in-process ones are drained)
+            began = self.started.since(job.key)
+            if began is not None:
+                cluster.record(began[1], began[0], max(began[0], now), interrupted=True)
+
     def _advise(self) -> None:
         """A right-size line and event per GPU profile that used much less than it held."""
         for profile, line, measured in right_size(self.ledger):
@@ -337,7 +361,7 @@ class Live:
         """Report task runs still running at the close ``Crashed`` (API gone: set here, named in one line)."""
         from prefect.states import Crashed
 
-        from gpu_tasks.prefect_api.states import crash_task_run, no_client_retries
+        from gpu_tasks.prefect_api.states import crash_task_run
 
         unfinished = [
             j for j in jobs if not (j.cf.done() and not j.cf.cancelled() and j.cf.exception() is None)
@@ -388,3 +412,20 @@ class Live:
                 ids,
                 ", ..." if len(unreported) > 5 else "",
             )
+
+
+def _being_cancelled(flow_run_id: Any, timeout: float = 5.0) -> bool:
+    """Whether the server has flow run ``flow_run_id`` ``Cancelling`` or ``Cancelled`` (``False`` when
+    it cannot tell within ``timeout``)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.objects import StateType
+    from prefect.settings import get_current_settings
+
+    try:
+        url = get_current_settings().api.url
+        settings = {**((client_tls(str(url)) if url else None) or {}), "timeout": timeout}
+        with no_client_retries(), get_client(sync_client=True, httpx_settings=settings) as client:
+            state = client.read_flow_run(flow_run_id).state
+    except Exception:
+        return False
+    return state is not None and state.type in (StateType.CANCELLING, StateType.CANCELLED)

@@ -14,6 +14,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from prefect.exceptions import TerminationSignal
 from prefect.futures import PrefectConcurrentFuture, PrefectFuture
 from prefect.task_runners import TaskRunner
 
@@ -190,10 +191,17 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 states = list(self._live.states.values()) if self._live is not None else []  # sizes only
                 on_interrupt(sum(len(st.inflight) for st in states), [st.profile.name for st in states])
             reason = "flow run ended" if exc_type is None else f"flow run ended with {exc_type.__name__}"
+            if exc_type is not None and issubclass(exc_type, TerminationSignal) and self._was_cancelled():
+                reason = "flow run cancelled"
             with held_while_closing():  # a Ctrl-C half-way through the close left warm processes running
                 self._shutdown(reason, hurry=exc_type is not None)
         finally:
             super().__exit__(exc_type, exc_value, traceback)
+
+    def _was_cancelled(self) -> bool:
+        """Whether the SIGTERM that stops the flow run is a Prefect worker's cancel (asked of the server)."""
+        live = self._live
+        return live is not None and live.api_answers() and live.cancelled()
 
     def _shutdown(self, reason: str, hurry: bool = False) -> None:
         live, self._live, self._admission = self._live, None, None

@@ -136,7 +136,9 @@ def run_on_worker(
             with tag_slots_held_by_flow(kwargs["task_run_id"], slots_held):
                 if not remote:
                     if started_log:
-                        mark_started(started_log, dask_worker.get_current_task())
+                        mark_started(
+                            started_log, dask_worker.get_current_task(), worker_key(alloc.device_keys)
+                        )
                     return run_engine(alloc, task, kwargs)
                 return _interruptible(dask_worker, alloc, task, kwargs)
     finally:

@@ -159,6 +159,12 @@ class PooledScheduler(_Bound):
         self._watch = asyncio.ensure_future(self._watch_process())
         await super().start()  # type: ignore[no-untyped-call]
 
+    @property
+    def gone(self) -> bool:
+        """Whether its process ended though its cluster has not closed it (killed, out of memory)."""
+        warm = self.warm
+        return warm is not None and not warm.process.is_alive()
+
     async def _watch_process(self) -> None:
         """A scheduler process that ends (killed, out of memory) is closed to its cluster."""
         assert self.warm is not None

@@ -1,5 +1,6 @@
 """Which hand-offs began in a local cluster's workers, noted in a file: a task Dask had only queued
-on a worker that died runs again instead of ending ``Crashed`` (docs/runner.md, "A worker process dies")."""
+on a worker that died runs again instead of ending ``Crashed`` (docs/runner.md, "A worker process dies"),
+and a task still running when the runner closes counts as busy from its start (the ledger)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import logging
 import os
 import tempfile
 import threading
+import time
 
 logger = logging.getLogger(__name__)
 
@@ -20,8 +22,9 @@ def hand_off_token(key: str) -> str:
     return "-".join(str(key).rsplit("-", 2)[-2:])
 
 
-def mark_started(path: str, key: str) -> None:
-    """In a worker: note that hand-off ``key`` begins (a kernel write outlives the process)."""
+def mark_started(path: str, key: str, worker: str = "cpu") -> None:
+    """In a worker: note that hand-off ``key`` begins now on ``worker`` (its devices' ledger key,
+    :func:`~gpu_tasks.reporting.ledger.worker_key`); a kernel write outlives the process."""
     try:
         fd = _FDS.get(path)
         if fd is None:
@@ -29,7 +32,7 @@ def mark_started(path: str, key: str) -> None:
 
             fd = _FDS[path] = os.open(path, os.O_WRONLY | os.O_APPEND)  # the flow process made it
             guard.on_orphaned(lambda _flow: _remove(path))  # a killed flow process cannot remove it
-        os.write(fd, f"{hand_off_token(key)}\n".encode())
+        os.write(fd, f"{hand_off_token(key)} {time.time():.3f} {worker}\n".encode())
     except OSError:
         logger.warning("gpu-tasks: could not note that %s began in %s", key, path, exc_info=True)
 
@@ -54,7 +57,7 @@ class StartedLog:
 
     def __init__(self) -> None:
         self._path: str | None = None
-        self._seen: set[str] = set()
+        self._seen: dict[str, tuple[float, str] | None] = {}  # token: (began at, worker key)
         self._offset = 0
         self._lock = threading.Lock()
 
@@ -69,19 +72,44 @@ class StartedLog:
 
     def began(self, key: str) -> bool:
         """Whether hand-off ``key`` began; ``True`` when unreadable (reported a crash, never run twice)."""
+        if not self._read():
+            return True
         with self._lock:
-            if self._path is None:
-                return True
-            try:
-                with open(self._path, "rb") as f:
-                    f.seek(self._offset)
-                    data = f.read()
-            except OSError:
-                return True
-            end = data.rfind(b"\n") + 1
-            self._offset += end
-            self._seen.update(data[:end].decode().split())
             return hand_off_token(key) in self._seen
+
+    def since(self, key: str) -> tuple[float, str] | None:
+        """When hand-off ``key`` began and on which worker (its ledger key); ``None``: not noted."""
+        if not self._read():
+            return None
+        with self._lock:
+            return self._seen.get(hand_off_token(key))
+
+    def _read(self) -> bool:
+        """Read what was added to the file since the last read (no lock held while reading); ``False``
+        when there is no file or it cannot be read."""
+        with self._lock:
+            path, offset = self._path, self._offset
+        if path is None:
+            return False
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                data = f.read()
+        except OSError:
+            return False
+        end = data.rfind(b"\n") + 1
+        noted: dict[str, tuple[float, str] | None] = {}
+        for line in data[:end].decode().splitlines():
+            token, _, rest = line.partition(" ")
+            at, _, worker = rest.partition(" ")
+            try:
+                noted[token] = (float(at), worker or "cpu")
+            except ValueError:  # a token alone (noted by an older worker): began, time unknown
+                noted[token] = None
+        with self._lock:  # two readers at once read the same lines: the same entries
+            self._seen.update(noted)
+            self._offset = max(self._offset, offset + end)
+        return True
 
     def close(self) -> None:
         with self._lock:
