@@ -431,15 +431,32 @@ def worker_spec(
     )
 
 
-def crash_retry(retries: int, attempts: int, retry_delay_seconds: Any, crashes: int) -> float | None:
-    """Seconds before a task run whose worker died runs again (``retry_delay_seconds``, the last
-    repeating), or ``None`` when its ``attempts`` used up its ``retries``."""
-    if attempts > retries:
+def runs_counted(run_count: int, free_runs: int = 0, crashes: int = 0) -> int:
+    """The runs of a task run that count against its ``retries``: its Prefect run count (Prefect's own
+    retries included) less ``free_runs``, the runs that used none (preempted, or moved to its
+    ``on_oom`` profile), and at least its ``crashes`` (a worker can die before Prefect counts its run)."""
+    return max(crashes, run_count - free_runs, 0)
+
+
+def crash_retry(
+    retries: int, retry_delay_seconds: Any, run_count: int, free_runs: int = 0, crashes: int = 1
+) -> float | None:
+    """After a task run's worker died under it (``crashes``, this one included): the seconds before it
+    runs again (``retry_delay_seconds``, the last repeating; its re-run keeps :func:`rerun_retries`),
+    or ``None`` when its counted runs (:func:`runs_counted`) used up its ``retries``."""
+    counted = runs_counted(run_count, free_runs, crashes)
+    if counted > retries:
         return None
     delay = retry_delay_seconds
     if isinstance(delay, (list, tuple)):
-        delay = delay[min(crashes, len(delay) - 1)] if delay else 0
+        delay = delay[min(counted - 1, len(delay) - 1)] if delay else 0
     return float(delay or 0)
+
+
+def rerun_retries(retries: int, run_count: int, free_runs: int = 0, crashes: int = 0) -> int:
+    """The retries Prefect's engine may still use when a task run runs again (after a crash, a
+    preemption or out of memory): its ``retries`` less its counted runs (:func:`runs_counted`)."""
+    return max(0, retries - runs_counted(run_count, free_runs, crashes))
 
 
 def aged_priority(base: int, aging: float, waited: float) -> int:

@@ -367,14 +367,25 @@ def test_bound_at_most_counts_each_profiles_cap_on_the_devices_it_matches():
 
 def test_a_crashed_task_run_is_retried_by_one_rule_with_prefects_retry_delay():
     """One rule for a dead worker's task run, in the runner and on a shared scheduler's re-run:
-    retried while runs <= retries, after retry_delay_seconds (a number, or one per retry with the
-    last repeating); None once they are used up."""
-    from gpu_tasks.policy import crash_retry
+    retried while its counted runs <= retries, after retry_delay_seconds (a number, or one per retry
+    with the last repeating); None once they are used up. Runs that used no retry (preempted, moved
+    to on_oom) do not count; a crash counts even when Prefect never counted its run."""
+    from gpu_tasks.policy import crash_retry, rerun_retries, runs_counted
 
-    assert crash_retry(retries=0, attempts=1, retry_delay_seconds=0, crashes=0) is None
-    assert crash_retry(retries=2, attempts=1, retry_delay_seconds=5, crashes=0) == 5.0
-    assert crash_retry(retries=2, attempts=2, retry_delay_seconds=None, crashes=1) == 0.0
-    assert crash_retry(retries=2, attempts=3, retry_delay_seconds=5, crashes=2) is None
+    assert crash_retry(0, 0, run_count=1) is None
+    assert crash_retry(2, 5, run_count=1) == 5.0
+    assert crash_retry(2, None, run_count=2) == 0.0
+    assert crash_retry(2, 5, run_count=3) is None
     per_retry = [1, 4]
-    assert [crash_retry(3, a, per_retry, a - 1) for a in (1, 2, 3, 4)] == [1.0, 4.0, 4.0, None]
-    assert crash_retry(retries=1, attempts=1, retry_delay_seconds=[], crashes=0) == 0.0
+    assert [crash_retry(3, per_retry, runs) for runs in (1, 2, 3, 4)] == [1.0, 4.0, 4.0, None]
+    assert crash_retry(1, [], run_count=1) == 0.0
+    # preempted once, then its worker died: the documented "no retry used" holds
+    assert crash_retry(1, 0, run_count=2, free_runs=1) == 0.0
+    assert crash_retry(1, 0, run_count=3, free_runs=1) is None
+    # a worker that died before Prefect counted its run (run count still 0) still spends a retry
+    assert crash_retry(1, 0, run_count=0, crashes=2) is None
+    assert runs_counted(0, 0, crashes=2) == 2
+    # what a re-run keeps: after one crash of the first run, one retry less; after a preemption, all
+    assert rerun_retries(3, run_count=1, crashes=1) == 2
+    assert rerun_retries(3, run_count=1, free_runs=1) == 3
+    assert rerun_retries(1, run_count=2, free_runs=0) == 0  # Prefect retried it once already

@@ -352,6 +352,59 @@ def test_one_flow_run_preempts_its_own_preemptible_profile(tmp_path, lease_dir, 
     assert _events(str(run_id), "gpu-tasks.cluster.preempting")
 
 
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_a_preempted_task_keeps_its_retries_for_a_crash_after(tmp_path, lease_dir, monkeypatch):
+    """A preemption uses no retry (docs/profiles.md): a task with retries=1, preempted once, whose
+    worker then dies under it, runs again and completes (the runner counted the preempted run as a
+    used retry: the crash ended it Crashed with "no retries left")."""
+    import os
+    import signal
+
+    from prefect import flow, task
+
+    from gpu_tasks import ProfileTaskRunner, profile
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    monkeypatch.setenv("GPU_TASKS_TUNE_PREEMPTION_GRACE", str(GRACE))
+    runs = tmp_path / "batch-runs"
+
+    @task(retries=1)
+    def work(name: str) -> str:
+        if name == "b":
+            with open(runs, "a") as f:
+                f.write("x")
+            n = len(runs.read_text())
+            if n == 1:
+                time.sleep(BATCH_S)  # until the urgent task preempts it
+            elif n == 2:  # its worker dies under its second run, once the server has counted that run
+                time.sleep(3)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return name.upper()
+
+    batch = ResourceProfile(name="batch", gpus=1, preemptible=True, idle_timeout=30)
+    urgent = ResourceProfile(name="urgent", gpus=1, priority=5, idle_timeout=0)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="cpu", cpus=0.5), batch, urgent]))
+    def mixed():
+        b = work.with_options(tags=[profile("batch")]).submit("b")
+        deadline = time.monotonic() + 60
+        while not runs.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        u = work.with_options(tags=[profile("urgent")]).submit("u")
+        return b.task_run_id, u.result(), b.result()
+
+    b_id, u_result, b_result = mixed()
+    assert (u_result, b_result) == ("U", "B")
+    assert runs.read_text() == "xxx"
+    names = _state_names(str(b_id))
+    assert (
+        names.index("Preempted")
+        < names.index("Crashed")
+        < names.index("AwaitingRetry", names.index("Crashed"))
+    )
+    assert names[-1] == "Completed", names
+
+
 # the batch profile's min_run_time in the test below, counted from its lease: the urgent run must
 # start waiting inside it, after the batch task's worker is bound and its task has begun (with 4 s,
 # a CI run on four test processes got there after it had ended, and saw no protected wait)

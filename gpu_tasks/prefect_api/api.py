@@ -30,13 +30,17 @@ def client_tls(api_url: str | None) -> dict[str, Any] | None:
     return None
 
 
-def sync_client() -> Any:
-    """Prefect's ``get_client(sync_client=True)`` for the current settings (:func:`client_tls`)."""
+def sync_client(timeout: float | None = None) -> Any:
+    """Prefect's ``get_client(sync_client=True)`` for the current settings (:func:`client_tls`), its
+    requests given up after ``timeout`` s (``None``: Prefect's own)."""
     from prefect.client.orchestration import get_client
     from prefect.settings import get_current_settings
 
     url = get_current_settings().api.url
-    return get_client(sync_client=True, httpx_settings=client_tls(str(url) if url else None))
+    settings = client_tls(str(url) if url else None)
+    if timeout is not None:
+        settings = {**(settings or {}), "timeout": timeout}
+    return get_client(sync_client=True, httpx_settings=settings)
 
 
 # (pid, URL) of the ephemeral server this process last found: a forked child finds none of its parent's

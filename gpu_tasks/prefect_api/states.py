@@ -153,15 +153,24 @@ def report_state(
 
 
 def retry_after_crash(
-    task: Any, task_run: Any, flow_run_id: uuid.UUID | None, crashes: int, message: str, log: Any
+    task: Any,
+    task_run: Any,
+    flow_run_id: uuid.UUID | None,
+    free_runs: int,
+    crashes: int,
+    message: str,
+    log: Any,
 ) -> float | None:
     """After a crash report: the seconds before ``task`` runs again (its task run ``AwaitingRetry``
-    now), or ``None`` when ``crashes`` used up its retries (:func:`gpu_tasks.policy.crash_retry`)."""
-    from gpu_tasks.policy import crash_retry
+    now), or ``None`` when its runs used up its retries (``free_runs`` used none, ``crashes`` this one
+    included: :func:`gpu_tasks.policy.crash_retry`)."""
+    from gpu_tasks.policy import crash_retry, runs_counted
 
-    attempts = max(crashes + 1, int(getattr(task_run, "run_count", 0) or 0))
     retries = int(task.retries or 0)
-    delay = None if task_run is None else crash_retry(retries, attempts, task.retry_delay_seconds, crashes)
+    runs = int(getattr(task_run, "run_count", 0) or 0)
+    delay = (
+        None if task_run is None else crash_retry(retries, task.retry_delay_seconds, runs, free_runs, crashes)
+    )
     if delay is None:
         left = f"; no retries left ({retries} allowed)" if retries else ""
         log.error("Task run %s crashed: %s%s", getattr(task_run, "name", None) or task.name, message, left)
@@ -171,11 +180,20 @@ def retry_after_crash(
         "Task run %r crashed: %s; retrying it (retry %d of %d) in %gs",
         task_run.name,
         message,
-        attempts,
+        runs_counted(runs, free_runs, crashes),
         retries,
         delay,
     )
     return delay
+
+
+def rerun_task(task: Any, task_run: Any, free_runs: int, crashes: int) -> Any:
+    """``task`` to run ``task_run`` again (after a crash, a preemption or out of memory), with the
+    retries it has left (:func:`gpu_tasks.policy.rerun_retries`)."""
+    from gpu_tasks.policy import rerun_retries
+
+    runs = int(getattr(task_run, "run_count", 0) or 0)
+    return task.with_options(retries=rerun_retries(int(task.retries or 0), runs, free_runs, crashes))
 
 
 def await_retry(task_run: Any, flow_run_id: uuid.UUID | None, delay: float = 0.0) -> Any:

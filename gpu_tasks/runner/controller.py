@@ -14,7 +14,7 @@ from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import ClusterError, GpuTasksError
 from gpu_tasks.policy import close_reason, task_resources
 from gpu_tasks.preemption import preemption_reason
-from gpu_tasks.prefect_api.states import crash_topic
+from gpu_tasks.prefect_api.states import crash_topic, rerun_task
 from gpu_tasks.reporting.events import publish_dashboard
 from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner import recovery, waiting
@@ -221,9 +221,9 @@ class Controller:
         st.cluster.usage.waited(slots=job.slot_wait())  # counted once, not again on a re-run
         task = job.task
         kwargs = job.engine_kwargs()
-        if job.task_run is not None:  # a re-run after a crash continues the same task run
+        if job.task_run is not None:  # a re-run (crash, preemption, on_oom) continues the same task run
             kwargs["task_run"] = job.task_run
-            task = task.with_options(retries=max(0, (task.retries or 0) - job.crashes))
+            task = rerun_task(task, job.task_run, job.free_runs, job.crashes)
         key = job.hand_off(task.name)
         with tags(*job.extra_tags):
             if not prof.uses_processes:
@@ -249,6 +249,7 @@ class Controller:
                     st.cluster.shared,
                     job.slot_names,
                     None if st.cluster.shared else live.started.path,  # what began, if its worker dies
+                    job.free_runs,  # a shared scheduler's re-run counts the runs that used a retry
                 )
                 if not st.cluster.shared:
                     st.outbox.append((job, job.attempt, args))  # sent by flush(), when the inbox is empty
@@ -320,7 +321,9 @@ class Controller:
 
     def _recover(self, kind: str, step: Callable[..., None], job: Job, *args: Any) -> None:
         """``step(results, job, *args)`` on a thread of its own, as it waits on the Prefect API."""
-        job.off_thread(step, self._results, job, *args, name=f"gpu-tasks-{kind}-{job.profile.name}")
+        name = f"gpu-tasks-{kind}-{job.profile.name}"
+        thread = job.off_thread(recovery.recover, kind, step, self._results, job, *args, name=name)
+        self.st.recovering = [(j, t) for j, t in self.st.recovering if t.is_alive()] + [(job, thread)]
 
     def _preempt(self, addresses: list[str], waiter: dict[str, Any]) -> None:
         """Stop the workers on ``addresses`` for ``waiter``; their tasks run again, retries intact."""

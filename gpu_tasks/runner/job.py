@@ -145,6 +145,9 @@ class ProfileState:
         self.outbox: list[tuple[Job, int, tuple[Any, ...]]] = []
         # the last worker found dead or lost: the crash reports of the tasks lost with it name it
         self.last_lost: LostWorker | None = None
+        # tasks handed to gpu_tasks.runner.recovery (out of inflight), on threads of their own: the
+        # runner's close waits for them a moment, then reports those still unresolved
+        self.recovering: list[tuple[Job, threading.Thread]] = []
         self._inbox: collections.deque[Event] = collections.deque()
         self._queued: set[type] = set()  # coalesced kinds in the inbox now
         self._cv = threading.Condition()
@@ -258,6 +261,11 @@ class Job:
         return self.st.cluster.profile
 
     @property
+    def free_runs(self) -> int:
+        """Its runs that used no retry: preempted, or moved to its ``on_oom`` profile."""
+        return self.preemptions + (self.escalated_from is not None)
+
+    @property
     def tags(self) -> set[str]:
         return set(self.task.tags) | set(self.extra_tags)
 
@@ -291,6 +299,8 @@ class Job:
         """A line in the flow run's logs (from any thread: the job's context finds the logger)."""
         self.ctx.copy().run(lambda: flow_logger().log(level, msg, *args))
 
-    def off_thread(self, fn: Callable[..., Any], *args: Any, name: str) -> None:
-        """``fn(*args)`` in the job's context on a thread of its own."""
-        threading.Thread(target=self.ctx.copy().run, args=(fn, *args), name=name, daemon=True).start()
+    def off_thread(self, fn: Callable[..., Any], *args: Any, name: str) -> threading.Thread:
+        """``fn(*args)`` in the job's context on a thread of its own (started)."""
+        thread = threading.Thread(target=self.ctx.copy().run, args=(fn, *args), name=name, daemon=True)
+        thread.start()
+        return thread

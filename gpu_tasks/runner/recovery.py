@@ -5,6 +5,7 @@ after its worker died. Called by its controller on a thread of their own (they w
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from prefect.states import Scheduled
@@ -22,27 +23,32 @@ from gpu_tasks.reporting.ledger import LedgerRow
 from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner.job import Arrived, Job, Left, LostWorker
 from gpu_tasks.runner.results import Results
-from gpu_tasks.runner.session import Live
 
 logger = logging.getLogger("gpu_tasks.runner")
 
 ESCALATED_TAG = "gpu-tasks:on-oom"
 
 
-def escalate(results: Results, job: Job, task_run: Any, why: str) -> None:
-    """Re-run ``job`` once on its profile's ``on_oom`` profile; whatever fails, its future resolves."""
+_COULD_NOT = {
+    "oom": "re-run an out-of-memory task on its on_oom profile",
+    "requeue": "re-queue a preempted task",
+    "crash": "handle the task of a dead worker",
+}
+
+
+def recover(kind: str, step: Callable[..., None], results: Results, job: Job, *args: Any) -> None:
+    """``step(results, job, *args)`` (:func:`escalate`, :func:`requeue`, :func:`worker_died`); whatever
+    fails, the job's future resolves."""
     try:
-        _escalate(results.live, job, task_run, why)
+        step(results, job, *args)
     except BaseException as err:  # never leave the future unresolved
-        logger.warning(
-            "gpu-tasks: could not re-run an out-of-memory task on its on_oom profile", exc_info=True
-        )
+        logger.warning("gpu-tasks: could not %s", _COULD_NOT[kind], exc_info=True)
         results.finish(job, exc=err)
 
 
-def _escalate(live: Live, job: Job, task_run: Any, why: str) -> None:
+def escalate(results: Results, job: Job, task_run: Any, why: str) -> None:
     """Re-run ``job`` once on its profile's ``on_oom`` profile, continuing the same task run."""
-    source = job.profile
+    live, source = results.live, job.profile
     assert source.on_oom is not None  # the runner checked it names a known profile
     target = live.profiles[source.on_oom]
     if task_run is None:
@@ -70,54 +76,27 @@ def _escalate(live: Live, job: Job, task_run: Any, why: str) -> None:
 def requeue(results: Results, job: Job, reason: str, by: dict[str, Any]) -> None:
     """Report ``job`` ``Preempted`` and dispatch it again (devices permitting)."""
     live = results.live
-    try:
-        preempted: Any = Scheduled(name=PREEMPTED, message=f"Preempted: {reason}")
-        state, task_run = report_state(
-            preempted, job.task_run_id, job.task, live.flow_run_id, job.tags, wait=2.0
-        )
-        job.preemptions += 1
-        job.task_run = task_run
-        job.say(
-            logging.WARNING,
-            "Task run %r was %s; it runs again when devices free (no retry used)",
-            getattr(task_run, "name", job.task_run_id),
-            reason,
-        )
-        live.emit_task("preempted", job, {"reason": reason, "preemptions": job.preemptions, "by": by})
-        if live.stop.is_set():
-            results.finish(job, result=state)
-            return
-    except BaseException as err:  # never leave the future unresolved
-        logger.warning("gpu-tasks: could not re-queue a preempted task", exc_info=True)
-        results.finish(job, exc=err)
+    preempted: Any = Scheduled(name=PREEMPTED, message=f"Preempted: {reason}")
+    state, task_run = report_state(preempted, job.task_run_id, job.task, live.flow_run_id, job.tags, wait=2.0)
+    job.preemptions += 1
+    job.task_run = task_run
+    job.say(
+        logging.WARNING,
+        "Task run %r was %s; it runs again when devices free (no retry used)",
+        getattr(task_run, "name", job.task_run_id),
+        reason,
+    )
+    live.emit_task("preempted", job, {"reason": reason, "preemptions": job.preemptions, "by": by})
+    if live.stop.is_set():
+        results.finish(job, result=state)
         return
     job.dispatch()
 
 
 def worker_died(results: Results, job: Job, lost: LostWorker, how: str, row: LedgerRow | None) -> None:
-    """The worker running ``job`` died (``row``: its ledger row when this report retired it): report the
-    crash, then retry ``job`` if allowed; whatever fails, its future resolves."""
-    try:
-        retry = _report_worker_death(results, job, lost, how, row)
-    except BaseException as err:  # never leave the future unresolved
-        logger.warning("gpu-tasks: error while handling a dead worker", exc_info=True)
-        results.finish(job, exc=err)
-        return
-    if retry is None:
-        return
-    delay, state = retry
-    if results.live.stop.wait(delay):
-        stopped = None if state else RuntimeError("the task runner is shutting down")  # it never ran
-        results.finish(job, result=state, exc=stopped)
-        return
-    job.dispatch()
-
-
-def _report_worker_death(
-    results: Results, job: Job, lost: LostWorker, how: str, row: LedgerRow | None
-) -> tuple[float, Any] | None:
-    """Crash report and ledger for a dead worker; ``(delay, crashed state)`` when the task is retried,
-    ``(0, None)`` when it had not begun there (no retry used)."""
+    """The worker running ``job`` died (``row``: its ledger row when this report retired it): the crash
+    report and ledger, then ``job`` runs again if it had not begun there (no retry used) or its
+    retries allow."""
     live, st, prof = results.live, job.st, job.profile
     name, devices, ended, address = lost
     where = f"device(s) {','.join(devices)}" if devices else ("unknown devices" if prof.is_gpu else "CPU")
@@ -169,21 +148,35 @@ def _report_worker_death(
             name or address,
             how,
         )
-        return 0.0, None
+        _again(results, job, 0.0, None)
+        return
     state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
     if cancelled:  # never retried: the run is ending
         flow_logger().warning(
             "Task run %s crashed: %s", getattr(task_run, "name", None) or job.task.name, message
         )
         results.finish(job, result=state)
-        return None
+        return
     if ended and ended.memory_kill and prof.on_oom and job.escalated_from is None and task_run is not None:
-        _escalate(live, job, task_run, message)
-        return None
-    delay = retry_after_crash(job.task, task_run, live.flow_run_id, job.crashes, message, flow_logger())
+        escalate(results, job, task_run, message)
+        return
+    crashes = job.crashes + 1
+    delay = retry_after_crash(
+        job.task, task_run, live.flow_run_id, job.free_runs, crashes, message, flow_logger()
+    )
     if delay is None:
         results.finish(job, result=state)
-        return None
-    job.crashes += 1
+        return
+    job.crashes = crashes
     job.task_run = task_run
-    return delay, state
+    _again(results, job, delay, state)
+
+
+def _again(results: Results, job: Job, delay: float, state: Any) -> None:
+    """Dispatch ``job`` again after ``delay`` s, unless the runner stops meanwhile (then its future
+    resolves to ``state``, its crash, or fails when it never ran)."""
+    if results.live.stop.wait(delay):
+        stopped = None if state else RuntimeError("the task runner is shutting down")  # it never ran
+        results.finish(job, result=state, exc=stopped)
+        return
+    job.dispatch()

@@ -23,7 +23,7 @@ from gpu_tasks.devices.discovery import EMULATION_MEANS, Inventory, discover
 from gpu_tasks.devices.fair_share import ACCRUE_S
 from gpu_tasks.devices.measure import Sampler
 from gpu_tasks.policy import bound_at_most
-from gpu_tasks.prefect_api.api import client_tls, require_flow_api_url, worker_env
+from gpu_tasks.prefect_api.api import require_flow_api_url, sync_client, worker_env
 from gpu_tasks.prefect_api.states import api_unreachable, no_client_retries
 from gpu_tasks.prefect_api.tag_answers import limited_names, start_renewing
 from gpu_tasks.prefect_api.tag_slots import SlotGate
@@ -319,7 +319,8 @@ class Live:
             # finished is never reported Crashed for the close); later ones are fetched one by one
             self._close_results(2.0 if hurry else 10.0)
             running = [j for st in states for j in st.inflight.values()]
-            self._count_running(running)
+            self._count_running(running)  # (a task in recovery was counted when its worker died)
+            running += [j for j in self._await_recovery(states, 2.0 if hurry else 10.0) if j not in running]
             for st in states:
                 self.close_cluster(st, reason, hurry=hurry)
                 try:
@@ -336,6 +337,19 @@ class Live:
         finally:
             self.started.close()
             RunLogs.leave(self.flow_run_id)  # the close's own lines were sent before this
+
+    @staticmethod
+    def _await_recovery(states: list[ProfileState], timeout: float) -> list[Job]:
+        """Wait up to ``timeout`` s for the crash reports, retries and re-queues under way (a worker that
+        died with the flow run's cancel, say) to resolve their tasks; those still unresolved then."""
+        deadline = time.monotonic() + timeout
+        left = []
+        for st in states:
+            for job, thread in st.recovering:
+                thread.join(max(0.0, deadline - time.monotonic()))
+                if not job.cf.done() and job not in left:
+                    left.append(job)
+        return left
 
     def _count_running(self, jobs: list[Job]) -> None:
         """Tasks still running as their clusters close count as busy from their start up to now, and as
@@ -417,14 +431,10 @@ class Live:
 def _being_cancelled(flow_run_id: Any, timeout: float = 5.0) -> bool:
     """Whether the server has flow run ``flow_run_id`` ``Cancelling`` or ``Cancelled`` (``False`` when
     it cannot tell within ``timeout``)."""
-    from prefect.client.orchestration import get_client
     from prefect.client.schemas.objects import StateType
-    from prefect.settings import get_current_settings
 
     try:
-        url = get_current_settings().api.url
-        settings = {**((client_tls(str(url)) if url else None) or {}), "timeout": timeout}
-        with no_client_retries(), get_client(sync_client=True, httpx_settings=settings) as client:
+        with no_client_retries(), sync_client(timeout) as client:
             state = client.read_flow_run(flow_run_id).state
     except Exception:
         return False

@@ -45,7 +45,7 @@ from gpu_tasks.preemption import PreemptedRun
 from gpu_tasks.prefect_api.api import sync_client
 from gpu_tasks.prefect_api.backlog import wait_to_start
 from gpu_tasks.prefect_api.futures import futures_to_states
-from gpu_tasks.prefect_api.states import crash_task_run, looks_like_oom, retry_after_crash
+from gpu_tasks.prefect_api.states import crash_task_run, looks_like_oom, rerun_task, retry_after_crash
 from gpu_tasks.prefect_api.tag_answers import limited_names, start_renewing
 from gpu_tasks.profiles import profile, requested_profile
 from gpu_tasks.reporting.ledger import worker_key
@@ -98,9 +98,11 @@ def run_on_worker(
     remote: bool = False,
     slots_held: tuple[str, ...] = (),
     started_log: str | None = None,
+    free_runs: int = 0,
 ) -> tuple[Any, float, float, str]:
     """Run the Prefect task engine in a worker process; ``remote``: one the runner did not start,
-    ``slots_held``: tag limits the flow holds (or knows absent), ``started_log``: the hand-off file."""
+    ``slots_held``: tag limits the flow holds (or knows absent), ``started_log``: the hand-off file,
+    ``free_runs``: the task run's runs that used no retry (preempted, on_oom)."""
     from distributed import get_worker
 
     prepare_process()
@@ -127,7 +129,7 @@ def run_on_worker(
             if remote:
                 mark = _StartedMark(dask_worker)
                 if mark.earlier is not None:
-                    after = _after_lost_worker(task, kwargs, running[1], alloc, mark.earlier)
+                    after = _after_lost_worker(task, kwargs, running[1], alloc, mark.earlier, free_runs)
                     if isinstance(after, tuple):
                         task, kwargs = after
                     else:  # no retries left: the Crashed state is final
@@ -214,7 +216,7 @@ class _StartedMark:
 
 
 def _after_lost_worker(
-    task: Any, kwargs: dict[str, Any], flow_run_id: Any, alloc: Allocation, dead: str
+    task: Any, kwargs: dict[str, Any], flow_run_id: Any, alloc: Allocation, dead: str, free_runs: int
 ) -> tuple[Any, dict[str, Any]] | Any:
     """A shared scheduler re-ran a task whose worker ``dead`` died: follow the runner's rules instead.
     ``(task, kwargs)`` to run it as a retry of the same task run, or ``Crashed`` with no retry left."""
@@ -226,14 +228,12 @@ def _after_lost_worker(
         f"scheduler re-ran it on {alloc.worker} ({alloc.label()})"
     )
     state, task_run = crash_task_run(kwargs["task_run_id"], task, flow_run, message, tags=set(task.tags))
-    crashes = max(0, int(getattr(task_run, "run_count", 0) or 0) - 1)
     told = ToFlow(logger, flow_run, alloc.profile)  # its line reaches the flow run's log too
-    delay = retry_after_crash(task, task_run, flow_run, crashes, message, told)
+    delay = retry_after_crash(task, task_run, flow_run, free_runs, 1, message, told)
     if delay is None:
         return state
     time.sleep(delay)  # as Prefect's own retries wait retry_delay_seconds
-    retry = task.with_options(retries=max(0, (task.retries or 0) - crashes - 1))
-    return retry, {**kwargs, "task_run": task_run}
+    return rerun_task(task, task_run, free_runs, 1), {**kwargs, "task_run": task_run}
 
 
 # Task runs this process runs now, for a crash report if the flow process dies.
