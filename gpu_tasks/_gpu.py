@@ -20,7 +20,6 @@ class GpuLibraryUnavailable(ImportError):
 
     def __init__(self, name: str, reason: str) -> None:
         super().__init__(f"{name} is not available: {reason}")
-        self.library = name
         self.reason = reason
 
 
@@ -58,6 +57,13 @@ def nvml_init() -> Any:
     lib = load("pynvml")
     lib.nvmlInit()
     return lib
+
+
+def nvml_problem(exc: Exception) -> str:
+    """Why :func:`nvml_init` raised ``exc``, in words."""
+    if isinstance(exc, GpuLibraryUnavailable):
+        return f"NVML not available ({exc.reason})"
+    return f"no NVIDIA driver ({type(exc).__name__})"  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
 
 
 def nvml_shutdown(lib: Any) -> None:

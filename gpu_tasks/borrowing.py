@@ -50,30 +50,6 @@ class Claim:
     holding: Holding = Holding(preemptible=True, priority=0)
 
 
-@dataclass(frozen=True)
-class Grant:
-    """Take ``groups`` (indexes of the request's device groups); ``borrowed``: beyond its quota."""
-
-    groups: tuple[int, ...]
-    borrowed: bool = False
-
-
-@dataclass(frozen=True)
-class Reclaim:
-    """Take back ``victims`` (borrowed devices of other teams) first; then the request fits."""
-
-    victims: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class Wait:
-    """Nothing now, and why (``until``: when protected borrowed work may be reclaimed)."""
-
-    reason: str
-    until: float | None = None
-
-
-Decision = Grant | Reclaim | Wait
 Groups = Sequence[Sequence[tuple[str, "Claim | None"]]]
 
 
@@ -137,33 +113,3 @@ def reclaim_victims(team: str | None, groups: Groups, need: int, now: float) -> 
         return Holding(preemptible=takeable, priority=0, since=h.since, min_run_time=h.min_run_time)
 
     return choose_victims([[(a, judged(c)) for a, c in g] for g in groups], need, 1, now)
-
-
-def admit(
-    ask: Ask,
-    groups: Groups,
-    need: int,
-    teams: Mapping[str, Team],
-    waiters: Iterable[Ask] = (),
-    now: float = 0.0,
-) -> Decision:
-    """What ``ask`` gets now on ``groups``, ``need`` of them at once: free groups within its quota or
-    borrowed, or, entitled, the borrowed devices of other teams to take back first, or a wait."""
-    borrowed = ask.team is not None and not entitled(ask, teams)
-    why = why_not_borrow(ask, teams, waiters) if borrowed else None
-    if why is not None:
-        return Wait(why)
-    need = max(1, need)
-    free = [i for i, g in enumerate(groups) if all(c is None for _, c in g)]
-    if len(free) >= need:
-        return Grant(tuple(free[:need]), borrowed=borrowed)
-    if not borrowed and ask.team is not None:
-        choice = reclaim_victims(ask.team, groups, need, now)
-        if choice.devices:
-            return Reclaim(choice.devices)
-        if choice.protected_until is not None:
-            return Wait(
-                f"borrowed devices {','.join(choice.protected)} are inside their protected run time",
-                choice.protected_until,
-            )
-    return Wait("its devices are held")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic.fields import FieldInfo
@@ -429,43 +429,6 @@ def variable_warnings(environ: dict[str, str] | None = None) -> list[str]:
         hint = f"; did you mean {close[0]}?" if close else "; docs/profiles.md lists the settings"
         out.append(f"{var} is not a gpu-tasks setting and changes nothing{hint}")
     return out
-
-
-def settings_table(tuning: bool) -> str:
-    """The user settings (or the tuning knobs) as the Markdown table docs/profiles.md shows."""
-    rows = ["| variable | default | takes | what it changes |", "|---|---|---|---|"]
-    for field, info in GpuTasksSettings.model_fields.items():
-        if is_tuning(field) != tuning:
-            continue
-        doc = _extra(info)
-        text = str(info.description) + (f" ([more]({doc['see']}))" if "see" in doc else "")
-        shown = _shown(info, doc)
-        shown = shown if shown == "unset" else f"`{shown}`"
-        rows.append(f"| `{variable(field)}` | {shown} | {_takes(info, doc)} | {text} |")
-    return "\n".join(rows)
-
-
-def _shown(info: FieldInfo, doc: dict[str, Any]) -> str:
-    if "shown" in doc:
-        return str(doc["shown"])
-    value = info.default
-    if value is None:
-        return "unset"
-    if isinstance(value, bool):
-        return str(value).lower()
-    return f"{value:g}" if isinstance(value, float) else str(value)
-
-
-def _takes(info: FieldInfo, doc: dict[str, Any]) -> str:
-    if "takes" in doc:
-        return str(doc["takes"])
-    if get_origin(info.annotation) is Literal:
-        return " or ".join(str(a) for a in get_args(info.annotation))
-    kind: Any = next((a for a in get_args(info.annotation) if a is not type(None)), info.annotation)
-    words = {float: "number", int: "integer", bool: "true or false"}.get(kind, "text")
-    bounds = [f">= {m.ge:g}" for m in info.metadata if hasattr(m, "ge")]
-    bounds += [f"> {m.gt:g}" for m in info.metadata if hasattr(m, "gt")]
-    return ", ".join([words, *bounds])
 
 
 def resolve(value: Any, field: str, settings: GpuTasksSettings | None = None) -> Any:

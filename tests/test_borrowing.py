@@ -154,9 +154,9 @@ def test_the_cli_sets_and_shows_borrowing_and_lending_limits(prefect_server):
 
 
 def _limit_names() -> set[str]:
-    from gpu_tasks.prefect_api.quotas import _all_limits
+    from gpu_tasks.prefect_api.quotas import all_limits
 
-    return {limit.name for limit in _all_limits()}
+    return {limit.name for limit in all_limits()}
 
 
 def test_a_waiter_at_its_teams_borrowing_limit_says_so(teams):

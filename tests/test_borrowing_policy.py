@@ -5,6 +5,7 @@ waiter starves under aging plus fair share."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from hypothesis import example, given, settings
@@ -13,11 +14,8 @@ from hypothesis import strategies as st
 from gpu_tasks.borrowing import (
     Ask,
     Claim,
-    Grant,
-    Reclaim,
+    Groups,
     Team,
-    Wait,
-    admit,
     entitled,
     lending_pool,
     reclaim_victims,
@@ -27,6 +25,64 @@ from gpu_tasks.borrowing import (
 from gpu_tasks.policy import Holding, waiter_rank
 
 NOW = 1000.0
+
+
+# The decision one ask gets, composed from the policy's rules as the host's leases
+# (gpu_tasks.devices.lending) and a shared scheduler (gpu_tasks.cluster.board) compose them.
+@dataclass(frozen=True)
+class Grant:
+    """Take ``groups`` (indexes of the request's device groups); ``borrowed``: beyond its quota."""
+
+    groups: tuple[int, ...]
+    borrowed: bool = False
+
+
+@dataclass(frozen=True)
+class Reclaim:
+    """Take back ``victims`` (borrowed devices of other teams) first; then the request fits."""
+
+    victims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Wait:
+    """Nothing now, and why (``until``: when protected borrowed work may be reclaimed)."""
+
+    reason: str
+    until: float | None = None
+
+
+Decision = Grant | Reclaim | Wait
+
+
+def admit(
+    ask: Ask,
+    groups: Groups,
+    need: int,
+    teams: Mapping[str, Team],
+    waiters: Iterable[Ask] = (),
+    now: float = 0.0,
+) -> Decision:
+    """What ``ask`` gets now on ``groups``, ``need`` of them at once: free groups within its quota or
+    borrowed, or, entitled, the borrowed devices of other teams to take back first, or a wait."""
+    borrowed = ask.team is not None and not entitled(ask, teams)
+    why = why_not_borrow(ask, teams, waiters) if borrowed else None
+    if why is not None:
+        return Wait(why)
+    need = max(1, need)
+    free = [i for i, g in enumerate(groups) if all(c is None for _, c in g)]
+    if len(free) >= need:
+        return Grant(tuple(free[:need]), borrowed=borrowed)
+    if not borrowed and ask.team is not None:
+        choice = reclaim_victims(ask.team, groups, need, now)
+        if choice.devices:
+            return Reclaim(choice.devices)
+        if choice.protected_until is not None:
+            return Wait(
+                f"borrowed devices {','.join(choice.protected)} are inside their protected run time",
+                choice.protected_until,
+            )
+    return Wait("its devices are held")
 
 
 def _claim(team: str, borrowed: bool = True, ran: float = 10.0, protect: float = 0.0) -> Claim:

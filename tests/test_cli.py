@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from gpu_tasks.cli import app, main
+from gpu_tasks.cli import app
 from gpu_tasks.devices import discovery as devices_module
 from gpu_tasks.devices.discovery import Device
 
@@ -355,10 +355,11 @@ def test_every_command_has_help(env, runner):
     assert "--file" in _ok(runner.invoke(app, ["profiles", "--help"]))
 
 
-def test_main_runs_the_app(env, monkeypatch, capsys):
+def test_the_app_reads_its_command_line(env, monkeypatch, capsys):
+    """As the ``gpu-tasks`` script and ``python -m gpu_tasks.cli`` call it: ``app()``, arguments from argv."""
     monkeypatch.setattr(sys, "argv", ["gpu-tasks", "devices", "--json"])
     with pytest.raises(SystemExit) as info:
-        main()
+        app()
     assert info.value.code == 0
     assert json.loads(capsys.readouterr().out)["source"] == "emulated"
 
@@ -454,13 +455,14 @@ def _closed_port() -> int:
 
 
 def test_waiters_on_a_closed_port_fails_at_once_as_an_input_error(env, runner, lease_dir):
-    address = f"tcp://127.0.0.1:{_closed_port()}"
+    port = _closed_port()
+    address = f"tcp://127.0.0.1:{port}"
     t0 = time.monotonic()
     err = _failed(runner.invoke(app, ["waiters", address, "--timeout", "30"]))
     assert time.monotonic() - t0 < 25, "refused before the 30 s --timeout"
     assert err.strip() == (
-        f"error: address {address!r}: nothing listens there (connection refused); check the address, or "
-        "start the scheduler"
+        f"error: address {address!r}: connection refused (nothing listens on port {port} of 127.0.0.1); "
+        "check the address, and that the scheduler runs and is reachable"
     ), err
 
 

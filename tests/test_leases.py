@@ -109,7 +109,7 @@ def _stop(proc: subprocess.Popen) -> None:
 # ------------------------------------------------------------------ unit
 def test_take_is_all_or_nothing(lease_dir):
     held = leases.take(["1"], _info("other"))
-    assert held is not None and held.addresses == ("1",)
+    assert held is not None and tuple(held.files) == ("1",)
     assert stat.S_IMODE(lease_dir.stat().st_mode) == 0o700
     assert leases.take(["0", "1"], _info()) is None
     assert leases.holders(lease_dir, ["0"]) == {"0": None}, "a partial take must give back what it took"

@@ -13,8 +13,10 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
 
 import pytest
+from pydantic.fields import FieldInfo
 from typer.testing import CliRunner
 
 from gpu_tasks import ProfileTaskRunner, allocation
@@ -25,15 +27,54 @@ from gpu_tasks.settings import (
     PREFIX,
     TUNE_PREFIX,
     GpuTasksSettings,
+    _extra,
     get_settings,
     is_tuning,
     old_names,
-    settings_table,
     variable,
     variable_warnings,
 )
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "profiles.md"
+
+
+def settings_table(tuning: bool) -> str:
+    """The user settings (or the tuning knobs) as the Markdown table docs/profiles.md shows."""
+    rows = ["| variable | default | takes | what it changes |", "|---|---|---|---|"]
+    for field, info in GpuTasksSettings.model_fields.items():
+        if is_tuning(field) != tuning:
+            continue
+        doc = _extra(info)
+        text = str(info.description) + (f" ([more]({doc['see']}))" if "see" in doc else "")
+        shown = _shown(info, doc)
+        shown = shown if shown == "unset" else f"`{shown}`"
+        rows.append(f"| `{variable(field)}` | {shown} | {_takes(info, doc)} | {text} |")
+    return "\n".join(rows)
+
+
+def _shown(info: FieldInfo, doc: dict[str, Any]) -> str:
+    if "shown" in doc:
+        return str(doc["shown"])
+    value = info.default
+    if value is None:
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _takes(info: FieldInfo, doc: dict[str, Any]) -> str:
+    if "takes" in doc:
+        return str(doc["takes"])
+    if get_origin(info.annotation) is Literal:
+        return " or ".join(str(a) for a in get_args(info.annotation))
+    kind: Any = next((a for a in get_args(info.annotation) if a is not type(None)), info.annotation)
+    words = {float: "number", int: "integer", bool: "true or false"}.get(kind, "text")
+    bounds = [f">= {m.ge:g}" for m in info.metadata if hasattr(m, "ge")]
+    bounds += [f"> {m.gt:g}" for m in info.metadata if hasattr(m, "gt")]
+    return ", ".join([words, *bounds])
+
+
 USER = [f for f in GpuTasksSettings.model_fields if not is_tuning(f)]
 TUNING = [f for f in GpuTasksSettings.model_fields if is_tuning(f)]
 

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 from gpu_tasks.devices.wait_reasons import (
     BOARD_BUSY,
     BOARD_QUEUED,
-    KINDS,
     Ahead,
     Holder,
     Throttle,
@@ -24,6 +23,17 @@ from gpu_tasks.devices.wait_reasons import (
 )
 
 NOW = 1_000_000.0
+# why_waiting's kinds, by precedence (first wins), as docs/leases.md lists them
+KINDS = (
+    "borrowing-limit",
+    "quota-full",
+    "fair-share",
+    "queued",
+    "protected",
+    "device-held",
+    "other-programs",
+    "starting",
+)
 
 _holders = st.lists(
     st.builds(

@@ -280,8 +280,14 @@ def test_pools_of_one_process_share_its_fork_server_until_its_keep_runs_out(monk
     parent; with no pool left it is kept GPU_TASKS_TUNE_WARM_SERVER_KEEP_SECONDS, then ends; a pool
     after that starts a new one; with a keep of 0 it ends with its last pool."""
     from bench.overhead import leftovers as bench_leftovers
-    from gpu_tasks.worker.forkserver import in_use as fork_server_in_use
+    from gpu_tasks.worker import forkserver
     from gpu_tasks.worker.warm import WarmPool, end_process
+
+    def fork_server_in_use() -> dict:
+        """Pools using this process's fork server and whether it is kept (unused); {} if none."""
+        with forkserver._SHARED_LOCK:
+            shared = forkserver._SHARED
+            return {"pools": shared["users"], "kept": "timer" in shared} if "ctx" in shared else {}
 
     def server_of(pool: WarmPool) -> psutil.Process:
         proc = pool.take(60)

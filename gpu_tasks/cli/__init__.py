@@ -7,13 +7,4 @@ from gpu_tasks.cli.common import app
 
 app.add_typer(pipeline.example_app, name="example")
 
-__all__ = ["app", "main"]
-
-
-def main() -> None:
-    """Entry point: ``python -m gpu_tasks.cli``."""
-    app()
-
-
-if __name__ == "__main__":
-    main()
+__all__ = ["app"]

@@ -1,5 +1,5 @@
 """``python -m gpu_tasks.cli``."""
 
-from gpu_tasks.cli import main
+from gpu_tasks.cli import app
 
-main()
+app()

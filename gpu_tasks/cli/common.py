@@ -45,11 +45,6 @@ console = Console(highlight=False, width=_width(sys.stdout))
 err_console = Console(stderr=True, highlight=False, width=_width(sys.stderr))
 
 
-@app.callback()
-def _root() -> None:
-    """GPU-aware Prefect task runner: inspect devices and resource profiles."""
-
-
 def fail(message: str, code: int = EXIT_USAGE) -> NoReturn:
     """Print ``message`` on stderr (no markup, no traceback) and exit with ``code``."""
     err_console.print(Text(f"error: {message}"), soft_wrap=True)

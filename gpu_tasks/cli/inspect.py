@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 import typer
 from dask.utils import format_bytes
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from gpu_tasks.cli.common import (
@@ -75,13 +75,10 @@ def devices(
         echo_json(data)
         return
     if inventory.devices:
-        table = Table(title="Devices")
-        table.add_column("Address", overflow="fold")  # MIG addresses are long UUIDs: keep them whole
-        table.add_column("Name", no_wrap=True)
-        for column in ("Memory total", "Memory free", "Compute capability", "MIG", "Emulated"):
-            table.add_column(column)
-        table.add_column("Held by", overflow="fold")
-        table.add_column("Other programs", overflow="fold")
+        address = Column("Address", overflow="fold")  # MIG addresses are long UUIDs: keep them whole
+        plain = ("Memory total", "Memory free", "Compute capability", "MIG", "Emulated")
+        folded = (Column("Held by", overflow="fold"), Column("Other programs", overflow="fold"))
+        table = Table(address, Column("Name", no_wrap=True), *plain, *folded, title="Devices")
         for dev in inventory.devices:
             use = others[dev.address]
             table.add_row(
@@ -128,12 +125,8 @@ def _wiring(inventory: Inventory) -> None:
     if not wiring.known:
         say(f"Wiring: {wiring.source}.", style="dim")
         return
-    table = Table(title=f"Wiring ({wiring.source})")
-    table.add_column("")
-    for address in wiring.addresses:
-        table.add_column(f"GPU{address}", overflow="fold")
-    table.add_column("CPU Affinity")
-    table.add_column("NUMA Affinity")
+    gpus = [Column(f"GPU{address}", overflow="fold") for address in wiring.addresses]
+    table = Table("", *gpus, "CPU Affinity", "NUMA Affinity", title=f"Wiring ({wiring.source})")
     for i, address in enumerate(wiring.addresses):
         numa = wiring.numa[i]
         table.add_row(
@@ -330,31 +323,11 @@ def deployment_info_command(
     typer.echo(f"tags: [{', '.join(info.tags)}]")
 
 
-def _probe(address: str, host: str, port: int, timeout: float) -> None:
-    """Exit 2 at once when nothing listens at ``address``, rather than wait out Dask's connect retries."""
-    import socket
-
-    try:
-        socket.create_connection((host.strip("[]"), port), timeout=timeout).close()
-    except ConnectionRefusedError:
-        fail(
-            f"address {address!r}: nothing listens there (connection refused); check the address, or start "
-            "the scheduler"
-        )
-    except TimeoutError:
-        fail(
-            f"address {address!r}: no answer within {timeout:g} s (--timeout); check the address and that "
-            "the scheduler's host is reachable"
-        )
-    except OSError as exc:
-        fail(f"address {address!r}: cannot connect ({exc.strerror or exc}); check the host name and port")
-
-
 def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
     """The waiter board of the shared scheduler at ``address``, or exit 2 naming the address."""
     from distributed import Client
 
-    from gpu_tasks.cluster.address import ucx_missing
+    from gpu_tasks.cluster.address import scheduler_unreachable, ucx_missing
     from gpu_tasks.cluster.board import BOARD, effective_priority
     from gpu_tasks.cluster.remote import security_for
     from gpu_tasks.devices.wait_reasons import board_reason
@@ -365,14 +338,13 @@ def _scheduler_board(address: str, timeout: float) -> list[dict[str, Any]]:
     except ProfileError as exc:
         fail(str(exc).removeprefix(f"profile {name!r}: "))  # "address must be ...; got '...'"
     assert shared.address is not None
-    scheme, _, rest = shared.address.rpartition("://")
-    if scheme in ("", "tcp", "tls", "ws", "wss"):
-        host, _, port = rest.rpartition(":")
-        _probe(address, host, int(port), timeout)
-    elif (why := ucx_missing(shared.address)) is not None:  # ucx, ucxx
+    # at once when nothing listens there (TCP), rather than wait out Dask's connect retries
+    if (why := scheduler_unreachable(shared.address, 0, connect_timeout=timeout)) is not None:
+        fail(f"address {address!r}: {why}; check the address, and that the scheduler runs and is reachable")
+    if (why := ucx_missing(shared.address)) is not None:  # ucx, ucxx
         fail(f"address {address!r}: {why}")
     try:
-        security = security_for(shared) if scheme == "tls" else None
+        security = security_for(shared) if shared.address.startswith("tls://") else None
     except ClusterError as exc:
         fail(str(exc).removeprefix(f"profile {name!r}: "))
 

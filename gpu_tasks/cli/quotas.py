@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 from gpu_tasks.cli.common import app, console, echo_json, fail, load_settings, preflight, say
@@ -60,12 +60,10 @@ def quotas_list(
     if not rows:
         say("No quotas: create one with `gpu-tasks quotas set NAME N` (a gpu-quota:NAME limit).")
         return
-    table = Table(title="Quotas (Prefect global concurrency limits gpu-quota:<name>)")
     half_life = f"half-life {settings.fair_share_half_life:g}s" if settings.fair_share_half_life else "off"
     columns = ("Quota", "Limit (devices)", "In use", "Borrowed", "Lends", "Active")
-    for column in (*columns, f"Usage (device-s, {half_life})", "Share"):
-        table.add_column(column)
-    table.add_column("Held on this host by", overflow="fold")
+    usage = (f"Usage (device-s, {half_life})", "Share", Column("Held on this host by", overflow="fold"))
+    table = Table(*columns, *usage, title="Quotas (Prefect global concurrency limits gpu-quota:<name>)")
     for row in rows:
         here = "; ".join(
             f"device {h['address']}: {leases.describe(h, with_id=False)}" for h in row["holders_here"]

@@ -19,9 +19,10 @@ logger = logging.getLogger("gpu_tasks.runner")
 SCHEDULER_PROBE_S = 5.0  # how long a scheduler that refuses connections is tried before its profile fails
 
 
-def scheduler_unreachable(address: str, within: float) -> str | None:
+def scheduler_unreachable(address: str, within: float, connect_timeout: float | None = None) -> str | None:
     """Why nothing accepts a TCP connection at Dask ``address``, in words (``None``: something does, or
-    not TCP). A refusal is retried for ``within`` s (a scheduler starting); other errors fail at once."""
+    not TCP). A refusal is retried for ``within`` s (a scheduler starting); other errors fail at once.
+    Each try waits ``connect_timeout`` s (``None``: what is left of ``within``, at least 0.5 s)."""
     import socket
 
     from distributed.comm.addressing import parse_address, parse_host_port
@@ -32,13 +33,14 @@ def scheduler_unreachable(address: str, within: float) -> str | None:
     host, port = parse_host_port(location)
     deadline = time.monotonic() + within
     while True:
-        left = max(0.5, deadline - time.monotonic())
+        left = max(0.5, deadline - time.monotonic()) if connect_timeout is None else connect_timeout
         try:
             socket.create_connection((host, port), timeout=left).close()
             return None
         except ConnectionRefusedError:
             if time.monotonic() + 0.5 >= deadline:
-                return f"connection refused (nothing listens on port {port} of {host}; tried for {within:g}s)"
+                tried = f"; tried for {within:g}s" if within > 0 else ""
+                return f"connection refused (nothing listens on port {port} of {host}{tried})"
             time.sleep(0.5)
         except socket.gaierror as exc:
             return f"cannot resolve the host name {host!r} ({exc.strerror})"

@@ -146,8 +146,8 @@ class ProfileCluster:
 
     # ------------------------------------------------------------ lifecycle
     def start(self, n_workers: int) -> None:
-        """Start the cluster with ``n_workers`` workers and wait until they are up (else ``ClusterError``)."""
-        n_workers = max(1, min(n_workers, self.limit))
+        """Start the cluster with ``n_workers`` workers (:meth:`workers_wanted`, the one count) and wait
+        until they are up (else ``ClusterError``)."""
         asked = time.monotonic()
         # with a warm pool, all that needs no device happens before the lease, which only binds them
         backend = self._start_before_lease(n_workers) if self.pool is not None else None
@@ -159,8 +159,6 @@ class ProfileCluster:
             if backend is not None:
                 backend.close()
             raise
-        finally:
-            self.usage.skipped(self.book.skips(self.profile.name))
         specs = [self._spec(i, g) for i, g in enumerate(groups)]
         self._say_wiring(groups)
         acquired = time.time()  # devices are held from here: start-up time counts as held
@@ -231,9 +229,9 @@ class ProfileCluster:
             f"(devices: {','.join(devices) or 'none'}){within}: {type(exc).__name__}: {exc}"
         )
 
-    def _acquire(self, n_workers: int) -> list[tuple[Device, ...]]:
-        """The device groups leased for ``n_workers`` workers (CPU profiles: empty ones). A gang waits
-        for all of them at once, so two gangs never each hold half."""
+    def _acquire(self, n_workers: int, block: bool = True) -> list[tuple[Device, ...]]:
+        """The device groups leased for ``n_workers`` workers (CPU profiles: empty ones); without
+        ``block``, those free now. A gang waits for all of them at once, so two gangs never each hold half."""
         if not self.profile.is_gpu:
             return [()] * n_workers
         groups = self._placement(n_workers)
@@ -243,7 +241,7 @@ class ProfileCluster:
                 self.profile.name,
                 groups,
                 n_workers,
-                block=True,
+                block=block,
                 at_least=n_workers if gang else 1,
                 **self._queueing(),
             )
@@ -254,6 +252,8 @@ class ProfileCluster:
                 f"profile {self.profile.name!r} is a gang of {n_workers} workers; it starts all of them "
                 f"or none: {exc}"
             ) from exc
+        finally:
+            self.usage.skipped(self.book.skips(self.profile.name))
         return [groups[i] for i in indexes]
 
     def _placement(self, n_workers: int) -> list[tuple[Device, ...]]:
@@ -294,23 +294,15 @@ class ProfileCluster:
             )
 
     def scale_to(self, n_workers: int) -> int:
-        """Grow a GPU profile to ``n_workers`` (never shrinks while running); the new count."""
-        n_workers = min(n_workers, self.limit)
+        """Grow a GPU profile to ``n_workers`` (:meth:`workers_wanted`; never shrinks while running); the
+        new count."""
         if self.backend is None or not self.profile.is_gpu or n_workers <= len(self.specs):
             return len(self.specs)
-        groups = self._placement(n_workers - len(self.specs))
-        indexes = self.book.acquire(
-            self.profile.name,
-            groups,
-            n_workers - len(self.specs),
-            block=False,
-            **self._queueing(),
-        )
-        self.usage.skipped(self.book.skips(self.profile.name))
-        if not indexes:
+        groups = self._acquire(n_workers - len(self.specs), block=False)
+        if not groups:
             return len(self.specs)  # other profiles hold the rest: tasks queue on the workers we have
-        new = [self._spec(len(self.specs) + k, groups[i]) for k, i in enumerate(indexes)]
-        self._say_wiring([groups[i] for i in indexes])
+        new = [self._spec(len(self.specs) + k, g) for k, g in enumerate(groups)]
+        self._say_wiring(groups)
         total = len(self.specs) + len(new)
         acquired = time.time()
         try:

@@ -93,12 +93,11 @@ class ManagedCluster(RemoteCluster):
         t0 = time.monotonic()
         if self.manager is None:
             self._create()
-        want = self.limit if self.profile.gang else max(1, min(n_workers, self.limit))
-        self._ask(want)
+        self._ask(n_workers)
         try:
             self._await_workers(t0 + self.provision_timeout)
             workers = self._connected_workers(
-                want if self.profile.gang else 1, t0 + self.provision_timeout, f"scaled to {want}"
+                n_workers if self.profile.gang else 1, t0 + self.provision_timeout, f"scaled to {n_workers}"
             )
             self._check_resources(workers)
             self._check_api(self._check_workers(workers), every=True)  # once per start
@@ -112,7 +111,7 @@ class ManagedCluster(RemoteCluster):
             "profile %r: %s asked for %d worker(s); %d up after %.2fs (%s)",
             self.profile.name,
             self.profile.cluster_class,
-            want,
+            n_workers,
             len(workers),
             self.startup["start_workers_s"],
             "; ".join(w.describe() for w in workers.values()),
@@ -216,19 +215,18 @@ class ManagedCluster(RemoteCluster):
         self._seen.update(workers)
 
     def scale_to(self, n_workers: int) -> int:
-        n = min(n_workers, self.limit)
-        if self.manager is None or not self._asked or n <= len(self._asked):
+        if self.manager is None or not self._asked or n_workers <= len(self._asked):
             return len(self._asked)
-        self._ask(n)
+        self._ask(n_workers)
         with contextlib.suppress(Exception):
             self._note(read_workers(self.client))
         logger.info(
             "profile %r: asked %s for %d worker(s) because tasks were waiting",
             self.profile.name,
             self.profile.cluster_class,
-            n,
+            n_workers,
         )
-        return n
+        return n_workers
 
     def close(self, reason: str, hurry: bool = False) -> LedgerRow | None:
         """Scale to zero (the cluster object stays for the next task) and write the ledger row."""
@@ -254,16 +252,7 @@ class ManagedCluster(RemoteCluster):
         self.remote = {}
         self._seen = {}
         self.usage.reset()
-        logger.info(
-            "profile %r: scaled %s to zero (%s); held %.1f %s, busy %.1f %s",
-            self.profile.name,
-            self.profile.cluster_class,
-            reason,
-            row.held_seconds,
-            self.unit,
-            row.busy_seconds,
-            self.unit,
-        )
+        self._log_given_back(f"scaled {self.profile.cluster_class} to zero", reason, row)
         return row
 
     def _wait_until_gone(self, seconds: float) -> None:

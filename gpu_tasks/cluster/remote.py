@@ -90,8 +90,6 @@ class RemoteCluster(ProfileCluster):
         self.client: Any = None
         self.remote: dict[str, RemoteWorker] = {}
         self.limit = profile.max_workers or 1
-        self._busy: dict[str, list[tuple[float, float]]] = {}
-        self._tasks = 0
         self._busy_lock = threading.Lock()
         self._allowed: list[str] | None = None  # workers a task may run on (gpu_model / gpu_memory_total)
         self._fit: list[RemoteWorker] = []
@@ -381,11 +379,6 @@ class RemoteCluster(ProfileCluster):
             return f"the {len(fit)} worker(s) that fit are busy with other work"
         return "no worker that fits is up"
 
-    def record(self, worker: str, start: float, end: float, interrupted: bool = False) -> None:
-        with self._busy_lock:
-            self._busy.setdefault(worker, []).append((start, end))
-            self._tasks += 1
-
     def worker_devices(self, name: str) -> tuple[str, ...] | None:
         w = next((w for w in self.remote.values() if w.name == name or w.address == name), None)
         return None if w is None else w.device_keys
@@ -502,10 +495,7 @@ class RemoteCluster(ProfileCluster):
         return list(self.remote.values())
 
     def _busy_row(self, held: float | None, workers: int, reason: str, closed: float) -> LedgerRow:
-        with self._busy_lock:
-            intervals = {k: list(v) for k, v in self._busy.items()}
-            tasks, self._tasks = self._tasks, 0
-            self._busy.clear()
+        intervals, tasks = self.usage.busy()  # reset by its close, after this row
         busy_by = {k: union_seconds(v) for k, v in intervals.items()}
         per = max(1, self.profile.devices_per_worker)
         busy = sum(busy_by.values()) * (per if self.profile.is_gpu else 1)
@@ -526,8 +516,8 @@ class RemoteCluster(ProfileCluster):
             spans=spans,
             skipped=(),  # its devices are on other hosts: no programs sampled here
             measured=Measured(note=NOT_EMULATED if self.emulated else NOT_ELSEWHERE) if devices else None,
-            wait_devices_seconds=self.usage.waits()["wait_devices_seconds"],
-            wait_slots_seconds=self.usage.waits()["wait_slots_seconds"],
+            wait_devices_seconds=(waits := self.usage.waits())["wait_devices_seconds"],
+            wait_slots_seconds=waits["wait_slots_seconds"],
         )
 
     def _spans(

@@ -10,6 +10,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_tasks.settings import get_settings
+
 logger = logging.getLogger(__name__)
 
 BUSY_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -32,20 +34,14 @@ def busy_reason(exc: BaseException) -> str | None:
     return None
 
 
-def _tuned(name: str) -> float:
-    from gpu_tasks.settings import get_settings
-
-    return float(getattr(get_settings(), name))
-
-
 @dataclass
 class BusyWait:
     """The waits between tries of one request to a busy API: 1 s, doubling to ``longest``, with
     jitter, until ``timeout`` seconds have passed since the first refusal."""
 
     what: str
-    timeout: float = field(default_factory=lambda: _tuned("api_busy_timeout"))
-    longest: float = field(default_factory=lambda: _tuned("api_longest_wait"))
+    timeout: float = field(default_factory=lambda: get_settings().api_busy_timeout)
+    longest: float = field(default_factory=lambda: get_settings().api_longest_wait)
     tries: int = 0
     started: float = field(default_factory=time.monotonic)
 

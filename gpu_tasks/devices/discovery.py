@@ -264,10 +264,8 @@ def nvml_devices() -> tuple[tuple[Device, ...], str]:
     """Devices from NVML (and their MIG instances), with a note on why none were found."""
     try:
         nvml = _gpu.nvml_init()
-    except _gpu.GpuLibraryUnavailable as exc:
-        return (), f"NVML not available ({exc.reason})"
-    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        return (), f"no NVIDIA driver ({type(exc).__name__})"
+    except Exception as exc:  # no pynvml, NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return (), _gpu.nvml_problem(exc)
     try:
         devices: list[Device] = []
         for i in range(nvml.nvmlDeviceGetCount()):

@@ -24,9 +24,9 @@ def no_gpu_hint(command: str | None = None) -> str:
     )
 
 
-def ensure_devices(emulate: str | None = "auto", announce: Any = print) -> str:
+def ensure_devices(emulate: str | None = "auto", announce: Any = print) -> None:
     """Apply ``--emulate`` (``None``: nothing; ``"auto"``: two devices if none is found or set; else that
-    spec) and announce it; the device source."""
+    spec) and announce it."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     if emulate not in (None, "auto"):
         parse_emulated(emulate)  # a bad spec fails here, naming the option's value
@@ -45,4 +45,3 @@ def ensure_devices(emulate: str | None = "auto", announce: Any = print) -> str:
                     f"No GPU found ({inventory.detail}); EMULATING {DEFAULT_EMULATION} devices "
                     f"(GPU_TASKS_EMULATED_GPUS): {EMULATION_MEANS}. These are not GPU results."
                 )
-    return discover().source

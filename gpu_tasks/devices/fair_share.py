@@ -13,6 +13,7 @@ from pathlib import Path
 
 from gpu_tasks.devices import lease_files
 from gpu_tasks.policy import decayed_usage
+from gpu_tasks.settings import resolve
 
 logger = logging.getLogger(__name__)
 
@@ -27,17 +28,9 @@ def _entry(entry: object, now: float, half_life: float) -> float:
     return decayed_usage(float(entry.get("usage") or 0), float(entry.get("at") or now), now, half_life)
 
 
-def _half_life(half_life: float | None) -> float:
-    if half_life is None:
-        from gpu_tasks.settings import get_settings
-
-        return float(get_settings().fair_share_half_life)
-    return float(half_life)
-
-
 def read(lease_dir: Path, now: float | None = None, half_life: float | None = None) -> dict[str, float]:
     """Each team's usage (device-seconds) decayed to ``now``, every user's files added up."""
-    half_life = _half_life(half_life)
+    half_life = float(resolve(half_life, "fair_share_half_life"))
     if half_life <= 0 or not Path(lease_dir).is_dir():
         return {}
     now = time.time() if now is None else now
@@ -63,7 +56,7 @@ def add(
     lease_dir: Path, amounts: Mapping[str, float], now: float | None = None, half_life: float | None = None
 ) -> None:
     """Add ``amounts`` (device-seconds by team) to this user's usage file, decayed to ``now``."""
-    half_life = _half_life(half_life)
+    half_life = float(resolve(half_life, "fair_share_half_life"))
     amounts = {t: a for t, a in amounts.items() if t and a > 0}
     if half_life <= 0 or not amounts:
         return

@@ -22,6 +22,7 @@ from gpu_tasks.devices import fair_share, lease_files, presence
 from gpu_tasks.devices.lease_files import PREFIX, QUEUE, SUFFIX, lock_path
 from gpu_tasks.policy import waiter_rank
 from gpu_tasks.reporting.events import RunRef
+from gpu_tasks.settings import resolve
 
 
 class Lease:
@@ -33,11 +34,6 @@ class Lease:
         # address -> its other locked files (holder info, presence) and the path to delete on release
         self.held: dict[str, list[tuple[int, Path | None]]] = {}
         self.info = info
-
-    @property
-    def addresses(self) -> tuple[str, ...]:
-        """Devices this lease still holds."""
-        return tuple(self.files)
 
     def __repr__(self) -> str:
         return f"Lease({','.join(self.files) or '-'} in {self.lease_dir})"
@@ -92,18 +88,10 @@ def owner_info(profile: str | None = None, priority: int | None = None) -> dict[
     return info
 
 
-def _lease_dir(lease_dir: Path | None) -> Path:
-    if lease_dir is None:
-        from gpu_tasks.settings import get_settings
-
-        return get_settings().lease_dir
-    return Path(lease_dir)
-
-
 def take(addresses: Any, owner_info: dict[str, Any], lease_dir: Path | None = None) -> Lease | None:
     """Lease every device of ``addresses`` now, or none (``None``: one is held elsewhere); never waits.
     Raises ``OSError`` when the lease directory or a lock file cannot be opened."""
-    lease_dir = _lease_dir(lease_dir)
+    lease_dir = Path(resolve(lease_dir, "lease_dir"))
     shared = lease_files.prepare(lease_dir)
     info = dict(owner_info, since=time.time())
     wanted = list(dict.fromkeys(addresses))
@@ -167,7 +155,7 @@ def enqueue(
 ) -> Waiter:
     """Register as a waiter for ``addresses`` until :func:`dequeue` (``aging``: seconds per +1 priority).
     Raises ``OSError`` when the queue directory cannot be written."""
-    lease_dir = _lease_dir(lease_dir)
+    lease_dir = Path(resolve(lease_dir, "lease_dir"))
     queue = lease_files.prepare_queue(lease_dir, lease_files.prepare(lease_dir))
     info = dict(
         owner_info,
@@ -232,7 +220,7 @@ def note_why(waiter: Waiter, why: dict[str, Any]) -> None:
 
 def read_why(lease_dir: Path | None, name: str) -> dict[str, Any] | None:
     """Why the waiter of file ``name`` waits (as :func:`note_why` wrote it), or ``None``."""
-    path = _why_path(_lease_dir(lease_dir) / QUEUE, name)
+    path = _why_path(Path(resolve(lease_dir, "lease_dir")) / QUEUE, name)
     with contextlib.suppress(OSError):
         fd = os.open(path, os.O_RDONLY | lease_files.OPEN_FLAGS)
         try:
@@ -245,7 +233,7 @@ def read_why(lease_dir: Path | None, name: str) -> dict[str, Any] | None:
 def waiters(lease_dir: Path | None = None, usage: Mapping[str, float] | None = None) -> list[dict[str, Any]]:
     """The live waiters in ``<lease_dir>/queue`` (each its file's JSON plus ``file``), first-ranked first.
     A file a non-blocking lock gets is a dead waiter's (even one SIGKILLed): left out and deleted."""
-    lease_dir = _lease_dir(lease_dir)
+    lease_dir = Path(resolve(lease_dir, "lease_dir"))
     queue = lease_dir / QUEUE
     now = time.time()
     out = []
@@ -323,7 +311,7 @@ def release(lease: Lease | None, addresses: Any = None) -> None:
 def holders(lease_dir: Path | None = None, addresses: Any = None) -> dict[str, dict[str, Any] | None]:
     """Who holds each device now: its holder's info (``{}`` until written; ``elsewhere: true`` for another
     user's run in another lease directory), or ``None`` when free; default: every known device."""
-    lease_dir = _lease_dir(lease_dir)
+    lease_dir = Path(resolve(lease_dir, "lease_dir"))
     if addresses is None:
         names = sorted(lease_dir.glob(f"{PREFIX}*{SUFFIX}")) if lease_dir.is_dir() else []
         found = [unquote(p.name[len(PREFIX) : -len(SUFFIX)]) for p in names]

@@ -190,13 +190,8 @@ def _nvml(devices: Sequence[Device]) -> dict[str, _Sampled]:
     """NVML's running processes (compute and graphics) and free memory of each of ``devices``."""
     try:
         nvml = _gpu.nvml_init()
-    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        why = (
-            f"NVML not available ({exc.reason})"
-            if isinstance(exc, _gpu.GpuLibraryUnavailable)
-            else f"no NVIDIA driver ({type(exc).__name__})"
-        )
-        return {d.address: ("", {}, None, None, f"not sampled: {why}") for d in devices}
+    except Exception as exc:  # no pynvml, NVMLError_LibraryNotFound, DriverNotLoaded, ...
+        return {d.address: ("", {}, None, None, f"not sampled: {_gpu.nvml_problem(exc)}") for d in devices}
     out: dict[str, _Sampled] = {}
     try:
         for d in devices:

@@ -12,17 +12,7 @@ from typing import Any
 
 from gpu_tasks.policy import Holding
 
-# The kinds, by precedence (first wins), and the shared scheduler's one
-KINDS = (
-    "borrowing-limit",
-    "quota-full",
-    "fair-share",
-    "queued",
-    "protected",
-    "device-held",
-    "other-programs",
-    "starting",
-)
+# the shared scheduler's kinds (why_waiting's, by precedence: docs/leases.md, "Why a task waits")
 BOARD_QUEUED = "board-queued"
 BOARD_BUSY = "board-busy"
 _HOLDER_FIELDS = ("address", "profile", "flow_run_name", "flow_run_id", "pid", "user", "local", "priority")
@@ -117,7 +107,7 @@ class WaitView:
 
 @dataclass(frozen=True)
 class WaitReason:
-    """Why a waiter waits: ``kind`` (one of :data:`KINDS`, or a board kind), a sentence, and what it names."""
+    """Why a waiter waits: ``kind`` (see :func:`why_waiting`, or a board kind), a sentence, what it names."""
 
     kind: str
     text: str
@@ -141,7 +131,7 @@ def _clock(t: float) -> str:
 
 
 def why_waiting(view: WaitView, now: float) -> WaitReason:
-    """The one reason ``view``'s waiter waits at ``now`` (the first of :data:`KINDS` that applies)."""
+    """The one reason ``view``'s waiter waits at ``now``: the first kind that applies (docs/leases.md)."""
     if view.borrowing is not None:
         team, borrowed, limit = view.borrowing
         return WaitReason(

@@ -82,11 +82,6 @@ def flow_api_url() -> str | None:
     return str(url) if url else ephemeral_api_url() or last_ephemeral_api_url()
 
 
-def on_ephemeral_server() -> bool:
-    """Whether the context in force uses the ephemeral server, which Prefect stops as the process exits."""
-    return ephemeral_api_url() is not None
-
-
 def require_flow_api_url(profile: str) -> str:
     """``flow_api_url()``, starting Prefect's ephemeral server as its client would if needed;
     ``GpuTasksError`` when there is no API URL and ephemeral servers are off."""

@@ -23,6 +23,7 @@ BORROW_PREFIX = "gpu-borrow:"  # a team's borrowing limit; its borrowed devices 
 LEND_PREFIX = "gpu-lend:"  # a team's lending limit (only read)
 CHECK_AGAIN_S = 5.0  # how long a need that fitted its quota is not read from the API again
 WAIT_LOG_EVERY = 30.0  # seconds between the lines that say a task still waits for its quota
+LIMITS_PAGE = 200  # global concurrency limits read per request
 
 
 def limit_name(quota: str) -> str:
@@ -112,24 +113,22 @@ class QuotaSlots:
         self.leases.close()
 
 
-def _all_limits() -> list[Any]:
-    """Every global concurrency limit of the Prefect API."""
-    limits = []
-    offset = 0
+def all_limits(most: int | None = None) -> list[Any]:
+    """Every global concurrency limit of the Prefect API (``most``: stop at that many or more)."""
+    limits: list[Any] = []
     with sync_client() as client:
-        while True:
-            page = client.read_global_concurrency_limits(limit=200, offset=offset)
+        while most is None or len(limits) < most:
+            page = client.read_global_concurrency_limits(limit=LIMITS_PAGE, offset=len(limits))
             limits.extend(page)
-            if len(page) < 200:
+            if len(page) < LIMITS_PAGE:
                 break
-            offset += 200
     return limits
 
 
 def teams() -> dict[str, dict[str, Any]]:
     """Each team's quota, use, borrowing and lending limits now (``lending_limit`` ``None``: it lends
     all of its unused quota), in one read of the API."""
-    named = {limit.name: limit for limit in _all_limits()}
+    named = {limit.name: limit for limit in all_limits()}
     out = {}
     for name, limit in sorted(named.items()):
         if not name.startswith(PREFIX):

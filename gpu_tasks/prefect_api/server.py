@@ -357,12 +357,12 @@ def _settled(
 ) -> bool:
     """Poll the counts until none is ``unfinished`` and they held ``settle`` s; ``False`` at ``timeout``,
     after ``stall`` s without a change, or when the server does not answer."""
-    from prefect.client.orchestration import get_client
+    from gpu_tasks.prefect_api.api import sync_client
 
     deadline = time.monotonic() + timeout
     seen: tuple[int, ...] = ()
     moved = time.monotonic()
-    with get_client(sync_client=True) as client:
+    with sync_client() as client:
         while time.monotonic() < deadline:
             try:
                 counts = tuple(count_task_runs(client, f) for f in [everything, *unfinished])

@@ -23,7 +23,6 @@ RENEW_EVERY_S = 20.0  # well inside the lease, so one slow renewal does not lose
 WAIT_LOGGED_S = 30.0  # a wait this long is logged (each RENEW_EVERY_S while it lasts)
 
 PLACEMENT_PREFIX = "tag:gpu:"  # the limits of the gpu:<id> tags a worker adds to its task runs
-LIMITS_PAGE = 200  # limits read per request
 LIMITS_READ_MAX = 2000  # more than this many limits: not read through, the worker asks as Prefect does
 
 
@@ -31,21 +30,18 @@ def placement_tags_unlimited() -> bool:
     """Whether no limit exists on the tags a worker adds to its task runs, so it need not ask for their
     slots; ``False`` when unsure (too many limits, no API yet, a failed read): it asks as Prefect does."""
     from gpu_tasks.allocation import EMULATED_TAG
-    from gpu_tasks.prefect_api.api import flow_api_url, sync_client
+    from gpu_tasks.prefect_api.api import flow_api_url
+    from gpu_tasks.prefect_api.quotas import all_limits
     from gpu_tasks.prefect_api.states import no_client_retries
 
     if flow_api_url() is None:  # no API this process uses yet: never start one just for this
         return False
     try:
-        with no_client_retries(), sync_client() as client:
-            for offset in range(0, LIMITS_READ_MAX, LIMITS_PAGE):
-                page = client.read_global_concurrency_limits(limit=LIMITS_PAGE, offset=offset)
-                if any(
-                    lim.name.startswith(PLACEMENT_PREFIX) or lim.name == f"tag:{EMULATED_TAG}" for lim in page
-                ):
-                    return False
-                if len(page) < LIMITS_PAGE:
-                    return True
+        with no_client_retries():
+            limits = all_limits(LIMITS_READ_MAX)
+        return len(limits) < LIMITS_READ_MAX and not any(
+            lim.name.startswith(PLACEMENT_PREFIX) or lim.name == f"tag:{EMULATED_TAG}" for lim in limits
+        )
     except Exception as exc:
         logger.debug("gpu-tasks: could not read the concurrency limits (%s); workers ask for theirs", exc)
     return False

@@ -263,6 +263,11 @@ class Usage:
             self._tasks += 1
             self._interrupted += interrupted
 
+    def busy(self) -> tuple[dict[str, list[tuple[float, float]]], int]:
+        """When tasks ran on each worker so far, and how many ran (a shared cluster's row)."""
+        with self._lock:
+            return {k: list(v) for k, v in self._busy.items()}, self._tasks
+
     def row(
         self,
         profile: str,

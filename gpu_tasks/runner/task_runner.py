@@ -20,11 +20,10 @@ from prefect.task_runners import TaskRunner
 
 from gpu_tasks.cluster.kinds import placed_on_this_host
 from gpu_tasks.cluster.local import ProfileCluster
-from gpu_tasks.devices.discovery import Inventory
 from gpu_tasks.errors import ProfileError, UnknownProfileError, UnsatisfiableProfileError
 from gpu_tasks.policy import unsatisfiable_reason
 from gpu_tasks.prefect_api import environment as _environment
-from gpu_tasks.prefect_api.api import on_ephemeral_server
+from gpu_tasks.prefect_api.api import ephemeral_api_url
 from gpu_tasks.prefect_api.futures import pending_futures, when_all_done
 from gpu_tasks.prefect_api.server import wait_until_flow_run_recorded
 from gpu_tasks.profiles import (
@@ -219,7 +218,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                     AlertThresholds.from_settings(live.settings),
                     live.priorities(),
                 )
-            if not hurry and self._last_ledger and on_ephemeral_server() and live.api_answers():
+            if not hurry and self._last_ledger and ephemeral_api_url() is not None and live.api_answers():
                 # Prefect stops its ephemeral server as this process exits: its task-run recorder
                 # gets to the workers' last state events first (docs/runner.md, "Leaving the flow")
                 live.in_run_context(wait_until_flow_run_recorded, live.flow_run_id)
@@ -354,11 +353,6 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     def ledger(self) -> list[LedgerRow]:
         """Closed cluster lifetimes so far (the ledger of the last run after exit)."""
         return list(self._live.ledger if self._live is not None else self._last_ledger)
-
-    @property
-    def inventory(self) -> Inventory:
-        """The device inventory this runner schedules on."""
-        return self._ensure_live()[0].inventory
 
 
 def _status_row(

@@ -56,14 +56,6 @@ def _close_fork_server(ctx: ForkServerContext) -> None:
     ctx.close()  # it ends once the processes forked from it have
 
 
-def in_use() -> dict[str, Any]:
-    """``pools`` using this process's fork server and whether it is ``kept`` (unused); ``{}`` if none."""
-    with _SHARED_LOCK:
-        if "ctx" not in _SHARED:
-            return {}
-        return {"pools": _SHARED["users"], "kept": "timer" in _SHARED}
-
-
 def _forget_fork_server() -> None:
     """In a forked child: the parent's fork server is not its own, and the lock may have been held."""
     global _SHARED_LOCK

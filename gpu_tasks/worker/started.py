@@ -57,7 +57,7 @@ class StartedLog:
 
     def __init__(self) -> None:
         self._path: str | None = None
-        self._seen: dict[str, tuple[float, str] | None] = {}  # token: (began at, worker key)
+        self._seen: dict[str, tuple[float, str]] = {}  # token: (began at, worker key)
         self._offset = 0
         self._lock = threading.Lock()
 
@@ -98,14 +98,10 @@ class StartedLog:
         except OSError:
             return False
         end = data.rfind(b"\n") + 1
-        noted: dict[str, tuple[float, str] | None] = {}
+        noted = {}  # each line is one O_APPEND write of mark_started: "token time worker"
         for line in data[:end].decode().splitlines():
-            token, _, rest = line.partition(" ")
-            at, _, worker = rest.partition(" ")
-            try:
-                noted[token] = (float(at), worker or "cpu")
-            except ValueError:  # a token alone (noted by an older worker): began, time unknown
-                noted[token] = None
+            token, at, worker = line.split(" ", 2)
+            noted[token] = (float(at), worker)
         with self._lock:  # two readers at once read the same lines: the same entries
             self._seen.update(noted)
             self._offset = max(self._offset, offset + end)
