@@ -292,10 +292,7 @@ class Controller:
         st = self.st
         ws = getattr(exc, "last_worker", None)
         row = None
-        # busy from the hand-off's start until now (the ledger counted it idle), on the devices it had
-        began = None if st.cluster.shared else self.live.started.since(job.key)
-        if began is not None:
-            st.cluster.record(began[1], began[0], max(began[0], time.time()), interrupted=True)
+        self.live.count_interrupted(job)  # busy from the hand-off's start until now
         if ws is None and st.cluster.shared:  # its client lost the scheduler: no worker to name
             lost, how = NO_WORKER, f"{type(exc).__name__}: {exc}"
         elif ws is None:  # lost with its cluster (closed when its last worker died), no worker named

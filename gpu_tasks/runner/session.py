@@ -352,17 +352,19 @@ class Live:
         return left
 
     def _count_running(self, jobs: list[Job]) -> None:
-        """Tasks still running as their clusters close count as busy from their start up to now, and as
-        tasks (``interrupted``): the rows would otherwise call the devices idle (a false waste alert).
-        A local worker noted when each hand-off began and on which devices (gpu_tasks.worker.started)."""
-        now = time.time()
+        """Tasks still running as their clusters close count as busy (:meth:`count_interrupted`)."""
         for job in jobs:
-            cluster = job.st.cluster
-            if job.cf.done() or cluster.shared or not job.profile.uses_processes:
-                continue  # ended (counted), or no note (a shared scheduler's; in-process ones are drained)
-            began = self.started.since(job.key)
-            if began is not None:
-                cluster.record(began[1], began[0], max(began[0], now), interrupted=True)
+            if not job.cf.done() and job.profile.uses_processes:  # in-process ones are drained
+                self.count_interrupted(job)
+
+    def count_interrupted(self, job: Job) -> None:
+        """``job``, cut short now (its worker died, or its cluster closes under it), counts as busy from
+        its start and as a task (``interrupted``): the ledger would otherwise call its devices idle (a
+        false waste alert). A local worker noted when each hand-off began and on which devices
+        (gpu_tasks.worker.started); a shared scheduler's workers note nothing here."""
+        began = None if job.st.cluster.shared else self.started.since(job.key)
+        if began is not None:
+            job.st.cluster.record(began[1], began[0], max(began[0], time.time()), interrupted=True)
 
     def _advise(self) -> None:
         """A right-size line and event per GPU profile that used much less than it held."""
