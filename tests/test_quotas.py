@@ -224,3 +224,28 @@ def test_fair_share_serves_the_team_that_used_less_and_the_cli_shows_it(quota, l
         book.close()
         quotas.delete_limit(heavy)
         quotas.delete_limit(light)
+
+
+def test_a_quota_wait_that_times_out_names_the_quota_not_free_devices(quota, lease_dir):
+    """A waiter whose team's quota is full (held elsewhere: another host, or a killed flow run whose
+    slots free when their lease ends) gives up after GPU_TASKS_LEASE_TIMEOUT naming the quota and its
+    fixes (before: "waited ... for devices other processes on this host lease (device 0: free)")."""
+    from gpu_tasks.devices.book import DeviceBook
+    from gpu_tasks.devices.discovery import Device
+
+    quotas.set_limit(quota, 1)
+    elsewhere = quotas.QuotaSlots(60)
+    book = DeviceBook(lease_dir=lease_dir, lease_timeout=2)
+    try:
+        assert elsewhere.take(quota, 1) is not None
+        dev0 = (Device(address="0", index=0, name="EMU"),)
+        with pytest.raises(ClusterError) as err:
+            book.acquire("train", [dev0], 1, block=True, quota=quota)
+        message = str(err.value)
+        assert "waited" in message and f"for room in quota {quota!r}" in message, message
+        assert "1 of 1 device(s) in use" in message and "a killed flow run's slots free" in message, message
+        assert f"gpu-tasks quotas set {quota} N" in message and "GPU_TASKS_LEASE_TIMEOUT" in message, message
+        assert "other processes on this host lease" not in message, message
+    finally:
+        book.close()
+        elsewhere.close()

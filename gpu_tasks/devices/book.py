@@ -137,7 +137,12 @@ class DeviceBook:
                 if not patient and foreign_since is not None and now - foreign_since >= self.lease_timeout:
                     raise ClusterError(
                         self._timeout_message(
-                            owner, sorted(wanted), now - foreign_since, first, me.get("programs_seen", {})
+                            owner,
+                            sorted(wanted),
+                            now - foreign_since,
+                            first,
+                            me.get("programs_seen", {}),
+                            me.get("quota_full"),
                         )
                     )
                 if self.reclaim is not None:
@@ -512,7 +517,13 @@ class DeviceBook:
             f"device {h['address']}: {_describe(h, with_id=False)}"
             for h in quotas.holders_here(quota, leases.holders(self.lease_dir)) + mine
         ]
-        return use + ("; held on this host by " + "; ".join(here) if here else "; none of it on this host")
+        if here:
+            return use + "; held on this host by " + "; ".join(here)
+        lease = get_settings().quota_lease_seconds
+        return (
+            f"{use}; none held by a running flow run on this host (a killed flow run's slots free when "
+            f"their lease ends, within {lease:g}s: GPU_TASKS_TUNE_QUOTA_LEASE_SECONDS)"
+        )
 
     def holders_text(self, addresses: list[str]) -> str:
         """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
@@ -526,7 +537,15 @@ class DeviceBook:
         waited: float,
         first: list[dict[str, Any]],
         others: dict[str, str],
+        quota: str | None = None,
     ) -> str:
+        if quota is not None:  # its team's quota is full: that is what it waited for, not the devices
+            return (
+                f"profile {owner!r}: waited {waited:.1f}s for room in quota {quota!r} "
+                f"({self.quota_text(quota)}; devices: {self.holders_text(wanted)}). Wait for that team's "
+                f"flow runs to end, raise the quota (gpu-tasks quotas set {quota} N), or wait longer: raise "
+                f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s)"
+            )
         queued = f"; waiters that rank before it: {self.waiters_text(first)}" if first else ""
         used = f"; programs outside gpu-tasks: {_programs_text(others)}" if others else ""
         beside = programs.limit_fix(others.values(), self.other_programs_memory)
