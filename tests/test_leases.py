@@ -316,3 +316,56 @@ def test_all_or_nothing_takes_never_deadlock_in_random_orders(lease_dir, seed):
         spans = sorted((s, e, w) for a, s, e, w in intervals if a == address)
         for (_s1, e1, w1), (s2, _e2, w2) in zip(spans, spans[1:], strict=False):
             assert s2 >= e1, f"device {address} held by run{w1} and run{w2} at once"
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_a_profile_short_of_devices_grows_when_one_frees(tmp_path, lease_dir, monkeypatch):
+    """Two long tasks of a profile of up to two one-device workers, while another process holds one of
+    the two devices: the profile starts on the free one; once the other frees, it grows onto it and the
+    second task starts there, rather than waiting out the first on the one worker (it grew only when a
+    task was handed out, so it never grew: a preempted task of such a profile waited the same way)."""
+    from prefect import flow, task
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "2")
+    starts = tmp_path / "starts"
+    starts.mkdir()
+
+    @task(tags=[profile("gpu")])
+    def long(i: int) -> dict:
+        from gpu_tasks import current_allocation
+
+        start = time.time()
+        (starts / str(i)).write_text(str(start))
+        time.sleep(15 if i == 0 else 0.5)
+        return {"device": current_allocation().devices[0], "start": start, "end": time.time()}
+
+    gpu = ResourceProfile(name="gpu", gpus=1, max_workers=2, idle_timeout=0.5)
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[gpu]))
+    def two_long():
+        return [f.result() for f in long.map(range(2))]
+
+    proc = _holder(tmp_path, lease_dir, address="1")
+    freed = None
+    try:
+        import threading
+
+        def free_device_1() -> None:
+            nonlocal freed
+            deadline = time.monotonic() + 60
+            while not (starts / "0").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            _stop(proc)
+            freed = time.time()
+
+        freeing = threading.Thread(target=free_device_1, daemon=True)
+        freeing.start()
+        first, second = two_long()
+        freeing.join(timeout=10)
+    finally:
+        _stop(proc)
+    assert first["device"] == "0" and freed is not None, (first, freed)
+    assert second["device"] == "1", (first, second)
+    # it started soon after the device freed, long before the first task ended
+    assert second["start"] < first["end"] - 5, (first, second, freed)

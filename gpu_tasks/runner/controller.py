@@ -47,6 +47,9 @@ OUTBOX_MAX = 32  # hand-offs a controller sends to its Dask cluster as one graph
 # an idle worker process that ended though no one closed it is retired this long after (a busy one's
 # task's crash report retires it first)
 LOST_WORKER_GRACE_S = 2.0
+# a profile short of the workers its handed-out tasks want (devices were held: a preemptor, another flow
+# run) tries again this often, without waiting, to grow onto a device freed since
+GROW_AGAIN_S = 2.0
 
 
 class Controller:
@@ -57,6 +60,7 @@ class Controller:
         self.live = live
         self._results = results
         self._quota = quota
+        self._grow_again_at = 0.0
 
     def __call__(self, event: Event, more: bool) -> None:
         st = self.st
@@ -75,6 +79,9 @@ class Controller:
             st.active_changed()
         elif isinstance(event, Tick):
             self._retire_lost()
+            if time.monotonic() >= self._grow_again_at and self._wanted(st.dispatched) is not None:
+                self._grow_again_at = time.monotonic() + GROW_AGAIN_S
+                self._refill()
             reason = close_reason(st.idle_view(), time.monotonic())
             if reason and not self.live.stop.is_set():
                 self.live.close_cluster(st, f"scaled down: {reason}")
@@ -185,7 +192,8 @@ class Controller:
             self.live.in_run_context(lambda: flow_logger().log(int(told["level"]), "%s", told["line"]))
 
     def _refill(self) -> None:
-        """After workers were lost: grow back to what the tasks handed out want."""
+        """Grow to what the tasks handed out want (after workers were lost, or devices held by others
+        freed), without waiting for devices."""
         st = self.st
         if not (st.dispatched and st.cluster.running and st.profile.is_gpu):
             return
