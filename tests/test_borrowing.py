@@ -141,6 +141,11 @@ def test_the_cli_sets_and_shows_borrowing_and_lending_limits(prefect_server):
         code, out = cli("quotas", "--json")
         [row] = [q for q in json.loads(out)["quotas"] if q["quota"] == name]
         assert (row["limit"], row["borrowing_limit"], row["borrowed"], row["lending_limit"]) == (2, 1, 0, 1)
+        code, out = cli("quotas", "set", name, "2", "--lending-limit", "0")
+        assert code == 0, out
+        code, out = cli("quotas")
+        [line] = [line for line in out.splitlines() if name in line]
+        assert " none " in line and "<= 0" not in line, line  # lends nothing (was "<= 0")
         code, out = cli("quotas", "set", name, "2", "--lending-limit", "-1")  # lends all again
         assert code == 0 and "lends all of its unused quota (" in out, out
         [row] = [q for q in quotas.usage() if q["quota"] == name]

@@ -73,7 +73,7 @@ def quotas_list(
             str(row["limit"]),
             str(row["in_use"]),
             f"{row['borrowed']} of {row['borrowing_limit']}",
-            "all unused" if row["lending_limit"] is None else f"<= {row['lending_limit']}",
+            _lends(row["lending_limit"]),
             "yes" if row["active"] else "no",
             f"{row['usage_device_seconds']:.1f}",
             f"{100 * row['share']:.0f}%",
@@ -143,3 +143,8 @@ def quotas_delete(name: Annotated[str, typer.Argument(help="The quota's name.")]
     if not _quota_api(f"delete quota {name!r}", quotas.delete_limit, name):
         fail(f"no quota {name!r} ({quotas.limit_name(name)})", code=1)
     say(f"quota {name!r} deleted")
+
+
+def _lends(limit: int | None) -> str:
+    """A quota's lending limit in the table: ``None`` lends all of its unused quota, 0 lends nothing."""
+    return "all unused" if limit is None else "none" if limit == 0 else f"<= {limit}"
