@@ -524,6 +524,29 @@ def test_tags_context_routes_submit_and_map():
     assert plain["profile"] == "cpu" and plain["devices"] == () and plain["pid"] == os.getpid()
 
 
+@task
+def submits_a_gpu_task() -> str:
+    """A CPU task (the runner's default profile) whose body submits a GPU task: the child's id."""
+    return str(hold.with_options(tags=[profile("gpu")]).submit(0).task_run_id)
+
+
+def test_a_task_a_cpu_task_submits_gets_the_submitters_tags_not_its_profile_tag():
+    """As on Prefect's own runners, a task submitted by a task body gets the tags of the blocks around
+    the submit (here the flow's `with tags("team-x")`), not the tags the runner gave its parent: the
+    in-process body ran inside the runner's `tags("profile:cpu")`, so the GPU child was tagged
+    profile:cpu too (a Prefect tag limit of 1 on profile:cpu then left parent and child waiting for
+    the same slot, and the flow hung)."""
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        with tags("team-x"):
+            return submits_a_gpu_task.submit().result()
+
+    child = server_task_run(f(), lambda run: run.get("state_type") == "COMPLETED")
+    assert "profile:gpu" in child["tags"] and "team-x" in child["tags"], child["tags"]
+    assert "profile:cpu" not in child["tags"], child["tags"]
+
+
 def test_status_reports_absent_running_and_devices():
     @flow(task_runner=runner(GPU, QUARTER))
     def f():

@@ -27,7 +27,7 @@ from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.states import await_retry, read_task_run
 from gpu_tasks.prefect_api.tag_answers import read_without_limits
 from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
-from gpu_tasks.runner.job import Counted, Job
+from gpu_tasks.runner.job import Counted, Job, run_tags
 from gpu_tasks.runner.results import Results
 from gpu_tasks.runner.session import Live
 from gpu_tasks.worker.engine import run_engine
@@ -180,7 +180,7 @@ class Admission:
         from prefect.context import TagsContext
 
         tags_ctx = job.ctx.run(TagsContext.get)
-        names = slot_names(job.tags | set(tags_ctx.current_tags if tags_ctx else ()))
+        names = slot_names(job.tags | run_tags(tags_ctx.current_tags if tags_ctx else (), job.extra_tags))
         job.slot_names = tuple(names)
         if known_without_limits(names):
             then()  # the common case: no limit on these tags, nothing to take or wait for
@@ -285,9 +285,7 @@ class Admission:
         kwargs = job.engine_kwargs()
 
         def run() -> Any:
-            from prefect import tags
-
-            with tags(*job.extra_tags), tag_slots_held_by_flow(job.task_run_id, job.slot_names):
+            with job.tags_context(), tag_slots_held_by_flow(job.task_run_id, job.slot_names):
                 return run_engine(Allocation(profile=prof.name, worker="in-process"), only.task, kwargs)[0]
 
         state = job.ctx.run(run)

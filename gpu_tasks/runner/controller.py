@@ -207,8 +207,6 @@ class Controller:
             self._dispatch_job(job)
 
     def _dispatch_job(self, job: Job) -> None:
-        from prefect import tags
-
         live, st, prof = self.live, self.st, job.profile
         st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))  # a shared scheduler's waiters
         if prof.quota is not None and st.cluster.shared and job.quota_lease is None:
@@ -233,7 +231,7 @@ class Controller:
             kwargs["task_run"] = job.task_run
             task = rerun_task(task, job.task_run, job.free_runs, job.crashes)
         key = job.hand_off(task.name)
-        with tags(*job.extra_tags):
+        with job.tags_context():
             if not prof.uses_processes:
                 alloc = Allocation(profile=prof.name, worker="in-process")
                 dfut = st.cluster.submit(

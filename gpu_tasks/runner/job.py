@@ -19,7 +19,7 @@ from prefect.futures import PrefectFuture
 from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.policy import IdleView
 from gpu_tasks.prefect_api.futures import futures_to_states
-from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.profiles import TAG_PREFIX, ResourceProfile
 from gpu_tasks.reporting.logs import flow_logger
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -269,6 +269,14 @@ class Job:
     def tags(self) -> set[str]:
         return set(self.task.tags) | set(self.extra_tags)
 
+    def tags_context(self) -> Any:
+        """Prefect's tags context its task run is made in (:func:`run_tags`); entered in the job's
+        context (:attr:`ctx`), whose blocks it reads."""
+        from prefect.context import TagsContext
+
+        around = TagsContext.get()
+        return TagsContext(current_tags=run_tags(around.current_tags if around else (), self.extra_tags))
+
     def hand_off(self, name: str) -> str:
         """A new hand-off of task ``name`` to its cluster: the next attempt, and its Dask key."""
         self.attempt += 1
@@ -304,3 +312,13 @@ class Job:
         thread = threading.Thread(target=self.ctx.copy().run, args=(fn, *args), name=name, daemon=True)
         thread.start()
         return thread
+
+
+def run_tags(around: Iterable[str], extra: Iterable[str]) -> set[str]:
+    """A task run's tags from the blocks around its submit: those, less the profile tags of other
+    profiles (a task submitted by a task body sits inside its parent's profile tag, whose Prefect tag
+    limits it must not take: parent and child then waited for one slot), plus the runner's ``extra``
+    (its own profile's)."""
+    extra = set(extra)
+    mine = {t for t in extra if t[: len(TAG_PREFIX)].lower() == TAG_PREFIX}
+    return {t for t in around if t[: len(TAG_PREFIX)].lower() != TAG_PREFIX or t in mine} | extra
