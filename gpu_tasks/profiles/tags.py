@@ -33,10 +33,16 @@ def profile_from_tags(tags: Iterable[str], task: Any = None) -> str | None:
     return next(iter(names), None)
 
 
+def is_profile_tag(tag: Any) -> bool:
+    """Whether ``tag`` is a ``profile:<name>`` tag; the prefix is read in any case (``Profile:gpu``
+    too): a tag meant for a profile is never silently ignored."""
+    return isinstance(tag, str) and tag[: len(TAG_PREFIX)].lower() == TAG_PREFIX
+
+
 def _profile_names(tags: Iterable[str], who: str) -> list[str]:
     """The distinct profile names of ``profile:<name>`` tags, sorted; ``who`` carries them. The prefix
     is read in any case (``Profile:gpu`` too): a tag meant for a profile is never silently ignored."""
-    ours = (t for t in tags if isinstance(t, str) and t[: len(TAG_PREFIX)].lower() == TAG_PREFIX)
+    ours = (t for t in tags if is_profile_tag(t))
     names = sorted({t[len(TAG_PREFIX) :] for t in ours})
     if names[:1] == [""]:  # e.g. f"profile:{name}" with an empty name: never the default profile silently
         raise UnknownProfileError(

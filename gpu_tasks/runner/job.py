@@ -19,7 +19,8 @@ from prefect.futures import PrefectFuture
 from gpu_tasks.cluster.local import ProfileCluster
 from gpu_tasks.policy import IdleView
 from gpu_tasks.prefect_api.futures import futures_to_states
-from gpu_tasks.profiles import TAG_PREFIX, ResourceProfile
+from gpu_tasks.profiles import ResourceProfile
+from gpu_tasks.profiles.tags import is_profile_tag
 from gpu_tasks.reporting.logs import flow_logger
 
 logger = logging.getLogger("gpu_tasks.runner")
@@ -320,5 +321,4 @@ def run_tags(around: Iterable[str], extra: Iterable[str]) -> set[str]:
     limits it must not take: parent and child then waited for one slot), plus the runner's ``extra``
     (its own profile's)."""
     extra = set(extra)
-    mine = {t for t in extra if t[: len(TAG_PREFIX)].lower() == TAG_PREFIX}
-    return {t for t in around if t[: len(TAG_PREFIX)].lower() != TAG_PREFIX or t in mine} | extra
+    return {t for t in around if not is_profile_tag(t) or t in extra} | extra
