@@ -47,6 +47,8 @@ _holders = st.lists(
         preemptible=st.booleans(),
         since=st.one_of(st.none(), st.floats(NOW - 100, NOW)),
         min_run_time=st.sampled_from([0.0, 10.0, 200.0]),
+        team=st.sampled_from([None, "team-a", "team-b"]),
+        borrowed=st.booleans(),
     ),
     max_size=3,
 )
@@ -90,7 +92,12 @@ def _applies(view: WaitView) -> list[str]:
         a = view.ahead[0]
         fair = a.priority == view.priority and a.team not in (None, view.team) and a.usage < view.usage
         kinds.append("fair-share" if fair else "queued")
-    if any(h.preemptible and h.priority < view.priority and (h.protected_until or 0) > NOW for h in others):
+    if any(
+        h.preemptible
+        and (h.priority < view.priority or (h.borrowed and view.team is not None and view.team != h.team))
+        and (h.protected_until or 0) > NOW
+        for h in others
+    ):
         kinds.append("protected")
     if others:
         kinds.append("device-held")
@@ -159,6 +166,22 @@ def test_protected_run_time_says_until_when():
         why_waiting(WaitView(profile="mine", priority=5, holders=(holder,)), NOW + 56).kind == "device-held"
     )
     assert why_waiting(WaitView(profile="mine", priority=0, holders=(holder,)), NOW).kind == "device-held"
+
+
+def test_borrowed_devices_a_team_owed_them_waits_for_are_protected_until_their_min_run_time_ends():
+    """A team owed devices takes back borrowed ones whatever their priority (docs/leases.md,
+    "Borrowing"), once their protected run time ends: the wait says so (it said "held")."""
+    borrowed = Holder(
+        "0", profile="batch", preemptible=True, since=NOW - 5, min_run_time=60, team="team-b", borrowed=True
+    )
+    reason = why_waiting(WaitView(profile="mine", team="team-a", holders=(borrowed,)), NOW)
+    assert reason.kind == "protected" and reason.until == NOW + 55, reason
+    assert "borrowed beyond quota 'team-b'" in reason.text and "(in 55s)" in reason.text, reason.text
+    # a waiter of no team, or of the borrower's own, takes nothing back: the device is simply held
+    for team in (None, "team-b"):
+        assert (
+            why_waiting(WaitView(profile="mine", team=team, holders=(borrowed,)), NOW).kind == "device-held"
+        )
 
 
 def test_fair_share_needs_equal_priority_another_team_and_less_usage():

@@ -33,6 +33,8 @@ class Holder:
     preemptible: bool = False
     since: float | None = None  # when it took the device (time.time())
     min_run_time: float = 0.0
+    team: str | None = None  # its quota
+    borrowed: bool = False  # beyond its quota: a team owed devices takes it back (devices/lending)
 
     @property
     def protected_until(self) -> float | None:
@@ -67,6 +69,8 @@ class Holder:
             preemptible=bool(info.get("preemptible")),
             since=None if info.get("since") is None else float(info["since"]),
             min_run_time=float(info.get("min_run_time") or 0.0),
+            team=info.get("quota"),
+            borrowed=bool(info.get("borrowed")),
         )
 
 
@@ -179,15 +183,21 @@ def why_waiting(view: WaitView, now: float) -> WaitReason:
         )
     others = [h for h in view.holders if h.profile != view.profile or not h.local]
     protected = [
-        h for h in others if h.preemptible and h.priority < view.priority and (h.protected_until or 0.0) > now
+        h
+        for h in others
+        if h.preemptible
+        # a waiter of higher priority preempts it; a team owed devices takes back borrowed ones
+        and (h.priority < view.priority or (h.borrowed and view.team not in (None, h.team)))
+        and (h.protected_until or 0.0) > now
     ]
     if protected:
         h = min(protected, key=lambda x: x.protected_until or 0.0)
         until = h.protected_until
         assert until is not None
+        lent = f" (borrowed beyond quota {h.team!r})" if h.borrowed else ""
         return WaitReason(
             "protected",
-            f"device {h.address} is held by {h.who()}, inside its protected run time (min_run_time "
+            f"device {h.address} is held by {h.who()}{lent}, inside its protected run time (min_run_time "
             f"{h.min_run_time:g}s) until {_clock(until)} (in {max(0.0, until - now):.0f}s)",
             until=until,
             holder=h.as_dict(),
