@@ -175,6 +175,32 @@ def test_device_book_leases_and_times_out(lease_dir):
     assert leases.holders(lease_dir) == {"0": None, "1": None}
 
 
+def test_a_wait_line_names_only_the_devices_still_leased(lease_dir, caplog):
+    """The periodic wait line reads the holders when it is written: a device given back since the
+    waiter looked (a preempted holder's, say) is not named as leased (the line read "device 0: free")."""
+    import logging
+
+    from gpu_tasks.devices.book import _WaitLog
+
+    dev1 = Device(address="1", index=1, name="EMU")
+    holder, waiter = DeviceBook(lease_dir=lease_dir), DeviceBook(lease_dir=lease_dir)
+    assert holder.acquire("a", [(dev1,)], 1, block=False) == [0]
+    log = _WaitLog(waiter, "b", 0, ["0", "1"])
+
+    def lines() -> list[str]:
+        caplog.clear()
+        log.last.clear()  # due again
+        with caplog.at_level(logging.INFO, logger="gpu_tasks.devices.book"):
+            log.waiting(time.monotonic(), set(), {"0", "1"}, [])  # both were leased when it looked
+        return [r.getMessage() for r in caplog.records if "leased by other flow runs" in r.getMessage()]
+
+    [line] = lines()
+    assert "device 1: profile 'a'" in line and f"pid {os.getpid()} (this process)" in line, line
+    assert "device 0" not in line, line
+    holder.release("a", ["1"])
+    assert lines() == []
+
+
 def test_cli_devices_shows_who_holds_each_device(tmp_path, lease_dir, monkeypatch):
     monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "2")
     monkeypatch.setenv("NO_COLOR", "1")
@@ -243,7 +269,7 @@ def test_two_flow_runs_never_share_a_device(tmp_path, lease_dir):
         "two flow runs used device 0 at the same time"
     )
     waited = logs[second]
-    assert "leased by other processes" in waited and f"pid {runs[first]['pid']}" in waited, waited[-3000:]
+    assert "leased by other flow runs" in waited and f"pid {runs[first]['pid']}" in waited, waited[-3000:]
 
 
 @pytest.mark.usefixtures("no_leaked_processes")
@@ -369,3 +395,42 @@ def test_a_profile_short_of_devices_grows_when_one_frees(tmp_path, lease_dir, mo
     assert second["device"] == "1", (first, second)
     # it started soon after the device freed, long before the first task ended
     assert second["start"] < first["end"] - 5, (first, second, freed)
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_a_subflow_with_its_own_runner_gets_the_device_its_blocked_parent_holds_idle(lease_dir, monkeypatch):
+    """A parent flow run's GPU profile is idle while the parent is blocked in a subflow's call; the
+    subflow's own runner waits for that device. The parent's idle cluster gives it back at once, as a
+    profile of the subflow's own runner would (before, the subflow waited out the parent's idle timeout:
+    it failed here, its lease timeout being shorter, with an error naming the script's own pid)."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks import current_allocation
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    monkeypatch.setenv("GPU_TASKS_LEASE_TIMEOUT", "20")  # well below the parent's idle timeout
+
+    @task(tags=[profile("gpu")])
+    def on_gpu(i: int) -> str:
+        return current_allocation().devices[0]
+
+    def runner() -> ProfileTaskRunner:
+        return ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=600)])
+
+    @flow(task_runner=runner())
+    def child() -> tuple[str, str]:
+        return on_gpu.submit(1).result(), FlowRunContext.get().flow_run.name
+
+    @flow(task_runner=runner())
+    def parent() -> tuple[str, tuple[str, str], list[str]]:
+        first = on_gpu.submit(0).result()
+        second = child()
+        ledger = FlowRunContext.get().task_runner.ledger  # the run's copy of the runner
+        return first, second, [r.reason for r in ledger if r.profile == "gpu"]
+
+    first, (second, child_run), reasons = parent()
+    assert (first, second) == ("0", "0")
+    assert reasons == [
+        f"released its devices early: profile 'gpu' of flow run {child_run!r} is waiting for them"
+    ]

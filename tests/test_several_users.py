@@ -213,7 +213,7 @@ def _until(check, what: str, proc: subprocess.Popen[str] | None = None, seconds:
 def _waits(files: dict[str, Path], proc: subprocess.Popen[str]) -> None:
     """Until the program says it waits for a device another process leases."""
     _until(
-        lambda: "waiting for devices leased by other processes" in files["log"].read_text(), "B waits", proc
+        lambda: "waiting for devices leased by other flow runs" in files["log"].read_text(), "B waits", proc
     )
 
 

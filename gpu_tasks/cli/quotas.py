@@ -82,7 +82,11 @@ def quotas_list(
     console.print(table)
 
 
-@quotas_app.command("set", help="Create a quota, or change its limit (devices held at once).")
+@quotas_app.command(
+    "set",
+    help="Create a quota, or change its limit (devices held at once).",
+    context_settings={"ignore_unknown_options": True},  # `set team -1` is a bad count, not an option
+)
 def quotas_set(
     name: Annotated[str, typer.Argument(help="The quota's name, as in a profile's quota=.")],
     devices: Annotated[int, typer.Argument(help="The most devices its profiles hold at once (>= 1).")],

@@ -525,10 +525,12 @@ class DeviceBook:
             f"their lease ends, within {lease:g}s: GPU_TASKS_TUNE_QUOTA_LEASE_SECONDS)"
         )
 
-    def holders_text(self, addresses: list[str]) -> str:
-        """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses``."""
+    def holders_text(self, addresses: list[str], held_only: bool = False) -> str:
+        """``device 0: flow run 'x' (id ...), pid 12`` for each of ``addresses`` (``held_only``: but
+        those that are free by now)."""
         holder_of = self._holder_of()
-        return "; ".join(f"device {a}: {_describe(holder_of(a))}" for a in addresses)
+        held = [(a, holder_of(a)) for a in addresses]
+        return "; ".join(f"device {a}: {_describe(h)}" for a, h in held if h is not None or not held_only)
 
     def _timeout_message(
         self,
@@ -550,7 +552,7 @@ class DeviceBook:
         used = f"; programs outside gpu-tasks: {_programs_text(others)}" if others else ""
         beside = programs.limit_fix(others.values(), self.other_programs_memory)
         return (
-            f"profile {owner!r}: waited {waited:.1f}s for devices other processes on this host lease"
+            f"profile {owner!r}: waited {waited:.1f}s for devices other flow runs on this host lease"
             f"{' or use' if others else ''} ({self.holders_text(wanted)}{queued}{used}). Stop those flow runs"
             f"{' or programs' if others else ''}{beside} or wait longer: raise "
             f"GPU_TASKS_LEASE_TIMEOUT (now {self.lease_timeout:g}s); leases are in {str(self.lease_dir)!r} "
@@ -650,11 +652,13 @@ class _WaitLog:
                 ",".join(self.wanted),
                 ", ".join(repr(h) for h in sorted(held_by)),
             )
-        if foreign:
+        # read now: a device given back since (a preempted holder's, say) is no longer named as leased
+        leased = self.book.holders_text(sorted(foreign), held_only=True) if foreign else ""
+        if leased:
             logger.info(
-                "profile %r: waiting for devices leased by other processes on this host: %s; "
+                "profile %r: waiting for devices leased by other flow runs on this host: %s; "
                 "giving up after %gs (GPU_TASKS_LEASE_TIMEOUT)",
                 self.owner,
-                self.book.holders_text(sorted(foreign)),
+                leased,
                 self.book.lease_timeout,
             )

@@ -354,8 +354,10 @@ def describe(
     if info.get("flow_run_name") or info.get("flow_run_id"):
         run = f"flow run {info.get('flow_run_name')!r}"
         parts.append(f"{run} (id {info.get('flow_run_id') or '?'})" if with_id else run)
-    parts.append(f"pid {info.get('pid', '?')}")
-    if info.get("hostname") and info["hostname"] != socket.gethostname():
+    elsewhere = bool(info.get("hostname")) and info["hostname"] != socket.gethostname()
+    here = " (this process)" if info.get("pid") == os.getpid() and not elsewhere else ""
+    parts.append(f"pid {info.get('pid', '?')}{here}")
+    if elsewhere:
         parts.append(f"host {info['hostname']}")
     if info.get("user") and info.get("uid", os.getuid()) != os.getuid():
         parts.append(f"user {info['user']}")

@@ -42,7 +42,7 @@ def clock_range(start: float, end: float) -> str:
 
 _REASONS = (
     (re.compile(r"^scaled down: idle for ([0-9.]+s).*$"), r"scaled down, idle \1"),
-    (re.compile(r"^released its devices early: profile ('[^']*') is waiting for them$"), r"released for \1"),
+    (re.compile(r"^released its devices early: profile ('[^']*').*waiting for them$"), r"released for \1"),
 )
 REASON_WIDTH = 48
 

@@ -101,9 +101,7 @@ class Controller:
                 and st.idle_view().outstanding == 0
                 and event.wanted.intersection(st.cluster.devices)
             ):
-                self.live.close_cluster(
-                    st, f"released its devices early: profile {event.by!r} is waiting for them"
-                )
+                self.live.close_cluster(st, f"released its devices early: {event.by} is waiting for them")
         elif isinstance(event, Board):
             self._board(event.what, event.info)
         if st.outbox and (not more or len(st.outbox) >= OUTBOX_MAX):

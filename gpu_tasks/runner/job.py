@@ -102,7 +102,8 @@ class Tick(NamedTuple):
 
 
 class Reclaim(NamedTuple):
-    """Profile ``by`` waits for devices among ``wanted``: give them back now if idle."""
+    """A profile waits for devices among ``wanted``: give them back now if idle (``by``: that profile,
+    in words: ``profile 'p'``, or ``profile 'p' of flow run 'x'`` for another runner's)."""
 
     wanted: frozenset[str]
     by: str

@@ -8,6 +8,7 @@ import contextvars
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -39,6 +40,9 @@ from gpu_tasks.worker.started import StartedLog
 logger = logging.getLogger("gpu_tasks.runner")
 
 PREEMPTION_CHECK_S = 0.5  # how often a runner with preemptible clusters reads the device queue
+# the runners entered in this process (a flow run's and its subflows' own): an idle profile of one gives
+# its devices back early to a profile of another that waits for them, as within one runner
+_ENTERED: weakref.WeakSet[Live] = weakref.WeakSet()
 
 
 class Live:
@@ -97,6 +101,7 @@ class Live:
         except BaseException:
             RunLogs.leave(self.flow_run_id)
             raise
+        _ENTERED.add(self)
 
     def _warm_pool(self) -> Any:
         """Start the warm worker processes when a profile's workers can use them: with the first task,
@@ -223,10 +228,18 @@ class Live:
             st.post(Board(what, info))
 
     def _reclaim(self, wanted: set[str], by: str) -> None:
-        """Profile ``by`` waits for ``wanted``: ask idle profiles holding some to give them back early."""
+        """Profile ``by`` waits for ``wanted``: ask idle profiles holding some to give them back early,
+        this runner's and those of the other runners entered in this process (a subflow's waits for
+        its parent's, blocked in the subflow's call)."""
         for name, st in list(self.states.items()):
             if name != by and wanted.intersection(st.cluster.devices):
-                st.post(Reclaim(frozenset(wanted), by))
+                st.post(Reclaim(frozenset(wanted), f"profile {by!r}"))
+        for other in list(_ENTERED):
+            if other is self or other.stop.is_set():
+                continue
+            for st in list(other.states.values()):
+                if wanted.intersection(st.cluster.devices):
+                    st.post(Reclaim(frozenset(wanted), f"profile {by!r} of flow run {self.run.name!r}"))
 
     def _interval(self) -> float:
         timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
@@ -302,6 +315,7 @@ class Live:
         return self.ctx.copy().run(fn, *args)
 
     def close(self, reason: str, hurry: bool = False) -> None:
+        _ENTERED.discard(self)
         try:
             self.stop.set()
             if hurry:  # a plain script's ephemeral server dies with the Ctrl-C that stopped its flow
