@@ -434,3 +434,32 @@ def test_a_subflow_with_its_own_runner_gets_the_device_its_blocked_parent_holds_
     assert reasons == [
         f"released its devices early: profile 'gpu' of flow run {child_run!r} is waiting for them"
     ]
+
+
+@pytest.mark.usefixtures("prefect_server", "no_leaked_processes")
+def test_a_task_its_flow_run_ends_before_keeps_the_tags_of_its_submit(tmp_path, lease_dir, monkeypatch):
+    """A GPU task still waiting for its device when its flow run ends is reported failed with the tags
+    Prefect's engine would have given it, those of the blocks around its submit too (it had its task's
+    and its profile's only)."""
+    from faults._procs import server_task_run
+    from prefect import flow, tags, task
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+
+    @task(tags=[profile("gpu")])
+    def never_starts() -> None:
+        return None
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def ends_first() -> str:
+        with tags("team-x"):
+            return str(never_starts.submit().task_run_id)
+
+    proc = _holder(tmp_path, lease_dir)
+    try:
+        task_run_id = ends_first()
+    finally:
+        _stop(proc)
+    run = server_task_run(task_run_id, lambda r: r.get("state_type") in ("CRASHED", "FAILED"))
+    assert run.get("state_type") in ("CRASHED", "FAILED"), run  # it never ran: no result
+    assert {"team-x", "profile:gpu"} <= set(run["tags"]), run["tags"]

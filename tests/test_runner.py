@@ -526,8 +526,11 @@ def test_tags_context_routes_submit_and_map():
 
 @task
 def submits_a_gpu_task() -> str:
-    """A CPU task (the runner's default profile) whose body submits a GPU task: the child's id."""
-    return str(hold.with_options(tags=[profile("gpu")]).submit(0).task_run_id)
+    """A CPU task (the runner's default profile) whose body submits a GPU task: the child's id, once
+    it ran (a child still starting when the flow run ends is reported Crashed)."""
+    child = hold.with_options(tags=[profile("gpu")]).submit(0)
+    child.wait()
+    return str(child.task_run_id)
 
 
 def test_a_task_a_cpu_task_submits_gets_the_submitters_tags_not_its_profile_tag():

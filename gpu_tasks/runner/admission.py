@@ -27,7 +27,7 @@ from gpu_tasks.prefect_api.futures import futures_to_states
 from gpu_tasks.prefect_api.states import await_retry, read_task_run
 from gpu_tasks.prefect_api.tag_answers import read_without_limits
 from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
-from gpu_tasks.runner.job import Counted, Job, run_tags
+from gpu_tasks.runner.job import Counted, Job
 from gpu_tasks.runner.results import Results
 from gpu_tasks.runner.session import Live
 from gpu_tasks.worker.engine import run_engine
@@ -177,10 +177,7 @@ class Admission:
         if not can_skip_engine_tag_slots():
             then()  # this Prefect takes them where gpu-tasks cannot skip them: on the worker
             return
-        from prefect.context import TagsContext
-
-        tags_ctx = job.ctx.run(TagsContext.get)
-        names = slot_names(job.tags | run_tags(tags_ctx.current_tags if tags_ctx else (), job.extra_tags))
+        names = slot_names(job.tags)
         job.slot_names = tuple(names)
         if known_without_limits(names):
             then()  # the common case: no limit on these tags, nothing to take or wait for

@@ -269,7 +269,12 @@ class Job:
 
     @property
     def tags(self) -> set[str]:
-        return set(self.task.tags) | set(self.extra_tags)
+        """Its task run's tags as Prefect's engine makes them: the task's, and :func:`run_tags` of the
+        blocks around its submit (a state reported before its engine ran carries them too)."""
+        from prefect.context import TagsContext
+
+        around = self.ctx.copy().run(TagsContext.get)  # a copy: the job's own may be entered elsewhere
+        return set(self.task.tags) | run_tags(around.current_tags if around else (), self.extra_tags)
 
     def tags_context(self) -> Any:
         """Prefect's tags context its task run is made in (:func:`run_tags`); entered in the job's
