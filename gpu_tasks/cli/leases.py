@@ -14,7 +14,8 @@ from gpu_tasks.devices import lease_files, presence
 
 leases_app = typer.Typer(
     help="Device lease directories: set one up for several Unix users on this host "
-    "(docs/shared-hosts.md, Several users on one host).",
+    "(docs/shared-hosts.md, Several users on one host). Who holds each device now: gpu-tasks devices; "
+    "who waits for one: gpu-tasks waiters.",
     no_args_is_help=True,
 )
 app.add_typer(leases_app, name="leases")
