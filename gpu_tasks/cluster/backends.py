@@ -184,8 +184,9 @@ class Backend:
         """Keys of the tasks handed to the workers ``names`` (``None``: cannot tell)."""
         return None
 
-    def terminate(self, names: list[str] | None = None) -> None:
-        """SIGTERM the worker processes ``names`` (all: the flow was interrupted)."""
+    def terminate(self, names: list[str] | None = None, planned: set[str] | None = None) -> None:
+        """SIGTERM the worker processes ``names`` (all: the flow was interrupted); ``planned``: the keys
+        they run, which the runner re-runs."""
 
     def close(self) -> None:
         raise NotImplementedError
@@ -287,7 +288,12 @@ class DaskBackend(Backend):
                 time.sleep(0.5)
         return None
 
-    def terminate(self, names: list[str] | None = None) -> None:
+    def terminate(self, names: list[str] | None = None, planned: set[str] | None = None) -> None:
+        if planned:
+            try:
+                self.client.run_on_scheduler(expect_stopped, sorted(planned))
+            except Exception:  # Dask's error line then shows: nothing else depends on it
+                logger.debug("could not tell the scheduler of the planned stop", exc_info=True)
         for name, nanny in list(self.cluster.workers.items()):
             if names is not None and name not in names:
                 continue
@@ -518,3 +524,31 @@ def per_device_client(alloc: Allocation, timeout: float = 120.0) -> Iterator[Any
             yield backend.client
     finally:
         backend.close()
+
+
+class _PlannedStops(logging.Filter):
+    """Drops Dask's "Task K marked as failed because N workers died while trying to run it" ERROR for
+    the keys whose workers gpu-tasks stopped on purpose (a preemption: the runner logged why at
+    WARNING and runs the task again), for a few minutes after the stop."""
+
+    MESSAGE = "Task %s marked as failed because %d workers died"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.until: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        return not (str(record.msg).startswith(self.MESSAGE) and args and args[0] in self.until)
+
+
+def expect_stopped(keys: list[str]) -> None:
+    """Run in a profile's scheduler process (``Client.run_on_scheduler``) before its workers running
+    ``keys`` are stopped on purpose: Dask's error line for them is left out (:class:`_PlannedStops`)."""
+    log = logging.getLogger("distributed.scheduler")
+    planned = next((f for f in log.filters if isinstance(f, _PlannedStops)), None)
+    if planned is None:
+        planned = _PlannedStops()
+        log.addFilter(planned)
+    now = time.monotonic()
+    planned.until = {k: t for k, t in planned.until.items() if t > now} | dict.fromkeys(keys, now + 300.0)

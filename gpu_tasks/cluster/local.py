@@ -465,15 +465,16 @@ class ProfileCluster:
             return set()
         return self.backend.processing(names)
 
-    def stop_workers(self, names: list[str], reason: str) -> list[LedgerRow]:
-        """Stop the workers ``names`` at once (their tasks die), give their devices back; the ledger rows."""
+    def stop_workers(self, names: list[str], reason: str, keys: set[str] | None = None) -> list[LedgerRow]:
+        """Stop the workers ``names`` at once (their tasks, ``keys``, die and run again), give their
+        devices back; the ledger rows."""
         if self.backend is None or not names:
             return []
         self.preemptions += 1
         if self.whole_stop(names):
             row = self.close(reason, hurry=True)
             return [row] if row is not None else []
-        self.backend.terminate(names)
+        self.backend.terminate(names, keys)
         rows = [self.retire(name, reason) for name in names]
         return [r for r in rows if r is not None]
 

@@ -358,7 +358,7 @@ class Controller:
             ", ".join(j.key for j in jobs) or "none",
         )
         try:
-            rows = cluster.stop_workers(names, reason)
+            rows = cluster.stop_workers(names, reason, keys)
         except Exception:  # its tasks are re-queued whatever happens: stop it all instead
             logger.warning("profile %r: could not stop workers %s", st.profile.name, names, exc_info=True)
             whole = cluster.close(reason, hurry=True)
