@@ -16,6 +16,7 @@ WORKER_ENV_DEVICES = "_GPU_TASKS_WORKER_DEVICES"
 WORKER_ENV_MEMORY_PER_TASK = "_GPU_TASKS_WORKER_GPU_MEMORY_PER_TASK"
 WORKER_ENV_MEMORY_LIMIT = "_GPU_TASKS_WORKER_GPU_MEMORY_LIMIT"
 EMULATED_TAG = "gpu-tasks:emulated"
+ESCALATED_TAG = "gpu-tasks:on-oom"  # a task run moved to its profile's on_oom profile
 # when (epoch seconds) the flow process found, before the lease, no concurrency limit on a placement tag
 PLACEMENT_FREE_ENV = "_GPU_TASKS_PLACEMENT_TAGS_FREE_AT"
 

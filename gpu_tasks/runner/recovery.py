@@ -10,6 +10,7 @@ from typing import Any
 
 from prefect.states import Scheduled
 
+from gpu_tasks.allocation import ESCALATED_TAG
 from gpu_tasks.prefect_api.states import (
     PREEMPTED,
     await_retry,
@@ -25,8 +26,6 @@ from gpu_tasks.runner.job import Arrived, Job, Left, LostWorker
 from gpu_tasks.runner.results import Results
 
 logger = logging.getLogger("gpu_tasks.runner")
-
-ESCALATED_TAG = "gpu-tasks:on-oom"
 
 
 _COULD_NOT = {

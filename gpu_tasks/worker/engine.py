@@ -19,10 +19,12 @@ import uuid
 from typing import Any
 
 from prefect.client.schemas.objects import State
-from prefect.context import SettingsContext, SyncClientContext
+from prefect.context import SettingsContext, SyncClientContext, TaskRunContext
 from prefect.states import Crashed
 
 from gpu_tasks.allocation import (
+    EMULATED_TAG,
+    ESCALATED_TAG,
     PLACEMENT_FREE_ENV,
     WORKER_ENV_PROFILE,
     Allocation,
@@ -358,7 +360,11 @@ def run_engine(alloc: Allocation, task: Any, kwargs: dict[str, Any]) -> tuple[An
         cache_qualified_names()
         keep_slim_event_contexts()
         _NAMES_CACHED.set()
-    task = _prepared(task, alloc)
+    own, task = set(task.tags), _prepared(task, alloc)
+    run = kwargs.get("task_run")
+    if run is not None:  # a re-run continues its task run: tagged where it runs now, as a first run is
+        stale = {t for t in run.tags or () if (t.startswith("gpu:") or t == EMULATED_TAG) and t not in own}
+        run.tags = sorted((set(run.tags or ()) - stale) | set(task.tags))
     wait_to_start()  # while this process's Prefect events back up
     start = time.time()
     try:
@@ -388,12 +394,15 @@ def _oom_translated(task: Any, alloc: Allocation) -> Any:
         if alloc.devices and alloc.emulated:
             where += " (emulated)"
         on_oom = os.environ.get(WORKER_ENV_ON_OOM)  # set on the workers of a profile with on_oom
-        fix = (
-            f"The task re-runs once on profile {on_oom!r} (the profile's on_oom)"
-            if on_oom
-            else "Lower the task's memory use, or give the profile on_oom='<a larger profile>' to re-run "
-            "it there once"
-        )
+        run = TaskRunContext.get()
+        if run is not None and ESCALATED_TAG in (run.task_run.tags or ()):
+            fix = "It ran here after running out of memory on another profile (on_oom moves a task once): "
+            fix += "lower the task's memory use, or run it on a larger profile"
+        elif on_oom:
+            fix = f"The task re-runs once on profile {on_oom!r} (the profile's on_oom)"
+        else:
+            fix = "Lower the task's memory use, or give the profile on_oom='<a larger profile>' to re-run "
+            fix += "it there once"
         error = GpuOutOfMemoryError(
             f"out of memory on profile {alloc.profile!r}, {where}: {type(exc).__name__}: {exc}. {fix}"
         )

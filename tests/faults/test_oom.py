@@ -102,6 +102,32 @@ def test_on_oom_reruns_the_task_once_on_the_larger_profile(which: str):
     assert len(escalated) == 1 and escalated[0]["payload"]["to_profile"] == "big", events
 
 
+@task(tags=[profile("small")])
+def always_oom() -> str:
+    raise MemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+
+def test_out_of_memory_on_the_on_oom_profile_too_fails_without_promising_another_rerun():
+    """Two profiles that name each other in on_oom: the task moves once, then fails, saying so (it said
+    "The task re-runs once on profile 'small'", which never came); its run is tagged where it ran last."""
+    big = ResourceProfile(name="big", gpus=1, max_workers=1, on_oom="small")
+    runner = ProfileTaskRunner(profiles=[ResourceProfile(**SMALL, on_oom="big"), big])
+
+    @flow(task_runner=runner)
+    def twice():
+        future = always_oom.submit()
+        future.wait()
+        return future.task_run_id, future.state.is_failed(), future.state.message
+
+    task_run_id, failed, message = twice()
+    assert failed and "out of memory on profile 'big'" in message, message
+    assert "re-runs once" not in message and "on_oom moves a task once" in message, message
+    run = server_task_run(task_run_id, lambda r: r["state_type"] == "FAILED" and r["run_count"] == 2)
+    assert run["state_type"] == "FAILED" and run["run_count"] == 2, run
+    assert {"profile:big", "gpu-tasks:on-oom", "gpu-tasks:emulated"} <= set(run["tags"]), run["tags"]
+    assert len([t for t in run["tags"] if t.startswith("gpu:")]) == 1, run["tags"]  # this device's alone
+
+
 def test_on_oom_must_name_a_known_other_profile():
     with pytest.raises(ProfileError, match="on_oom must name another profile"):
         ResourceProfile(name="small", gpus=1, on_oom="small")

@@ -55,6 +55,8 @@ def test_transient_worker_death_is_a_crash_that_prefect_retries_on_a_new_worker(
     assert devices in (["0"], ["1"])
     run = server_task_run(task_run_id, lambda r: r["state_type"] == "COMPLETED" and r["run_count"] == 2)
     assert run["state_type"] == "COMPLETED" and run["run_count"] == 2, run
+    # the re-run continues the task run, tagged where it ran, as a first run is (it kept the flow's tags)
+    assert {"profile:gpu", f"gpu:{devices[0]}", "gpu-tasks:emulated"} <= set(run["tags"]), run["tags"]
     states = _server_states(task_run_id)
     assert "Crashed" in states and "AwaitingRetry" in states and states[-1] == "Completed", states
     crashed_rows = [r for r in ledger if r.reason.startswith("worker crashed")]
