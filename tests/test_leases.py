@@ -463,3 +463,42 @@ def test_a_task_its_flow_run_ends_before_keeps_the_tags_of_its_submit(tmp_path, 
     run = server_task_run(task_run_id, lambda r: r.get("state_type") in ("CRASHED", "FAILED"))
     assert run.get("state_type") in ("CRASHED", "FAILED"), run  # it never ran: no result
     assert {"team-x", "profile:gpu"} <= set(run["tags"]), run["tags"]
+
+
+@pytest.mark.usefixtures("no_leaked_processes")
+def test_a_profile_that_could_use_more_workers_gets_the_devices_an_idle_profile_holds(monkeypatch):
+    """A quarter-GPU profile runs on one device while a whole-GPU profile that ran before sits idle on
+    the other: once that one has been idle a while (not between two tasks), it gives its device back
+    and the quarter profile grows onto it (before, it kept it until its idle timeout, and the map ran
+    four at a time on one device)."""
+    from prefect import flow, task
+    from prefect.context import FlowRunContext
+
+    from gpu_tasks import current_allocation
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "2")
+
+    @task(tags=[profile("gpu")])
+    def whole() -> str:
+        return current_allocation().devices[0]
+
+    @task(tags=[profile("quarter")])
+    def part(i: int) -> str:
+        time.sleep(1.5)
+        return current_allocation().devices[0]
+
+    profiles = [
+        ResourceProfile(name="gpu", gpus=1, idle_timeout=600),
+        ResourceProfile(name="quarter", gpus=0.25, idle_timeout=600),
+    ]
+
+    @flow(task_runner=ProfileTaskRunner(profiles=profiles))
+    def both() -> tuple[str, list[str], list[str]]:
+        first = whole.submit().result()
+        parts = [f.result() for f in part.map(range(24))]  # 9 s on one device, four at a time
+        ledger = FlowRunContext.get().task_runner.ledger
+        return first, parts, [r.reason for r in ledger if r.profile == "gpu"]
+
+    first, parts, reasons = both()
+    assert set(parts) == {"0", "1"}, (first, parts)
+    assert reasons == ["released its devices early: profile 'quarter' is waiting for them"], reasons

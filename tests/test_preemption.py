@@ -489,6 +489,8 @@ def test_another_flow_run_preempts_within_the_grace_and_the_task_runs_again(tmp_
     )
     first, again = _starts(tmp_path, "batch")[0]
     assert freed < first + BATCH_S, (freed, first)
+    # the stopped task counts as busy until the stop (it counted as idle: a false waste alert)
+    assert gave_back["payload"]["busy_s"] >= 0.5 * (freed - first), (gave_back["payload"], freed - first)
     assert freed <= u["start"]
     # the batch task started, was stopped, and ran again once the urgent one was done
     [b] = batch["results"]

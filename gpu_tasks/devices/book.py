@@ -47,7 +47,9 @@ class DeviceBook:
     ):
         self.holders: dict[str, str] = {}
         self.cond = threading.Condition()
-        self.reclaim = reclaim  # reclaim(wanted_devices, by_profile) -> None; closes idle holders
+        # reclaim(wanted_devices, by_profile, growing) -> None: idle holders close (a growing profile's:
+        # those idle for a while)
+        self.reclaim = reclaim
         self.stop = stop or threading.Event()
         self.log_every = log_every
         settings = get_settings()
@@ -121,8 +123,15 @@ class DeviceBook:
                                 owner,
                                 time.monotonic() - waited_since,
                             )
-                        return free
-                    self.waiting[id(me)] = me
+                        grow = not free and n > 0 and self.reclaim is not None
+                        if not grow:
+                            return free
+                    else:
+                        self.waiting[id(me)] = me
+                if not block:  # a running profile that could use more: profiles idle a while give back
+                    self.reclaim(wanted, owner, True)
+                    return []
+                with self.cond:
                     held_by = {self.holders[a] for a in wanted if self.holders.get(a) not in (None, owner)}
                 if self.stop.is_set():
                     raise ClusterError(f"profile {owner!r}: the runner stopped while waiting for devices")
@@ -146,7 +155,7 @@ class DeviceBook:
                         )
                     )
                 if self.reclaim is not None:
-                    self.reclaim(wanted, owner)
+                    self.reclaim(wanted, owner, False)
                 quota_full, others = me.pop("quota_full", None), me.pop("programs", None)
                 log.waiting(now, held_by, foreign, first, quota_full, others)
                 self._explain(me, wanted, waiter, log, quota_full, others, usage, foreign)
@@ -646,8 +655,8 @@ class _WaitLog:
             return
         if held_by:
             logger.info(
-                "profile %r: waiting for devices %s, held by busy profile(s) %s; they are "
-                "released when those clusters go idle",
+                "profile %r: waiting for devices %s, held by profile(s) %s of this flow run; an idle one "
+                "gives them back at once, a busy one once its tasks there end",
                 self.owner,
                 ",".join(self.wanted),
                 ", ".join(repr(h) for h in sorted(held_by)),

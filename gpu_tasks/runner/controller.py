@@ -96,9 +96,15 @@ class Controller:
         elif isinstance(event, Preempt):
             self._preempt(event.addresses, event.waiter)
         elif isinstance(event, Reclaim):
+            idle = st.idle_view()
             if (
-                st.cluster.running
-                and st.idle_view().outstanding == 0
+                idle.running
+                and idle.outstanding == 0
+                # for a profile that runs already, only after a while: not between two tasks of a sequence
+                and (
+                    not event.growing
+                    or time.monotonic() - (idle.idle_since or time.monotonic()) >= GROW_AGAIN_S
+                )
                 and event.wanted.intersection(st.cluster.devices)
             ):
                 self.live.close_cluster(st, f"released its devices early: {event.by} is waiting for them")
@@ -346,6 +352,7 @@ class Controller:
         else:
             jobs = [j for j in jobs if j.key in keys]
         for j in jobs:
+            live.count_interrupted(j)  # busy until stopped, in the row its workers' stop writes
             j.attempt += 1  # what its worker reports now is not its outcome
             self._landed(j)
         logger.warning(

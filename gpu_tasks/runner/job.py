@@ -107,6 +107,7 @@ class Reclaim(NamedTuple):
 
     wanted: frozenset[str]
     by: str
+    growing: bool = False  # ``by`` runs and could use more workers: only a profile idle a while gives back
 
 
 Event = (

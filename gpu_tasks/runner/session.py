@@ -227,19 +227,20 @@ class Live:
         if st is not None:  # told before the profile's state was kept: nothing to count it on yet
             st.post(Board(what, info))
 
-    def _reclaim(self, wanted: set[str], by: str) -> None:
-        """Profile ``by`` waits for ``wanted``: ask idle profiles holding some to give them back early,
-        this runner's and those of the other runners entered in this process (a subflow's waits for
-        its parent's, blocked in the subflow's call)."""
+    def _reclaim(self, wanted: set[str], by: str, growing: bool) -> None:
+        """Profile ``by`` waits for ``wanted`` (``growing``: it runs, and could use more workers): ask
+        idle profiles holding some to give them back early, this runner's and those of the other runners
+        entered in this process (a subflow's waits for its parent's, blocked in the subflow's call)."""
+        wanted_now = frozenset(wanted)
         for name, st in list(self.states.items()):
             if name != by and wanted.intersection(st.cluster.devices):
-                st.post(Reclaim(frozenset(wanted), f"profile {by!r}"))
+                st.post(Reclaim(wanted_now, f"profile {by!r}", growing))
         for other in list(_ENTERED):
             if other is self or other.stop.is_set():
                 continue
             for st in list(other.states.values()):
                 if wanted.intersection(st.cluster.devices):
-                    st.post(Reclaim(frozenset(wanted), f"profile {by!r} of flow run {self.run.name!r}"))
+                    st.post(Reclaim(wanted_now, f"profile {by!r} of flow run {self.run.name!r}", growing))
 
     def _interval(self) -> float:
         timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
