@@ -174,8 +174,9 @@ def _uses_text(prof: ResourceProfile, place: dict[str, Any]) -> str:
     if not place["can_run"]:
         fallback = "; falls back to the CPU profile" if prof.fallback == "cpu" else ""
         return f"CANNOT RUN{fallback} (see below)"
+    per_worker = f"{prof.gpus:g} of " if prof.gpus > 1 else ""  # a group the runner picks (topology)
     return (
-        f"devices {', '.join(place['matching_devices'])}: up to {place['workers']} worker(s), "
+        f"{per_worker}devices {', '.join(place['matching_devices'])}: up to {place['workers']} worker(s), "
         f"{place['tasks_per_worker']} task(s) each"
     )
 
@@ -200,6 +201,15 @@ def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tupl
         ("fallback", prof.fallback),
         ("gang", "yes" if prof.gang else "no"),
         ("runs on", _RUNS_ON[prof.kind]),
+    ] + [  # set only: what a placement here also depends on
+        (field, str(value))
+        for field, value in (
+            ("gpu_memory_per_task", prof.gpu_memory_per_task and size(prof.gpu_memory_per_task, "")),
+            ("on_oom", prof.on_oom),
+            ("preemptible", "yes" if prof.preemptible else None),
+            ("quota", prof.quota),
+        )
+        if value
     ]
 
 
