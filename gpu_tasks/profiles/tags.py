@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from gpu_tasks.errors import ProfileError, UnknownProfileError
@@ -66,13 +66,12 @@ def unknown_profile_fix(name: str, known: Iterable[str]) -> str:
     )
 
 
-@contextlib.contextmanager
-def use_profile(name: str) -> Iterator[None]:
-    """Send every task submitted inside the block to profile ``name`` (a ``prefect.tags`` block)."""
+def use_profile(name: str) -> contextlib.AbstractContextManager[Any]:
+    """Send every task submitted inside the block to profile ``name`` (a ``prefect.tags`` block); the
+    name is checked here, at the call."""
     from prefect import tags
 
-    with tags(profile(name)):
-        yield
+    return tags(profile(name))
 
 
 def requested_profile(task: Any) -> str | None:
