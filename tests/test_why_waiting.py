@@ -53,12 +53,12 @@ WAITING_RUN = textwrap.dedent(
 
     @flow(task_runner=ProfileTaskRunner(profiles=[GPU]))
     def waiting():
-        future = use.submit()
-        OUT.write_text(str(flow_run.get_id()) + " " + str(future.task_run_id))
-        return future.result()
+        futures = [use.submit() for _ in range(2)]  # the second queues behind the first's wait
+        OUT.write_text(" ".join([str(flow_run.get_id()), *(str(f.task_run_id) for f in futures)]))
+        return sum(f.result() for f in futures)
 
     if __name__ == "__main__":
-        assert waiting() == 1
+        assert waiting() == 2
     """
 )
 
@@ -192,7 +192,7 @@ def test_a_waiting_task_says_who_holds_its_device_in_its_task_run_log_the_cli_an
             120,
             (waiting,),
         )
-        flow_run_id, task_run_id = wait_out.read_text().split()
+        flow_run_id, task_run_id, behind_id = wait_out.read_text().split()
 
         def why() -> dict[str, Any] | None:
             queued = [w for w in _waiters_json()["this_host"] if w.get("profile") == "gpu"]
@@ -208,12 +208,15 @@ def test_a_waiting_task_says_who_holds_its_device_in_its_task_run_log_the_cli_an
         holder_run = shown["holder"]["flow_run_name"]
         assert holder_run and f"flow run {holder_run!r}" in shown["text"]
 
-        def logged() -> list[str]:
-            return [m for m in _task_run_logs(task_run_id) if "Waiting for devices" in m]
+        def logged(run_id: str = task_run_id) -> list[str]:
+            return [m for m in _task_run_logs(run_id) if "Waiting for devices" in m]
 
         _poll(logged, "the reason in the waiting task run's log", 30, (waiting,))
         line = logged()[0]
         assert f"device 0 is held by profile 'train' of flow run {holder_run!r}" in line, line
+        # the task queued behind it says so too (only the first one did: the other sat in Pending)
+        _poll(lambda: logged(behind_id), "the reason in the queued task run's log", 30, (waiting,))
+        assert f"device 0 is held by profile 'train' of flow run {holder_run!r}" in logged(behind_id)[0]
         go.write_text("go")
         waited_s = time.monotonic() - shown_at
         stdout, _ = waiting.communicate(timeout=120)
@@ -228,8 +231,12 @@ def test_a_waiting_task_says_who_holds_its_device_in_its_task_run_log_the_cli_an
     if waited_s < 25:
         assert len(logged()) == 1, "said once: the same reason again only after 30 s"
     events = flow_run_events(flow_run_id, {"name": ["gpu-tasks.task.waiting"]})
-    assert len(events) == 1, "one event: the reason did not change"
-    event = events[0]
+    assert len(events) == 2, "one event per waiting task run: the reason did not change"
+    [event] = [
+        e
+        for e in events
+        if f"prefect.task-run.{task_run_id}" in {r["prefect.resource.id"] for r in e["related"]}
+    ]
     assert event["payload"]["kind"] == "device-held" and event["payload"]["holder"]["profile"] == "train"
     assert event["resource"]["gpu-tasks.wait-kind"] == "device-held"
     assert "waits: device 0 is held by profile 'train'" in event["resource"]["prefect.resource.name"]

@@ -185,6 +185,11 @@ class ProfileState:
             self._cv.notify()
         return True
 
+    def queued_jobs(self) -> list[Job]:
+        """The jobs whose dispatch waits in the inbox now (behind the event being handled)."""
+        with self._cv:
+            return [e.job for e in self._inbox if isinstance(e, Dispatch)]
+
     def close(self) -> None:
         """Take no more events; wait until the controller handled those queued."""
         with self._cv:

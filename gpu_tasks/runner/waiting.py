@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from gpu_tasks.devices import wait_reasons
@@ -23,33 +23,49 @@ LOG_EVERY_S = 30.0  # the same reason is logged again at most this often
 GAP_S = 2.0  # a changed reason is logged at once, but not within this of the previous line
 
 
-class WaitReporter:
-    """Says why ``job`` waits (the listener of :data:`gpu_tasks.devices.wait_reasons.LISTENER`)."""
+class _Told:
+    """What one waiting task run was told: its log, when it began to wait, the last event's reason."""
 
-    job: Job | None
-
-    def __init__(self, live: Live, job: Job) -> None:
-        self.live, self.job = live, job  # job: None once the wait is over
+    def __init__(self, started: float) -> None:
         self.throttle = Throttle(LOG_EVERY_S, GAP_S)
-        self.started = time.monotonic()
+        self.started = started
         self.last_event: tuple[str, str] | None = None
         self.log: Any = None
 
+
+class WaitReporter:
+    """Says why ``job`` waits (the listener of :data:`gpu_tasks.devices.wait_reasons.LISTENER`), and so
+    do the tasks of its profile queued behind it (``queued()``: their jobs), which wait for the same."""
+
+    job: Job | None
+
+    def __init__(self, live: Live, job: Job, queued: Callable[[], list[Job]]) -> None:
+        self.live, self.job, self.queued = live, job, queued  # job: None once the wait is over
+        self.started = time.monotonic()
+        self.told: dict[Any, _Told] = {}
+
     def __call__(self, reason: WaitReason) -> None:
-        now = time.monotonic()
-        job = self.job
-        if job is None or not self.throttle.due(reason, now):
+        first = self.job
+        if first is None:
             return
-        waited = now - self.started
-        if self.log is None:
-            self.log = task_run_log(job.task_run_id, self.live.flow_run_id, job.task.name, self.live.run.name)
+        now = time.monotonic()
+        for job in (first, *self.queued()):
+            told = self.told.get(job.task_run_id)
+            if told is None:
+                told = self.told[job.task_run_id] = _Told(self.started if job is first else job.submitted_at)
+            if told.throttle.due(reason, now):
+                self._tell(job, told, reason, now - told.started)
+
+    def _tell(self, job: Job, told: _Told, reason: WaitReason, waited: float) -> None:
+        if told.log is None:
+            told.log = task_run_log(job.task_run_id, self.live.flow_run_id, job.task.name, self.live.run.name)
         try:
-            self.log.info("Waiting for devices (%.0fs so far): %s", waited, reason.text)
+            told.log.info("Waiting for devices (%.0fs so far): %s", waited, reason.text)
         except Exception:  # a log line is a courtesy: the wait goes on
             logger.debug("could not log why task %s waits", job.task_run_id, exc_info=True)
-        key = self.throttle.last_kind_text
-        if key != self.last_event:
-            self.last_event = key
+        key = told.throttle.last_kind_text
+        if key != told.last_event:
+            told.last_event = key
             self.live.emit_task(
                 "waiting",
                 job,
@@ -59,8 +75,9 @@ class WaitReporter:
 
 @contextlib.contextmanager
 def reported(live: Live, job: Job) -> Iterator[None]:
-    """Within it, why ``job`` waits is said by a :class:`WaitReporter` (the context's listener)."""
-    reporter = WaitReporter(live, job)
+    """Within it, why ``job`` and the tasks queued behind it wait is said by a :class:`WaitReporter`
+    (the context's listener)."""
+    reporter = WaitReporter(live, job, job.st.queued_jobs)
     token = wait_reasons.LISTENER.set(reporter)
     try:
         yield
@@ -69,3 +86,4 @@ def reported(live: Live, job: Job) -> Iterator[None]:
         # Prefect's event loop copies the context of calls made meanwhile (a timer may keep it for
         # as long as a lease lasts): the job, and with it the task run's parameters, stays out of it
         reporter.job = None
+        reporter.told.clear()
