@@ -151,6 +151,11 @@ def test_device_held_by_another_flow_run_names_run_profile_and_pid():
     }
 
 
+def test_a_lock_with_no_details_is_named_as_such():
+    reason = why_waiting(WaitView(profile="mine", holders=(Holder("0"),)), NOW)
+    assert reason.text == "device 0 is held by a process that left no details (pid ?)", reason.text
+
+
 def test_own_devices_are_not_a_holder():
     """A growing profile already holds some of what it wants: that is no reason to wait."""
     mine = Holder("0", profile="mine", local=True)

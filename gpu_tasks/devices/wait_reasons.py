@@ -43,12 +43,15 @@ class Holder:
 
     def who(self) -> str:
         """``profile 'p' of this flow run`` or ``profile 'p' of flow run 'x' (pid 12)``."""
+        pid = self.pid if self.pid is not None else "?"
+        if not self.profile and not self.flow_run_name and not self.local:  # a lock with no details
+            return f"a process that left no details (pid {pid})"
         name = f"profile {self.profile!r}" if self.profile else "a holder"
         if self.local:
             return f"{name} of this flow run"
         run = f"flow run {self.flow_run_name!r}" if self.flow_run_name else "a process"
         user = f", user {self.user}" if self.user else ""
-        return f"{name} of {run} (pid {self.pid if self.pid is not None else '?'}{user})"
+        return f"{name} of {run} (pid {pid}{user})"
 
     def as_dict(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in _HOLDER_FIELDS}
