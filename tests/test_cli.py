@@ -286,6 +286,21 @@ def test_profiles_default_from_file(env, runner, tmp_path):
     assert "light (default for untagged tasks)" in _ok(runner.invoke(app, ["profiles", "-f", str(path)]))
 
 
+def test_profiles_tables_show_what_a_placement_depends_on(env, runner, tmp_path, monkeypatch):
+    """A memory-request profile's table names its request (it showed gpus 0 alone), and a 2-GPU
+    profile's devices read as a pick of two, not as all of them."""
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "3")
+    path = tmp_path / "p.toml"
+    path.write_text(
+        '[profiles.mem]\ngpu_memory_per_task = "4GiB"\non_oom = "pair"\n'
+        '[profiles.pair]\ngpus = 2\npreemptible = true\nquota = "team-a"\n'
+    )
+    out = _ok(runner.invoke(app, ["profiles", "-f", str(path)]))
+    for field, value in (("gpu_memory_per_task", "4.00 GiB"), ("on_oom", "pair"), ("preemptible", "yes")):
+        assert re.search(rf"{field}\s+│ {re.escape(value)}", out), (field, out)
+    assert re.search(r"quota\s+│ team-a", out) and "2 of devices 0, 1, 2" in out, out
+
+
 @pytest.mark.parametrize(
     ("text", "needles"),
     [
