@@ -123,8 +123,7 @@ class DeviceBook:
                                 owner,
                                 time.monotonic() - waited_since,
                             )
-                        grow = not free and n > 0 and self.reclaim is not None
-                        if not grow:
+                        if free or n <= 0 or self.reclaim is None:
                             return free
                     else:
                         self.waiting[id(me)] = me

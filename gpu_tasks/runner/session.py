@@ -232,15 +232,11 @@ class Live:
         idle profiles holding some to give them back early, this runner's and those of the other runners
         entered in this process (a subflow's waits for its parent's, blocked in the subflow's call)."""
         wanted_now = frozenset(wanted)
-        for name, st in list(self.states.items()):
-            if name != by and wanted.intersection(st.cluster.devices):
-                st.post(Reclaim(wanted_now, f"profile {by!r}", growing))
-        for other in list(_ENTERED):
-            if other is self or other.stop.is_set():
-                continue
-            for st in list(other.states.values()):
-                if wanted.intersection(st.cluster.devices):
-                    st.post(Reclaim(wanted_now, f"profile {by!r} of flow run {self.run.name!r}", growing))
+        for live in (self, *(o for o in list(_ENTERED) if o is not self and not o.stop.is_set())):
+            who = f"profile {by!r}" + ("" if live is self else f" of flow run {self.run.name!r}")
+            for name, st in list(live.states.items()):
+                if (live is not self or name != by) and wanted.intersection(st.cluster.devices):
+                    st.post(Reclaim(wanted_now, who, growing))
 
     def _interval(self) -> float:
         timeouts = [st.idle_timeout for st in self.states.values()] or [1.0]
