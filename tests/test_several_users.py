@@ -1,11 +1,12 @@
 """Several Unix users on one host: two real users lease emulated devices (docs/shared-hosts.md).
 
-The test process (root) makes a group and two users (``gtu-`` and a random suffix; leftovers of
-that prefix are removed first, and everything is removed at the end) and runs small programs as
-each user with ``setpriv``. It proves, in a shared lease directory made by ``gpu-tasks leases
-setup``, that user B never leases the device user A holds, gets it once A lets go (or is
-SIGKILLed), and can neither delete, rename, rewrite nor replace A's files; and, with the per-user
-default, that B's run leaves A's device alone, says whose it is, and ``gpu-tasks devices`` shows it.
+The test process (root) makes a group and two users (``gtu-``, its pid and a random suffix;
+leftovers of that prefix whose test process has ended are removed first, and everything is removed
+at the end) and runs small programs as each user with ``setpriv``. It proves, in a shared lease
+directory made by ``gpu-tasks leases setup``, that user B never leases the device user A holds,
+gets it once A lets go (or is SIGKILLed), and can neither delete, rename, rewrite nor replace A's
+files; and, with the per-user default, that B's run leaves A's device alone, says whose it is, and
+``gpu-tasks devices`` shows it.
 
 The users need an interpreter they may run: this one, or (when it lies under a directory they
 cannot enter, as /root/.pyenv under /root 0700 does) a system ``python3.X`` of the same version
@@ -120,13 +121,29 @@ def _run(args: list[str], env: dict[str, str] | None = None) -> subprocess.Compl
     return subprocess.run(args, capture_output=True, text=True, timeout=60, check=False, env=env)
 
 
+def _left_over(suffix: str) -> bool:
+    """Whether the test process that made the users or area of this suffix (``<pid>x<hex>``) has
+    ended: another test process's users, made by this module's other half under pytest-xdist's
+    worksteal, are still in use."""
+    pid = suffix.partition("x")[0]
+    if not pid.isdigit():
+        return True  # an older layout, from before the creator's pid was in the name
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def _remove_leftovers() -> None:
     for db, remove in (("passwd", "userdel"), ("group", "groupdel")):
         for line in _run(["getent", db]).stdout.splitlines():
             name = line.split(":", 1)[0]
-            if name.startswith(PREFIX):
+            if name.startswith(PREFIX) and _left_over(name[len(PREFIX) + 1 :]):
                 _run([remove, name])
     for path in Path("/tmp").glob(f"{PREFIX}*"):
+        if not _left_over(path.name[len(PREFIX) :]):
+            continue
         if path.is_dir() and not path.is_symlink() and path.stat().st_uid == 0:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -251,7 +268,7 @@ def host():
     if missing:
         pytest.skip(f"needs {', '.join(missing)} to run programs as two Unix users")
     _remove_leftovers()
-    suffix = secrets.token_hex(3)
+    suffix = f"{os.getpid()}x{secrets.token_hex(3)}"  # the creator, for _remove_leftovers
     h = Host(suffix)
     try:
         made = _run(["groupadd", h.group])
