@@ -597,3 +597,42 @@ def test_a_launcher_directory_others_can_write_is_not_used_and_is_named(tmp_path
     shared.chmod(0o700)
     path = _launcher(_pre_spawn_environ())
     assert path is not None and Path(path).parent == shared and os.access(path, os.X_OK)
+
+
+def test_a_pipe_closed_after_dask_closed_the_server_starts_no_second_close():
+    """On Ctrl-C a warm scheduler is closed by its cluster, and the flow process's pipe to it closes
+    too. A close started for the pipe once the server closed was left pending as its loop ended:
+    'Task was destroyed but it is pending! ... Scheduler.close()' on the user's terminal."""
+    import asyncio
+    import multiprocessing
+
+    from distributed import Scheduler
+
+    from gpu_tasks.worker import serve
+
+    ours, flows = multiprocessing.Pipe()
+    closes: list[str] = []
+
+    async def main() -> None:
+        scheduler = Scheduler(host="127.0.0.1", port=0, dashboard=False)
+        await scheduler
+
+        async def close() -> None:
+            closes.append("pipe")
+            await scheduler.close()
+
+        serving = asyncio.ensure_future(serve._serve(ours, scheduler, close))
+        assert (await asyncio.to_thread(flows.recv))[0] == "up"
+        await scheduler.close()  # as its cluster asks on Ctrl-C
+        await serving
+        flows.close()  # then the flow process's end of the pipe
+        _until(
+            lambda: not [t for t in threading.enumerate() if t.name == "gpu-tasks-warm-close"],
+            "the pipe's watcher to see it closed",
+            timeout=10,
+        )
+        for _ in range(5):
+            await asyncio.sleep(0.01)  # what it posted to the loop runs
+
+    asyncio.run(main())
+    assert closes == []

@@ -51,12 +51,17 @@ async def _serve(conn: Connection, server: Any, close: Any) -> None:
     conn.send(("up", server.address))
     loop = asyncio.get_running_loop()
 
+    def close_once() -> None:
+        # a server Dask closes already (a scheduler asked by its cluster, on Ctrl-C) ends its loop
+        # soon: a close started now was left pending there ("Task was destroyed but it is pending!")
+        if server.status.name not in ("closing", "closing_gracefully", "closed", "failed"):
+            asyncio.ensure_future(close())
+
     def wait_for_close() -> None:
         with contextlib.suppress(EOFError, OSError):
             conn.recv()
-        # a server closed by Dask (a scheduler asked by its cluster) has ended its loop already
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(lambda: asyncio.ensure_future(close()))
+        with contextlib.suppress(RuntimeError):  # the loop has ended already
+            loop.call_soon_threadsafe(close_once)
 
     threading.Thread(target=wait_for_close, name="gpu-tasks-warm-close", daemon=True).start()
     await server.finished()
