@@ -223,3 +223,46 @@ def test_a_task_past_the_cap_fails_in_its_own_run_and_its_neighbours_complete(mo
     assert [s.is_completed() for s in states] == [True, False, True]
     with pytest.raises(GpuOutOfMemoryError, match=r"profile 'mem', device\(s\) 0 \(emulated\)"):
         states[1].result()
+
+
+CAPPED_SCRIPT = """
+from prefect import flow, task
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+@task(tags=[profile("mem")])
+def one() -> int:
+    return 1
+
+@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="mem", gpu_memory_per_task="20GiB")]))
+def f() -> int:
+    return one.submit().result()
+
+if __name__ == "__main__":
+    print("RESULT", f())
+"""
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_the_worker_logs_what_it_capped_where_the_user_runs_the_flow(tmp_path):
+    """docs/shared-hosts.md: what was applied is logged by the worker. A worker's loggers are at
+    Prefect's WARNING, which dropped that INFO line: it never reached the terminal."""
+    import subprocess
+    import sys
+
+    from faults._procs import clean_env, kill_marked
+    from prefect.settings import get_current_settings
+
+    marker = uuid.uuid4().hex
+    (tmp_path / "capped.py").write_text(CAPPED_SCRIPT)
+    env = clean_env(
+        marker, GPU_TASKS_EMULATED_GPUS="H100:80GiB", PREFECT_API_URL=str(get_current_settings().api.url)
+    )
+    try:
+        out = subprocess.run(
+            [sys.executable, "capped.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180
+        )
+    finally:
+        kill_marked(marker)
+    assert out.returncode == 0 and "RESULT 1" in out.stdout, out.stderr[-3000:]
+    [line] = [ln for ln in out.stderr.splitlines() if "worker allocators capped to 80.00 GiB" in ln]
+    assert "'cupy': 'not capped: emulated device (no allocator)'" in line, line

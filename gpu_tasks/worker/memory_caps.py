@@ -45,6 +45,8 @@ def apply() -> None:
                     logger.warning("could not cap %s to %d bytes", name, limit, exc_info=True)
                     capped[name] = f"not capped: {type(exc).__name__}: {exc}"
         _APPLIED.update(limit=limit, emulated=emulated, capped=capped)
+        if logger.level == logging.NOTSET:  # a worker inherits Prefect's WARNING, which dropped this line
+            logger.setLevel(logging.INFO)
         logger.info("worker allocators capped to %.2f GiB: %s", limit / 2**30, capped)
 
 
