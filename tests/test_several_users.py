@@ -334,6 +334,27 @@ def test_setup_makes_a_shared_directory(host):
     assert (st.st_uid, oct(st.st_mode & 0o7777)) == (0, "0o1777")
 
 
+def test_a_user_outside_the_group_is_told_to_join_it(host):
+    """docs/shared-hosts.md: a user outside the shared directory's group is told to join it (user A,
+    run without the group, stands in for one; the message said to pick another lease directory)."""
+    files = {k: host.area / "out" / f"outsider.{k}" for k in ("ready", "release")}
+    cfg = dict(profile="outsider", device="0", ready=str(files["ready"]), release=str(files["release"]))
+    out = subprocess.run(
+        [
+            *("setpriv", f"--reuid={host.uid(host.a)}", "--regid=65534", "--clear-groups", "--"),
+            *(host.python, str(host.area / "hold.py"), json.dumps(cfg)),
+        ],
+        env=_shared_env(host, host.a),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode != 0 and not files["ready"].exists(), out
+    last = out.stderr.strip().splitlines()[-1]
+    assert f"user {host.a} may not use lease directory" in last and "not in its group" in last, last
+    assert f"sudo usermod -aG {host.group} {host.a}" in last, last
+
+
 def test_shared_directory_one_device_one_user_at_a_time(host, monkeypatch):
     a, files_a = host.hold(host.a, "a-run", "0", _shared_env(host, host.a))
     _until(files_a["ready"].exists, "user A leases device 0", a)

@@ -13,7 +13,7 @@ from typing import Any
 from gpu_tasks import preemption
 from gpu_tasks.devices import fair_share, leases, lending, programs, wait_reasons
 from gpu_tasks.devices.discovery import Device
-from gpu_tasks.devices.lease_files import WRITABLE_FIX, LeaseFileError
+from gpu_tasks.devices.lease_files import WRITABLE_FIX, LeaseFileError, join_group_fix
 from gpu_tasks.errors import ClusterError
 from gpu_tasks.prefect_api import quotas
 from gpu_tasks.reporting.events import RunRef
@@ -493,7 +493,9 @@ class DeviceBook:
         return None
 
     def _lease_error(self, owner: str, exc: OSError) -> ClusterError:
-        fix = "" if isinstance(exc, LeaseFileError) else WRITABLE_FIX
+        own = isinstance(exc, LeaseFileError)  # it names its fix
+        join = not own and isinstance(exc, PermissionError) and join_group_fix(self.lease_dir)
+        fix = f". {join}" if join else "" if own else WRITABLE_FIX
         return ClusterError(f"profile {owner!r}: cannot lease devices in {str(self.lease_dir)!r}: {exc}{fix}")
 
     @staticmethod

@@ -143,16 +143,27 @@ def open_lock(path: Path, shared: bool) -> int:
     return fd
 
 
+def join_group_fix(lease_dir: Path) -> str | None:
+    """For a user outside the group of a shared ``lease_dir``: that, and the fix; else ``None``."""
+    try:
+        where = os.stat(lease_dir)
+    except OSError:
+        return None
+    member = where.st_gid == os.getgid() or where.st_gid in os.getgroups()
+    if not where.st_mode & stat.S_IWGRP or member or os.getuid() in (0, where.st_uid):
+        return None
+    me, group = user_name(os.getuid()), _group_name(where.st_gid)
+    return (
+        f"user {me} may not use lease directory {str(lease_dir)!r} ({_who(where)}): not in its group. Fix: "
+        f"add {me} to group {group} (sudo usermod -aG {group} {me}, then log in again); {_DOCS}"
+    )
+
+
 def _open_error(path: Path, exc: OSError, shared: bool) -> OSError:
     try:
         st = os.lstat(path)
     except PermissionError:  # the directory itself is closed to this user
-        where = os.stat(path.parent)
-        me, group = user_name(os.getuid()), _group_name(where.st_gid)
-        return LeaseFileError(
-            f"user {me} may not use lease directory {str(path.parent)!r} ({_who(where)}). Fix: add {me} to "
-            f"group {group} (sudo usermod -aG {group} {me}, then log in again); {_DOCS}"
-        )
+        return LeaseFileError(join_group_fix(path.parent) or f"{exc}{WRITABLE_FIX}")
     except OSError:
         return exc
     if stat.S_ISLNK(st.st_mode):
