@@ -245,6 +245,8 @@ def test_cli_devices_names_the_programs_on_each_device(outsider, lease_dir, monk
         {"pid": pid, "memory": 60 * GiB, "user": ME, "command": "sleep 60", "hidden": ""}
     ]
     assert others["1"]["programs"] == [] and others["1"]["free"] == 80 * GiB
+    # the memory free now, as the table shows it (it was the device's size)
+    assert {d["address"]: d["memory_free"] for d in data["devices"]} == {"0": 20 * GiB, "1": 80 * GiB}
     table = CliRunner().invoke(app, ["devices"]).stdout
     rows = [line.split("│") for line in table.splitlines() if line.count("│") > 2]
     first = next(i for i, cells in enumerate(rows) if cells[1].strip() == "0")  # device 0's row, folded
@@ -253,6 +255,11 @@ def test_cli_devices_names_the_programs_on_each_device(outsider, lease_dir, monk
     assert f"pid {pid} (user {ME}, 'sleep 60') using 60.00 GiB" in cell
     assert "more than GPU_TASKS_OTHER_PROGRAMS_MEMORY (1.00 GiB), gpu-tasks does not lease it" in cell
     assert next(cells[-2].strip() for cells in rows if cells[1].strip() == "1") == "none"
+    monkeypatch.setenv("GPU_TASKS_OTHER_PROGRAMS_MEMORY", "0")  # any use at all: not "more than 0"
+    table = CliRunner().invoke(app, ["devices"]).stdout
+    said = " ".join(line.split("│")[-2].strip() for line in table.splitlines() if line.count("│") > 2)
+    zero = "no other program may use it (GPU_TASKS_OTHER_PROGRAMS_MEMORY=0), gpu-tasks does not lease it"
+    assert zero in said, said
 
 
 # ------------------------------------------------------------------ a flow run

@@ -467,6 +467,8 @@ def device_json(
     out = {**device.model_dump(), "held_by": held_by}
     if others is not None:
         out["other_programs"] = others.as_dict()
+        if others.free is not None:  # the memory free now, from the sample, as the table shows it
+            out["memory_free"] = others.free
     return out
 
 
@@ -476,11 +478,13 @@ def other_programs_text(use: programs.DeviceUse, settings: GpuTasksSettings) -> 
         return Text(use.note, style="dim")
     text = use.describe()
     if programs.blocked(use, settings.other_programs_memory):
-        limit = size(settings.other_programs_memory, "0")
-        return Text(
-            f"{text}: more than GPU_TASKS_OTHER_PROGRAMS_MEMORY ({limit}), gpu-tasks does not lease it",
-            style="bold red",
+        limit = settings.other_programs_memory
+        rule = (
+            f"more than GPU_TASKS_OTHER_PROGRAMS_MEMORY ({size(limit)})"
+            if limit
+            else "no other program may use it (GPU_TASKS_OTHER_PROGRAMS_MEMORY=0)"
         )
+        return Text(f"{text}: {rule}, gpu-tasks does not lease it", style="bold red")
     return Text(text)
 
 
