@@ -246,6 +246,38 @@ def test_dataclasses_pass_to_submit_and_map(task_runner: ProfileTaskRunner):
     assert dataclasses() == [Point(value=i) for i in range(3)] + [Point(value=0)]
 
 
+def test_allow_failure_and_quote_reach_the_task_as_their_values(task_runner: ProfileTaskRunner):
+    """Prefect's annotations unwrap as on ThreadPoolTaskRunner: on worker processes a task got
+    ``((5,),)`` for ``allow_failure(5)`` (each pickle of an annotation wraps its value once more)."""
+    from prefect import allow_failure
+    from prefect.utilities.annotations import quote
+
+    @task(tags=ON_P)
+    def fails() -> int:
+        raise ValueError("boom")
+
+    @task(tags=ON_P)
+    def five() -> int:
+        return 5
+
+    @task(tags=ON_P)
+    def show(x: object) -> str:
+        return repr(x)
+
+    @flow(task_runner=task_runner)
+    def annotated() -> list[str]:
+        bad, ok = fails.submit(), five.submit()
+        shown = [
+            show.submit(allow_failure(ok)),
+            show.submit({"a": allow_failure(bad)}),
+            show.submit(quote([1, (2, 3)])),
+            show.submit(allow_failure(quote(4))),
+        ]
+        return [f.result() for f in shown]
+
+    assert annotated() == ["5", "{'a': ValueError('boom')}", "[1, (2, 3)]", "4"]
+
+
 def test_a_dask_collection_passes_between_tasks(task_runner: ProfileTaskRunner):
     dd = pytest.importorskip("dask.dataframe", reason="dask.dataframe needs the pipeline extra (pandas)")
     import pandas as pd

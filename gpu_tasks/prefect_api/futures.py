@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect.futures import PrefectFuture
+from prefect.utilities.annotations import BaseAnnotation
 from prefect.utilities.collections import visit_collection
 
 _ATOMS = frozenset({str, bytes, int, float, bool, complex, type(None)})
@@ -88,3 +89,64 @@ def futures_to_states(expr: Any) -> Any:
         return x
 
     return visit_collection(expr, visit_fn=visit, return_data=True)
+
+
+def annotations_for_workers(expr: Any) -> Any:
+    """``expr`` with Prefect's annotations (``allow_failure``, ``quote``, ...) made to reach a task on a
+    worker process as they are (open it there with :func:`unsealed`). Prefect's own come back from
+    each pickle with their value in one more tuple (a tuple subclass whose ``__new__`` wraps what it
+    is given: ``quote(([1, 2],))``), and Dask pickles a task's arguments twice on their way (flow to
+    scheduler, scheduler to worker): a GPU task got ``((5,),)`` for ``allow_failure(5)``."""
+    out, found = _annotations_pickled(expr)
+    return _Sealed(out) if found else expr
+
+
+def unsealed(expr: Any) -> Any:
+    """What :func:`annotations_for_workers` made of a value, as it was (the annotations are back)."""
+    return expr.value if isinstance(expr, _Sealed) else expr
+
+
+def _annotations_pickled(expr: Any) -> tuple[Any, bool]:
+    if _plain_futures(expr, []):
+        return expr, False  # plain data holds no annotation
+    found: list[Any] = []
+
+    def visit(x: Any) -> Any:
+        if isinstance(x, BaseAnnotation):
+            found.append(x)
+            return _Annotation(type(x), _annotations_pickled(x.unwrap())[0])
+        return x
+
+    out = visit_collection(expr, visit_fn=visit, return_data=True)
+    return out, bool(found)
+
+
+class _Annotation:
+    """An annotation on its way to a worker; unpickled, it is the annotation again."""
+
+    __slots__ = ("kind", "value")
+
+    def __init__(self, kind: type[Any], value: Any) -> None:
+        self.kind, self.value = kind, value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.kind, (self.value,)
+
+
+class _Sealed:
+    """A value pickled once, in the flow process, opened by the task on its worker: Dask unpickles a
+    task's arguments in its scheduler and pickles them again for the worker, which would undo what
+    :class:`_Annotation` does (and its tuples are rebuilt there too)."""
+
+    __slots__ = ("pickled",)
+
+    def __init__(self, value: Any) -> None:
+        import cloudpickle  # type: ignore[import-untyped]
+
+        self.pickled = cloudpickle.dumps(value)
+
+    @property
+    def value(self) -> Any:
+        import pickle
+
+        return pickle.loads(self.pickled)

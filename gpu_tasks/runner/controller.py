@@ -14,6 +14,7 @@ from gpu_tasks.allocation import Allocation
 from gpu_tasks.errors import ClusterError, GpuTasksError
 from gpu_tasks.policy import close_reason, task_resources
 from gpu_tasks.preemption import preemption_reason
+from gpu_tasks.prefect_api.futures import annotations_for_workers
 from gpu_tasks.prefect_api.states import crash_topic, rerun_task
 from gpu_tasks.reporting.events import publish_dashboard
 from gpu_tasks.reporting.logs import flow_logger
@@ -242,6 +243,8 @@ class Controller:
                     contextvars.copy_context().run, run_engine, alloc, task, kwargs, key=key, resources=None
                 )
             else:
+                for name in ("parameters", "wait_for"):
+                    kwargs[name] = annotations_for_workers(kwargs[name])
                 kwargs["context"], settings_key = live.context.serialize(
                     asset_ctx_kwargs={
                         "task": task,

@@ -46,7 +46,7 @@ from gpu_tasks.policy import GPU_RESOURCE, WORKER_ENV_ON_OOM
 from gpu_tasks.preemption import PreemptedRun
 from gpu_tasks.prefect_api.api import sync_client
 from gpu_tasks.prefect_api.backlog import wait_to_start
-from gpu_tasks.prefect_api.futures import futures_to_states
+from gpu_tasks.prefect_api.futures import futures_to_states, unsealed
 from gpu_tasks.prefect_api.states import crash_task_run, looks_like_oom, rerun_task, retry_after_crash
 from gpu_tasks.prefect_api.tag_answers import limited_names, start_renewing
 from gpu_tasks.profiles import profile, requested_profile
@@ -114,6 +114,7 @@ def run_on_worker(
     context = {k: opened(v) for k, v in kwargs["context"].items()}
     settings = _worker_settings(settings_key, context["settings_context"], remote)
     kwargs = {**kwargs, "context": {**context, "settings_context": settings}}
+    kwargs.update(parameters=unsealed(kwargs["parameters"]), wait_for=unsealed(kwargs.get("wait_for")))
     host, own = (socket.gethostname(), owned_devices(dask_worker)) if remote else (None, None)
     alloc = worker_allocation(profile_name, fraction, dask_worker.address, host=host, own=own)
     _worker_guard.on_orphaned(_report_orphaned)
