@@ -3,6 +3,7 @@ Ctrl-C while the runner closes its clusters is held until the close is done."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import signal
@@ -28,11 +29,26 @@ def _plain_script() -> bool:
 
 
 def _python_handles_sigint() -> bool:
-    """Whether this is the main thread and its SIGINT handler is still Python's own (not the script's)."""
-    return (
-        threading.current_thread() is threading.main_thread()
-        and signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    )
+    """Whether this is the main thread and its SIGINT handler is still Python's own (not the script's):
+    the default, or ``asyncio.run``'s (its first Ctrl-C cancels the flow, its second raises
+    ``KeyboardInterrupt`` wherever the main thread is: in an async flow, half-way through the close)."""
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler or _asyncio_runs_main() is not None
+
+
+def interrupted(exc_type: type[BaseException]) -> bool:
+    """Whether a flow that ended with ``exc_type`` was stopped by Ctrl-C: ``KeyboardInterrupt``, or in
+    an async flow under ``asyncio.run`` the cancellation its first Ctrl-C makes."""
+    if issubclass(exc_type, KeyboardInterrupt):
+        return True
+    return issubclass(exc_type, asyncio.CancelledError) and _asyncio_runs_main() is not None
+
+
+def _asyncio_runs_main() -> asyncio.Runner | None:
+    """The ``asyncio.Runner`` whose SIGINT handler is set (a partial of its bound method), if any."""
+    runner = getattr(getattr(signal.getsignal(signal.SIGINT), "func", None), "__self__", None)
+    return runner if isinstance(runner, asyncio.Runner) else None
 
 
 def on_interrupt(running: int, profiles: list[str]) -> bool:
@@ -65,6 +81,7 @@ def held_while_closing() -> Iterator[None]:
         yield
         return
     held: list[int] = []
+    before = signal.getsignal(signal.SIGINT)
 
     def hold(signum: int, frame: FrameType | None) -> None:
         if held:
@@ -79,7 +96,7 @@ def held_while_closing() -> Iterator[None]:
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGINT, before)
     if held:
         raise KeyboardInterrupt
 

@@ -43,7 +43,7 @@ from gpu_tasks.reporting.ledger import LedgerRow, remember_ended
 from gpu_tasks.reporting.logs import flow_logger
 from gpu_tasks.runner.admission import Admission, TaskQuota
 from gpu_tasks.runner.controller import Controller
-from gpu_tasks.runner.ctrl_c import held_while_closing, on_interrupt
+from gpu_tasks.runner.ctrl_c import held_while_closing, interrupted, on_interrupt
 from gpu_tasks.runner.job import Arrived, Job, ProfileState
 from gpu_tasks.runner.results import Landings, Results
 from gpu_tasks.runner.session import Live
@@ -186,7 +186,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         try:
-            if exc_type is not None and issubclass(exc_type, KeyboardInterrupt):
+            if exc_type is not None and interrupted(exc_type):
                 states = list(self._live.states.values()) if self._live is not None else []  # sizes only
                 on_interrupt(sum(len(st.inflight) for st in states), [st.profile.name for st in states])
             reason = "flow run ended" if exc_type is None else f"flow run ended with {exc_type.__name__}"

@@ -464,6 +464,53 @@ def _running(server: str, flow_run_id: str) -> list[str]:
 _EPHEMERAL_SERVER = "-m uvicorn"  # Prefect's SubprocessASGIServer
 
 
+# the flow awaits (as an async flow does), so the first Ctrl-C's cancellation reaches it at once
+ASYNC_SCRIPT = FLOW_SCRIPT.replace(
+    """def interrupted():
+    [f.result() for f in long_gpu_task.map(range(TASKS))]""",
+    """async def interrupted():
+    import asyncio
+
+    futures = long_gpu_task.map(range(TASKS))
+    while not all(f.state.is_final() for f in futures):
+        await asyncio.sleep(0.2)""",
+).replace("\n    interrupted()", "\n    import asyncio\n\n    asyncio.run(interrupted())")
+
+
+def test_two_quick_ctrl_cs_on_an_async_flow_end_it_and_its_workers(tmp_path: Path, prefect_server):
+    """An async flow under ``asyncio.run``: its first Ctrl-C cancels the flow, its second raised
+    ``KeyboardInterrupt`` half-way through the runner's close; no cluster was closed and the process
+    waited on its workers for good (killed after 193 s). As in a sync flow, the second ends it now."""
+    from prefect.settings import get_current_settings
+
+    assert "await asyncio.sleep" in ASYNC_SCRIPT and "asyncio.run(interrupted())" in ASYNC_SCRIPT
+    marker = uuid.uuid4().hex
+    script = tmp_path / "async_script.py"
+    script.write_text(ASYNC_SCRIPT)
+    ready = tmp_path / "ready"
+    env = _env(tmp_path, marker, PREFECT_API_URL=str(get_current_settings().api.url))
+    proc = _start([sys.executable, str(script), str(ready), "1", "1"], env, tmp_path)
+    try:
+        _wait_started(proc, ready, tmp_path)
+        _wait_running_on_server(proc, ready.read_text(), 1, tmp_path)
+        os.killpg(proc.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)
+        try:
+            rc = proc.wait(timeout=EXIT_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            rc = None
+        survivors = _survivors(marker, proc.pid)
+    finally:
+        _cleanup(proc, marker)
+    # 130: the second Ctrl-C ended it (gpu-tasks' exit); -SIGINT: Python's own, for a KeyboardInterrupt
+    # that ended the script after the runner's close
+    assert rc in (130, -signal.SIGINT), (
+        f"exit {rc} (None: still running {EXIT_WITHIN_S} s later):\n{_tail(tmp_path)}"
+    )
+    assert not survivors, f"processes outlived the interrupted flow: {survivors}"
+
+
 def test_ctrl_c_on_a_plain_script_on_prefects_ephemeral_api(tmp_path: Path):
     """No server started, no PREFECT_API_URL: Prefect's ephemeral server is in the terminal's process
     group, so the same Ctrl-C stops it. The runner must not then retry each of its task runs against
