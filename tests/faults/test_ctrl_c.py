@@ -261,19 +261,30 @@ def _final_states(flow_run_id: str, wait: float = 20.0) -> tuple[str, dict[str, 
         time.sleep(0.25)
 
 
-def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
-    """A plain flow script on a server of its own: Ctrl-C while a GPU task runs on its worker."""
+def _one_gpu_task_running(tmp_path: Path, text: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """Flow script ``text`` (FLOW_SCRIPT's arguments: one task, a whole device) started on the suite's
+    server, once its GPU task runs there: the process, its marker and its ready file."""
     from prefect.settings import get_current_settings
 
     marker = uuid.uuid4().hex
     script = tmp_path / "flow_script.py"
-    script.write_text(FLOW_SCRIPT)
+    script.write_text(text)
     ready = tmp_path / "ready"
     env = _env(tmp_path, marker, PREFECT_API_URL=str(get_current_settings().api.url))
     proc = _start([sys.executable, str(script), str(ready), "1", "1"], env, tmp_path)
     try:
         _wait_started(proc, ready, tmp_path)
         _wait_running_on_server(proc, ready.read_text(), 1, tmp_path)
+    except BaseException:
+        _cleanup(proc, marker)
+        raise
+    return proc, marker, ready
+
+
+def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
+    """A plain flow script on a server of its own: Ctrl-C while a GPU task runs on its worker."""
+    proc, marker, ready = _one_gpu_task_running(tmp_path, FLOW_SCRIPT)
+    try:
         took = ctrl_c(proc)
         survivors = _survivors(marker, proc.pid)
     finally:
@@ -481,18 +492,9 @@ def test_two_quick_ctrl_cs_on_an_async_flow_end_it_and_its_workers(tmp_path: Pat
     """An async flow under ``asyncio.run``: its first Ctrl-C cancels the flow, its second raised
     ``KeyboardInterrupt`` half-way through the runner's close; no cluster was closed and the process
     waited on its workers for good (killed after 193 s). As in a sync flow, the second ends it now."""
-    from prefect.settings import get_current_settings
-
     assert "await asyncio.sleep" in ASYNC_SCRIPT and "asyncio.run(interrupted())" in ASYNC_SCRIPT
-    marker = uuid.uuid4().hex
-    script = tmp_path / "async_script.py"
-    script.write_text(ASYNC_SCRIPT)
-    ready = tmp_path / "ready"
-    env = _env(tmp_path, marker, PREFECT_API_URL=str(get_current_settings().api.url))
-    proc = _start([sys.executable, str(script), str(ready), "1", "1"], env, tmp_path)
+    proc, marker, _ = _one_gpu_task_running(tmp_path, ASYNC_SCRIPT)
     try:
-        _wait_started(proc, ready, tmp_path)
-        _wait_running_on_server(proc, ready.read_text(), 1, tmp_path)
         os.killpg(proc.pid, signal.SIGINT)
         time.sleep(0.05)
         os.killpg(proc.pid, signal.SIGINT)
