@@ -223,7 +223,7 @@ def test_a_long_wait_at_the_slot_gate_is_logged_while_it_lasts(monkeypatch, capl
 
 
 def test_remembered_answers_are_renewed_and_a_limit_created_since_drops_its_answer(monkeypatch):
-    """Every half time-to-live the process asks the server again (GET, no slot taken): a tag set
+    """Every third of the time-to-live the process asks the server again (GET, no slot taken): a tag set
     still without a limit keeps its answer, one whose limit was created since loses it, so its
     next task run asks Prefect's check and takes the slot. A long map's task runs then never all
     miss at once when an answer expires."""
@@ -243,6 +243,21 @@ def test_remembered_answers_are_renewed_and_a_limit_created_since_drops_its_answ
     assert dropped >= 1 and renewed >= 1
     assert known_without_limits([free])
     assert not known_without_limits([limited, free])
+
+
+def test_an_answer_that_expired_during_its_renewal_read_comes_back():
+    """A renewal read that takes longer than an answer has left (a busy server, a loaded host) still
+    renews it: the read just said the tag set has no limit. An answer a task run turned to "ask
+    Prefect" meanwhile (a limit found, or no answer) stays so, and a dropped one goes."""
+    from gpu_tasks.compat import prefect as compat
+
+    compat.use_no_limits_cache(60)
+    cache = compat._OWN_NO_LIMITS["cache"]
+    expired, asked, gone = (frozenset([f"tag:{w}-{uuid.uuid4().hex[:6]}"]) for w in ("old", "asked", "gone"))
+    cache.update({asked: False, gone: True})  # `expired` was read, then its time ran out: not in the cache
+    assert compat.renew_answers([expired, asked], [gone]) == 1
+    assert compat.known_without_limits(sorted(expired))
+    assert cache.get(asked) is False and gone not in cache
 
 
 def test_a_worker_learns_a_tag_set_after_prefects_check_by_reading_the_limits(monkeypatch):
@@ -298,6 +313,9 @@ RENEWED = textwrap.dedent(
         ttl, learned = remembered_tag_sets()
         time.sleep(3 * ttl)  # each answer expires within this unless it is renewed
         cache = _OWN_NO_LIMITS["cache"]
+        deadline = time.monotonic() + 2 * ttl  # a renewal read under way when it expired brings it back
+        while time.monotonic() < deadline and not all(k in cache for k in learned):
+            time.sleep(0.1)  # nothing else asks in this process meanwhile: only a renewal can
         return {
             "ttl": ttl,
             "learned": [sorted(k) for k in learned],
@@ -335,8 +353,8 @@ def test_answers_are_renewed_on_prefects_ephemeral_api(tmp_path):
         marker,
         PREFECT_HOME=str(tmp_path / "prefect-home"),
         GPU_TASKS_EMULATED_GPUS="1",
-        # renewed every 1.5 s: a read of up to 1.5 s still renews (at 2 s, one renewal of the
-        # worker's answer came too late once, with the tests on four processes beside the compat stage)
+        # renewed every second; an answer that expires during a slow read comes back after it (a
+        # renewal every 1.5 s lost one once, with four test processes beside the compat stage)
         GPU_TASKS_TUNE_TAG_LIMIT_CACHE_SECONDS="3",
     )
     try:

@@ -49,12 +49,16 @@ def remembered_tag_sets() -> tuple[float, list[frozenset[str]]]:
 
 
 def renew_answers(renew: Iterable[frozenset[str]], drop: Iterable[frozenset[str]]) -> int:
-    """Restart these answers' time-to-live, forget those; how many renewed."""
+    """Restart these answers' time-to-live, forget those; how many renewed. ``renew`` was just read to
+    have no limit: an answer that expired during that read comes back, one a task run turned to "ask
+    Prefect" meanwhile (a limit found, or no answer) stays so."""
     with _OWN_LOCK:
-        cache = _OWN_NO_LIMITS.get("cache", {})
+        cache = _OWN_NO_LIMITS.get("cache")
+        if cache is None:
+            return 0
         for key in drop:
             cache.pop(key, None)
-        kept = [key for key in renew if key in cache]
+        kept = [key for key in renew if cache.get(key) is not False]
         cache.update(dict.fromkeys(kept, True))
     return len(kept)
 

@@ -44,7 +44,8 @@ def _renew_forever(profile: Any, settings: Any) -> None:
     from prefect.context import SettingsContext
 
     while True:
-        time.sleep(max(0.5, (remembered_tag_sets()[0] or 60.0) / 2))
+        # a third of the time-to-live: a read may take up to that long under load and still renew
+        time.sleep(max(0.5, (remembered_tag_sets()[0] or 60.0) / 3))
         try:
             server = _with_server(settings)
             if server is None:  # no server to ask (none started yet): the answers expire as they would
