@@ -7,7 +7,8 @@
   (:func:`write_json_atomic` for JSON);
 * :func:`parquet_files` / :func:`parquet_row_count`: the part files of a dataset;
 * :func:`parquet_errors`, :func:`read_schema_names`, :func:`read_parquet_frame`:
-  Arrow and OS read errors turned into :class:`PipelineInputError` naming the path.
+  Arrow and OS read errors turned into :class:`PipelineInputError` naming the path;
+* :func:`remove_when_ended`: a run's intermediates removed once the tasks that read them ended.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import contextlib
 import json
 import os
 import shutil
+import threading
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -82,6 +84,31 @@ def move_into_place(tmp: Path, final: Path) -> None:
             shutil.rmtree(old, ignore_errors=True)
         else:
             old.unlink(missing_ok=True)
+
+
+REMOVE_AFTER_S = 120.0  # a stage still running this long after its run stopped: its files go anyway
+
+
+def remove_when_ended(path: Path, futures: list[Any]) -> None:
+    """Remove ``path`` once every future in ``futures`` has ended: now if none runs, else from a thread.
+
+    A flow stopped half-way (a Ctrl-C, a failed stage) must not delete the files a stage that is still
+    running reads: that stage would fail with "does not exist" instead of ending as stopped. The task
+    runner ends such stages when the flow run ends (its workers close), after the flow's own code; the
+    thread is not a daemon, so the process removes the files before it exits.
+    """
+    running = [f for f in futures if not f.wrapped_future.done()]
+    if not running:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+
+    def remove() -> None:
+        for future in running:
+            with contextlib.suppress(Exception):
+                future.wrapped_future.exception(timeout=REMOVE_AFTER_S)
+        shutil.rmtree(path, ignore_errors=True)
+
+    threading.Thread(target=remove, name="gpu-tasks-pipeline-cleanup").start()
 
 
 @contextlib.contextmanager

@@ -10,6 +10,7 @@ from prefect import flow
 from prefect.context import FlowRunContext
 
 from gpu_tasks import ProfileTaskRunner, ResourceProfile
+from gpu_tasks.pipeline._io import remove_when_ended
 from gpu_tasks.pipeline.params import check_parameters, run_directory
 from gpu_tasks.pipeline.tasks import (
     CPU_PROFILE,
@@ -66,18 +67,22 @@ def etl_train(
     assert ctx is not None and ctx.flow_run is not None, "etl_train runs as a flow"
     # this run's raw/ and features/: a run beside it at the same scale never reads them
     work = run_directory(base, scale, str(ctx.flow_run.id))
+    stages: list[Any] = []  # each stage's future, in order
+
+    def run(task: Any, *args: Any, **kwargs: Any) -> Any:
+        stages.append(task.submit(*args, **kwargs))
+        return stages[-1].result()
+
     try:
-        raw = ingest_task.submit(str(work), scale=scale, seed=seed, limit=limit).result()
-        features = etl_task.submit(
-            raw["raw_dir"], str(work / "features"), holdout_months=holdout_months
-        ).result()
+        raw = run(ingest_task, str(work), scale=scale, seed=seed, limit=limit)
+        features = run(etl_task, raw["raw_dir"], str(work / "features"), holdout_months=holdout_months)
         model_path = str(base / f"scale-{scale}" / "model" / f"model-{uuid.uuid4().hex[:8]}.json")
-        trained = train_task.submit(
-            features["features_dir"], model_path, num_rounds=num_rounds, seed=seed
-        ).result()
-        metrics = evaluate_task.submit(features["features_dir"], trained["model_path"]).result()
-    finally:  # the model and its metrics stay; the intermediates go with the run
-        shutil.rmtree(work, ignore_errors=True)
+        trained = run(train_task, features["features_dir"], model_path, num_rounds=num_rounds, seed=seed)
+        metrics = run(evaluate_task, features["features_dir"], trained["model_path"])
+    except BaseException:  # stopped (a Ctrl-C, a failed stage): a stage still running keeps its inputs
+        remove_when_ended(work, stages)
+        raise
+    shutil.rmtree(work, ignore_errors=True)  # the model and its metrics stay; the intermediates go
     runner = ctx.task_runner
     assert isinstance(runner, ProfileTaskRunner)
     return {

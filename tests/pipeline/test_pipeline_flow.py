@@ -84,3 +84,73 @@ def test_a_bad_parameter_fails_before_any_cluster_starts(tmp_path: Path, name: s
     with pytest.raises(PipelineInputError, match=f"^{name} must be"):
         etl_train(**{"scale": 1, "limit": 1000, name: value}, data_dir=str(tmp_path))
     assert not list(tmp_path.iterdir()), "nothing was written"
+
+
+STOPPED_MID_STAGE = """
+import pathlib, sys, time
+from prefect import flow, task
+from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+from gpu_tasks.pipeline._io import remove_when_ended
+
+work = pathlib.Path(sys.argv[1])
+(work / "features").mkdir(parents=True)
+(work / "features" / "part-0.parquet").write_text("rows")
+started = work.parent / "started"
+
+@task(tags=[profile("gpu")])
+def stage(path):  # a stage that reads its input for a while, as training does
+    pathlib.Path(started).write_text("1")
+    for _ in range(400):
+        if not pathlib.Path(path).exists():
+            raise FileNotFoundError(path)
+        time.sleep(0.05)
+    return "read"
+
+@flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+def stopped():
+    future = stage.submit(str(work / "features" / "part-0.parquet"))
+    print("TASK", future.task_run_id, flush=True)
+    while not started.exists():
+        time.sleep(0.05)
+    try:
+        raise KeyboardInterrupt  # a Ctrl-C in the flow thread while the stage runs
+    except BaseException:
+        remove_when_ended(work, [future])
+        raise
+
+stopped()
+"""
+
+
+def test_a_run_stopped_mid_stage_removes_its_files_after_the_stage_ended(tmp_path: Path):
+    """A run stopped while a stage runs (a Ctrl-C in `gpu-tasks example run` during training) removes
+    its intermediate files only once that stage ended: removed at once, the stage still running failed
+    with "train features directory ... does not exist (run the ETL stage first)" (seen once in the
+    fault table's Ctrl-C scenario) instead of ending Crashed with its stopped flow run. The files are
+    gone when the script has exited, and no process is left."""
+    import uuid
+
+    from faults._procs import kill_marked, run_flow_script, server_task_run, wait_gone
+    from prefect.settings import get_current_settings
+
+    marker = uuid.uuid4().hex
+    work = tmp_path / "runs" / "one"
+    try:
+        out = run_flow_script(
+            tmp_path,
+            "stopped.py",
+            STOPPED_MID_STAGE.replace("sys.argv[1]", repr(str(work))),
+            marker,
+            str(get_current_settings().api.url),
+            120,
+        )
+        _, left = wait_gone(marker, timeout=10)
+        assert not left, f"processes outlived the script: {left}"
+    finally:
+        kill_marked(marker)
+    assert out.returncode != 0 and "KeyboardInterrupt" in out.stderr, out.stderr[-3000:]
+    [task_run_id] = [line.split()[1] for line in out.stdout.splitlines() if line.startswith("TASK ")]
+    run = server_task_run(task_run_id)
+    assert run["state_type"] == "CRASHED", (run.get("state"), out.stderr[-3000:])
+    assert "FileNotFoundError" not in (run["state"].get("message") or ""), run["state"]
+    assert not work.exists(), "the stopped run's files outlived it"
