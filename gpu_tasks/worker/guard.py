@@ -76,7 +76,16 @@ def start(parent: int, flow: int | None = None) -> None:
         signal.signal(signal.SIGINT, _ignore_sigint)
         signal.signal(signal.SIGTERM, _terminate)
     threading.Thread(target=_watch, name="gpu-tasks-worker-guard", daemon=True).start()
-    logger.info("worker %d: watching flow process %d; exits with it", os.getpid(), parent)
+    _say(logging.INFO, "worker %d: watching flow process %d; exits with it", os.getpid(), parent)
+
+
+def _say(level: int, msg: str, *args: Any, exc_info: bool = False) -> None:
+    """Log on the way out, whatever the log's stream does: once the flow process is gone, the pipe
+    the worker's stderr went to may be closed (Prefect's ``serve`` exits on the same Ctrl-C), and
+    Prefect's console handler (rich) then raises ``SystemExit``, which ended the guard's thread
+    before the worker did: the orphaned worker lived on until Dask's 30 s connect timeout."""
+    with contextlib.suppress(BaseException):
+        logger.log(level, msg, *args, exc_info=exc_info)
 
 
 def end_children(grace: float = GRACE_S) -> int:
@@ -94,7 +103,8 @@ def end_children(grace: float = GRACE_S) -> int:
         with contextlib.suppress(psutil.Error):
             p.kill()
     if alive:
-        logger.warning(
+        _say(
+            logging.WARNING,
             "process %d: killed %d child process(es) that ignored SIGTERM for %gs",
             os.getpid(),
             len(alive),
@@ -141,7 +151,8 @@ def _flow_gone(timeout: float) -> bool:
 def _watch() -> None:
     while not _flow_gone(3600.0):
         pass
-    logger.warning(
+    _say(
+        logging.WARNING,
         "worker %d: flow process %d is gone; ending this worker and its child processes",
         os.getpid(),
         _state["flow"],
@@ -171,7 +182,7 @@ def _exit(status: int) -> NoReturn:
                     try:
                         hook(flow)
                     except BaseException:  # exiting anyway
-                        logger.warning("worker %d: orphan hook failed", os.getpid(), exc_info=True)
+                        _say(logging.WARNING, "worker %d: orphan hook failed", os.getpid(), exc_info=True)
             with contextlib.suppress(BaseException):  # exiting anyway
                 end_children()
     real(status)
@@ -189,7 +200,7 @@ def _terminate(signum: int, frame: FrameType | None) -> None:
 
 def _ignore_sigint(signum: int, frame: FrameType | None) -> None:
     # A handler, not SIG_IGN: processes that tasks exec get the default action back.
-    logger.info("worker %d: ignoring SIGINT; the flow process closes its workers", os.getpid())
+    _say(logging.INFO, "worker %d: ignoring SIGINT; the flow process closes its workers", os.getpid())
 
 
 def _is_resource_tracker(proc: psutil.Process) -> bool:

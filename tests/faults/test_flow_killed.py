@@ -86,7 +86,12 @@ def next_run(folder: str) -> tuple[list[str], float]:
 
 
 @pytest.mark.usefixtures("prefect_server")
-def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monkeypatch):
+@pytest.mark.parametrize("output", ["kept", "closed"])
+def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monkeypatch, output: str):
+    """``closed``: the flow's output went to a pipe whose reader is gone too, as under Prefect's
+    ``serve``, which a Ctrl-C ends while it kills the flow process. A worker's line on the way out then
+    made Prefect's console handler raise ``SystemExit`` in the worker's guard thread: the workers
+    outlived the flow by 30 s (until Dask's connect timeout), the task runs ``Running`` meanwhile."""
     from prefect.settings import get_current_settings
 
     marker = uuid.uuid4().hex
@@ -100,7 +105,10 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
         "GPU_TASKS_EMULATED_GPUS": "2",
         "PREFECT_API_URL": str(get_current_settings().api.url),
     }
-    proc = subprocess.Popen([sys.executable, str(script), str(ready)], env=env, cwd=tmp_path)
+    piped = subprocess.PIPE if output == "closed" else None
+    proc = subprocess.Popen(
+        [sys.executable, str(script), str(ready)], env=env, cwd=tmp_path, stdout=piped, stderr=piped
+    )
     try:
         deadline = time.monotonic() + 120
         while len(list(ready.iterdir())) < 2:
@@ -110,6 +118,9 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
         pids = {int(n) for f in ready.iterdir() for n in f.read_text().split()}
         before = [p for p in _marked(marker) if p.pid != proc.pid]
         assert pids <= {p.pid for p in before}, "expected the workers and their children to carry the marker"
+        if output == "closed":  # the reader goes first: nothing the workers write reaches anyone
+            for stream in (proc.stdout, proc.stderr):
+                stream.close()
 
         killed = time.monotonic()
         proc.send_signal(signal.SIGKILL)
@@ -143,6 +154,8 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
     assert run["state_type"] == "CRASHED" and "died" in run["state"]["message"], run["state"]
     assert states == ["CRASHED", "CRASHED"], [(t["name"], t["state_type"]) for t in tasks]
     assert all("the flow process" in t["state"]["message"] for t in tasks)
+    if output == "closed":
+        return
 
     # the kernel dropped the dead flow's leases with its files: both devices are free now
     assert leases.holders(Path(os.environ["GPU_TASKS_LEASE_DIR"]), ["0", "1"]) == {"0": None, "1": None}
