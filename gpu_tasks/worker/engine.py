@@ -119,7 +119,7 @@ def run_on_worker(
     alloc = worker_allocation(profile_name, fraction, dask_worker.address, host=host, own=own)
     _worker_guard.on_orphaned(_report_orphaned)
     flow_run = (kwargs["context"].get("flow_run_context") or {}).get("flow_run")
-    running = (task, getattr(flow_run, "id", None), alloc, set(task.tags))
+    running = (task, getattr(flow_run, "id", None), alloc, set(task.tags), settings)
     with _RUNNING_LOCK:
         _RUNNING[kwargs["task_run_id"]] = running
     mark = None
@@ -240,36 +240,41 @@ def _after_lost_worker(
 
 
 # Task runs this process runs now, for a crash report if the flow process dies.
-_RUNNING: dict[uuid.UUID, tuple[Any, Any, Allocation, set[str]]] = {}
+# each running task run: its task, flow run id, allocation, tags and flow run's settings
+_RUNNING: dict[uuid.UUID, tuple[Any, Any, Allocation, set[str], dict[str, Any]]] = {}
 _RUNNING_LOCK = threading.Lock()
 
 
 def _report_orphaned(flow_pid: int) -> None:
-    """The flow process died: report its running task runs and flow run ``Crashed``, in a few seconds."""
+    """The flow process died: report its running task runs and flow run ``Crashed``, in a few seconds,
+    to the server of each one's flow run (its settings name it, the flow process's ephemeral server
+    included); never to a server of the worker's own settings, which may name none (one would start)."""
     from prefect.client.orchestration import get_client
 
     with _RUNNING_LOCK:
         running = dict(_RUNNING)
-    flow_runs = set()
-    for task_run_id, (task, flow_run_id, alloc, tags) in running.items():
+    why = (
+        f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its tasks (reported by a worker)"
+    )
+    flow_runs: dict[uuid.UUID, dict[str, Any]] = {}
+    for task_run_id, (task, flow_run_id, alloc, tags, settings) in running.items():
+        if not settings["settings"].api.url:
+            logger.warning("no Prefect server to report task run %s Crashed to", task_run_id)
+            continue
         where = f"device(s) {','.join(alloc.devices)}" if alloc.devices else "CPU"
         message = (
             f"the flow process (pid {flow_pid}) died while this task ran on profile {alloc.profile!r}, "
             f"{where}; its worker exited with it"
         )
         flow_run = uuid.UUID(str(flow_run_id)) if flow_run_id else None
-        crash_task_run(task_run_id, task, flow_run, message, tags=tags, wait=0.5)
+        with SettingsContext(**settings):
+            crash_task_run(task_run_id, task, flow_run, message, tags=tags, wait=0.5)
         if flow_run:
-            flow_runs.add(flow_run)
-    if flow_runs:
-        why = (
-            f"the flow process (pid {flow_pid}) died while gpu-tasks workers ran its tasks "
-            "(reported by a worker)"
-        )
+            flow_runs[flow_run] = settings
+    for flow_run, settings in flow_runs.items():
         try:
-            with get_client(sync_client=True) as client:
-                for flow_run in flow_runs:
-                    client.set_flow_run_state(flow_run, Crashed(message=why), force=True)
+            with SettingsContext(**settings), get_client(sync_client=True) as client:
+                client.set_flow_run_state(flow_run, Crashed(message=why), force=True)
         except Exception:
             logger.warning("could not report the flow run Crashed", exc_info=True)
     drain_events(2)

@@ -172,6 +172,55 @@ def test_workers_and_their_children_exit_with_a_killed_flow(tmp_path: Path, monk
     assert sorted(devices) == ["0", "1"]
 
 
+def test_a_flow_killed_on_prefects_ephemeral_api_is_reported_to_its_server(tmp_path: Path):
+    """A plain script on Prefect's default ephemeral API (no server, no PREFECT_API_URL), SIGKILLed
+    while GPU tasks run: its workers report the flow run and task runs ``Crashed`` to the flow
+    process's ephemeral server (which Prefect leaves running), and start no server of their own.
+    They reported with their own settings, which name no server: each worker started a temporary
+    server, the reports failed ("No Prefect API URL provided"), the runs stayed ``Running`` and the
+    workers lived 12-15 s (found by a new-user pass, Prefect 3.9.1 and 3.8.8)."""
+    from faults._procs import clean_env, db_rows, kill_marked, wait_gone
+
+    marker = uuid.uuid4().hex
+    (tmp_path / "doomed_flow.py").write_text(SCRIPT)
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    home = tmp_path / "prefect-home"
+    env = clean_env(marker, PREFECT_HOME=str(home), GPU_TASKS_EMULATED_GPUS="2")
+    log = tmp_path / "out.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "doomed_flow.py", str(ready)], env=env, cwd=tmp_path, stdout=out, stderr=out
+        )
+    try:
+        deadline = time.monotonic() + 180
+        while len(list(ready.iterdir())) < 2:
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the GPU tasks never started"
+            time.sleep(0.2)
+        proc.kill()
+        proc.wait(timeout=10)
+        # Prefect's own ephemeral server outlives its killed flow process (a plain Prefect flow's too)
+        server = [p.pid for p in _marked(marker) if "uvicorn" in " ".join(p.cmdline())]
+        assert len(server) == 1, [" ".join(p.cmdline())[:120] for p in _marked(marker)]
+        _, left = wait_gone(marker, timeout=EXIT_BOUND_S, keep=server[0])
+        assert not left, f"processes outlived the SIGKILLed flow: {left}"
+    finally:
+        kill_marked(marker)
+    output = log.read_text()
+    assert output.count("Starting temporary server") == 1, output[-3000:]  # the flow process's alone
+    flow_run_id = (tmp_path / "flow_run_id").read_text()
+    runs = db_rows(
+        home / "prefect.db",
+        "select f.state_type, s.message from flow_run f join flow_run_state s on s.id = f.state_id "
+        "where f.id = ?",
+        flow_run_id,
+    )
+    tasks = db_rows(home / "prefect.db", "select state_type from task_run where flow_run_id = ?", flow_run_id)
+    assert runs and runs[0][0] == "CRASHED" and "died" in runs[0][1], (runs, output[-3000:])
+    assert sorted(t[0] for t in tasks) == ["CRASHED", "CRASHED"], tasks
+
+
 def test_preload_options_add_the_guard_once_and_keep_other_preloads():
     assert preload_options([], []) == {"preload": [MODULE], "preload_argv": []}
     # dask-cuda's shape: its own preload and one flat argv that every preload gets
