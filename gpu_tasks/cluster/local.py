@@ -103,6 +103,11 @@ class ProfileCluster:
     def running(self) -> bool:
         return self.backend is not None
 
+    def lost(self) -> str | None:
+        """Why a running cluster can no longer take tasks, so a new task starts it again; ``None`` here
+        (its own processes end with it)."""
+        return None
+
     @property
     def worker_count(self) -> int:
         return len(self.specs)

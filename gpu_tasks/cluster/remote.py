@@ -107,6 +107,15 @@ class RemoteCluster(ProfileCluster):
     def running(self) -> bool:
         return self.client is not None
 
+    def lost(self) -> str | None:
+        """Why the client can no longer reach the scheduler (it reconnects, or gave up), else ``None``.
+        A task handed to a client in that state never ended: Dask cancelled what it held when the
+        connection went, and a later task waited for good (a retry of a task run it crashed)."""
+        status = str(getattr(self.client, "status", "running")) if self.client is not None else "running"
+        if status in ("running", "newly-created"):
+            return None
+        return f"its client lost the connection to the Dask scheduler at {self.scheduler_address} ({status})"
+
     @property
     def emulated(self) -> bool:
         return bool(self.profile.is_gpu and any(w.emulated for w in self.remote.values()))

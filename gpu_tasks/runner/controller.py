@@ -213,6 +213,8 @@ class Controller:
 
     def _dispatch_job(self, job: Job) -> None:
         live, st, prof = self.live, self.st, job.profile
+        if st.cluster.running and (lost := st.cluster.lost()) is not None:
+            live.close_cluster(st, lost, hurry=True)  # connected again below, or it fails saying why
         st.cluster.admit(live.stop, partial(job.say, logging.INFO, "%s"))  # a shared scheduler's waiters
         if prof.quota is not None and st.cluster.shared and job.quota_lease is None:
             self._quota.take(job)

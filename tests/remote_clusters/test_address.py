@@ -302,17 +302,23 @@ def test_a_task_its_scheduler_gave_up_on_is_crashed_and_leaves_no_mark_there(
     assert marks == []
 
 
+@pytest.mark.parametrize("retries", [0, 1])
 def test_a_scheduler_killed_mid_run_is_named_in_every_task_it_took(
-    own_gpu_hosts: Hosts, prefect_server, tmp_path: Path
+    own_gpu_hosts: Hosts, prefect_server, tmp_path: Path, retries: int
 ):
     """The shared scheduler dies while two tasks run and one waits: each task run is reported as lost
-    with its client's connection to that scheduler, not as a lost worker on unknown devices."""
+    with its client's connection to that scheduler, not as a lost worker on unknown devices. With a
+    retry left, the retry connects again and fails within seconds naming the scheduler's address: it
+    went to the client that was still reconnecting, and the flow run waited for good (a new-user pass
+    killed it after 4 minutes, 3 of 3 runs)."""
     import signal
+
+    from prefect_api import api
 
     prof = ResourceProfile(name="orphaned", gpus=1, address=own_gpu_hosts.address)
     scheduler = own_gpu_hosts.scheduler.pid  # (the flow's body travels to the workers: no Popen in it)
 
-    @task(tags=["profile:orphaned"])
+    @task(tags=["profile:orphaned"], retries=retries, retry_delay_seconds=0.5)
     def long_task(i: int) -> None:
         (tmp_path / f"began-{i}").write_text("")
         time.sleep(30)
@@ -325,10 +331,17 @@ def test_a_scheduler_killed_mid_run_is_named_in_every_task_it_took(
             time.sleep(0.1)
         os.kill(scheduler, signal.SIGKILL)
         for f in futures:
-            f.wait()
-        return [f.state.message or "" for f in futures]
+            f.wait(timeout=90)  # a liveness bound: the retries end within seconds
+        return [(f.state.type.value, f.state.message or "", str(f.task_run_id)) for f in futures]
 
-    for message in loses_its_scheduler():
+    for state, message, task_run_id in loses_its_scheduler():
+        if retries:
+            assert state == "FAILED", (state, message)
+            assert f"cannot connect to the Dask scheduler at {own_gpu_hosts.address}" in message, message
+            _, history = api("GET", f"/task_run_states/?task_run_id={task_run_id}")
+            crashed = [h["message"] for h in history if h["type"] == "CRASHED"]
+            assert len(crashed) == 1, [h["type"] for h in history]  # then retried once
+            message = crashed[0]
         assert f"Dask scheduler at {own_gpu_hosts.address} was lost" in message, message
         assert "(None)" not in message and "unknown devices" not in message, message
         assert "while running this task" not in message, message
