@@ -36,8 +36,8 @@ def busy_reason(exc: BaseException) -> str | None:
 
 @dataclass
 class BusyWait:
-    """The waits between tries of one request to a busy API: 1 s, doubling to ``longest``, with
-    jitter, until ``timeout`` seconds have passed since the first refusal."""
+    """The waits between tries of one request to a busy API: 1 s, doubling to ``longest``, each
+    shortened by up to a fifth at random, until ``timeout`` seconds have passed since the first refusal."""
 
     what: str
     timeout: float = field(default_factory=lambda: get_settings().api_busy_timeout)
@@ -62,7 +62,8 @@ class BusyWait:
                 self.timeout,
             )
             raise exc
-        wait = min(self.longest, FIRST_WAIT_S * 2.0**self.tries) * random.uniform(0.8, 1.2)
+        # the jitter shortens, never lengthens: a wait is at most ``longest`` (it reached 1.2 x that)
+        wait = min(self.longest, FIRST_WAIT_S * 2.0**self.tries) * random.uniform(0.8, 1.0)
         wait = max(0.0, min(wait, self.timeout - waited))
         self.tries += 1
         log.warning(

@@ -95,7 +95,7 @@ def test_an_unreachable_api_is_asked_again_every_longest_seconds_at_most():
     wait = BusyWait("reading a task run", timeout=600, longest=5.0)
     refused = httpx.ConnectError("[Errno 111] Connection refused")
     waits = [wait.next_wait(refused) for _ in range(8)]
-    assert waits[0] < 1.5 and max(waits) <= 5.0 * 1.2 and waits[-1] >= 5.0 * 0.8, waits
+    assert waits[0] <= 1.0 and max(waits) <= 5.0 and waits[-1] >= 5.0 * 0.8, waits  # never past `longest`
     with pytest.raises(ValueError):
         wait.next_wait(ValueError("an answer, not a busy API"))
 
