@@ -227,6 +227,14 @@ def test_which_remote_workers_fit_a_profile():
     assert "publishes no device names" in silent.why_not(ResourceProfile(name="p", gpus=1, gpu_model="H100"))
     assert _worker(gpus=0).why_not(ResourceProfile(name="p", gpus=0.5)) == "GPU=0 < 0.5"
     assert h100.device_keys == ("h:0",)
+    # a worker that owns two devices (GPU=2) runs gpus=2 tasks; gpus=1 and gpus=0.5 tasks would run
+    # side by side there, each seeing both devices and told it holds them (found by a new-user pass)
+    two = _worker(gpus=2.0, devices=("0", "1"))
+    assert two.why_not(ResourceProfile(name="p", gpus=2)) is None
+    for gpus in (1, 0.5):
+        why = two.why_not(ResourceProfile(name="p", gpus=gpus)) or ""
+        assert "GPU=2 is more devices than a task of this profile holds (1)" in why, why
+        assert "--resources GPU=1" in why, why
 
 
 def test_a_worker_that_is_closing_is_not_mistaken_for_one_without_gpu_tasks():

@@ -89,6 +89,14 @@ class RemoteWorker:
         need = float(profile.gpus) if profile.gpus >= 1 else float(profile.share)
         if self.gpus + 1e-9 < need:
             return f"GPU={self.gpus:g} < {need:g}"
+        held = max(1.0, need)  # the devices one task holds (a share holds one, with others)
+        if self.gpus > held + 1e-9:
+            # its tasks run side by side there, each seeing every device the worker owns
+            return (
+                f"GPU={self.gpus:g} is more devices than a task of this profile holds ({held:g}): its "
+                f"tasks would share all {self.gpus:g} there, each told it holds them alone; start one "
+                f"worker per {held:g} device(s) with --resources GPU={held:g}"
+            )
         if profile.gpu_model:
             if not self.names:
                 return "publishes no device names (gpu_model)"
