@@ -312,6 +312,12 @@ def test_the_topology_field_is_for_gpu_profiles_only():
         ResourceProfile(name="cpu", topology="nvlink")
     with pytest.raises(ProfileError, match="topology"):
         ResourceProfile(name="p", gpus=2, topology="nvswitch")
+    # one device per worker has no pair to wire: it ran on a host without NVLink and failed on one whose
+    # wiring is unknown (found by a new-user pass)
+    for one in ({"gpus": 1}, {"gpus": 0.5}, {"gpu_memory_per_task": "10GiB"}):
+        with pytest.raises(ProfileError, match="needs two or more devices per worker"):
+            ResourceProfile(name="p", topology="nvlink", **one)
+    assert ResourceProfile(name="g", gpus=1, gang=True, max_workers=2, topology="nvlink").topology == "nvlink"
 
 
 # ------------------------------------------------------------------ CPU affinity, pure

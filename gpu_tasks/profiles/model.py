@@ -440,6 +440,11 @@ class ResourceProfile(BaseModel):
                 raise ValueError("gang needs gpus > 0 (gangs start GPU workers together)")
         elif self.processes is False:
             raise ValueError("processes=False is not possible with gpus > 0: each GPU worker is a process")
+        if self.is_gpu and self.topology is not None and self.devices_per_worker < 2 and not self.gang:
+            raise ValueError(
+                f"topology={self.topology!r} needs two or more devices per worker (gpus >= 2, or a gang): a "
+                "worker with one device has no pair to wire; remove topology"
+            )
         if self.on_oom is not None and (self.on_oom == self.name or not _NAME_RE.match(self.on_oom)):
             raise ValueError(
                 "on_oom must name another profile (a larger one to re-run out-of-memory tasks on); got "
