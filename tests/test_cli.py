@@ -233,6 +233,20 @@ def test_profiles_file_shows_unrunnable_profile_and_why(env, runner, profiles_fi
     assert "8.00 GiB" in out and "A100" in out
 
 
+def test_a_remote_profiles_table_shows_its_kind_and_only_the_fields_it_takes(env, runner, tmp_path):
+    """An address profile's table had cpus, memory, max_workers ("no cap (one worker per device
+    group)") and fallback rows, which that kind does not take, and no kind (a new-user pass)."""
+    path = tmp_path / "remote.toml"
+    path.write_text('[profiles.shared]\ngpus = 1\naddress = "tcp://127.0.0.1:8786"\nidle_timeout = 60\n')
+    out = _ok(runner.invoke(app, ["profiles", "--file", str(path)]))
+    table = out.split("cpu (default for untagged tasks)", 1)[0]  # the file's one profile, then the built-in
+    assert re.search(r"│ kind\s+│ address", table), table
+    for field in ("gpus", "gpu_model", "idle_timeout"):
+        assert re.search(rf"│ {field}\s+│", table), field
+    for field in ("cpus", "memory", "gpu_memory_free", "max_workers", "fallback", "gang"):
+        assert not re.search(rf"│ {field}\s+│", table), (field, table)
+
+
 def test_profiles_json(env, runner, profiles_file):
     data = json.loads(_ok(runner.invoke(app, ["profiles", "--file", str(profiles_file), "--json"])))
     assert data["file"] == str(profiles_file)

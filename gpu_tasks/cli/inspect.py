@@ -37,7 +37,13 @@ from gpu_tasks.policy import (
     slots_per_worker,
     unsatisfiable_reason,
 )
-from gpu_tasks.profiles import DEFAULT_PROFILE, ResourceProfile, load_profiles_file, resolve_profiles
+from gpu_tasks.profiles import (
+    DEFAULT_PROFILE,
+    KIND_FIELDS,
+    ResourceProfile,
+    load_profiles_file,
+    resolve_profiles,
+)
 from gpu_tasks.settings import GpuTasksSettings
 
 _RUNS_ON = {"local": "this host", "address": "an existing Dask cluster", "cluster_class": "a cluster manager"}
@@ -188,7 +194,8 @@ def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tupl
         if prof.idle_timeout is not None
         else f"{idle_default:g}s (GPU_TASKS_IDLE_TIMEOUT)"
     )
-    return [
+    rows = [
+        ("kind", prof.kind),
         ("tag", prof.tag),
         ("cpus", f"{prof.cpus:g}"),
         ("gpus", f"{prof.gpus:g}"),
@@ -211,6 +218,8 @@ def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tupl
         )
         if value
     ]
+    # a field another kind of profile takes means nothing here (an address profile has no fallback)
+    return [(f, value) for f, value in rows if f not in KIND_FIELDS or prof.kind in KIND_FIELDS[f][0]]
 
 
 @app.command(
