@@ -98,6 +98,34 @@ class LedgerRow:
         """Busy over held (1.0 is the physical limit)."""
         return self.busy_seconds / self.held_seconds if self.held_seconds > 0 else 0.0
 
+    def count_interrupted(self, worker: str, start: float, end: float) -> bool:
+        """Count, on this row written already, a task that began at ``start`` on its worker ``worker``
+        (:func:`worker_key`) and was cut short at ``end`` (the worker died): busy from ``start`` up to
+        then (within the row's holding), one more of ``tasks`` and of ``interrupted``. ``False``, and
+        nothing changed, when the row did not hold ``worker`` at ``start``. A CPU row has no spans to
+        merge the task's time with: its seconds are added, within the held time."""
+        if worker == "cpu":
+            if self.devices or not self.provisioned_at <= start < self.closed_at:
+                return False
+            added = max(0.0, min(end, self.closed_at) - start)
+        else:
+            devices = set(worker.split(","))
+            mine = [i for i, s in enumerate(self.spans) if s.device in devices and s.start <= start < s.end]
+            if not mine or {self.spans[i].device for i in mine} != devices:
+                return False
+            spans = list(self.spans)
+            added = 0.0
+            for i in mine:
+                s = spans[i]
+                busy = tuple(merge_intervals([*s.busy, (start, max(start, min(end, s.end)))]))
+                spans[i] = dataclasses.replace(s, busy=busy, tasks=s.tasks + 1)
+                added += spans[i].busy_seconds - s.busy_seconds
+            self.spans = tuple(spans)
+        self.busy_seconds = min(self.held_seconds, self.busy_seconds + added)
+        self.tasks += 1
+        self.interrupted += 1
+        return True
+
     def as_dict(self) -> dict[str, Any]:
         """Plain dict for artifacts and JSON."""
         return {
@@ -200,6 +228,7 @@ class Usage:
 
     def __init__(self) -> None:
         self._started: dict[str, float] = {}
+        self._keys: dict[str, str] = {}  # each held worker's ledger key (:func:`worker_key`), by name
         self._busy: dict[str, list[tuple[float, float]]] = {}
         self.samples = Samples()  # filled by the sampler thread (gpu_tasks.devices.measure)
         self._lock = threading.Lock()
@@ -210,6 +239,7 @@ class Usage:
         with self._lock:
             self.provisioned_at: float | None = None
             self._started.clear()
+            self._keys.clear()
             self._busy.clear()
             self._tasks = 0
             self._interrupted = 0
@@ -252,8 +282,16 @@ class Usage:
         """``workers`` are held from ``since`` (when their devices were acquired)."""
         if self.provisioned_at is None:
             self.provisioned_at = since
-        for w in workers:
-            self._started[w.name] = since
+        with self._lock:
+            for w in workers:
+                self._started[w.name] = since
+                self._keys[w.name] = worker_key(w.devices)
+
+    def holds(self, worker: str, since: float) -> bool:
+        """Whether a worker with ledger key ``worker`` (:func:`worker_key`) is held, and was already at
+        ``since``: a task that began then on such a worker ran in this cluster's present life."""
+        with self._lock:
+            return any(self._keys.get(name) == worker and t <= since for name, t in self._started.items())
 
     def record(self, worker: str, start: float, end: float, interrupted: bool = False) -> None:
         """A task ran on ``worker`` (see :func:`worker_key`) from ``start`` to ``end`` (``interrupted``:
@@ -331,6 +369,7 @@ class Usage:
         """Drop ``worker``'s clock (it was retired and its row written)."""
         with self._lock:
             self._started.pop(worker.name, None)
+            self._keys.pop(worker.name, None)
             self._busy.pop(worker_key(worker.devices), None)
             for device in worker.devices:
                 self.samples.by_device.pop(device, None)

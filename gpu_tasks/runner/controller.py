@@ -326,6 +326,8 @@ class Controller:
                 devices = tuple(st.cluster.worker_devices(name) or st.cluster.devices)
                 lost = st.last_lost = LostWorker(name, devices, ended, address)
                 row = st.cluster.retire(name, f"worker crashed: {ended.describe() if ended else 'died'}")
+                if row is not None:  # booked by the recovery thread: the later reports count on it now
+                    self.live.written(row)
             how = lost.ended.describe() if lost.ended else "died"
         self._landed(job)
         self._refill()  # a new worker for the tasks still queued on the workers left

@@ -65,6 +65,10 @@ class Live:
         self._inventory: Inventory | None = None
         self.states: dict[str, ProfileState] = {}
         self.ledger: list[LedgerRow] = []
+        # every row written so far, also one whose event (and place in ``ledger``) is still to come:
+        # a task cut short by its worker's death and reported after that worker's row is counted there
+        self._written: list[LedgerRow] = []
+        self._written_lock = threading.Lock()
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.executor = concurrent.futures.ThreadPoolExecutor(
@@ -253,6 +257,7 @@ class Live:
     ) -> None:
         """Ledger ``row`` of devices ``st``'s cluster gave back, and its event (``closed``, ``preempted``)."""
         devices = list(row.devices)
+        self.written(row)
         self.ledger.append(row)
         self.emit(
             what,
@@ -268,6 +273,13 @@ class Live:
             },
             devices,
         )
+
+    def written(self, row: LedgerRow) -> None:
+        """``row`` was written (:meth:`gave_back` books it, maybe later and on another thread): the
+        tasks that ran there and are reported cut short after it count on it (:meth:`count_interrupted`)."""
+        with self._written_lock:
+            if not any(r is row for r in self._written):
+                self._written.append(row)
 
     def priorities(self) -> dict[str, int]:
         """The priority each profile that queues for this host's devices waited at (by name)."""
@@ -372,10 +384,28 @@ class Live:
         """``job``, cut short now (its worker died, or its cluster closes under it), counts as busy from
         its start and as a task (``interrupted``): the ledger would otherwise call its devices idle (a
         false waste alert). A local worker noted when each hand-off began and on which devices
-        (gpu_tasks.worker.started); a shared scheduler's workers note nothing here."""
-        began = None if job.st.cluster.shared else self.started.since(job.key)
-        if began is not None:
-            job.st.cluster.record(began[1], began[0], max(began[0], time.time()), interrupted=True)
+        (gpu_tasks.worker.started); a shared scheduler's workers note nothing here.
+
+        It counts on the row of the worker it ran on: the cluster's present life when that worker is
+        still held, else the row written when the worker was retired or the cluster closed (the crash
+        reports of a dead worker's tasks come one by one, the later ones after that row, maybe after a
+        replacement started), never a later life's row."""
+        cluster = job.st.cluster
+        began = None if cluster.shared else self.started.since(job.key)
+        if began is None:
+            return
+        start, worker = began
+        end = max(start, time.time())
+        if cluster.usage.holds(worker, start):
+            cluster.record(worker, start, end, interrupted=True)
+            return
+        with self._written_lock:
+            for row in reversed(self._written):
+                if row.profile == job.profile.name and row.count_interrupted(worker, start, end):
+                    return
+        logger.debug(
+            "profile %r: no ledger row held %s when task %s began", job.profile.name, worker, job.key
+        )
 
     def _advise(self) -> None:
         """A right-size line and event per GPU profile that used much less than it held."""

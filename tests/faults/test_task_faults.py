@@ -19,6 +19,7 @@ from prefect_api import api
 from faults._procs import server_task_run
 from gpu_tasks import ProfileTaskRunner, ResourceProfile, current_allocation, profile
 from gpu_tasks.devices import leases
+from gpu_tasks.reporting.ledger import ended_ledger
 
 pytestmark = pytest.mark.usefixtures("emulated", "no_leaked_processes")
 
@@ -199,6 +200,59 @@ def test_a_worker_that_dies_after_every_task_was_handed_out_is_replaced(tmp_path
     # or its run was still in Prefect's engine (a CI run under load: 4 crashed, 1 body begun there)
     begun_there = {p.name.split("-")[2] for p in seen.glob(f"before-{dead}-*")}
     assert begun_there and 1 <= len(lost) <= 4, (len(lost), sorted(begun_there))
+
+
+def test_tasks_interrupted_by_a_dead_worker_are_booked_on_its_row_not_its_replacement(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """One device, a quarter-GPU profile, 12 tasks and no retries: the worker dies 0.5 s after its four
+    slots began. Its four tasks count on the dead worker's row (busy until the death, ``interrupted``);
+    the replacement's row has the eight that ran there, none interrupted (before, the dead worker's
+    row had no task and the replacement's all twelve, four of them "interrupted")."""
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "H100:80GiB")
+    began = tmp_path / "began"
+    began.mkdir()
+    died = tmp_path / "died"
+
+    @task(tags=[profile("quarter")])
+    def work(i: int) -> int:
+        if died.exists():  # queued on the dead worker: runs on its replacement
+            time.sleep(1.5)
+            return i
+        (began / str(i)).touch()
+        while len(list(began.iterdir())) < 4:
+            time.sleep(0.02)
+        if i == min(int(p.name) for p in began.iterdir()):  # one of the four kills their worker
+            time.sleep(0.5)
+            died.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+        return -1
+
+    @flow(
+        task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="quarter", gpus=0.25, idle_timeout=30)])
+    )
+    def dies_under_four_of_twelve():
+        futures = [work.submit(i) for i in range(12)]
+        for f in futures:
+            f.wait()
+        return [f.state for f in futures], FlowRunContext.get().flow_run.id
+
+    states, flow_run_id = dies_under_four_of_twelve()
+    ledger = ended_ledger(flow_run_id) or []  # the final ledger, with the row its exit wrote
+    crashed = [s for s in states if s.type == StateType.CRASHED]
+    assert len(crashed) == 4 and all("SIGKILL" in (s.message or "") for s in crashed), states
+    assert sum(s.is_completed() for s in states) == 8, states
+    rows = {r.reason.split(":")[0]: r for r in ledger}
+    assert len(ledger) == 2 and set(rows) == {"worker crashed", "flow run ended"}, ledger
+    dead, replacement = rows["worker crashed"], rows["flow run ended"]
+    assert (dead.tasks, dead.interrupted) == (4, 4), dead
+    assert 0.4 <= dead.busy_seconds <= dead.held_seconds, dead
+    assert [span.tasks for span in dead.spans] == [4], dead.spans
+    assert abs(sum(s.busy_seconds for s in dead.spans) - dead.busy_seconds) < 1e-6, dead
+    assert all(dead.provisioned_at <= s <= e <= dead.closed_at for s, e in dead.spans[0].busy), dead
+    assert (replacement.tasks, replacement.interrupted) == (8, 0), replacement
+    assert replacement.busy_seconds <= replacement.held_seconds, replacement
 
 
 # ---------------------------------------------------------------- BaseException raised by a task
