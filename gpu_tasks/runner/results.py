@@ -11,7 +11,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from prefect.states import Failed
+from prefect.states import Cancelled, Crashed, Failed
 
 from gpu_tasks.errors import GpuOutOfMemoryError
 from gpu_tasks.preemption import PreemptedRun, preemption_reason
@@ -135,13 +135,19 @@ class Results:
                 job.cf.set_result(result)
 
     def fail(self, job: Job, exc: BaseException) -> None:
-        """End ``job`` as if its task had raised ``exc`` (a Failed task run); a Ctrl-C, or a failure to
+        """End ``job`` as if its task had raised ``exc`` (a Failed task run; ``Cancelled`` or ``Crashed``
+        once its flow run was cancelled or interrupted, :meth:`Live.close`); a Ctrl-C, or a failure to
         record the state, resolves the future with that error: it is never left unresolved."""
         if not isinstance(exc, Exception):
             self.finish(job, exc=exc)
             return
         try:
-            failed: Any = Failed(message=f"{type(exc).__name__}: {exc}", data=exc)
+            message = f"{type(exc).__name__}: {exc}"
+            end, why = self.live.tasks_end if self.live.stop.is_set() else ("Failed", "")
+            if end != "Failed":  # the flow run was cancelled or interrupted before this task ran
+                message = f"the {why} before this task ran ({message})"
+            kind = {"Cancelled": Cancelled, "Crashed": Crashed}.get(end, Failed)
+            failed: Any = kind(message=message, data=exc)
             state, _ = job.ctx.copy().run(
                 report_state, failed, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 0.0
             )

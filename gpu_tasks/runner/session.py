@@ -71,6 +71,7 @@ class Live:
         self._written_lock = threading.Lock()
         self.lock = threading.Lock()
         self.stop = threading.Event()
+        self.tasks_end = ("Failed", "")  # see :meth:`close`
         self.executor = concurrent.futures.ThreadPoolExecutor(
             max_workers=4, thread_name_prefix="gpu-tasks-dispatch"
         )
@@ -323,9 +324,12 @@ class Live:
         """``fn(*args)`` in the flow run's context as it was when the runner started (any thread)."""
         return self.ctx.copy().run(fn, *args)
 
-    def close(self, reason: str, hurry: bool = False) -> None:
+    def close(self, reason: str, hurry: bool = False, tasks_end: str = "Failed") -> None:
+        """Close every profile; ``tasks_end``: the state of a task run that had not run by then
+        (``Cancelled`` when the flow run is cancelled, ``Crashed`` when it is interrupted)."""
         _ENTERED.discard(self)
         try:
+            self.tasks_end = (tasks_end, reason)  # before the stop: a dispatch that sees it reads this
             self.stop.set()
             if hurry:  # a plain script's ephemeral server dies with the Ctrl-C that stopped its flow
                 self.api_down = api_unreachable()

@@ -190,10 +190,13 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
                 states = list(self._live.states.values()) if self._live is not None else []  # sizes only
                 on_interrupt(sum(len(st.inflight) for st in states), [st.profile.name for st in states])
             reason = "flow run ended" if exc_type is None else f"flow run ended with {exc_type.__name__}"
+            # a task run that had not run (waiting for devices) ends as its flow run: Failed it read as an
+            # error of its own (a new-user pass cancelled a run and counted it among the failures)
+            tasks_end = "Failed" if exc_type is None or issubclass(exc_type, Exception) else "Crashed"
             if exc_type is not None and issubclass(exc_type, TerminationSignal) and self._was_cancelled():
-                reason = "flow run cancelled"
+                reason, tasks_end = "flow run cancelled", "Cancelled"
             with held_while_closing():  # a Ctrl-C half-way through the close left warm processes running
-                self._shutdown(reason, hurry=exc_type is not None)
+                self._shutdown(reason, hurry=exc_type is not None, tasks_end=tasks_end)
         finally:
             super().__exit__(exc_type, exc_value, traceback)
 
@@ -202,11 +205,11 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         live = self._live
         return live is not None and live.api_answers() and live.cancelled()
 
-    def _shutdown(self, reason: str, hurry: bool = False) -> None:
+    def _shutdown(self, reason: str, hurry: bool = False, tasks_end: str = "Failed") -> None:
         live, self._live, self._admission = self._live, None, None
         _LIVE_RUNNERS.discard(self)
         if live is not None:
-            live.close(reason, hurry=hurry)
+            live.close(reason, hurry=hurry, tasks_end=tasks_end)
             self._last_ledger = list(live.ledger)
             remember_ended(live.flow_run_id, self._last_ledger)
             if not hurry or live.api_answers():  # not to a server gone with the Ctrl-C (a minute of retries)

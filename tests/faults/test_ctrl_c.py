@@ -301,6 +301,73 @@ def test_ctrl_c_on_a_flow_script_mid_gpu_task(tmp_path: Path, prefect_server):
     assert not {n: s for n, s in task_states.items() if s in {"RUNNING", "PENDING"}}, task_states
 
 
+WAITING_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from prefect import flow, task
+    from prefect.context import FlowRunContext, TaskRunContext
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    READY = Path(sys.argv[1])
+
+    @task(tags=[profile("gpu")])
+    def long_gpu_task():
+        READY.write_text(str(TaskRunContext.get().task_run.flow_run_id))
+        time.sleep(300)
+
+    @task(tags=[profile("other")])
+    def never_gets_devices():
+        time.sleep(300)
+
+    PROFILES = [ResourceProfile(name="gpu", gpus=2), ResourceProfile(name="other", gpus=2)]
+
+    @flow(task_runner=ProfileTaskRunner(profiles=PROFILES))
+    def interrupted():
+        running = long_gpu_task.submit()
+        while not READY.exists():
+            time.sleep(0.05)
+        waiting = never_gets_devices.submit()  # both devices are held: it waits for them
+        while not FlowRunContext.get().task_runner.status()["other"]["outstanding"]:
+            time.sleep(0.05)
+        time.sleep(1.5)  # into the device queue
+        (READY.parent / "waiting").write_text("")
+        running.result(), waiting.result()
+
+    if __name__ == "__main__":
+        interrupted()
+    """
+)
+
+
+def test_ctrl_c_while_a_task_waits_for_devices_ends_it_crashed_not_failed(tmp_path: Path, prefect_server):
+    """A task still waiting for devices when its flow run is interrupted ends ``Crashed`` with the
+    flow run, saying it never ran: it ended ``Failed`` ("the runner stopped while waiting for
+    devices"), an error of its own to a user or an automation counting failures (a new-user pass,
+    for a cancel: ``Cancelled`` there)."""
+    from prefect_api import api
+
+    proc, marker, ready = _one_gpu_task_running(tmp_path, WAITING_SCRIPT)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "waiting").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, _tail(tmp_path)
+            time.sleep(0.1)
+        ctrl_c(proc)
+        survivors = _survivors(marker, proc.pid)
+    finally:
+        _cleanup(proc, marker)
+    assert not survivors, f"processes outlived the interrupted flow: {survivors}"
+    flow_run_id = ready.read_text()
+    flow_state, states = _final_states(flow_run_id)
+    assert flow_state in ENDED, (flow_state, _tail(tmp_path))
+    _, runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [flow_run_id]}}})
+    [waited] = [r for r in runs if r["name"].startswith("never_gets_devices")]
+    assert waited["state_type"] == "CRASHED", (waited["state"], _tail(tmp_path))
+    message = waited["state"]["message"]
+    assert "the flow run ended with KeyboardInterrupt before this task ran" in message, message
+
+
 SLOT_SCRIPT = textwrap.dedent(
     """
     import sys, time
