@@ -158,7 +158,9 @@ class ManagedCluster(RemoteCluster):
     no_workers_hint = (
         "its workers may have failed to start: the cluster manager logs why (a class that starts them in "
         "this process, such as LocalCluster, in the flow run's output; dask-jobqueue in the jobs' output "
-        "files), else check that they can reach the scheduler"
+        "files), else check that they can reach the scheduler. A class that starts them in this process "
+        "spawns them, and each re-imports the script that started the flow: call the flow under "
+        '`if __name__ == "__main__":`'
     )
 
     def _await_workers(self, deadline: float) -> None:

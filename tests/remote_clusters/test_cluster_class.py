@@ -294,3 +294,51 @@ def test_a_gang_starts_all_of_its_workers_before_its_first_task(prefect_server):
         return first.submit().result()
 
     assert gang_flow() == 2  # both workers were up when the first task ran
+
+
+NO_GUARD = """
+from prefect import flow, task
+from gpu_tasks import ProfileTaskRunner, ResourceProfile
+
+LOCAL = ResourceProfile(
+    name="lc", gpus=1, max_workers=1, cluster_class="distributed.LocalCluster",
+    cluster_kwargs={"n_workers": 0, "threads_per_worker": 1, "dashboard_address": None,
+                    "host": "127.0.0.1", "resources": {"GPU": 1}},
+)
+
+@task(tags=["profile:lc"])
+def one():
+    return 1
+
+@flow(task_runner=ProfileTaskRunner(profiles=[LOCAL]))
+def unguarded():
+    return one.submit().result()
+
+try:
+    unguarded()  # no `if __name__ == "__main__":`: each spawned worker process runs this again
+except Exception as exc:
+    print("ERROR", exc, flush=True)
+"""
+
+
+def test_a_local_cluster_class_in_a_script_without_a_main_guard_names_the_guard(prefect_server, tmp_path):
+    """A LocalCluster's worker processes are spawned and re-import the script: without a `__main__`
+    guard none joins, and the error named only the cluster manager's logs and the network (a new-user
+    pass saw "fix cluster_kwargs" on another path); it now names the guard."""
+    import uuid
+
+    from faults._procs import kill_marked, run_flow_script, wait_gone
+    from prefect.settings import get_current_settings
+
+    marker = uuid.uuid4().hex
+    url = str(get_current_settings().api.url)
+    try:
+        out = run_flow_script(
+            tmp_path, "unguarded.py", NO_GUARD, marker, url, 180, GPU_TASKS_PROVISION_TIMEOUT="15"
+        )
+        wait_gone(marker, timeout=10)
+    finally:
+        kill_marked(marker)
+    lines = [x for x in out.stdout.splitlines() if x.startswith("ERROR ")]
+    assert lines, out.stdout[-2000:] + out.stderr[-2000:]
+    assert 'if __name__ == "__main__":' in lines[0] and "re-imports the script" in lines[0], lines[0]
