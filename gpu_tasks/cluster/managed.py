@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import logging
+import re
 import time
 from typing import Any
 
@@ -146,21 +147,35 @@ class ManagedCluster(RemoteCluster):
             raise
 
     def _kwargs_error(self, exc: BaseException, what: str) -> ClusterError:
-        # TypeError or ValueError for arguments the class (or its workers) do not take; anything else its own
-        name, rejected = self.profile.cluster_class, isinstance(exc, (TypeError, ValueError))
+        # TypeError or ValueError for arguments the class (or its workers) do not take, naming the
+        # unexpected ones where the error does; anything else its own
+        name, kwargs = self.profile.cluster_class, self.profile.cluster_kwargs
+        if isinstance(exc, (TypeError, ValueError)):
+            unexpected = set(re.findall(r"unexpected keyword argument '(\w+)'", str(exc)))
+            named = sorted(unexpected & set(kwargs)) or sorted(kwargs)
+            return ClusterError(
+                f"profile {self.profile.name!r}: {what} rejected cluster_kwargs {named}: "
+                f"{type(exc).__name__}: {exc}; fix cluster_kwargs to match {name}'s arguments"
+            )
+        from distributed import LocalCluster
+
+        spawns = self.manager is not None and isinstance(self.manager, LocalCluster)
+        with contextlib.suppress(ClusterError):
+            spawns = spawns or issubclass(load_cluster_class(self.profile), LocalCluster)
         return ClusterError(
-            f"profile {self.profile.name!r}: {what} "
-            + (f"rejected cluster_kwargs {sorted(self.profile.cluster_kwargs)}" if rejected else "failed")
-            + f": {type(exc).__name__}: {exc}; fix cluster_kwargs to match {name}'s arguments"
-            + ("" if rejected else " or the cluster manager's configuration")
+            f"profile {self.profile.name!r}: {what} failed: {type(exc).__name__}: {exc}; "
+            + (f"{self.guard_hint}, else " if spawns else "")
+            + f"fix cluster_kwargs to match {name}'s arguments or the cluster manager's configuration"
         )
 
+    guard_hint = (
+        "a class that starts its workers in this process (LocalCluster) spawns them, and each re-imports "
+        'the script that started the flow: call the flow under `if __name__ == "__main__":`'
+    )
     no_workers_hint = (
         "its workers may have failed to start: the cluster manager logs why (a class that starts them in "
         "this process, such as LocalCluster, in the flow run's output; dask-jobqueue in the jobs' output "
-        "files), else check that they can reach the scheduler. A class that starts them in this process "
-        "spawns them, and each re-imports the script that started the flow: call the flow under "
-        '`if __name__ == "__main__":`'
+        f"files), else check that they can reach the scheduler. {guard_hint[0].upper()}{guard_hint[1:]}"
     )
 
     def _await_workers(self, deadline: float) -> None:

@@ -209,7 +209,7 @@ def _fails(prof: ResourceProfile) -> BaseException:
         ("dask_nowhere.SLURMCluster", {}, "cannot be imported"),
         ("dask_jobqueue.NoSuchCluster", {}, "has no 'NoSuchCluster'"),
         ("collections.OrderedDict", {}, "is not a Dask cluster class"),
-        (JOBQUEUE, {"bogus": 1}, "rejected cluster_kwargs"),
+        (JOBQUEUE, {"bogus": 1, "cores": 1}, "rejected cluster_kwargs ['bogus']: ValueError"),
     ],
 )
 def test_bad_cluster_class_or_kwargs_is_a_clear_error(
@@ -219,9 +219,15 @@ def test_bad_cluster_class_or_kwargs_is_a_clear_error(
     assert says in str(_fails(prof))
 
 
-@pytest.mark.parametrize("bad", [{"bogus_kw": 1}, {"threads_per_worker": "abc"}])
+@pytest.mark.parametrize(
+    ("bad", "named"),
+    [
+        ({"bogus_kw": 1}, "['bogus_kw']"),
+        ({"threads_per_worker": "abc"}, "['dashboard_address', 'host', 'n_workers', 'threads_per_worker']"),
+    ],
+)
 def test_cluster_kwargs_its_workers_reject_fail_at_once_naming_them(
-    prefect_server, no_leaked_processes, monkeypatch, bad
+    prefect_server, no_leaked_processes, monkeypatch, bad, named
 ):
     """distributed.LocalCluster hands kwargs it does not take to its workers, which fail to start:
     the error names them at once, not after GPU_TASKS_PROVISION_TIMEOUT."""
@@ -233,7 +239,7 @@ def test_cluster_kwargs_its_workers_reject_fail_at_once_naming_them(
     started = time.monotonic()
     error = str(_fails(prof))
     assert time.monotonic() - started < 30
-    assert "LocalCluster's worker rejected cluster_kwargs [" in error and "TypeError" in error, error
+    assert f"LocalCluster's worker rejected cluster_kwargs {named}: TypeError" in error, error
 
 
 def test_workers_without_gpu_resources_fail_at_start_up_with_the_fix(prefect_server, no_leaked_processes):
@@ -321,10 +327,14 @@ except Exception as exc:
 """
 
 
-def test_a_local_cluster_class_in_a_script_without_a_main_guard_names_the_guard(prefect_server, tmp_path):
+@pytest.mark.parametrize("n_workers", [0, 1], ids=["scaled", "in_cluster_kwargs"])
+def test_a_local_cluster_class_in_a_script_without_a_main_guard_names_the_guard(
+    prefect_server, tmp_path, n_workers
+):
     """A LocalCluster's worker processes are spawned and re-import the script: without a `__main__`
-    guard none joins, and the error named only the cluster manager's logs and the network (a new-user
-    pass saw "fix cluster_kwargs" on another path); it now names the guard."""
+    guard none joins, and the error named only the cluster manager's logs and the network; with
+    workers asked for in cluster_kwargs, the class itself timed out and the error said "fix
+    cluster_kwargs" (new-user passes). Both now name the guard."""
     import uuid
 
     from faults._procs import kill_marked, run_flow_script, wait_gone
@@ -334,7 +344,13 @@ def test_a_local_cluster_class_in_a_script_without_a_main_guard_names_the_guard(
     url = str(get_current_settings().api.url)
     try:
         out = run_flow_script(
-            tmp_path, "unguarded.py", NO_GUARD, marker, url, 180, GPU_TASKS_PROVISION_TIMEOUT="15"
+            tmp_path,
+            "unguarded.py",
+            NO_GUARD.replace('"n_workers": 0', f'"n_workers": {n_workers}'),
+            marker,
+            url,
+            180,
+            GPU_TASKS_PROVISION_TIMEOUT="15",
         )
         wait_gone(marker, timeout=10)
     finally:
