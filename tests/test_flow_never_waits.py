@@ -247,6 +247,57 @@ def test_one_gpu_profiles_result_lands_while_another_waits_for_devices(tmp_path,
     assert sorted(devices) == ["0", "1"]
 
 
+def _listening_pool_processes() -> list[int]:
+    """This process's warm-pool processes (forked by its fork server) that listen: schedulers."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if "forkserver" in " ".join(proc.cmdline()) and any(
+                c.status == psutil.CONN_LISTEN for c in proc.net_connections("tcp")
+            ):
+                found.append(proc.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+def test_a_scheduler_killed_while_its_profile_waits_for_a_device_is_replaced(
+    tmp_path, lease_dir, monkeypatch
+):
+    """A profile's scheduler starts before its lease, so it can die while the profile waits (killed,
+    out of memory). Its workers then waited for it until the provision timeout and the task failed
+    (a cancel's SIGTERM to the process group held a closing flow process that long, until Prefect's
+    SIGKILL); now another scheduler starts after the lease and the task runs."""
+    import os
+    import signal
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    monkeypatch.setenv("GPU_TASKS_PROVISION_TIMEOUT", "20")  # the old code's failure, sooner
+    holder = Holder(tmp_path, lease_dir, "0")
+    killed: list[int] = []
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def scheduler_dies_while_waiting() -> list[str]:
+        from gpu_tasks.devices import leases
+
+        waiting = on_gpu.submit(0)
+        _until(lambda: any(w.get("profile") == "gpu" for w in leases.waiters()), "the profile to queue")
+        _until(lambda: bool(_listening_pool_processes()), "its scheduler process")
+        [pid] = _listening_pool_processes()
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+        holder.release()
+        return waiting.result(timeout=HOLD_S)
+
+    try:
+        devices = scheduler_dies_while_waiting()
+    finally:
+        holder.release()
+    assert killed and devices == ["0"]
+
+
 def test_the_cache_check_finds_a_cached_result_in_an_async_flow(tmp_path):
     """The check made before a device is leased gets the task's result store from Prefect's public
     ``update_for_task``, which returns a coroutine in an async flow's context: it is run on the

@@ -362,3 +362,16 @@ def test_higher_priority_profile_of_one_run_gets_the_device_first(tmp_path, leas
 
     busy, low, high = f()
     assert busy["end"] <= high["start"] < high["end"] <= low["start"], (busy, low, high)
+
+
+def test_a_book_whose_runner_stops_grants_no_device_even_a_free_one(lease_dir):
+    """A grant once the runner stops would start workers for a closing flow process (a cancel whose
+    SIGTERM had also killed the profile's scheduler held the close until Prefect's SIGKILL): a
+    waiting acquire raises, a non-blocking one gets nothing, and the device stays free."""
+    stop = threading.Event()
+    book = DeviceBook(lease_dir=lease_dir, lease_timeout=60, stop=stop)
+    stop.set()
+    with pytest.raises(ClusterError, match="the runner stopped while waiting for devices"):
+        book.acquire("late", [DEV0], 1, block=True)
+    assert book.acquire("late", [DEV0], 1, block=False) == []
+    assert book.holders.get("0") is None and leases.holders(lease_dir, ["0"]) == {"0": None}

@@ -180,6 +180,10 @@ class Backend:
         """``(name, address)`` of workers whose process ended ``grace`` s ago unclosed (missed a TTL)."""
         return []
 
+    def scheduler_gone(self) -> bool:
+        """Whether its scheduler's process ended unclosed (killed while the profile waited for devices)."""
+        return bool(getattr(getattr(getattr(self, "cluster", None), "scheduler", None), "gone", False))
+
     def processing(self, names: list[str]) -> set[str] | None:
         """Keys of the tasks handed to the workers ``names`` (``None``: cannot tell)."""
         return None

@@ -165,6 +165,14 @@ class ProfileCluster:
                 backend.close()
             raise
         specs = [self._spec(i, g) for i, g in enumerate(groups)]
+        if backend is not None and backend.scheduler_gone():  # its workers would wait for it to time out
+            logger.warning(
+                "profile %r: its scheduler process ended while the profile waited for devices (killed, "
+                "or out of memory); starting another",
+                self.profile.name,
+            )
+            backend.close()
+            backend = None
         self._say_wiring(groups)
         acquired = time.time()  # devices are held from here: start-up time counts as held
         t0 = time.monotonic()

@@ -110,6 +110,10 @@ class DeviceBook:
         log = _WaitLog(self, owner, priority, sorted(wanted))
         try:
             while True:
+                if self.stop.is_set() and n > 0:  # a grant now would start workers for a closing runner
+                    if not block:
+                        return []
+                    raise ClusterError(f"profile {owner!r}: the runner stopped while waiting for devices")
                 usage = self._usage()  # the teams' decayed usage, read outside the lock
                 with self.cond:
                     free, foreign, first = self._take_free(owner, groups, n, me, usage)
@@ -132,8 +136,6 @@ class DeviceBook:
                     return []
                 with self.cond:
                     held_by = {self.holders[a] for a in wanted if self.holders.get(a) not in (None, owner)}
-                if self.stop.is_set():
-                    raise ClusterError(f"profile {owner!r}: the runner stopped while waiting for devices")
                 if waiter is None:
                     waiter = self._enqueue(owner, me)
                 now = time.monotonic()

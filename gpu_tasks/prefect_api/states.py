@@ -118,11 +118,14 @@ def crash_task_run(
     message: str,
     tags: set[str] | None = None,
     wait: float = 1.5,
+    cancelled: bool = False,
 ) -> tuple[Any, Any]:
-    """Report the task run ``Crashed`` with ``message`` (:func:`report_state`)."""
-    from prefect.states import Crashed
+    """Report the task run ``Crashed`` with ``message`` (:func:`report_state`); ``Cancelled`` where
+    it stopped because its flow run was cancelled (a user's cancel is no crash)."""
+    from prefect.states import Cancelled, Crashed
 
-    return report_state(Crashed(message=message), task_run_id, task, flow_run_id, tags, wait)
+    state: Any = (Cancelled if cancelled else Crashed)(message=message)
+    return report_state(state, task_run_id, task, flow_run_id, tags, wait)
 
 
 PREEMPTED = "Preempted"  # the name of a preempted task run's Scheduled state

@@ -101,6 +101,7 @@ class Controller:
             if (
                 idle.running
                 and idle.outstanding == 0
+                and not self.live.ending  # its close says why; the waiter gets nothing then
                 # for a profile that runs already, only after a while: not between two tasks of a sequence
                 and (
                     not event.growing

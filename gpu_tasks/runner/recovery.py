@@ -149,10 +149,12 @@ def worker_died(results: Results, job: Job, lost: LostWorker, how: str, row: Led
         )
         _again(results, job, 0.0, None)
         return
-    state, task_run = crash_task_run(job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags)
+    state, task_run = crash_task_run(
+        job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags, cancelled=cancelled
+    )
     if cancelled:  # never retried: the run is ending
         flow_logger().warning(
-            "Task run %s crashed: %s", getattr(task_run, "name", None) or job.task.name, message
+            "Task run %s cancelled: %s", getattr(task_run, "name", None) or job.task.name, message
         )
         results.finish(job, result=state)
         return

@@ -320,6 +320,11 @@ class Live:
             self._cancelled = bool(self.in_run_context(_being_cancelled, self.flow_run_id))
         return self._cancelled
 
+    @property
+    def ending(self) -> bool:
+        """Whether the runner stops, or its flow run is known to be cancelled: no device changes hands."""
+        return self.stop.is_set() or self._cancelled
+
     def in_run_context(self, fn: Callable[..., Any], *args: Any) -> Any:
         """``fn(*args)`` in the flow run's context as it was when the runner started (any thread)."""
         return self.ctx.copy().run(fn, *args)
@@ -419,8 +424,9 @@ class Live:
                 self._send(emit_right_size, profile, line, measured, self.run)
 
     def _crash_unfinished(self, jobs: list[Job], reason: str, hurry: bool) -> None:
-        """Report task runs still running at the close ``Crashed`` (API gone: set here, named in one line)."""
-        from prefect.states import Crashed
+        """Report task runs still running at the close ``Crashed``, or ``Cancelled`` with a cancelled flow
+        run (API gone: set here, named in one line)."""
+        from prefect.states import Cancelled, Crashed
 
         from gpu_tasks.prefect_api.states import crash_task_run
 
@@ -428,6 +434,7 @@ class Live:
             j for j in jobs if not (j.cf.done() and not j.cf.cancelled() and j.cf.exception() is None)
         ]
         down = (self.api_down or api_unreachable()) if unfinished else None
+        cancelled = self.tasks_end[0] == "Cancelled"
         unreported: list[Job] = []
         for i, job in enumerate(unfinished):  # the others finished while the clusters closed
             prof, cluster = job.profile, job.st.cluster
@@ -450,11 +457,12 @@ class Live:
                         message,
                         tags=job.tags,
                         wait=0.0 if i else 1.0,
+                        cancelled=cancelled,
                     )
                 logger.warning("task run %s of profile %r: %s", job.task_run_id, prof.name, message)
             else:
                 unreported.append(job)
-                state = Crashed(message=message)
+                state = (Cancelled if cancelled else Crashed)(message=message)
                 state.state_details.task_run_id = job.task_run_id
                 state.state_details.flow_run_id = self.flow_run_id
             if not job.cf.done():
