@@ -116,11 +116,17 @@ def test_a_cpu_task_runs_while_the_flows_gpu_tasks_wait_for_a_device(tmp_path, l
         )
     )
     def waits_for_a_device() -> list[list[str]]:
+        from prefect.context import FlowRunContext
+
         from gpu_tasks.devices import leases
 
         first = on_gpu.submit(0)
         # the profile's thread is waiting for the device now (queued behind the holder)
         _until(lambda: any(w.get("profile") == "gpu" for w in leases.waiters()), "the profile to queue")
+        # and the server has its task run, Pending, saying why (before, none until it started)
+        _until(lambda: _state_of(first.task_run_id) is not None, "the waiting task run on the server")
+        seen["while waiting"] = _state_of(first.task_run_id)
+        seen["run"] = FlowRunContext.get().flow_run.id
         more = [on_gpu.submit(i) for i in (1, 2)]
         cpu = on_cpu.submit(41)
         seen["cpu"] = cpu.result(timeout=HOLD_S)
@@ -133,8 +139,30 @@ def test_a_cpu_task_runs_while_the_flows_gpu_tasks_wait_for_a_device(tmp_path, l
         devices = waits_for_a_device()
     finally:
         holder.release()
+    state_type, message = seen.pop("while waiting")
+    assert state_type == "PENDING" and message.startswith("Waiting for devices: device 0 is held by"), message
+    # the engine's states followed on the same task runs: one each, all Completed
+    from prefect_api import api
+
+    _, runs = api("POST", "/task_runs/filter", json={"flow_runs": {"id": {"any_": [str(seen.pop("run"))]}}})
+    assert sorted((r["name"].rsplit("-", 1)[0], r["state_type"]) for r in runs) == [
+        ("on_cpu", "COMPLETED"),
+        *[("on_gpu", "COMPLETED")] * 3,
+    ], runs
     assert seen == {"cpu": 42, "holding after the cpu task": True, "gpu done before release": False}
     assert devices == [["0"]] * 3
+
+
+def _state_of(task_run_id) -> tuple[str, str] | None:
+    """The server's state type and message of a task run (``None``: it has no such task run)."""
+    from prefect.client.orchestration import get_client
+
+    try:
+        with get_client(sync_client=True) as client:
+            state = client.read_task_run(task_run_id).state
+    except Exception:
+        return None
+    return None if state is None else (state.type.value, state.message or "")
 
 
 def test_a_cache_hit_returns_while_its_profile_waits_for_a_device(tmp_path, lease_dir, monkeypatch):

@@ -534,7 +534,8 @@ class DeviceBook:
         lease = get_settings().quota_lease_seconds
         return (
             f"{use}; none held by a running flow run on this host (a killed flow run's slots free when "
-            f"their lease ends, within {lease:g}s: GPU_TASKS_TUNE_QUOTA_LEASE_SECONDS)"
+            f"their lease ends: GPU_TASKS_TUNE_QUOTA_LEASE_SECONDS, {lease:g}s, and the Prefect server's "
+            "next sweep of expired leases, about 15 s more)"
         )
 
     def holders_text(self, addresses: list[str], held_only: bool = False) -> str:

@@ -181,7 +181,7 @@ def why_waiting(view: WaitView, now: float) -> WaitReason:
         more = f" and {len(view.ahead) - 1} more" if len(view.ahead) > 1 else ""
         return WaitReason(
             "queued",
-            f"queued behind {first.who()} (priority {first.priority}){more}, which rank(s) first",
+            f"queued behind {first.who()} (effective priority {first.priority}){more}, which rank(s) first",
             holder=holder,
         )
     others = [h for h in view.holders if h.profile != view.profile or not h.local]

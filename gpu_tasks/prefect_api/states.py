@@ -78,7 +78,6 @@ def read_task_run(
     task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str], wait: float
 ) -> Any:
     """The task run as the server knows it, else as the engine would have made it."""
-    from prefect.client.schemas.objects import TaskRun
     from prefect.states import Running
 
     from gpu_tasks.prefect_api.api import sync_client
@@ -99,6 +98,15 @@ def read_task_run(
     if run is not None:
         run.run_count = max(int(run.run_count or 0), 1)  # it ran (its Running event may be in flight)
         return run
+    return _local_task_run(task_run_id, task, flow_run_id, tags, 1, Running())
+
+
+def _local_task_run(
+    task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str], runs: int, state: Any
+) -> Any:
+    """The task run as the engine would make it, before the server has it."""
+    from prefect.client.schemas.objects import TaskRun
+
     return TaskRun(
         id=task_run_id,
         name=f"{task.name}-{task_run_id.hex[:3]}",
@@ -106,8 +114,24 @@ def read_task_run(
         task_key=getattr(task, "task_key", task.name),
         dynamic_key=task_run_id.hex,
         tags=sorted(tags),
-        run_count=1,
-        state=Running(),
+        run_count=runs,
+        state=state,
+    )
+
+
+def pending_task_run(
+    task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str], message: str
+) -> None:
+    """Record a task run that has not started ``Pending`` with ``message`` (why it waits): the server
+    knows a task run only once its engine starts on a worker, so a task waiting for devices had no
+    page to open in the UI. The engine's own states follow on the same task run."""
+    from prefect.states import Pending
+
+    _emit(
+        _local_task_run(task_run_id, task, flow_run_id, tags, 0, None),
+        None,
+        Pending(message=message),
+        flow_run_id,
     )
 
 

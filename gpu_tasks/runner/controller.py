@@ -357,6 +357,7 @@ class Controller:
         keys = None if cluster.whole_stop(names) else cluster.running_keys(names)
         if keys is None:  # the whole cluster stops (or Dask cannot tell which ran where)
             names = [s.name for s in cluster.specs]
+            addresses = list(cluster.devices)  # a gang's every device, not only those asked for
         else:
             jobs = [j for j in jobs if j.key in keys]
         for j in jobs:

@@ -144,8 +144,9 @@ class Results:
         try:
             message = f"{type(exc).__name__}: {exc}"
             end, why = self.live.tasks_end if self.live.stop.is_set() else ("Failed", "")
-            if end != "Failed":  # the flow run was cancelled or interrupted before this task ran
-                message = f"the {why} before this task ran ({message})"
+            if end != "Failed":  # the flow run was cancelled or interrupted before this task (re)ran
+                again = " again" if job.task_run is not None else ""  # preempted, or a crash's retry
+                message = f"the {why} before this task ran{again} ({message})"
             kind = {"Cancelled": Cancelled, "Crashed": Crashed}.get(end, Failed)
             failed: Any = kind(message=message, data=exc)
             state, _ = job.ctx.copy().run(

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from gpu_tasks.devices import wait_reasons
 from gpu_tasks.devices.wait_reasons import Throttle, WaitReason
+from gpu_tasks.prefect_api.states import pending_task_run
 from gpu_tasks.reporting.logs import task_run_log
 
 if TYPE_CHECKING:
@@ -59,6 +60,16 @@ class WaitReporter:
     def _tell(self, job: Job, told: _Told, reason: WaitReason, waited: float) -> None:
         if told.log is None:
             told.log = task_run_log(job.task_run_id, self.live.flow_run_id, job.task.name, self.live.run.name)
+            if job.task_run is None:  # not started yet: the server has no such task run
+                with contextlib.suppress(Exception):  # a record is a courtesy: the wait goes on
+                    self.live.in_run_context(
+                        pending_task_run,
+                        job.task_run_id,
+                        job.task,
+                        self.live.flow_run_id,
+                        job.tags,
+                        f"Waiting for devices: {reason.text}",
+                    )
         try:
             told.log.info("Waiting for devices (%.0fs so far): %s", waited, reason.text)
         except Exception:  # a log line is a courtesy: the wait goes on
