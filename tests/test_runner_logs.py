@@ -118,11 +118,18 @@ SCRIPT = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize(("dask_level", "warm"), [(None, None), ("info", None), (None, "0")])
-def test_plain_script_run_logs_and_dask_chatter(tmp_path: Path, dask_level: str | None, warm: str | None):
+@pytest.mark.parametrize(
+    ("dask_level", "warm", "extra_loggers"),
+    [(None, None, None), ("info", None, None), (None, "0", None), (None, None, "gpu_tasks")],
+)
+def test_plain_script_run_logs_and_dask_chatter(
+    tmp_path: Path, dask_level: str | None, warm: str | None, extra_loggers: str | None
+):
     """A plain script on Prefect's default ephemeral API, as a user runs it: the runner's lines are
     in the terminal once and in the flow run's logs once; Dask's INFO lines only when asked for, from
-    warm workers and from nanny-started ones (``warm`` 0) alike."""
+    warm workers and from nanny-started ones (``warm`` 0) alike. With PREFECT_LOGGING_EXTRA_LOGGERS
+    naming gpu_tasks, Prefect's own handler dropped the lines of the runner's threads (no flow run
+    context there), each with a UserWarning (a new-user pass): they still reach the run once."""
     from faults._procs import clean_env, db_rows, kill_marked, wait_gone
 
     marker = uuid.uuid4().hex
@@ -131,6 +138,8 @@ def test_plain_script_run_logs_and_dask_chatter(tmp_path: Path, dask_level: str 
     extra = {"GPU_TASKS_TUNE_DASK_LOG_LEVEL": dask_level} if dask_level else {}
     if warm is not None:
         extra["GPU_TASKS_TUNE_WARM_WORKERS"] = warm
+    if extra_loggers is not None:
+        extra["PREFECT_LOGGING_EXTRA_LOGGERS"] = extra_loggers
     env = clean_env(marker, PREFECT_HOME=str(home), GPU_TASKS_EMULATED_GPUS="1", **extra)
     try:
         proc = subprocess.run(
@@ -143,6 +152,7 @@ def test_plain_script_run_logs_and_dask_chatter(tmp_path: Path, dask_level: str 
     finally:
         kill_marked(marker)
     out = proc.stdout + proc.stderr
+    assert "without a flow run id" not in out, out[-3000:]
     lines = {
         "gpu-tasks is EMULATING devices": "WARNING",
         "profile 'gpu': provisioned 1 worker(s)": "INFO",

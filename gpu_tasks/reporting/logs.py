@@ -54,6 +54,26 @@ def task_run_log(
     )
 
 
+def _attributable(record: logging.LogRecord) -> bool:
+    """Whether Prefect's own API handler can name the record's flow run (its thread's run context)."""
+    from prefect.context import FlowRunContext, TaskRunContext
+
+    return (
+        getattr(record, "flow_run_id", None) is not None
+        or FlowRunContext.get() is not None
+        or TaskRunContext.get() is not None
+    )
+
+
+class _PrefectCanSend(logging.Filter):
+    """On Prefect's API handler of the ``gpu_tasks`` logger (``PREFECT_LOGGING_EXTRA_LOGGERS``): the
+    records of the runner's threads carry no run context, and Prefect dropped them with a
+    ``UserWarning``; they are left to :class:`RunLogs`, which names their flow run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _attributable(record)
+
+
 class RunLogs(logging.Handler):
     """Sends ``gpu_tasks.*`` records to the Prefect API as the flow run's logs (one per process). A record
     goes to its thread's flow run, else to the only entered one (runner threads carry no context)."""
@@ -79,6 +99,11 @@ class RunLogs(logging.Handler):
                 me = cls._instance = cls()
                 me.api = APILogHandler()
                 logging.getLogger(_ROOT).addHandler(me)
+            for handler in logging.getLogger(_ROOT).handlers:  # PREFECT_LOGGING_EXTRA_LOGGERS names us
+                if isinstance(handler, me.api.__class__) and not any(
+                    isinstance(f, _PrefectCanSend) for f in handler.filters
+                ):
+                    handler.addFilter(_PrefectCanSend())
             if me.saved_levels is None:
                 me.saved_levels = {}
                 me.dask_level = dask_level
@@ -129,10 +154,10 @@ class RunLogs(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         from prefect.context import FlowRunContext
-        from prefect.logging.handlers import APILogHandler
 
-        if any(isinstance(h, APILogHandler) for h in logging.getLogger(_ROOT).handlers):
-            return  # PREFECT_LOGGING_EXTRA_LOGGERS names gpu_tasks: Prefect sends them already
+        prefects = [h for h in logging.getLogger(_ROOT).handlers if isinstance(h, self.api.__class__)]
+        if prefects and _attributable(record):
+            return  # PREFECT_LOGGING_EXTRA_LOGGERS names gpu_tasks: Prefect sends this one already
         current = FlowRunContext.get()
         run_id = current.flow_run.id if current is not None and current.flow_run is not None else None
         # no lock: enter() takes it before logging's own, which may be held here; a dict copy is atomic
