@@ -149,6 +149,7 @@ def test_a_cpu_task_runs_while_the_flows_gpu_tasks_wait_for_a_device(tmp_path, l
         ("on_cpu", "COMPLETED"),
         *[("on_gpu", "COMPLETED")] * 3,
     ], runs
+    assert all("gpu:0" in r["tags"] for r in runs if r["name"].startswith("on_gpu")), runs
     assert seen == {"cpu": 42, "holding after the cpu task": True, "gpu done before release": False}
     assert devices == [["0"]] * 3
 

@@ -97,6 +97,7 @@ def read_task_run(
         run = None
     if run is not None:
         run.run_count = max(int(run.run_count or 0), 1)  # it ran (its Running event may be in flight)
+        run.tags = sorted(set(run.tags or ()) | tags)  # a worker that died at once sent none of its own
         return run
     return _local_task_run(task_run_id, task, flow_run_id, tags, 1, Running())
 

@@ -10,7 +10,7 @@ from typing import Any
 
 from prefect.states import Scheduled
 
-from gpu_tasks.allocation import ESCALATED_TAG
+from gpu_tasks.allocation import ESCALATED_TAG, Allocation
 from gpu_tasks.prefect_api.states import (
     PREEMPTED,
     await_retry,
@@ -149,8 +149,13 @@ def worker_died(results: Results, job: Job, lost: LostWorker, how: str, row: Led
         )
         _again(results, job, 0.0, None)
         return
+    # the devices it held: its worker, dead within a second, may have sent no state with them
+    tags = (
+        job.tags
+        | Allocation(profile=prof.name, devices=tuple(devices), emulated=st.cluster.emulated).placement_tags()
+    )
     state, task_run = crash_task_run(
-        job.task_run_id, job.task, live.flow_run_id, message, tags=job.tags, cancelled=cancelled
+        job.task_run_id, job.task, live.flow_run_id, message, tags=tags, cancelled=cancelled
     )
     if cancelled:  # never retried: the run is ending
         flow_logger().warning(

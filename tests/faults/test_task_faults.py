@@ -83,6 +83,10 @@ def test_persistent_worker_death_ends_crashed_with_profile_device_worker_and_exi
     assert run["state_type"] == "CRASHED" and "exited with status 3" in run["state"]["message"], run
     assert run["run_count"] == 1  # Dask did not re-run it behind Prefect's back
     assert [r.reason for r in ledger if r.reason.startswith("worker crashed")]
+    # tagged with the device it died on, as a run that ends otherwise: its worker, dead at once, sent
+    # no state with them, and the UI's filter by device missed exactly the crashed runs (a new-user pass)
+    device = state.message.split("device(s) ")[1].split(" ")[0]
+    assert {"profile:gpu", f"gpu:{device}", "gpu-tasks:emulated"} <= set(run["tags"]), run["tags"]
 
 
 def test_every_task_of_a_dead_worker_is_reported_on_its_device(tmp_path: Path):
