@@ -239,7 +239,8 @@ class ProfileCluster:
         within = f" within {self.provision_timeout:g}s" if isinstance(exc, TimeoutError) else ""
         return ClusterError(
             f"profile {self.profile.name!r}: could not start {n} worker(s) "
-            f"(devices: {','.join(devices) or 'none'}){within}: {type(exc).__name__}: {exc}"
+            f"({'devices: ' + ','.join(devices) if devices else 'before its device lease'}){within}: "
+            f"{type(exc).__name__}: {exc}"
         )
 
     def _acquire(self, n_workers: int, block: bool = True) -> list[tuple[Device, ...]]:

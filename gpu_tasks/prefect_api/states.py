@@ -75,9 +75,15 @@ def no_client_retries(on: bool = True) -> Iterator[None]:
 
 
 def read_task_run(
-    task_run_id: uuid.UUID, task: Any, flow_run_id: uuid.UUID | None, tags: set[str], wait: float
+    task_run_id: uuid.UUID,
+    task: Any,
+    flow_run_id: uuid.UUID | None,
+    tags: set[str],
+    wait: float,
+    ran: bool = True,
 ) -> Any:
-    """The task run as the server knows it, else as the engine would have made it."""
+    """The task run as the server knows it, else as the engine would have made it (``ran``: it ran,
+    else it never started: run count 0)."""
     from prefect.states import Running
 
     from gpu_tasks.prefect_api.api import sync_client
@@ -96,10 +102,11 @@ def read_task_run(
     except Exception:
         run = None
     if run is not None:
-        run.run_count = max(int(run.run_count or 0), 1)  # it ran (its Running event may be in flight)
+        if ran:  # its Running event may be in flight
+            run.run_count = max(int(run.run_count or 0), 1)
         run.tags = sorted(set(run.tags or ()) | tags)  # a worker that died at once sent none of its own
         return run
-    return _local_task_run(task_run_id, task, flow_run_id, tags, 1, Running())
+    return _local_task_run(task_run_id, task, flow_run_id, tags, int(ran), Running() if ran else None)
 
 
 def _local_task_run(
@@ -163,14 +170,15 @@ def report_state(
     flow_run_id: uuid.UUID | None,
     tags: set[str] | None,
     wait: float,
+    ran: bool = True,
 ) -> tuple[Any, Any]:
     """Send ``state`` for the task run as Prefect's engine would, best effort, waiting up to ``wait`` s
-    for the server to know it. Returns ``(state, task_run)``."""
+    for the server to know it (``ran``: whether it ever started). Returns ``(state, task_run)``."""
     state.state_details.task_run_id = task_run_id
     state.state_details.flow_run_id = flow_run_id
     run = None
     try:
-        run = read_task_run(task_run_id, task, flow_run_id, set(tags or ()), wait)
+        run = read_task_run(task_run_id, task, flow_run_id, set(tags or ()), wait, ran)
         previous = run.state
         run.state = state
         run.state_type, run.state_name = state.type, state.name

@@ -410,7 +410,8 @@ def emit_task_event(
         emit_event(
             event=f"gpu-tasks.task.{what}",
             resource=task_resource(what, task_run_id, task_name, profile, payload),
-            related=[_related("task-run", task_run_id, task_run_name), *run.related()],
+            # before it started, its run's name is not known yet: the task's, not the UI's bare id
+            related=[_related("task-run", task_run_id, task_run_name or task_name), *run.related()],
             payload=payload,
         )
 

@@ -123,6 +123,16 @@ def worker_died(results: Results, job: Job, lost: LostWorker, how: str, row: Led
             f"{'Out of memory: ' if ended and ended.memory_kill else ''}the worker process of profile "
             f"{prof.name!r} on {where}{who} {how} while running this task"
         )
+        if ended and ended.memory_kill and not prof.on_oom:  # the limit it had, and the fix
+            from dask.utils import format_bytes
+
+            limit = (
+                f"its memory is {format_bytes(prof.memory)}" if prof.memory else "it has Dask's memory limit"
+            )
+            message += (
+                f"; {limit} per worker: raise the profile's memory, lower the task's use, or give the "
+                "profile on_oom='<a profile with more memory>'"
+            )
     if row is not None:
         live.gave_back(
             st,

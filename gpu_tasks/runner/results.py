@@ -149,8 +149,9 @@ class Results:
                 message = f"the {why} before this task ran{again} ({message})"
             kind = {"Cancelled": Cancelled, "Crashed": Crashed}.get(end, Failed)
             failed: Any = kind(message=message, data=exc)
+            ran = job.task_run is not None  # else it never started: run count 0, as Prefect's own
             state, _ = job.ctx.copy().run(
-                report_state, failed, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 0.0
+                report_state, failed, job.task_run_id, job.task, self.live.flow_run_id, job.tags, 0.0, ran
             )
         except BaseException as err:
             self.finish(job, exc=err)

@@ -436,15 +436,16 @@ class Live:
         down = (self.api_down or api_unreachable()) if unfinished else None
         cancelled = self.tasks_end[0] == "Cancelled"
         unreported: list[Job] = []
+        why = reason.removeprefix("flow run ")  # "the flow run stopped (cancelled)", not "(flow run ...)"
         for i, job in enumerate(unfinished):  # the others finished while the clusters closed
             prof, cluster = job.profile, job.st.cluster
             # a local worker notes each hand-off as it begins (gpu_tasks.worker.started)
             began = cluster.shared or not prof.uses_processes or self.started.began(job.key)
             message = (
-                f"the flow run stopped ({reason}) while this task ran on profile {prof.name!r}; "
+                f"the flow run stopped ({why}) while this task ran on profile {prof.name!r}; "
                 f"{cluster.stopped_note}"
                 if began
-                else f"the flow run stopped ({reason}) before this task started on profile {prof.name!r}"
+                else f"the flow run stopped ({why}) before this task started on profile {prof.name!r}"
             )
             if down is None and i and i % 16 == 0 and hurry:
                 down = api_unreachable()

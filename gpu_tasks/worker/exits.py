@@ -27,8 +27,8 @@ class WorkerExit:
     def describe(self) -> str:
         """``killed by signal 9 (SIGKILL)``, ``exited with status 3``, or the memory kill."""
         if self.memory_kill:
-            mib = f" ({self.rss / 2**20:.0f} MiB resident)" if self.rss else ""
-            return f"ran out of memory: it exceeded its Dask memory limit{mib} and was terminated"
+            mib = f" ({self.rss / 2**20:.0f} MiB resident when stopped)" if self.rss else ""
+            return f"ran out of memory: it exceeded its Dask memory limit and was terminated{mib}"
         return describe_exitcode(self.exitcode)
 
 

@@ -156,4 +156,5 @@ def test_cancelling_a_process_workers_flow_run_mid_gpu_task_closes_fast_and_keep
     assert "unknown devices" not in message and "connection" not in message, message
     assert waited["state_type"] == "CANCELLED", (waited["state"], output[-6000:])
     assert "the flow run cancelled before this task ran" in waited["state"]["message"], waited["state"]
+    assert waited["run_count"] == 0, waited  # it never started (1 until 2026-12-07)
     assert not left, f"processes outlived the cancelled flow run: {left}"

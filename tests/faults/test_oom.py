@@ -46,6 +46,9 @@ def test_worker_killed_for_memory_ends_crashed_saying_out_of_memory():
     assert state.type == StateType.CRASHED, state
     for words in ("Out of memory", "profile 'small'", "device(s) ", "memory limit"):
         assert words in state.message, state.message
+    # the limit that was set and the fix, not only the size it reached (a new-user pass)
+    assert "its memory is 700.00 MiB per worker" in state.message, state.message
+    assert "on_oom='<a profile with more memory>'" in state.message, state.message
     run = server_task_run(task_run_id)
     assert run["state_type"] == "CRASHED" and "Out of memory" in run["state"]["message"], run
 
