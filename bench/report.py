@@ -560,7 +560,7 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     names = {
-        "fresh": "gpu-tasks, fresh cluster",
+        "fresh": "gpu-tasks, fresh cluster (a new flow run; the first one also starts the pool)",
         "reprovision": f"gpu-tasks, re-provision after idle close (idle_timeout {res['idle_timeout']:g}s)",
         "warm": "gpu-tasks, warm cluster (reference)",
         "dask": "DaskTaskRunner (1 worker process), first task",
@@ -589,15 +589,22 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
             cells += ["-"] * 6
         lines.append(f"| {title} | " + " | ".join(cells) + " |")
     fresh, again = s["fresh"]["total_s"]["median"], s["reprovision"]["total_s"]["median"]
+    # the repeats are flow runs of one process: only the first starts the warm pool, as a plain
+    # script's only flow run does; the later ones find it (a served deployment's later runs do too)
+    first = res["runs"]["fresh"][0]
     lease_fresh = s["fresh"]["lease_to_body_s"]["median"]
     lease_again = s["reprovision"]["lease_to_body_s"]["median"]
     worst = max(lease_fresh, lease_again)
     imp = s["by_hand"]["import_task_engine_s"]["median"]
     lines += [
         "",
-        f"- Target (under {COLD_TARGET_S:g}s for local clusters): fresh {fresh:.2f}s, re-provision "
-        f"{again:.2f}s: "
-        f"{_ok(max(fresh, again) < COLD_TARGET_S)}.",
+        f"- Target (under {COLD_TARGET_S:g}s for local clusters): the first flow run in a process (a "
+        f"plain script's only one) {first['total_s']:.2f}s, {first['prepare_s']:.2f}s of it starting the "
+        f"warm pool with no device held; a later flow run in that process (the other repeats; a served "
+        f"deployment's later runs) {fresh:.2f}s (median), which finds the pool started; re-provision "
+        f"{again:.2f}s: {_ok(max(first['total_s'], fresh, again) < COLD_TARGET_S)}"
+        + ("" if first["total_s"] < COLD_TARGET_S else " for the first flow run in a process")
+        + ".",
         f"- Target (a device's lease to its first task body at most {LEASE_TO_BODY_TARGET_S:g}s, fresh and "
         f"re-provisioned): {lease_fresh:.2f}s and {lease_again:.2f}s: {_ok(worst <= LEASE_TO_BODY_TARGET_S)}"
         + (
