@@ -591,7 +591,10 @@ def cold_start(res: dict[str, Any], img: Path) -> list[str]:
     fresh, again = s["fresh"]["total_s"]["median"], s["reprovision"]["total_s"]["median"]
     # the repeats are flow runs of one process: only the first starts the warm pool, as a plain
     # script's only flow run does; the later ones find it (a served deployment's later runs do too)
-    first = res["runs"]["fresh"][0]
+    runs = res.get("runs", {}).get("fresh") or [
+        {"total_s": fresh, "prepare_s": 0.0}
+    ]  # (results without runs)
+    first = runs[0]
     lease_fresh = s["fresh"]["lease_to_body_s"]["median"]
     lease_again = s["reprovision"]["lease_to_body_s"]["median"]
     worst = max(lease_fresh, lease_again)
