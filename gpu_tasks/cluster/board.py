@@ -60,8 +60,19 @@ def _mover(keys: list[str]) -> Callable[..., list[str]]:
         if stealing is None:
             return moved
 
+        def used(ws: Any, r: str) -> float:
+            return sum(float((t.resource_restrictions or {}).get(r, 0)) for t in ws.processing)
+
         def free(ws: Any, r: str) -> float:
-            return float(ws.resources.get(r, 0)) - float(ws.used_resources.get(r, 0))
+            return float(ws.resources.get(r, 0)) - used(ws, r)
+
+        # Dask's stealing moves a task without its resource count (its own stealing never moves one
+        # with resources): each move left the old worker one GPU too many and the new one one too few
+        # for good (a new-user pass: -3/+3 on an idle cluster, and a waiter that preempted twice).
+        # Room is read from what each worker is given, and Dask's count is set to match it again.
+        for ws in dask_scheduler.workers.values():
+            for r in list(ws.used_resources):
+                ws.used_resources[r] = used(ws, r)
 
         for key in wanted:
             ts = dask_scheduler.tasks.get(key)
