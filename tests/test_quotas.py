@@ -100,7 +100,8 @@ def test_a_quota_without_a_limit_says_how_to_create_it(quota):
         return nap.with_options(tags=[profile("gpu")]).submit(0.1).result()
 
     with pytest.raises(
-        ClusterError, match=rf"quota {quota!r} has no limit: create it with `gpu-tasks quotas set"
+        ClusterError,
+        match=rf"profile 'gpu': quota {quota!r} has no limit: create it with `gpu-tasks quotas set",
     ):
         no_limit()
 

@@ -63,22 +63,26 @@ class QuotaSlots:
         self.leases = LeaseHolder("gpu-tasks-quota-leases", self.lease_seconds, log=logger)
         self.checked: dict[tuple[str, int], float] = {}  # (quota, need) -> when it last fitted
 
-    def limit(self, quota: str) -> Any:
-        """The quota's global concurrency limit; ``ClusterError`` when it does not exist."""
+    def limit(self, quota: str, owner: str | None = None) -> Any:
+        """The quota's global concurrency limit; ``ClusterError`` (naming profile ``owner``) when it
+        does not exist."""
         from prefect.exceptions import ObjectNotFound
 
         try:
             with sync_client() as client:
                 return client.read_global_concurrency_limit_by_name(limit_name(quota))
         except ObjectNotFound:
-            raise ClusterError(f"quota {quota!r} has no limit: create it with {how_to_set(quota)}") from None
+            who = f"profile {owner!r}: " if owner else ""
+            raise ClusterError(
+                f"{who}quota {quota!r} has no limit: create it with {how_to_set(quota)}"
+            ) from None
 
     def check(self, owner: str, quota: str, need: int) -> None:
         """Fail fast when ``owner`` needs more devices at once than ``quota`` allows (a need that
         fitted is not read again for ``CHECK_AGAIN_S``: a growing profile asks often)."""
         if time.monotonic() - self.checked.get((quota, need), -CHECK_AGAIN_S) < CHECK_AGAIN_S:
             return
-        limit = self.limit(quota)
+        limit = self.limit(quota, owner)
         if need > int(limit.limit):
             raise ClusterError(
                 f"profile {owner!r} needs {need} device(s) at once but quota {quota!r} allows "
@@ -224,7 +228,7 @@ def wait_for_room(
             if lease is not None:
                 return lease, time.monotonic() - t0, True
         now = time.monotonic()
-        limit = slots.limit(quota)
+        limit = slots.limit(quota, owner)
         use = f"{int(limit.active_slots)} of {int(limit.limit)} device(s) in use"
         if timeout is not None and now - t0 >= timeout:
             raise ClusterError(

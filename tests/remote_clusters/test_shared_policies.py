@@ -86,7 +86,8 @@ def test_a_shared_scheduler_quota_that_cannot_fit_fails_fast(gpu_hosts: Hosts, p
         return _one.submit().result()
 
     with pytest.raises(
-        ClusterError, match="quota 'nobody' has no limit: create it with `gpu-tasks quotas set"
+        ClusterError,
+        match="profile 'shared': quota 'nobody' has no limit: create it with `gpu-tasks quotas set",
     ):
         no_limit()
     quotas.set_limit("nobody", 0)
