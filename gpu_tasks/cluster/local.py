@@ -63,6 +63,8 @@ class ProfileCluster:
     shared = False
     # why a task still running when the flow run stopped did not finish (its crash report)
     stopped_note = "its worker was closed"
+    # the keys its close found running (a shared cluster's; ``None``: it cannot tell)
+    stopped_running: set[str] | None = None
 
     def subscribe(self, topic: str, handler: Any) -> None:
         """Call ``handler(event)`` for Dask events on ``topic``: a shared cluster's workers' (remote.py);

@@ -195,11 +195,16 @@ class RemoteCluster(ProfileCluster):
             futures = list(self._futures.values())
             keys = list(self._futures)
         client = self.client
+        self.stopped_running = None
         if futures and client is not None:
             with contextlib.suppress(Exception):
                 client.cancel(futures)
             with contextlib.suppress(Exception):
-                within(5.0, lambda: client.run(interrupt_tasks, keys, "stop", on_error="return"), "interrupt")
+                hit = within(
+                    5.0, lambda: client.run(interrupt_tasks, keys, "stop", on_error="return"), "interrupt"
+                )
+                # those started: a task still queued there had not run (its crash report says so)
+                self.stopped_running = {k for found in _by_worker(hit).values() for k in found}
 
     # ------------------------------------------------------------ waiting, logged
     wait_log_every = _WAIT_LOG_EVERY  # seconds a task waits in the scheduler's queue before it is logged

@@ -151,13 +151,14 @@ def crash_task_run(
     tags: set[str] | None = None,
     wait: float = 1.5,
     cancelled: bool = False,
+    ran: bool = True,
 ) -> tuple[Any, Any]:
     """Report the task run ``Crashed`` with ``message`` (:func:`report_state`); ``Cancelled`` where
     it stopped because its flow run was cancelled (a user's cancel is no crash)."""
     from prefect.states import Cancelled, Crashed
 
     state: Any = (Cancelled if cancelled else Crashed)(message=message)
-    return report_state(state, task_run_id, task, flow_run_id, tags, wait)
+    return report_state(state, task_run_id, task, flow_run_id, tags, wait, ran)
 
 
 PREEMPTED = "Preempted"  # the name of a preempted task run's Scheduled state

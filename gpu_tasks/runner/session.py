@@ -439,8 +439,14 @@ class Live:
         why = reason.removeprefix("flow run ")  # "the flow run stopped (cancelled)", not "(flow run ...)"
         for i, job in enumerate(unfinished):  # the others finished while the clusters closed
             prof, cluster = job.profile, job.st.cluster
-            # a local worker notes each hand-off as it begins (gpu_tasks.worker.started)
-            began = cluster.shared or not prof.uses_processes or self.started.began(job.key)
+            # a local worker notes each hand-off as it begins (gpu_tasks.worker.started); a shared
+            # cluster's close says which it found running
+            stopped = cluster.stopped_running
+            began = (
+                (stopped is None or job.key in stopped)
+                if cluster.shared
+                else not prof.uses_processes or self.started.began(job.key)
+            )
             message = (
                 f"the flow run stopped ({why}) while this task ran on profile {prof.name!r}; "
                 f"{cluster.stopped_note}"
@@ -459,6 +465,7 @@ class Live:
                         tags=job.tags,
                         wait=0.0 if i else 1.0,
                         cancelled=cancelled,
+                        ran=began,
                     )
                 logger.warning("task run %s of profile %r: %s", job.task_run_id, prof.name, message)
             else:

@@ -512,7 +512,7 @@ def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, pre
     runs = flow_run_task_runs(  # as the server records them, from their events a moment later
         ready.read_text(),
         lambda rs: (
-            bool(rs)
+            len(rs) == 3  # the queued one's too: it has a task run from its crash report only
             and not {r["state_type"] for r in rs} & {"RUNNING", "PENDING"}
             and sum(r["state_type"] == "CRASHED" for r in rs) >= 2
         ),
@@ -520,7 +520,12 @@ def test_ctrl_c_cancels_queued_tasks_on_the_shared_cluster(gpu_hosts: Hosts, pre
     states = [r["state_type"] for r in runs]
     assert runs and not set(states) & {"RUNNING", "PENDING"}, states
     crashed = [r["state"]["message"] for r in runs if r["state_type"] == "CRASHED"]
-    assert len(crashed) >= 2 and all("interrupt" in m for m in crashed), crashed
+    ran = [m for m in crashed if "before this task started" not in m]  # the runner's, or the engine's
+    assert len(ran) == 2 and all("interrupt" in m for m in ran), crashed
+    # the queued one says it never started, and its run count is 0 (it said "while this task ran",
+    # run count 1, until 2026-12-07: a new-user pass)
+    never = [r for r in runs if "before this task started" in (r["state"]["message"] or "")]
+    assert len(never) == 1 and never[0]["run_count"] == 0, [(r["state"], r["run_count"]) for r in runs]
     # the next flow run's tasks run there (a worker interrupted twice once wedged for good)
     results = _address_flow(ResourceProfile(name="next", gpus=1, address=gpu_hosts.address), n=2)()
     assert all(isinstance(r, dict) for r in results), results
