@@ -169,8 +169,9 @@ class Backend:
     def remove(self, name: str) -> None:
         """Stop the worker called ``name`` (its process died)."""
 
-    def drain(self) -> None:
-        """Let running tasks finish, start no queued one (before the runner closes)."""
+    def drain(self, wait: bool = True) -> None:
+        """Let running tasks finish (``wait``: and wait for them), start no queued one (before the
+        runner closes)."""
 
     def worker_names(self) -> set[str]:
         """Names of the workers it can stop one by one."""
@@ -209,7 +210,9 @@ class ThreadBackend(Backend):
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    drain = close  # running tasks finish (as Prefect's thread pool runner) before the runner closes
+    def drain(self, wait: bool = True) -> None:
+        # running tasks finish (as Prefect's thread pool runner) before the runner closes
+        self.pool.shutdown(wait=wait, cancel_futures=True)
 
 
 class DaskBackend(Backend):

@@ -359,10 +359,10 @@ class ProfileCluster:
         ``interrupted``: it did not finish (its cluster closed or its worker died at ``end``)."""
         self.usage.record(worker, start, end, interrupted)
 
-    def drain(self) -> None:
-        """Let running in-flow-process tasks finish before the runner closes."""
+    def drain(self, wait: bool = True) -> None:
+        """Let running in-flow-process tasks finish before the runner closes (``wait``: for them)."""
         if self.backend is not None:
-            self.backend.drain()
+            self.backend.drain(wait)
 
     def close(self, reason: str, hurry: bool = False) -> LedgerRow | None:
         """Close the cluster; its ledger row (``None``: not running). ``hurry``: terminate the workers

@@ -345,8 +345,13 @@ class Live:
             states = list(self.states.values())
             for st in states:  # each controller handles what is queued (a dispatch fails) and stops
                 st.close()
-            for st in states:  # from here on this thread is the only one that touches the clusters
-                st.cluster.drain()
+            # from here on this thread is the only one that touches the clusters; on an interrupt the
+            # flow process's own threads (CPU profiles) finish after the devices are given back, not
+            # before: a running CPU task held every GPU profile's devices until it ended (a new-user
+            # pass: 58 device-s for a 60 s CPU task)
+            states.sort(key=lambda st: not st.profile.uses_processes)
+            for st in states:
+                st.cluster.drain(wait=not hurry)
             # results already fetched or queued reach their tasks before the clusters go (a task that
             # finished is never reported Crashed for the close); later ones are fetched one by one
             self._close_results(2.0 if hurry else 10.0)

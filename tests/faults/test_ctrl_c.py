@@ -819,3 +819,80 @@ def test_a_ctrl_c_while_the_runner_closes_waits_for_the_close_and_leaves_nothing
         "goes on. Press Ctrl-C again to end the process now."
     ], err
     assert not survivors, f"processes outlived the flow process: {survivors}"
+
+
+CPU_AND_GPU_SCRIPT = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from prefect import flow, task
+    from gpu_tasks import ProfileTaskRunner, ResourceProfile, profile
+
+    READY = Path(sys.argv[1])
+
+    @task(tags=[profile("cpu")])
+    def long_cpu_task():
+        (READY.parent / "cpu").write_text("started")
+        start = time.time()
+        while time.time() - start < 15:  # a thread of the flow process: nothing interrupts it
+            time.sleep(0.1)
+        return "cpu done"
+
+    @task(tags=[profile("gpu")])
+    def long_gpu_task():
+        READY.write_text("started")
+        time.sleep(300)
+
+    PROFILES = [ResourceProfile(name="cpu", cpus=1), ResourceProfile(name="gpu", gpus=1)]
+
+    @flow(task_runner=ProfileTaskRunner(profiles=PROFILES, default="cpu"))
+    def both():
+        cpu, gpu = long_cpu_task.submit(), long_gpu_task.submit()
+        return cpu.result(), gpu.result()
+
+    if __name__ == "__main__":
+        both()
+    """
+)
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_ctrl_c_gives_the_devices_back_before_a_running_cpu_task_ends(tmp_path: Path):
+    """A CPU profile's task runs on a thread of the flow process, which nothing can interrupt: it
+    finishes after a Ctrl-C, as on Prefect's own thread pool. The GPU profiles' devices waited for it:
+    a 60 s CPU task kept them held for 40 s after the Ctrl-C (a new-user pass, 2 of 2). They are now
+    given back first."""
+    from prefect.settings import get_current_settings
+
+    from gpu_tasks.devices import leases
+
+    marker = uuid.uuid4().hex
+    script = tmp_path / "both.py"
+    script.write_text(CPU_AND_GPU_SCRIPT)
+    ready, lease_dir = tmp_path / "ready", tmp_path / "leases"
+    env = _env(
+        tmp_path,
+        marker,
+        PREFECT_API_URL=str(get_current_settings().api.url),
+        GPU_TASKS_LEASE_DIR=str(lease_dir),
+    )
+    proc = _start([sys.executable, str(script), str(ready)], env, tmp_path)
+    try:
+        _wait_started(proc, ready, tmp_path)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "cpu").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, _tail(tmp_path)
+            time.sleep(0.1)
+        assert [a for a, info in leases.holders(lease_dir).items() if info is not None] == ["0"]
+        os.killpg(proc.pid, signal.SIGINT)
+        deadline = time.monotonic() + 10
+        while any(info is not None for info in leases.holders(lease_dir).values()):
+            assert time.monotonic() < deadline, f"the device is still held:\n{_tail(tmp_path)}"
+            time.sleep(0.1)
+        freed_while_cpu_ran = proc.poll() is None  # the CPU task's thread still runs
+        proc.wait(timeout=60)
+        survivors = _survivors(marker, proc.pid)
+    finally:
+        _cleanup(proc, marker)
+    assert freed_while_cpu_ran, _tail(tmp_path)
+    assert not survivors, f"processes outlived the interrupted flow: {survivors}"
