@@ -276,6 +276,36 @@ def test_one_gpu_profiles_result_lands_while_another_waits_for_devices(tmp_path,
     assert sorted(devices) == ["0", "1"]
 
 
+def test_a_task_still_waiting_when_its_flow_returns_ends_cancelled(tmp_path, lease_dir, monkeypatch):
+    """A flow that returns without waiting for a task that still waits for devices: Prefect's own
+    runners cancel such a task. It ended Failed ("the runner stopped while waiting for devices"), an
+    error of its own though the flow chose not to wait (a new-user pass, 2 of 2)."""
+    from prefect.context import FlowRunContext
+
+    monkeypatch.setenv("GPU_TASKS_EMULATED_GPUS", "1")
+    holder = Holder(tmp_path, lease_dir, "0")
+    ids: list = []
+
+    @flow(task_runner=ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1)]))
+    def returns_at_once() -> None:
+        from gpu_tasks.devices import leases
+
+        ids.append(on_gpu.submit(0).task_run_id)
+        ids.append(FlowRunContext.get().flow_run.id)
+        _until(lambda: any(w.get("profile") == "gpu" for w in leases.waiters()), "the profile to queue")
+
+    try:
+        returns_at_once()
+    finally:
+        holder.release()
+    from faults._procs import server_task_run
+
+    run = server_task_run(ids[0], lambda r: r["state_type"] not in ("PENDING", "RUNNING"))
+    assert run["state_type"] == "CANCELLED", run["state"]
+    assert run["state"]["message"].startswith("the flow run ended before this task ran"), run["state"]
+    assert run["run_count"] == 0, run
+
+
 def _listening_pool_processes() -> list[int]:
     """This process's warm-pool processes (forked by its fork server) that listen: schedulers."""
     import psutil

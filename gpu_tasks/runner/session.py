@@ -439,7 +439,7 @@ class Live:
             j for j in jobs if not (j.cf.done() and not j.cf.cancelled() and j.cf.exception() is None)
         ]
         down = (self.api_down or api_unreachable()) if unfinished else None
-        cancelled = self.tasks_end[0] == "Cancelled"
+        cancelled = self._cancelled  # a cancel (asked of the server as the runner stopped)
         unreported: list[Job] = []
         why = reason.removeprefix("flow run ")  # "the flow run stopped (cancelled)", not "(flow run ...)"
         for i, job in enumerate(unfinished):  # the others finished while the clusters closed

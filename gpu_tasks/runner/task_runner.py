@@ -192,7 +192,15 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
             reason = "flow run ended" if exc_type is None else f"flow run ended with {exc_type.__name__}"
             # a task run that had not run (waiting for devices) ends as its flow run: Failed it read as an
             # error of its own (a new-user pass cancelled a run and counted it among the failures)
-            tasks_end = "Failed" if exc_type is None or issubclass(exc_type, Exception) else "Crashed"
+            # ... and Cancelled when the flow returned without waiting for it (Prefect's own runners
+            # cancel such a task: it had no task run; a wait for devices now gives it one)
+            tasks_end = (
+                "Cancelled"
+                if exc_type is None
+                else "Failed"
+                if issubclass(exc_type, Exception)
+                else "Crashed"
+            )
             if exc_type is not None and issubclass(exc_type, TerminationSignal) and self._was_cancelled():
                 reason, tasks_end = "flow run cancelled", "Cancelled"
             with held_while_closing():  # a Ctrl-C half-way through the close left warm processes running
