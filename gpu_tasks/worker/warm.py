@@ -48,6 +48,8 @@ WARM_IMPORTS = (
     "gpu_tasks.worker.engine",
     "gpu_tasks.worker.inherited",
 )
+# the fork server's last preload: it ends at once when its flow process is gone (imported there only)
+FORK_SERVER_EXIT = "gpu_tasks.worker.fork_server_exit"
 CLOSE_GRACE_S = 3.0  # a bound process asked to close, before SIGTERM
 KILL_GRACE_S = 2.0  # SIGTERM to SIGKILL
 MEMORY_POLL_S = 0.5
@@ -443,7 +445,7 @@ def _context() -> Any:
     """Forked from this process's fork server (Linux, ``GPU_TASKS_TUNE_WARM_START=forkserver``) or spawned."""
     if sys.platform.startswith("linux") and get_settings().warm_start == "forkserver":
         if (why := _socket_path_too_long()) is None:
-            return forkserver.acquire(list(WARM_IMPORTS))
+            return forkserver.acquire([*WARM_IMPORTS, FORK_SERVER_EXIT])
         _warn_once(why)
     return multiprocessing.get_context("spawn")
 
