@@ -9,6 +9,7 @@ Most flows here use CPU profiles (threads in the flow process), so no worker pro
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -93,12 +94,31 @@ def test_an_undefined_default_other_than_cpu_is_an_error_naming_it_and_the_known
 
 
 @pytest.mark.usefixtures("no_leaked_processes")
-def test_a_file_that_breaks_after_the_runner_was_built_fails_the_next_flow_run(tmp_path, monkeypatch):
-    """The file is read again for each flow run (a deployment may set it): a default it no longer
-    defines fails that run as it starts, naming it, before any task."""
+@pytest.mark.parametrize(
+    "breaks, error",
+    [
+        ("file", "default profile 'small' is not defined"),
+        ("value", r"profiles file '.*', line 3: profile 'small'"),
+        ("setting", "GPU_TASKS_IDLE_TIMEOUT"),
+    ],
+)
+def test_a_file_or_setting_that_breaks_after_the_runner_was_built_fails_the_next_flow_run(
+    tmp_path, monkeypatch, prefect_server, breaks, error
+):
+    """The file and settings are read again for each flow run (a deployment may set them): one broken
+    since fails that run at its first task, naming it, and the server records the run Failed. Before,
+    Prefect's copy of the runner raised as the run started, outside Prefect's error handling: the
+    caller got the error and the run stayed Running for good (a new-user pass, Prefect 3.9.1)."""
+    from prefect.client.orchestration import get_client
+
     path = _write(tmp_path, monkeypatch, 'default = "small"\n[profiles.small]\ncpus = 0.5\n')
     runner = ProfileTaskRunner(profiles=[CPU])
-    path.write_text('default = "small"\n[profiles.big]\ncpus = 1\n')
+    if breaks == "file":
+        path.write_text('default = "small"\n[profiles.big]\ncpus = 1\n')
+    elif breaks == "value":
+        path.write_text('default = "small"\n[profiles.small]\ncpus = -1\n')
+    else:
+        monkeypatch.setenv("GPU_TASKS_IDLE_TIMEOUT", "-1")
     ran: list[str] = []
 
     @flow(task_runner=runner)
@@ -106,9 +126,12 @@ def test_a_file_that_breaks_after_the_runner_was_built_fails_the_next_flow_run(t
         ran.append("body")
         return where.submit().result()
 
-    with pytest.raises(UnknownProfileError, match="default profile 'small' is not defined"):
-        f()
-    assert ran == []
+    state = f(return_state=True)
+    assert state.is_failed() and re.search(error, state.message or ""), state
+    assert ran == ["body"]
+    with get_client(sync_client=True) as client:
+        recorded = client.read_flow_run(state.state_details.flow_run_id).state
+    assert recorded is not None and recorded.is_failed(), recorded
 
 
 def test_the_default_must_be_a_cpu_profile():

@@ -149,6 +149,7 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         self._live: Live | None = None
         self._admission: Admission | None = None
         self._last_ledger: list[LedgerRow] = []
+        self._fallbacks_said: set[tuple[str, str]] = set()  # (task name, profile asked for), this run
         _environment.check_ephemeral()  # Prefect starts its ephemeral server before entering a runner
 
     @property
@@ -170,7 +171,12 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         return dict(zip(("profiles", "default", "idle_timeout"), args, strict=True))
 
     def duplicate(self) -> ProfileTaskRunner:
-        return type(self)(**self._args())
+        # Prefect duplicates the runner as a flow run starts, outside its own error handling: a bad
+        # setting or profiles file raised here left the run Running for good (a new-user pass, Prefect
+        # 3.9.1). The copy checks them at the run's first task (_ensure_live), which fails the run.
+        runner = type(self).__new__(type(self))
+        runner.__setstate__(self._args())
+        return runner
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProfileTaskRunner) and self._args() == other._args()
@@ -181,7 +187,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         return self._args()  # Prefect pickles the flow (and so this runner) into every remote task's context
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self._unpickled = True  # in a worker: its flow process checked the settings and profiles
+        self._unpickled = True  # in a worker: its flow process checked the settings and profiles (a
+        # flow run's copy, duplicate(): at its first task)
         self.__init__(**state)  # type: ignore[misc]  # rebuilt from its pickled arguments
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
@@ -251,7 +258,9 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         if not self._started:
             raise RuntimeError("The task runner must be started before submitting work.")
         if self._live is None or self._admission is None:
+            _check_settings()
             profiles, default = self.resolve_profiles()
+            self._fallbacks_said.clear()
             landings = Landings(lambda land, value, error: land(value, error), name="gpu-tasks-results")
             live = Live(profiles, default, self.idle_timeout, close_results=landings.close)
             self._log_profile_sources(profiles)  # once Live sends the runner's lines to the run's logs
@@ -306,14 +315,18 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         extra_tags = [profile(prof.name)]
         if fallback_reason is not None:
             extra_tags.append(FALLBACK_TAG)
-            flow_logger().warning(
-                "Task %r asks for profile %r, which cannot be satisfied (%s); running it on CPU profile %r "
-                "because the profile sets fallback='cpu'",
-                task.name,
-                requested,
-                fallback_reason,
-                prof.name,
-            )
+            if (task.name, requested) not in self._fallbacks_said:  # once, not once per task run of a map
+                self._fallbacks_said.add((task.name, requested))
+                flow_logger().warning(
+                    "Task %r asks for profile %r, which cannot be satisfied (%s); running it on CPU profile "
+                    "%r because the profile sets fallback='cpu' (said once for this task in this flow run; "
+                    "each such task run has the tag %s)",
+                    task.name,
+                    requested,
+                    fallback_reason,
+                    prof.name,
+                    FALLBACK_TAG,
+                )
         st = live.state(prof)
         st.post(Arrived())  # counted by its controller; nothing here waits for another thread
         job = Job(
