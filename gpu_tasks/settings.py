@@ -20,8 +20,13 @@ INTERNAL_PREFIX = "_GPU_TASKS_"  # set by the runner for its own worker processe
 
 
 def default_presence_dir() -> Path:
-    """Host-wide directory where flow runs of every user say which devices they hold."""
-    return Path(tempfile.gettempdir()) / "gpu-tasks-presence"
+    """Host-wide directory where flow runs of every user say which devices they hold: in ``/tmp``, not
+    the temporary directory ``TMPDIR`` names, which is per user where pam_tmpdir or a batch job sets
+    it (two users' tasks then ran on one device unseen: a new-user pass)."""
+    host_tmp = Path("/tmp")
+    return (host_tmp if os.name == "posix" and host_tmp.is_dir() else Path(tempfile.gettempdir())) / (
+        "gpu-tasks-presence"
+    )
 
 
 def _doc(shown: str | None = None, takes: str | None = None, see: str | None = None) -> dict[str, Any]:
@@ -99,7 +104,7 @@ class GpuTasksSettings(BaseSettings):
         description="Host-wide directory (sticky, world-writable) in which flow runs of every user mark "
         "the devices they lease, so no run uses a device another user's run leases.",
         json_schema_extra=_doc(
-            shown="<tmp>/gpu-tasks-presence",
+            shown="/tmp/gpu-tasks-presence",
             takes="path",
             see="shared-hosts.md#the-per-user-default-other-users-are-seen-not-queued-with",
         ),

@@ -590,3 +590,31 @@ def test_example_run_with_a_bad_profiles_file_says_so_in_one_line(env, runner, t
     env.setenv("GPU_TASKS_PROFILES_FILE", str(tmp_path / "nope.toml"))
     err = _failed(runner.invoke(app, ["example", "run", "--limit", "1000", "--data-dir", str(tmp_path)]))
     assert f"profiles file '{tmp_path / 'nope.toml'}' (GPU_TASKS_PROFILES_FILE) cannot be read" in err, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: setup makes root-owned lock files")
+def test_leases_setup_leaves_a_lock_file_a_run_holds_alone(env, runner, tmp_path):
+    """Run again while a flow run held a device whose lock file a user had made, setup replaced that
+    file, and a second user's run then used the device beside the first (a new-user pass, 1 of 1):
+    it refuses, naming the device and when to run it again; once the lock is let go it replaces it."""
+    import fcntl
+
+    from gpu_tasks.devices.lease_files import lock_path
+
+    shared = tmp_path / "leases"
+    args = ["leases", "setup", str(shared), "--group", "root", "--device", "0"]
+    _ok(runner.invoke(app, args))
+    lock = lock_path(shared, "1")
+    lock.write_text("")
+    os.chown(lock, 65534, -1)  # a user's own, made by the device's first run
+    before = lock.stat().st_ino
+    fd = os.open(lock, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # that run holds device 1
+        err = _failed(runner.invoke(app, [*args[:-1], "1"]))
+        assert "device(s) 1" in err and "a flow run holds it now" in err and "Run this again" in err, err
+        assert lock.stat().st_ino == before and lock.stat().st_uid == 65534
+    finally:
+        os.close(fd)
+    _ok(runner.invoke(app, [*args[:-1], "1"]))
+    assert lock.stat().st_uid == 0

@@ -338,3 +338,18 @@ def test_the_cli_warns_of_an_old_name_and_a_typo(monkeypatch):
         "warning: GPU_TASKS_TUNE_WARM_WORKRS is not a gpu-tasks setting and changes nothing; did you mean "
         "GPU_TASKS_TUNE_WARM_WORKERS?",
     ]
+
+
+def test_the_default_presence_directory_is_host_wide_whatever_tmpdir_says(tmp_path, monkeypatch):
+    """Two users with a ``TMPDIR`` each (pam_tmpdir, a batch job's) had a presence directory each, and
+    their tasks ran on one device at once, unseen (a new-user pass); the per-user lease directory
+    still follows ``TMPDIR``."""
+    import tempfile
+
+    monkeypatch.delenv("GPU_TASKS_PRESENCE_DIR", raising=False)
+    monkeypatch.delenv("GPU_TASKS_LEASE_DIR", raising=False)
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)  # gettempdir() reads TMPDIR again
+    settings = get_settings()
+    assert settings.presence_dir == Path("/tmp/gpu-tasks-presence")
+    assert settings.lease_dir == tmp_path / f"gpu-tasks-leases-{os.getuid()}"

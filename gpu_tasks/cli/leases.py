@@ -76,6 +76,8 @@ def setup(
             done.append(f"{place}: presence directory, owner root, mode 1777")
     except ValueError as exc:  # the mode given
         fail(f"--{exc}")
+    except lease_files.LeaseFileError as exc:  # the message names the fix
+        fail(f"{exc}")
     except OSError as exc:
         fail(f"could not set up {str(directory)!r}: {exc}", code=1)
     for line in done:

@@ -294,6 +294,13 @@ def setup(lease_dir: Path, gid: int, addresses: list[str], mode: int = SETUP_MOD
     root-owned 0444 lock files for ``addresses``: what was done, line by line."""
     if not mode & stat.S_ISVTX or mode & 0o070 != 0o070 or mode & stat.S_IWOTH:
         raise ValueError(f"mode {mode:04o}: must be sticky (1000), group rwx (070), not world-writable")
+    held = [a for a in addresses if _held_users_lock(lock_path(lease_dir, a))]
+    if held:  # replacing it would let a second run onto a device in use (a new-user pass: 1 of 1)
+        raise LeaseFileError(
+            f"the lock file of device(s) {', '.join(held)} in {str(lease_dir)!r} is a user's own and a "
+            "flow run holds it now; replacing it would let another run use the device meanwhile. Run "
+            "this again once no flow run holds it (gpu-tasks devices shows who holds what)"
+        )
     done = []
     for path in (Path(lease_dir), Path(lease_dir) / QUEUE):
         with contextlib.suppress(FileExistsError):
@@ -320,3 +327,15 @@ def setup(lease_dir: Path, gid: int, addresses: list[str], mode: int = SETUP_MOD
             os.close(fd)
         done.append(f"{path}: lock file of device {address}, owner root, mode 0444")
     return done
+
+
+def _held_users_lock(path: Path) -> bool:
+    """Whether ``path`` is a lock file that setup would replace (not root's) and a run holds it now."""
+    try:
+        fd = os.open(path, os.O_RDONLY | OPEN_FLAGS)
+    except OSError:  # none, or a link (replaced: it was never a lock)
+        return False
+    try:
+        return os.fstat(fd).st_uid != 0 and locked_elsewhere(fd)
+    finally:
+        os.close(fd)
