@@ -169,7 +169,9 @@ class Host:
             "PYTHONPATH": self.path,
             "HOME": str(home),
             "PREFECT_HOME": str(home / ".prefect"),
-            "TMPDIR": str(self.area / "tmp"),  # the per-user default lease dirs and presence dir are here
+            "TMPDIR": str(self.area / "tmp"),  # the per-user default lease dirs are here
+            # the host-wide one's default, /tmp/gpu-tasks-presence, in this test's own area
+            "GPU_TASKS_PRESENCE_DIR": str(self.area / "tmp" / "gpu-tasks-presence"),
             "GPU_TASKS_EMULATED_GPUS": "2",
             "NO_COLOR": "1",
             "COLUMNS": "250",
@@ -353,6 +355,36 @@ def test_a_user_outside_the_group_is_told_to_join_it(host):
     last = out.stderr.strip().splitlines()[-1]
     assert f"user {host.a} may not use lease directory" in last and "not in its group" in last, last
     assert f"sudo usermod -aG {host.group} {host.a}" in last, last
+
+    # the CLI says so too: it showed every holder as "unknown" and no waiter, silently (a new-user pass)
+    def cli(command: str) -> tuple[subprocess.CompletedProcess[str], str]:
+        out = subprocess.run(
+            [
+                *("setpriv", f"--reuid={host.uid(host.a)}", "--regid=65534", "--clear-groups", "--"),
+                *(host.python, "-m", "gpu_tasks.cli", command),
+            ],
+            env=_shared_env(host, host.a),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        return out, " ".join(out.stderr.split())
+
+    for command in ("devices", "waiters"):
+        out, said = cli(command)
+        assert out.returncode == 0 and "not in its group" in said and "sudo usermod -aG" in said, (
+            command,
+            out,
+        )
+    # a member of the group (/etc/group) whose session began before it joined: told to log in again
+    if shutil.which("gpasswd"):
+        assert _run(["gpasswd", "-a", host.a, host.group]).returncode == 0
+        try:
+            out, said = cli("devices")
+        finally:
+            _run(["gpasswd", "-d", host.a, host.group])
+        assert f"user {host.a} is in group {host.group}, but this process is not" in said, out
+        assert f"log in again, or run it under newgrp {host.group}" in said, out
 
 
 def test_shared_directory_one_device_one_user_at_a_time(host, monkeypatch):

@@ -66,6 +66,9 @@ def devices(
     _warn_lease_dir(settings)
     inventory = load_inventory(settings)
     held = lease_holders(inventory, settings)
+    unread = sorted({info["error"] for info in held.values() if info is not None and "error" in info})
+    for error in unread:  # shown as "unknown"
+        err_console.print(Text(f"warning: {error}: who holds the devices is unknown"), soft_wrap=True)
     queued = lease_waiters(settings)
     others = programs.sample(inventory.devices, settings.lease_dir)  # programs outside gpu-tasks
     if as_json:
@@ -511,7 +514,13 @@ def lease_waiters(settings: GpuTasksSettings) -> list[dict[str, Any]]:
     now = time.time()
     try:
         queued = leases.waiters(settings.lease_dir)
-    except OSError:
+    except FileNotFoundError:  # made at the first wait
+        return []
+    except OSError as exc:  # said, not taken for an empty queue
+        err_console.print(
+            Text(f"warning: cannot read the queue in {settings.lease_dir}: {exc}: its waiters are not shown"),
+            soft_wrap=True,
+        )
         return []
     return [
         {

@@ -95,7 +95,7 @@ def problem(lease_dir: Path) -> str | None:
         prepare(Path(lease_dir))
     except LeaseFileError as exc:
         return str(exc)
-    return None
+    return join_group_fix(path)  # a user outside its group sees no holder and no waiter there
 
 
 def prepare_queue(lease_dir: Path, shared: bool) -> Path:
@@ -153,10 +153,23 @@ def join_group_fix(lease_dir: Path) -> str | None:
     if not where.st_mode & stat.S_IWGRP or member or os.getuid() in (0, where.st_uid):
         return None
     me, group = user_name(os.getuid()), _group_name(where.st_gid)
+    if me in _group_members(where.st_gid):  # added since this session began: its processes lack it
+        return (
+            f"user {me} may not use lease directory {str(lease_dir)!r} ({_who(where)}): user {me} is in "
+            f"group {group}, but this process is not (its session began before {me} joined it). Fix: log "
+            f"in again, or run it under newgrp {group}; {_DOCS}"
+        )
     return (
         f"user {me} may not use lease directory {str(lease_dir)!r} ({_who(where)}): not in its group. Fix: "
         f"add {me} to group {group} (sudo usermod -aG {group} {me}, then log in again); {_DOCS}"
     )
+
+
+def _group_members(gid: int) -> list[str]:
+    try:
+        return list(grp.getgrgid(gid).gr_mem)
+    except KeyError:
+        return []
 
 
 def _open_error(path: Path, exc: OSError, shared: bool) -> OSError:
