@@ -618,3 +618,18 @@ def test_leases_setup_leaves_a_lock_file_a_run_holds_alone(env, runner, tmp_path
         os.close(fd)
     _ok(runner.invoke(app, [*args[:-1], "1"]))
     assert lock.stat().st_uid == 0
+
+
+def test_profiles_counts_a_memory_packed_profiles_tasks_on_each_device(env, runner, tmp_path):
+    """A ``gpu_memory_per_task`` profile runs as many tasks at once as fit in each device's free memory;
+    the command showed "1 task(s) each" and "gpus 0" for it (a new-user pass, 2 of 2 profiles)."""
+    env.setenv("GPU_TASKS_EMULATED_GPUS", "H100:80GiB,L4:24GiB@4242:20GiB")
+    path = tmp_path / "mem.toml"
+    path.write_text('[profiles.mem]\ngpu_memory_per_task = "20GiB"\n')
+    data = json.loads(_ok(runner.invoke(app, ["profiles", "--file", str(path), "--json"])))
+    mem = next(p for p in data["profiles"] if p["name"] == "mem")
+    # device 1: 24 GiB less the 20 GiB another program uses: fewer than one, counted as one (memory_slots)
+    assert mem["tasks_per_device"] == {"0": 4, "1": 1} and mem["tasks_per_worker"] is None, mem
+    table = _ok(runner.invoke(app, ["profiles", "--file", str(path)]))
+    assert "by gpu_memory_per_task and the memory free now: 4 on 0, 1 on 1" in table, table
+    assert "a device per worker, shared by memory" in table, table

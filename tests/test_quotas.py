@@ -64,8 +64,8 @@ def test_cli_sets_lists_and_deletes_a_quota(quota):
         assert code == 2 and f"devices must be at least 1 (got {bad})" in out, out
     code, out = _cli("quotas", "delete", quota)
     assert code == 0 and quota not in [q["quota"] for q in quotas.usage()]
-    code, out = _cli("quotas", "delete", quota)
-    assert code == 1 and "no quota" in out
+    code, out = _cli("quotas", "delete", quota)  # a name the user gave: exit 2, as operations.md says
+    assert code == 2 and "no quota" in out and "gpu-tasks quotas lists them" in out, out
 
 
 @task

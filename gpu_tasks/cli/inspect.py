@@ -34,6 +34,7 @@ from gpu_tasks.policy import (
     device_groups,
     matching_devices,
     max_worker_count,
+    memory_slots,
     slots_per_worker,
     unsatisfiable_reason,
 )
@@ -149,9 +150,11 @@ def _wiring(inventory: Inventory) -> None:
     )
 
 
-def _profile_fit(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
+def _profile_fit(prof: ResourceProfile, inventory: Inventory, lease_dir: Path) -> dict[str, Any]:
     """Which devices ``prof`` may use on ``inventory``, and why it can never run if so (a remote
-    profile's workers are checked when its first task runs)."""
+    profile's workers are checked when its first task runs). A ``gpu_memory_per_task`` profile's
+    tasks at once are per device (``tasks_per_device``), from what other programs leave free now, as
+    a worker's are at its lease; ``tasks_per_worker`` is then ``None``."""
     if not prof.is_local:
         return {
             "can_run": None,
@@ -163,13 +166,21 @@ def _profile_fit(prof: ResourceProfile, inventory: Inventory) -> dict[str, Any]:
     reason = unsatisfiable_reason(prof, inventory)
     matching = matching_devices(prof, inventory) if prof.is_gpu else []
     groups = device_groups(prof, matching) if reason is None else []
-    return {
+    fit: dict[str, Any] = {
         "can_run": reason is None,
         "reason": reason,
         "matching_devices": [d.address for d in matching],
         "workers": max_worker_count(prof, len(groups)),
         "tasks_per_worker": slots_per_worker(prof),
     }
+    if prof.by_memory:  # it showed 1 for each, though an 80 GiB device runs four of 20 GiB (a new-user pass)
+        use = programs.sample(tuple(matching), lease_dir)
+        fit["tasks_per_worker"] = None
+        fit["tasks_per_device"] = {
+            d.address: memory_slots(prof, d, u.free if (u := use.get(d.address)) is not None else None)
+            for d in matching
+        }
+    return fit
 
 
 def _uses_text(prof: ResourceProfile, place: dict[str, Any]) -> str:
@@ -184,9 +195,15 @@ def _uses_text(prof: ResourceProfile, place: dict[str, Any]) -> str:
         fallback = "; falls back to the CPU profile" if prof.fallback == "cpu" else ""
         return f"CANNOT RUN{fallback} (see below)"
     per_worker = f"{prof.gpus:g} of " if prof.gpus > 1 else ""  # a group the runner picks (topology)
+    at_once = (
+        f"{place['tasks_per_worker']} task(s) each"
+        if place["tasks_per_worker"] is not None
+        else "task(s) at once by gpu_memory_per_task and the memory free now: "
+        + ", ".join(f"{n} on {address}" for address, n in place["tasks_per_device"].items())
+    )
     return (
         f"{per_worker}devices {', '.join(place['matching_devices'])}: up to {place['workers']} worker(s), "
-        f"{place['tasks_per_worker']} task(s) each"
+        f"{at_once}"
     )
 
 
@@ -201,7 +218,7 @@ def _profile_row_values(prof: ResourceProfile, idle_default: float) -> list[tupl
         ("kind", prof.kind),
         ("tag", prof.tag),
         ("cpus", f"{prof.cpus:g}"),
-        ("gpus", f"{prof.gpus:g}"),
+        ("gpus", "a device per worker, shared by memory" if prof.by_memory else f"{prof.gpus:g}"),
         ("memory", size(prof.memory, "Dask default")),
         ("gpu_model", prof.gpu_model or "any"),
         ("gpu_memory_total", size(prof.gpu_memory_total, "any")),
@@ -244,7 +261,7 @@ def profiles(
     except (ProfileError, UnknownProfileError) as exc:
         fail(str(exc))
     inventory = load_inventory(settings)
-    placements = {name: _profile_fit(prof, inventory) for name, prof in loaded.items()}
+    placements = {name: _profile_fit(prof, inventory, settings.lease_dir) for name, prof in loaded.items()}
     if as_json:
         echo_json(
             {

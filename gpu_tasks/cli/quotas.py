@@ -25,7 +25,8 @@ MOST = 2**31 - 1
 
 
 def _quota_api(what: str, fn: Any, *args: Any) -> Any:
-    """``fn(*args)`` against the Prefect API, or exit 1 naming the API and what failed."""
+    """``fn(*args)`` against the Prefect API, or exit 1 naming the API and what failed (a broken
+    environment exits 2 earlier, in ``preflight``)."""
     from prefect.settings import PREFECT_API_URL
 
     try:
@@ -95,7 +96,7 @@ def quotas_set(
         typer.Option(
             "--borrowing-limit",
             help="Devices its preemptible profiles may borrow beyond the quota while no team owed them "
-            "waits (a gpu-borrow:<name> limit; 0: none, the default).",
+            "waits (a gpu-borrow:<name> limit; 0: none, a new quota's default; left out: unchanged).",
         ),
     ] = None,
     lending_limit: Annotated[
@@ -103,7 +104,7 @@ def quotas_set(
         typer.Option(
             "--lending-limit",
             help="The most of its unused quota other teams may borrow (a gpu-lend:<name> limit; "
-            "default: all of it; -1 removes the limit).",
+            "a new quota's default: all of it; left out: unchanged; -1 removes the limit).",
         ),
     ] = None,
 ) -> None:
@@ -145,7 +146,7 @@ def quotas_delete(name: Annotated[str, typer.Argument(help="The quota's name.")]
     load_settings()
     preflight("quotas delete")
     if not _quota_api(f"delete quota {name!r}", quotas.delete_limit, name):
-        fail(f"no quota {name!r} ({quotas.limit_name(name)})", code=1)
+        fail(f"no quota {name!r} ({quotas.limit_name(name)}): gpu-tasks quotas lists them")
     say(f"quota {name!r} deleted")
 
 
