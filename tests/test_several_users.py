@@ -507,6 +507,9 @@ def test_a_shared_directory_without_the_sticky_bit_is_refused(tmp_path):
     with pytest.raises(ClusterError, match="gpu-tasks leases setup") as failed:
         book.acquire("p", [(Device(address="0", index=0, name="EMU"),)], 1, block=False)
     assert "a directory this user can write" not in str(failed.value), "one fix, the right one"
+    # this environment's gpu-tasks by its full path: sudo's PATH has no virtual environment in it
+    # (the message said `sudo gpu-tasks ...`: "command not found" there; a new-user pass)
+    assert f"sudo {Path(sys.executable).with_name('gpu-tasks')} leases setup" in str(failed.value)
 
 
 def test_a_sticky_world_writable_directory_gets_explicit_modes(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gpu_tasks.devices import leases
 from gpu_tasks.devices.wait_reasons import (
     BOARD_BUSY,
     BOARD_QUEUED,
@@ -153,7 +154,12 @@ def test_device_held_by_another_flow_run_names_run_profile_and_pid():
 
 def test_a_lock_with_no_details_is_named_as_such():
     reason = why_waiting(WaitView(profile="mine", holders=(Holder("0"),)), NOW)
-    assert reason.text == "device 0 is held by a process that left no details (pid ?)", reason.text
+    assert reason.text == (
+        "device 0 is held by a process that left no holder record (fuser -v on the device's lock file "
+        "names it)"
+    ), reason.text
+    # and as gpu-tasks devices and a lease timeout name a holder (they said "pid ?")
+    assert leases.describe({}).startswith("a process that left no holder record")
 
 
 def test_own_devices_are_not_a_holder():

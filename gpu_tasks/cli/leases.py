@@ -51,8 +51,8 @@ def setup(
     directory = directory.absolute()  # what every user sets, whatever their working directory
     if os.geteuid() != 0:
         fail(
-            f"gpu-tasks leases setup must run as root (the lock files must belong to root): "
-            f"sudo gpu-tasks leases setup {str(directory)!r} --group {group}"
+            "gpu-tasks leases setup must run as root (the lock files must belong to root): "
+            f"{lease_files.setup_command(directory, group)}"
         )
     try:
         gid = grp.getgrnam(group).gr_gid

@@ -54,9 +54,19 @@ def _who(st: os.stat_result) -> str:
     return f"owner {user_name(st.st_uid)}, group {_group_name(st.st_gid)}, mode {mode:04o}"
 
 
+def setup_command(lease_dir: Path, group: str) -> str:
+    """The admin's command, with this environment's ``gpu-tasks`` by its full path where it is one:
+    sudo's own PATH (secure_path) has no virtual environment in it."""
+    import shlex
+    import sys
+
+    here = Path(sys.executable).with_name("gpu-tasks")
+    program = shlex.quote(str(here)) if here.is_file() else "gpu-tasks"
+    return f"sudo {program} leases setup {str(lease_dir)!r} --group {group}"
+
+
 def _setup_fix(lease_dir: Path, gid: int | None = None) -> str:
-    group = _group_name(gid) if gid is not None else "GROUP"
-    return f"sudo gpu-tasks leases setup {str(lease_dir)!r} --group {group}"
+    return setup_command(lease_dir, _group_name(gid) if gid is not None else "GROUP")
 
 
 def is_shared(lease_dir: Path) -> bool:

@@ -343,6 +343,11 @@ def describe(
     """``profile 'p' (priority 5, preemptible), flow run 'x' (id ...), pid 12`` (``None``: ``free``)."""
     if info is None:
         return "free"
+    if not info:  # locked, yet no holder record: it read "pid ?" (a new-user pass)
+        return (
+            "a process that left no holder record (a program other than gpu-tasks holds the device's "
+            "lock file, or a run is just taking it; fuser -v on the lock file names it)"
+        )
     parts = []
     if info.get("profile"):
         notes = [f"priority {info['priority']}"] if priority and info.get("priority") is not None else []

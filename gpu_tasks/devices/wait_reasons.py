@@ -45,6 +45,8 @@ class Holder:
         """``profile 'p' of this flow run`` or ``profile 'p' of flow run 'x' (pid 12)``."""
         pid = self.pid if self.pid is not None else "?"
         if not self.profile and not self.flow_run_name and not self.local:  # a lock with no details
+            if self.pid is None:  # it read "(pid ?)": a new-user pass
+                return "a process that left no holder record (fuser -v on the device's lock file names it)"
             return f"a process that left no details (pid {pid})"
         name = f"profile {self.profile!r}" if self.profile else "a holder"
         if self.local:
