@@ -393,3 +393,12 @@ def test_inventory_describe():
     assert inv.describe() == "1 emulated device(s) from emulated: 0: H100 (emulated) (80.00 GiB)"
     assert Device(address="7", index=7, name="X").describe() == "7: X (memory unknown)"
     assert json.loads(inv.model_dump_json())["devices"][0]["emulated"] is True
+
+
+@pytest.mark.parametrize("spec", ["h100:80", "H100:80GiB,L4:24"])
+def test_an_emulated_memory_without_its_unit_is_refused_with_the_unit_written(spec):
+    """A plain number counts bytes: ``h100:80`` gave an 80-byte device, silently (a new-user pass)."""
+    with pytest.raises(
+        DeviceDiscoveryError, match=r"bytes of memory: write its unit \('(h100:80|L4:24)GiB'\)"
+    ):
+        parse_emulated(spec)

@@ -206,6 +206,11 @@ def _parse_devices(spec: str) -> tuple[Device, ...]:
             memory = _size(mem, f"item {i + 1}") if mem else DEFAULT_EMULATED_MEMORY
             if memory <= 0:
                 raise DeviceDiscoveryError(f"{hint}; item {i + 1} has a memory size of zero")
+            if mem and mem.strip().isdigit() and memory < 2**20:  # "H100:80": 80 bytes (a new-user pass)
+                raise DeviceDiscoveryError(
+                    f"{hint}; item {i + 1} ({item.strip()!r}) gives {memory} bytes of memory: write its unit "
+                    f"('{name}:{mem.strip()}GiB')"
+                )
             found.append((name, memory, _declared_use(i + 1, item, uses, memory)))
         if len(found) > 64:
             raise DeviceDiscoveryError(f"{hint}; at most 64 devices, got {len(found)}")
