@@ -420,6 +420,33 @@ def describe(pair: tuple[int, tuple[str, ...]], marker: str) -> str:
     return f"{marker}:{pair[0]}@{','.join(pair[1])}"
 
 
+@task
+def etl_fails() -> list[int]:
+    raise ValueError("the ETL failed")
+
+
+def test_a_gpu_task_whose_upstream_failed_leases_no_device():
+    """As Prefect's engine does, a task whose upstream task failed ends NotReady without running; its
+    profile's cluster was started for it all the same (a device leased, a worker started, for nothing).
+    Now it ends NotReady in the flow process; ``allow_failure`` still runs it on its profile."""
+    from prefect import allow_failure
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        failed = etl_fails.submit()
+        as_arg, waited = total_on_gpu.submit(failed), total_on_gpu.submit([1], wait_for=[failed])
+        for fut in (as_arg, waited):
+            fut.wait()
+        states, gpu = [as_arg.state.name, waited.state.name], _status()["gpu"]["state"]
+        ran = total_on_gpu.submit([2], wait_for=[allow_failure(failed)]).result()
+        return states, gpu, ran
+
+    states, gpu, ran = f()
+    assert states == ["NotReady", "NotReady"], states
+    assert gpu == "absent", "a cluster was started for tasks that could not run"
+    assert ran == (2, ("0",)), "allow_failure: it ran on its profile"
+
+
 def test_futures_cross_profiles_as_arguments_and_wait_for(tmp_path: Path):
     flag = tmp_path / "first.txt"
 

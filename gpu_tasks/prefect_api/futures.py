@@ -53,6 +53,31 @@ def pending_futures(expr: Any) -> list[PrefectFuture[Any]]:
     return [f for f in found if not _is_done(f)]
 
 
+def upstream_failed(*exprs: Any) -> bool:
+    """Whether a done Prefect future in ``exprs`` ended other than Completed where Prefect's engine
+    would refuse to run the task for it (``allow_failure`` lets a Failed one through): the engine then
+    marks the task run NotReady without calling its function."""
+    from prefect import allow_failure
+
+    plain: list[PrefectFuture[Any]] = []
+    if all(_plain_futures(expr, plain) for expr in exprs):  # no annotation (allow_failure) in them
+        return any(_is_done(f) and not f.state.is_completed() for f in plain)
+    failed: list[PrefectFuture[Any]] = []
+
+    def visit(x: Any, context: dict[str, Any]) -> Any:
+        if isinstance(x, PrefectFuture) and _is_done(x):
+            state = x.state
+            if not state.is_completed() and not (
+                isinstance(context.get("annotation"), allow_failure) and state.is_failed()
+            ):
+                failed.append(x)
+        return x
+
+    for expr in exprs:
+        visit_collection(expr, visit_fn=visit, return_data=False, context={})
+    return bool(failed)
+
+
 def _is_done(f: PrefectFuture[Any]) -> bool:
     wrapped = getattr(f, "wrapped_future", None)
     if isinstance(wrapped, concurrent.futures.Future):

@@ -23,7 +23,7 @@ from gpu_tasks.compat.prefect import (
 from gpu_tasks.devices import lending
 from gpu_tasks.errors import GpuTasksError
 from gpu_tasks.prefect_api import quotas
-from gpu_tasks.prefect_api.futures import futures_to_states
+from gpu_tasks.prefect_api.futures import futures_to_states, upstream_failed
 from gpu_tasks.prefect_api.states import await_retry, read_task_run
 from gpu_tasks.prefect_api.tag_answers import read_without_limits
 from gpu_tasks.prefect_api.tag_slots import Hold, slot_names
@@ -145,15 +145,29 @@ class Admission:
         self._reading: dict[frozenset[str], list[tuple[Job, Callable[[], Any]]]] = {}  # and their waiters
 
     def admit(self, job: Job) -> None:
-        """Dispatch ``job`` once nothing but devices stands in its way (CPU tasks: at once)."""
+        """Dispatch ``job`` once nothing but devices stands in its way (CPU tasks: at once); its
+        upstream futures are done. One that failed ends it NotReady in the flow process, as Prefect's
+        engine does, with no device leased (a cluster was started for that)."""
         then = job.dispatch
         if not job.profile.is_gpu:
             then()
             return
+        if upstream_failed(job.parameters, list(job.wait_for or ())):
+            self._off_thread(job, then, self._run_here, job, None, then)
+            return
         if may_be_cached(job.task):  # resolving inputs and reading storage: off the caller's thread
-            self.live.executor.submit(self._settled, job, self._look_up_cache, job, then)
+            self._off_thread(job, then, self._look_up_cache, job, then)
             return
         self._take_slots(job, then)
+
+    def _off_thread(self, job: Job, then: Callable[[], Any], step: Callable[..., Any], *args: Any) -> None:
+        """``step(*args)`` on an executor thread; once the runner's close shut it down (a flow that
+        returned without waiting: 'cannot schedule new futures'), ``then()``, whose controller ends
+        the job as it ends every task still unplaced then."""
+        try:
+            self.live.executor.submit(self._settled, job, step, *args)
+        except RuntimeError:
+            then()
 
     def _settled(self, job: Job, step: Callable[..., Any], *args: Any) -> None:
         """``step(*args)`` on an executor thread; an error fails the task run, never loses it."""
@@ -168,7 +182,7 @@ class Admission:
             self._take_slots(job, then)
             return
         run_cached = functools.partial(
-            self.live.executor.submit, self._settled, job, self._run_cached, job, key, then
+            self.live.executor.submit, self._settled, job, self._run_here, job, key, then
         )
         self._take_slots(job, run_cached)
 
@@ -274,9 +288,11 @@ class Admission:
         error.__cause__ = exc
         self._results.fail(job, error)
 
-    def _run_cached(self, job: Job, key: str, then: Callable[[], Any]) -> None:
-        """Run ``job`` in the flow process, where Prefect's engine returns its cached result (no device);
-        if the record is gone by then, ``then()`` runs it on a worker as a retry of the same run."""
+    def _run_here(self, job: Job, key: str | None, then: Callable[[], Any]) -> None:
+        """Run ``job`` in the flow process, where Prefect's engine returns its cached result (cache
+        ``key``), or with ``key`` ``None`` marks it NotReady for a failed upstream (no device); if the
+        engine would call its function after all, ``then()`` runs it on a worker as a retry of the
+        same run."""
         prof = job.profile
         only = CacheOnly(job.task)
         kwargs = job.engine_kwargs()
@@ -295,12 +311,26 @@ class Admission:
             job.say(
                 logging.WARNING,
                 "Task %r: its cached result (Prefect cache key %s) was gone when the run started; running "
+                "it on profile %r"
+                if key is not None
+                else "Task %r: Prefect's engine found its upstream tasks fit to run it after all%s; running "
                 "it on profile %r",
                 job.task.name,
-                key,
+                key or "",
                 prof.name,
             )
             then()
+            return
+        if key is None:
+            job.say(
+                logging.INFO,
+                "Task %r: an upstream task did not complete; Prefect's engine ended it %s in the flow "
+                "process, no device leased on profile %r",
+                job.task.name,
+                state.name,
+                prof.name,
+            )
+            self._results.finish(job, result=state)
             return
         job.st.post(Counted(cache_hits=1))
         job.say(
