@@ -420,6 +420,20 @@ def describe(pair: tuple[int, tuple[str, ...]], marker: str) -> str:
     return f"{marker}:{pair[0]}@{','.join(pair[1])}"
 
 
+def test_the_runner_a_flow_was_built_with_reports_its_latest_flow_run():
+    """Prefect runs each flow run with a copy of the runner: the object the user built said every
+    profile was ``absent`` and had no ledger, during the run and after it (a new-user pass)."""
+    built = runner(GPU)
+
+    @flow(task_runner=built)
+    def f():
+        total_on_gpu.submit([1]).result()
+        return built.status()["gpu"]["state"]
+
+    assert f() == "running"
+    assert [row.profile for row in built.ledger if row.profile == "gpu"], built.ledger
+
+
 @task
 def etl_fails() -> list[int]:
     raise ValueError("the ETL failed")

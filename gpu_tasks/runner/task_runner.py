@@ -176,7 +176,15 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
         # 3.9.1). The copy checks them at the run's first task (_ensure_live), which fails the run.
         runner = type(self).__new__(type(self))
         runner.__setstate__(self._args())
+        # the object the flow was built with reports its latest flow run: it said "absent" and had no
+        # ledger, as Prefect runs a copy (a new-user pass)
+        self._latest = runner
         return runner
+
+    def _view(self) -> ProfileTaskRunner:
+        """This runner, or, for one no flow run runs itself, the copy its latest flow run ran with."""
+        latest: ProfileTaskRunner | None = self.__dict__.get("_latest")
+        return latest._view() if self._live is None and latest is not None else self
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ProfileTaskRunner) and self._args() == other._args()
@@ -350,6 +358,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
 
     def status(self) -> dict[str, dict[str, Any]]:
         """Each profile's state (``absent``, ``running``, ``closed``), workers and devices."""
+        if (view := self._view()) is not self:
+            return view.status()
         live = self._live
         if live is None:
             profiles, _ = self.resolve_profiles()
@@ -368,6 +378,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     def warm_workers(self) -> list[dict[str, Any]]:
         """The warm pool's idle worker processes, each ``{"pid": ..., "ready": ...}`` (none holds a
         device); empty when there is no pool."""
+        if (view := self._view()) is not self:
+            return view.warm_workers()
         live = self._live
         if live is None or live.pool is None:
             return []
@@ -376,6 +388,8 @@ class ProfileTaskRunner(TaskRunner[ProfileFuture]):
     @property
     def ledger(self) -> list[LedgerRow]:
         """Closed cluster lifetimes so far (the ledger of the last run after exit)."""
+        if (view := self._view()) is not self:
+            return view.ledger
         return list(self._live.ledger if self._live is not None else self._last_ledger)
 
 
