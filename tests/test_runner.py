@@ -461,6 +461,28 @@ def test_a_gpu_task_whose_upstream_failed_leases_no_device():
     assert ran == (2, ("0",)), "allow_failure: it ran on its profile"
 
 
+def test_gpu_tasks_downstream_of_a_completed_gpu_task_run_on_their_profile_once(caplog):
+    """The failed-upstream check read a done upstream future's state from the server, which had not
+    recorded its Completed yet: downstream tasks went to the flow process as NotReady, found their
+    function called after all, and ran again as a crash retry (a new-user pass, 2 of 10 task runs,
+    5 of 5 flow runs; with retries=1 they ended Failed). It reads the future's own final state."""
+    import logging
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        up = total_on_gpu.submit([1])
+        downs = [total_on_gpu.submit([i], wait_for=[up]) for i in range(5)]
+        downs += [describe.with_options(tags=[profile("gpu")]).submit(up, str(i)) for i in range(5)]
+        return [d.result() for d in downs]
+
+    with caplog.at_level(logging.INFO):
+        results = f()
+    assert [total for total, _ in results[:5]] == list(range(5))
+    assert [text.split("@")[0] for text in results[5:]] == [f"{i}:1" for i in range(5)]
+    detours = [r.getMessage() for r in caplog.records if "upstream task" in r.getMessage()]
+    assert not detours, detours
+
+
 def test_futures_cross_profiles_as_arguments_and_wait_for(tmp_path: Path):
     flag = tmp_path / "first.txt"
 

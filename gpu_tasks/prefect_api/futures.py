@@ -61,12 +61,12 @@ def upstream_failed(*exprs: Any) -> bool:
 
     plain: list[PrefectFuture[Any]] = []
     if all(_plain_futures(expr, plain) for expr in exprs):  # no annotation (allow_failure) in them
-        return any(_is_done(f) and not f.state.is_completed() for f in plain)
+        return any(_is_done(f) and not _final_state(f).is_completed() for f in plain)
     failed: list[PrefectFuture[Any]] = []
 
     def visit(x: Any, context: dict[str, Any]) -> Any:
         if isinstance(x, PrefectFuture) and _is_done(x):
-            state = x.state
+            state = _final_state(x)
             if not state.is_completed() and not (
                 isinstance(context.get("annotation"), allow_failure) and state.is_failed()
             ):
@@ -76,6 +76,14 @@ def upstream_failed(*exprs: Any) -> bool:
     for expr in exprs:
         visit_collection(expr, visit_fn=visit, return_data=False, context={})
     return bool(failed)
+
+
+def _final_state(f: PrefectFuture[Any]) -> Any:
+    """A done future's final state, as its future holds it: ``state`` alone reads the task run from
+    the server, which may not know the final state yet (a Completed upstream read Running there, and
+    its downstream tasks ran NotReady in the flow process: a new-user pass, 2 of 10 task runs)."""
+    f.wait()
+    return f.state
 
 
 def _is_done(f: PrefectFuture[Any]) -> bool:
