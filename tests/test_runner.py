@@ -434,6 +434,36 @@ def test_the_runner_a_flow_was_built_with_reports_its_latest_flow_run():
     assert [row.profile for row in built.ledger if row.profile == "gpu"], built.ledger
 
 
+@task(tags=[profile("gpu")])
+def started_then_sleeps(marker: str, seconds: float) -> str:
+    Path(marker).write_text("started")
+    time.sleep(seconds)
+    return "done"
+
+
+def test_a_task_that_finishes_during_the_close_keeps_its_completed_record(tmp_path: Path, caplog):
+    """The flow raised while a GPU task ran; the task finished on its worker as the runner closed, its
+    worker reported Completed, and the close, which had not got the result, reported it Crashed over
+    that record (a new-user pass, 3 of 3). The worker notes that it reported a final state."""
+    import logging
+
+    marker = tmp_path / "started"
+    ids: list[uuid.UUID] = []
+
+    @flow(task_runner=runner(GPU))
+    def f():
+        total_on_gpu.submit([1]).result()  # the worker is up
+        ids.append(started_then_sleeps.submit(str(marker), 1.0).task_run_id)
+        _until(marker.exists, "the task's start", 60)
+        raise RuntimeError("the flow fails while its GPU task runs")
+
+    with caplog.at_level(logging.WARNING), pytest.raises(RuntimeError, match="the flow fails"):
+        f()
+    crashed = [r.getMessage() for r in caplog.records if "while this task ran" in r.getMessage()]
+    run = server_task_run(ids[0], lambda r: r["state"]["type"] in ("COMPLETED", "CRASHED"))
+    assert not crashed and run["state"]["type"] == "COMPLETED", (crashed, run["state"])
+
+
 @task
 def etl_fails() -> list[int]:
     raise ValueError("the ETL failed")

@@ -392,7 +392,8 @@ class Live:
         """Tasks still running as their clusters close count as busy (:meth:`count_interrupted`)."""
         for job in jobs:
             if not job.cf.done() and job.profile.uses_processes:  # in-process ones are drained
-                self.count_interrupted(job)
+                if job.st.cluster.shared or not self.started.ended(job.key):
+                    self.count_interrupted(job)
 
     def count_interrupted(self, job: Job) -> None:
         """``job``, cut short now (its worker died, or its cluster closes under it), counts as busy from
@@ -436,7 +437,12 @@ class Live:
         from gpu_tasks.prefect_api.states import crash_task_run
 
         unfinished = [
-            j for j in jobs if not (j.cf.done() and not j.cf.cancelled() and j.cf.exception() is None)
+            j
+            for j in jobs
+            if not (j.cf.done() and not j.cf.cancelled() and j.cf.exception() is None)
+            # its worker reported its final state before the close, which the result did not
+            # outrun: a Crashed after that overwrote a Completed task run (a new-user pass, 3 of 3)
+            and not (j.profile.uses_processes and not j.st.cluster.shared and self.started.ended(j.key))
         ]
         down = (self.api_down or api_unreachable()) if unfinished else None
         cancelled = self._cancelled  # a cancel (asked of the server as the runner stopped)

@@ -57,7 +57,7 @@ from gpu_tasks.worker import memory_caps
 from gpu_tasks.worker.blobs import opened
 from gpu_tasks.worker.interrupts import INTERRUPTIBLE, INTERRUPTIBLE_LOCK, ORPHANED, watch_released
 from gpu_tasks.worker.slots import SlotPool
-from gpu_tasks.worker.started import mark_started
+from gpu_tasks.worker.started import mark_ended, mark_started
 
 logger = logging.getLogger(__name__)
 
@@ -144,7 +144,10 @@ def run_on_worker(
                         mark_started(
                             started_log, dask_worker.get_current_task(), worker_key(alloc.device_keys)
                         )
-                    return run_engine(alloc, task, kwargs)
+                    out = run_engine(alloc, task, kwargs)
+                    if started_log and out[0].is_final():
+                        mark_ended(started_log, dask_worker.get_current_task())
+                    return out
                 return _interruptible(dask_worker, alloc, task, kwargs)
     finally:
         if mark is not None:

@@ -37,6 +37,15 @@ def mark_started(path: str, key: str, worker: str = "cpu") -> None:
         logger.warning("gpu-tasks: could not note that %s began in %s", key, path, exc_info=True)
 
 
+def mark_ended(path: str, key: str) -> None:
+    """In a worker: note that hand-off ``key`` ended in a final state its engine reported (the close
+    then leaves that record alone if the result does not reach the flow process in time)."""
+    mark_started(path, key, ENDED)
+
+
+ENDED = "ended"  # the worker field of a hand-off's second line
+
+
 def _remove(path: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(path)
@@ -58,6 +67,7 @@ class StartedLog:
     def __init__(self) -> None:
         self._path: str | None = None
         self._seen: dict[str, tuple[float, str]] = {}  # token: (began at, worker key)
+        self._ended: set[str] = set()  # tokens whose engine reported a final state
         self._offset = 0
         self._lock = threading.Lock()
 
@@ -84,6 +94,13 @@ class StartedLog:
         with self._lock:
             return self._seen.get(hand_off_token(key))
 
+    def ended(self, key: str) -> bool:
+        """Whether hand-off ``key``'s worker reported its final state to Prefect (noted after it)."""
+        if not self._read():
+            return False
+        with self._lock:
+            return hand_off_token(key) in self._ended
+
     def _read(self) -> bool:
         """Read what was added to the file since the last read (no lock held while reading); ``False``
         when there is no file or it cannot be read."""
@@ -98,12 +115,16 @@ class StartedLog:
         except OSError:
             return False
         end = data.rfind(b"\n") + 1
-        noted = {}  # each line is one O_APPEND write of mark_started: "token time worker"
+        noted, ended = {}, set()  # each line is one O_APPEND write of mark_started: "token time worker"
         for line in data[:end].decode().splitlines():
             token, at, worker = line.split(" ", 2)
-            noted[token] = (float(at), worker)
+            if worker == ENDED:
+                ended.add(token)
+            else:
+                noted[token] = (float(at), worker)
         with self._lock:  # two readers at once read the same lines: the same entries
             self._seen.update(noted)
+            self._ended |= ended
             self._offset = max(self._offset, offset + end)
         return True
 
