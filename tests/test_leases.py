@@ -464,6 +464,8 @@ def test_a_task_its_flow_run_ends_before_keeps_the_tags_of_its_submit(tmp_path, 
     run = server_task_run(task_run_id, lambda r: r.get("state_type") == "CANCELLED")
     assert run.get("state_type") == "CANCELLED", run  # it never ran: no result
     assert {"team-x", "profile:gpu"} <= set(run["tags"]), run["tags"]
+    # ended as Prefect's engine ends a run: the UI showed no end time for runs gpu-tasks ended
+    assert run.get("end_time") is not None, run  # (a new-user pass, 7 of 7)
 
 
 @pytest.mark.usefixtures("no_leaked_processes")

@@ -183,6 +183,8 @@ def report_state(
         previous = run.state
         run.state = state
         run.state_type, run.state_name = state.type, state.name
+        if state.is_final():  # as the engine ends a run: without it the UI showed no end or duration
+            run.end_time = state.timestamp
         _emit(run, previous, state, flow_run_id)
     except Exception:
         logger.warning("could not report task run %s as %s", task_run_id, state.name, exc_info=True)
