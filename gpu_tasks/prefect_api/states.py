@@ -210,8 +210,11 @@ def retry_after_crash(
     delay = (
         None if task_run is None else crash_retry(retries, task.retry_delay_seconds, runs, free_runs, crashes)
     )
+    left = f"; no retries left ({retries} allowed)" if retries else ""
+    if delay is not None and not _condition_allows(task, task_run, message, log):
+        # it was retried whatever the task's retry_condition_fn said (a new-user pass, 2 of 2)
+        delay, left = None, "; its retry_condition_fn declined a retry"
     if delay is None:
-        left = f"; no retries left ({retries} allowed)" if retries else ""
         log.error("Task run %s crashed: %s%s", getattr(task_run, "name", None) or task.name, message, left)
         return None
     await_retry(task_run, flow_run_id, delay)
@@ -224,6 +227,21 @@ def retry_after_crash(
         delay,
     )
     return delay
+
+
+def _condition_allows(task: Any, task_run: Any, message: str, log: Any) -> bool:
+    """What the task's ``retry_condition_fn`` says of a retry after this crash (as Prefect asks it
+    after a failure: task, task run, state); an error in it declines, named in the log."""
+    from prefect.states import Crashed
+
+    condition = getattr(task, "retry_condition_fn", None)
+    if condition is None:
+        return True
+    try:
+        return bool(condition(task, task_run, Crashed(message=message)))
+    except Exception as exc:
+        log.warning("Task %r: its retry_condition_fn raised %r; not retrying", task.name, exc)
+        return False
 
 
 def rerun_task(task: Any, task_run: Any, free_runs: int, crashes: int) -> Any:

@@ -66,6 +66,32 @@ def test_transient_worker_death_is_a_crash_that_prefect_retries_on_a_new_worker(
     assert not any(leases.holders(Path(os.environ["GPU_TASKS_LEASE_DIR"]), ["0", "1"]).values())
 
 
+def test_a_crash_is_retried_only_where_the_tasks_retry_condition_allows(tmp_path: Path):
+    """Its retry_condition_fn is asked of a crash retry as Prefect asks it of a failure's: a task whose
+    condition said no was retried all the same (a new-user pass, 2 of 2)."""
+    asked = tmp_path / "asked"
+
+    def never(task, task_run, state) -> bool:
+        with asked.open("a") as f:
+            f.write(f"{state.type.value}\n")
+        return False
+
+    runner = ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, max_workers=1, idle_timeout=30)])
+    declines = dies_once.with_options(retries=2, retry_condition_fn=never)
+
+    @flow(task_runner=runner)
+    def one_death(marker: str):
+        future = declines.submit(marker)
+        future.wait()
+        return future.task_run_id, future.state
+
+    task_run_id, state = one_death(str(tmp_path / "died"))
+    assert state.type == StateType.CRASHED, state
+    assert asked.read_text().split() == ["CRASHED"]
+    run = server_task_run(task_run_id, lambda r: r["state_type"] == "CRASHED")
+    assert run["run_count"] == 1, run
+
+
 def test_persistent_worker_death_ends_crashed_with_profile_device_worker_and_exit_status():
     runner = ProfileTaskRunner(profiles=[ResourceProfile(name="gpu", gpus=1, idle_timeout=30)])
 
