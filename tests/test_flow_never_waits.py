@@ -126,6 +126,17 @@ def test_a_cpu_task_runs_while_the_flows_gpu_tasks_wait_for_a_device(tmp_path, l
         # and the server has its task run, Pending, saying why (before, none until it started)
         _until(lambda: _state_of(first.task_run_id) is not None, "the waiting task run on the server")
         seen["while waiting"] = _state_of(first.task_run_id)
+        # a waiter of higher priority (another flow run's) arrives: the record says so (it kept naming
+        # the first reason: a new-user pass)
+        urgent = leases.enqueue(
+            ["0"], dict(leases.owner_info("urgent"), flow_run_name="urgent-run"), priority=5
+        )
+        try:
+            _until(
+                lambda: "urgent" in ((_state_of(first.task_run_id) or ("", ""))[1]), "the record's new reason"
+            )
+        finally:
+            leases.dequeue(urgent)
         seen["run"] = FlowRunContext.get().flow_run.id
         more = [on_gpu.submit(i) for i in (1, 2)]
         cpu = on_cpu.submit(41)

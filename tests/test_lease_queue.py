@@ -375,3 +375,26 @@ def test_a_book_whose_runner_stops_grants_no_device_even_a_free_one(lease_dir):
         book.acquire("late", [DEV0], 1, block=True)
     assert book.acquire("late", [DEV0], 1, block=False) == []
     assert book.holders.get("0") is None and leases.holders(lease_dir, ["0"]) == {"0": None}
+
+
+def test_the_wait_line_names_only_the_devices_its_own_profiles_hold(lease_dir, caplog):
+    """'train' wants (0, 1): another book (another flow run) leases 0 and its own 'etl' holds 1. The
+    line on its own profiles named both devices as held by 'etl' (a new-user pass); it names 1."""
+    dev1 = (Device(address="1", index=1, name="EMU"),)
+    other = DeviceBook(lease_dir=lease_dir, lease_timeout=5)
+    stop = threading.Event()  # its own profile's hold has no timeout: the runner's stop ends the wait
+    book = DeviceBook(lease_dir=lease_dir, lease_timeout=60, log_every=30, stop=stop)
+    caplog.set_level(logging.INFO, logger="gpu_tasks.devices.book")
+    timer = threading.Timer(1.5, stop.set)
+    try:
+        assert other.acquire("elsewhere", [DEV0], 1, block=False) == [0]
+        assert book.acquire("etl", [dev1], 1, block=False) == [0]
+        timer.start()
+        with pytest.raises(ClusterError, match="the runner stopped"):
+            book.acquire("train", [DEV0 + dev1], 1, block=True)
+    finally:
+        timer.cancel()
+        book.release("etl", ["1"])
+        other.release("elsewhere", ["0"])
+    said = [r.getMessage() for r in caplog.records if "of this flow run" in r.getMessage()]
+    assert said and all("waiting for devices 1, held by profile(s) 'etl'" in line for line in said), said

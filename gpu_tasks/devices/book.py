@@ -658,11 +658,14 @@ class _WaitLog:
         if not self._due("wait", now):
             return
         if held_by:
+            # the devices those profiles hold, not all it wants: one another flow run leased was named
+            # as held here (a new-user pass); a snapshot for a log line
+            ours = [a for a in self.wanted if dict(self.book.holders).get(a) in held_by] or self.wanted
             logger.info(
                 "profile %r: waiting for devices %s, held by profile(s) %s of this flow run; an idle one "
                 "gives them back at once, a busy one once its tasks there end",
                 self.owner,
-                ",".join(self.wanted),
+                ",".join(ours),
                 ", ".join(repr(h) for h in sorted(held_by)),
             )
         # read now: a device given back since (a preempted holder's, say) is no longer named as leased

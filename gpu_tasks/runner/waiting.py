@@ -60,22 +60,25 @@ class WaitReporter:
     def _tell(self, job: Job, told: _Told, reason: WaitReason, waited: float) -> None:
         if told.log is None:
             told.log = task_run_log(job.task_run_id, self.live.flow_run_id, job.task.name, self.live.run.name)
-            if job.task_run is None:  # not started yet: the server has no such task run
-                with contextlib.suppress(Exception):  # a record is a courtesy: the wait goes on
-                    self.live.in_run_context(
-                        pending_task_run,
-                        job.task_run_id,
-                        job.task,
-                        self.live.flow_run_id,
-                        job.tags,
-                        f"Waiting for devices: {reason.text}",
-                    )
+        key = told.throttle.last_kind_text
+        changed = key != told.last_event
+        if changed and job.task_run is None:  # not started yet: the server has no such task run
+            # its Pending record says why it waits now: set once, it named a holder that had let go
+            # since (a new-user pass)
+            with contextlib.suppress(Exception):  # a record is a courtesy: the wait goes on
+                self.live.in_run_context(
+                    pending_task_run,
+                    job.task_run_id,
+                    job.task,
+                    self.live.flow_run_id,
+                    job.tags,
+                    f"Waiting for devices: {reason.text}",
+                )
         try:
             told.log.info("Waiting for devices (%.0fs so far): %s", waited, reason.text)
         except Exception:  # a log line is a courtesy: the wait goes on
             logger.debug("could not log why task %s waits", job.task_run_id, exc_info=True)
-        key = told.throttle.last_kind_text
-        if key != told.last_event:
+        if changed:
             told.last_event = key
             self.live.emit_task(
                 "waiting",
