@@ -10,7 +10,9 @@ import grp
 import json
 import os
 import pwd
+import shlex
 import stat
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -57,9 +59,6 @@ def _who(st: os.stat_result) -> str:
 def setup_command(lease_dir: Path, group: str) -> str:
     """The admin's command, with this environment's ``gpu-tasks`` by its full path where it is one:
     sudo's own PATH (secure_path) has no virtual environment in it."""
-    import shlex
-    import sys
-
     here = Path(sys.executable).with_name("gpu-tasks")
     program = shlex.quote(str(here)) if here.is_file() else "gpu-tasks"
     return f"sudo {program} leases setup {str(lease_dir)!r} --group {group}"

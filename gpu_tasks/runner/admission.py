@@ -308,17 +308,12 @@ class Admission:
             )
             await_retry(task_run, self.live.flow_run_id)
             job.task_run = task_run
-            job.say(
-                logging.WARNING,
-                "Task %r: its cached result (Prefect cache key %s) was gone when the run started; running "
-                "it on profile %r"
+            why = (
+                f"its cached result (Prefect cache key {key}) was gone when the run started"
                 if key is not None
-                else "Task %r: Prefect's engine found its upstream tasks fit to run it after all%s; running "
-                "it on profile %r",
-                job.task.name,
-                key or "",
-                prof.name,
+                else "Prefect's engine found its upstream tasks fit to run it after all"
             )
+            job.say(logging.WARNING, "Task %r: %s; running it on profile %r", job.task.name, why, prof.name)
             then()
             return
         if key is None:

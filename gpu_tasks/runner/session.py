@@ -391,9 +391,14 @@ class Live:
     def _count_running(self, jobs: list[Job]) -> None:
         """Tasks still running as their clusters close count as busy (:meth:`count_interrupted`)."""
         for job in jobs:
-            if not job.cf.done() and job.profile.uses_processes:  # in-process ones are drained
-                if job.st.cluster.shared or not self.started.ended(job.key):
-                    self.count_interrupted(job)
+            if not job.cf.done() and job.profile.uses_processes and not self._ended_on_worker(job):
+                self.count_interrupted(job)  # (in-process ones are drained)
+
+    def _ended_on_worker(self, job: Job) -> bool:
+        """Whether ``job``'s local worker reported its final state to Prefect, though its result did
+        not reach the flow process before the close (a Crashed after that overwrote a Completed task
+        run: a new-user pass, 3 of 3)."""
+        return job.profile.uses_processes and not job.st.cluster.shared and self.started.ended(job.key)
 
     def count_interrupted(self, job: Job) -> None:
         """``job``, cut short now (its worker died, or its cluster closes under it), counts as busy from
@@ -440,9 +445,7 @@ class Live:
             j
             for j in jobs
             if not (j.cf.done() and not j.cf.cancelled() and j.cf.exception() is None)
-            # its worker reported its final state before the close, which the result did not
-            # outrun: a Crashed after that overwrote a Completed task run (a new-user pass, 3 of 3)
-            and not (j.profile.uses_processes and not j.st.cluster.shared and self.started.ended(j.key))
+            and not self._ended_on_worker(j)
         ]
         down = (self.api_down or api_unreachable()) if unfinished else None
         cancelled = self._cancelled  # a cancel (asked of the server as the runner stopped)

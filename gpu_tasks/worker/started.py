@@ -37,13 +37,13 @@ def mark_started(path: str, key: str, worker: str = "cpu") -> None:
         logger.warning("gpu-tasks: could not note that %s began in %s", key, path, exc_info=True)
 
 
+ENDED = "ended"  # the worker field of a hand-off's second line
+
+
 def mark_ended(path: str, key: str) -> None:
     """In a worker: note that hand-off ``key`` ended in a final state its engine reported (the close
     then leaves that record alone if the result does not reach the flow process in time)."""
     mark_started(path, key, ENDED)
-
-
-ENDED = "ended"  # the worker field of a hand-off's second line
 
 
 def _remove(path: str) -> None:
